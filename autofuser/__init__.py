@@ -1,0 +1,54 @@
+"""AutoFuser: fuse chains of PyTorch ops into Triton kernels.
+
+Public API::
+
+    model = autofuser.fuse(model)          # compiles on the first forward
+    y = model(x)
+    print(model.report())                  # what was fused, what wasn't, and why
+
+Plugins implement the hooks in ``autofuser_core.hookspecs`` with the spec
+types exported here.
+"""
+
+from autofuser_core.errors import AutoFuserError, CacheError, CaptureError, PluginError, SpecError
+from autofuser_core.hookspecs import hookimpl
+from autofuser_core.ir import LoweringContext, Value
+from autofuser_core.plugins import load_plugins
+from autofuser_core.specs import LoweringSpec, QuantizerSpec, Sample, StrategySpec, Tolerance
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoFuserError",
+    "CacheError",
+    "CaptureError",
+    "LoweringContext",
+    "LoweringSpec",
+    "PluginError",
+    "QuantizerSpec",
+    "Sample",
+    "SpecError",
+    "StrategySpec",
+    "Tolerance",
+    "Value",
+    "capture",
+    "fuse",
+    "hookimpl",
+    "load_plugins",
+]
+
+
+def capture(model, *example_inputs, **example_kwargs):
+    """Trace ``model`` into one shape-annotated ``torch.fx.GraphModule``
+    (see ``autofuser_core.capture.capture``)."""
+    from autofuser_core.capture import capture as _capture
+
+    return _capture(model, *example_inputs, **example_kwargs)
+
+
+def fuse(model, plugins=None, **options):
+    """Return a module that behaves like ``model`` and runs fused Triton kernels
+    (see ``autofuser_core.fuse.fuse``)."""
+    from autofuser_core.fuse import fuse as _fuse
+
+    return _fuse(model, plugins=plugins, **options)

@@ -1,0 +1,123 @@
+"""The on-disk cache: generated kernel sources and tuning results.
+
+Layout under ``cache_dir()`` (``$AUTOFUSER_CACHE_DIR``, else
+``$XDG_CACHE_HOME/autofuser``, else ``~/.cache/autofuser``; created private to
+the user, mode 0700):
+
+- ``kernels/<name>.py`` - generated Triton source (Triton needs a real file).
+  The source is always regenerated from the graph; a file on disk is imported
+  only if its bytes hash to what was just generated, so a writable cache
+  folder cannot inject code.
+- ``tuning/<key-hash>.json`` - one tuning result: the full key (kernel
+  source hash, GPU name and capability, torch and Triton versions), the
+  winning config and its timings. A file that doesn't parse, or whose key
+  doesn't match the one asked for, is reported and re-tuned, never trusted.
+
+Every write goes to a temporary file in the same folder and is renamed over
+the target (atomic on POSIX), so concurrent processes never read half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+from .errors import CacheError
+
+logger = logging.getLogger("autofuser")
+
+ENTRY_VERSION = 1
+
+
+def cache_dir(override: Optional[str] = None) -> Path:
+    """The cache folder, created (mode 0700) if missing."""
+    root = override or os.environ.get("AUTOFUSER_CACHE_DIR")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "autofuser")
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def load_kernel_module(name: str, source: str, root: Path):
+    """Write ``source`` to ``kernels/<name>.py`` (unless an identical file is
+    there) and import it; returns the module."""
+    path = root / "kernels" / f"{name}.py"
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    try:
+        on_disk = path.read_bytes()
+        trusted = hashlib.sha256(on_disk).hexdigest() == digest
+    except OSError:
+        trusted = False
+    if not trusted:
+        atomic_write(path, source)
+    module_name = f"autofuser_kernels.{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[module_name] = module
+    return module
+
+
+def key_digest(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def read_tuning(root: Path, key: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The stored result for ``key``, or ``None`` (missing, or unusable: warned)."""
+    path = root / "tuning" / f"{key_digest(key)}.json"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        warnings.warn(f"AutoFuser: cannot read cache entry {path}: {err}; re-tuning.")
+        return None
+    try:
+        entry = json.loads(text)
+        if not isinstance(entry, dict) or entry.get("version") != ENTRY_VERSION:
+            raise CacheError("unknown format version")
+        if entry.get("key") != key:
+            raise CacheError("it was written for another kernel, GPU or software version")
+        config = entry.get("config")
+        if not isinstance(config, dict) or not all(isinstance(v, int) for v in config.values()):
+            raise CacheError("its config is not a mapping of integers")
+        return entry
+    except (ValueError, CacheError) as err:
+        warnings.warn(f"AutoFuser: ignoring corrupt or foreign cache entry {path} ({err}); re-tuning.")
+        return None
+
+
+def write_tuning(root: Path, key: dict[str, Any], config: dict[str, int], timings: list[dict[str, Any]]) -> None:
+    entry = {"version": ENTRY_VERSION, "key": key, "config": config, "timings": timings}
+    path = root / "tuning" / f"{key_digest(key)}.json"
+    try:
+        atomic_write(path, json.dumps(entry, indent=1, sort_keys=True))
+    except OSError as err:
+        warnings.warn(f"AutoFuser: cannot write cache entry {path} ({err}); keeping the result in memory only.")

@@ -1,0 +1,540 @@
+"""Capture a whole ``nn.Module`` as ONE ``torch.fx.GraphModule`` specialised on real shapes.
+
+Plain ``torch.fx.symbolic_trace`` fails on most real models, because their
+forward code asks tensors for their shape (``B, N, C = x.shape``) and branches
+on it.  Capture traces with *concrete* proxies instead:
+
+1. Bind the example inputs to the forward signature (keyword inputs become
+   positional placeholders) and check that the call is well formed.
+2. Trace the root with ``_ConcreteTracer``, a ``torch.fx.Tracer``.  Every node it
+   records is also *executed* on real values as it is recorded (placeholders
+   get clones of the inputs, get_attr reads the real attribute).  The proxies
+   (``ConcreteProxy``) answer metadata questions (``.shape``, ``.dim()``,
+   ``.dtype``, ``len()`` ...) with those real values, so shape-dependent Python
+   just runs.  Truth tests of proxies still raise (``to_bool``), so
+   value-dependent control flow is never silently baked into the graph; shape
+   questions about data-dependent shapes (``nonzero()``, ``x[mask]``) raise too.
+   Non-tensor inputs (None, flags) are specialised to their example values and
+   buffers are proxied, so in-place buffer updates become nodes.
+3. While tracing, tensor factories (``torch.zeros``, ``torch.randn`` ...) are
+   patched to record nodes (a ``randn`` in forward must draw fresh numbers per
+   call), einops gets a backend that lowers rearrange/reduce/repeat to plain
+   torch ops on proxies, and ``proxy[idx] = v`` / ``proxy += v`` record the
+   in-place operator so aliasing behaves exactly as in eager mode.
+4. If tracing raises, the innermost module whose forward was running is marked
+   opaque (a ``call_module`` leaf, run eagerly) and the trace is retried.  If
+   the culprit is the root itself, the result is one ``call_module`` of the
+   unchanged model and a ``UserWarning`` says so.
+5. Tracing and the final ``ShapeProp`` pass run with the RNG state and all
+   buffers saved and restored, so capture leaves the model and inputs as they
+   were; real values are dropped from ``node.meta`` to bound memory.
+
+Limits: ``isinstance(proxy, torch.Tensor)`` is False while tracing (as in fx);
+factories are patched on the ``torch`` module, process-wide for the duration
+of a trace, so ``from torch import zeros`` aliases are not recorded and capture
+is not thread-safe; non-tensor inputs get no runtime guard.
+
+Results: ``gm.meta["autofuser_opaque"]`` maps each opaque module path ("" for
+the root) to its reason, ``gm.meta["autofuser_input_names"]`` lists the
+placeholders in call order, and every tensor-valued node has
+``node.meta["tensor_meta"]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import io
+import logging
+import operator
+import sys
+import warnings
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx import _symbolic_trace as _fx_trace
+from torch.fx.node import map_arg
+from torch.fx.passes.shape_prop import ShapeProp
+from torch.fx.proxy import TraceError
+from torch.utils import _pytree as pytree
+
+from autofuser_core.errors import CaptureError
+
+try:  # einops is optional: without it there is simply nothing to lower.
+    from einops import _backends as _einops_backends
+except ImportError:  # pragma: no cover
+    _einops_backends = None
+
+log = logging.getLogger("autofuser")
+
+OPAQUE_KEY = "autofuser_opaque"
+OPAQUE_REASON_KEY = "autofuser_opaque_reason"
+INPUT_NAMES_KEY = "autofuser_input_names"
+ROOT_ATTR = "opaque_model"  # attribute holding the model when the root is opaque
+
+_REAL = "_autofuser_real_value"  # private node.meta keys, deleted after tracing
+_DYN = "_autofuser_data_dependent"
+
+# Factories are recorded (not baked as constants) so random draws stay fresh.
+_FACTORIES = (
+    "zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "arange",
+    "linspace", "logspace", "eye", "zeros_like", "ones_like", "empty_like", "full_like",
+    "rand_like", "randn_like", "randint_like",
+)
+# Ops whose output shape (or value, for item/tolist) depends on tensor data.
+_DATA_DEPENDENT = {"nonzero", "argwhere", "unique", "unique_consecutive", "masked_select",
+                   "bincount", "repeat_interleave", "item", "tolist", "histc"}
+# Arithmetic keeps its tensor operand's shape even when the other operand is a
+# data-dependent Python number (``x * s.item()``).
+_ARITHMETIC = {"add", "sub", "mul", "truediv", "div", "floordiv", "mod", "pow", "neg",
+               "eq", "ne", "lt", "le", "gt", "ge", "clamp", "clip", "masked_fill",
+               "iadd", "isub", "imul", "itruediv", "add_", "sub_", "mul_", "div_", "fill_"}
+_METADATA_TYPES = (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                   torch.memory_format, type(None))
+_METADATA_FUNCTIONS = {
+    torch.numel, torch.is_complex, torch.is_floating_point, torch.Tensor.size,
+    torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride, torch.Tensor.is_contiguous,
+    torch.Tensor.element_size, torch.Tensor.is_complex, torch.Tensor.is_floating_point,
+}
+
+
+def _target_name(target: Any) -> str:
+    return target if isinstance(target, str) else getattr(target, "__name__", "")
+
+
+def _reason(exc: BaseException) -> str:
+    """Exception type and the first line of its message."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _clone_tree(values: Any) -> Any:
+    """Fresh copies of every tensor, so neither tracing nor ShapeProp touches user inputs."""
+    def clone(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.detach().clone().requires_grad_(v.requires_grad)
+        return v
+    return pytree.tree_map(clone, values)
+
+
+class ConcreteProxy(torch.fx.Proxy):
+    """An fx Proxy that knows the real value of its node and answers metadata with it."""
+
+    def _real(self) -> Any:
+        return self.node.meta[_REAL]
+
+    def _is_data_dependent(self) -> bool:
+        return bool(self.node.meta.get(_DYN))
+
+    def _static(self, what: str) -> Any:
+        # Shapes of e.g. nonzero() outputs differ per input: refuse to specialise on them.
+        if self._is_data_dependent():
+            raise TraceError(f"{what} of {self} depends on tensor data")
+        return self._real()
+
+    # Metadata answers come from the real value.  Shape-like answers go through
+    # _static, which refuses them for data-dependent shapes.
+    shape = property(lambda self: self._static("shape").shape)
+    ndim = property(lambda self: self._real().ndim)
+    dtype = property(lambda self: self._real().dtype)
+    device = property(lambda self: self._real().device)
+    is_cuda = property(lambda self: self._real().is_cuda)
+    layout = property(lambda self: self._real().layout)
+    requires_grad = property(lambda self: self._real().requires_grad)
+
+    def __len__(self) -> int:
+        return len(self._static("len()"))
+
+    def __iter__(self) -> Any:
+        # Lengths are static (shapes are concrete), so iteration unrolls into getitems.
+        value = self._static("iteration")
+        if isinstance(value, (torch.Tensor, tuple, list)):
+            return (self[i] for i in range(len(value)))
+        if isinstance(value, dict):
+            return iter(list(value))
+        return self.tracer.iter(self)
+
+    def __getattr__(self, k: str) -> Any:
+        if k in ("node", "tracer", "root", "attr", "_node"):
+            raise AttributeError(k)  # half-initialised proxy: avoid recursion
+        value = self._real()
+        if not hasattr(value, k):  # keeps hasattr() honest
+            raise AttributeError(f"{type(value).__name__!s} object has no attribute {k!r}")
+        attr = getattr(value, k)
+        if isinstance(value, torch.Tensor) and isinstance(attr, _METADATA_TYPES):
+            if isinstance(attr, int) and not isinstance(attr, bool):
+                self._static(k)
+            return attr  # static metadata such as .is_sparse, .itemsize
+        return ConcreteAttribute(self, k)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
+
+    @classmethod
+    def __torch_function__(cls, orig_method, types, args=(), kwargs=None):  # type: ignore[override]
+        if orig_method in _METADATA_FUNCTIONS:
+            args = pytree.tree_map(lambda a: a._static(orig_method.__name__)
+                                   if isinstance(a, ConcreteProxy) else a, tuple(args))
+            return orig_method(*args, **(kwargs or {}))
+        return super().__torch_function__(orig_method, types, args, kwargs)
+
+
+def _define_metadata_method(name: str, shape_like: bool) -> None:
+    def method(self: ConcreteProxy, *args: Any, **kwargs: Any) -> Any:
+        value = self._static(f"{name}()") if shape_like else self._real()
+        return getattr(value, name)(*args, **kwargs)
+
+    method.__name__ = name
+    setattr(ConcreteProxy, name, method)
+
+
+for _name in ("size", "stride", "numel", "nelement", "is_contiguous"):
+    _define_metadata_method(_name, shape_like=True)
+for _name in ("dim", "ndimension", "is_complex", "is_floating_point", "element_size"):
+    _define_metadata_method(_name, shape_like=False)
+
+
+def _define_inplace(name: str) -> None:
+    op = getattr(operator, f"i{name}")
+
+    def inplace(self: ConcreteProxy, other: Any) -> ConcreteProxy:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    setattr(ConcreteProxy, f"__i{name}__", inplace)
+
+
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
+              "lshift", "rshift"):
+    _define_inplace(_name)
+
+
+class ConcreteAttribute(ConcreteProxy):
+    """``proxy.attr``: a method call if called, else a lazily recorded getattr node."""
+
+    def __init__(self, root: ConcreteProxy, attr: str) -> None:
+        self.root, self.attr, self.tracer, self._node = root, attr, root.tracer, None
+
+    @property
+    def node(self) -> torch.fx.Node:  # type: ignore[override]
+        if self._node is None:
+            self._node = self.tracer.create_proxy(
+                "call_function", getattr, (self.root, self.attr), {}).node
+        return self._node
+
+    def _real(self) -> Any:
+        return getattr(self.root._real(), self.attr)
+
+    def _is_data_dependent(self) -> bool:
+        return self.root._is_data_dependent()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> ConcreteProxy:
+        return self.tracer.create_proxy("call_method", self.attr, (self.root, *args), kwargs)
+
+
+class _ConcreteTracer(torch.fx.Tracer):
+    """Tracer that executes every recorded node on real values (see module docstring)."""
+
+    proxy_buffer_attributes = True  # buffer reads/updates become graph nodes, not constants
+
+    def __init__(self, inputs: dict[str, Any], opaque: dict[str, str]) -> None:
+        super().__init__()
+        self.inputs, self.opaque = inputs, opaque
+        self.leaf_paths: set[str] = set()
+        self.added_attrs: list[str] = []  # tensor constants fx stows on the root
+        self.executing = 0
+
+    def proxy(self, node: torch.fx.Node) -> ConcreteProxy:
+        return ConcreteProxy(node, self)
+
+    def is_leaf_module(self, m: torch.nn.Module, path: str) -> bool:
+        return path in self.opaque or super().is_leaf_module(m, path)
+
+    def get_fresh_qualname(self, prefix: str) -> str:
+        name = super().get_fresh_qualname(prefix)
+        self.added_attrs.append(name)
+        return name
+
+    def call_module(self, m, forward, args, kwargs):  # type: ignore[override]
+        path = self.path_of_module(m)
+        if self.is_leaf_module(m, path):
+            self.leaf_paths.add(path)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as exc:
+            # The first module the exception passes through is the innermost culprit.
+            if not hasattr(exc, "_autofuser_culprit"):
+                with contextlib.suppress(Exception):
+                    exc._autofuser_culprit = path  # type: ignore[attr-defined]
+            raise
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):  # type: ignore[override]
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+        # Non-tensor inputs (None, flags, sizes) are specialised to their example
+        # value, so `if mask is not None:` takes the branch eager mode takes.
+        def specialise(a: Any) -> Any:
+            if isinstance(a, ConcreteProxy):
+                leaves = pytree.tree_leaves(a._real())
+                if not any(isinstance(v, torch.Tensor) for v in leaves):
+                    return a._real()
+            return a
+        return fn, [specialise(a) for a in args]
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):  # type: ignore[override]
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind == "placeholder":
+            node.meta[_REAL] = _clone_tree(self.inputs[str(target).lstrip("*")])
+        elif kind != "output":
+            node.meta[_REAL] = value = self._execute(node)
+            if self._data_dependent(node, value):
+                node.meta[_DYN] = True
+        return node
+
+    @contextlib.contextmanager
+    def running_eagerly(self):
+        """Run real computations with fx's patches (Module.__call__/__getattr__) undone."""
+        flag = _fx_trace._is_fx_tracing_flag
+        self.executing += 1
+        try:
+            with _fx_trace._maybe_revert_all_patches():
+                _fx_trace._is_fx_tracing_flag = False  # some modules pick slower paths when tracing
+                yield
+        finally:
+            _fx_trace._is_fx_tracing_flag = flag
+            self.executing -= 1
+
+    def _execute(self, node: torch.fx.Node) -> Any:
+        args = map_arg(node.args, lambda n: n.meta[_REAL])
+        kwargs = map_arg(node.kwargs, lambda n: n.meta[_REAL])
+        with self.running_eagerly():
+            if node.op == "call_function":
+                return node.target(*args, **kwargs)
+            if node.op == "call_method":
+                return getattr(args[0], node.target)(*args[1:], **kwargs)
+            if node.op == "call_module":
+                return self.root.get_submodule(node.target)(*args, **kwargs)
+            value = self.root  # get_attr
+            for atom in str(node.target).split("."):
+                value = getattr(value, atom)
+            return value
+
+    @staticmethod
+    def _data_dependent(node: torch.fx.Node, value: Any) -> bool:
+        name = _target_name(node.target)
+        if name in _DATA_DEPENDENT or (name == "where" and len(node.args) == 1):
+            return True
+        if node.target is operator.getitem:  # boolean-mask indexing
+            index = map_arg(node.args[1], lambda n: n.meta[_REAL])
+            if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                   for i in pytree.tree_leaves(index)):
+                return True
+        dynamic = [n for n in node.all_input_nodes if n.meta.get(_DYN)]
+        if not dynamic:
+            return False
+        scalars_only = not any(isinstance(n.meta[_REAL], torch.Tensor) for n in dynamic)
+        return not (name in _ARITHMETIC and scalars_only and isinstance(value, torch.Tensor))
+
+
+class _ProxyEinopsBackend(_einops_backends.TorchBackend if _einops_backends else object):
+    """einops backend for proxies: torch's backend (reshape/permute/expand/sum ...) as is.
+
+    The framework name is not an importable module, so einops never picks this
+    class up by itself; it is registered for proxy types only while tracing.
+    """
+
+    framework_name = "autofuser.capture.ConcreteProxy"
+
+    def is_appropriate_type(self, tensor: Any) -> bool:
+        return isinstance(tensor, ConcreteProxy)
+
+    def shape(self, x: ConcreteProxy) -> tuple[int, ...]:
+        return tuple(x.shape)
+
+
+@contextlib.contextmanager
+def _tracing_patches(tracer: _ConcreteTracer):
+    """Record tensor factories and route einops on proxies through torch ops."""
+    originals = {n: getattr(torch, n) for n in _FACTORIES if hasattr(torch, n)}
+
+    def recorder(orig):
+        @functools.wraps(orig)
+        def factory(*args, **kwargs):
+            if tracer.executing:  # a real computation (e.g. an opaque module) is running
+                return orig(*args, **kwargs)
+            return tracer.create_proxy("call_function", orig, args, kwargs)
+        return factory
+
+    registry = _einops_backends._type2backend if _einops_backends else {}
+    proxy_types = (ConcreteProxy, ConcreteAttribute) if _einops_backends else ()
+    try:
+        for n, f in originals.items():
+            setattr(torch, n, recorder(f))
+        for t in proxy_types:
+            registry[t] = _ProxyEinopsBackend()
+        yield
+    finally:
+        for n, f in originals.items():
+            setattr(torch, n, f)
+        for t in proxy_types:
+            registry.pop(t, None)
+
+
+@contextlib.contextmanager
+def _preserved_state(model: torch.nn.Module):
+    """Restore RNG states and every buffer (object and contents) on exit."""
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = (torch.cuda.get_rng_state_all()
+                if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+    saved = [(mod, name, buf, buf.detach().clone())
+             for mod in model.modules() for name, buf in mod._buffers.items() if buf is not None]
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        with torch.no_grad():
+            for mod, name, buf, copy in saved:
+                mod._buffers[name] = buf  # undo re-assignments such as `self.buf = new`
+                buf.copy_(copy)
+
+
+def _bind_inputs(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """Map every forward parameter to its example value; also the flat call order.
+
+    fx orders placeholders as: positional parameters, keyword-only ones, *varargs.
+    """
+    sig = inspect.signature(model.forward)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        params = [p for p in sig.parameters.values()
+                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        required = sum(p.default is p.empty for p in params)
+        count = f"{required}" if required == len(params) else f"{required} to {len(params)}"
+        names = ", ".join(p.name for p in params)
+        raise CaptureError(
+            f"{type(model).__name__}.forward takes {count} input(s) ({names}) but "
+            f"{len(args) + len(kwargs)} were given ({exc}); pass one example input per "
+            "forward argument.") from None
+    bound.apply_defaults()
+    params = list(sig.parameters.values())
+    for p in params:
+        if p.kind is p.VAR_KEYWORD and bound.arguments[p.name]:
+            raise CaptureError(f"{type(model).__name__}.forward takes **{p.name}; capture "
+                               "cannot pass extra keyword inputs, name them in the signature.")
+    flat = [bound.arguments[p.name] for p in sorted(params, key=lambda p: p.kind is p.KEYWORD_ONLY)
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]  # sort is stable
+    for p in params:
+        if p.kind is p.VAR_POSITIONAL:
+            flat += list(bound.arguments[p.name])
+    return sig, dict(bound.arguments), flat
+
+
+def _opaque_root(model: torch.nn.Module, sig: inspect.Signature, arguments: dict) -> torch.fx.GraphModule:
+    """placeholders -> call_module(the whole model) -> output, in fx's placeholder order."""
+    graph = torch.fx.Graph()
+    params = [p for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    nodes = {p.name: graph.placeholder(p.name, default_value=p.default)
+             for p in sorted(params, key=lambda p: p.kind is p.KEYWORD_ONLY)}
+    varargs = [graph.placeholder(f"{p.name}_{i}") for p in sig.parameters.values()
+               if p.kind is p.VAR_POSITIONAL for i in range(len(arguments[p.name]))]
+    args = [nodes[p.name] for p in params if p.kind is not p.KEYWORD_ONLY] + varargs
+    kwargs = {p.name: nodes[p.name] for p in params if p.kind is p.KEYWORD_ONLY}
+    graph.output(graph.call_module(ROOT_ATTR, tuple(args), kwargs))
+    holder = torch.nn.Module()
+    holder.add_module(ROOT_ATTR, model)
+    return torch.fx.GraphModule(holder, graph, class_name=type(model).__name__)
+
+
+def _trace_once(model, arguments, opaque) -> tuple[torch.fx.GraphModule | None, str | None, str]:
+    """One tracing attempt: (graph module, None, "") or (None, culprit path, reason)."""
+    tracer = _ConcreteTracer(arguments, opaque)
+    try:
+        with _preserved_state(model), _tracing_patches(tracer):
+            graph = tracer.trace(model)
+        for node in graph.nodes:  # real values would keep every activation alive
+            node.meta.pop(_REAL, None)
+            node.meta.pop(_DYN, None)
+        return torch.fx.GraphModule(tracer.root, graph, class_name=type(model).__name__), None, ""
+    except Exception as exc:
+        culprit = getattr(exc, "_autofuser_culprit", "")
+        # A leaf (or already opaque) module failing on real values means its caller is at fault.
+        while culprit and (culprit in opaque or culprit in tracer.leaf_paths):
+            culprit = culprit.rpartition(".")[0]
+        return None, culprit, _reason(exc)
+    finally:
+        for name in tracer.added_attrs:  # fx stows constants on the root: do not leave them there
+            if name in model.__dict__:
+                delattr(model, name)
+
+
+def _propagate_shapes(gm: torch.fx.GraphModule, model: torch.nn.Module, inputs: list) -> None:
+    """node.meta["tensor_meta"] everywhere, on input clones, leaving RNG and buffers as they were."""
+    # ShapeProp prints a traceback before re-raising: keep stderr for the success case only.
+    err = io.StringIO()
+    try:
+        with _preserved_state(model), contextlib.redirect_stderr(err):
+            ShapeProp(gm).propagate(*_clone_tree(inputs))
+    except RuntimeError as exc:
+        raise (exc.__cause__ or exc) from None
+    sys.stderr.write(err.getvalue())
+
+
+def capture(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any) -> torch.fx.GraphModule:
+    """Trace ``model`` into one GraphModule specialised on the example inputs' shapes.
+
+    Call the result with the inputs in the order of ``gm.meta["autofuser_input_names"]``.
+    Submodules that cannot be traced stay opaque ``call_module`` nodes (see
+    ``gm.meta["autofuser_opaque"]``); if the root cannot be traced, the model runs unchanged.
+    """
+    if not isinstance(model, torch.nn.Module):
+        hint = (f" {model.__name__} is a class: instantiate it first, e.g. capture({model.__name__}(...), x)."
+                if isinstance(model, type) else "")
+        raise CaptureError(f"capture() needs an nn.Module instance, got {type(model).__name__}: "
+                           f"pass an nn.Module instance.{hint}")
+    sig, arguments, flat_inputs = _bind_inputs(model, example_inputs, example_kwargs)
+
+    opaque: dict[str, str] = {}
+    gm, reason = None, None
+    if model._forward_hooks or model._forward_pre_hooks or "forward" in model.__dict__:
+        # fx traces type(model).forward itself: root hooks or an instance-level forward
+        # would be silently skipped, so keep such a root whole.
+        reason = "the root module has forward hooks or an instance-level forward"
+    for _ in range(0 if reason else len(list(model.modules())) + 1):
+        gm, culprit, reason = _trace_once(model, arguments, opaque)
+        if gm is not None or not culprit:
+            break
+        log.debug("autofuser: %s is opaque: %s", culprit, reason)
+        opaque[culprit] = reason  # each retry makes one more module opaque
+    if gm is None:
+        gm, opaque = _opaque_root(model, sig, arguments), {"": reason}
+
+    try:
+        _propagate_shapes(gm, model, flat_inputs)
+    except Exception as exc:
+        if "" in opaque:
+            raise CaptureError(f"{type(model).__name__} raised {type(exc).__name__} when run "
+                               f"on the example inputs: {exc}") from exc
+        # The traced graph does not run (it should): fall back to the untouched model.
+        gm, opaque = _opaque_root(model, sig, arguments), {"": _reason(exc)}
+        _propagate_shapes(gm, model, flat_inputs)
+
+    # Only report paths that are call_module nodes (not those inside an opaque parent).
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    opaque = {p: r for p, r in opaque.items() if p == "" or p in targets}
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and (node.target in opaque or "" in opaque):
+            node.meta[OPAQUE_REASON_KEY] = opaque.get(node.target, opaque.get(""))
+    gm.meta[OPAQUE_KEY] = opaque
+    gm.meta[INPUT_NAMES_KEY] = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+
+    name = type(model).__name__
+    if "" in opaque:
+        warnings.warn(f"AutoFuser could not trace {name} ({opaque['']}); it will run unchanged "
+                      "(eager), without fusion.", UserWarning, stacklevel=2)
+    elif opaque:
+        log.info("autofuser: %s captured; %d part(s) stay opaque (run eagerly): %s", name,
+                 len(opaque), "; ".join(f"{p}: {r}" for p, r in opaque.items()))
+    return gm

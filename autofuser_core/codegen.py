@@ -1,0 +1,271 @@
+"""The Triton source writer: one n-dimensional indexing scheme for every
+strategy.
+
+A ``GroupProgram`` gives a domain ``S``, the reduced dims ``R`` and, for every
+input and output, one stride per dim of ``S`` (0 where it broadcasts). The
+writer:
+
+1. drops size-1 dims and merges neighbouring dims that every tensor walks
+   contiguously (so a plain contiguous chain indexes with one flat offset);
+2. tiles the domain in one of two layouts:
+   - ``flat``: a 1-D block of ``BLOCK`` elements over all dims (no reductions);
+   - ``rows``: ``BLOCK_M`` rows of outer dims by ``BLOCK_R`` columns that cover
+     all of ``R``, so a reduction is one ``tl.sum``/``tl.max`` along axis 1
+     and everything after it uses the row's result from registers;
+3. derives each dim's coordinate once per program (``//`` and ``%`` by
+   constants) and each tensor's offset as the sum of coordinate x stride,
+   loading ``[BLOCK_M, 1]`` or ``[1, BLOCK_R]`` tiles where a tensor is
+   constant along the other axis;
+4. emits the expression DAG one line per value, computing in fp32, and stores
+   each output in its own dtype through its own strides.
+
+Shapes and strides are compile-time constants: kernels are specialised, like
+the rest of the compiled graph, on the real input shapes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .group import GroupProgram, KernelTensor
+from .ir import Value
+
+TL_DTYPES = {
+    torch.float32: "tl.float32",
+    torch.float16: "tl.float16",
+    torch.bfloat16: "tl.bfloat16",
+    torch.bool: "tl.int1",
+}
+INT32_LIMIT = 2**31 - 1
+
+
+@dataclass
+class KernelSource:
+    """A generated kernel: its source text, entry-point name and launch grid."""
+
+    name: str
+    source: str
+    layout: str  # "flat" | "rows"
+    grid: Callable[[dict], tuple[int, ...]]
+    constexprs: dict[str, int] = field(default_factory=dict)  # fixed by the layout, not tuned
+
+    @property
+    def source_hash(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _coalesce(sizes: list[int], strides: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """Merge neighbouring dims (outer to inner) that every tensor walks contiguously."""
+    keep = [i for i, s in enumerate(sizes) if s != 1]
+    sizes = [sizes[i] for i in keep]
+    strides = [[t[i] for i in keep] for t in strides]
+    merged_sizes: list[int] = []
+    merged_strides: list[list[int]] = [[] for _ in strides]
+    for d, size in enumerate(sizes):
+        if merged_sizes and all(t[d] * size == m[-1] for t, m in zip(strides, merged_strides)):
+            # stride[prev] == stride[d] * size[d]: prev and d walk as one dim
+            merged_sizes[-1] *= size
+            for t, m in zip(strides, merged_strides):
+                m[-1] = t[d]
+        else:
+            merged_sizes.append(size)
+            for t, m in zip(strides, merged_strides):
+                m.append(t[d])
+    return merged_sizes, merged_strides
+
+
+def _literal(value) -> str:
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if math.isinf(value):
+        return 'float("inf")' if value > 0 else 'float("-inf")'
+    if math.isnan(value):
+        return 'float("nan")'
+    return repr(float(value))
+
+
+class _Writer:
+    def __init__(self, program: GroupProgram, layout: str):
+        self.program = program
+        self.layout = layout
+        self.lines: list[str] = []
+        self.names: dict[int, str] = {}
+        self.count = 0
+
+    def emit(self, line: str) -> None:
+        self.lines.append("    " + line)
+
+    def fresh(self) -> str:
+        self.count += 1
+        return f"v{self.count}"
+
+    # -- indexing -----------------------------------------------------------
+
+    def axis_offsets(self, dims: list[int], index: str, prefix: str, tensors: list[KernelTensor]) -> list[Optional[str]]:
+        """Coordinates along ``dims`` from the linear ``index``; returns each tensor's offset expr."""
+        sizes = [self.program.domain[d] for d in dims]
+        strides = [[t.domain_stride[d] for d in dims] for t in tensors]
+        sizes, strides = _coalesce(sizes, strides)
+        coords = []
+        for i, size in enumerate(sizes):
+            divisor = math.prod(sizes[i + 1:])
+            expr = index if divisor == 1 else f"({index} // {divisor})"
+            if i > 0:
+                expr = f"({expr} % {size})"
+            name = f"{prefix}{i}"
+            self.emit(f"{name} = {expr}")
+            coords.append(name)
+        offsets: list[Optional[str]] = []
+        for t in strides:
+            terms = [c if s == 1 else f"{c} * {s}" for c, s in zip(coords, t) if s != 0]
+            offsets.append(" + ".join(terms) if terms else None)
+        return offsets
+
+    # -- values ---------------------------------------------------------------
+
+    def value(self, v: Value, loads: dict[int, str]) -> str:
+        if v.uid in self.names:
+            return self.names[v.uid]
+        if v.op == "const":
+            return _literal(v.constant)
+        if v.op == "load":
+            name = loads[self.program.input_of_load[v.uid]]
+        elif v.op == "pointwise":
+            operands = [self.value(a, loads) for a in v.args]
+            name = self.fresh()
+            self.emit(f"{name} = {v.template.format(*operands)}")
+        elif v.op == "reduce":
+            arg = self.value(v.args[0], loads)
+            name = self.fresh()
+            if self.layout != "rows" or not self.program.reduced_dims:
+                self.emit(f"{name} = {arg}  # reduction over size-1 dims")
+            else:
+                neutral = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}[v.reduce_op]
+                full = f"tl.broadcast_to({arg}, (BLOCK_M, BLOCK_R))"
+                if v.args[0].is_bool:
+                    full = f"{full}.to(tl.float32)"
+                self.emit(f"{name} = tl.{v.reduce_op}(tl.where(mask, {full}, {neutral}), axis=1)[:, None]")
+        else:
+            raise ValueError(f"unknown IR op {v.op!r}")
+        self.names[v.uid] = name
+        return name
+
+
+def write_kernel(program: GroupProgram, layout: str, strategy: str, helpers: Optional[dict[str, str]] = None) -> KernelSource:
+    """Write the Triton source for ``program`` in ``layout`` (``flat`` or ``rows``)."""
+    if layout not in ("flat", "rows"):
+        raise ValueError(f"unknown layout {layout!r}")
+    if layout == "flat" and program.reduced_dims:
+        raise ValueError("the flat layout cannot reduce; use rows")
+    w = _Writer(program, layout)
+    tensors = program.inputs + program.outputs
+    max_extent = max(
+        [math.prod(program.domain)] + [sum((s - 1) * abs(st) for s, st in zip(program.domain, t.domain_stride)) + 1 for t in tensors]
+    )
+    wide = max_extent > INT32_LIMIT
+    pid = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
+    outer_dims = [d for d in range(len(program.domain)) if d not in program.reduced_dims]
+    n_outer = program.outer_numel
+    constexprs: dict[str, int] = {}
+
+    if layout == "flat":
+        w.emit(f"offs = {pid} * BLOCK + tl.arange(0, BLOCK)")
+        w.emit(f"mask = offs < {n_outer}")
+        offsets = w.axis_offsets(outer_dims, "offs", "i", tensors)
+        loads = {}
+        for k, (t, off) in enumerate(zip(program.inputs, offsets)):
+            name = f"in{k}"
+            cast = "" if t.dtype == torch.bool else ".to(tl.float32)"
+            if off is None:
+                w.emit(f"x{k} = tl.load({name}){cast}")
+            else:
+                w.emit(f"x{k} = tl.load({name} + {off}, mask=mask, other=0){cast}")
+            loads[k] = f"x{k}"
+        out_offsets = offsets[len(program.inputs):]
+        results = [w.value(v, loads) for v in program.output_values]
+        for k, (t, off, res) in enumerate(zip(program.outputs, out_offsets, results)):
+            store = res if t.dtype == torch.bool else f"{res}.to({TL_DTYPES[t.dtype]})"
+            w.emit(f"tl.store(out{k} + {off or 'offs * 0'}, tl.broadcast_to({store}, (BLOCK,)), mask=mask)")
+        grid = lambda config, n=n_outer: (triton_cdiv(n, config["BLOCK"]),)
+    else:
+        n_cols = program.reduced_numel
+        block_r = next_power_of_2(n_cols)
+        constexprs["BLOCK_R"] = block_r
+        w.emit(f"rows = ({pid} * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]")
+        w.emit("cols = tl.arange(0, BLOCK_R)[None, :]")
+        w.emit(f"row_mask = rows < {n_outer}")
+        w.emit(f"col_mask = cols < {n_cols}")
+        w.emit("mask = row_mask & col_mask")
+        row_offs = w.axis_offsets(outer_dims, "rows", "r", tensors)
+        col_offs = w.axis_offsets(list(program.reduced_dims), "cols", "c", tensors)
+        loads = {}
+        for k, t in enumerate(program.inputs):
+            cast = "" if t.dtype == torch.bool else ".to(tl.float32)"
+            ro, co = row_offs[k], col_offs[k]
+            if ro is None and co is None:
+                w.emit(f"x{k} = tl.load(in{k}){cast}")
+            else:
+                off = " + ".join(x for x in (ro, co) if x)
+                m = "mask" if ro and co else ("row_mask" if ro else "col_mask")
+                w.emit(f"x{k} = tl.load(in{k} + {off}, mask={m}, other=0){cast}")
+            loads[k] = f"x{k}"
+        results = [w.value(v, loads) for v in program.output_values]
+        base = len(program.inputs)
+        for k, (t, res) in enumerate(zip(program.outputs, results)):
+            ro, co = row_offs[base + k], col_offs[base + k]
+            store = res if t.dtype == torch.bool else f"{res}.to({TL_DTYPES[t.dtype]})"
+            reduced_output = all(t.domain_stride[d] == 0 for d in program.reduced_dims)
+            if reduced_output:
+                w.emit(f"tl.store(out{k} + {ro or 'rows * 0'}, tl.broadcast_to({store}, (BLOCK_M, 1)), mask=row_mask)")
+            else:
+                off = " + ".join(x for x in (ro, co) if x) or "rows * 0 + cols * 0"
+                w.emit(f"tl.store(out{k} + {off}, tl.broadcast_to({store}, (BLOCK_M, BLOCK_R)), mask=mask)")
+        grid = lambda config, n=n_outer: (triton_cdiv(n, config["BLOCK_M"]),)
+
+    params = [f"in{k}" for k in range(len(program.inputs))] + [f"out{k}" for k in range(len(program.outputs))]
+    blocks = ["BLOCK: tl.constexpr"] if layout == "flat" else ["BLOCK_M: tl.constexpr", "BLOCK_R: tl.constexpr"]
+    header = _header(program, layout, strategy)
+    body = "\n".join(w.lines)
+    helper_text = "\n\n".join(sorted((helpers or {}).values()))
+    source_for_hash = f"{helper_text}\n{', '.join(params + blocks)}\n{body}"
+    digest = hashlib.sha256(source_for_hash.encode()).hexdigest()[:10]
+    stem = "_".join(dict.fromkeys(_short(op) for op in program.op_names))[:48].strip("_")
+    name = f"af_{layout}_{stem}_{digest}"
+    source = (
+        f"{header}\nimport triton\nimport triton.language as tl\n\n\n"
+        + (helper_text + "\n\n\n" if helper_text else "")
+        + f"@triton.jit\ndef {name}({', '.join(params + blocks)}):\n{body}\n"
+    )
+    return KernelSource(name=name, source=source, layout=layout, grid=grid, constexprs=constexprs)
+
+
+def _short(op_name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in op_name.rsplit(".", 1)[-1])
+
+
+def _header(program: GroupProgram, layout: str, strategy: str) -> str:
+    lines = [
+        f"# Generated by AutoFuser ({strategy} strategy, {layout} layout). Replaces these fx nodes:",
+    ]
+    for node, op in zip(program.nodes, program.op_names):
+        meta = node.meta.get("tensor_meta")
+        shape = list(meta.shape) if meta is not None else "?"
+        dtype = str(meta.dtype).removeprefix("torch.") if meta is not None else "?"
+        lines.append(f"#   {node.name:<24} {op:<28} {shape} {dtype}")
+    lines.append(f"# domain {list(program.domain)}, reduced dims {list(program.reduced_dims)}")
+    lines.append("# inputs:  " + ", ".join(f"in{k}={t.name}{list(t.shape)}" for k, t in enumerate(program.inputs)))
+    lines.append("# outputs: " + ", ".join(f"out{k}={t.name}{list(t.shape)}" for k, t in enumerate(program.outputs)))
+    return "\n".join(lines)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b

@@ -1,0 +1,25 @@
+"""Exceptions raised by AutoFuser.
+
+Every error names what was wrong and how to fix it; the classes let callers
+catch one family without parsing messages.
+"""
+
+
+class AutoFuserError(Exception):
+    """Base class of every error AutoFuser raises on purpose."""
+
+
+class PluginError(AutoFuserError):
+    """A plugin could not be loaded, or broke a rule of the hook protocol."""
+
+
+class SpecError(PluginError):
+    """A plugin registered a spec that failed validation, or clashes with another."""
+
+
+class CaptureError(AutoFuserError):
+    """The model or its inputs cannot be captured (wrong arguments, not a module)."""
+
+
+class CacheError(AutoFuserError):
+    """A cache entry is unusable (corrupt, foreign, or written for another key)."""

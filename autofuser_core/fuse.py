@@ -1,0 +1,235 @@
+"""``fuse()``: the user's entry point, and the module it returns.
+
+``FusedModule`` compiles lazily: the first forward with a new *signature*
+(input shapes, dtypes, devices and strides; grad mode; autocast state; the
+train/eval flags of every submodule) captures the model on those inputs,
+plans, generates, tunes, verifies and rewrites it, and keeps the result. Later
+forwards with the same signature reuse it. Up to ``max_signatures`` compiled
+versions are kept; past that, new signatures run the original model, with one
+warning.
+
+The wrapper owns no parameters of its own: it shares the original model's,
+so ``state_dict``, ``load_state_dict``, ``.to()``, ``eval()`` and optimisers
+act on the model itself, and updated weights take effect without recompiling.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import warnings
+from collections import OrderedDict
+from typing import Any, Optional, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .capture import capture
+from .compile import compile_graph
+from .errors import AutoFuserError, CaptureError
+from .plugins import load_plugins
+from .report import FusionReport
+
+logger = logging.getLogger("autofuser")
+
+
+class FuseOptions(BaseModel):
+    """Options of ``fuse()``; unknown names are refused."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    cache_dir: Optional[str] = Field(None, description="Cache folder; default $AUTOFUSER_CACHE_DIR or ~/.cache/autofuser.")
+    max_signatures: int = Field(8, ge=1, description="Compiled signatures kept; later new ones run eager.")
+    tune: bool = Field(True, description="Benchmark each kernel's configs on a GPU (cached).")
+    tune_budget_s: float = Field(20.0, gt=0, description="Tuning time per group, seconds.")
+    verify_speed: bool = Field(True, description="On a GPU, time each group fused vs eager; keep the faster.")
+    progress: bool = Field(True, description="Print progress lines to stderr while compiling.")
+
+
+class FusedModule(torch.nn.Module):
+    """Behaves like the wrapped model; runs fused kernels. See module doc."""
+
+    def __init__(self, model: torch.nn.Module, plugins: Optional[Sequence[Any]], options: FuseOptions):
+        super().__init__()
+        # Not a registered submodule: state_dict keys stay those of the model.
+        object.__setattr__(self, "_model", model)
+        self._plugins = plugins
+        self._plugin_set = load_plugins(plugins)
+        self._options = options
+        self._compiled: "OrderedDict[Any, tuple[Any, FusionReport]]" = OrderedDict()
+        self._last_report: Optional[FusionReport] = None
+        self._warned_full = False
+        self._all_modules = list(model.modules())
+
+    # -- nn.Module plumbing: everything that holds state is the model's ------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    def state_dict(self, *args, **kwargs):
+        return self._model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self._model.load_state_dict(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True):
+        return self._model.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self._model.named_parameters(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True):
+        return self._model.buffers(recurse)
+
+    def named_buffers(self, *args, **kwargs):
+        return self._model.named_buffers(*args, **kwargs)
+
+    def children(self):
+        return self._model.children()
+
+    def modules(self):
+        return self._model.modules()
+
+    def train(self, mode: bool = True):
+        self._model.train(mode)
+        return super().train(mode)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to()/.cuda()/.half() move the model; compiled graphs hold its tensors, so drop them.
+        self._model._apply(fn, *args, **kwargs)
+        self._compiled.clear()
+        return self
+
+    def __repr__(self) -> str:
+        return f"FusedModule({self._model!r})"
+
+    # -- signatures -----------------------------------------------------------
+
+    def _signature(self, args: tuple, kwargs: dict) -> Any:
+        def describe(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return ("T", tuple(x.shape), x.dtype, x.device, tuple(x.stride()), x.requires_grad)
+            if isinstance(x, (list, tuple)):
+                return (type(x).__name__, tuple(describe(v) for v in x))
+            if isinstance(x, dict):
+                return ("dict", tuple(sorted((k, describe(v)) for k, v in x.items())))
+            try:
+                hash(x)
+                return ("V", x)
+            except TypeError:
+                return ("id", id(x))
+
+        autocast = tuple(
+            (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")
+        )
+        modes = tuple(m.training for m in self._all_modules)
+        return (describe(args), describe(kwargs), torch.is_grad_enabled(), autocast, modes)
+
+    # -- forward ----------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        key = self._signature(args, kwargs)
+        entry = self._compiled.get(key)
+        if entry is None:
+            if len(self._compiled) >= self._options.max_signatures:
+                if not self._warned_full:
+                    warnings.warn(
+                        f"AutoFuser: {self._options.max_signatures} input signatures are already compiled "
+                        "(max_signatures); new ones run the original model. Raise max_signatures to compile more."
+                    )
+                    self._warned_full = True
+                return self._model(*args, **kwargs)
+            entry = self._compile(args, kwargs, key)
+        else:
+            self._compiled.move_to_end(key)
+        graph_module, report = entry
+        self._last_report = report
+        if graph_module is None:
+            return self._model(*args, **kwargs)
+        return graph_module(*self._flatten(args, kwargs))
+
+    def _flatten(self, args: tuple, kwargs: dict) -> tuple:
+        names = self._input_names
+        if not kwargs:
+            return args
+        bound = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
+        return tuple(bound)
+
+    def _progress(self, message: str) -> None:
+        logger.info(message)
+        if self._options.progress:
+            print(f"autofuser: {message}", file=sys.stderr, flush=True)
+
+    def _compile(self, args: tuple, kwargs: dict, key: Any):
+        start = time.perf_counter()
+        name = type(self._model).__name__
+        self._progress(f"compiling {name} for {_describe_inputs(args)}")
+        gm = capture(self._model, *args, **kwargs)
+        self._input_names = list(gm.meta.get("autofuser_input_names", []))
+        flat = self._flatten(args, kwargs)
+        if list(gm.meta.get("autofuser_opaque", {})) == [""]:
+            report = FusionReport(plugins=self._plugin_set.names, opaque=dict(gm.meta["autofuser_opaque"]),
+                                  notes=["the model could not be traced at all; it runs unchanged"])
+            entry = (None, report)
+        else:
+            with torch.no_grad():
+                fused_gm, report = compile_graph(gm, flat, self._plugin_set, self._options, self._progress)
+            entry = (fused_gm, report)
+        report.signature = _describe_inputs(args)
+        report.device = str(_first_device(flat))
+        report.compile_s = time.perf_counter() - start
+        self._compiled[key] = entry
+        self._progress(f"compiled {name} in {report.compile_s:.1f} s: {len(report.fused)} fused group(s), "
+                       f"{len(report.skipped)} skipped")
+        return entry
+
+    def report(self) -> FusionReport:
+        """The report of the most recently used compiled signature."""
+        if self._last_report is None:
+            raise AutoFuserError("nothing compiled yet: call the fused model on real inputs first, then .report().")
+        return self._last_report
+
+    def reports(self) -> list[FusionReport]:
+        """Reports of every compiled signature, oldest first."""
+        return [report for _, report in self._compiled.values()]
+
+
+def _describe_inputs(args: tuple) -> str:
+    parts = []
+    for x in args:
+        if isinstance(x, torch.Tensor):
+            parts.append(f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
+        else:
+            parts.append(type(x).__name__)
+    return "(" + ", ".join(parts) + ")"
+
+
+def _first_device(args: tuple):
+    for x in args:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return "cpu"
+
+
+def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **options: Any) -> FusedModule:
+    """Wrap ``model`` so that it runs fused Triton kernels.
+
+    :param model: an ``nn.Module`` instance.
+    :param plugins: ``None`` for every installed plugin, or a list of plugin
+        modules, hook-carrying objects or entry-point names.
+    :param options: see ``FuseOptions`` (``cache_dir``, ``max_signatures``,
+        ``tune``, ``tune_budget_s``, ``verify_speed``, ``progress``).
+    :raises CaptureError: ``model`` is not a module instance.
+    :raises PluginError, SpecError: a plugin could not be loaded or is invalid.
+    """
+    if not isinstance(model, torch.nn.Module):
+        hint = " - it is a class; instantiate it first" if isinstance(model, type) else ""
+        raise CaptureError(f"fuse() takes an nn.Module instance, got {type(model).__name__}{hint}.")
+    try:
+        parsed = FuseOptions(**options)
+    except ValidationError as err:
+        known = ", ".join(FuseOptions.model_fields)
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise AutoFuserError(f"invalid fuse() option(s): {problems}. Known options: {known}.") from None
+    return FusedModule(model, plugins, parsed)

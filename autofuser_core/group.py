@@ -1,0 +1,298 @@
+"""Composing a fusion group: the lowered values of its nodes become one
+expression DAG over the group's external inputs, laid out in one iteration
+domain.
+
+Algorithm (``compose_group``):
+
+1. Walk the group's nodes in graph order. Each node's lowered value is copied
+   with every load of an in-group node replaced by that node's composed value,
+   rounded to the dtype eager produced for it (so fp16/bf16 and autocast
+   chains round exactly where eager rounds).
+2. Loads that remain read the group's external inputs (fx nodes or
+   parameters); nodes used outside the group become outputs.
+3. Every value is right-aligned, torch-style, into one domain ``S`` of rank
+   ``D``: each dim of each value is either ``S[d]`` or 1. Reductions set their
+   dims to 1 (``keepdim``); a reduction that drops its dims may only be an
+   output, never an operand inside the group.
+4. All reductions must reduce the same dims ``R``; the other dims are the
+   outer dims. Inputs and outputs get one stride per dim of ``S`` (0 where
+   they broadcast), which is all the kernel writer needs: permutes,
+   broadcasting and views are folded into index arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.fx
+
+from .ir import AttrRef, Value, tensor_meta
+
+ROUNDED_DTYPES = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
+
+
+class GroupRefused(Exception):
+    def __init__(self, code: str, reason: str):
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+@dataclass
+class KernelTensor:
+    """An input or output of a fused kernel, with strides laid out over ``S``."""
+
+    source: Union[torch.fx.Node, AttrRef]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]  # the tensor's own strides
+    domain_stride: tuple[int, ...] = ()  # one per dim of S; 0 where it broadcasts
+
+    @property
+    def name(self) -> str:
+        return self.source.path if isinstance(self.source, AttrRef) else self.source.name
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class GroupProgram:
+    """A composed fusion group, ready for a strategy to tile and write."""
+
+    nodes: list[torch.fx.Node]
+    inputs: list[KernelTensor]
+    outputs: list[KernelTensor]
+    output_values: list[Value]
+    domain: tuple[int, ...]
+    reduced_dims: tuple[int, ...]
+    input_of_load: dict[int, int] = field(default_factory=dict)  # load uid -> input index
+    op_names: list[str] = field(default_factory=list)
+
+    @property
+    def has_reduction(self) -> bool:
+        return bool(self.reduced_dims)
+
+    @property
+    def outer_numel(self) -> int:
+        n = 1
+        for d, s in enumerate(self.domain):
+            if d not in self.reduced_dims:
+                n *= s
+        return n
+
+    @property
+    def reduced_numel(self) -> int:
+        n = 1
+        for d in self.reduced_dims:
+            n *= self.domain[d]
+        return n
+
+    def bytes_after(self) -> int:
+        return sum(t.nbytes for t in self.inputs) + sum(t.nbytes for t in self.outputs)
+
+
+def _dtype_of(source: Any, root: torch.nn.Module) -> tuple[tuple[int, ...], torch.dtype, tuple[int, ...]]:
+    if isinstance(source, AttrRef):
+        tensor = root.get_parameter(source.path) if _is_param(root, source.path) else root.get_buffer(source.path)
+        return tuple(tensor.shape), tensor.dtype, tuple(tensor.stride())
+    meta = tensor_meta(source)
+    return tuple(meta.shape), meta.dtype, tuple(meta.stride)
+
+
+def _is_param(root: torch.nn.Module, path: str) -> bool:
+    try:
+        root.get_parameter(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def attr_tensor(root: torch.nn.Module, path: str) -> torch.Tensor:
+    """The live tensor behind an ``AttrRef`` path."""
+    owner, _, name = path.rpartition(".")
+    return getattr(root.get_submodule(owner) if owner else root, name)
+
+
+def compose_group(
+    nodes: Sequence[torch.fx.Node],
+    lowered: dict[torch.fx.Node, Value],
+    root: torch.nn.Module,
+    op_names: Optional[dict[torch.fx.Node, str]] = None,
+) -> GroupProgram:
+    """Compose ``nodes`` (in graph order) into a ``GroupProgram``; see module doc."""
+    members = set(nodes)
+    composed: dict[torch.fx.Node, Value] = {}
+    memo: dict[int, Value] = {}
+    inputs: list[KernelTensor] = []
+    input_index: dict[Any, int] = {}
+    input_of_load: dict[int, int] = {}
+
+    def rebuild(v: Value) -> Value:
+        if v.uid in memo:
+            return memo[v.uid]
+        if v.op == "load" and isinstance(v.source, torch.fx.Node) and v.source in members:
+            out = composed[v.source]
+        elif v.op == "load":
+            key = v.source if isinstance(v.source, AttrRef) else ("node", v.source)
+            if key not in input_index:
+                shape, dtype, stride = _dtype_of(v.source, root)
+                input_index[key] = len(inputs)
+                inputs.append(KernelTensor(v.source, shape, dtype, stride))
+            out = Value("load", v.shape, is_bool=v.is_bool, source=v.source)
+            input_of_load[out.uid] = input_index[key]
+        elif v.args:
+            out = Value(
+                v.op, v.shape, is_bool=v.is_bool, args=tuple(rebuild(a) for a in v.args), template=v.template,
+                constant=v.constant, reduce_op=v.reduce_op, dims=v.dims, keepdim=v.keepdim,
+            )
+        else:
+            out = v
+        memo[v.uid] = out
+        return out
+
+    for node in nodes:
+        value = rebuild(lowered[node])
+        meta = tensor_meta(node)
+        if meta.dtype in ROUNDED_DTYPES and not value.is_bool:
+            value = Value("pointwise", value.shape, args=(value,),
+                          template="{0}.to(%s).to(tl.float32)" % ROUNDED_DTYPES[meta.dtype])
+        composed[node] = value
+
+    outputs: list[KernelTensor] = []
+    output_values: list[Value] = []
+    for node in nodes:
+        if any(user not in members for user in node.users):
+            meta = tensor_meta(node)
+            outputs.append(KernelTensor(node, tuple(meta.shape), meta.dtype, tuple(meta.stride)))
+            output_values.append(composed[node])
+    if not outputs:
+        raise GroupRefused("no_outputs", "no value of the group is used outside it")
+
+    program = GroupProgram(
+        nodes=list(nodes), inputs=inputs, outputs=outputs, output_values=output_values,
+        domain=(), reduced_dims=(), input_of_load=input_of_load,
+        op_names=[(op_names or {}).get(n, n.name) for n in nodes],
+    )
+    _lay_out(program)
+    return program
+
+
+def _lay_out(program: GroupProgram) -> None:
+    """Steps 3 and 4 of the module doc: the domain, the reduced dims, strides."""
+    values: dict[int, Value] = {}
+
+    def collect(v: Value) -> None:
+        if v.uid not in values:
+            values[v.uid] = v
+            for a in v.args:
+                collect(a)
+
+    for v in program.output_values:
+        collect(v)
+
+    # A reduction without keepdim drops its dims: it and pointwise ops over only
+    # such values (its dtype rounding, `x.sum(-1) * 2`) live in the reduced space
+    # and can only be outputs; mixing them with full-domain values would need a
+    # reshape, which the index scheme doesn't express.
+    squeezed: set[int] = set()
+    for v in sorted(values.values(), key=lambda v: v.uid):
+        tensor_args = [a for a in v.args if a.op != "const"]
+        dropped = [a for a in tensor_args if a.uid in squeezed]
+        if v.op == "reduce" and not v.keepdim and not dropped:
+            squeezed.add(v.uid)
+        elif dropped and (v.op != "pointwise" or len(dropped) != len(tensor_args)):
+            raise GroupRefused(
+                "reduction_drops_dims",
+                "a reduction without keepdim feeds an op that also reads full-size values; "
+                "its result can only be an output",
+            )
+        elif dropped:
+            squeezed.add(v.uid)
+    rank = max([len(v.shape) for uid, v in values.items() if uid not in squeezed] + [0])
+
+    aligned: dict[int, tuple[int, ...]] = {}
+    reduced_sets: set[tuple[int, ...]] = set()
+
+    def align(v: Value) -> tuple[int, ...]:
+        if v.uid in aligned:
+            return aligned[v.uid]
+        if v.uid in squeezed and v.op == "pointwise":
+            out = next(align(a) for a in v.args if a.uid in squeezed)
+            for a in v.args:
+                align(a)
+        elif v.op == "reduce":
+            arg = align(v.args[0])
+            shift = rank - len(v.args[0].shape)
+            dims = tuple(d + shift for d in v.dims)
+            reduced_sets.add(dims)
+            out = tuple(1 if d in dims else s for d, s in enumerate(arg))
+        else:
+            for a in v.args:
+                align(a)
+            out = (1,) * (rank - len(v.shape)) + tuple(v.shape)
+        aligned[v.uid] = out
+        return out
+
+    for v in program.output_values:
+        align(v)
+    if len(reduced_sets) > 1:
+        raise GroupRefused("mixed_reductions", f"reductions over different dims {sorted(reduced_sets)}")
+    reduced = next(iter(reduced_sets)) if reduced_sets else ()
+
+    domain = [1] * rank
+    for shape in aligned.values():
+        for d, s in enumerate(shape):
+            if s != 1:
+                if domain[d] not in (1, s):
+                    raise GroupRefused("shape_mismatch", f"sizes {domain[d]} and {s} meet in dim {d}")
+                domain[d] = s
+    program.domain = tuple(domain)
+    program.reduced_dims = tuple(d for d in reduced if domain[d] != 1)
+
+    for tensor in program.inputs:
+        tensor.domain_stride = _domain_strides(tensor.shape, tensor.stride, program.domain)
+    for tensor, value in zip(program.outputs, program.output_values):
+        shape_s = aligned[value.uid]
+        for d in range(rank):
+            full = shape_s[d] == program.domain[d]
+            if d in reduced:
+                continue
+            if not full:
+                raise GroupRefused(
+                    "output_broadcasts",
+                    f"output {tensor.name} {list(tensor.shape)} is smaller than the group's domain "
+                    f"{list(program.domain)} outside the reduced dims",
+                )
+        if value.uid in squeezed:
+            kept = [d for d in range(rank) if d not in reduced]
+            strides = [0] * rank
+            own = list(tensor.stride)
+            offset = len(kept) - len(own)
+            for i, d in enumerate(kept):
+                j = i - offset
+                strides[d] = own[j] if 0 <= j < len(own) and tensor.shape[j] != 1 else 0
+            tensor.domain_stride = tuple(strides)
+        else:
+            tensor.domain_stride = _domain_strides(tensor.shape, tensor.stride, program.domain)
+        reduced_full = [shape_s[d] == program.domain[d] for d in reduced if program.domain[d] != 1]
+        if reduced_full and any(reduced_full) and not all(reduced_full):
+            raise GroupRefused("output_broadcasts", f"output {tensor.name} is partly reduced")
+
+
+def _domain_strides(shape: Sequence[int], stride: Sequence[int], domain: Sequence[int]) -> tuple[int, ...]:
+    pad = len(domain) - len(shape)
+    out = []
+    for d in range(len(domain)):
+        j = d - pad
+        if j < 0 or shape[j] == 1:
+            out.append(0)
+        else:
+            out.append(int(stride[j]))
+    return tuple(out)

@@ -1,0 +1,94 @@
+"""Every hook an AutoFuser plugin can implement.
+
+A plugin is a module (or any object) with functions named after these hooks;
+the ``@autofuser.hookimpl`` marker is optional for functions whose names start
+with ``autofuser_``, and a function with that prefix that matches no hook below
+is an error when the plugin loads - a misspelled hook never goes silent.
+
+Registration hooks receive a ``register`` callback and return nothing. The
+core calls each plugin's implementation separately, so it knows which plugin
+registered which spec; order between plugins carries no meaning (``priority``
+in a spec, not load order, decides who wins a target).
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT_NAME = "autofuser"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# ---------------------------------------------------------------------------
+# Registration: called once per plugin when a plugin set is loaded
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def autofuser_register_lowerings(register):
+    """Register op lowerings.
+
+    Called once per plugin, when ``fuse()`` (or ``load_plugins()``) loads it.
+
+    :param register: call ``register(LoweringSpec(...))`` or
+        ``register(name=..., targets=..., kind=..., lower=...)`` once per op.
+        The spec is validated on the spot; an invalid spec, a duplicate name or
+        a tie on a target raises ``SpecError`` naming this plugin.
+    """
+
+
+@hookspec
+def autofuser_register_strategies(register):
+    """Register tiling strategies (``StrategySpec``), which propose fusion groups
+    and write their kernels.
+
+    Called once per plugin when it is loaded.
+
+    :param register: as for ``autofuser_register_lowerings``, with ``StrategySpec``.
+    """
+
+
+@hookspec
+def autofuser_register_quantizers(register):
+    """Register weight quantisers (``QuantizerSpec``).
+
+    Called once per plugin when it is loaded.
+
+    :param register: as for ``autofuser_register_lowerings``, with ``QuantizerSpec``.
+    """
+
+
+# ---------------------------------------------------------------------------
+# Policy and graph passes: called for every compiled graph
+# ---------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def autofuser_veto_fusion(group, options):
+    """Refuse a fusion group the planner is about to keep.
+
+    Called for every candidate that passed the planner's own legality rules;
+    the first non-``None`` result wins.
+
+    :param group: the ``autofuser_core.planner.Candidate`` (``.strategy``,
+        ``.nodes``, ``.program``).
+    :param options: the ``FuseOptions`` of this ``fuse()`` call.
+    :return: ``None`` to allow, or a sentence saying why not (reported with
+        reason code ``vetoed``).
+    """
+
+
+@hookspec
+def autofuser_transform_graph(gm, options):
+    """Rewrite the captured graph before lowering, in place.
+
+    Called once per compiled signature, after capture and before planning, for
+    every plugin (all are called; results are ignored). The graph must keep
+    computing the same function; ``gm.recompile()`` is done by the core.
+
+    :param gm: the captured ``torch.fx.GraphModule``, with ``tensor_meta`` on
+        its nodes.
+    :param options: the ``FuseOptions`` of this ``fuse()`` call.
+    """

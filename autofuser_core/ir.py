@@ -1,0 +1,202 @@
+"""Kernel IR: what a lowering turns an fx node into.
+
+A lowering describes its op as a small expression DAG of ``Value``s built
+through a ``LoweringContext``:
+
+- ``ctx.tensor(arg)`` - read a tensor argument (an fx node) or a Python
+  number as a constant;
+- ``ctx.pointwise(template, *values)`` - one Triton expression over values,
+  ``{0}``, ``{1}``, ... standing for the operands (``"tl.exp({0})"``);
+  operands broadcast as in torch;
+- ``ctx.reduce(op, value, dims, keepdim)`` - ``sum``/``max``/``min`` over dims.
+
+Values carry torch-level shapes, so a lowering is checked against the node's
+real output shape. Everything computes in fp32 (or int1 for booleans); the
+core rounds each op's result to the dtype eager produced for it, so fused
+code follows eager's precision op by op (autocast included).
+
+Nothing here knows any particular op: ops live in plugins.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, Optional, Sequence
+
+import torch
+import torch.fx
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class AttrRef:
+    """A parameter or buffer of the model, read at call time (``get_attr``)."""
+
+    path: str
+
+
+@dataclass(eq=False)
+class Value:
+    """One node of the kernel expression DAG."""
+
+    op: str  # "load" | "const" | "pointwise" | "reduce"
+    shape: tuple[int, ...]
+    is_bool: bool = False
+    args: tuple["Value", ...] = ()
+    template: str = ""
+    constant: Any = None
+    source: Any = None  # load: torch.fx.Node or AttrRef
+    reduce_op: str = ""
+    dims: tuple[int, ...] = ()  # reduce: dims of args[0].shape, non-negative
+    keepdim: bool = True
+    uid: int = field(default_factory=lambda: next(_ids))
+
+
+REDUCE_OPS = ("sum", "max", "min")
+
+
+class LoweringRefused(Exception):
+    """Raised by ``ctx.refuse``: this node stays eager, with the given reason."""
+
+    def __init__(self, code: str, reason: str):
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+def tensor_meta(node: Any):
+    """The ``TensorMetadata`` recorded for an fx node, or ``None`` for non-tensors."""
+    if isinstance(node, torch.fx.Node):
+        meta = node.meta.get("tensor_meta")
+        if meta is not None and hasattr(meta, "shape"):
+            return meta
+    return None
+
+
+class LoweringContext:
+    """What a lowering function sees: its node, its module, and IR builders."""
+
+    def __init__(self, node: torch.fx.Node, root: torch.nn.Module, helpers: dict[str, str]):
+        self.node = node
+        self.root = root
+        self.module: Optional[torch.nn.Module] = root.get_submodule(node.target) if node.op == "call_module" else None
+        self._helpers = helpers
+        meta = tensor_meta(node)
+        self.out_shape: Optional[tuple[int, ...]] = tuple(meta.shape) if meta is not None else None
+        self.out_dtype: Optional[torch.dtype] = meta.dtype if meta is not None else None
+
+    # -- facts about arguments ---------------------------------------------
+
+    def is_tensor(self, arg: Any) -> bool:
+        return tensor_meta(arg) is not None
+
+    def shape(self, arg: Any) -> tuple[int, ...]:
+        meta = tensor_meta(arg)
+        if meta is None:
+            self.refuse("not_a_tensor", f"argument {arg!r} is not a tensor")
+        return tuple(meta.shape)
+
+    def dtype(self, arg: Any) -> torch.dtype:
+        meta = tensor_meta(arg)
+        if meta is None:
+            self.refuse("not_a_tensor", f"argument {arg!r} is not a tensor")
+        return meta.dtype
+
+    # -- building IR ---------------------------------------------------------
+
+    def refuse(self, code: str, reason: str) -> NoReturn:
+        raise LoweringRefused(code, reason)
+
+    def const(self, value: Any) -> Value:
+        if isinstance(value, bool):
+            return Value("const", (), is_bool=True, constant=value)
+        if isinstance(value, (int, float)):
+            return Value("const", (), constant=float(value))
+        self.refuse("unsupported_argument", f"constant {value!r} of type {type(value).__name__}")
+
+    def tensor(self, arg: Any) -> Value:
+        """An operand: a tensor-valued fx node, or a Python number as a constant."""
+        if isinstance(arg, Value):
+            return arg
+        if isinstance(arg, torch.fx.Node):
+            meta = tensor_meta(arg)
+            if meta is None:
+                self.refuse("not_a_tensor", f"argument {arg.name} is not a tensor")
+            return self._load(arg, meta.shape, meta.dtype)
+        return self.const(arg)
+
+    def attr(self, name: str) -> Value:
+        """A parameter or buffer of this node's module as an operand (read at call time)."""
+        if self.module is None:
+            raise ValueError("ctx.attr() is for call_module lowerings")
+        value = getattr(self.module, name)
+        if not isinstance(value, torch.Tensor):
+            self.refuse("not_a_tensor", f"{self.node.target}.{name} is not a tensor")
+        return self._load(AttrRef(f"{self.node.target}.{name}"), value.shape, value.dtype)
+
+    def _load(self, source: Any, shape: Sequence[int], dtype: torch.dtype) -> Value:
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.bool):
+            self.refuse("unsupported_dtype", f"operand of dtype {dtype} (kernels read float32/16, bfloat16, bool)")
+        return Value("load", tuple(shape), is_bool=dtype == torch.bool, source=source)
+
+    def pointwise(self, template: str, *operands: Any, is_bool: bool = False) -> Value:
+        """``template`` over ``operands`` (Values or numbers), broadcast as torch does."""
+        args = tuple(self.tensor(v) for v in operands)
+        try:
+            shape = tuple(torch.broadcast_shapes(*(a.shape for a in args))) if args else ()
+        except RuntimeError as err:
+            self.refuse("shape_mismatch", str(err))
+        return Value("pointwise", shape, is_bool=is_bool, args=args, template=template)
+
+    def reduce(self, op: str, value: Any, dims: Any = None, keepdim: bool = False) -> Value:
+        """``op`` in ``sum``/``max``/``min`` over ``dims`` (``None``: all dims)."""
+        if op not in REDUCE_OPS:
+            raise ValueError(f"reduce op {op!r} not in {REDUCE_OPS}")
+        value = self.tensor(value)
+        rank = len(value.shape)
+        if dims is None or dims == ():
+            dims = tuple(range(rank))
+        elif isinstance(dims, int):
+            dims = (dims,)
+        norm = tuple(sorted({d % rank if rank else 0 for d in dims}))
+        if keepdim:
+            shape = tuple(1 if i in norm else s for i, s in enumerate(value.shape))
+        else:
+            shape = tuple(s for i, s in enumerate(value.shape) if i not in norm)
+        return Value("reduce", shape, args=(value,), reduce_op=op, dims=norm, keepdim=keepdim)
+
+    def helper(self, name: str, source: str) -> str:
+        """Add a ``@triton.jit`` helper function to the kernel module; returns ``name``.
+
+        ``source`` is the full function text including the decorator. The
+        same name must always come with the same text.
+        """
+        existing = self._helpers.get(name)
+        if existing is not None and existing != source:
+            raise ValueError(f"kernel helper {name!r} defined twice with different source")
+        self._helpers[name] = source
+        return name
+
+    # -- conveniences built on the primitives -----------------------------
+
+    def where(self, cond: Any, a: Any, b: Any) -> Value:
+        return self.pointwise("tl.where({0}, {1}, {2})", cond, a, b)
+
+    def mean(self, value: Any, dims: Any = None, keepdim: bool = False) -> Value:
+        value = self.tensor(value)
+        total = self.reduce("sum", value, dims, keepdim)
+        count = 1
+        for d in set(total_dims(value, dims)):
+            count *= value.shape[d]
+        return self.pointwise("{0} * %r" % (1.0 / max(count, 1)), total)
+
+
+def total_dims(value: Value, dims: Any) -> tuple[int, ...]:
+    rank = len(value.shape)
+    if dims is None or dims == ():
+        return tuple(range(rank))
+    if isinstance(dims, int):
+        dims = (dims,)
+    return tuple(d % rank for d in dims)

@@ -1,0 +1,324 @@
+"""Planning: lower every node, let strategies propose groups, keep a legal set.
+
+``plan_fusion_groups`` works in four steps:
+
+1. **Lower.** Each ``call_function``/``call_method``/``call_module`` node is
+   matched to a registered lowering. Nodes that mutate memory, draw random
+   numbers or are opaque (untraceable) parts are *barriers*: never lowered,
+   and no group may straddle one (a group's ops run at one point in the
+   program, so nothing that changes memory or RNG state may sit between its
+   first and last node). Nodes no plugin lowers, or whose lowering refuses,
+   stay eager with a recorded reason.
+2. **Propose.** Each strategy's ``propose(view)`` returns candidate node lists;
+   ``PlanningView.space_groups()`` is the shared helper that grows groups
+   along producer-consumer edges while they compose into one iteration domain.
+3. **Choose.** Candidates are taken largest first. One is kept only if it
+   composes (``compose_group``), its strategy accepts it, it overlaps no kept
+   group, it straddles no barrier, contracting it with the kept groups leaves
+   the graph acyclic, and no plugin vetoes it. Every refusal is a
+   ``Decision`` with a reason code and a sentence.
+4. The kept candidates go on to code generation (``autofuser_core.compile``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.fx
+
+from .group import GroupProgram, GroupRefused, compose_group
+from .ir import LoweringContext, LoweringRefused, Value, tensor_meta
+from .registry import Registry, describe_target
+from .specs import LoweringSpec, StrategySpec, dtype_name
+
+logger = logging.getLogger("autofuser")
+
+_RANDOM_FUNCTIONS = {
+    torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
+    torch.bernoulli, torch.normal, torch.multinomial, torch.randperm, torch.poisson,
+}
+_RANDOM_METHODS = {"bernoulli", "random_", "uniform_", "normal_", "exponential_", "geometric_", "cauchy_", "log_normal_"}
+_DROPOUT_FUNCTIONS = {
+    torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
+    torch.nn.functional.dropout3d, torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
+}
+_MUTATING_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
+def _bound_argument(target: Any, node: torch.fx.Node, name: str, default: Any) -> Any:
+    try:
+        bound = inspect.signature(target).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):
+        return node.kwargs.get(name, default)
+    return bound.arguments.get(name, default)
+
+
+def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple[str, str]]:
+    """Why ``node`` must stay where it is (mutation, randomness, opaque call), or ``None``."""
+    opaque = node.meta.get("autofuser_opaque_reason")
+    if opaque:
+        return "opaque", f"untraceable part, runs as it is: {opaque}"
+    if node.op == "call_method":
+        name = str(node.target)
+        if name in _RANDOM_METHODS:
+            return "random", f"Tensor.{name} draws random numbers"
+        if name.endswith("_") and not name.startswith("__"):
+            return "mutation", f"Tensor.{name} writes into its input"
+    elif node.op == "call_function":
+        target = node.target
+        if target in _MUTATING_FUNCTIONS:
+            return "mutation", f"{describe_target(target)} writes into a tensor"
+        if target in _RANDOM_FUNCTIONS:
+            return "random", f"{describe_target(target)} draws random numbers"
+        if target in _DROPOUT_FUNCTIONS and _bound_argument(target, node, "training", True):
+            return "random", "dropout in training mode draws random numbers"
+        if getattr(target, "__name__", "").endswith("_") and not getattr(target, "__name__", "").startswith("__"):
+            return "mutation", f"{describe_target(target)} writes into its input"
+        if callable(target) and _bound_argument(target, node, "inplace", False) is True:
+            return "mutation", f"{describe_target(target)}(inplace=True) writes into its input"
+    elif node.op == "call_module":
+        module = root.get_submodule(node.target)
+        if getattr(module, "inplace", False) is True:
+            return "mutation", f"{type(module).__name__}(inplace=True) writes into its input"
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
+            return "random", f"{type(module).__name__} in training mode draws random numbers"
+    return None
+
+
+@dataclass
+class Decision:
+    """The planner's verdict on one candidate."""
+
+    strategy: str
+    nodes: list[torch.fx.Node]
+    fused: bool
+    reason_code: str = "fused"
+    reason: str = ""
+    program: Optional[GroupProgram] = None
+
+
+@dataclass
+class Candidate:
+    strategy: StrategySpec
+    nodes: list[torch.fx.Node]
+    program: Optional[GroupProgram] = None
+
+
+@dataclass
+class SkippedNode:
+    node: str
+    target: str
+    reason_code: str
+    reason: str
+
+
+class PlanningView:
+    """What strategies see: the graph, each node's lowering, and the barriers."""
+
+    def __init__(self, gm: torch.fx.GraphModule, registry: Registry):
+        self.gm = gm
+        self.registry = registry
+        self.nodes: list[torch.fx.Node] = list(gm.graph.nodes)
+        self.order = {n: i for i, n in enumerate(self.nodes)}
+        self.lowered: dict[torch.fx.Node, Value] = {}
+        self.lowering_of: dict[torch.fx.Node, LoweringSpec] = {}
+        self.barriers: dict[torch.fx.Node, tuple[str, str]] = {}
+        self.skipped: list[SkippedNode] = []
+        self.helpers: dict[str, str] = {}
+        self._space_groups: Optional[list[list[torch.fx.Node]]] = None
+        self._lower_all()
+        self._barrier_positions = sorted(self.order[n] for n in self.barriers)
+
+    # -- step 1 ---------------------------------------------------------------
+
+    def _lower_all(self) -> None:
+        for node in self.nodes:
+            if node.op not in ("call_function", "call_method", "call_module"):
+                continue
+            target = node.target if node.op != "call_module" else type(self.gm.get_submodule(node.target))
+            barrier = barrier_reason(node, self.gm)
+            if barrier is not None:
+                self.barriers[node] = barrier
+                self.skipped.append(SkippedNode(node.name, describe_target(target), *barrier))
+                continue
+            spec = self.registry.lowering_for(node, self.gm)
+            if spec is None:
+                self.skipped.append(SkippedNode(node.name, describe_target(target), "no_lowering",
+                                                "no loaded plugin lowers this op; it runs eager"))
+                continue
+            meta = tensor_meta(node)
+            if meta is None:
+                self.skipped.append(SkippedNode(node.name, describe_target(target), "not_a_tensor",
+                                                "its result is not a single tensor"))
+                continue
+            dtypes = {dtype_name(m.dtype) for m in [meta, *map(tensor_meta, node.all_input_nodes)] if m is not None}
+            foreign = sorted(d for d in dtypes if d not in spec.dtypes and d != "bool")
+            if foreign:
+                self.skipped.append(SkippedNode(node.name, describe_target(target), "unsupported_dtype",
+                                                f"{spec.name} handles {', '.join(spec.dtypes)}, not {', '.join(foreign)}"))
+                continue
+            try:
+                value = spec.lower(LoweringContext(node, self.gm, self.helpers), *node.args, **node.kwargs)
+            except LoweringRefused as refusal:
+                self.skipped.append(SkippedNode(node.name, describe_target(target), refusal.code,
+                                                f"{spec.name}: {refusal.reason}"))
+                continue
+            except Exception as err:  # a plugin bug must not break the user's model
+                self.skipped.append(SkippedNode(node.name, describe_target(target), "lowering_failed",
+                                                f"{spec.name} (plugin {spec.plugin}) raised {type(err).__name__}: {err}"))
+                logger.warning("lowering %s of plugin %s failed on %s: %s", spec.name, spec.plugin, node.name, err)
+                continue
+            if not isinstance(value, Value) or tuple(value.shape) != tuple(meta.shape) or value.is_bool != (meta.dtype == torch.bool):
+                got = getattr(value, "shape", type(value).__name__)
+                self.skipped.append(SkippedNode(node.name, describe_target(target), "lowering_mismatch",
+                                                f"{spec.name} produced {got}, but eager gives {list(meta.shape)} {meta.dtype}"))
+                continue
+            self.lowered[node] = value
+            self.lowering_of[node] = spec
+
+    # -- legality helpers -------------------------------------------------------
+
+    def straddles_barrier(self, nodes: list[torch.fx.Node]) -> bool:
+        first = min(self.order[n] for n in nodes)
+        last = max(self.order[n] for n in nodes)
+        return any(first < p < last for p in self._barrier_positions)
+
+    def creates_cycle(self, nodes: set[torch.fx.Node], kept: dict[torch.fx.Node, int] = None,
+                      kept_groups: dict[int, set[torch.fx.Node]] = None) -> bool:
+        """Would contracting ``nodes`` (with the ``kept`` groups already contracted) make a cycle?"""
+        kept = kept or {}
+        kept_groups = kept_groups or {}
+        seen: set[torch.fx.Node] = set()
+        stack = [u for n in nodes for u in n.users if u not in nodes]
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node in nodes:
+                return True
+            group = kept_groups.get(kept.get(node, -1), {node})
+            for member in group:
+                seen.add(member)
+                for user in member.users:
+                    if user in nodes:
+                        return True
+                    if user not in seen:
+                        stack.append(user)
+        return False
+
+    def compose(self, nodes: list[torch.fx.Node]) -> GroupProgram:
+        ordered = sorted(nodes, key=self.order.__getitem__)
+        names = {n: self.lowering_of[n].name for n in ordered}
+        return compose_group(ordered, self.lowered, self.gm, names)
+
+    # -- step 2 helper ------------------------------------------------------------
+
+    def space_groups(self) -> list[list[torch.fx.Node]]:
+        """Cached result of ``_grow_space_groups`` (several strategies ask)."""
+        if self._space_groups is None:
+            self._space_groups = self._grow_space_groups()
+        return [list(g) for g in self._space_groups]
+
+    def kinds(self, nodes: list[torch.fx.Node]) -> set[str]:
+        """The lowering kinds (``pointwise``, ``reduction``, ...) among ``nodes``."""
+        return {self.lowering_of[n].kind for n in nodes if n in self.lowering_of}
+
+    def _grow_space_groups(self) -> list[list[torch.fx.Node]]:
+        """Grow groups along producer -> consumer edges, in graph order, while the
+        union still composes into one domain, straddles no barrier and makes no
+        cycle. Every lowered node ends in exactly one group."""
+        group_of: dict[torch.fx.Node, int] = {}
+        members: dict[int, list[torch.fx.Node]] = {}
+        for node in self.nodes:
+            if node not in self.lowered:
+                continue
+            gid = len(members)
+            group_of[node] = gid
+            members[gid] = [node]
+            for producer in node.all_input_nodes:
+                if producer not in group_of:
+                    continue
+                a, b = group_of[producer], group_of[node]
+                if a == b:
+                    continue
+                union = members[a] + members[b]
+                if self.straddles_barrier(union) or self.creates_cycle(set(union)):
+                    continue
+                try:
+                    self.compose(union)
+                except GroupRefused:
+                    continue
+                for n in members[b]:
+                    group_of[n] = a
+                members[a] = sorted(union, key=self.order.__getitem__)
+                del members[b]
+        return list(members.values())
+
+
+@dataclass
+class Plan:
+    view: PlanningView
+    kept: list[Candidate] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+
+
+def plan_fusion_groups(gm: torch.fx.GraphModule, registry: Registry, veto=None, options=None) -> Plan:
+    """Steps 1-3 of the module doc. ``veto(candidate)`` returns a reason or ``None``."""
+    view = PlanningView(gm, registry)
+    plan = Plan(view)
+    candidates: list[Candidate] = []
+    for strategy in registry.strategies_by_priority():
+        try:
+            proposed = strategy.propose(view)
+        except Exception as err:
+            logger.warning("strategy %s (plugin %s) failed to propose groups: %s", strategy.name, strategy.plugin, err)
+            continue
+        candidates.extend(Candidate(strategy, sorted(nodes, key=view.order.__getitem__)) for nodes in proposed if nodes)
+    candidates.sort(key=lambda c: (-len(c.nodes), view.order[c.nodes[0]]))
+
+    kept_of: dict[torch.fx.Node, int] = {}
+    kept_groups: dict[int, set[torch.fx.Node]] = {}
+
+    def refuse(candidate: Candidate, code: str, reason: str) -> None:
+        plan.decisions.append(Decision(candidate.strategy.name, candidate.nodes, False, code, reason, candidate.program))
+        logger.debug("not fusing %s with %s: [%s] %s", [n.name for n in candidate.nodes], candidate.strategy.name, code, reason)
+
+    for candidate in candidates:
+        nodes = candidate.nodes
+        if any(n not in view.lowered for n in nodes):
+            refuse(candidate, "not_lowered", "the strategy proposed nodes that have no lowering")
+            continue
+        if any(n in kept_of for n in nodes):
+            refuse(candidate, "overlap", "overlaps a group that was already kept")
+            continue
+        if view.straddles_barrier(nodes):
+            refuse(candidate, "barrier", "a mutation, random or opaque op sits between its first and last node")
+            continue
+        try:
+            candidate.program = view.compose(nodes)
+        except GroupRefused as refusal:
+            refuse(candidate, refusal.code, refusal.reason)
+            continue
+        verdict = candidate.strategy.accepts(candidate.program)
+        if verdict is not None:
+            refuse(candidate, *verdict)
+            continue
+        if view.creates_cycle(set(nodes), kept_of, kept_groups):
+            refuse(candidate, "cycle", "contracting it into one kernel would create a cycle in the graph")
+            continue
+        vetoed = veto(candidate) if veto is not None else None
+        if vetoed:
+            refuse(candidate, "vetoed", str(vetoed))
+            continue
+        gid = len(kept_groups)
+        kept_groups[gid] = set(nodes)
+        for n in nodes:
+            kept_of[n] = gid
+        plan.kept.append(candidate)
+    return plan

@@ -1,0 +1,145 @@
+"""The registry: validated specs from every loaded plugin, and the look-ups the
+planner needs (which lowering handles this fx node).
+
+Rules, each enforced when a spec is registered:
+
+1. A spec is validated by its pydantic model; failure is a ``SpecError``
+   naming the plugin, the hook and what was wrong.
+2. The registry stamps ``spec.plugin`` with the registering plugin's name.
+3. Two specs of one kind with the same name are a duplicate: refused.
+4. Two lowerings claiming the same target at the same priority are a tie:
+   refused, naming both plugins. A plugin that means to replace a bundled
+   lowering registers with a higher ``priority``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Type, TypeVar
+
+import torch
+from pydantic import ValidationError
+
+from .errors import SpecError
+from .specs import LoweringSpec, QuantizerSpec, Spec, StrategySpec
+
+SpecT = TypeVar("SpecT", bound=Spec)
+
+
+def describe_target(target: Any) -> str:
+    """A readable name for a lowering target: ``torch.nn.functional.gelu``, ``Tensor.add``."""
+    if isinstance(target, str):
+        return f"Tensor.{target}"
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+    return f"{module}.{name}" if module else name
+
+
+def _target_key(target: Any) -> tuple[str, Any]:
+    if isinstance(target, str):
+        return ("call_method", target)
+    if isinstance(target, type):
+        return ("call_module", target)
+    return ("call_function", target)
+
+
+class Registry:
+    """Specs of one plugin set. Built fresh for every ``fuse()`` call."""
+
+    def __init__(self) -> None:
+        self.lowerings: dict[str, LoweringSpec] = {}
+        self.strategies: dict[str, StrategySpec] = {}
+        self.quantizers: dict[str, QuantizerSpec] = {}
+        self._by_target: dict[tuple[str, Any], LoweringSpec] = {}
+
+    # -- registration -------------------------------------------------------
+
+    def _validate(self, spec_type: Type[SpecT], plugin: str, hook: str, spec: Any, fields: Mapping) -> SpecT:
+        if spec is not None and fields:
+            raise SpecError(
+                f"plugin {plugin!r} ({hook}): pass either a {spec_type.__name__} or its fields "
+                "as keywords to register(), not both."
+            )
+        raw = spec if spec is not None else dict(fields)
+        if isinstance(raw, spec_type):
+            raw = {name: getattr(raw, name) for name in raw.model_fields_set | {"name"}}
+        elif not isinstance(raw, Mapping):
+            raise SpecError(
+                f"plugin {plugin!r} ({hook}) registered a {type(raw).__name__}; "
+                f"register a {spec_type.__name__} or its fields as keywords."
+            )
+        if raw.get("plugin") not in (None, plugin):
+            raise SpecError(
+                f"plugin {plugin!r} ({hook}) set plugin={raw['plugin']!r} on spec "
+                f"{raw.get('name')!r}; leave `plugin` unset, the registry fills it in."
+            )
+        try:
+            return spec_type.model_validate({**raw, "plugin": plugin})
+        except ValidationError as err:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or '(spec)'}: {e['msg']}" for e in err.errors()
+            )
+            raise SpecError(
+                f"plugin {plugin!r} registered an invalid {spec_type.__name__} "
+                f"{raw.get('name', '<unnamed>')!r} from {hook}: {problems}. "
+                f"Fix the spec in plugin {plugin!r}."
+            ) from None
+
+    def _add_unique(self, table: dict[str, SpecT], spec: SpecT, what: str) -> None:
+        existing = table.get(spec.name)
+        if existing is not None:
+            raise SpecError(
+                f"duplicate {what} {spec.name!r}: registered by plugin {existing.plugin!r} and again "
+                f"by plugin {spec.plugin!r}. Rename one of them, or load only one of the two plugins."
+            )
+        table[spec.name] = spec
+
+    def register_lowering(self, plugin: str, spec: Any = None, **fields: Any) -> LoweringSpec:
+        lowering = self._validate(LoweringSpec, plugin, "autofuser_register_lowerings", spec, fields)
+        # Check every target before changing anything, so a refused spec leaves no trace.
+        replaced: list[tuple[str, Any]] = []
+        for target in lowering.targets:
+            key = _target_key(target)
+            holder = self._by_target.get(key)
+            if holder is None or holder.priority < lowering.priority:
+                replaced.append(key)
+            elif holder.priority == lowering.priority:
+                raise SpecError(
+                    f"tie on target {describe_target(target)}: lowering {lowering.name!r} of plugin "
+                    f"{lowering.plugin!r} and lowering {holder.name!r} of plugin {holder.plugin!r} both "
+                    f"claim it at priority {lowering.priority}. Give the one that should win a higher "
+                    "`priority`, or load only one of the two plugins."
+                )
+        self._add_unique(self.lowerings, lowering, "lowering")
+        for key in replaced:
+            self._by_target[key] = lowering
+        return lowering
+
+    def register_strategy(self, plugin: str, spec: Any = None, **fields: Any) -> StrategySpec:
+        strategy = self._validate(StrategySpec, plugin, "autofuser_register_strategies", spec, fields)
+        self._add_unique(self.strategies, strategy, "strategy")
+        return strategy
+
+    def register_quantizer(self, plugin: str, spec: Any = None, **fields: Any) -> QuantizerSpec:
+        quantizer = self._validate(QuantizerSpec, plugin, "autofuser_register_quantizers", spec, fields)
+        self._add_unique(self.quantizers, quantizer, "quantizer")
+        return quantizer
+
+    # -- look-ups ------------------------------------------------------------
+
+    def lowering_for(self, node: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> Optional[LoweringSpec]:
+        """The lowering that handles ``node``, or ``None`` if no plugin does."""
+        if node.op == "call_function":
+            return self._by_target.get(("call_function", node.target))
+        if node.op == "call_method":
+            return self._by_target.get(("call_method", node.target))
+        if node.op == "call_module" and root is not None:
+            module_type = type(root.get_submodule(node.target))
+            # An exact type match first, then the nearest registered base class.
+            for klass in module_type.__mro__:
+                found = self._by_target.get(("call_module", klass))
+                if found is not None:
+                    return found
+        return None
+
+    def strategies_by_priority(self) -> list[StrategySpec]:
+        return sorted(self.strategies.values(), key=lambda s: (-s.priority, s.name))

@@ -1,0 +1,117 @@
+"""``FusionReport``: what was fused, what wasn't, and why - as data.
+
+A report is a pydantic model (``report.to_json()`` round-trips through
+``FusionReport.model_validate_json``) and ``str(report)`` is a readable table.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class GroupEntry(BaseModel):
+    """One fusion candidate and its fate."""
+
+    model_config = ConfigDict(extra="forbid")
+    strategy: str
+    nodes: list[str]
+    ops: list[str]
+    fused: bool
+    reason_code: str
+    reason: str = ""
+    kernel: Optional[str] = None
+    config: dict[str, int] = Field(default_factory=dict)
+    bytes_before: int = 0
+    bytes_after: int = 0
+    time_eager_ms: Optional[float] = None
+    time_fused_ms: Optional[float] = None
+    max_error: Optional[float] = None
+    tuning_s: float = 0.0
+    cache_hit: bool = False
+
+
+class NodeEntry(BaseModel):
+    """A node that no group covers, and why."""
+
+    model_config = ConfigDict(extra="forbid")
+    node: str
+    target: str
+    reason_code: str
+    reason: str
+
+
+class FusionReport(BaseModel):
+    """Everything one compiled signature decided."""
+
+    model_config = ConfigDict(extra="forbid")
+    signature: str = ""
+    device: str = ""
+    plugins: list[str] = Field(default_factory=list)
+    groups: list[GroupEntry] = Field(default_factory=list)
+    unfused_nodes: list[NodeEntry] = Field(default_factory=list)
+    opaque: dict[str, str] = Field(default_factory=dict)
+    notes: list[str] = Field(default_factory=list)
+    compile_s: float = 0.0
+
+    @property
+    def fused(self) -> list[GroupEntry]:
+        return [g for g in self.groups if g.fused]
+
+    @property
+    def skipped(self) -> list[GroupEntry]:
+        return [g for g in self.groups if not g.fused]
+
+    def to_json(self, **kwargs) -> str:
+        return self.model_dump_json(indent=kwargs.pop("indent", 1), **kwargs)
+
+    def __str__(self) -> str:
+        lines = [f"AutoFuser report - {self.signature or 'no signature'} on {self.device or '?'}"]
+        lines.append(f"plugins: {', '.join(self.plugins) or 'none'}; compile {self.compile_s:.2f} s")
+        fused = self.fused
+        saved = sum(g.bytes_before - g.bytes_after for g in fused)
+        lines.append(f"{len(fused)} fused group(s), {len(self.skipped)} skipped; predicted traffic saved {_bytes(saved)}")
+        if self.groups:
+            lines.append("")
+            lines.append(f"{'':2}{'strategy':<14}{'ops':<44}{'bytes before->after':<24}{'eager/fused ms':<18}reason")
+            for g in self.groups:
+                mark = "+" if g.fused else "-"
+                ops = " > ".join(g.ops)
+                if len(ops) > 42:
+                    ops = ops[:39] + "..."
+                times = (f"{g.time_eager_ms:.3f}/{g.time_fused_ms:.3f}"
+                         if g.time_eager_ms is not None and g.time_fused_ms is not None else "-")
+                traffic = f"{_bytes(g.bytes_before)} -> {_bytes(g.bytes_after)}"
+                why = g.reason_code + (f": {g.reason}" if g.reason else "")
+                if g.cache_hit:
+                    why += " (cache hit)"
+                lines.append(f"{mark:2}{g.strategy:<14}{ops:<44}{traffic:<24}{times:<18}{why}")
+        if self.unfused_nodes:
+            lines.append("")
+            lines.append("left eager:")
+            by_reason: dict[tuple[str, str, str], int] = {}
+            for n in self.unfused_nodes:
+                key = (n.target, n.reason_code, n.reason)
+                by_reason[key] = by_reason.get(key, 0) + 1
+            for (target, code, reason), count in by_reason.items():
+                times = f" x{count}" if count > 1 else ""
+                lines.append(f"  {target}{times}: {code}: {reason}")
+        if self.opaque:
+            lines.append("")
+            lines.append("opaque parts (could not be traced, run as they are):")
+            for path, reason in self.opaque.items():
+                lines.append(f"  {path or '<whole model>'}: {reason}")
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        return "\n".join(lines)
+
+
+def _bytes(n: int) -> str:
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    return f"{sign}{n} B"

@@ -1,0 +1,110 @@
+"""Rewriting the graph: each kept group becomes one call.
+
+``rewrite_graph`` re-emits the graph in a new ``torch.fx.Graph``:
+
+1. every group is one unit placed at its *last* node's position, every other
+   node is its own unit at its own position;
+2. units are emitted in dependency order, ties broken by position (Kahn's
+   algorithm with a heap), so a node that sat between a group's first and last
+   node and uses one of its outputs moves after the group - the planner
+   guaranteed that no mutation, random or opaque node is among those;
+3. a group's unit is ``call_function(FusedKernel, inputs)``; parameters it
+   reads become ``get_attr`` nodes, so they are read at call time; several
+   outputs come out through ``operator.getitem``;
+4. the nodes inside groups are not emitted (dead code out); the graph is
+   linted and wrapped in a ``GraphModule`` sharing the original's modules and
+   parameters.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from .group import GroupProgram
+from .ir import AttrRef
+
+
+def extract_group_module(gm: torch.fx.GraphModule, program: GroupProgram) -> torch.fx.GraphModule:
+    """The group's original ops as a ``GraphModule`` taking the kernel's inputs."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for k, tensor in enumerate(program.inputs):
+        placeholder = graph.placeholder(f"in{k}")
+        if isinstance(tensor.source, torch.fx.Node):
+            env[tensor.source] = placeholder
+    for node in program.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    outs = [env[t.source] for t in program.outputs]
+    graph.output(outs[0] if len(outs) == 1 else tuple(outs))
+    return torch.fx.GraphModule(gm, graph, class_name="EagerGroup")
+
+
+def rewrite_graph(gm: torch.fx.GraphModule, groups: Sequence[tuple[GroupProgram, Any]]) -> torch.fx.GraphModule:
+    """Steps 1-4 of the module doc. ``groups`` pairs each program with its callable."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    unit_of: dict[torch.fx.Node, Any] = {}
+    for gid, (program, _) in enumerate(groups):
+        for node in program.nodes:
+            unit_of[node] = ("group", gid)
+    units: dict[Any, int] = {}
+    deps: dict[Any, set] = {}
+    for node in nodes:
+        unit = unit_of.get(node, node)
+        units[unit] = max(units.get(unit, -1), position[node])
+        deps.setdefault(unit, set())
+        for inp in node.all_input_nodes:
+            source = unit_of.get(inp, inp)
+            if source != unit:
+                deps[unit].add(source)
+    users: dict[Any, set] = {u: set() for u in units}
+    for unit, needs in deps.items():
+        for need in needs:
+            users[need].add(unit)
+    pending = {u: len(needs) for u, needs in deps.items()}
+    heap = [(units[u], id(u), u) for u, n in pending.items() if n == 0]
+    heapq.heapify(heap)
+
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    attrs: dict[str, torch.fx.Node] = {}
+    emitted = 0
+    while heap:
+        _, _, unit = heapq.heappop(heap)
+        emitted += 1
+        if isinstance(unit, tuple):
+            program, fused = groups[unit[1]]
+            args = []
+            for tensor in program.inputs:
+                if isinstance(tensor.source, AttrRef):
+                    if tensor.source.path not in attrs:
+                        attrs[tensor.source.path] = graph.get_attr(tensor.source.path)
+                    args.append(attrs[tensor.source.path])
+                else:
+                    args.append(env[tensor.source])
+            call = graph.call_function(fused, tuple(args))
+            if len(program.outputs) == 1:
+                env[program.outputs[0].source] = call
+                call.meta.update(program.outputs[0].source.meta)
+            else:
+                for k, out in enumerate(program.outputs):
+                    item = graph.call_function(operator.getitem, (call, k))
+                    item.meta.update(out.source.meta)
+                    env[out.source] = item
+        else:
+            env[unit] = graph.node_copy(unit, lambda n: env[n])
+        for user in users[unit]:
+            pending[user] -= 1
+            if pending[user] == 0:
+                heapq.heappush(heap, (units[user], id(user), user))
+    if emitted != len(units):
+        raise RuntimeError("internal error: the fused graph has a cycle (the planner should have refused it)")
+    graph.lint()
+    new_gm = torch.fx.GraphModule(gm, graph, class_name="FusedGraph")
+    new_gm.meta.update(gm.meta)
+    return new_gm

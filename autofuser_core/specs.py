@@ -1,0 +1,172 @@
+"""The spec types plugins register: lowerings, strategies, quantisers.
+
+Specs are pydantic models, frozen and refusing unknown fields, so a typo in a
+plugin (``tolerance=`` for ``tolerances=``) fails when the plugin registers,
+not when a user's model is compiled. The registry stamps ``plugin`` with the
+registering plugin's name; plugins leave it unset.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: The floating dtypes every kernel loads and stores; kernels compute in fp32.
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+KNOWN_DTYPES = FLOAT_DTYPES + ("float64", "bool", "int8", "uint8", "int16", "int32", "int64")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``: the spelling specs and reports use."""
+    return str(dtype).removeprefix("torch.")
+
+
+class Spec(BaseModel):
+    """Common base: frozen, strict about unknown fields, stamped with its plugin."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    name: str = Field(min_length=1, description="Unique name, e.g. 'elementwise.gelu'.")
+    description: str = ""
+    priority: int = Field(0, description="Higher wins when two specs claim the same target; equal is a tie and an error.")
+    plugin: Optional[str] = Field(None, description="Set by the registry: the plugin that registered this spec.")
+
+
+class Tolerance(BaseModel):
+    """``|fused - eager| <= atol + rtol * |eager|`` element by element."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    atol: float = Field(ge=0)
+    rtol: float = Field(ge=0)
+
+
+#: Defaults for fused-vs-eager checks; fp32 leaves room for a different summation order.
+DEFAULT_TOLERANCES: dict[str, Tolerance] = {
+    "float32": Tolerance(atol=1e-5, rtol=1e-4),
+    "float16": Tolerance(atol=1e-3, rtol=1e-2),
+    "bfloat16": Tolerance(atol=1e-2, rtol=4e-2),
+}
+
+
+class Sample(BaseModel):
+    """One set of inputs for a lowering's conformance check."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    note: str = ""
+
+
+LoweringKind = Literal["pointwise", "reduction", "matmul", "layout", "opaque"]
+
+
+class LoweringSpec(Spec):
+    """How one op (in all its forms) becomes kernel IR.
+
+    ``targets`` lists what the op looks like in an fx graph: callables for
+    ``call_function`` nodes (``torch.add``, ``operator.add``, ``F.gelu``),
+    strings for ``call_method`` nodes (``"add"``), and ``nn.Module`` subclasses
+    for ``call_module`` nodes (``nn.GELU``). ``lower(ctx, *args, **kwargs)``
+    receives the node's own arguments and returns an IR value built through
+    ``ctx`` (see ``autofuser_core.ir.LoweringContext``), or calls
+    ``ctx.refuse(code, reason)`` for an argument combination it can't serve.
+
+    ``dtypes`` are the dtypes the op's tensors (inputs and result) may have;
+    boolean tensors (conditions, comparison results) are always accepted.
+
+    ``references`` are callables written in the op's forms; the conformance
+    test traces each on every sample from ``samples(dtype)`` and compares the
+    fused result with eager within ``tolerances``.
+    """
+
+    targets: tuple[Any, ...] = Field(min_length=1)
+    kind: LoweringKind
+    lower: Callable[..., Any]
+    dtypes: tuple[str, ...] = FLOAT_DTYPES
+    samples: Optional[Callable[[torch.dtype], list[Sample]]] = None
+    references: tuple[Callable[..., Any], ...] = ()
+    tolerances: dict[str, Tolerance] = Field(default_factory=lambda: dict(DEFAULT_TOLERANCES))
+
+    @field_validator("targets")
+    @classmethod
+    def _targets_are_recognisable(cls, targets: tuple[Any, ...]) -> tuple[Any, ...]:
+        for target in targets:
+            if isinstance(target, str):
+                if not target.isidentifier():
+                    raise ValueError(f"method target {target!r} is not a method name")
+            elif isinstance(target, type):
+                if not issubclass(target, torch.nn.Module):
+                    raise ValueError(f"class target {target.__name__} is not an nn.Module subclass")
+            elif not callable(target):
+                raise ValueError(
+                    f"target {target!r} is neither a callable, a method name nor an nn.Module subclass"
+                )
+        return targets
+
+    @field_validator("dtypes")
+    @classmethod
+    def _dtypes_known(cls, dtypes: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [d for d in dtypes if d not in KNOWN_DTYPES]
+        if unknown:
+            raise ValueError(f"unknown dtype name(s) {unknown}; use names like {list(FLOAT_DTYPES)}")
+        return dtypes
+
+    @field_validator("tolerances")
+    @classmethod
+    def _tolerance_keys_known(cls, tolerances: dict[str, Tolerance]) -> dict[str, Tolerance]:
+        unknown = [d for d in tolerances if d not in KNOWN_DTYPES]
+        if unknown:
+            raise ValueError(f"tolerances name unknown dtype(s) {unknown}")
+        return {**DEFAULT_TOLERANCES, **tolerances}
+
+    @model_validator(mode="after")
+    def _samples_need_references(self) -> "LoweringSpec":
+        if self.samples is not None and not self.references:
+            raise ValueError("samples were given but no references to compare them against")
+        return self
+
+    def tolerance(self, dtype: torch.dtype) -> Tolerance:
+        return self.tolerances.get(dtype_name(dtype), DEFAULT_TOLERANCES["float32"])
+
+
+class StrategySpec(Spec):
+    """A tiling strategy: which groups it can generate, and how.
+
+    Called by the planner in this order:
+
+    1. ``propose(view)`` -> list of node lists: candidate groups in the graph
+       (``view`` is an ``autofuser_core.planner.PlanningView``).
+    2. ``accepts(program)`` -> ``None`` or ``(reason_code, sentence)``: a final
+       say on a composed ``GroupProgram`` (shapes, dtypes, reductions).
+    3. ``configs(program)`` -> candidate launch configs (dicts over
+       ``block_params`` plus ``num_warps``/``num_stages``); ``is_valid(program,
+       config)`` -> ``None`` or a reason, filters them (registers, shared memory,
+       divisibility). ``default_config(program)`` is used when there is no
+       tuning (the Triton interpreter) and must be valid.
+    4. ``generate(program, helpers)`` -> ``autofuser_core.codegen.KernelSource``
+       (``helpers``: the ``@triton.jit`` helper functions lowerings asked for,
+       by name).
+    """
+
+    block_params: tuple[str, ...] = ()
+    propose: Callable[..., list]
+    accepts: Callable[..., Any] = Field(default=lambda program: None)
+    configs: Callable[..., list[dict]]
+    default_config: Callable[..., dict]
+    is_valid: Callable[..., Optional[str]] = Field(default=lambda program, config: None)
+    generate: Callable[..., Any]
+
+
+class QuantizerSpec(Spec):
+    """A weight format: ``quantize(weight) -> dict of tensors`` and its inverse.
+
+    ``dequantize(packed) -> tensor`` is the plain-torch reference the fused
+    kernels are checked against.
+    """
+
+    format: str = Field(min_length=1)
+    block_size: int = Field(gt=0)
+    quantize: Callable[..., dict]
+    dequantize: Callable[..., torch.Tensor]

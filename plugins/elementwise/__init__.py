@@ -1,0 +1,19 @@
+"""Pointwise ops (arithmetic, activations, casts, where, clamp, ...) and the
+elementwise strategy, which fuses same-shaped chains of them into one kernel."""
+
+from autofuser import hookimpl
+from autofuser_core.oplib import collect_specs
+
+from . import ops
+from .strategy import ELEMENTWISE_STRATEGY
+
+
+@hookimpl
+def autofuser_register_lowerings(register):
+    for spec in collect_specs(ops):
+        register(spec)
+
+
+@hookimpl
+def autofuser_register_strategies(register):
+    register(ELEMENTWISE_STRATEGY)

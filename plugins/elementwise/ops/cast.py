@@ -1,0 +1,75 @@
+"""Dtype casts: ``x.float()``, ``x.half()``, ``x.bfloat16()``, ``x.bool()``,
+``x.to(dtype)``, ``x.type(dtype)``, ``x.type_as(y)``.
+
+Kernels compute in fp32 and the core rounds every node's result to the dtype
+eager produced for it, so a cast between float types is the value itself.
+bool -> float becomes 0/1 and float -> bool is ``x != 0`` (NaN is True, as in
+torch). Everything else stays eager: integer and float64 targets, device moves
+(``x.to("cuda")``, a device anywhere in the arguments), type strings (they can
+name a device) and memory formats other than the preserved one.
+"""
+
+import torch
+
+from autofuser import LoweringSpec, Sample
+
+from ._common import FLOAT_DTYPES, lowering, randn
+
+
+@lowering
+def lower_cast(ctx, input, *args, **kwargs):
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, (str, torch.device)):
+            ctx.refuse("device_move", f"{ctx.node.target}: argument {arg!r} names a device or a type string; left to eager")
+    if kwargs.get("device") is not None:
+        ctx.refuse("device_move", f"{ctx.node.target}: device= moves the tensor; left to eager")
+    memory_format = kwargs.get("memory_format", torch.preserve_format)
+    if memory_format is not torch.preserve_format:
+        ctx.refuse("unsupported_argument", f"{ctx.node.target}: memory_format={memory_format} changes the layout")
+    if ctx.out_shape is None:
+        ctx.refuse("not_a_tensor", f"{ctx.node.target}: the result is not a tensor")
+    # to(other) and type_as(other) take other's device too; every operand of a
+    # fused kernel lives on one device, so a cross-device cast never fuses anyway.
+    source, target = ctx.dtype(input), ctx.out_dtype
+    if target == torch.bool:
+        if source == torch.bool:
+            return ctx.tensor(input)
+        return ctx.pointwise("{0} != 0", input, is_bool=True)
+    if target not in FLOAT_DTYPES:
+        ctx.refuse("unsupported_dtype", f"{ctx.node.target}: cast to {target} (kernels store fp32/fp16/bf16/bool)")
+    if source == torch.bool:
+        return ctx.pointwise("{0}.to(tl.float32)", input)
+    return ctx.tensor(input)
+
+
+def _samples(dtype):
+    return [
+        Sample(args=(randn((3, 37), dtype, scale=100.0), randn((3, 37), dtype)), note="values fp16/bf16 must round"),
+        Sample(args=(randn((1, 129), dtype), randn((), dtype))),
+        Sample(args=(randn((2, 3, 5, 7), dtype) > 0, randn((1,), dtype)), note="bool input"),
+    ]
+
+
+SPECS = [
+    LoweringSpec(
+        name="elementwise.cast",
+        description="dtype conversion between fp32/fp16/bf16/bool (the value itself; the core rounds)",
+        targets=("float", "half", "bfloat16", "bool", "to", "type", "type_as"),
+        kind="pointwise",
+        lower=lower_cast,
+        samples=_samples,
+        references=(
+            lambda x, y: x.float(),
+            lambda x, y: x.half(),
+            lambda x, y: x.bfloat16(),
+            lambda x, y: x.bool(),
+            lambda x, y: x.to(torch.float16),
+            lambda x, y: x.to(dtype=torch.bfloat16),
+            lambda x, y: x.to(torch.float32, copy=True),
+            lambda x, y: x.to(y),
+            lambda x, y: x.type(torch.float16),
+            lambda x, y: x.type_as(y),
+            lambda x, y: x.float() * 3 + y.half(),  # casts feeding arithmetic
+        ),
+    ),
+]

@@ -1,0 +1,54 @@
+"""The elementwise strategy: a same-domain chain of pointwise ops as one flat
+kernel, each program handling ``BLOCK`` consecutive elements of the domain."""
+
+from __future__ import annotations
+
+from autofuser import StrategySpec
+from autofuser_core.codegen import write_kernel
+
+BLOCKS = (256, 512, 1024, 2048, 4096)
+WARPS = (2, 4, 8)
+
+
+def propose(view):
+    return [group for group in view.space_groups() if view.kinds(group) == {"pointwise"}]
+
+
+def accepts(program):
+    if program.reduced_dims:
+        return ("needs_reduction", "the group reduces; the row-reduction strategy serves it")
+    return None
+
+
+def configs(program):
+    return [{"BLOCK": b, "num_warps": w} for b in BLOCKS for w in WARPS]
+
+
+def is_valid(program, config):
+    per_thread = config["BLOCK"] // (32 * config["num_warps"])
+    if per_thread < 1:
+        return f"BLOCK {config['BLOCK']} leaves threads idle with {config['num_warps']} warps"
+    if per_thread > 32:
+        return f"{per_thread} elements per thread would spill registers"
+    return None
+
+
+def default_config(program):
+    return {"BLOCK": 1024, "num_warps": 4}
+
+
+def generate(program, helpers):
+    return write_kernel(program, "flat", "elementwise", helpers)
+
+
+ELEMENTWISE_STRATEGY = StrategySpec(
+    name="elementwise",
+    description="Same-shaped chains of pointwise ops, one flat kernel.",
+    block_params=("BLOCK",),
+    propose=propose,
+    accepts=accepts,
+    configs=configs,
+    is_valid=is_valid,
+    default_config=default_config,
+    generate=generate,
+)

@@ -1,0 +1,20 @@
+"""Reductions (sum, mean, amax, var), softmax, log-softmax, layer norm and RMS
+norm, and the row-reduction strategy, which fuses them with the pointwise ops
+before and after."""
+
+from autofuser import hookimpl
+from autofuser_core.oplib import collect_specs
+
+from . import ops
+from .strategy import ROW_REDUCTION_STRATEGY
+
+
+@hookimpl
+def autofuser_register_lowerings(register):
+    for spec in collect_specs(ops):
+        register(spec)
+
+
+@hookimpl
+def autofuser_register_strategies(register):
+    register(ROW_REDUCTION_STRATEGY)

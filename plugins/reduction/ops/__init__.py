@@ -1,0 +1,1 @@
+"""The reduction plugin's ops, one file each; every module defines `SPECS`."""

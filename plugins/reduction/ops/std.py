@@ -1,0 +1,39 @@
+"""``std``: torch.std and Tensor.std, the square root of the variance of :mod:`var`."""
+
+import torch
+
+from autofuser import LoweringSpec, Sample
+
+from .var import deviations
+
+
+def lower_std(ctx, *args, **kwargs):
+    deviation, dims, denominator, keepdim = deviations(ctx, "std", args, kwargs)
+    squares = ctx.reduce("sum", ctx.pointwise("{0} * {0}", deviation), dims, keepdim=keepdim)
+    return ctx.pointwise("tl.sqrt({0} / %r)" % denominator, squares)
+
+
+def _samples(dtype):
+    return [Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
+            for shape in ((3, 37), (1, 129), (2, 5, 17), (4, 6, 9))]
+
+
+SPECS = [
+    LoweringSpec(
+        name="reduction.std",
+        description="Standard deviation over dims, unbiased/correction, keepdim either way (two-pass).",
+        targets=(torch.std, "std"),
+        kind="reduction",
+        lower=lower_std,
+        samples=_samples,
+        references=(
+            lambda x: x.std(-1),
+            lambda x: torch.std(x, 1, keepdim=True),
+            lambda x: torch.std(x, dim=(0, -1), correction=0),
+            lambda x: torch.std(x, 1, False, True),
+            lambda x: x.std(unbiased=False),
+            lambda x: torch.std(x, False),
+            lambda x: x.std(dim=-1, correction=2, keepdim=True),
+        ),
+    )
+]

@@ -1,0 +1,79 @@
+"""``var``: torch.var and Tensor.var, with ``unbiased`` or ``correction``.
+
+Two passes over the same dims - the mean, then the squared deviations from
+it over ``N - correction`` - rather than E[x^2] - E[x]^2, which cancels catastrophically when the mean
+is large next to the spread. ``std`` reuses :func:`deviations`.
+"""
+
+import torch
+
+from autofuser import LoweringSpec, Sample
+
+from ._common import bind, count, float_input, reduction_dims
+
+
+def deviations(ctx, op, args, kwargs):
+    """What an fx ``var``/``std`` node asks for: ``(x - mean, dims, N - correction, keepdim)``.
+
+    torch has three signatures: ``(input, dim, unbiased, keepdim)``,
+    ``(input, unbiased)`` (a bool in second place), and
+    ``(input, dim=None, *, correction=None, keepdim=False)``.
+    """
+    if len(args) >= 2 and isinstance(args[1], bool):
+        positional = ("input", "unbiased")
+    else:
+        positional = ("input", "dim", "unbiased", "keepdim")
+    b = bind(ctx, op, args, kwargs, positional, ("dim", "unbiased", "keepdim", "correction", "out"),
+             {"dim": None, "keepdim": False})
+    x, shape = float_input(ctx, op, b["input"])
+    dims = reduction_dims(ctx, op, b["dim"], len(shape))
+    unbiased, correction = b.get("unbiased"), b.get("correction")
+    if unbiased is not None and correction is not None:
+        ctx.refuse("unsupported_argument", f"{op}: both unbiased= and correction= given")
+    if unbiased is not None:
+        if not isinstance(unbiased, bool):
+            ctx.refuse("unsupported_argument", f"{op}: unbiased={unbiased!r} is not a bool")
+        correction = 1 if unbiased else 0
+    elif correction is None:
+        correction = 1
+    elif isinstance(correction, bool) or not isinstance(correction, (int, float)):
+        ctx.refuse("unsupported_argument", f"{op}: correction={correction!r} is not a number")
+    n = count(shape, dims)
+    if n - correction <= 0:
+        # Eager divides by max(0, N - correction): inf or nan. Not worth a kernel.
+        ctx.refuse("degenerate_correction", f"{op}: {n} elements with correction={correction} leave no degrees of freedom")
+
+    mean = ctx.pointwise("{0} / %r" % float(n), ctx.reduce("sum", x, dims, keepdim=True))
+    return ctx.pointwise("{0} - {1}", x, mean), dims, float(n - correction), bool(b["keepdim"])
+
+
+def lower_var(ctx, *args, **kwargs):
+    deviation, dims, denominator, keepdim = deviations(ctx, "var", args, kwargs)
+    squares = ctx.reduce("sum", ctx.pointwise("{0} * {0}", deviation), dims, keepdim=keepdim)
+    return ctx.pointwise("{0} / %r" % denominator, squares)
+
+
+def _samples(dtype):
+    return [Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
+            for shape in ((3, 37), (1, 129), (2, 5, 17), (4, 6, 9))]
+
+
+SPECS = [
+    LoweringSpec(
+        name="reduction.var",
+        description="Variance over dims, unbiased/correction, keepdim either way (two-pass).",
+        targets=(torch.var, "var"),
+        kind="reduction",
+        lower=lower_var,
+        samples=_samples,
+        references=(
+            lambda x: x.var(-1),
+            lambda x: torch.var(x, 1, keepdim=True),
+            lambda x: torch.var(x, dim=(0, -1), correction=0),
+            lambda x: torch.var(x, 1, False, True),
+            lambda x: x.var(unbiased=False),
+            lambda x: torch.var(x, False),
+            lambda x: x.var(dim=-1, correction=2, keepdim=True),
+        ),
+    )
+]

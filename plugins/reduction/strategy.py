@@ -1,0 +1,74 @@
+"""The row-reduction strategy: reductions over one set of dims, with the
+pointwise ops before and after them, as one kernel in which every program holds
+``BLOCK_M`` whole rows in registers (``BLOCK_R`` covers the reduced dims), so
+softmax, layer norm and residual-add + norm read their input once."""
+
+from __future__ import annotations
+
+from autofuser import StrategySpec
+from autofuser_core.codegen import next_power_of_2, write_kernel
+
+#: Elements one program may hold per live value before registers spill.
+MAX_TILE = 16384
+ROW_BLOCKS = (1, 2, 4, 8, 16, 32, 64)
+WARPS = (1, 2, 4, 8, 16)
+
+
+def propose(view):
+    return [group for group in view.space_groups() if "reduction" in view.kinds(group)]
+
+
+def accepts(program):
+    if program.reduced_numel > MAX_TILE:
+        return (
+            "row_too_long",
+            f"rows of {program.reduced_numel} elements exceed the single-pass limit of {MAX_TILE}",
+        )
+    return None
+
+
+def _block_r(program):
+    return next_power_of_2(program.reduced_numel)
+
+
+def configs(program):
+    return [{"BLOCK_M": m, "num_warps": w} for m in ROW_BLOCKS for w in WARPS]
+
+
+def is_valid(program, config):
+    tile = config["BLOCK_M"] * _block_r(program)
+    if tile > MAX_TILE:
+        return f"a {config['BLOCK_M']} x {_block_r(program)} tile exceeds {MAX_TILE} elements"
+    per_thread = tile / (32 * config["num_warps"])
+    if per_thread < 1:
+        return "more threads than elements"
+    if per_thread > 64:
+        return f"{per_thread:.0f} elements per thread would spill registers"
+    if config["BLOCK_M"] > 1 and config["BLOCK_M"] // 2 >= program.outer_numel:
+        return "more rows per program than there are rows"
+    return None
+
+
+def default_config(program):
+    block_r = _block_r(program)
+    block_m = max(1, min(64, 4096 // block_r, next_power_of_2(program.outer_numel)))
+    tile = block_m * block_r
+    warps = 1 if tile <= 256 else 2 if tile <= 1024 else 4 if tile <= 4096 else 8
+    return {"BLOCK_M": block_m, "num_warps": warps}
+
+
+def generate(program, helpers):
+    return write_kernel(program, "rows", "row_reduction", helpers)
+
+
+ROW_REDUCTION_STRATEGY = StrategySpec(
+    name="row_reduction",
+    description="Reductions over one set of dims with their pointwise prologue and epilogue, whole rows in registers.",
+    block_params=("BLOCK_M",),
+    propose=propose,
+    accepts=accepts,
+    configs=configs,
+    is_valid=is_valid,
+    default_config=default_config,
+    generate=generate,
+)
