@@ -61,16 +61,43 @@ def preserved_state(module: torch.nn.Module):
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
+def _snapshot(value: Any) -> Any:
+    """A detached copy of a tensor with the same shape and strides (the kernel
+    was written for those strides); other values as they are."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach()
+    copy = value.clone()
+    if copy.stride() == value.stride() or value.numel() == 0:
+        return copy
+    # An overlapping view (expand): copy the memory it spans and view it alike.
+    span = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()))
+    return value.as_strided((span,), (1,)).clone().as_strided(value.shape, value.stride())
+
+
 class _Recorder(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, wanted: set[torch.fx.Node]):
+    """Runs the graph once and keeps, per kept group, its inputs as they are when
+    the group runs and its outputs as eager produced them. Both are copies: an
+    in-place op later in the graph (``a.add_(1)``, ``out[:, :3] = y``) must not
+    change what the kernel is checked against."""
+
+    def __init__(self, gm: torch.fx.GraphModule, programs: list[GroupProgram]):
         super().__init__(gm)
-        self.wanted = wanted
+        self.programs = programs
+        self.starts: dict[torch.fx.Node, list[int]] = {}
+        for index, program in enumerate(programs):
+            self.starts.setdefault(program.nodes[0], []).append(index)
+        self.wanted = {t.source for program in programs for t in program.outputs}
         self.values: dict[torch.fx.Node, Any] = {}
+        self.inputs: dict[int, dict[torch.fx.Node, Any]] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        for index in self.starts.get(n, ()):
+            self.inputs[index] = {t.source: _snapshot(self.env[t.source]) for t in self.programs[index].inputs
+                                  if isinstance(t.source, torch.fx.Node)}
         result = super().run_node(n)
         if n in self.wanted:
-            self.values[n] = result.detach() if isinstance(result, torch.Tensor) else result
+            self.values[n] = _snapshot(result)
         return result
 
 
@@ -114,11 +141,17 @@ def _device_key(device: torch.device) -> dict[str, Any]:
     return key
 
 
+def _can_tune(device: torch.device, options) -> bool:
+    """Tuning times real launches: only on a GPU (the interpreter's timings mean
+    nothing), and only when the user asked for it."""
+    return device.type == "cuda" and options.tune
+
+
 def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, progress) -> tuple[dict, bool, float, list]:
     strategy = candidate.strategy
     program = candidate.program
     default = strategy.default_config(program)
-    if device.type != "cuda" or not options.tune:
+    if not _can_tune(device, options):
         return default, False, 0.0, []
     key = {"kernel": source.name, "source_sha256": source.source_hash, **_device_key(device)}
     root = cache_dir(options.cache_dir)
@@ -177,13 +210,11 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
         report.compile_s = time.perf_counter() - started
         return gm, report
 
-    wanted: set[torch.fx.Node] = set()
-    for candidate in plan.kept:
-        wanted.update(t.source for t in candidate.program.inputs if isinstance(t.source, torch.fx.Node))
-        wanted.update(t.source for t in candidate.program.outputs)
-    recorder = _Recorder(gm, wanted)
+    recorder = _Recorder(gm, [candidate.program for candidate in plan.kept])
     with preserved_state(gm), torch.no_grad():
-        recorder.run(*inputs)
+        # On copies: the graph may write into its inputs, and the caller's tensors
+        # must be changed once, by the real forward, not also by this run.
+        recorder.run(*[_snapshot(x) for x in inputs])
     values = recorder.values
 
     survivors: list[tuple[Candidate, FusedKernel]] = []
@@ -196,8 +227,8 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
             source = candidate.strategy.generate(program, view.helpers)
             module = load_kernel_module(source.name, source.source, cache_dir(options.cache_dir))
             kernel = getattr(module, source.name)
-            kernel_inputs = [attr_tensor(gm, t.source.path) if isinstance(t.source, AttrRef) else values[t.source]
-                             for t in program.inputs]
+            kernel_inputs = [attr_tensor(gm, t.source.path) if isinstance(t.source, AttrRef)
+                             else recorder.inputs[index - 1][t.source] for t in program.inputs]
             config, hit, tuning_s, _ = _pick_config(candidate, source, kernel, kernel_inputs, device, options,
                                                    lambda msg: progress(f"[{index}/{total}] {msg}"))
             fused = FusedKernel(kernel, source, config, program, eager)

@@ -128,25 +128,32 @@ _EXPM1_SOURCE = '''@triton.jit
 def elementwise_expm1(x):
     # exp(x) - 1 cancels near 0; (u - 1) * x / log(u) with u = exp(x) corrects
     # the rounding of u (Kahan). u == 1, u - 1 == -1 and u == inf are exact cases.
+    # (Nested tl.where, not & or |: the interpreter can't combine a 0-d int1
+    # with a block of them.)
     u = tl.exp(x)
     um1 = u - 1.0
     exact = um1 * (x / tl.log(u))
-    return tl.where(u == 1.0, x, tl.where((um1 == -1.0) | (u == float("inf")), um1, exact))
+    exact = tl.where(um1 == -1.0, um1, exact)
+    exact = tl.where(u == float("inf"), um1, exact)
+    return tl.where(u == 1.0, x, exact)
 '''
 
 POW = "elementwise_pow"
 _POW_SOURCE = '''@triton.jit
 def elementwise_pow(a, b):
     # |a| ** b through exp2/log2, then C's pow rules: a negative base keeps its
-    # sign for odd integer b and gives NaN for non-integer b (except a = -inf);
-    # b == 0, a == 1 and (|a| == 1, |b| == inf) give exactly 1, NaN or not.
+    # sign for odd integer b and gives NaN for fractional b (a = -inf excepted:
+    # +inf or +0); b == 0, a == 1 and (|a| == 1, |b| == inf) give exactly 1,
+    # NaN or not. (Nested tl.where, not & or |: the interpreter can't combine
+    # a 0-d int1 with a block of them.)
     magnitude = tl.exp2(b * tl.log2(tl.abs(a)))
-    fractional = tl.floor(b) != b
-    odd = (tl.floor(b * 0.5) * 2.0 != b) & (tl.floor(b) == b)
-    result = tl.where((a < 0) & odd, -magnitude, magnitude)
-    result = tl.where((a < 0) & (a != float("-inf")) & fractional, float("nan"), result)
-    one = (b == 0.0) | (a == 1.0) | ((tl.abs(a) == 1.0) & (tl.abs(b) == float("inf")))
-    return tl.where(one, 1.0, result)
+    integer_sign = tl.where(tl.floor(b * 0.5) * 2.0 != b, -1.0, 1.0)
+    fractional_sign = tl.where(a == float("-inf"), 1.0, float("nan"))
+    negative_base_sign = tl.where(tl.floor(b) != b, fractional_sign, integer_sign)
+    result = tl.where(a < 0, magnitude * negative_base_sign, magnitude)
+    result = tl.where(tl.abs(b) == float("inf"), tl.where(tl.abs(a) == 1.0, 1.0, result), result)
+    result = tl.where(a == 1.0, 1.0, result)
+    return tl.where(b == 0.0, 1.0, result)
 '''
 
 _HELPERS = {TANH: _TANH_SOURCE, LOG1P: _LOG1P_SOURCE, EXPM1: _EXPM1_SOURCE, POW: _POW_SOURCE}

@@ -123,14 +123,15 @@ def count(shape: Sequence[int], dims: Sequence[int]) -> int:
     return math.prod(shape[d] for d in dims)
 
 
+_TL_NAMES = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
+
+
 def cast_to_dtype_arg(ctx: LoweringContext, op: str, value: Value, input_dtype: torch.dtype, dtype: Any) -> Value:
     """Apply a ``dtype=`` argument: torch casts the input to it before computing.
 
-    Upcasts (and no-ops) change nothing in an fp32 kernel. A downcast to
-    float16 rounds the input as eager does. A downcast to bfloat16 is refused:
-    the Triton interpreter does not round to bfloat16 the way torch does, so
-    the result could differ from eager by more than bfloat16's own rounding.
-    Non-float dtypes (and float64, which kernels don't store) are refused.
+    Upcasts (and no-ops) change nothing in an fp32 kernel; a downcast rounds
+    the input as eager does (the cast the core uses to round results). Non-float
+    dtypes, and float64, which kernels don't store, are refused.
     """
     if dtype is None:
         return value
@@ -138,9 +139,7 @@ def cast_to_dtype_arg(ctx: LoweringContext, op: str, value: Value, input_dtype: 
         ctx.refuse("unsupported_dtype", f"{op}: dtype={dtype} is not float32/float16/bfloat16")
     if dtype == input_dtype or dtype == torch.float32:
         return value
-    if dtype == torch.float16:  # from float32 or bfloat16: the interpreter rounds to float16 as torch does
-        return ctx.pointwise("{0}.to(tl.float16).to(tl.float32)", value)
-    ctx.refuse("unsupported_dtype", f"{op}: dtype={dtype} would round a {input_dtype} input to {dtype} first")
+    return ctx.pointwise("{0}.to(%s).to(tl.float32)" % _TL_NAMES[dtype], value)
 
 
 def check_module_forward(ctx: LoweringContext, base: type) -> None:
