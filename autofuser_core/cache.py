@@ -80,7 +80,9 @@ def load_kernel_module(name: str, source: str, root: Path):
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # Run the text just checked, not the loader's pick: it would take a
+    # ``__pycache__/*.pyc`` planted next to the file over the file itself.
+    exec(compile(source, str(path), "exec"), module.__dict__)
     sys.modules[module_name] = module
     return module
 

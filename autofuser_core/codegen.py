@@ -183,6 +183,8 @@ def write_kernel(program: GroupProgram, layout: str, strategy: str, helpers: Opt
         offsets = w.axis_offsets(outer_dims, "offs", "i", tensors)
         loads = {}
         for k, (t, off) in enumerate(zip(program.inputs, offsets)):
+            if not t.read:
+                continue
             name = f"in{k}"
             cast = "" if t.dtype == torch.bool else ".to(tl.float32)"
             if off is None:
@@ -209,6 +211,8 @@ def write_kernel(program: GroupProgram, layout: str, strategy: str, helpers: Opt
         col_offs = w.axis_offsets(list(program.reduced_dims), "cols", "c", tensors)
         loads = {}
         for k, t in enumerate(program.inputs):
+            if not t.read:
+                continue
             cast = "" if t.dtype == torch.bool else ".to(tl.float32)"
             ro, co = row_offs[k], col_offs[k]
             if ro is None and co is None:
@@ -262,7 +266,8 @@ def _header(program: GroupProgram, layout: str, strategy: str) -> str:
         dtype = str(meta.dtype).removeprefix("torch.") if meta is not None else "?"
         lines.append(f"#   {node.name:<24} {op:<28} {shape} {dtype}")
     lines.append(f"# domain {list(program.domain)}, reduced dims {list(program.reduced_dims)}")
-    lines.append("# inputs:  " + ", ".join(f"in{k}={t.name}{list(t.shape)}" for k, t in enumerate(program.inputs)))
+    lines.append("# inputs:  " + ", ".join(f"in{k}={t.name}{list(t.shape)}" + ("" if t.read else " (not read)")
+                                          for k, t in enumerate(program.inputs)))
     lines.append("# outputs: " + ", ".join(f"out{k}={t.name}{list(t.shape)}" for k, t in enumerate(program.outputs)))
     return "\n".join(lines)
 

@@ -231,7 +231,7 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
                              else recorder.inputs[index - 1][t.source] for t in program.inputs]
             config, hit, tuning_s, _ = _pick_config(candidate, source, kernel, kernel_inputs, device, options,
                                                    lambda msg: progress(f"[{index}/{total}] {msg}"))
-            fused = FusedKernel(kernel, source, config, program, eager)
+            fused = FusedKernel(kernel, source, config, program, eager, gm)
             with torch.no_grad():
                 outputs = fused.launch(*kernel_inputs)
         except Exception as err:

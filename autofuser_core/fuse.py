@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .capture import capture
 from .compile import compile_graph
+from .cudagraphs import try_cuda_graph
 from .errors import AutoFuserError, CaptureError
 from .plugins import load_plugins
 from .report import FusionReport
@@ -44,6 +45,7 @@ class FuseOptions(BaseModel):
     tune_budget_s: float = Field(20.0, gt=0, description="Tuning time per group, seconds.")
     verify_speed: bool = Field(True, description="On a GPU, time each group fused vs eager; keep the faster.")
     progress: bool = Field(True, description="Print progress lines to stderr while compiling.")
+    cuda_graphs: bool = Field(True, description="For inference on CUDA, replay each compiled forward as a CUDA graph.")
 
 
 class FusedModule(torch.nn.Module):
@@ -173,9 +175,18 @@ class FusedModule(torch.nn.Module):
                                   notes=["the model could not be traced at all; it runs unchanged"])
             entry = (None, report)
         else:
+            grad = torch.is_grad_enabled()
             with torch.no_grad():
                 fused_gm, report = compile_graph(gm, flat, self._plugin_set, self._options, self._progress)
-            entry = (fused_gm, report)
+            runner = fused_gm
+            if self._options.cuda_graphs and not grad and _first_device(flat).type == "cuda":
+                graph, why = try_cuda_graph(fused_gm, flat, self._model)
+                if graph is not None:
+                    runner = graph
+                    report.notes.append("the compiled forward replays as one CUDA graph")
+                else:
+                    report.notes.append(f"no CUDA graph ({why}); kernels launch one by one")
+            entry = (runner, report)
         report.signature = _describe_inputs(args)
         report.device = str(_first_device(flat))
         report.compile_s = time.perf_counter() - start
@@ -205,11 +216,11 @@ def _describe_inputs(args: tuple) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
-def _first_device(args: tuple):
+def _first_device(args: tuple) -> torch.device:
     for x in args:
         if isinstance(x, torch.Tensor):
             return x.device
-    return "cpu"
+    return torch.device("cpu")
 
 
 def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **options: Any) -> FusedModule:
@@ -219,7 +230,8 @@ def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **opti
     :param plugins: ``None`` for every installed plugin, or a list of plugin
         modules, hook-carrying objects or entry-point names.
     :param options: see ``FuseOptions`` (``cache_dir``, ``max_signatures``,
-        ``tune``, ``tune_budget_s``, ``verify_speed``, ``progress``).
+        ``tune``, ``tune_budget_s``, ``verify_speed``, ``progress``,
+        ``cuda_graphs``).
     :raises CaptureError: ``model`` is not a module instance.
     :raises PluginError, SpecError: a plugin could not be loaded or is invalid.
     """

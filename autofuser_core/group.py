@@ -49,6 +49,7 @@ class KernelTensor:
     dtype: torch.dtype
     stride: tuple[int, ...]  # the tensor's own strides
     domain_stride: tuple[int, ...] = ()  # one per dim of S; 0 where it broadcasts
+    read: bool = True  # False: an argument the ops need only for its metadata (x.to(y))
 
     @property
     def name(self) -> str:
@@ -95,7 +96,7 @@ class GroupProgram:
         return n
 
     def bytes_after(self) -> int:
-        return sum(t.nbytes for t in self.inputs) + sum(t.nbytes for t in self.outputs)
+        return sum(t.nbytes for t in self.inputs if t.read) + sum(t.nbytes for t in self.outputs)
 
 
 def _dtype_of(source: Any, root: torch.nn.Module) -> tuple[tuple[int, ...], torch.dtype, tuple[int, ...]]:
@@ -164,6 +165,18 @@ def compose_group(
             value = Value("pointwise", value.shape, args=(value,),
                           template="{0}.to(%s).to(tl.float32)" % ROUNDED_DTYPES[meta.dtype])
         composed[node] = value
+
+    # Tensor arguments the lowerings never read (``x.type_as(y)`` needs only y's
+    # dtype) still pass through, so the group's eager ops can run on the same inputs.
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg in members or ("node", arg) in input_index:
+                continue
+            meta = tensor_meta(arg)
+            if meta is None:
+                raise GroupRefused("unsupported_argument", f"{node.name} takes {arg.name}, which is not a tensor")
+            input_index[("node", arg)] = len(inputs)
+            inputs.append(KernelTensor(arg, tuple(meta.shape), meta.dtype, tuple(meta.stride), read=False))
 
     outputs: list[KernelTensor] = []
     output_values: list[Value] = []
@@ -257,7 +270,8 @@ def _lay_out(program: GroupProgram) -> None:
     program.reduced_dims = tuple(d for d in reduced if domain[d] != 1)
 
     for tensor in program.inputs:
-        tensor.domain_stride = _domain_strides(tensor.shape, tensor.stride, program.domain)
+        tensor.domain_stride = (_domain_strides(tensor.shape, tensor.stride, program.domain) if tensor.read
+                                else (0,) * len(program.domain))
     for tensor, value in zip(program.outputs, program.output_values):
         shape_s = aligned[value.uid]
         for d in range(rank):

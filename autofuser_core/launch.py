@@ -16,13 +16,15 @@ import torch
 
 from .codegen import KernelSource
 from .group import GroupProgram
+from .ir import AttrRef
+from .ir import AttrRef
 
 
 class FusedKernel:
     """Callable that runs one fused group."""
 
     def __init__(self, kernel: Any, source: KernelSource, config: dict, program: GroupProgram,
-                 eager: Callable[..., Any]):
+                 eager: Callable[..., Any], root: torch.nn.Module):
         self.kernel = kernel
         self.source = source
         self.config = dict(config)
@@ -32,6 +34,17 @@ class FusedKernel:
         self.input_layout = [(t.shape, t.stride) for t in program.inputs]
         self.output_layout = [(t.shape, t.stride, t.dtype) for t in program.outputs]
         self.single_output = len(program.outputs) == 1
+        # Parameters and buffers are fetched from their live module on every call,
+        # so an optimiser step or a replaced parameter takes effect at once.
+        self.n_inputs = len(program.inputs)
+        self.live_attrs = []
+        for slot, tensor in enumerate(program.inputs):
+            if isinstance(tensor.source, AttrRef):
+                owner, _, name = tensor.source.path.rpartition(".")
+                self.live_attrs.append((slot, root.get_submodule(owner) if owner else root, name))
+        # The eager group reads module parameters itself (``self.ln(x)``), not
+        # through its placeholders: backward substitutes them by path.
+        self.attr_inputs = {k: t.source.path for k, t in enumerate(program.inputs) if isinstance(t.source, AttrRef)}
         self.__name__ = source.name
         self.__qualname__ = source.name
 
@@ -48,7 +61,18 @@ class FusedKernel:
         self.kernel[self.grid](*inputs, *outputs, **self.launch_args)
         return outputs
 
-    def __call__(self, *inputs: torch.Tensor):
+    def with_live_attrs(self, graph_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The kernel's inputs: the graph's values plus the live parameters, in order."""
+        if not self.live_attrs:
+            return list(graph_inputs)
+        inputs: list = [None] * self.n_inputs
+        for slot, module, name in self.live_attrs:
+            inputs[slot] = getattr(module, name)
+        values = iter(graph_inputs)
+        return [next(values) if t is None else t for t in inputs]
+
+    def __call__(self, *graph_inputs: torch.Tensor):
+        inputs = self.with_live_attrs(graph_inputs)
         if not self.matches(inputs):
             return self.eager(*inputs)
         if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
@@ -70,8 +94,9 @@ class RecomputeForBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        params = {path: inputs[k] for k, path in ctx.fused.attr_inputs.items()}
         with torch.enable_grad():
-            outputs = ctx.fused.eager(*inputs)
+            outputs = torch.func.functional_call(ctx.fused.eager, params, tuple(inputs))
         if not isinstance(outputs, (tuple, list)):
             outputs = (outputs,)
         wanted = [t for t in inputs if t.requires_grad]

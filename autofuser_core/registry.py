@@ -93,7 +93,8 @@ class Registry:
             )
         table[spec.name] = spec
 
-    def register_lowering(self, plugin: str, spec: Any = None, **fields: Any) -> LoweringSpec:
+    # `plugin` is positional-only, so a spec's own `plugin=` keyword reaches validation (rule 2).
+    def register_lowering(self, plugin: str, /, spec: Any = None, **fields: Any) -> LoweringSpec:
         lowering = self._validate(LoweringSpec, plugin, "autofuser_register_lowerings", spec, fields)
         # Check every target before changing anything, so a refused spec leaves no trace.
         replaced: list[tuple[str, Any]] = []
@@ -114,12 +115,12 @@ class Registry:
             self._by_target[key] = lowering
         return lowering
 
-    def register_strategy(self, plugin: str, spec: Any = None, **fields: Any) -> StrategySpec:
+    def register_strategy(self, plugin: str, /, spec: Any = None, **fields: Any) -> StrategySpec:
         strategy = self._validate(StrategySpec, plugin, "autofuser_register_strategies", spec, fields)
         self._add_unique(self.strategies, strategy, "strategy")
         return strategy
 
-    def register_quantizer(self, plugin: str, spec: Any = None, **fields: Any) -> QuantizerSpec:
+    def register_quantizer(self, plugin: str, /, spec: Any = None, **fields: Any) -> QuantizerSpec:
         quantizer = self._validate(QuantizerSpec, plugin, "autofuser_register_quantizers", spec, fields)
         self._add_unique(self.quantizers, quantizer, "quantizer")
         return quantizer

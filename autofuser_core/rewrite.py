@@ -8,9 +8,10 @@
    algorithm with a heap), so a node that sat between a group's first and last
    node and uses one of its outputs moves after the group - the planner
    guaranteed that no mutation, random or opaque node is among those;
-3. a group's unit is ``call_function(FusedKernel, inputs)``; parameters it
-   reads become ``get_attr`` nodes, so they are read at call time; several
-   outputs come out through ``operator.getitem``;
+3. a group's unit is ``call_function(FusedKernel, inputs)``; the parameters
+   it reads are not graph inputs - the ``FusedKernel`` fetches them from their
+   live module at each call; several outputs come out through
+   ``operator.getitem``;
 4. the nodes inside groups are not emitted (dead code out); the graph is
    linted and wrapped in a ``GraphModule`` sharing the original's modules and
    parameters.
@@ -72,21 +73,14 @@ def rewrite_graph(gm: torch.fx.GraphModule, groups: Sequence[tuple[GroupProgram,
 
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-    attrs: dict[str, torch.fx.Node] = {}
     emitted = 0
     while heap:
         _, _, unit = heapq.heappop(heap)
         emitted += 1
         if isinstance(unit, tuple):
             program, fused = groups[unit[1]]
-            args = []
-            for tensor in program.inputs:
-                if isinstance(tensor.source, AttrRef):
-                    if tensor.source.path not in attrs:
-                        attrs[tensor.source.path] = graph.get_attr(tensor.source.path)
-                    args.append(attrs[tensor.source.path])
-                else:
-                    args.append(env[tensor.source])
+            # Parameters are not graph inputs: the FusedKernel reads them live.
+            args = [env[t.source] for t in program.inputs if not isinstance(t.source, AttrRef)]
             call = graph.call_function(fused, tuple(args))
             if len(program.outputs) == 1:
                 env[program.outputs[0].source] = call

@@ -1,0 +1,300 @@
+"""The on-disk cache (``autofuser_core.cache``): tuning entries, kernel
+sources, the folder itself, and tuning results reused across processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import marshal
+import os
+import stat
+import struct
+import subprocess
+import sys
+import textwrap
+import uuid
+import warnings
+from pathlib import Path
+
+import pytest
+
+from autofuser_core import cache
+from autofuser_core.cache import cache_dir, key_digest, load_kernel_module, read_tuning, write_tuning
+
+KEY = {"kernel": "af_flat_mul_add_0123456789", "source_sha256": "ab" * 32, "torch": "2.13.0", "triton": "3.9.0",
+       "gpu": "NVIDIA H200", "capability": "9.0"}
+CONFIG = {"BLOCK": 1024, "num_warps": 4}
+TIMINGS = [{"config": {"BLOCK": 512, "num_warps": 4}, "ms": 0.0123}, {"config": CONFIG, "ms": 0.0101}]
+
+
+def entry_path(root: Path, key: dict) -> Path:
+    return root / "tuning" / f"{key_digest(key)}.json"
+
+
+def leftovers(folder: Path) -> list[str]:
+    """Temporary files an interrupted write would leave."""
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
+
+
+# ---------------------------------------------------------------------------
+# Tuning entries
+# ---------------------------------------------------------------------------
+
+
+def test_tuning_entry_round_trips(tmp_path, recwarn):
+    assert read_tuning(tmp_path, KEY) is None  # missing: no warning, just a miss
+    write_tuning(tmp_path, KEY, CONFIG, TIMINGS)
+    entry = read_tuning(tmp_path, KEY)
+    assert entry["config"] == CONFIG
+    assert entry["timings"] == TIMINGS
+    assert entry["key"] == KEY
+    assert len(recwarn) == 0
+    # One file per key; another key is another file.
+    other = {**KEY, "gpu": "NVIDIA A100", "capability": "8.0"}
+    write_tuning(tmp_path, other, {"BLOCK": 256, "num_warps": 2}, [])
+    assert read_tuning(tmp_path, other)["config"] == {"BLOCK": 256, "num_warps": 2}
+    assert read_tuning(tmp_path, KEY)["config"] == CONFIG
+    assert sorted(p.name for p in (tmp_path / "tuning").iterdir()) == sorted(
+        [f"{key_digest(KEY)}.json", f"{key_digest(other)}.json"])
+
+
+def _valid_entry(**changes) -> str:
+    entry = {"version": cache.ENTRY_VERSION, "key": KEY, "config": CONFIG, "timings": []}
+    entry.update(changes)
+    return json.dumps(entry)
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        pytest.param('{"version": 1, "key": {"kernel": ', "Expecting", id="truncated-json"),
+        pytest.param("\x00\x01 not json at all", "Expecting value", id="garbage"),
+        pytest.param(_valid_entry(key={**KEY, "gpu": "another GPU"}), "another kernel, GPU or software", id="other-key"),
+        pytest.param(_valid_entry(version=cache.ENTRY_VERSION + 1), "unknown format version", id="newer-version"),
+        pytest.param(_valid_entry(version=None), "unknown format version", id="no-version"),
+        pytest.param("[1, 2, 3]", "unknown format version", id="not-an-object"),
+        pytest.param(_valid_entry(config={"BLOCK": "1024"}), "not a mapping of integers", id="config-strings"),
+        pytest.param(_valid_entry(config=[1024, 4]), "not a mapping of integers", id="config-list"),
+    ],
+)
+def test_unusable_tuning_entry_is_warned_about_and_replaced(tmp_path, text, why):
+    path = entry_path(tmp_path, KEY)
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    with pytest.warns(UserWarning, match="ignoring corrupt or foreign cache entry") as record:
+        assert read_tuning(tmp_path, KEY) is None
+    assert why in str(record[0].message) and str(path) in str(record[0].message)
+
+    write_tuning(tmp_path, KEY, CONFIG, TIMINGS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_tuning(tmp_path, KEY)["config"] == CONFIG
+    assert json.loads(path.read_text())["key"] == KEY
+    assert leftovers(path.parent) == []
+
+
+def test_writes_leave_no_temporary_files(tmp_path):
+    for block in (256, 512, 1024, 2048):
+        write_tuning(tmp_path, KEY, {"BLOCK": block, "num_warps": 4}, TIMINGS)
+    assert read_tuning(tmp_path, KEY)["config"]["BLOCK"] == 2048
+    assert [p.name for p in (tmp_path / "tuning").iterdir()] == [f"{key_digest(KEY)}.json"]
+
+
+def test_failed_write_keeps_the_old_entry_and_no_temporary_file(tmp_path, monkeypatch):
+    write_tuning(tmp_path, KEY, CONFIG, TIMINGS)
+
+    def replace_fails(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cache.os, "replace", replace_fails)
+    with pytest.warns(UserWarning, match="cannot write cache entry"):
+        write_tuning(tmp_path, KEY, {"BLOCK": 256, "num_warps": 2}, [])
+    monkeypatch.undo()
+    assert read_tuning(tmp_path, KEY)["config"] == CONFIG  # never half written
+    assert leftovers(tmp_path / "tuning") == []
+
+
+# ---------------------------------------------------------------------------
+# The folder
+# ---------------------------------------------------------------------------
+
+
+def test_cache_dir_is_created_private(tmp_path):
+    root = cache_dir(str(tmp_path / "nested" / "autofuser"))
+    assert root == tmp_path / "nested" / "autofuser"
+    assert root.is_dir()
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+
+
+def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOFUSER_CACHE_DIR", str(tmp_path / "from_env"))
+    assert cache_dir() == tmp_path / "from_env"
+    assert cache_dir(str(tmp_path / "explicit")) == tmp_path / "explicit"  # an option wins
+
+    monkeypatch.delenv("AUTOFUSER_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    root = cache_dir()
+    assert root == tmp_path / "xdg" / "autofuser"
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+
+
+def test_kernel_and_tuning_subfolders_are_private(tmp_path):
+    root = cache_dir(str(tmp_path / "c"))
+    write_tuning(root, KEY, CONFIG, [])
+    load_kernel_module(f"af_private_{uuid.uuid4().hex}", "VALUE = 1\n", root)
+    for sub in ("tuning", "kernels"):
+        assert stat.S_IMODE((root / sub).stat().st_mode) == 0o700
+
+
+# ---------------------------------------------------------------------------
+# Kernel sources: only the text just generated is ever run
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kernel_name():
+    """A fresh module name; the imported module is dropped afterwards."""
+    name = f"af_test_kernel_{uuid.uuid4().hex}"
+    yield name
+    sys.modules.pop(f"autofuser_kernels.{name}", None)
+
+
+GENERATED = "VALUE = 42\n\ndef kernel():\n    return VALUE\n"
+
+
+def tampered_source(marker: Path) -> str:
+    return f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\nVALUE = 666\n"
+
+
+def test_tampered_kernel_file_is_rewritten_before_import(tmp_path, kernel_name):
+    marker = tmp_path / "tampered_code_ran"
+    path = tmp_path / "kernels" / f"{kernel_name}.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(tampered_source(marker))
+
+    module = load_kernel_module(kernel_name, GENERATED, tmp_path)
+    assert not marker.exists()
+    assert module.VALUE == 42 and module.kernel() == 42
+    assert path.read_text() == GENERATED
+    assert module.__file__ == str(path)  # Triton reads kernel source through the file
+    assert leftovers(path.parent) == []
+
+
+def test_planted_bytecode_next_to_a_valid_kernel_file_never_runs(tmp_path, kernel_name):
+    """The file's bytes match, but Python's loader would prefer a matching
+    ``__pycache__`` entry: the checked text must be what runs."""
+    marker = tmp_path / "planted_bytecode_ran"
+    path = tmp_path / "kernels" / f"{kernel_name}.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(GENERATED)
+    pyc = Path(importlib.util.cache_from_source(str(path)))
+    pyc.parent.mkdir()
+    st = path.stat()
+    header = importlib.util.MAGIC_NUMBER + struct.pack("<III", 0, int(st.st_mtime) & 0xFFFFFFFF, st.st_size)
+    pyc.write_bytes(header + marshal.dumps(compile(tampered_source(marker), str(path), "exec")))
+
+    module = load_kernel_module(kernel_name, GENERATED, tmp_path)
+    assert not marker.exists()
+    assert module.VALUE == 42
+
+
+def test_identical_kernel_file_is_reused(tmp_path, kernel_name):
+    first = load_kernel_module(kernel_name, GENERATED, tmp_path)
+    path = tmp_path / "kernels" / f"{kernel_name}.py"
+    inode = path.stat().st_ino
+    sys.modules.pop(f"autofuser_kernels.{kernel_name}")
+    second = load_kernel_module(kernel_name, GENERATED, tmp_path)
+    assert path.stat().st_ino == inode  # not rewritten (a rewrite renames a new file over it)
+    assert second is not first and second.VALUE == 42
+
+
+# ---------------------------------------------------------------------------
+# Tuning across processes
+# ---------------------------------------------------------------------------
+
+# Tuning needs a GPU; here it runs on the interpreter with a CPU timer, which is
+# all the cache logic needs (what was tuned, what was stored, what was reused).
+TUNING_SCRIPT = textwrap.dedent('''
+    import json, time
+    import torch
+    import torch.nn.functional as F
+    import autofuser
+    import autofuser_core.compile as compile_module
+
+    def cpu_bench(fn, *args):
+        start = time.perf_counter()
+        for _ in range(2):
+            fn(*args)
+        return (time.perf_counter() - start) / 2 * 1e3
+
+    compile_module._bench = cpu_bench
+    compile_module._can_tune = lambda device, options: options.tune
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(37)
+
+        def forward(self, x, y):
+            h = torch.sigmoid(x * 2 + y).transpose(1, 2)  # the transpose splits two groups
+            return self.ln(F.gelu(h) + 1)
+
+    torch.manual_seed(0)
+    model = Model()
+    x, y = torch.randn(3, 37, 5), torch.randn(37, 5)
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False, tune_budget_s=1.0)
+        got, expected = fused(x, y), model(x, y)
+    report = fused.report()
+    print(json.dumps({"close": torch.allclose(got, expected, atol=1e-5, rtol=1e-4),
+                      "groups": [g.model_dump() for g in report.groups]}))
+''')
+
+
+def run_tuning_process(script: Path, cache_root: Path) -> tuple[dict, str]:
+    env = {**os.environ, "AUTOFUSER_CACHE_DIR": str(cache_root), "TRITON_INTERPRET": "1",
+           "AUTOFUSER_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["close"]
+    return result, done.stderr
+
+
+def tuning_files(cache_root: Path) -> dict[str, Path]:
+    """Kernel name -> its tuning file."""
+    files = {}
+    for path in (cache_root / "tuning").glob("*.json"):
+        files[json.loads(path.read_text())["key"]["kernel"]] = path
+    return files
+
+
+def test_second_process_retunes_nothing_and_a_corrupt_entry_is_retuned(tmp_path):
+    script = tmp_path / "tune_once.py"
+    script.write_text(TUNING_SCRIPT)
+    cache_root = tmp_path / "cache"
+
+    first, _ = run_tuning_process(script, cache_root)
+    groups = first["groups"]
+    assert [(g["strategy"], g["fused"]) for g in groups] == [("elementwise", True), ("row_reduction", True)]
+    assert all(not g["cache_hit"] and g["tuning_s"] > 0 for g in groups)
+    files = tuning_files(cache_root)
+    assert set(files) == {g["kernel"] for g in groups}
+    for g in groups:
+        stored = json.loads(files[g["kernel"]].read_text())
+        assert stored["config"] == g["config"] and stored["timings"]
+        assert stored["key"]["gpu"] == "interpreter"
+
+    second, _ = run_tuning_process(script, cache_root)
+    assert [g["kernel"] for g in second["groups"]] == [g["kernel"] for g in groups]
+    assert all(g["cache_hit"] and g["tuning_s"] == 0 for g in second["groups"])
+    assert [g["config"] for g in second["groups"]] == [g["config"] for g in groups]
+
+    corrupted = files[groups[1]["kernel"]]
+    corrupted.write_text(corrupted.read_text()[:40])
+    third, stderr = run_tuning_process(script, cache_root)
+    assert "ignoring corrupt or foreign cache entry" in stderr and corrupted.name in stderr
+    assert [g["cache_hit"] for g in third["groups"]] == [True, False]
+    assert third["groups"][1]["tuning_s"] > 0
+    assert json.loads(corrupted.read_text())["config"] == third["groups"][1]["config"]
+    assert leftovers(cache_root / "tuning") == []

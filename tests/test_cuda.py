@@ -1,0 +1,73 @@
+"""GPU-only behaviour: real kernels, tuning and CUDA-graph replay.
+
+Skipped without a CUDA device (CI has none); `benchmarks/gpu_run.sh` runs them.
+"""
+
+import pytest
+import torch
+
+import autofuser
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+class ResidualNorm(torch.nn.Module):
+    def __init__(self, width=37):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        torch.nn.init.normal_(self.norm.weight)
+        torch.nn.init.normal_(self.norm.bias)
+
+    def forward(self, x, r):
+        return torch.nn.functional.gelu(self.norm(x + r)) * 0.5
+
+
+def _inputs(batch=3):
+    return torch.randn(batch, 221, 37, device="cuda"), torch.randn(batch, 221, 37, device="cuda")
+
+
+def test_cuda_graph_replay_is_right_and_never_overwrites_results():
+    torch.manual_seed(0)
+    model = ResidualNorm().cuda().eval()
+    fused = autofuser.fuse(model, progress=False, verify_speed=False)
+    with torch.no_grad():
+        x, r = _inputs()
+        first = fused(x, r)
+        assert any("CUDA graph" in note and "no CUDA graph" not in note for note in fused.report().notes), fused.report()
+        keep = first.clone()
+        x2, r2 = _inputs()
+        second = fused(x2, r2)
+        torch.testing.assert_close(first, keep, atol=0, rtol=0)  # the first result was not overwritten
+        torch.testing.assert_close(second, model(x2, r2), atol=1e-5, rtol=1e-4)
+        # an in-place weight update is seen by the replay, without recompiling
+        model.norm.weight.mul_(-2)
+        torch.testing.assert_close(fused(x2, r2), model(x2, r2), atol=1e-5, rtol=1e-4)
+        # a replaced parameter is not baked in: the call runs uncaptured and is right
+        model.norm.weight = torch.nn.Parameter(torch.randn(37, device="cuda"))
+        torch.testing.assert_close(fused(x2, r2), model(x2, r2), atol=1e-5, rtol=1e-4)
+    assert len(fused.reports()) == 1
+
+
+def test_tuning_caches_and_reuses_configs(tmp_path):
+    torch.manual_seed(0)
+    model = ResidualNorm().cuda().eval()
+    x, r = _inputs()
+    with torch.no_grad():
+        first = autofuser.fuse(model, progress=False, cache_dir=str(tmp_path), verify_speed=False)
+        first(x, r)
+        second = autofuser.fuse(model, progress=False, cache_dir=str(tmp_path), verify_speed=False)
+        torch.testing.assert_close(second(x, r), model(x, r), atol=1e-5, rtol=1e-4)
+    assert first.report().fused and not any(g.cache_hit for g in first.report().fused)
+    assert all(g.cache_hit for g in second.report().fused)
+    assert list((tmp_path / "tuning").glob("*.json"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_bf16_autocast_and_dtypes_on_gpu(dtype):
+    torch.manual_seed(1)
+    model = ResidualNorm().cuda().eval().to(dtype)
+    x, r = (t.to(dtype) for t in _inputs(1))
+    tol = {torch.float32: (1e-5, 1e-4), torch.float16: (1e-3, 1e-2), torch.bfloat16: (1e-2, 4e-2)}[dtype]
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False, verify_speed=False)
+        torch.testing.assert_close(fused(x, r), model(x, r), atol=tol[0], rtol=tol[1])

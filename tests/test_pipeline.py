@@ -1,0 +1,552 @@
+"""The fusion pipeline end to end (``autofuser.fuse``): capture, planning,
+code generation, verification, rewriting and the per-signature guard.
+
+Every test compares the fused model with eager PyTorch on fresh random inputs
+and checks what the report says was fused, skipped and left eager, and why.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autofuser
+from autofuser import LoweringSpec
+from autofuser_core.report import FusionReport
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOLERANCES = {
+    torch.float32: dict(atol=1e-5, rtol=1e-4),
+    torch.float16: dict(atol=1e-3, rtol=1e-2),
+    torch.bfloat16: dict(atol=1e-2, rtol=4e-2),
+}
+LINEAR = "torch.nn.modules.linear.Linear"
+
+
+def assert_matches_eager(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[expected.dtype])
+
+
+def fuse_and_run(model: nn.Module, *inputs, **options):
+    """(fused model, fused output, eager output) under ``torch.no_grad()``."""
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False, **options)
+        got = fused(*inputs)
+        expected = model(*inputs)
+    return fused, got, expected
+
+
+def random_layer_norm(width: int) -> nn.LayerNorm:
+    norm = nn.LayerNorm(width)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width))
+        norm.bias.copy_(torch.randn(width))
+    return norm
+
+
+def graph_order(model: nn.Module, *inputs) -> dict[str, int]:
+    """Node name -> position in the captured graph (the names the report uses)."""
+    gm = autofuser.capture(model, *inputs)
+    return {node.name: i for i, node in enumerate(gm.graph.nodes)}
+
+
+# ---------------------------------------------------------------------------
+# Fusion shapes: pointwise chains, residual + norm, softmax
+# ---------------------------------------------------------------------------
+
+
+class PointwiseChain(nn.Module):
+    """Seven pointwise ops; ``y`` broadcasts, ``x`` arrives transposed (strided)."""
+
+    def forward(self, x, y):
+        x = x.transpose(1, 2)
+        a = x * 2 + y
+        b = F.gelu(a)
+        c = torch.sigmoid(b) * x
+        d = c.clamp(-1.5, 1.5)
+        return d - y
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_pointwise_chain_is_one_elementwise_group(dtype, batch):
+    x = torch.randn(batch, 37, 11, dtype=dtype)
+    y = torch.randn(37, dtype=dtype)
+    fused, got, expected = fuse_and_run(PointwiseChain(), x, y)
+    assert_matches_eager(got, expected)
+
+    report = fused.report()
+    assert len(report.groups) == 1, str(report)
+    group = report.groups[0]
+    assert group.fused and group.strategy == "elementwise" and group.reason_code == "fused"
+    assert group.ops == ["elementwise.mul", "elementwise.add", "elementwise.gelu", "elementwise.sigmoid",
+                         "elementwise.mul", "elementwise.clamp", "elementwise.sub"]
+    assert group.nodes == ["mul", "add", "gelu", "sigmoid", "mul_1", "clamp", "sub"]
+    # The transpose stays a view the kernel reads through strides.
+    assert [(n.node, n.reason_code) for n in report.unfused_nodes] == [("transpose", "no_lowering")]
+    assert group.kernel and group.max_error is not None
+
+
+class ResidualNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = random_layer_norm(37)
+
+    def forward(self, x, r):
+        return self.ln(x + r)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_residual_layer_norm_is_one_row_reduction_group(dtype, batch):
+    model = ResidualNorm().to(dtype)
+    x, r = torch.randn(batch, 7, 37, dtype=dtype), torch.randn(batch, 7, 37, dtype=dtype)
+    fused, got, expected = fuse_and_run(model, x, r)
+    assert_matches_eager(got, expected)
+
+    report = fused.report()
+    assert [(g.strategy, g.fused, g.ops) for g in report.groups] == [
+        ("row_reduction", True, ["elementwise.add", "reduction.layer_norm_module"])
+    ], str(report)
+    assert report.fused[0].nodes == ["add", "ln"]
+    assert report.unfused_nodes == []
+
+
+class ScaledSoftmax(nn.Module):
+    def forward(self, x, bias):
+        return torch.softmax(x * 0.125 + bias, dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softmax_of_scaled_biased_scores_is_one_row_reduction_group(dtype):
+    x = torch.randn(3, 5, 51, dtype=dtype) * 4
+    bias = torch.randn(51, dtype=dtype)  # broadcasts over batch and rows
+    fused, got, expected = fuse_and_run(ScaledSoftmax(), x, bias)
+    assert_matches_eager(got, expected)
+    report = fused.report()
+    assert [(g.strategy, g.fused, g.ops) for g in report.groups] == [
+        ("row_reduction", True, ["elementwise.mul", "elementwise.add", "reduction.softmax"])
+    ], str(report)
+
+
+def test_report_round_trips_and_reads_well():
+    fused, got, expected = fuse_and_run(ResidualNorm(), torch.randn(3, 7, 37), torch.randn(3, 7, 37))
+    report = fused.report()
+    again = FusionReport.model_validate_json(report.to_json())
+    assert again == report
+    assert json.loads(report.to_json())["groups"][0]["strategy"] == "row_reduction"
+    text = str(report)
+    assert "row_reduction" in text and "elementwise.add > reduction.layer_norm" in text  # ops column is cut at 42
+    assert report.signature == "(float32[3, 7, 37], float32[3, 7, 37])"
+    assert report.device == "cpu"
+    assert report.plugins == ["elementwise", "matmul", "mlp", "mxint8", "reduction"]
+
+
+# ---------------------------------------------------------------------------
+# A transformer block: matmuls stay eager, the rest fuses around them
+# ---------------------------------------------------------------------------
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, width: int = 37, hidden: int = 45):
+        super().__init__()
+        self.ln1 = random_layer_norm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.ln2 = random_layer_norm(width)
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+        self.drop = nn.Dropout(0.1)
+        self.scale = width ** -0.5
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        scores = q @ k.transpose(-1, -2)
+        scores = torch.where(mask, float("-inf"), scores * self.scale)
+        attention = self.drop(torch.softmax(scores, dim=-1))
+        x = x + self.drop(attention @ v)
+        h = self.fc2(self.drop(F.gelu(self.fc1(self.ln2(x)))))
+        return x + self.drop(h)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_transformer_block_fuses_around_eager_matmuls(batch):
+    tokens = 13
+    model = TransformerBlock().eval()
+    x = torch.randn(batch, tokens, 37)
+    mask = torch.triu(torch.ones(tokens, tokens, dtype=torch.bool), 1)  # causal: -inf above the diagonal
+    fused, got, expected = fuse_and_run(model, x, mask)
+    assert_matches_eager(got, expected)
+
+    report = fused.report()
+    assert not report.skipped, str(report)
+    by_ops = {tuple(g.ops): g.strategy for g in report.fused}
+    assert by_ops[("elementwise.mul", "elementwise.where", "reduction.softmax", "elementwise.dropout")] == "row_reduction"
+    assert by_ops[("elementwise.dropout", "elementwise.add", "reduction.layer_norm_module")] == "row_reduction"
+    assert by_ops[("elementwise.gelu", "elementwise.dropout")] == "elementwise"
+    assert by_ops[("elementwise.dropout", "elementwise.add")] == "elementwise"
+    assert by_ops[("reduction.layer_norm_module",)] == "row_reduction"
+
+    eager = {(n.node, n.target): n.reason_code for n in report.unfused_nodes}
+    for linear in ("qkv", "fc1", "fc2"):
+        assert eager[(linear, LINEAR)] == "no_lowering"
+    assert eager[("matmul", "_operator.matmul")] == "no_lowering"
+    assert eager[("matmul_1", "_operator.matmul")] == "no_lowering"
+    fused_nodes = {name for g in report.fused for name in g.nodes}
+    assert not fused_nodes & {n.node for n in report.unfused_nodes}
+
+
+# ---------------------------------------------------------------------------
+# Mutation and randomness are barriers
+# ---------------------------------------------------------------------------
+
+
+class MutatesAndDraws(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.relu = nn.ReLU(inplace=True)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x, y):
+        a = x * 2 + 1
+        a.add_(1)
+        b = torch.sigmoid(a) * 3
+        b = F.relu(b - 1.5, inplace=True)
+        c = self.relu(b * y - 0.2)
+        out = c * 1.5 + 0.5
+        out[:, :3] = y[:, :3]
+        d = self.drop(out) * 2
+        return torch.tanh(d) + x
+
+
+BARRIERS = {
+    "add_": "mutation",  # Tensor.add_
+    "relu": "mutation",  # F.relu(inplace=True)
+    "relu_1": "mutation",  # nn.ReLU(inplace=True)
+    "setitem": "mutation",  # out[:, :3] = y
+    "drop": "random",  # dropout in training
+}
+
+
+def test_mutation_and_randomness_stay_eager_and_split_groups():
+    model = MutatesAndDraws().train()
+    x, y = torch.randn(3, 37), torch.randn(3, 37)
+    x_before, y_before = x.clone(), y.clone()
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False)
+        for _ in range(2):  # compiling call, then the compiled graph
+            torch.manual_seed(7)
+            got = fused(x, y)
+            torch.manual_seed(7)
+            expected = model(x, y)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert torch.equal(x, x_before) and torch.equal(y, y_before)
+    assert len(fused.reports()) == 1
+
+    report = fused.report()
+    eager = {n.node: n.reason_code for n in report.unfused_nodes}
+    for node, code in BARRIERS.items():
+        assert eager[node] == code, str(report)
+    # Every group between the barriers fuses: values written in place later
+    # (a.add_, out[:, :3] = ...) must not fail verification.
+    assert not report.skipped, str(report)
+    assert len(report.fused) == 5
+
+    order = graph_order(model, x, y)
+    barrier_positions = [order[name] for name in BARRIERS]
+    for group in report.groups:
+        positions = [order[name] for name in group.nodes]
+        assert not set(group.nodes) & set(BARRIERS)
+        assert not any(min(positions) < p < max(positions) for p in barrier_positions), group.nodes
+
+
+class MutatesItsInput(nn.Module):
+    def forward(self, x):
+        x.mul_(2)
+        return torch.sigmoid(x) * 3 - x
+
+
+def test_model_writing_into_its_input_writes_once():
+    """Compiling runs the graph once to verify kernels; that run must not also
+    write into the caller's tensor."""
+    model = MutatesItsInput()
+    x = torch.randn(3, 37)
+    x_fused, x_eager = x.clone(), x.clone()
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False)
+        got = fused(x_fused)
+        expected = model(x_eager)
+        torch.testing.assert_close(x_fused, x_eager)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(fused(x_fused), model(x_eager), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(x_fused, x * 4)
+    report = fused.report()
+    assert [n.reason_code for n in report.unfused_nodes] == ["mutation"]
+    assert len(report.fused) == 1
+
+
+# ---------------------------------------------------------------------------
+# Autocast
+# ---------------------------------------------------------------------------
+
+
+class NormGeluSoftmax(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = random_layer_norm(37)
+        self.fc = nn.Linear(37, 29)
+
+    def forward(self, x):
+        return torch.softmax(self.fc(F.gelu(self.ln(x))), dim=-1)
+
+
+def test_autocast_bfloat16_matches_eager_under_autocast():
+    model = NormGeluSoftmax()
+    x = torch.randn(3, 5, 37)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = autofuser.fuse(model, progress=False)
+        got = fused(x)
+        expected = model(x)
+    assert got.dtype == expected.dtype
+    torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[torch.bfloat16])
+    report = fused.report()
+    assert [g.ops for g in report.fused] == [["reduction.layer_norm_module", "elementwise.gelu"],
+                                            ["reduction.softmax"]], str(report)
+    assert [(n.node, n.reason_code) for n in report.unfused_nodes] == [("fc", "no_lowering")]
+
+    # The same model without autocast is another signature, compiled for fp32.
+    with torch.no_grad():
+        assert_matches_eager(fused(x), model(x))
+    assert len(fused.reports()) == 2
+
+
+# ---------------------------------------------------------------------------
+# The guard: one compiled graph per input signature
+# ---------------------------------------------------------------------------
+
+
+class NormGelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = random_layer_norm(37)
+
+    def forward(self, x, r):
+        return F.gelu(self.ln(x + r))
+
+
+def inputs(batch: int, requires_grad: bool = False):
+    x = torch.randn(batch, 4, 37, requires_grad=requires_grad)
+    return x, torch.randn(batch, 4, 37)
+
+
+def test_new_shape_compiles_again_and_old_one_is_reused():
+    model = NormGelu()
+    fused = autofuser.fuse(model, progress=False)
+    with torch.no_grad():
+        for batch, compiled in ((3, 1), (5, 2), (3, 2)):
+            x, r = inputs(batch)
+            assert_matches_eager(fused(x, r), model(x, r))
+            assert len(fused.reports()) == compiled
+            assert fused.report().signature == f"(float32[{batch}, 4, 37], float32[{batch}, 4, 37])"
+    assert all(len(report.fused) == 1 for report in fused.reports())
+
+
+def test_max_signatures_runs_new_signatures_eager_with_one_warning():
+    model = NormGelu()
+    fused = autofuser.fuse(model, progress=False, max_signatures=1)
+    with torch.no_grad():
+        x, r = inputs(3)
+        assert_matches_eager(fused(x, r), model(x, r))
+        with pytest.warns(UserWarning, match="max_signatures") as record:
+            for batch in (5, 5, 7):
+                x, r = inputs(batch)
+                assert_matches_eager(fused(x, r), model(x, r))
+        x, r = inputs(3)
+        assert_matches_eager(fused(x, r), model(x, r))
+    assert len([w for w in record if "max_signatures" in str(w.message)]) == 1
+    assert len(fused.reports()) == 1
+
+
+def test_train_eval_switch_compiles_per_mode():
+    model = NormGelu()
+    fused = autofuser.fuse(model, progress=False)
+    x, r = inputs(3)
+    with torch.no_grad():
+        fused(x, r)
+        model.eval()  # on the model itself
+        assert_matches_eager(fused(x, r), model(x, r))
+        assert len(fused.reports()) == 2
+        fused.train()  # through the wrapper
+        assert model.training and model.ln.training
+        assert_matches_eager(fused(x, r), model(x, r))
+        assert len(fused.reports()) == 2  # the first signature again
+        fused.eval()
+        assert not model.ln.training
+        fused(x, r)
+        assert len(fused.reports()) == 2
+
+
+def test_gradients_through_a_fused_group_match_eager():
+    model = NormGelu()
+    fused = autofuser.fuse(model, progress=False)
+    x, r = inputs(3, requires_grad=True)
+    grad_out = torch.randn(3, 4, 37)
+
+    got = fused(x, r)
+    assert got.requires_grad
+    report = fused.report()
+    assert [g.ops for g in report.fused] == [["elementwise.add", "reduction.layer_norm_module", "elementwise.gelu"]]
+    got.backward(grad_out)
+    fused_grads = [t.grad.clone() for t in (x, model.ln.weight, model.ln.bias)]
+
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+    expected = model(x, r)
+    expected.backward(grad_out)
+    eager_grads = [x.grad, model.ln.weight.grad, model.ln.bias.grad]
+
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    for fused_grad, eager_grad in zip(fused_grads, eager_grads):
+        torch.testing.assert_close(fused_grad, eager_grad, atol=1e-5, rtol=1e-4)
+
+
+def test_parameters_are_read_at_call_time():
+    model = NormGelu()
+    fused = autofuser.fuse(model, progress=False)
+    x, r = inputs(3)
+    with torch.no_grad():
+        before = fused(x, r)
+        model.ln.weight.mul_(2)
+        model.ln.bias.add_(torch.randn(37))
+        after = fused(x, r)
+        assert_matches_eager(after, model(x, r))
+        assert not torch.allclose(before, after)
+
+        replacement = NormGelu()
+        model.load_state_dict(replacement.state_dict())
+        assert_matches_eager(fused(x, r), replacement(x, r))
+    assert len(fused.reports()) == 1
+    assert len(fused.report().fused) == 1
+
+
+# ---------------------------------------------------------------------------
+# Models that can't be traced, bad arguments
+# ---------------------------------------------------------------------------
+
+
+class BranchesOnData(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return torch.sigmoid(x) * 2
+        return x - 1
+
+
+def test_untraceable_model_runs_unchanged_with_a_warning():
+    model = BranchesOnData()
+    fused = autofuser.fuse(model, progress=False)
+    positive = torch.randn(3, 37).abs() + 0.1
+    with pytest.warns(UserWarning, match="could not trace BranchesOnData"):
+        assert_matches_eager(fused(positive), model(positive))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # compiled once: no further warning
+        assert_matches_eager(fused(-positive), model(-positive))  # the other branch, same signature
+    report = fused.report()
+    assert list(report.opaque) == [""]
+    assert "control flow" in report.opaque[""]
+    assert report.groups == [] and report.unfused_nodes == []
+    assert "<whole model>" in str(report)
+
+
+def test_unknown_option_names_it_and_lists_known_ones():
+    with pytest.raises(autofuser.AutoFuserError) as caught:
+        autofuser.fuse(NormGelu(), bogus=1)
+    message = str(caught.value)
+    assert "bogus" in message
+    for option in ("cache_dir", "max_signatures", "tune", "tune_budget_s", "verify_speed", "progress"):
+        assert option in message
+
+
+def test_invalid_option_value_is_refused():
+    with pytest.raises(autofuser.AutoFuserError, match="max_signatures"):
+        autofuser.fuse(NormGelu(), max_signatures=0)
+
+
+def test_fusing_a_class_is_a_capture_error():
+    with pytest.raises(autofuser.CaptureError, match="instantiate"):
+        autofuser.fuse(NormGelu)
+
+
+def test_report_before_any_call_is_an_error():
+    fused = autofuser.fuse(NormGelu(), progress=False)
+    with pytest.raises(autofuser.AutoFuserError, match="nothing compiled yet"):
+        fused.report()
+    assert fused.reports() == []
+
+
+# ---------------------------------------------------------------------------
+# Verification: a wrong kernel never reaches the user
+# ---------------------------------------------------------------------------
+
+
+def _register_wrong_sigmoid(register):
+    register(
+        name="wrong.sigmoid",
+        targets=(torch.sigmoid,),
+        kind="pointwise",
+        priority=10,  # beats elementwise.sigmoid
+        lower=lambda ctx, x: ctx.pointwise("{0} * 0.5", x),  # not sigmoid at all
+    )
+
+
+WRONG_SIGMOID = types.ModuleType("wrong_sigmoid_plugin")
+WRONG_SIGMOID.autofuser_register_lowerings = _register_wrong_sigmoid
+
+
+class SigmoidChain(nn.Module):
+    def forward(self, x, y):
+        return torch.sigmoid(x * 2 + y) - y
+
+
+def test_wrong_lowering_is_unfused_by_verification():
+    x, y = torch.randn(3, 37), torch.randn(37)
+    fused, got, expected = fuse_and_run(SigmoidChain(), x, y, plugins=None)
+    assert fused.report().fused[0].ops[2] == "elementwise.sigmoid"  # control: right lowering fuses
+
+    with torch.no_grad():
+        fused = autofuser.fuse(SigmoidChain(), plugins=["elementwise", WRONG_SIGMOID], progress=False)
+        assert_matches_eager(fused(x, y), expected)
+        assert_matches_eager(fused(x, y), expected)  # and on the compiled path
+    report = fused.report()
+    assert report.fused == []
+    [group] = report.skipped
+    assert group.reason_code == "mismatch"
+    assert "wrong.sigmoid" in group.ops
+    assert "differs from eager" in group.reason and "sub" in group.reason
+    assert "mismatch" in str(report)
+
+
+# ---------------------------------------------------------------------------
+# Generated source
+# ---------------------------------------------------------------------------
+
+
+def test_kernel_source_is_in_the_cache_and_names_the_nodes_it_replaces(tmp_path):
+    x, y = torch.randn(3, 37, 11), torch.randn(37)
+    fused, got, expected = fuse_and_run(PointwiseChain(), x, y, cache_dir=str(tmp_path))
+    assert_matches_eager(got, expected)
+    group = fused.report().fused[0]
+    path = tmp_path / "kernels" / f"{group.kernel}.py"
+    source = path.read_text()
+    header = [line for line in source.splitlines() if line.startswith("#")]
+    assert header[0].startswith("# Generated by AutoFuser (elementwise strategy")
+    for node, op in zip(group.nodes, group.ops):
+        assert any(line.split()[1:3] == [node, op] for line in header), (node, op, header)
+    assert "in0=transpose[3, 11, 37]" in source and "in1=y[37]" in source
+    assert f"def {group.kernel}(" in source
+    assert group.kernel.startswith("af_flat_mul_add_gelu_sigmoid_clamp_sub")
