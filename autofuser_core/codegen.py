@@ -83,6 +83,27 @@ def _coalesce(sizes: list[int], strides: list[list[int]]) -> tuple[list[int], li
     return merged_sizes, merged_strides
 
 
+def emit_offsets(emit: Callable[[str], None], sizes: list[int], site_strides: list[list[int]], index: str,
+                 prefix: str) -> list[Optional[str]]:
+    """Emit the coordinates of ``index`` over dims of ``sizes`` (outer to inner) and
+    return, per site, the offset expression ``sum(coord * stride)`` (``None``: 0)."""
+    sizes, strides = _coalesce(list(sizes), [list(t) for t in site_strides])
+    coords = []
+    for i, size in enumerate(sizes):
+        divisor = math.prod(sizes[i + 1:])
+        expr = index if divisor == 1 else f"({index} // {divisor})"
+        if i > 0:
+            expr = f"({expr} % {size})"
+        name = f"{prefix}{i}"
+        emit(f"{name} = {expr}")
+        coords.append(name)
+    offsets: list[Optional[str]] = []
+    for t in strides:
+        terms = [c if st == 1 else f"{c} * {st}" for c, st in zip(coords, t) if st != 0]
+        offsets.append(" + ".join(terms) if terms else None)
+    return offsets
+
+
 def _literal(value) -> str:
     if isinstance(value, bool):
         return "True" if value else "False"
@@ -114,21 +135,7 @@ class _Writer:
         """Coordinates along ``dims`` from the linear ``index``; returns each tensor's offset expr."""
         sizes = [self.program.domain[d] for d in dims]
         strides = [[t.domain_stride[d] for d in dims] for t in tensors]
-        sizes, strides = _coalesce(sizes, strides)
-        coords = []
-        for i, size in enumerate(sizes):
-            divisor = math.prod(sizes[i + 1:])
-            expr = index if divisor == 1 else f"({index} // {divisor})"
-            if i > 0:
-                expr = f"({expr} % {size})"
-            name = f"{prefix}{i}"
-            self.emit(f"{name} = {expr}")
-            coords.append(name)
-        offsets: list[Optional[str]] = []
-        for t in strides:
-            terms = [c if s == 1 else f"{c} * {s}" for c, s in zip(coords, t) if s != 0]
-            offsets.append(" + ".join(terms) if terms else None)
-        return offsets
+        return emit_offsets(self.emit, sizes, strides, index, prefix)
 
     # -- values ---------------------------------------------------------------
 

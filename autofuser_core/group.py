@@ -75,6 +75,11 @@ class GroupProgram:
     reduced_dims: tuple[int, ...]
     input_of_load: dict[int, int] = field(default_factory=dict)  # load uid -> input index
     op_names: list[str] = field(default_factory=list)
+    matmul: Optional["MatmulLayout"] = None  # set when the group contains a matrix product
+
+    @property
+    def has_matmul(self) -> bool:
+        return self.matmul is not None
 
     @property
     def has_reduction(self) -> bool:
@@ -152,6 +157,7 @@ def compose_group(
             out = Value(
                 v.op, v.shape, is_bool=v.is_bool, args=tuple(rebuild(a) for a in v.args), template=v.template,
                 constant=v.constant, reduce_op=v.reduce_op, dims=v.dims, keepdim=v.keepdim,
+                transpose_b=v.transpose_b, dtype=v.dtype,
             )
         else:
             out = v
@@ -161,6 +167,7 @@ def compose_group(
     for node in nodes:
         value = rebuild(lowered[node])
         meta = tensor_meta(node)
+        _stamp_dot_dtype(value, meta.dtype)
         if meta.dtype in ROUNDED_DTYPES and not value.is_bool:
             value = Value("pointwise", value.shape, args=(value,),
                           template="{0}.to(%s).to(tl.float32)" % ROUNDED_DTYPES[meta.dtype])
@@ -197,18 +204,39 @@ def compose_group(
     return program
 
 
-def _lay_out(program: GroupProgram) -> None:
-    """Steps 3 and 4 of the module doc: the domain, the reduced dims, strides."""
-    values: dict[int, Value] = {}
+def _stamp_dot_dtype(value: Value, dtype: torch.dtype) -> None:
+    """A product's operands round to the dtype its node produced in eager."""
+    stack = [value]
+    seen: set[int] = set()
+    while stack:
+        v = stack.pop()
+        if v.uid in seen:
+            continue
+        seen.add(v.uid)
+        if v.op == "dot" and v.dtype is None:
+            v.dtype = dtype
+        stack.extend(v.args)
 
-    def collect(v: Value) -> None:
+
+def _collect(roots: Sequence[Value]) -> dict[int, Value]:
+    values: dict[int, Value] = {}
+    stack = list(roots)
+    while stack:
+        v = stack.pop()
         if v.uid not in values:
             values[v.uid] = v
-            for a in v.args:
-                collect(a)
+            stack.extend(v.args)
+    return values
 
-    for v in program.output_values:
-        collect(v)
+
+def _lay_out(program: GroupProgram) -> None:
+    """Steps 3 and 4 of the module doc: the domain, the reduced dims, strides."""
+    values = _collect(program.output_values)
+    if any(v.op == "dot" for v in values.values()):
+        from .matmul_layout import lay_out_matmul
+
+        lay_out_matmul(program, values)
+        return
 
     # A reduction without keepdim drops its dims: it and pointwise ops over only
     # such values (its dtype rounding, `x.sum(-1) * 2`) live in the reduced space

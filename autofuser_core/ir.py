@@ -8,7 +8,11 @@ through a ``LoweringContext``:
 - ``ctx.pointwise(template, *values)`` - one Triton expression over values,
   ``{0}``, ``{1}``, ... standing for the operands (``"tl.exp({0})"``);
   operands broadcast as in torch;
-- ``ctx.reduce(op, value, dims, keepdim)`` - ``sum``/``max``/``min`` over dims.
+- ``ctx.reduce(op, value, dims, keepdim)`` - ``sum``/``max``/``min`` over dims;
+- ``ctx.matmul(a, b, transpose_b)`` - a matrix product over the last two dims
+  (leading dims broadcast), accumulated in fp32, its operands rounded to the
+  product's dtype (bf16/fp16 under autocast; fp32 products use TF32 only where
+  torch's own matmul-precision setting allows it).
 
 Values carry torch-level shapes, so a lowering is checked against the node's
 real output shape. Everything computes in fp32 (or int1 for booleans); the
@@ -51,10 +55,13 @@ class Value:
     reduce_op: str = ""
     dims: tuple[int, ...] = ()  # reduce: dims of args[0].shape, non-negative
     keepdim: bool = True
+    transpose_b: bool = False  # dot: b is stored [..., N, K] (a linear layer's weight)
+    dtype: Optional[torch.dtype] = None  # dot: the product's dtype in eager (set when composed)
     uid: int = field(default_factory=lambda: next(_ids))
 
 
 REDUCE_OPS = ("sum", "max", "min")
+IR_OPS = ("load", "const", "pointwise", "reduce", "dot")
 
 
 class LoweringRefused(Exception):
@@ -166,6 +173,21 @@ class LoweringContext:
         else:
             shape = tuple(s for i, s in enumerate(value.shape) if i not in norm)
         return Value("reduce", shape, args=(value,), reduce_op=op, dims=norm, keepdim=keepdim)
+
+    def matmul(self, a: Any, b: Any, transpose_b: bool = False) -> Value:
+        """``a @ b`` (``a @ b.transpose(-2, -1)`` with ``transpose_b``) over the last two dims."""
+        a, b = self.tensor(a), self.tensor(b)
+        if len(a.shape) < 2 or len(b.shape) < 2:
+            self.refuse("unsupported_shape", "matrix products of vectors stay eager")
+        m, k = a.shape[-2:]
+        kb, n = (b.shape[-1], b.shape[-2]) if transpose_b else b.shape[-2:]
+        if k != kb:
+            self.refuse("shape_mismatch", f"inner dims {k} and {kb} differ")
+        try:
+            batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+        except RuntimeError as err:
+            self.refuse("shape_mismatch", str(err))
+        return Value("dot", batch + (m, n), args=(a, b), transpose_b=transpose_b)
 
     def helper(self, name: str, source: str) -> str:
         """Add a ``@triton.jit`` helper function to the kernel module; returns ``name``.

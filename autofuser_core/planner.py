@@ -75,7 +75,8 @@ def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple
             return "mutation", f"{describe_target(target)} writes into a tensor"
         if target in _RANDOM_FUNCTIONS:
             return "random", f"{describe_target(target)} draws random numbers"
-        if target in _DROPOUT_FUNCTIONS and _bound_argument(target, node, "training", True):
+        if (target in _DROPOUT_FUNCTIONS and _bound_argument(target, node, "training", True)
+                and _bound_argument(target, node, "p", 0.5) != 0):
             return "random", "dropout in training mode draws random numbers"
         if getattr(target, "__name__", "").endswith("_") and not getattr(target, "__name__", "").startswith("__"):
             return "mutation", f"{describe_target(target)} writes into its input"

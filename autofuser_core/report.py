@@ -74,7 +74,7 @@ class FusionReport(BaseModel):
         lines.append(f"{len(fused)} fused group(s), {len(self.skipped)} skipped; predicted traffic saved {_bytes(saved)}")
         if self.groups:
             lines.append("")
-            lines.append(f"{'':2}{'strategy':<14}{'ops':<44}{'bytes before->after':<24}{'eager/fused ms':<18}reason")
+            lines.append(f"{'':2}{'strategy':<18}{'ops':<44}{'bytes before->after':<24}{'eager/fused ms':<18}reason")
             for g in self.groups:
                 mark = "+" if g.fused else "-"
                 ops = " > ".join(g.ops)
@@ -86,7 +86,7 @@ class FusionReport(BaseModel):
                 why = g.reason_code + (f": {g.reason}" if g.reason else "")
                 if g.cache_hit:
                     why += " (cache hit)"
-                lines.append(f"{mark:2}{g.strategy:<14}{ops:<44}{traffic:<24}{times:<18}{why}")
+                lines.append(f"{mark:2}{g.strategy:<18}{ops:<44}{traffic:<24}{times:<18}{why}")
         if self.unfused_nodes:
             lines.append("")
             lines.append("left eager:")

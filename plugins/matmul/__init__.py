@@ -1,4 +1,21 @@
-"""Matrix products (linear, matmul, bmm) and their epilogue/prologue strategies.
+"""Matrix products (nn.Linear, F.linear, matmul, @, mm, bmm, matmul-shaped einsum)
+and the strategies that fuse them with what comes before and after: matmul,
+linear + epilogue, layer norm + linear."""
 
-Registered but empty for now: products run eager until this plugin lowers them.
-"""
+from autofuser import hookimpl
+from autofuser_core.oplib import collect_specs
+
+from . import ops
+from .strategy import STRATEGIES
+
+
+@hookimpl
+def autofuser_register_lowerings(register):
+    for spec in collect_specs(ops):
+        register(spec)
+
+
+@hookimpl
+def autofuser_register_strategies(register):
+    for strategy in STRATEGIES:
+        register(strategy)

@@ -38,7 +38,9 @@ def bind(
     ``out=`` is refused: the node stays eager.
     """
     if len(args) > len(positional):
-        ctx.refuse("unsupported_argument", f"{op}: {len(args)} positional arguments, expected at most {len(positional)}")
+        ctx.refuse(
+            "unsupported_argument", f"{op}: {len(args)} positional arguments, expected at most {len(positional)}"
+        )
     bound = dict(defaults or {})
     bound.update(zip(positional, args))
     for name, value in kwargs.items():
@@ -74,7 +76,9 @@ def float_input(ctx: LoweringContext, op: str, arg: Any) -> tuple[Value, tuple[i
     return ctx.tensor(arg), shape
 
 
-def reduction_dims(ctx: LoweringContext, op: str, dim: Any, rank: int, empty_means_all: bool = False) -> tuple[int, ...]:
+def reduction_dims(
+    ctx: LoweringContext, op: str, dim: Any, rank: int, empty_means_all: bool = False
+) -> tuple[int, ...]:
     """``dim`` (``None``, an int, or a tuple/list of ints) -> sorted non-negative dims.
 
     ``None`` means every dim. An empty tuple means every dim only for ops

@@ -25,7 +25,8 @@ def normalized_dims(ctx, op, normalized_shape, shape):
         ctx.refuse("unsupported_argument", f"{op}: normalized_shape={normalized_shape!r} is not a tuple of ints")
     normalized_shape = tuple(normalized_shape)
     rank = len(shape)
-    if not normalized_shape or len(normalized_shape) > rank or tuple(shape[rank - len(normalized_shape):]) != normalized_shape:
+    trailing = tuple(shape[rank - len(normalized_shape):])
+    if not normalized_shape or len(normalized_shape) > rank or trailing != normalized_shape:
         ctx.refuse("shape_mismatch", f"{op}: normalized_shape {normalized_shape} is not the trailing shape of {shape}")
     return tuple(range(rank - len(normalized_shape), rank)), normalized_shape
 
@@ -52,7 +53,8 @@ def normalize(ctx, x, dims, n, eps, weight, bias):
     """``(x - mean) * rsqrt(var + eps) * weight + bias`` over ``dims`` (``n`` elements)."""
     mean = ctx.pointwise("{0} / %r" % float(n), ctx.reduce("sum", x, dims, keepdim=True))
     deviation = ctx.pointwise("{0} - {1}", x, mean)
-    var = ctx.pointwise("{0} / %r" % float(n), ctx.reduce("sum", ctx.pointwise("{0} * {0}", deviation), dims, keepdim=True))
+    squares = ctx.reduce("sum", ctx.pointwise("{0} * {0}", deviation), dims, keepdim=True)
+    var = ctx.pointwise("{0} / %r" % float(n), squares)
     out = ctx.pointwise("{0} * tl.rsqrt({1} + %r)" % eps, deviation, var)
     if weight is not None:
         out = ctx.pointwise("{0} * {1}", out, weight)

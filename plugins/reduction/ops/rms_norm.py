@@ -22,7 +22,8 @@ DEFAULT_EPS = torch.finfo(torch.float32).eps
 
 def rms_normalize(ctx, x, dims, n, eps, weight):
     """``x * rsqrt(mean(x^2) + eps) * weight`` over ``dims`` (``n`` elements)."""
-    mean_square = ctx.pointwise("{0} / %r" % float(n), ctx.reduce("sum", ctx.pointwise("{0} * {0}", x), dims, keepdim=True))
+    squares = ctx.reduce("sum", ctx.pointwise("{0} * {0}", x), dims, keepdim=True)
+    mean_square = ctx.pointwise("{0} / %r" % float(n), squares)
     out = ctx.pointwise("{0} * tl.rsqrt({1} + %r)" % eps, x, mean_square)
     if weight is not None:
         out = ctx.pointwise("{0} * {1}", out, weight)
@@ -31,7 +32,8 @@ def rms_normalize(ctx, x, dims, n, eps, weight):
 
 def lower_rms_norm(ctx, *args, **kwargs):
     op = "rms_norm"
-    b = bind(ctx, op, args, kwargs, ("input", "normalized_shape", "weight", "eps"), defaults={"weight": None, "eps": None})
+    b = bind(ctx, op, args, kwargs, ("input", "normalized_shape", "weight", "eps"),
+             defaults={"weight": None, "eps": None})
     if "normalized_shape" not in b:
         ctx.refuse("unsupported_argument", f"{op}: normalized_shape missing")
     x, shape = float_input(ctx, op, b["input"])

@@ -1,8 +1,8 @@
 """``var``: torch.var and Tensor.var, with ``unbiased`` or ``correction``.
 
-Two passes over the same dims - the mean, then the squared deviations from
-it over ``N - correction`` - rather than E[x^2] - E[x]^2, which cancels catastrophically when the mean
-is large next to the spread. ``std`` reuses :func:`deviations`.
+Two passes over the same dims - the mean, then the sum of squared deviations
+from it over ``N - correction`` - rather than E[x^2] - E[x]^2, which cancels
+catastrophically when the mean is large next to the spread. ``std`` reuses :func:`deviations`.
 """
 
 import torch
@@ -41,7 +41,9 @@ def deviations(ctx, op, args, kwargs):
     n = count(shape, dims)
     if n - correction <= 0:
         # Eager divides by max(0, N - correction): inf or nan. Not worth a kernel.
-        ctx.refuse("degenerate_correction", f"{op}: {n} elements with correction={correction} leave no degrees of freedom")
+        ctx.refuse(
+            "degenerate_correction", f"{op}: {n} elements with correction={correction} leave no degrees of freedom"
+        )
 
     mean = ctx.pointwise("{0} / %r" % float(n), ctx.reduce("sum", x, dims, keepdim=True))
     return ctx.pointwise("{0} - {1}", x, mean), dims, float(n - correction), bool(b["keepdim"])

@@ -1,0 +1,282 @@
+"""The Triton source writer for groups with one matrix product.
+
+The kernel computes ``C[rows, cols]`` tiles of ``BLOCK_M x BLOCK_N``:
+
+1. program ids map to tiles in grouped order (``GROUP_M`` row tiles share
+   their column tiles' weights in L2); a second grid axis walks the batch when
+   ``B`` has batch dims;
+2. each reduction in the prologue (layer-norm statistics over ``K``) is one
+   pass over ``K`` in ``BLOCK_K`` steps, in dependency order (the mean before
+   the variance), each row's result kept in registers;
+3. the main loop loads, per ``BLOCK_K`` step, the prologue's inputs, computes
+   the A tile through the prologue (normalisation, scale, cast), loads the B
+   tile and accumulates ``tl.dot`` in fp32 - operands rounded to the product's
+   dtype, TF32 for fp32 only where torch allows it;
+4. the epilogue (bias, activation, residual, a norm over ``N`` when one program
+   holds all of ``N``) runs on the accumulator, and each output is stored
+   through its own strides.
+
+The indexing of rows, batch, ``K`` and ``N`` uses the same coordinate and
+stride scheme as ``codegen.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Optional
+
+import torch
+
+from .codegen import INT32_LIMIT, TL_DTYPES, KernelSource, _header, _literal, _short, emit_offsets, next_power_of_2, triton_cdiv
+from .group import GroupProgram
+from .ir import Value
+
+_NEUTRAL = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
+_COMBINE = {"sum": "{0} + {1}", "max": "tl.maximum({0}, {1})", "min": "tl.minimum({0}, {1})"}
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+class _Block:
+    """Emits one straight-line block of the DAG (its own memo: loads differ per loop step)."""
+
+    def __init__(self, writer: "_MatmulWriter", indent: int, site: str, known: dict[int, str]):
+        self.w = writer
+        self.indent = indent
+        self.site = site  # "k": loads at (rows, ks); "n": loads at (rows, cols)
+        self.names = dict(known)
+        self.loads: dict[tuple, str] = {}
+
+    def emit(self, line: str) -> None:
+        self.w.lines.append("    " * self.indent + line)
+
+    def value(self, v: Value) -> str:
+        if v.uid in self.names:
+            return self.names[v.uid]
+        if v.op == "const":
+            return _literal(v.constant)
+        if v.op == "load":
+            name = self.load(v)
+        elif v.op == "pointwise":
+            operands = [self.value(a) for a in v.args]
+            name = self.w.fresh()
+            self.emit(f"{name} = {v.template.format(*operands)}")
+        elif v.op == "reduce":
+            arg = self.value(v.args[0])
+            name = self.w.fresh()
+            full = f"tl.broadcast_to({arg}, (BLOCK_M, BLOCK_N))"
+            self.emit(f"{name} = tl.{v.reduce_op}(tl.where(row_mask & col_mask, {full}, {_NEUTRAL[v.reduce_op]}), axis=1)[:, None]")
+        else:
+            raise ValueError(f"{v.op} cannot be emitted here")
+        self.names[v.uid] = name
+        return name
+
+    def load(self, v: Value) -> str:
+        w = self.w
+        index = w.program.input_of_load[v.uid]
+        tensor = w.program.inputs[index]
+        strides = w.layout.load_strides[v.uid]
+        key = (index, strides)
+        if key in self.loads:
+            return self.loads[key]
+        row, batch = w.site_offsets[("load", v.uid)]
+        inner_stride = strides[-1]
+        axis = "ks" if self.site == "k" else "cols"
+        inner_mask = "k_mask" if self.site == "k" else "col_mask"
+        inner = None if inner_stride == 0 else (axis if inner_stride == 1 else f"{axis} * {inner_stride}")
+        terms = [t for t in (row, batch, inner) if t]
+        cast = "" if tensor.dtype == torch.bool else ".to(tl.float32)"
+        name = f"x{index}_{w.fresh()}"
+        if not terms:
+            self.emit(f"{name} = tl.load(in{index}){cast}")
+        else:
+            masks = [m for m, used in (("row_mask", row), (inner_mask, inner)) if used]
+            mask = " & ".join(masks) if masks else None
+            mask_arg = f", mask={mask}, other=0" if mask else ""
+            self.emit(f"{name} = tl.load(in{index} + {' + '.join(terms)}{mask_arg}){cast}")
+        self.loads[key] = name
+        return name
+
+
+class _MatmulWriter:
+    def __init__(self, program: GroupProgram):
+        self.program = program
+        self.layout = program.matmul
+        self.lines: list[str] = []
+        self.count = 0
+        self.site_offsets: dict = {}
+
+    def fresh(self) -> str:
+        self.count += 1
+        return f"v{self.count}"
+
+    def emit(self, line: str, indent: int = 1) -> None:
+        self.lines.append("    " * indent + line)
+
+
+def _reduction_levels(prologue_values: list[Value]) -> list[list[Value]]:
+    level: dict[int, int] = {}
+
+    def depth(v: Value) -> int:
+        if v.uid in level:
+            return level[v.uid]
+        below = max((depth(a) for a in v.args), default=0)
+        level[v.uid] = below + (1 if v.op == "reduce" else 0)
+        return level[v.uid]
+
+    reductions = [v for v in prologue_values if v.op == "reduce"]
+    for v in reductions:
+        depth(v)
+    levels: dict[int, list[Value]] = {}
+    for v in reductions:
+        levels.setdefault(level[v.uid], []).append(v)
+    return [levels[k] for k in sorted(levels)]
+
+
+def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[dict[str, str]] = None) -> KernelSource:
+    """Write the Triton source for a group with one product; see module doc."""
+    L = program.matmul
+    w = _MatmulWriter(program)
+    dot = L.dot
+    rank = len(L.out_domain)
+    row_dims = [rank - 2] if L.batched else list(range(rank - 1))
+    batch_dims = list(range(rank - 2)) if L.batched else []
+    values = _all_values(program)
+    loads = [v for v in values if v.op == "load" and v is not dot.args[1]]
+
+    # Per site: strides over row dims and batch dims.
+    sites: list[tuple] = [("load", v.uid) for v in loads] + [("out", k) for k in range(len(program.outputs))]
+    strides = [L.load_strides[v.uid] for v in loads] + [t.domain_stride for t in program.outputs]
+    wide = max(
+        [L.rows * max(L.n, L.k), math.prod(L.out_domain)]
+        + [sum((s - 1) * abs(st) for s, st in zip(L.out_domain, t.domain_stride)) + 1 for t in program.outputs]
+        + [sum((s - 1) * abs(st) for s, st in zip(L.out_domain, L.load_strides[v.uid])) + 1 for v in loads]
+    ) > INT32_LIMIT
+
+    constexprs: dict[str, int] = {}
+    if L.epilogue_reduces:
+        constexprs["BLOCK_N"] = next_power_of_2(L.n)
+
+    w.emit(f"pid = tl.program_id(0)")
+    w.emit(f"num_m = tl.cdiv({L.rows}, BLOCK_M)")
+    w.emit(f"num_n = tl.cdiv({L.n}, BLOCK_N)")
+    w.emit("in_group = GROUP_M * num_n")
+    w.emit("first_m = (pid // in_group) * GROUP_M")
+    w.emit("size_m = tl.minimum(num_m - first_m, GROUP_M)")
+    w.emit("pid_m = first_m + (pid % in_group) % size_m")
+    w.emit("pid_n = (pid % in_group) // size_m")
+    cast = ".to(tl.int64)" if wide else ""
+    w.emit(f"rows = (pid_m{cast} * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]")
+    w.emit(f"cols = (pid_n{cast} * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]")
+    w.emit(f"row_mask = rows < {L.rows}")
+    w.emit(f"col_mask = cols < {L.n}")
+    row_offs = emit_offsets(w.emit, [L.out_domain[d] for d in row_dims], [[st[d] for d in row_dims] for st in strides], "rows", "r")
+    b_row = None
+    if batch_dims:
+        w.emit(f"batch = tl.program_id(1){cast}")
+        batch_sizes = [L.out_domain[d] for d in batch_dims]
+        batch_offs = emit_offsets(w.emit, batch_sizes, [[st[d] for d in batch_dims] for st in strides] + [[L.b_strides[d] for d in batch_dims]], "batch", "b")
+        b_row = batch_offs[-1]
+    else:
+        batch_offs = [None] * (len(strides) + 1)
+    for site, ro, bo in zip(sites, row_offs, batch_offs):
+        w.site_offsets[site] = (ro, bo)
+
+    # 2. prologue reductions, one pass over K per level
+    prologue_values = [v for v in values if v.uid in L.prologue]
+    known: dict[int, str] = {}
+    for level in _reduction_levels(prologue_values):
+        for v in level:
+            name = w.fresh()
+            known[v.uid] = name
+            init = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}[v.reduce_op]
+            w.emit(f"{name} = tl.full((BLOCK_M, 1), {init}, tl.float32)")
+        w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):")
+        w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", 2)
+        w.emit(f"k_mask = ks < {L.k}", 2)
+        block = _Block(w, 2, "k", {u: n for u, n in known.items() if u not in {v.uid for v in level}})
+        for v in level:
+            arg = block.value(v.args[0])
+            part = (f"tl.{v.reduce_op}(tl.where(row_mask & k_mask, tl.broadcast_to({arg}, (BLOCK_M, BLOCK_K)), "
+                    f"{_NEUTRAL[v.reduce_op]}), axis=1)[:, None]")
+            block.emit(f"{known[v.uid]} = {_COMBINE[v.reduce_op].format(known[v.uid], part)}")
+
+    # 3. main loop
+    a, b = dot.args
+    b_index = program.input_of_load[b.uid]
+    b_tensor = program.inputs[b_index]
+    bk, bn = L.b_strides[-2], L.b_strides[-1]
+    w.emit("acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)")
+    w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):")
+    w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", 2)
+    w.emit(f"k_mask = ks < {L.k}", 2)
+    w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 2)
+    block = _Block(w, 2, "k", known)
+    a_name = block.value(a)
+    b_terms = [t for t in (b_row, _term("kk", bk), _term("cols", bn)) if t]
+    b_cast = "" if b_tensor.dtype == torch.bool else ".to(tl.float32)"
+    w.emit(f"b_tile = tl.load(in{b_index} + {' + '.join(b_terms) or '0'}, mask=(kk < {L.k}) & col_mask, other=0){b_cast}", 2)
+    w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 2)
+    if L.operand_dtype is not None:
+        tl_dtype = TL_DTYPES[L.operand_dtype]
+        if L.operand_dtype == torch.bfloat16 and _interpreting():
+            # The interpreter's bf16 dot is broken; round the operands and multiply in fp32 instead.
+            w.emit(f"acc += tl.dot(a_tile.to({tl_dtype}).to(tl.float32), b_tile.to({tl_dtype}).to(tl.float32), input_precision=\"ieee\")", 2)
+        else:
+            w.emit(f"acc += tl.dot(a_tile.to({tl_dtype}), b_tile.to({tl_dtype}))", 2)
+    else:
+        w.emit(f"acc += tl.dot(a_tile, b_tile, input_precision=\"{L.precision}\")", 2)
+
+    # 4. epilogue and stores
+    block = _Block(w, 1, "n", {dot.uid: "acc"})
+    results = [block.value(v) for v in program.output_values]
+    for k, (t, res) in enumerate(zip(program.outputs, results)):
+        ro, bo = w.site_offsets[("out", k)]
+        n_term = _term("cols", t.domain_stride[-1])
+        off = " + ".join(x for x in (ro, bo, n_term) if x) or "rows * 0 + cols * 0"
+        store = res if t.dtype == torch.bool else f"{res}.to({TL_DTYPES[t.dtype]})"
+        w.emit(f"tl.store(out{k} + {off}, tl.broadcast_to({store}, (BLOCK_M, BLOCK_N)), mask=row_mask & col_mask)")
+
+    params = [f"in{k}" for k in range(len(program.inputs))] + [f"out{k}" for k in range(len(program.outputs))]
+    blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr", "GROUP_M: tl.constexpr"]
+    body = "\n".join(w.lines)
+    used_helpers = {k: v for k, v in (helpers or {}).items() if k in body}
+    helper_text = "\n\n".join(sorted(used_helpers.values()))
+    digest = hashlib.sha256(f"{helper_text}\n{', '.join(params + blocks)}\n{body}".encode()).hexdigest()[:10]
+    stem = "_".join(dict.fromkeys(_short(op) for op in program.op_names))[:48].strip("_")
+    name = f"af_mm_{stem}_{digest}"
+    header = _header(program, "matmul", strategy)
+    header += f"\n# product: rows {L.rows} x K {L.k} x N {L.n}, batch {L.batch}, operands {L.operand_dtype or L.precision}"
+    source = (
+        f"{header}\nimport triton\nimport triton.language as tl\n\n\n"
+        + (helper_text + "\n\n\n" if helper_text else "")
+        + f"@triton.jit\ndef {name}({', '.join(params + blocks)}):\n{body}\n"
+    )
+
+    def grid(config, rows=L.rows, n=L.n, batch=L.batch):
+        block_n = constexprs.get("BLOCK_N", config.get("BLOCK_N"))
+        return (triton_cdiv(rows, config["BLOCK_M"]) * triton_cdiv(n, block_n), batch)
+
+    return KernelSource(name=name, source=source, layout="matmul", grid=grid, constexprs=constexprs)
+
+
+def _term(axis: str, stride: int) -> Optional[str]:
+    if stride == 0:
+        return None
+    return axis if stride == 1 else f"{axis} * {stride}"
+
+
+def _all_values(program: GroupProgram) -> list[Value]:
+    seen: dict[int, Value] = {}
+    stack = list(program.output_values)
+    while stack:
+        v = stack.pop()
+        if v.uid not in seen:
+            seen[v.uid] = v
+            stack.extend(v.args)
+    return sorted(seen.values(), key=lambda v: v.uid)

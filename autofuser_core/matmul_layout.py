@@ -1,0 +1,171 @@
+"""Laying out a group that contains one matrix product ``C = A @ B``.
+
+The group splits around the product:
+
+- the *prologue*: the values ``A`` is computed from, in A's domain
+  ``[..., M, K]`` (a layer norm on the rows of A, a scale, a cast); its
+  reductions may only run over ``K``, and none of its values may be used after
+  the product (that would need A's tile in C's layout);
+- ``B``: read straight from memory (a weight, or any tensor), possibly stored
+  transposed (``[..., N, K]``, as ``nn.Linear`` keeps it);
+- the *epilogue*: every value that depends on the product, plus what it reads,
+  in C's domain ``[..., M, N]`` (bias, activation, residual add, a norm over
+  ``N``); every output of the group is an epilogue value.
+
+When ``B`` has no batch dims (a linear layer's weight), all leading dims of A
+and C are rows of one big ``M``; otherwise the batch dims become the second
+grid axis. Each load gets strides for the domain it is read in, so one input
+(a residual that is also the normalised input) can be read in both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .group import GroupProgram, GroupRefused, _domain_strides
+from .ir import Value
+
+
+@dataclass
+class MatmulLayout:
+    dot: Value
+    out_domain: tuple[int, ...]  # [..., M, N]
+    k: int
+    batched: bool  # B varies along the batch dims: they become grid axis 1
+    prologue: set[int]  # uids of values computed in A's domain
+    load_strides: dict[int, tuple[int, ...]] = field(default_factory=dict)  # load uid -> strides over its domain
+    b_strides: tuple[int, ...] = ()  # over out_domain[:-2] + (K, N)
+    operand_dtype: Optional[torch.dtype] = None  # None: fp32 operands
+    precision: str = "ieee"  # fp32 products: "ieee" or "tf32"
+    epilogue_reduces: bool = False  # a reduction over N after the product: one program holds all of N
+
+    @property
+    def a_domain(self) -> tuple[int, ...]:
+        return self.out_domain[:-1] + (self.k,)
+
+    @property
+    def n(self) -> int:
+        return self.out_domain[-1]
+
+    @property
+    def rows(self) -> int:
+        dims = self.out_domain[-2:-1] if self.batched else self.out_domain[:-1]
+        n = 1
+        for s in dims:
+            n *= s
+        return n
+
+    @property
+    def batch(self) -> int:
+        n = 1
+        for s in self.out_domain[:-2] if self.batched else ():
+            n *= s
+        return n
+
+
+def fp32_precision() -> str:
+    """Torch's own rule for fp32 matrix products: TF32 only where it is allowed."""
+    allowed = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    return "tf32" if allowed else "ieee"
+
+
+def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
+    dots = [v for v in values.values() if v.op == "dot"]
+    if len(dots) != 1:
+        raise GroupRefused("several_products", f"{len(dots)} matrix products in one group")
+    dot = dots[0]
+    a, b = dot.args
+    if b.op != "load":
+        raise GroupRefused("computed_weight", "the product's second operand must be read from memory")
+
+    prologue = set(_collect_uids(a))
+    if any(values[u].op == "dot" for u in prologue):
+        raise GroupRefused("several_products", "a product feeds another product")
+    depends: set[int] = set()
+    for v in sorted(values.values(), key=lambda v: v.uid):
+        if v is dot or any(x.uid in depends for x in v.args):
+            depends.add(v.uid)
+    for out, value in zip(program.outputs, program.output_values):
+        if value.uid not in depends:
+            raise GroupRefused("prologue_output", f"output {out.name} is computed before the product")
+    for v in values.values():
+        if v.uid in depends and v is not dot and any(x.uid in prologue for x in v.args):
+            raise GroupRefused("prologue_reused", "a value computed before the product is also used after it")
+
+    out_domain = tuple(dot.shape)
+    rank = len(out_domain)
+    k = a.shape[-1]
+    a_domain = out_domain[:-1] + (k,)
+    layout = MatmulLayout(dot=dot, out_domain=out_domain, k=k, batched=False, prologue=prologue)
+
+    for v in values.values():
+        if v.op == "reduce":
+            in_prologue = v.uid in prologue
+            last = len(v.args[0].shape) - 1
+            if v.dims != (last,) or not v.keepdim:
+                where = "before" if in_prologue else "after"
+                raise GroupRefused("unsupported_reduction",
+                                   f"a reduction {where} the product must run over the last dim with keepdim")
+        if v.op in ("pointwise", "reduce", "load") and len(v.shape) > rank:
+            raise GroupRefused("shape_mismatch", "a value has more dims than the product")
+
+    for v in values.values():
+        if v.op != "load" or v is b:
+            continue
+        meta = program.inputs[program.input_of_load[v.uid]]
+        domain = a_domain if v.uid in prologue else out_domain
+        try:
+            strides = _domain_strides(meta.shape, meta.stride, domain)
+            _check_fits(meta.shape, domain)
+        except GroupRefused:
+            raise
+        layout.load_strides[v.uid] = strides
+
+    b_meta = program.inputs[program.input_of_load[b.uid]]
+    b_shape, b_stride = list(b_meta.shape), list(b_meta.stride)
+    if dot.transpose_b:
+        b_shape[-2:], b_stride[-2:] = b_shape[-2:][::-1], b_stride[-2:][::-1]
+    b_domain = out_domain[:-2] + (k, out_domain[-1])
+    _check_fits(tuple(b_shape), b_domain)
+    layout.b_strides = _domain_strides(b_shape, b_stride, b_domain)
+    layout.batched = any(layout.b_strides[:-2])
+
+    dtype = dot.dtype or torch.float32
+    if dtype in (torch.float16, torch.bfloat16):
+        layout.operand_dtype = dtype
+    elif dtype != torch.float32:
+        raise GroupRefused("unsupported_dtype", f"products in {dtype}")
+    layout.precision = fp32_precision()
+
+    layout.epilogue_reduces = any(v.op == "reduce" and v.uid not in prologue for v in values.values())
+    program.domain = out_domain
+    program.reduced_dims = ()
+    program.matmul = layout
+    for tensor in program.outputs:
+        _check_fits(tensor.shape, out_domain)
+        tensor.domain_stride = _domain_strides(tensor.shape, tensor.stride, out_domain)
+        if any(s == 1 and d != 1 for s, d in zip((1,) * (rank - len(tensor.shape)) + tuple(tensor.shape), out_domain)):
+            raise GroupRefused("output_broadcasts", f"output {tensor.name} is smaller than the product")
+
+
+def _check_fits(shape, domain) -> None:
+    pad = len(domain) - len(shape)
+    if pad < 0 or any(s not in (1, d) for s, d in zip(shape, domain[pad:])):
+        raise GroupRefused("shape_mismatch", f"a tensor of shape {list(shape)} does not fit the product's {list(domain)}")
+
+
+def _collect_uids(root: Value) -> list[int]:
+    seen: list[int] = []
+    stack = [root]
+    found: set[int] = set()
+    while stack:
+        v = stack.pop()
+        if v.uid in found:
+            continue
+        found.add(v.uid)
+        seen.append(v.uid)
+        stack.extend(v.args)
+    return seen

@@ -1,0 +1,83 @@
+"""einsum equations that are matrix products (``bhnd,bhmd->bhnm``, ``bij,bjk->bik``).
+
+An equation qualifies when, with two operands, its letters split into batch
+letters (in both operands and the output, leading, in the same order), one row
+letter (first operand and output), one column letter (second operand and
+output) and one contracted letter (both operands, not the output), and the
+first operand is ``batch, row, contracted``. The second operand may be
+``batch, contracted, column`` or ``batch, column, contracted`` (read
+transposed through its strides). Anything else stays eager.
+"""
+
+from typing import Optional
+
+import torch
+
+from autofuser import LoweringSpec, Sample
+
+from .linear import PRODUCT_TOLERANCES
+
+
+def parse_matmul_equation(equation: str) -> Optional[bool]:
+    """``transpose_b`` for a matmul-shaped equation, else ``None``."""
+    eq = equation.replace(" ", "")
+    if "->" not in eq or "." in eq:
+        return None
+    lhs, out = eq.split("->")
+    ops = lhs.split(",")
+    if len(ops) != 2:
+        return None
+    a, b = ops
+    if len(set(a)) != len(a) or len(set(b)) != len(b) or len(set(out)) != len(out):
+        return None
+    contracted = [c for c in a if c in b and c not in out]
+    batch = [c for c in out if c in a and c in b]
+    rows = [c for c in a if c in out and c not in b]
+    cols = [c for c in b if c in out and c not in a]
+    if len(contracted) != 1 or len(rows) != 1 or len(cols) != 1:
+        return None
+    if set(a) | set(b) != set(batch) | set(rows) | set(cols) | set(contracted):
+        return None
+    prefix = "".join(batch)
+    if a != prefix + rows[0] + contracted[0] or out != prefix + rows[0] + cols[0]:
+        return None
+    if b == prefix + contracted[0] + cols[0]:
+        return False
+    if b == prefix + cols[0] + contracted[0]:
+        return True
+    return None
+
+
+def lower_einsum(ctx, equation, *operands):
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if not isinstance(equation, str) or len(operands) != 2:
+        ctx.refuse("unsupported_equation", "einsum with other than an equation and two operands")
+    transpose_b = parse_matmul_equation(equation)
+    if transpose_b is None:
+        ctx.refuse("unsupported_equation", f"einsum {equation!r} is not a plain matrix product")
+    return ctx.matmul(operands[0], operands[1], transpose_b=transpose_b)
+
+
+def _samples(dtype):
+    return [
+        Sample(args=(torch.randn(2, 3, 29, 16, dtype=dtype), torch.randn(2, 3, 31, 16, dtype=dtype))),
+        Sample(args=(torch.randn(1, 2, 37, 24, dtype=dtype), torch.randn(1, 2, 19, 24, dtype=dtype))),
+    ]
+
+
+SPECS = [
+    LoweringSpec(
+        name="matmul.einsum",
+        description="torch.einsum equations that are (batched) matrix products",
+        targets=(torch.einsum,),
+        kind="matmul",
+        lower=lower_einsum,
+        samples=_samples,
+        references=(
+            lambda q, k: torch.einsum("bhnd,bhmd->bhnm", q, k),
+            lambda q, k: torch.einsum("bhnd,bhmd->bhnm", q, k) * 0.25,
+        ),
+        tolerances=PRODUCT_TOLERANCES,
+    ),
+]

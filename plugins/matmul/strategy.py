@@ -1,0 +1,138 @@
+"""Strategies for groups around one matrix product.
+
+All three write the same kind of kernel (``autofuser_core.codegen_matmul``:
+2-D output tiles, a K loop, grouped launch order) and differ in the groups
+they claim:
+
+- ``matmul``: a product alone;
+- ``linear_epilogue``: a product with what follows it - bias, any pointwise
+  chain, a residual add, a norm over its columns, several outputs;
+- ``layernorm_linear``: a product whose input is normalised in the kernel
+  (row statistics over K computed first, the normalised tile fed to the dot),
+  with any epilogue.
+"""
+
+from __future__ import annotations
+
+from autofuser import StrategySpec
+from autofuser_core.codegen import next_power_of_2
+from autofuser_core.codegen_matmul import write_matmul_kernel
+from autofuser_core.group import GroupRefused
+
+#: Shared memory one program may use for its pipelined A and B tiles (H100/H200: 228 KiB per SM).
+SMEM_LIMIT = 200 * 1024
+#: fp32 accumulators per thread before registers spill.
+ACC_PER_THREAD = 128
+#: Epilogue norms need a whole row of the product in one program.
+MAX_ROW_N = 256
+
+CONFIGS = [
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+    (128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 128, 64, 8, 3),
+    (64, 64, 32, 4, 4), (64, 64, 64, 4, 3), (128, 256, 32, 8, 3), (256, 128, 32, 8, 3),
+    (64, 256, 32, 8, 3), (32, 64, 32, 4, 4), (64, 32, 32, 4, 4), (32, 32, 32, 4, 2),
+]
+
+
+def _classify(view, nodes):
+    """The strategy a composed group belongs to, or None."""
+    if "matmul" not in view.kinds(nodes):
+        return None
+    try:
+        program = view.compose(nodes)
+    except GroupRefused:
+        return None
+    layout = program.matmul
+    if layout is None:
+        return None
+    prologue_reduces = any(
+        v.op == "reduce" for v in _values(program) if v.uid in layout.prologue
+    )
+    if prologue_reduces:
+        return "layernorm_linear"
+    return "matmul" if len(nodes) == 1 else "linear_epilogue"
+
+
+def _values(program):
+    seen, stack = {}, list(program.output_values)
+    while stack:
+        v = stack.pop()
+        if v.uid not in seen:
+            seen[v.uid] = v
+            stack.extend(v.args)
+    return seen.values()
+
+
+def accepts(program):
+    layout = program.matmul
+    if layout is None:
+        return ("no_product", "the group has no matrix product")
+    if layout.epilogue_reduces and layout.n > MAX_ROW_N:
+        return ("row_too_long", f"a norm over {layout.n} product columns needs more than one program's tile "
+                                f"(limit {MAX_ROW_N})")
+    return None
+
+
+def configs(program):
+    fixed_n = next_power_of_2(program.matmul.n) if program.matmul.epilogue_reduces else None
+    out = []
+    for m, n, k, warps, stages in CONFIGS:
+        config = {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
+        if fixed_n is not None:
+            config.pop("BLOCK_N")
+            if fixed_n * m > 128 * 256:
+                continue
+        if config not in out:
+            out.append(config)
+    return out
+
+
+def is_valid(program, config):
+    layout = program.matmul
+    block_n = config.get("BLOCK_N") or next_power_of_2(layout.n)
+    element = 2 if layout.operand_dtype is not None else 4
+    smem = (config["BLOCK_M"] + block_n) * config["BLOCK_K"] * element * config.get("num_stages", 2)
+    if smem > SMEM_LIMIT:
+        return f"{smem // 1024} KiB of shared memory for the pipelined tiles exceeds {SMEM_LIMIT // 1024} KiB"
+    if config["BLOCK_M"] * block_n / (32 * config["num_warps"]) > ACC_PER_THREAD:
+        return "too many accumulators per thread"
+    if config["BLOCK_K"] > max(16, next_power_of_2(layout.k)):
+        return "BLOCK_K larger than K"
+    return None
+
+
+def default_config(program):
+    layout = program.matmul
+    block_k = 32 if layout.k >= 32 else 16
+    config = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": block_k, "GROUP_M": 8, "num_warps": 4}
+    if layout.epilogue_reduces:
+        config.pop("BLOCK_N")
+    return config
+
+
+def generate(program, helpers):
+    return write_matmul_kernel(program, "matmul", helpers)
+
+
+def _strategy(name, description):
+    def propose(view):
+        return [group for group in view.space_groups() if _classify(view, group) == name]
+
+    return StrategySpec(
+        name=name,
+        description=description,
+        block_params=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"),
+        propose=propose,
+        accepts=accepts,
+        configs=configs,
+        is_valid=is_valid,
+        default_config=default_config,
+        generate=generate,
+    )
+
+
+STRATEGIES = [
+    _strategy("matmul", "A matrix product alone: 2-D tiles, K loop, grouped launch order."),
+    _strategy("linear_epilogue", "A product with its bias, pointwise chain, residual and column norm fused after it."),
+    _strategy("layernorm_linear", "A product whose input rows are normalised in the kernel, with any epilogue."),
+]
