@@ -34,6 +34,7 @@ import torch
 
 from .group import GroupProgram, KernelTensor
 from .ir import Value
+from .rounding import CORE_HELPERS, stored
 
 TL_DTYPES = {
     torch.float32: "tl.float32",
@@ -57,6 +58,12 @@ class KernelSource:
     @property
     def source_hash(self) -> str:
         return hashlib.sha256(self.source.encode()).hexdigest()
+
+
+def used_helpers(helpers: Optional[dict[str, str]], body: str) -> str:
+    """The source of the helper functions ``body`` calls (plugins' and the core's)."""
+    available = {**CORE_HELPERS, **(helpers or {})}
+    return "\n\n".join(text for name, text in sorted(available.items()) if f"{name}(" in body)
 
 
 def next_power_of_2(n: int) -> int:
@@ -202,7 +209,7 @@ def write_kernel(program: GroupProgram, layout: str, strategy: str, helpers: Opt
         out_offsets = offsets[len(program.inputs):]
         results = [w.value(v, loads) for v in program.output_values]
         for k, (t, off, res) in enumerate(zip(program.outputs, out_offsets, results)):
-            store = res if t.dtype == torch.bool else f"{res}.to({TL_DTYPES[t.dtype]})"
+            store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
             w.emit(f"tl.store(out{k} + {off or 'offs * 0'}, tl.broadcast_to({store}, (BLOCK,)), mask=mask)")
         grid = lambda config, n=n_outer: (triton_cdiv(n, config["BLOCK"]),)
     else:
@@ -233,7 +240,7 @@ def write_kernel(program: GroupProgram, layout: str, strategy: str, helpers: Opt
         base = len(program.inputs)
         for k, (t, res) in enumerate(zip(program.outputs, results)):
             ro, co = row_offs[base + k], col_offs[base + k]
-            store = res if t.dtype == torch.bool else f"{res}.to({TL_DTYPES[t.dtype]})"
+            store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
             reduced_output = all(t.domain_stride[d] == 0 for d in program.reduced_dims)
             if reduced_output:
                 w.emit(f"tl.store(out{k} + {ro or 'rows * 0'}, tl.broadcast_to({store}, (BLOCK_M, 1)), mask=row_mask)")
@@ -246,7 +253,7 @@ def write_kernel(program: GroupProgram, layout: str, strategy: str, helpers: Opt
     blocks = ["BLOCK: tl.constexpr"] if layout == "flat" else ["BLOCK_M: tl.constexpr", "BLOCK_R: tl.constexpr"]
     header = _header(program, layout, strategy)
     body = "\n".join(w.lines)
-    helper_text = "\n\n".join(sorted((helpers or {}).values()))
+    helper_text = used_helpers(helpers, body)
     source_for_hash = f"{helper_text}\n{', '.join(params + blocks)}\n{body}"
     digest = hashlib.sha256(source_for_hash.encode()).hexdigest()[:10]
     stem = "_".join(dict.fromkeys(_short(op) for op in program.op_names))[:48].strip("_")

@@ -28,18 +28,14 @@ from typing import Optional
 
 import torch
 
-from .codegen import INT32_LIMIT, TL_DTYPES, KernelSource, _header, _literal, _short, emit_offsets, next_power_of_2, triton_cdiv
+from .codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, _header, _literal, _short, emit_offsets, next_power_of_2,
+                      triton_cdiv, used_helpers)
 from .group import GroupProgram
 from .ir import Value
+from .rounding import interpreting, rounded, stored
 
 _NEUTRAL = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
 _COMBINE = {"sum": "{0} + {1}", "max": "tl.maximum({0}, {1})", "min": "tl.minimum({0}, {1})"}
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 class _Block:
@@ -48,7 +44,9 @@ class _Block:
     def __init__(self, writer: "_MatmulWriter", indent: int, site: str, known: dict[int, str]):
         self.w = writer
         self.indent = indent
-        self.site = site  # "k": loads at (rows, ks); "n": loads at (rows, cols)
+        # The inner axis of this block's tiles: "k" loads at (rows, ks), "h" at (rows, hs), "n" at (rows, cols).
+        self.axis, self.axis_mask, self.width = {"k": ("ks", "k_mask", "BLOCK_K"), "h": ("hs", "h_mask", "BLOCK_H"),
+                                                 "n": ("cols", "col_mask", "BLOCK_N")}[site]
         self.names = dict(known)
         self.loads: dict[tuple, str] = {}
 
@@ -69,8 +67,8 @@ class _Block:
         elif v.op == "reduce":
             arg = self.value(v.args[0])
             name = self.w.fresh()
-            full = f"tl.broadcast_to({arg}, (BLOCK_M, BLOCK_N))"
-            self.emit(f"{name} = tl.{v.reduce_op}(tl.where(row_mask & col_mask, {full}, {_NEUTRAL[v.reduce_op]}), axis=1)[:, None]")
+            full = f"tl.broadcast_to({arg}, (BLOCK_M, {self.width}))"
+            self.emit(f"{name} = tl.{v.reduce_op}(tl.where(row_mask & {self.axis_mask}, {full}, {_NEUTRAL[v.reduce_op]}), axis=1)[:, None]")
         else:
             raise ValueError(f"{v.op} cannot be emitted here")
         self.names[v.uid] = name
@@ -86,8 +84,7 @@ class _Block:
             return self.loads[key]
         row, batch = w.site_offsets[("load", v.uid)]
         inner_stride = strides[-1]
-        axis = "ks" if self.site == "k" else "cols"
-        inner_mask = "k_mask" if self.site == "k" else "col_mask"
+        axis, inner_mask = self.axis, self.axis_mask
         inner = None if inner_stride == 0 else (axis if inner_stride == 1 else f"{axis} * {inner_stride}")
         terms = [t for t in (row, batch, inner) if t]
         cast = "" if tensor.dtype == torch.bool else ".to(tl.float32)"
@@ -188,23 +185,7 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
         w.site_offsets[site] = (ro, bo)
 
     # 2. prologue reductions, one pass over K per level
-    prologue_values = [v for v in values if v.uid in L.prologue]
-    known: dict[int, str] = {}
-    for level in _reduction_levels(prologue_values):
-        for v in level:
-            name = w.fresh()
-            known[v.uid] = name
-            init = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}[v.reduce_op]
-            w.emit(f"{name} = tl.full((BLOCK_M, 1), {init}, tl.float32)")
-        w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):")
-        w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", 2)
-        w.emit(f"k_mask = ks < {L.k}", 2)
-        block = _Block(w, 2, "k", {u: n for u, n in known.items() if u not in {v.uid for v in level}})
-        for v in level:
-            arg = block.value(v.args[0])
-            part = (f"tl.{v.reduce_op}(tl.where(row_mask & k_mask, tl.broadcast_to({arg}, (BLOCK_M, BLOCK_K)), "
-                    f"{_NEUTRAL[v.reduce_op]}), axis=1)[:, None]")
-            block.emit(f"{known[v.uid]} = {_COMBINE[v.reduce_op].format(known[v.uid], part)}")
+    known = _emit_prepasses(w, [v for v in values if v.uid in L.prologue], L.k)
 
     # 3. main loop
     a, b = dot.args
@@ -222,15 +203,7 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     b_cast = "" if b_tensor.dtype == torch.bool else ".to(tl.float32)"
     w.emit(f"b_tile = tl.load(in{b_index} + {' + '.join(b_terms) or '0'}, mask=(kk < {L.k}) & col_mask, other=0){b_cast}", 2)
     w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 2)
-    if L.operand_dtype is not None:
-        tl_dtype = TL_DTYPES[L.operand_dtype]
-        if L.operand_dtype == torch.bfloat16 and _interpreting():
-            # The interpreter's bf16 dot is broken; round the operands and multiply in fp32 instead.
-            w.emit(f"acc += tl.dot(a_tile.to({tl_dtype}).to(tl.float32), b_tile.to({tl_dtype}).to(tl.float32), input_precision=\"ieee\")", 2)
-        else:
-            w.emit(f"acc += tl.dot(a_tile.to({tl_dtype}), b_tile.to({tl_dtype}))", 2)
-    else:
-        w.emit(f"acc += tl.dot(a_tile, b_tile, input_precision=\"{L.precision}\")", 2)
+    w.emit(f"acc += {_dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision)}", 2)
 
     # 4. epilogue and stores
     block = _Block(w, 1, "n", {dot.uid: "acc"})
@@ -239,24 +212,14 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
         ro, bo = w.site_offsets[("out", k)]
         n_term = _term("cols", t.domain_stride[-1])
         off = " + ".join(x for x in (ro, bo, n_term) if x) or "rows * 0 + cols * 0"
-        store = res if t.dtype == torch.bool else f"{res}.to({TL_DTYPES[t.dtype]})"
+        store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
         w.emit(f"tl.store(out{k} + {off}, tl.broadcast_to({store}, (BLOCK_M, BLOCK_N)), mask=row_mask & col_mask)")
 
     params = [f"in{k}" for k in range(len(program.inputs))] + [f"out{k}" for k in range(len(program.outputs))]
     blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr", "GROUP_M: tl.constexpr"]
-    body = "\n".join(w.lines)
-    used_helpers = {k: v for k, v in (helpers or {}).items() if k in body}
-    helper_text = "\n\n".join(sorted(used_helpers.values()))
-    digest = hashlib.sha256(f"{helper_text}\n{', '.join(params + blocks)}\n{body}".encode()).hexdigest()[:10]
-    stem = "_".join(dict.fromkeys(_short(op) for op in program.op_names))[:48].strip("_")
-    name = f"af_mm_{stem}_{digest}"
-    header = _header(program, "matmul", strategy)
-    header += f"\n# product: rows {L.rows} x K {L.k} x N {L.n}, batch {L.batch}, operands {L.operand_dtype or L.precision}"
-    source = (
-        f"{header}\nimport triton\nimport triton.language as tl\n\n\n"
-        + (helper_text + "\n\n\n" if helper_text else "")
-        + f"@triton.jit\ndef {name}({', '.join(params + blocks)}):\n{body}\n"
-    )
+    source, name = _assemble(program, w, params, blocks, helpers, "mm", strategy,
+                             f"# product: rows {L.rows} x K {L.k} x N {L.n}, batch {L.batch}, "
+                             f"operands {str(L.operand_dtype).removeprefix('torch.') if L.operand_dtype else L.precision}")
 
     def grid(config, rows=L.rows, n=L.n, batch=L.batch):
         block_n = constexprs.get("BLOCK_N", config.get("BLOCK_N"))
@@ -280,3 +243,129 @@ def _all_values(program: GroupProgram) -> list[Value]:
             seen[v.uid] = v
             stack.extend(v.args)
     return sorted(seen.values(), key=lambda v: v.uid)
+
+
+def _emit_rows(w: _MatmulWriter, out_domain, rows: int, sites: list, strides: list, wide: bool, grouped_n: Optional[int]) -> None:
+    """Program ids -> ``rows``/``cols`` tiles, masks, and each site's row offset."""
+    cast = ".to(tl.int64)" if wide else ""
+    if grouped_n is None:
+        w.emit(f"pid_m = tl.program_id(0){cast}")
+        w.emit("cols = tl.arange(0, BLOCK_N)[None, :]")
+    w.emit(f"rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]")
+    w.emit(f"row_mask = rows < {rows}")
+    w.emit(f"col_mask = cols < {out_domain[-1]}")
+    row_dims = list(range(len(out_domain) - 1))
+    offsets = emit_offsets(w.emit, [out_domain[d] for d in row_dims], [[st[d] for d in row_dims] for st in strides], "rows", "r")
+    for site, ro in zip(sites, offsets):
+        w.site_offsets[site] = (ro, None)
+
+
+def _emit_prepasses(w: _MatmulWriter, prologue_values: list[Value], k: int, indent: int = 1) -> dict[int, str]:
+    """Step 2 of the module doc: each level of prologue reductions is one pass over K."""
+    known: dict[int, str] = {}
+    for level in _reduction_levels(prologue_values):
+        for v in level:
+            name = w.fresh()
+            known[v.uid] = name
+            w.emit(f"{name} = tl.full((BLOCK_M, 1), {_NEUTRAL[v.reduce_op]}, tl.float32)", indent)
+        w.emit(f"for k0 in range(0, {k}, BLOCK_K):", indent)
+        w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", indent + 1)
+        w.emit(f"k_mask = ks < {k}", indent + 1)
+        block = _Block(w, indent + 1, "k", {u: n for u, n in known.items() if u not in {v.uid for v in level}})
+        for v in level:
+            arg = block.value(v.args[0])
+            part = (f"tl.{v.reduce_op}(tl.where(row_mask & k_mask, tl.broadcast_to({arg}, (BLOCK_M, BLOCK_K)), "
+                    f"{_NEUTRAL[v.reduce_op]}), axis=1)[:, None]")
+            block.emit(f"{known[v.uid]} = {_COMBINE[v.reduce_op].format(known[v.uid], part)}")
+    return known
+
+
+def _dot_line(a: str, b: str, dtype, precision: str) -> str:
+    if dtype is None:
+        return f"tl.dot({a}, {b}, input_precision=\"{precision}\")"
+    tl_dtype = TL_DTYPES[dtype]
+    if dtype == torch.bfloat16 and interpreting():
+        # The interpreter's bf16 dot is broken; round the operands and multiply in fp32 instead.
+        return f"tl.dot({rounded(a, dtype)}, {rounded(b, dtype)}, input_precision=\"ieee\")"
+    return f"tl.dot({a}.to({tl_dtype}), {b}.to({tl_dtype}))"
+
+
+def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dict[str, str]] = None) -> KernelSource:
+    """Two products with the hidden activation made and consumed ``BLOCK_H`` columns at a time:
+
+    for each block of rows: prologue statistics (passes over K); then for each
+    ``BLOCK_H`` slice of the hidden width, ``acc1 = A @ W1[:, slice]`` over K,
+    the pointwise middle (bias, activation) on ``acc1``, and ``acc2 +=
+    middle @ W2[slice, :]``; finally the epilogue on ``acc2`` (all N columns
+    are in the program) and the stores.
+    """
+    L = program.matmul
+    w = _MatmulWriter(program)
+    values = _all_values(program)
+    weights = {L.dot1.args[1].uid, L.dot2.args[1].uid}
+    loads = [v for v in values if v.op == "load" and v.uid not in weights]
+    sites = [("load", v.uid) for v in loads] + [("out", k) for k in range(len(program.outputs))]
+    strides = [L.load_strides[v.uid] for v in loads] + [t.domain_stride for t in program.outputs]
+    wide = L.rows * max(L.k, L.h, L.n) > INT32_LIMIT
+    constexprs = {"BLOCK_N": next_power_of_2(L.n)}
+    _emit_rows(w, L.out_domain, L.rows, sites, strides, wide, None)
+    known = _emit_prepasses(w, [v for v in values if v.uid in L.prologue], L.k)
+
+    w1 = program.input_of_load[L.dot1.args[1].uid]
+    w2 = program.input_of_load[L.dot2.args[1].uid]
+    (w1k, w1h), (w2h, w2n) = L.w1_strides, L.w2_strides
+    w.emit("acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)")
+    w.emit(f"for h0 in range(0, {L.h}, BLOCK_H):")
+    w.emit("hs = h0 + tl.arange(0, BLOCK_H)[None, :]", 2)
+    w.emit("hh = h0 + tl.arange(0, BLOCK_H)[:, None]", 2)
+    w.emit(f"h_mask = hs < {L.h}", 2)
+    w.emit("acc1 = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)", 2)
+    w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):", 2)
+    w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", 3)
+    w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 3)
+    w.emit(f"k_mask = ks < {L.k}", 3)
+    block = _Block(w, 3, "k", known)
+    a_name = block.value(L.dot1.args[0])
+    w1_off = " + ".join(t for t in (_term("kk", w1k), _term("hs", w1h)) if t) or "0"
+    w.emit(f"w1_tile = tl.load(in{w1} + {w1_off}, mask=(kk < {L.k}) & h_mask, other=0).to(tl.float32)", 3)
+    w.emit(f"acc1 += {_dot_line(f'tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))', 'w1_tile', L.operand_dtypes[0], L.precision)}", 3)
+    block = _Block(w, 2, "h", {L.dot1.uid: "acc1"})
+    hidden = block.value(L.dot2.args[0])
+    w2_off = " + ".join(t for t in (_term("hh", w2h), _term("cols", w2n)) if t) or "0"
+    w.emit(f"w2_tile = tl.load(in{w2} + {w2_off}, mask=(hh < {L.h}) & col_mask, other=0).to(tl.float32)", 2)
+    # Hidden columns past H hold act(0) but meet zero rows of W2: they add nothing.
+    w.emit(f"acc2 += {_dot_line(f'tl.broadcast_to({hidden}, (BLOCK_M, BLOCK_H))', 'w2_tile', L.operand_dtypes[1], L.precision)}", 2)
+
+    block = _Block(w, 1, "n", {L.dot2.uid: "acc2"})
+    results = [block.value(v) for v in program.output_values]
+    for k, (t, res) in enumerate(zip(program.outputs, results)):
+        ro, _ = w.site_offsets[("out", k)]
+        off = " + ".join(x for x in (ro, _term("cols", t.domain_stride[-1])) if x) or "rows * 0 + cols * 0"
+        store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
+        w.emit(f"tl.store(out{k} + {off}, tl.broadcast_to({store}, (BLOCK_M, BLOCK_N)), mask=row_mask & col_mask)")
+
+    params = [f"in{k}" for k in range(len(program.inputs))] + [f"out{k}" for k in range(len(program.outputs))]
+    blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr", "BLOCK_H: tl.constexpr"]
+    source, name = _assemble(program, w, params, blocks, helpers, "mlp", strategy,
+                             f"# MLP: rows {L.rows} x K {L.k} -> hidden {L.h} -> N {L.n}, operands "
+                             f"{[str(d).removeprefix('torch.') if d else L.precision for d in L.operand_dtypes]}")
+
+    def grid(config, rows=L.rows):
+        return (triton_cdiv(rows, config["BLOCK_M"]),)
+
+    return KernelSource(name=name, source=source, layout="mlp", grid=grid, constexprs=constexprs)
+
+
+def _assemble(program, w, params, blocks, helpers, layout, strategy, extra_header):
+    body = "\n".join(w.lines)
+    helper_text = used_helpers(helpers, body)
+    digest = hashlib.sha256(f"{helper_text}\n{', '.join(params + blocks)}\n{body}".encode()).hexdigest()[:10]
+    stem = "_".join(dict.fromkeys(_short(op) for op in program.op_names))[:48].strip("_")
+    name = f"af_{layout}_{stem}_{digest}"
+    header = _header(program, layout, strategy) + "\n" + extra_header
+    source = (
+        f"{header}\nimport triton\nimport triton.language as tl\n\n\n"
+        + (helper_text + "\n\n\n" if helper_text else "")
+        + f"@triton.jit\ndef {name}({', '.join(params + blocks)}):\n{body}\n"
+    )
+    return source, name

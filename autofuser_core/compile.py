@@ -32,14 +32,11 @@ from .ir import AttrRef
 from .launch import FusedKernel
 from .planner import Candidate, Plan, plan_fusion_groups
 from .report import FusionReport, GroupEntry, NodeEntry
+from .rounding import interpreting
 from .rewrite import extract_group_module, rewrite_graph
 from .specs import DEFAULT_TOLERANCES, Tolerance, dtype_name
 
 logger = logging.getLogger("autofuser")
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 @contextlib.contextmanager

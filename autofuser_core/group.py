@@ -29,8 +29,9 @@ import torch
 import torch.fx
 
 from .ir import AttrRef, Value, tensor_meta
+from .rounding import rounded
 
-ROUNDED_DTYPES = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
+ROUNDED_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class GroupRefused(Exception):
@@ -169,8 +170,7 @@ def compose_group(
         meta = tensor_meta(node)
         _stamp_dot_dtype(value, meta.dtype)
         if meta.dtype in ROUNDED_DTYPES and not value.is_bool:
-            value = Value("pointwise", value.shape, args=(value,),
-                          template="{0}.to(%s).to(tl.float32)" % ROUNDED_DTYPES[meta.dtype])
+            value = Value("pointwise", value.shape, args=(value,), template=rounded("{0}", meta.dtype))
         composed[node] = value
 
     # Tensor arguments the lowerings never read (``x.type_as(y)`` needs only y's

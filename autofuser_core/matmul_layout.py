@@ -74,6 +74,9 @@ def fp32_precision() -> str:
 
 def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
     dots = [v for v in values.values() if v.op == "dot"]
+    if len(dots) == 2:
+        lay_out_mlp(program, values, dots)
+        return
     if len(dots) != 1:
         raise GroupRefused("several_products", f"{len(dots)} matrix products in one group")
     dot = dots[0]
@@ -169,3 +172,116 @@ def _collect_uids(root: Value) -> list[int]:
         seen.append(v.uid)
         stack.extend(v.args)
     return seen
+
+
+@dataclass
+class MlpLayout:
+    """Two products with only pointwise ops between them (``lin2(act(lin1(x)))``):
+    the hidden activation, ``[..., M, H]``, is made ``BLOCK_H`` columns at a
+    time and consumed by the second product at once - it never reaches memory."""
+
+    dot1: Value
+    dot2: Value
+    out_domain: tuple[int, ...]  # [..., M, N]
+    k: int
+    h: int
+    prologue: set[int]
+    middle: set[int]
+    load_strides: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    w1_strides: tuple[int, int] = (0, 0)  # over (K, H)
+    w2_strides: tuple[int, int] = (0, 0)  # over (H, N)
+    operand_dtypes: tuple[Optional[torch.dtype], Optional[torch.dtype]] = (None, None)
+    precision: str = "ieee"
+    epilogue_reduces: bool = False
+
+    @property
+    def n(self) -> int:
+        return self.out_domain[-1]
+
+    @property
+    def rows(self) -> int:
+        n = 1
+        for s in self.out_domain[:-1]:
+            n *= s
+        return n
+
+
+def _operand_dtype(dot: Value) -> Optional[torch.dtype]:
+    dtype = dot.dtype or torch.float32
+    if dtype in (torch.float16, torch.bfloat16):
+        return dtype
+    if dtype != torch.float32:
+        raise GroupRefused("unsupported_dtype", f"products in {dtype}")
+    return None
+
+
+def _weight_strides(program: GroupProgram, load: Value, transpose: bool, domain: tuple[int, int]) -> tuple[int, int]:
+    meta = program.inputs[program.input_of_load[load.uid]]
+    if len(meta.shape) != 2:
+        raise GroupRefused("batched_weight", "an MLP's weights must be matrices")
+    shape, stride = list(meta.shape), list(meta.stride)
+    if transpose:
+        shape, stride = shape[::-1], stride[::-1]
+    _check_fits(tuple(shape), domain)
+    return tuple(_domain_strides(shape, stride, domain))
+
+
+def lay_out_mlp(program: GroupProgram, values: dict[int, Value], dots: list[Value]) -> None:
+    first, second = sorted(dots, key=lambda d: d.uid)
+    depends_first: set[int] = set()
+    for v in sorted(values.values(), key=lambda v: v.uid):
+        if v is first or any(x.uid in depends_first for x in v.args):
+            depends_first.add(v.uid)
+    if second.args[0].uid not in depends_first:
+        raise GroupRefused("several_products", "two products that don't feed each other")
+    for d in (first, second):
+        if d.args[1].op != "load":
+            raise GroupRefused("computed_weight", "a product's second operand must be read from memory")
+    prologue = set(_collect_uids(first.args[0]))
+    # Everything under the second product's input that isn't the first product's
+    # own input: the first product, and the bias and activation on it.
+    middle = set(_collect_uids(second.args[0])) - prologue - {first.args[1].uid}
+    if any(values[u].op in ("reduce", "dot") for u in middle - {first.uid}) or not middle <= depends_first | {
+            u for u in middle if values[u].op in ("load", "const")}:
+        raise GroupRefused("hidden_reduction", "only pointwise ops may sit between the two products")
+    after_second: set[int] = set()
+    for v in sorted(values.values(), key=lambda v: v.uid):
+        if v is second or any(x.uid in after_second for x in v.args):
+            after_second.add(v.uid)
+    for out, value in zip(program.outputs, program.output_values):
+        if value.uid not in after_second:
+            raise GroupRefused("hidden_output", f"output {out.name} is not computed from the second product")
+    for v in values.values():
+        if v.uid in after_second and v is not second and any(x.uid in (middle | prologue) for x in v.args):
+            raise GroupRefused("prologue_reused", "a value from before the second product is used after it")
+        if v.op == "reduce":
+            last = len(v.args[0].shape) - 1
+            if v.dims != (last,) or not v.keepdim:
+                raise GroupRefused("unsupported_reduction", "reductions must run over the last dim with keepdim")
+
+    out_domain = tuple(second.shape)
+    a = first.args[0]
+    k, h = a.shape[-1], first.shape[-1]
+    if tuple(first.shape[:-1]) != out_domain[:-1]:
+        raise GroupRefused("shape_mismatch", "the two products have different rows")
+    layout = MlpLayout(dot1=first, dot2=second, out_domain=out_domain, k=k, h=h, prologue=prologue,
+                       middle=middle - {first.uid})
+    domains = {"prologue": out_domain[:-1] + (k,), "middle": out_domain[:-1] + (h,), "epilogue": out_domain}
+    for v in values.values():
+        if v.op != "load" or v is first.args[1] or v is second.args[1]:
+            continue
+        where = "prologue" if v.uid in prologue else "middle" if v.uid in layout.middle else "epilogue"
+        meta = program.inputs[program.input_of_load[v.uid]]
+        _check_fits(meta.shape, domains[where])
+        layout.load_strides[v.uid] = _domain_strides(meta.shape, meta.stride, domains[where])
+    layout.w1_strides = _weight_strides(program, first.args[1], first.transpose_b, (k, h))
+    layout.w2_strides = _weight_strides(program, second.args[1], second.transpose_b, (h, out_domain[-1]))
+    layout.operand_dtypes = (_operand_dtype(first), _operand_dtype(second))
+    layout.precision = fp32_precision()
+    layout.epilogue_reduces = any(v.op == "reduce" and v.uid in after_second for v in values.values())
+    program.domain = out_domain
+    program.reduced_dims = ()
+    program.matmul = layout
+    for tensor in program.outputs:
+        _check_fits(tensor.shape, out_domain)
+        tensor.domain_stride = _domain_strides(tensor.shape, tensor.stride, out_domain)

@@ -8,8 +8,10 @@ and checks what the report says was fused, skipped and left eager, and why.
 from __future__ import annotations
 
 import json
+import os
 import types
 import warnings
+import zlib
 
 import pytest
 import torch
@@ -27,11 +29,31 @@ TOLERANCES = {
     torch.bfloat16: dict(atol=1e-2, rtol=4e-2),
 }
 LINEAR = "torch.nn.modules.linear.Linear"
+#: Without the matmul plugin, Linear and @ stay eager and everything around them fuses.
+NO_MATMUL = ["elementwise", "reduction"]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """Fresh random data in every test, reproducible from the test's name."""
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
 
 
 def assert_matches_eager(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert got.dtype == expected.dtype and got.shape == expected.shape
     torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[expected.dtype])
+
+
+def assert_fused(group, dtype: torch.dtype) -> None:
+    """``group`` was fused - except that Triton's interpreter casts fp32 to bf16
+    by truncating instead of rounding to nearest even (a GPU rounds), so an
+    interpreted bf16 kernel may land an ulp or two off eager where a result
+    cancels; verification then keeps it eager with reason ``mismatch``."""
+    if dtype == torch.bfloat16 and INTERPRETED and not group.fused:
+        assert group.reason_code == "mismatch", group
+        return
+    assert group.fused and group.reason_code == "fused", group
 
 
 def fuse_and_run(model: nn.Module, *inputs, **options):
@@ -85,13 +107,14 @@ def test_pointwise_chain_is_one_elementwise_group(dtype, batch):
     report = fused.report()
     assert len(report.groups) == 1, str(report)
     group = report.groups[0]
-    assert group.fused and group.strategy == "elementwise" and group.reason_code == "fused"
+    assert group.strategy == "elementwise"
+    assert_fused(group, dtype)
     assert group.ops == ["elementwise.mul", "elementwise.add", "elementwise.gelu", "elementwise.sigmoid",
                          "elementwise.mul", "elementwise.clamp", "elementwise.sub"]
     assert group.nodes == ["mul", "add", "gelu", "sigmoid", "mul_1", "clamp", "sub"]
     # The transpose stays a view the kernel reads through strides.
     assert [(n.node, n.reason_code) for n in report.unfused_nodes] == [("transpose", "no_lowering")]
-    assert group.kernel and group.max_error is not None
+    assert group.kernel and group.max_error is not None  # it was generated, run and checked
 
 
 class ResidualNorm(nn.Module):
@@ -112,10 +135,10 @@ def test_residual_layer_norm_is_one_row_reduction_group(dtype, batch):
     assert_matches_eager(got, expected)
 
     report = fused.report()
-    assert [(g.strategy, g.fused, g.ops) for g in report.groups] == [
-        ("row_reduction", True, ["elementwise.add", "reduction.layer_norm_module"])
+    assert [(g.strategy, g.ops, g.nodes) for g in report.groups] == [
+        ("row_reduction", ["elementwise.add", "reduction.layer_norm_module"], ["add", "ln"])
     ], str(report)
-    assert report.fused[0].nodes == ["add", "ln"]
+    assert_fused(report.groups[0], dtype)
     assert report.unfused_nodes == []
 
 
@@ -131,9 +154,10 @@ def test_softmax_of_scaled_biased_scores_is_one_row_reduction_group(dtype):
     fused, got, expected = fuse_and_run(ScaledSoftmax(), x, bias)
     assert_matches_eager(got, expected)
     report = fused.report()
-    assert [(g.strategy, g.fused, g.ops) for g in report.groups] == [
-        ("row_reduction", True, ["elementwise.mul", "elementwise.add", "reduction.softmax"])
+    assert [(g.strategy, g.ops) for g in report.groups] == [
+        ("row_reduction", ["elementwise.mul", "elementwise.add", "reduction.softmax"])
     ], str(report)
+    assert_fused(report.groups[0], dtype)
 
 
 def test_report_round_trips_and_reads_well():
@@ -150,7 +174,8 @@ def test_report_round_trips_and_reads_well():
 
 
 # ---------------------------------------------------------------------------
-# A transformer block: matmuls stay eager, the rest fuses around them
+# A transformer block without the matmul plugin: matmuls stay eager, the rest
+# fuses around them
 # ---------------------------------------------------------------------------
 
 
@@ -181,7 +206,7 @@ def test_transformer_block_fuses_around_eager_matmuls(batch):
     model = TransformerBlock().eval()
     x = torch.randn(batch, tokens, 37)
     mask = torch.triu(torch.ones(tokens, tokens, dtype=torch.bool), 1)  # causal: -inf above the diagonal
-    fused, got, expected = fuse_and_run(model, x, mask)
+    fused, got, expected = fuse_and_run(model, x, mask, plugins=NO_MATMUL)
     assert_matches_eager(got, expected)
 
     report = fused.report()
@@ -310,14 +335,16 @@ def test_autocast_bfloat16_matches_eager_under_autocast():
     model = NormGeluSoftmax()
     x = torch.randn(3, 5, 37)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        fused = autofuser.fuse(model, progress=False)
+        fused = autofuser.fuse(model, plugins=NO_MATMUL, progress=False)
         got = fused(x)
         expected = model(x)
     assert got.dtype == expected.dtype
     torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[torch.bfloat16])
     report = fused.report()
-    assert [g.ops for g in report.fused] == [["reduction.layer_norm_module", "elementwise.gelu"],
-                                            ["reduction.softmax"]], str(report)
+    assert [g.ops for g in report.groups] == [["reduction.layer_norm_module", "elementwise.gelu"],
+                                             ["reduction.softmax"]], str(report)
+    for group in report.groups:
+        assert_fused(group, torch.bfloat16)
     assert [(n.node, n.reason_code) for n in report.unfused_nodes] == [("fc", "no_lowering")]
 
     # The same model without autocast is another signature, compiled for fp32.

@@ -9,8 +9,10 @@ third-party ``erf`` plugin is also run end to end through ``fuse()``.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import sys
 import types
+import zlib
 
 import pytest
 import torch
@@ -29,11 +31,18 @@ KNOWN_HOOKS = (
     "autofuser_transform_graph",
     "autofuser_veto_fusion",
 )
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TOLERANCES = {
     torch.float32: dict(atol=1e-5, rtol=1e-4),
     torch.float16: dict(atol=1e-3, rtol=1e-2),
     torch.bfloat16: dict(atol=1e-2, rtol=4e-2),
 }
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """Fresh random data in every test, reproducible from the test's name."""
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
 
 
 def plugin_module(name: str, **hooks) -> types.ModuleType:
@@ -148,9 +157,15 @@ def test_third_party_plugin_fuses_an_erf_chain(dtype, batch):
 
     report = fused.report()
     assert report.plugins == ["elementwise", "erfplugin"]
-    assert len(report.fused) == 1 and not report.skipped, str(report)
-    group = report.fused[0]
+    assert len(report.groups) == 1, str(report)
+    group = report.groups[0]
     assert group.strategy == "elementwise"
+    if dtype == torch.bfloat16 and INTERPRETED and not group.fused:
+        # Triton's interpreter truncates fp32 -> bf16 (a GPU rounds to nearest
+        # even); where the chain cancels, verification may keep it eager.
+        assert group.reason_code == "mismatch", group
+    else:
+        assert group.fused, group
     assert group.ops == ["elementwise.mul", "elementwise.add", "erfplugin.erf", "elementwise.mul",
                          "erfplugin.erf", "erfplugin.erf", "elementwise.sub"]
     assert report.unfused_nodes == []

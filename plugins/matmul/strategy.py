@@ -18,6 +18,7 @@ from autofuser import StrategySpec
 from autofuser_core.codegen import next_power_of_2
 from autofuser_core.codegen_matmul import write_matmul_kernel
 from autofuser_core.group import GroupRefused
+from autofuser_core.matmul_layout import MatmulLayout
 
 #: Shared memory one program may use for its pipelined A and B tiles (H100/H200: 228 KiB per SM).
 SMEM_LIMIT = 200 * 1024
@@ -43,8 +44,8 @@ def _classify(view, nodes):
     except GroupRefused:
         return None
     layout = program.matmul
-    if layout is None:
-        return None
+    if not isinstance(layout, MatmulLayout):
+        return None  # none, or two products: the mlp plugin's
     prologue_reduces = any(
         v.op == "reduce" for v in _values(program) if v.uid in layout.prologue
     )
@@ -65,8 +66,8 @@ def _values(program):
 
 def accepts(program):
     layout = program.matmul
-    if layout is None:
-        return ("no_product", "the group has no matrix product")
+    if not isinstance(layout, MatmulLayout):
+        return ("not_one_product", "the group does not have exactly one matrix product")
     if layout.epilogue_reduces and layout.n > MAX_ROW_N:
         return ("row_too_long", f"a norm over {layout.n} product columns needs more than one program's tile "
                                 f"(limit {MAX_ROW_N})")

@@ -1,4 +1,12 @@
-"""Whole MLP blocks and row-tiled chains of linear / norm / softmax.
+"""Whole MLP blocks: ``linear -> activation -> linear`` (+ the layer norm before
+and the bias, residual and norm after) in one kernel, the hidden activation
+never written to memory."""
 
-Registered but empty for now.
-"""
+from autofuser import hookimpl
+
+from .strategy import MLP_STRATEGY
+
+
+@hookimpl
+def autofuser_register_strategies(register):
+    register(MLP_STRATEGY)

@@ -1,0 +1,88 @@
+"""The MLP strategy: ``linear -> pointwise -> linear`` (with a layer norm before,
+bias/residual/norm after) as one kernel in which the hidden activation is made
+``BLOCK_H`` columns at a time and consumed by the second product at once, so
+it never reaches memory (``autofuser_core.codegen_matmul.write_mlp_kernel``)."""
+
+from __future__ import annotations
+
+from autofuser import StrategySpec
+from autofuser_core.codegen import next_power_of_2
+from autofuser_core.codegen_matmul import write_mlp_kernel
+from autofuser_core.group import GroupRefused
+from autofuser_core.matmul_layout import MlpLayout
+
+#: One program holds a whole row of the second product: its width is bounded.
+MAX_OUT_WIDTH = 256
+SMEM_LIMIT = 200 * 1024
+REGS_PER_THREAD = 160  # fp32 accumulators (acc2 and acc1) per thread before spills
+
+CONFIGS = [
+    # (BLOCK_M, BLOCK_H, BLOCK_K, num_warps, num_stages)
+    (64, 32, 32, 4, 2), (64, 64, 32, 8, 2), (128, 32, 32, 8, 2), (32, 64, 32, 4, 2),
+    (64, 64, 64, 8, 2), (128, 64, 32, 8, 2), (32, 32, 32, 4, 3), (64, 32, 64, 4, 3),
+]
+
+
+def propose(view):
+    found = []
+    for group in view.space_groups():
+        if "matmul" not in view.kinds(group):
+            continue
+        try:
+            program = view.compose(group)
+        except GroupRefused:
+            continue
+        if isinstance(program.matmul, MlpLayout):
+            found.append(group)
+    return found
+
+
+def accepts(program):
+    layout = program.matmul
+    if not isinstance(layout, MlpLayout):
+        return ("not_an_mlp", "the group is not two products with pointwise ops between them")
+    if layout.n > MAX_OUT_WIDTH:
+        return ("too_wide", f"the second product is {layout.n} wide; one program holds at most {MAX_OUT_WIDTH}")
+    return None
+
+
+def configs(program):
+    return [{"BLOCK_M": m, "BLOCK_H": h, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
+            for m, h, k, warps, stages in CONFIGS]
+
+
+def is_valid(program, config):
+    layout = program.matmul
+    block_n = next_power_of_2(layout.n)
+    threads = 32 * config["num_warps"]
+    if config["BLOCK_M"] * (block_n + config["BLOCK_H"]) / threads > REGS_PER_THREAD:
+        return "too many accumulators per thread"
+    element = 2 if layout.operand_dtypes[0] is not None else 4
+    smem = (config["BLOCK_M"] + config["BLOCK_H"]) * config["BLOCK_K"] * element * config["num_stages"]
+    smem += config["BLOCK_H"] * block_n * element + config["BLOCK_M"] * config["BLOCK_H"] * element
+    if smem > SMEM_LIMIT:
+        return f"{smem // 1024} KiB of shared memory exceeds {SMEM_LIMIT // 1024} KiB"
+    return None
+
+
+def default_config(program):
+    layout = program.matmul
+    return {"BLOCK_M": 32, "BLOCK_H": 32 if layout.h >= 32 else 16, "BLOCK_K": 32 if layout.k >= 32 else 16,
+            "num_warps": 4}
+
+
+def generate(program, helpers):
+    return write_mlp_kernel(program, "mlp", helpers)
+
+
+MLP_STRATEGY = StrategySpec(
+    name="mlp",
+    description="linear -> pointwise -> linear with the hidden activation kept on chip, norms and residuals around it.",
+    block_params=("BLOCK_M", "BLOCK_H", "BLOCK_K"),
+    propose=propose,
+    accepts=accepts,
+    configs=configs,
+    is_valid=is_valid,
+    default_config=default_config,
+    generate=generate,
+)
