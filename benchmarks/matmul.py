@@ -1,0 +1,217 @@
+"""Chains with matrix products at the widths transformer PDE solvers use.
+
+For M = 8 * 221 * 51 rows and widths 128 and 256, in one run on one GPU:
+
+- linear + GELU (w -> 2w);
+- layer norm + linear (w -> w);
+- MLP (w -> 2w -> w, GELU, residual);
+- a transformer block's feed-forward half (x + MLP(LN(x)));
+
+each in strict fp32, with TF32 allowed (on every side), and in bf16 under
+``torch.autocast``; under eager, ``torch.compile`` (default, and
+max-autotune-no-cudagraphs with ``--max-autotune``) and AutoFuser. Every
+output is checked against eager before it is timed. Beside each case: its
+roofline floor, ``max(bytes / copy bandwidth, FLOPs / matrix rate)``, with the
+bandwidth and the matrix rate of each precision measured in the same run.
+
+    python benchmarks/matmul.py --out results/ [--max-autotune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+import autofuser
+
+M = 8 * 221 * 51
+
+
+class LinearGelu(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.lin = torch.nn.Linear(w, 2 * w)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.lin(x))
+
+
+class NormLinear(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(w)
+        self.lin = torch.nn.Linear(w, w)
+
+    def forward(self, x):
+        return self.lin(self.norm(x))
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(w, 2 * w)
+        self.fc2 = torch.nn.Linear(2 * w, w)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class FeedForwardHalf(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(w)
+        self.fc1 = torch.nn.Linear(w, 2 * w)
+        self.fc2 = torch.nn.Linear(2 * w, w)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+CASES = {
+    "linear+GELU": (LinearGelu, lambda w: 2 * M * w * 2 * w, lambda w, e: (M * w + M * 2 * w) * e + 2 * w * w * 4),
+    "layernorm+linear": (NormLinear, lambda w: 2 * M * w * w, lambda w, e: 2 * M * w * e + w * w * 4),
+    "MLP w-2w-w": (Mlp, lambda w: 4 * M * w * 2 * w, lambda w, e: 2 * M * w * e + 4 * w * w * 4),
+    "FFN half (LN+MLP+res)": (FeedForwardHalf, lambda w: 4 * M * w * 2 * w, lambda w, e: 2 * M * w * e + 4 * w * w * 4),
+}
+
+
+@contextlib.contextmanager
+def precision(mode):
+    """Torch's matmul precision for ``mode``; every system runs under it."""
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+    torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+    torch.set_float32_matmul_precision("high" if mode == "tf32" else "highest")
+    try:
+        if mode == "bf16":
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                yield
+        else:
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old[0]
+        torch.set_float32_matmul_precision(old[1])
+
+
+def _ms(fn, *args):
+    return float(triton.testing.do_bench(lambda: fn(*args), warmup=25, rep=100, return_mode="median"))
+
+
+def measure_ceilings(device):
+    x = torch.randn(2**28, device=device)
+    y = torch.empty_like(x)
+    bandwidth = 2 * x.numel() * 4 / (_ms(lambda: y.copy_(x)) * 1e-3)
+    del x, y
+    n = 8192
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    rates = {}
+    for mode in ("fp32", "tf32", "bf16"):
+        with precision(mode):
+            rates[mode] = 2 * n**3 / (_ms(torch.matmul, a, b) * 1e-3)
+    return bandwidth, rates
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench-results")
+    parser.add_argument("--widths", default="128,256")
+    parser.add_argument("--modes", default="fp32,tf32,bf16")
+    parser.add_argument("--max-autotune", action="store_true", help="also torch.compile max-autotune-no-cudagraphs")
+    parser.add_argument("--tune-budget", type=float, default=8.0, help="AutoFuser tuning seconds per group")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("matmul.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bandwidth, rates = measure_ceilings(device)
+    systems = ["eager", "compile"] + (["compile-max"] if args.max_autotune else []) + ["autofuser"]
+    rows = []
+    for width in [int(w) for w in args.widths.split(",")]:
+        for case, (factory, flops_of, bytes_of) in CASES.items():
+            torch.manual_seed(0)
+            model = factory(width).to(device).eval()
+            x = torch.randn(M, width, device=device)
+            for mode in args.modes.split(","):
+                row = {"case": case, "width": width, "mode": mode}
+                element = 2 if mode == "bf16" else 4
+                floor_ms = 1e3 * max(bytes_of(width, element) / bandwidth, flops_of(width) / rates[mode])
+                row["floor_ms"] = floor_ms
+                with precision(mode), torch.no_grad():
+                    expected = model(x).float()
+                    for system in systems:
+                        try:
+                            start = time.perf_counter()
+                            if system == "eager":
+                                fn = model
+                            elif system == "compile":
+                                torch._dynamo.reset()
+                                fn = torch.compile(model)
+                            elif system == "compile-max":
+                                torch._dynamo.reset()
+                                fn = torch.compile(model, mode="max-autotune-no-cudagraphs")
+                            else:
+                                fn = autofuser.fuse(model, tune_budget_s=args.tune_budget, progress=False)
+                            got = fn(x).float()
+                            torch.cuda.synchronize()
+                            first = time.perf_counter() - start
+                            err = float((got - expected).norm() / expected.norm())
+                            ms = _ms(fn, x)
+                            row[system] = {"ms": ms, "rel_err": err, "first_call_s": first}
+                            if system == "autofuser":
+                                report = fn.report()
+                                row[system]["groups"] = [
+                                    {"strategy": g.strategy, "ops": g.ops, "fused": g.fused, "reason": g.reason_code,
+                                     "config": g.config, "eager_ms": g.time_eager_ms, "fused_ms": g.time_fused_ms}
+                                    for g in report.groups
+                                ]
+                        except Exception as err:  # a failing system is a row, not a crash
+                            row[system] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+                rows.append(row)
+                print(_line(row, systems), file=sys.stderr, flush=True)
+                (out / "matmul.partial.json").write_text(json.dumps(rows, indent=1))
+    result = {
+        "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "copy_GB/s": bandwidth / 1e9,
+        "matmul_TFLOP/s": {k: v / 1e12 for k, v in rates.items()}, "rows": M, "cases": rows,
+    }
+    (out / "matmul.json").write_text(json.dumps(result, indent=1))
+    header = (f"M = {M} rows; {result['gpu']}, {result['date']}, torch {result['torch']}, Triton {result['triton']}; "
+              f"copy {bandwidth / 1e9:.0f} GB/s; matrix rate fp32 {rates['fp32'] / 1e12:.0f}, "
+              f"tf32 {rates['tf32'] / 1e12:.0f}, bf16 {rates['bf16'] / 1e12:.0f} TFLOP/s. "
+              "Time in ms (speedup over eager).")
+    cols = {"eager": "eager", "compile": "torch.compile", "compile-max": "compile max-autotune", "autofuser": "AutoFuser"}
+    lines = [header, "", "| case | width | precision | floor | " + " | ".join(cols[s] for s in systems) + " |",
+             "|---|---|---|---|" + "---|" * len(systems)]
+    for row in rows:
+        lines.append(_line(row, systems))
+    table = "\n".join(lines)
+    (out / "matmul.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+def _line(row, systems):
+    cells = []
+    eager = row.get("eager", {}).get("ms")
+    for s in systems:
+        r = row.get(s, {})
+        if "ms" in r:
+            speed = f" ({eager / r['ms']:.2f}x)" if eager else ""
+            cells.append(f"{r['ms']:.3f}{speed}")
+        else:
+            cells.append(r.get("error", "-")[:60])
+    return f"| {row['case']} | {row['width']} | {row['mode']} | {row['floor_ms']:.3f} | " + " | ".join(cells) + " |"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

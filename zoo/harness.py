@@ -1,0 +1,501 @@
+"""``autofuser bench``: the model zoo under eager PyTorch, torch.compile and AutoFuser.
+
+For each chosen model, on one device and one dtype:
+
+1. build it (seed 0) and, with ``--train-steps N``, train it N Adam steps on
+   generated airfoils so that its test loss means something;
+2. eager: the reference output, and the median time of ``--iters`` calls after
+   ``--warmup`` calls (CUDA events per call on a GPU, ``time.perf_counter`` on
+   a CPU), in eval mode under ``torch.no_grad()``;
+3. AutoFuser: ``autofuser.fuse(model, cache_dir=D)`` with ``D`` a fresh empty
+   folder - its first call is the cold-cache compile time; then a second fresh
+   ``FusedModule`` on the same folder - its first call is the warm-cache
+   compile time - and the median time of that one;
+4. torch.compile: after ``torch._dynamo.reset()``, ``torch.compile(model,
+   mode=--compile-mode)``; its first call, then the median time (skipped with
+   ``--no-compile``).
+
+Every system's output is compared with eager (``||out - eager|| / ||eager||``)
+and with the airfoil target (the relative L2 test loss). ``--dtype bf16`` runs
+every forward of every system under ``torch.autocast(device, bfloat16)`` with
+fp32 parameters. A system that fails on a model becomes that cell's error
+(type and message), never a crash; every column is always produced.
+
+Writes ``bench.json`` (everything, with date, device and versions),
+``bench.md`` (the table, printed last) and ``bench.png`` (speedups over eager,
+when matplotlib is installed) to ``--out``. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+import autofuser
+from autofuser_zoo.airfoil import TRAIN_SEED, make_dataset, relative_l2, test_set
+from autofuser_zoo.models import MESHES, MODELS, ModelEntry, parameter_count
+
+SYSTEMS = ("eager", "torch.compile", "autofuser")
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+NO_COMPILE = "skipped: --no-compile"
+TRAIN_LR = 1e-3
+
+
+def progress(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``autofuser bench``."""
+    parser.add_argument("--models", default="all",
+                        help=f"comma-separated model names, or 'all' (default): {', '.join(MODELS)}")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                        help="fp32, or bf16 = torch.autocast(bfloat16) around every forward (fp32 parameters)")
+    parser.add_argument("--iters", type=int, default=100, help="timed calls per system (median reported)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed calls before timing")
+    parser.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, bench.png")
+    parser.add_argument("--config", choices=sorted(MESHES), default="airfoil",
+                        help="model sizes: airfoil (paper configurations, 221 x 51 mesh) or tiny (CPU tests)")
+    parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="default", help="torch.compile mode")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (it needs a C compiler on CPU)")
+    parser.add_argument("--train-steps", type=int, default=0,
+                        help="Adam steps on generated airfoils before measuring (default 0: random weights)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="override every model's batch size (default: the paper's, or 2 for --config tiny)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="parent of the per-model AutoFuser cache folders (default: OUT/autofuser-cache); "
+                             "each model's folder is emptied first")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    names = list(MODELS) if args.models.strip() == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        progress(f"unknown model(s) {', '.join(unknown)}; the zoo has {', '.join(MODELS)}")
+        return 2
+    if args.iters < 1 or args.warmup < 0 or args.train_steps < 0:
+        progress("--iters must be >= 1, --warmup and --train-steps >= 0")
+        return 2
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        progress("--device cuda but no CUDA device is available; use --device cpu")
+        return 2
+    result = run_bench(names, device=device, dtype=args.dtype, iters=args.iters, warmup=args.warmup,
+                       out=Path(args.out), config=args.config, compile_mode=args.compile_mode,
+                       no_compile=args.no_compile, train_steps=args.train_steps, batch_size=args.batch_size,
+                       cache_root=Path(args.cache_dir) if args.cache_dir else None)
+    print(result["markdown"])
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="autofuser bench", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+# ---------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _autocast(device: torch.device, dtype: str):
+    if DTYPES[dtype] is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[dtype])
+
+
+def median_ms(fn: Callable[[], Any], iters: int, warmup: int, device: torch.device) -> float:
+    """Median wall time of one call of ``fn`` in ms, over ``iters`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    _synchronize(device)
+    if device.type == "cuda":
+        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in pairs:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        times = [start.elapsed_time(end) for start, end in pairs]
+    else:
+        times = []
+        for _ in range(iters):
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return float(statistics.median(times))
+
+
+def first_call_s(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """(output, seconds) of one call, synchronised on both sides."""
+    _synchronize(device)
+    begin = time.perf_counter()
+    out = fn()
+    _synchronize(device)
+    return out, time.perf_counter() - begin
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    out, reference = out.detach().double(), reference.detach().double()
+    denominator = reference.norm()
+    return float((out - reference).norm() / denominator) if denominator > 0 else float((out - reference).norm())
+
+
+def describe_error(err: BaseException) -> str:
+    message = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {message[0]}" if message else type(err).__name__
+
+
+def train(model: torch.nn.Module, entry: ModelEntry, mesh: tuple[int, int], batch: int, steps: int,
+          device: torch.device) -> list[float]:
+    """``steps`` Adam steps (lr 1e-3, gradient norm clipped to 1) on the relative L2 loss, fp32."""
+    pool = min(1000, max(batch, steps * batch))
+    coords, target = make_dataset(pool, TRAIN_SEED, mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=TRAIN_LR)
+    model.train()
+    losses = []
+    for step in range(steps):
+        index = torch.arange(step * batch, (step + 1) * batch) % pool
+        x, y = entry.inputs(coords[index]).to(device), target[index].to(device)
+        loss = relative_l2(entry.as_grid(model(x), mesh), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss))
+        if step == 0 or (step + 1) % max(1, steps // 10) == 0:
+            progress(f"  train step {step + 1}/{steps}: loss {losses[-1]:.4f}")
+    model.eval()
+    return losses
+
+
+# ---------------------------------------------------------------------------
+# One model
+# ---------------------------------------------------------------------------
+
+
+def _empty_cell(status: str = "not run", error: Optional[str] = None) -> dict[str, Any]:
+    return {"status": status, "error": error, "ms": None, "speedup": None, "first_call_s": None,
+            "rel_err_vs_eager": None, "test_loss": None}
+
+
+def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warmup: int, config: str,
+                compile_mode: str, no_compile: bool, train_steps: int, batch_size: Optional[int],
+                cache_dir: Path) -> dict[str, Any]:
+    """One row: every system on model ``name``; errors are recorded, not raised."""
+    entry = MODELS[name]
+    mesh = MESHES[config]
+    batch = batch_size or entry.batch(config)
+    row: dict[str, Any] = {
+        "model": name, "title": entry.title, "paper": entry.paper, "family": entry.family, "layout": entry.layout,
+        "config": config, "mesh": list(mesh), "batch": batch, "params": None, "train_steps": train_steps,
+        "train_losses": [], "systems": {s: _empty_cell() for s in SYSTEMS},
+    }
+    autofuser_cell = row["systems"]["autofuser"]
+    autofuser_cell.update(first_call_cold_s=None, first_call_warm_s=None, fused_groups=None, skipped_groups=None,
+                          warm_cache_hits=None, unfused_nodes=None, opaque=None, report=None, report_text=None)
+    row["systems"]["torch.compile"]["mode"] = compile_mode
+    if dtype not in entry.dtypes:
+        for cell in row["systems"].values():
+            cell.update(status="skipped", error=f"skipped: {name} does not support {dtype}")
+        return row
+
+    # -- build, data, training ------------------------------------------------
+    try:
+        torch.manual_seed(0)
+        model = entry.make(config).to(device)
+        row["params"] = parameter_count(model)
+        coords, target = test_set(batch, mesh)
+        x, target = entry.inputs(coords).to(device), target.to(device)
+        if train_steps:
+            row["train_losses"] = train(model, entry, mesh, batch, train_steps, device)
+        model.eval()
+    except Exception as err:
+        message = describe_error(err)
+        progress(f"{name}: could not be built/trained: {message}")
+        for cell in row["systems"].values():
+            cell.update(status="error", error=message, traceback=traceback.format_exc())
+        return row
+
+    def forward(fn):
+        def call():
+            with torch.no_grad(), _autocast(device, dtype):
+                return fn(x)
+        return call
+
+    def finish(cell: dict[str, Any], out: torch.Tensor, reference: Optional[torch.Tensor]) -> None:
+        cell["test_loss"] = float(relative_l2(entry.as_grid(out, mesh), target))
+        if reference is not None:
+            cell["rel_err_vs_eager"] = relative_error(out, reference)
+
+    # -- eager ----------------------------------------------------------------
+    eager_cell, reference = row["systems"]["eager"], None
+    try:
+        progress(f"{name}: eager")
+        reference, seconds = first_call_s(forward(model), device)
+        eager_cell["first_call_s"] = seconds
+        finish(eager_cell, reference, None)
+        eager_cell["rel_err_vs_eager"] = 0.0
+        eager_cell["ms"] = median_ms(forward(model), iters, warmup, device)
+        eager_cell["status"] = "ok"
+    except Exception as err:
+        eager_cell.update(status="error", error=describe_error(err), traceback=traceback.format_exc())
+        progress(f"{name}: eager failed: {eager_cell['error']}")
+    _release(device)
+
+    # -- AutoFuser: cold cache, then warm cache -------------------------------
+    try:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        cache_dir.mkdir(parents=True)
+        progress(f"{name}: AutoFuser, cold cache {cache_dir}")
+        cold = autofuser.fuse(model, cache_dir=str(cache_dir))
+        out, seconds = first_call_s(forward(cold), device)
+        autofuser_cell["first_call_cold_s"] = seconds
+        report = cold.report()
+        autofuser_cell.update(
+            fused_groups=len(report.fused), skipped_groups=len(report.skipped),
+            unfused_nodes=len(report.unfused_nodes), opaque=dict(report.opaque),
+            report=json.loads(report.to_json()), report_text=str(report))
+        del cold
+        progress(f"{name}: AutoFuser, warm cache")
+        warm = autofuser.fuse(model, cache_dir=str(cache_dir))
+        out, seconds = first_call_s(forward(warm), device)
+        autofuser_cell["first_call_warm_s"] = seconds
+        autofuser_cell["first_call_s"] = autofuser_cell["first_call_cold_s"]
+        autofuser_cell["warm_cache_hits"] = sum(g.cache_hit for g in warm.report().fused)
+        finish(autofuser_cell, out, reference)
+        autofuser_cell["ms"] = median_ms(forward(warm), iters, warmup, device)
+        autofuser_cell["status"] = "ok"
+        del warm
+    except Exception as err:
+        autofuser_cell.update(status="error", error=describe_error(err), traceback=traceback.format_exc())
+        progress(f"{name}: AutoFuser failed: {autofuser_cell['error']}")
+    _release(device)
+
+    # -- torch.compile --------------------------------------------------------
+    compile_cell = row["systems"]["torch.compile"]
+    if no_compile:
+        compile_cell.update(status="skipped", error=NO_COMPILE)
+    else:
+        try:
+            progress(f"{name}: torch.compile (mode {compile_mode})")
+            torch._dynamo.reset()
+            compiled = torch.compile(model, mode=compile_mode)
+            out, seconds = first_call_s(forward(compiled), device)
+            compile_cell["first_call_s"] = seconds
+            finish(compile_cell, out, reference)
+            compile_cell["ms"] = median_ms(forward(compiled), iters, warmup, device)
+            compile_cell["status"] = "ok"
+            del compiled
+        except Exception as err:
+            compile_cell.update(status="error", error=describe_error(err), traceback=traceback.format_exc())
+            progress(f"{name}: torch.compile failed: {compile_cell['error']}")
+        torch._dynamo.reset()
+    _release(device)
+
+    for system in ("torch.compile", "autofuser"):
+        cell = row["systems"][system]
+        if cell["ms"] and eager_cell["ms"]:
+            cell["speedup"] = eager_cell["ms"] / cell["ms"]
+    eager_cell["speedup"] = 1.0 if eager_cell["ms"] else None
+    del model, x, target, reference
+    _release(device)
+    return row
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------
+# The whole run
+# ---------------------------------------------------------------------------
+
+
+def geometric_mean(values: list[float]) -> Optional[float]:
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def run_bench(names: list[str], *, device: torch.device, dtype: str = "fp32", iters: int = 100, warmup: int = 10,
+              out: Path = Path("bench-results"), config: str = "airfoil", compile_mode: str = "default",
+              no_compile: bool = False, train_steps: int = 0, batch_size: Optional[int] = None,
+              cache_root: Optional[Path] = None) -> dict[str, Any]:
+    """Benchmark ``names``; write bench.json, bench.md, bench.png to ``out``; return the JSON data
+    (plus the table under ``"markdown"``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cache_root = cache_root or out / "autofuser-cache"
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton picks the interpreter when a kernel is decorated: set it before AutoFuser builds any.
+        os.environ["TRITON_INTERPRET"] = "1"
+        progress("CPU run: TRITON_INTERPRET=1 (AutoFuser kernels run under Triton's interpreter)")
+    started = time.perf_counter()
+    rows = []
+    for index, name in enumerate(names, 1):
+        progress(f"[{index}/{len(names)}] {name} ({config}, {dtype}, {device})")
+        rows.append(bench_model(name, device=device, dtype=dtype, iters=iters, warmup=warmup, config=config,
+                                compile_mode=compile_mode, no_compile=no_compile, train_steps=train_steps,
+                                batch_size=batch_size, cache_dir=cache_root / name))
+    import triton
+
+    result: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "autofuser": autofuser.__version__,
+        "python": platform.python_version(),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "settings": {"models": names, "dtype": dtype, "iters": iters, "warmup": warmup, "config": config,
+                     "compile_mode": compile_mode, "no_compile": no_compile, "train_steps": train_steps,
+                     "batch_size": batch_size, "timing": "CUDA events, median" if device.type == "cuda"
+                     else "time.perf_counter, median"},
+        "rows": rows,
+        "geomean_speedup": {s: geometric_mean([r["systems"][s]["speedup"] for r in rows
+                                               if r["systems"][s]["status"] == "ok"]) for s in SYSTEMS[1:]},
+        "wall_s": time.perf_counter() - started,
+    }
+    result["plot"] = write_plot(result, out / "bench.png")
+    markdown = render_markdown(result)
+    (out / "bench.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / "bench.md").write_text(markdown + "\n")
+    progress(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + (f", {out / 'bench.png'}" if result["plot"] == "bench.png" else ""))
+    return {**result, "markdown": markdown}
+
+
+# ---------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------
+
+COLUMNS = ["model", "params", "batch", "eager ms", "torch.compile ms", "torch.compile speedup", "AutoFuser ms",
+           "AutoFuser speedup", "torch.compile first call s", "AutoFuser first call s (cold)",
+           "AutoFuser first call s (warm)", "torch.compile rel err", "AutoFuser rel err", "test loss eager",
+           "test loss torch.compile", "test loss AutoFuser", "fused groups", "skipped groups"]
+
+
+def _cell(cell: dict[str, Any], key: str, fmt: str) -> str:
+    if cell["status"] == "skipped":
+        return cell["error"] or "skipped"
+    if cell["status"] == "error":
+        return f"error: {cell['error'].split(':')[0]}"
+    value = cell.get(key)
+    return "-" if value is None else format(value, fmt)
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    settings = result["settings"]
+    where = result["gpu"] or f"CPU ({result['cpu']}{', Triton interpreter' if result['triton_interpret'] else ''})"
+    lines = [
+        f"# autofuser bench - {settings['config']} config, {settings['dtype']}, {where}",
+        "",
+        f"{result['date']}; torch {result['torch']}, Triton {result['triton']}, AutoFuser {result['autofuser']}; "
+        f"median of {settings['iters']} calls after {settings['warmup']} warm-up calls ({settings['timing']}), "
+        f"eval mode, no_grad{', bf16 autocast' if settings['dtype'] == 'bf16' else ''}; torch.compile mode "
+        f"{settings['compile_mode']}; {settings['train_steps']} training steps. Speedup = eager ms / system ms; "
+        "rel err = ||out - eager|| / ||eager||; test loss = relative L2 vs the airfoil target.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "|".join("---" for _ in COLUMNS) + "|",
+    ]
+    errors = []
+    for row in result["rows"]:
+        eager, compiled, fused = (row["systems"][s] for s in SYSTEMS)
+        cells = [
+            row["model"], f"{row['params'] / 1e6:.2f}M" if row["params"] else "-", str(row["batch"]),
+            _cell(eager, "ms", ".3f"), _cell(compiled, "ms", ".3f"), _cell(compiled, "speedup", ".2f"),
+            _cell(fused, "ms", ".3f"), _cell(fused, "speedup", ".2f"),
+            _cell(compiled, "first_call_s", ".2f"), _cell(fused, "first_call_cold_s", ".2f"),
+            _cell(fused, "first_call_warm_s", ".2f"),
+            _cell(compiled, "rel_err_vs_eager", ".1e"), _cell(fused, "rel_err_vs_eager", ".1e"),
+            _cell(eager, "test_loss", ".4f"), _cell(compiled, "test_loss", ".4f"), _cell(fused, "test_loss", ".4f"),
+            "-" if fused["fused_groups"] is None else str(fused["fused_groups"]),
+            "-" if fused["skipped_groups"] is None else str(fused["skipped_groups"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+        for system in SYSTEMS:
+            cell = row["systems"][system]
+            if cell["status"] == "error":
+                errors.append(f"- {row['model']} / {system}: {cell['error']}")
+    geomean = result["geomean_speedup"]
+    blank = [""] * len(COLUMNS)
+    blank[0] = "geometric mean"
+    blank[COLUMNS.index("torch.compile speedup")] = (f"{geomean['torch.compile']:.2f}" if geomean["torch.compile"]
+                                                     else (NO_COMPILE if settings["no_compile"] else "-"))
+    blank[COLUMNS.index("AutoFuser speedup")] = f"{geomean['autofuser']:.2f}" if geomean["autofuser"] else "-"
+    lines.append("| " + " | ".join(blank) + " |")
+    if errors:
+        lines += ["", "Errors (type: message; tracebacks in bench.json):", *errors]
+    lines += ["", "bench.png: speedups over eager." if result["plot"] == "bench.png" else f"bench.png: {result['plot']}"]
+    return "\n".join(lines)
+
+
+def write_plot(result: dict[str, Any], path: Path) -> str:
+    """Grouped bars of the speedups over eager; returns "bench.png" or why there is none."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "not written: matplotlib is not installed (pip install 'autofuser[plot]')"
+    rows = result["rows"]
+    names = [r["model"] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names) + 2), 4))
+    width = 0.38
+    for k, (system, label) in enumerate((("torch.compile", "torch.compile"), ("autofuser", "AutoFuser"))):
+        values = [r["systems"][system]["speedup"] or 0.0 for r in rows]
+        positions = [i + (k - 0.5) * width for i in range(len(rows))]
+        bars = ax.bar(positions, values, width, label=label)
+        for bar, row in zip(bars, rows):
+            cell = row["systems"][system]
+            if cell["status"] != "ok":
+                ax.annotate("skipped" if cell["status"] == "skipped" else "error", (bar.get_x() + width / 2, 0.02),
+                            ha="center", va="bottom", rotation=90, fontsize=7)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(rows)), names, rotation=20)
+    ax.set_ylabel("speedup over eager")
+    where = result["gpu"] or "CPU"
+    ax.set_title(f"{result['settings']['config']} config, {result['settings']['dtype']}, {where}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return "bench.png"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
