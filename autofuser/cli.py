@@ -10,11 +10,35 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import sys
+from pathlib import Path
 from typing import Optional
 
 
+def _import_zoo():
+    """``autofuser_zoo``; from a source checkout's ``zoo/`` when the installed
+    package predates it (an editable install made before zoo/ was mapped)."""
+    try:
+        return importlib.import_module("autofuser_zoo")
+    except ModuleNotFoundError as err:
+        if err.name != "autofuser_zoo":
+            raise
+        source = Path(__file__).resolve().parent.parent / "zoo" / "__init__.py"
+        if not source.exists():
+            raise ModuleNotFoundError("autofuser_zoo is not installed: run `pip install -e .` in the "
+                                      "AutoFuser checkout", name="autofuser_zoo") from None
+        spec = importlib.util.spec_from_file_location("autofuser_zoo", source,
+                                                      submodule_search_locations=[str(source.parent)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["autofuser_zoo"] = module
+        spec.loader.exec_module(module)
+        return module
+
+
 def _list_models(args: argparse.Namespace) -> int:
+    _import_zoo()
     from autofuser_zoo.models import MESHES, MODELS, parameter_count
 
     mesh = MESHES[args.config]
@@ -29,6 +53,7 @@ def _list_models(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    _import_zoo()
     from autofuser_zoo import harness
 
     parser = argparse.ArgumentParser(prog="autofuser", description="AutoFuser: fuse PyTorch models into Triton kernels.")

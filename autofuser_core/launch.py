@@ -17,7 +17,6 @@ import torch
 from .codegen import KernelSource
 from .group import GroupProgram
 from .ir import AttrRef
-from .ir import AttrRef
 
 
 class FusedKernel:

@@ -19,7 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autofuser
-from autofuser import LoweringSpec
 from autofuser_core.report import FusionReport
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -171,8 +171,15 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def describe_error(err: BaseException) -> str:
-    message = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {message[0]}" if message else type(err).__name__
+    """``Type: first line of the message``, and the same of its cause when it has one
+    (fx's Interpreter re-raises a node's error as a bare RuntimeError)."""
+    def one(e: BaseException) -> str:
+        # KeyError's str() is the repr of its key: show the key itself.
+        text = e.args[0] if isinstance(e, KeyError) and e.args and isinstance(e.args[0], str) else str(e)
+        lines = text.strip().splitlines()
+        return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    cause = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+    return one(err) + (f" (caused by {one(cause)})" if cause is not None else "")
 
 
 def train(model: torch.nn.Module, entry: ModelEntry, mesh: tuple[int, int], batch: int, steps: int,
@@ -191,7 +198,7 @@ def train(model: torch.nn.Module, entry: ModelEntry, mesh: tuple[int, int], batc
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step == 0 or (step + 1) % max(1, steps // 10) == 0:
             progress(f"  train step {step + 1}/{steps}: loss {losses[-1]:.4f}")
     model.eval()
@@ -236,15 +243,23 @@ def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warm
         row["params"] = parameter_count(model)
         coords, target = test_set(batch, mesh)
         x, target = entry.inputs(coords).to(device), target.to(device)
-        if train_steps:
-            row["train_losses"] = train(model, entry, mesh, batch, train_steps, device)
-        model.eval()
     except Exception as err:
         message = describe_error(err)
-        progress(f"{name}: could not be built/trained: {message}")
+        progress(f"{name}: could not be built: {message}")
         for cell in row["systems"].values():
             cell.update(status="error", error=message, traceback=traceback.format_exc())
         return row
+    row["train_error"] = None
+    if train_steps:
+        try:
+            progress(f"{name}: training {train_steps} steps")
+            row["train_losses"] = train(model, entry, mesh, batch, train_steps, device)
+        except Exception as err:
+            # Measure anyway (with the weights as they are): training needs far more memory than inference.
+            row["train_error"] = describe_error(err)
+            progress(f"{name}: training failed, measuring the untrained model: {row['train_error']}")
+            _release(device)
+    model.eval()
 
     def forward(fn):
         def call():
@@ -257,70 +272,64 @@ def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warm
         if reference is not None:
             cell["rel_err_vs_eager"] = relative_error(out, reference)
 
-    # -- eager ----------------------------------------------------------------
-    eager_cell, reference = row["systems"]["eager"], None
-    try:
+    eager_cell, compile_cell = row["systems"]["eager"], row["systems"]["torch.compile"]
+    reference: Optional[torch.Tensor] = None
+
+    def run_eager() -> None:
+        nonlocal reference
         progress(f"{name}: eager")
         reference, seconds = first_call_s(forward(model), device)
         eager_cell["first_call_s"] = seconds
         finish(eager_cell, reference, None)
         eager_cell["rel_err_vs_eager"] = 0.0
         eager_cell["ms"] = median_ms(forward(model), iters, warmup, device)
-        eager_cell["status"] = "ok"
-    except Exception as err:
-        eager_cell.update(status="error", error=describe_error(err), traceback=traceback.format_exc())
-        progress(f"{name}: eager failed: {eager_cell['error']}")
-    _release(device)
 
-    # -- AutoFuser: cold cache, then warm cache -------------------------------
-    try:
+    def run_autofuser() -> None:
         shutil.rmtree(cache_dir, ignore_errors=True)
         cache_dir.mkdir(parents=True)
         progress(f"{name}: AutoFuser, cold cache {cache_dir}")
         cold = autofuser.fuse(model, cache_dir=str(cache_dir))
-        out, seconds = first_call_s(forward(cold), device)
-        autofuser_cell["first_call_cold_s"] = seconds
+        _, seconds = first_call_s(forward(cold), device)
+        autofuser_cell["first_call_cold_s"] = autofuser_cell["first_call_s"] = seconds
         report = cold.report()
         autofuser_cell.update(
             fused_groups=len(report.fused), skipped_groups=len(report.skipped),
             unfused_nodes=len(report.unfused_nodes), opaque=dict(report.opaque),
             report=json.loads(report.to_json()), report_text=str(report))
         del cold
+        _release(device)  # the cold module's buffers and CUDA graph pool
         progress(f"{name}: AutoFuser, warm cache")
         warm = autofuser.fuse(model, cache_dir=str(cache_dir))
         out, seconds = first_call_s(forward(warm), device)
         autofuser_cell["first_call_warm_s"] = seconds
-        autofuser_cell["first_call_s"] = autofuser_cell["first_call_cold_s"]
         autofuser_cell["warm_cache_hits"] = sum(g.cache_hit for g in warm.report().fused)
         finish(autofuser_cell, out, reference)
         autofuser_cell["ms"] = median_ms(forward(warm), iters, warmup, device)
-        autofuser_cell["status"] = "ok"
-        del warm
-    except Exception as err:
-        autofuser_cell.update(status="error", error=describe_error(err), traceback=traceback.format_exc())
-        progress(f"{name}: AutoFuser failed: {autofuser_cell['error']}")
-    _release(device)
 
-    # -- torch.compile --------------------------------------------------------
-    compile_cell = row["systems"]["torch.compile"]
+    def run_compile() -> None:
+        progress(f"{name}: torch.compile (mode {compile_mode})")
+        torch._dynamo.reset()
+        compiled = torch.compile(model, mode=compile_mode)
+        out, seconds = first_call_s(forward(compiled), device)
+        compile_cell["first_call_s"] = seconds
+        finish(compile_cell, out, reference)
+        compile_cell["ms"] = median_ms(forward(compiled), iters, warmup, device)
+
     if no_compile:
         compile_cell.update(status="skipped", error=NO_COMPILE)
-    else:
+    runs = [("eager", run_eager), ("autofuser", run_autofuser)] + ([] if no_compile else [("torch.compile", run_compile)])
+    for system, run in runs:
+        cell = row["systems"][system]
         try:
-            progress(f"{name}: torch.compile (mode {compile_mode})")
-            torch._dynamo.reset()
-            compiled = torch.compile(model, mode=compile_mode)
-            out, seconds = first_call_s(forward(compiled), device)
-            compile_cell["first_call_s"] = seconds
-            finish(compile_cell, out, reference)
-            compile_cell["ms"] = median_ms(forward(compiled), iters, warmup, device)
-            compile_cell["status"] = "ok"
-            del compiled
+            run()
+            cell["status"] = "ok"
         except Exception as err:
-            compile_cell.update(status="error", error=describe_error(err), traceback=traceback.format_exc())
-            progress(f"{name}: torch.compile failed: {compile_cell['error']}")
-        torch._dynamo.reset()
-    _release(device)
+            # The helper's locals (a half-compiled module, its buffers) die with this block.
+            cell.update(status="error", error=describe_error(err), traceback=traceback.format_exc())
+            progress(f"{name}: {system} failed: {cell['error']}")
+        if system == "torch.compile":
+            torch._dynamo.reset()
+        _release(device)
 
     for system in ("torch.compile", "autofuser"):
         cell = row["systems"][system]
@@ -416,6 +425,12 @@ def _cell(cell: dict[str, Any], key: str, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _params(count: Optional[int]) -> str:
+    if count is None:
+        return "-"
+    return f"{count / 1e6:.2f}M" if count >= 1e6 else f"{count:,}"
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     settings = result["settings"]
     where = result["gpu"] or f"CPU ({result['cpu']}{', Triton interpreter' if result['triton_interpret'] else ''})"
@@ -435,7 +450,7 @@ def render_markdown(result: dict[str, Any]) -> str:
     for row in result["rows"]:
         eager, compiled, fused = (row["systems"][s] for s in SYSTEMS)
         cells = [
-            row["model"], f"{row['params'] / 1e6:.2f}M" if row["params"] else "-", str(row["batch"]),
+            row["model"], _params(row["params"]), str(row["batch"]),
             _cell(eager, "ms", ".3f"), _cell(compiled, "ms", ".3f"), _cell(compiled, "speedup", ".2f"),
             _cell(fused, "ms", ".3f"), _cell(fused, "speedup", ".2f"),
             _cell(compiled, "first_call_s", ".2f"), _cell(fused, "first_call_cold_s", ".2f"),
@@ -450,6 +465,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             cell = row["systems"][system]
             if cell["status"] == "error":
                 errors.append(f"- {row['model']} / {system}: {cell['error']}")
+        if row.get("train_error"):
+            errors.append(f"- {row['model']} / training (measured untrained): {row['train_error']}")
     geomean = result["geomean_speedup"]
     blank = [""] * len(COLUMNS)
     blank[0] = "geometric mean"

@@ -18,7 +18,7 @@ same code at toy sizes (17 x 9 mesh) for CPU tests under Triton's interpreter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
@@ -53,7 +53,6 @@ class ModelEntry:
     configs: Mapping[str, Mapping[str, Any]]
     dtypes: tuple[str, ...] = ("fp32", "bf16")  # bf16: fp32 parameters under torch.autocast
     notes: str = ""
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def make(self, config: str = "airfoil") -> nn.Module:
         """A freshly initialised model of configuration ``config`` ("airfoil" or "tiny")."""

@@ -44,8 +44,8 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``t`` [b, h, n, d] by the angles of positions 0..1 along n."""
         n = t.shape[-2]
         positions = torch.linspace(0, self.scale, n, device=t.device)
-        freqs = torch.einsum("n,f->nf", positions, self.inv_freq)
-        freqs = repeat(freqs, "n f -> n (f two)", two=2)
+        # A broadcast product, not an einsum: autocast would compute the angles in bf16.
+        freqs = repeat(positions[:, None] * self.inv_freq, "n f -> n (f two)", two=2)
         return t * freqs.cos() + rotate_half(t) * freqs.sin()
 
 

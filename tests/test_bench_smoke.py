@@ -1,0 +1,149 @@
+"""``autofuser bench`` on the CPU: the tiny configuration of one transformer
+(Galerkin) and one neural operator (FNO), without torch.compile.
+
+Checks that every column reaches bench.json and bench.md, that AutoFuser's
+output matches eager, and that a system that raises becomes an error row
+instead of stopping the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+import autofuser
+from autofuser.cli import main
+from autofuser_zoo import harness
+
+MODELS = ["galerkin", "fno"]
+SMOKE = ["--device", "cpu", "--config", "tiny", "--iters", "2", "--warmup", "1", "--no-compile"]
+CELL_KEYS = {"status", "error", "ms", "speedup", "first_call_s", "rel_err_vs_eager", "test_loss"}
+AUTOFUSER_KEYS = {"first_call_cold_s", "first_call_warm_s", "fused_groups", "skipped_groups", "warm_cache_hits",
+                  "report", "opaque"}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["bench", "--models", ",".join(MODELS), *SMOKE, "--out", str(out)])
+    return code, out, printed.getvalue()
+
+
+def test_bench_writes_every_output(smoke_run):
+    code, out, printed = smoke_run
+    assert code == 0
+    markdown = (out / "bench.md").read_text()
+    assert printed.strip().endswith(markdown.strip().splitlines()[-1])  # the table is printed last
+    assert (out / "bench.png").exists() or "matplotlib is not installed" in markdown
+    data = json.loads((out / "bench.json").read_text())
+    for key in ("date", "device", "gpu", "torch", "triton", "autofuser", "settings", "rows", "geomean_speedup"):
+        assert key in data
+    assert data["device"] == "cpu" and data["settings"]["no_compile"] is True
+    assert [row["model"] for row in data["rows"]] == MODELS
+
+
+def test_bench_json_has_every_column_and_small_errors(smoke_run):
+    _, out, _ = smoke_run
+    data = json.loads((out / "bench.json").read_text())
+    for row in data["rows"]:
+        assert row["params"] > 0 and row["batch"] == 2 and row["mesh"] == [17, 9]
+        systems = row["systems"]
+        assert set(systems) == {"eager", "torch.compile", "autofuser"}
+        for cell in systems.values():
+            assert CELL_KEYS <= set(cell)
+        eager, compiled, fused = systems["eager"], systems["torch.compile"], systems["autofuser"]
+        assert AUTOFUSER_KEYS <= set(fused)
+        assert eager["status"] == "ok" and eager["ms"] > 0 and eager["test_loss"] > 0
+        assert compiled["status"] == "skipped" and compiled["error"] == "skipped: --no-compile"
+        assert fused["status"] == "ok", fused["error"]
+        assert fused["ms"] > 0 and fused["speedup"] > 0
+        assert fused["first_call_cold_s"] > 0 and fused["first_call_warm_s"] > 0
+        assert fused["rel_err_vs_eager"] < 1e-4
+        assert abs(fused["test_loss"] - eager["test_loss"]) < 1e-4
+        assert fused["fused_groups"] >= 1 and fused["skipped_groups"] >= 0
+        assert fused["opaque"] == {}
+        assert len(fused["report"]["groups"]) == fused["fused_groups"] + fused["skipped_groups"]
+    assert data["geomean_speedup"]["autofuser"] > 0
+    assert data["geomean_speedup"]["torch.compile"] is None
+
+
+def test_bench_markdown_has_every_column(smoke_run):
+    _, out, _ = smoke_run
+    markdown = (out / "bench.md").read_text()
+    header = next(line for line in markdown.splitlines() if line.startswith("| model"))
+    assert [c.strip() for c in header.strip("|").split("|")] == harness.COLUMNS
+    rows = {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| ")}
+    for name in MODELS:
+        cells = [c.strip() for c in rows[name].strip().strip("|").split("|")]
+        assert len(cells) == len(harness.COLUMNS)
+        assert all(cells), rows[name]
+        assert cells[harness.COLUMNS.index("torch.compile ms")] == "skipped: --no-compile"
+        assert not any(c.startswith("error") for c in cells)
+    assert "geometric mean" in rows
+
+
+def test_a_failing_system_is_an_error_row(tmp_path, monkeypatch, capsys):
+    def broken_fuse(model, *args, **kwargs):
+        raise RuntimeError("deliberately broken fuse")
+
+    monkeypatch.setattr(autofuser, "fuse", broken_fuse)
+    assert main(["bench", "--models", "fno", *SMOKE, "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    (row,) = data["rows"]
+    eager, fused = row["systems"]["eager"], row["systems"]["autofuser"]
+    assert eager["status"] == "ok" and eager["ms"] > 0
+    assert fused["status"] == "error"
+    assert fused["error"] == "RuntimeError: deliberately broken fuse"
+    assert "broken_fuse" in fused["traceback"]
+    assert fused["ms"] is None and fused["speedup"] is None and fused["rel_err_vs_eager"] is None
+    markdown = (tmp_path / "bench.md").read_text()
+    assert "error: RuntimeError" in markdown
+    assert "fno / autofuser: RuntimeError: deliberately broken fuse" in markdown
+    assert data["geomean_speedup"]["autofuser"] is None
+    assert markdown.strip() in capsys.readouterr().out
+
+
+def test_a_model_that_cannot_be_built_is_a_row_of_errors(tmp_path, monkeypatch):
+    entry = harness.MODELS["fno"]
+
+    def no_model(config="airfoil"):
+        raise ValueError("no such weights")
+
+    monkeypatch.setattr(type(entry), "make", lambda self, config="airfoil": no_model(config))
+    result = harness.run_bench(["fno"], device=harness.torch.device("cpu"), config="tiny", iters=1, warmup=0,
+                               out=tmp_path, no_compile=True)
+    (row,) = result["rows"]
+    assert {cell["status"] for cell in row["systems"].values()} == {"error"}
+    assert row["systems"]["eager"]["error"] == "ValueError: no such weights"
+    assert (tmp_path / "bench.md").exists()
+
+
+def test_unknown_model_is_refused(tmp_path, capsys):
+    assert main(["bench", "--models", "fno,nonesuch", *SMOKE, "--out", str(tmp_path)]) == 2
+    assert "nonesuch" in capsys.readouterr().err
+
+
+def test_train_steps_train_first_and_a_failed_training_still_measures(tmp_path, monkeypatch):
+    cpu = harness.torch.device("cpu")
+    monkeypatch.setattr(autofuser, "fuse", lambda model, **kwargs: model)  # only eager matters here
+    result = harness.run_bench(["fno"], device=cpu, config="tiny", iters=1, warmup=0, out=tmp_path / "a",
+                               no_compile=True, train_steps=3)
+    (row,) = result["rows"]
+    assert len(row["train_losses"]) == 3 and row["train_error"] is None
+    assert row["systems"]["eager"]["status"] == "ok"
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (pretend)")
+
+    monkeypatch.setattr(harness, "train", out_of_memory)
+    result = harness.run_bench(["fno"], device=cpu, config="tiny", iters=1, warmup=0, out=tmp_path / "b",
+                               no_compile=True, train_steps=3)
+    (row,) = result["rows"]
+    assert row["train_error"] == "RuntimeError: CUDA out of memory (pretend)"
+    assert row["systems"]["eager"]["status"] == "ok" and row["systems"]["eager"]["test_loss"] > 0
+    assert "training (measured untrained): RuntimeError" in result["markdown"]

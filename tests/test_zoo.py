@@ -1,0 +1,220 @@
+"""The model zoo (``autofuser_zoo.models``) and the synthetic airfoil task (``autofuser_zoo.airfoil``).
+
+Every model, in its tiny configuration: builds, runs eager with the right
+output shape (fp32 and bf16 autocast), and is captured by AutoFuser as one
+graph with no opaque part whose output equals eager bit for bit. The airfoil
+data: a well-formed O-mesh, a finite positive speed that obeys the Kutta
+condition and tends to the free stream far away, and a velocity that is the
+derivative of the complex potential.
+"""
+
+from __future__ import annotations
+
+import cmath
+import math
+
+import pytest
+import torch
+
+import autofuser
+from autofuser_zoo import airfoil
+from autofuser_zoo.models import MESHES, MODELS, TINY_BATCH, parameter_count
+
+TINY_MESH = MESHES["tiny"]
+
+
+def tiny_input(name: str, seed: int = 0) -> torch.Tensor:
+    coords, _ = airfoil.make_dataset(TINY_BATCH, seed, TINY_MESH)
+    return MODELS[name].inputs(coords)
+
+
+def expected_shape(name: str) -> tuple[int, ...]:
+    if MODELS[name].layout == "points":
+        return (TINY_BATCH, TINY_MESH[0] * TINY_MESH[1], 1)
+    return (TINY_BATCH, *TINY_MESH, 1)
+
+
+# ---------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------
+
+
+def test_registry_lists_the_eight_models_with_their_airfoil_settings():
+    assert set(MODELS) == {"galerkin", "transformer", "transolver", "gnot", "factformer", "fno", "ffno", "unet"}
+    for name, entry in MODELS.items():
+        assert entry.layout in ("points", "grid"), name
+        assert set(entry.configs) == {"airfoil", "tiny"}, name
+        assert "fp32" in entry.dtypes and "bf16" in entry.dtypes, name
+        if entry.family == "transformer":
+            airfoil_config = entry.configs["airfoil"]
+            assert (airfoil_config["width"], airfoil_config["layers"], airfoil_config["heads"]) == (128, 8, 8), name
+            assert entry.batch_size == 4, name
+    assert MODELS["fno"].configs["airfoil"] == {"width": 32, "modes": (12, 12), "layers": 4}
+    assert MODELS["fno"].batch_size == 20
+    assert MESHES["airfoil"] == (221, 51) and 221 * 51 == 11271
+
+
+def test_unknown_config_names_the_known_ones():
+    with pytest.raises(KeyError, match="airfoil, tiny"):
+        MODELS["fno"].make("huge")
+
+
+def test_fno_airfoil_has_the_known_parameter_count():
+    # 4 spectral layers of 2 x 32 x 32 x 12 x 12 complex weights dominate FNO-2d's 2.37M.
+    assert parameter_count(MODELS["fno"].make("airfoil")) == 2_368_033
+
+
+# ---------------------------------------------------------------------------
+# Every model, tiny: eager, bf16, capture
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tiny_model_runs_eager_with_the_right_shape(name):
+    torch.manual_seed(0)
+    model = MODELS[name].make("tiny").eval()
+    x = tiny_input(name)
+    with torch.no_grad():
+        out = model(x)
+    assert out.shape == expected_shape(name) and out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    grid = MODELS[name].as_grid(out, TINY_MESH)
+    assert grid.shape == (TINY_BATCH, *TINY_MESH, 1)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tiny_model_runs_under_bf16_autocast(name):
+    torch.manual_seed(0)
+    model = MODELS[name].make("tiny").eval()
+    x = tiny_input(name)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+        reference = model.float()(x)
+    assert out.shape == expected_shape(name)
+    assert torch.isfinite(out.float()).all()
+    assert all(p.dtype in (torch.float32, torch.complex64) for p in model.parameters())
+    assert torch.equal(out, reference)  # same autocast region, same result
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tiny_model_is_captured_whole_and_bit_exact(name):
+    torch.manual_seed(0)
+    model = MODELS[name].make("tiny").eval()
+    x = tiny_input(name)
+    gm = autofuser.capture(model, x)
+    assert gm.meta["autofuser_opaque"] == {}
+    assert not [n for n in gm.graph.nodes if n.op == "call_module" and "autofuser_opaque_reason" in n.meta]
+    with torch.no_grad():
+        expected = model(x)
+        got = gm(x)
+    assert torch.equal(got, expected)
+    # The graph is specialised on shapes, not on values: another airfoil gives eager's answer too.
+    other = tiny_input(name, seed=1)
+    with torch.no_grad():
+        assert torch.equal(gm(other), model(other))
+
+
+# ---------------------------------------------------------------------------
+# Airfoil data
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return airfoil.make_dataset(6, seed=3)
+
+
+def test_dataset_shapes_dtypes_and_determinism(dataset):
+    coords, speed = dataset
+    assert coords.shape == (6, 221, 51, 2) and speed.shape == (6, 221, 51, 1)
+    assert coords.dtype == speed.dtype == torch.float32
+    again = airfoil.make_dataset(6, seed=3)
+    assert torch.equal(again[0], coords) and torch.equal(again[1], speed)
+    prefix = airfoil.make_dataset(2, seed=3)
+    assert torch.equal(prefix[0], coords[:2]) and torch.equal(prefix[1], speed[:2])
+    other = airfoil.make_dataset(2, seed=4)
+    assert not torch.equal(other[0], coords[:2])
+    test_coords, test_speed = airfoil.test_set()
+    assert test_coords.shape == (8, 221, 51, 2) and torch.equal(airfoil.test_set(3)[1], test_speed[:3])
+
+
+def test_speed_is_finite_positive_and_free_stream_far_away(dataset):
+    _, speed = dataset
+    speed = speed[..., 0]
+    assert torch.isfinite(speed).all()
+    assert (speed > 0).all()
+    outer = speed[:, :, -1]
+    assert (outer - 1).abs().max() < 0.03  # U = 1 at 10 chords, up to the circulation's 1/r decay
+    wall = speed[:, :, 0]
+    assert wall.min() < 0.1  # the front stagnation point
+    assert wall.max() < 5  # Kutta condition: no singular speed at the trailing edge
+    assert wall.max() > 1.2  # the suction peak
+
+
+def test_mesh_is_a_well_formed_o_mesh(dataset):
+    coords, _ = dataset
+    z = torch.complex(coords[..., 0].double(), coords[..., 1].double())
+    # Every cell (i, j)-(i+1, j)-(i+1, j+1)-(i, j+1), including the wrap-around one, has the same orientation.
+    a, b = z, torch.roll(z, -1, dims=1)
+    c, d = b[:, :, 1:], a[:, :, 1:]
+    a, b = a[:, :, :-1], b[:, :, :-1]
+    area = 0.5 * ((a.conj() * b).imag + (b.conj() * c).imag + (c.conj() * d).imag + (d.conj() * a).imag)
+    assert (area < 0).all() or (area > 0).all()
+    assert area.abs().min() > 0
+    # The wall is a closed airfoil of chord about 1; the outer boundary is about 10 chords away.
+    wall = z[:, :, 0]
+    chord = (wall.real.amax(1) - wall.real.amin(1))
+    assert ((chord > 0.85) & (chord < 1.15)).all()
+    assert (z[:, :, -1].abs() > 8).all()
+    # Each ring lies further from the wall than the one inside it.
+    rings = z[0, :, ::5]
+    distance = (rings[:, None, :] - wall[0][None, :, None]).abs().amin(dim=(0, 1))
+    assert distance[0] == 0 and (distance[1:] > distance[:-1]).all()
+    # Distinct nodes: no node repeats the seam.
+    assert (wall - torch.roll(wall, 1, dims=1)).abs().min() > 0
+
+
+def test_wall_is_the_joukowski_image_of_the_circle():
+    alpha, mu = airfoil.sample_parameters(3, seed=11)
+    z, _ = airfoil.airfoil_flow(alpha, mu, mesh=(64, 5))
+    for k in range(3):
+        m = complex(mu[k])
+        radius = abs(1 - m)
+        for i in (0, 17, 40):
+            theta = cmath.phase(1 - m) + 2 * math.pi * (i + 0.5) / 64
+            zeta = m + radius * cmath.exp(1j * theta)
+            assert abs(complex(z[k, i, 0]) - (zeta + 1 / zeta)) < 1e-12
+
+
+def test_kutta_condition_holds_at_the_trailing_edge():
+    alpha, mu = airfoil.sample_parameters(5, seed=7)
+    at_trailing_edge = airfoil.circle_velocity(torch.ones(5, dtype=torch.complex128), alpha, mu)
+    assert at_trailing_edge.abs().max() < 1e-12
+
+
+def test_velocity_is_the_derivative_of_the_complex_potential():
+    alpha, mu = airfoil.sample_parameters(2, seed=5)
+    alpha, mu = alpha[:, None], mu[:, None]
+    radius = (1 - mu).abs()
+    gamma = airfoil.kutta_circulation(alpha, mu)
+
+    def potential(zeta):
+        rel = zeta - mu
+        rotation = torch.exp(1j * alpha)
+        return rel * rotation.conj() + radius**2 * rotation / rel + 1j * gamma / (2 * math.pi) * torch.log(rel)
+
+    zeta = mu + radius * torch.tensor([1.3, 2.0, 5.0], dtype=torch.float64) * torch.exp(1j * torch.tensor([0.4, 2.0, -2.5]))
+    h = 1e-6
+    numeric = (potential(zeta + h) - potential(zeta - h)) / (2 * h)
+    torch.testing.assert_close(airfoil.circle_velocity(zeta, alpha, mu), numeric, rtol=1e-7, atol=1e-8)
+
+
+def test_relative_l2():
+    target = torch.rand(3, 5, 4, 1) + 0.5
+    assert airfoil.relative_l2(target, target) == 0
+    assert torch.isclose(airfoil.relative_l2(1.1 * target, target), torch.tensor(0.1))
+    assert torch.isclose(airfoil.relative_l2(torch.zeros_like(target), target), torch.tensor(1.0))
+    # Per sample, then averaged: a sample 10x larger does not dominate.
+    scaled = target * torch.tensor([1.0, 10.0, 100.0])[:, None, None, None]
+    assert torch.isclose(airfoil.relative_l2(1.1 * scaled, scaled), torch.tensor(0.1))
+    assert airfoil.relative_l2(target.bfloat16(), target).dtype == torch.float32
