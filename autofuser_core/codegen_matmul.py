@@ -210,8 +210,9 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     results = [block.value(v) for v in program.output_values]
     for k, (t, res) in enumerate(zip(program.outputs, results)):
         ro, bo = w.site_offsets[("out", k)]
-        n_term = _term("cols", t.domain_stride[-1])
-        off = " + ".join(x for x in (ro, bo, n_term) if x) or "rows * 0 + cols * 0"
+        # cols always appears (times 0 for a width-1 output), so the pointer tile is [BLOCK_M, BLOCK_N].
+        n_term = _term("cols", t.domain_stride[-1]) or "cols * 0"
+        off = " + ".join(x for x in (ro, bo, n_term) if x)
         store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
         w.emit(f"tl.store(out{k} + {off}, tl.broadcast_to({store}, (BLOCK_M, BLOCK_N)), mask=row_mask & col_mask)")
 
@@ -340,7 +341,7 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     results = [block.value(v) for v in program.output_values]
     for k, (t, res) in enumerate(zip(program.outputs, results)):
         ro, _ = w.site_offsets[("out", k)]
-        off = " + ".join(x for x in (ro, _term("cols", t.domain_stride[-1])) if x) or "rows * 0 + cols * 0"
+        off = " + ".join(x for x in (ro, _term("cols", t.domain_stride[-1]) or "cols * 0") if x)
         store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
         w.emit(f"tl.store(out{k} + {off}, tl.broadcast_to({store}, (BLOCK_M, BLOCK_N)), mask=row_mask & col_mask)")
 

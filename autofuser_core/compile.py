@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 import logging
 import os
 import sys
@@ -32,6 +33,7 @@ from .ir import AttrRef
 from .launch import FusedKernel
 from .planner import Candidate, Plan, plan_fusion_groups
 from .report import FusionReport, GroupEntry, NodeEntry
+from .matmul_layout import STRICT_FP32
 from .rounding import interpreting
 from .rewrite import extract_group_module, rewrite_graph
 from .specs import DEFAULT_TOLERANCES, Tolerance, dtype_name
@@ -72,36 +74,86 @@ def _snapshot(value: Any) -> Any:
     return value.as_strided((span,), (1,)).clone().as_strided(value.shape, value.stride())
 
 
-class _Recorder(torch.fx.Interpreter):
-    """Runs the graph once and keeps, per kept group, its inputs as they are when
-    the group runs and its outputs as eager produced them. Both are copies: an
-    in-place op later in the graph (``a.add_(1)``, ``out[:, :3] = y``) must not
-    change what the kernel is checked against."""
+@dataclass
+class _Job:
+    """One kept group on its way through verification."""
 
-    def __init__(self, gm: torch.fx.GraphModule, programs: list[GroupProgram]):
+    candidate: Candidate
+    entry: GroupEntry
+    source: Any = None
+    kernel: Any = None
+    eager: Any = None
+    started: bool = False
+    inputs: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
+    fused: Optional[FusedKernel] = None
+
+
+class _Verifier(torch.fx.Interpreter):
+    """Runs the graph once and checks each group as soon as eager has produced
+    its outputs, so only one group's boundary values are held at a time.
+
+    A group's inputs are copied as they are when the group would run: at its
+    first node for those already computed, and as they are produced for the
+    rest (the planner guarantees nothing writes memory between a group's first
+    and last node). Outputs are copied as eager produces them. Copies, because
+    a later in-place op (``a.add_(1)``, ``out[:, :3] = y``) must not change what
+    the kernel is checked against.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, jobs: list[_Job], check):
         super().__init__(gm)
-        self.programs = programs
-        self.starts: dict[torch.fx.Node, list[int]] = {}
-        for index, program in enumerate(programs):
-            self.starts.setdefault(program.nodes[0], []).append(index)
-        self.wanted = {t.source for program in programs for t in program.outputs}
-        self.values: dict[torch.fx.Node, Any] = {}
-        self.inputs: dict[int, dict[torch.fx.Node, Any]] = {}
+        self.check = check
+        self.first_of: dict[torch.fx.Node, list[_Job]] = {}
+        self.input_of: dict[torch.fx.Node, list[_Job]] = {}
+        self.output_of: dict[torch.fx.Node, list[_Job]] = {}
+        self.last_of: dict[torch.fx.Node, list[_Job]] = {}
+        for job in jobs:
+            program = job.candidate.program
+            self.first_of.setdefault(program.nodes[0], []).append(job)
+            self.last_of.setdefault(program.nodes[-1], []).append(job)
+            for t in program.inputs:
+                if isinstance(t.source, torch.fx.Node):
+                    self.input_of.setdefault(t.source, []).append(job)
+            for t in program.outputs:
+                self.output_of.setdefault(t.source, []).append(job)
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        for index in self.starts.get(n, ()):
-            self.inputs[index] = {t.source: _snapshot(self.env[t.source]) for t in self.programs[index].inputs
-                                  if isinstance(t.source, torch.fx.Node)}
+        for job in self.first_of.get(n, ()):
+            job.started = True
+            for t in job.candidate.program.inputs:
+                if isinstance(t.source, torch.fx.Node) and t.source in self.env:
+                    job.inputs[t.source] = _snapshot(self.env[t.source])
         result = super().run_node(n)
-        if n in self.wanted:
-            self.values[n] = _snapshot(result)
+        for job in self.input_of.get(n, ()):
+            if job.started and n not in job.inputs:
+                job.inputs[n] = _snapshot(result)
+        for job in self.output_of.get(n, ()):
+            job.outputs[n] = _snapshot(result)
+        for job in self.last_of.get(n, ()):
+            self.check(job)
+            job.inputs, job.outputs = {}, {}
         return result
 
 
-def _tolerance(candidate: Candidate, dtype: torch.dtype, view) -> Tolerance:
-    name = dtype_name(dtype)
-    tols = [view.lowering_of[n].tolerances.get(name) for n in candidate.nodes if n in view.lowering_of]
-    tols = [t for t in tols if t is not None] or [DEFAULT_TOLERANCES.get(name, DEFAULT_TOLERANCES["float32"])]
+def _tolerance(candidate: Candidate, view) -> Tolerance:
+    """The loosest tolerance of the group's ops over every dtype inside the group:
+    a bf16 step inside makes fp32 outputs carry bf16 error, and so does a product
+    that runs in TF32."""
+    dtypes = set()
+    for node in candidate.nodes:
+        for n in (node, *node.all_input_nodes):
+            meta = n.meta.get("tensor_meta")
+            if meta is not None and hasattr(meta, "dtype") and meta.dtype.is_floating_point:
+                dtypes.add(dtype_name(meta.dtype))
+    layout = candidate.program.matmul if candidate.program is not None else None
+    if layout is not None and getattr(layout, "precision", "ieee") == "tf32":  # tf32x3 is held to fp32
+        dtypes.add("tf32")
+    tols = []
+    for name in dtypes or {"float32"}:
+        found = [view.lowering_of[n].tolerances.get(name) for n in candidate.nodes if n in view.lowering_of]
+        found = [t for t in found if t is not None] or [DEFAULT_TOLERANCES.get(name, DEFAULT_TOLERANCES["float32"])]
+        tols.extend(found)
     return Tolerance(atol=max(t.atol for t in tols), rtol=max(t.rtol for t in tols))
 
 
@@ -109,7 +161,8 @@ def _max_error(fused: torch.Tensor, eager: torch.Tensor, tol: Tolerance) -> tupl
     if fused.dtype == torch.bool or eager.dtype == torch.bool:
         ok = torch.equal(fused, eager)
         return ok, 0.0 if ok else 1.0
-    a, b = fused.double(), eager.double()
+    # fp32 is exact enough to compare fp32/fp16/bf16 results, and half the memory of fp64.
+    a, b = fused.float(), eager.float()
     nan_a, nan_b = torch.isnan(a), torch.isnan(b)
     if not torch.equal(nan_a, nan_b):
         return False, float("nan")
@@ -189,7 +242,11 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
     def veto(candidate):
         return plugin_set.manager.hook.autofuser_veto_fusion(group=candidate, options=options)
 
-    plan = plan_fusion_groups(gm, plugin_set.registry, veto=veto, options=options)
+    token = STRICT_FP32.set(options.strict_fp32_products)
+    try:
+        plan = plan_fusion_groups(gm, plugin_set.registry, veto=veto, options=options)
+    finally:
+        STRICT_FP32.reset(token)
     view = plan.view
     for entry in view.skipped:
         report.unfused_nodes.append(NodeEntry(node=entry.node, target=entry.target,
@@ -207,41 +264,41 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
         report.compile_s = time.perf_counter() - started
         return gm, report
 
-    recorder = _Recorder(gm, [candidate.program for candidate in plan.kept])
-    with preserved_state(gm), torch.no_grad():
-        # On copies: the graph may write into its inputs, and the caller's tensors
-        # must be changed once, by the real forward, not also by this run.
-        recorder.run(*[_snapshot(x) for x in inputs])
-    values = recorder.values
-
-    survivors: list[tuple[Candidate, FusedKernel]] = []
-    total = len(plan.kept)
-    for index, candidate in enumerate(plan.kept, 1):
+    jobs: list[_Job] = []
+    for candidate in plan.kept:
         program: GroupProgram = candidate.program
-        eager = extract_group_module(gm, program)
-        entry = _entry(candidate.strategy.name, candidate.nodes, view, True, "fused", "", program)
+        job = _Job(candidate, _entry(candidate.strategy.name, candidate.nodes, view, True, "fused", "", program))
         try:
-            source = candidate.strategy.generate(program, view.helpers)
-            module = load_kernel_module(source.name, source.source, cache_dir(options.cache_dir))
-            kernel = getattr(module, source.name)
-            kernel_inputs = [attr_tensor(gm, t.source.path) if isinstance(t.source, AttrRef)
-                             else recorder.inputs[index - 1][t.source] for t in program.inputs]
-            config, hit, tuning_s, _ = _pick_config(candidate, source, kernel, kernel_inputs, device, options,
-                                                   lambda msg: progress(f"[{index}/{total}] {msg}"))
-            fused = FusedKernel(kernel, source, config, program, eager, gm)
-            with torch.no_grad():
-                outputs = fused.launch(*kernel_inputs)
+            job.source = candidate.strategy.generate(program, view.helpers)
+            module = load_kernel_module(job.source.name, job.source.source, cache_dir(options.cache_dir))
+            job.kernel = getattr(module, job.source.name)
+            job.eager = extract_group_module(gm, program)
         except Exception as err:
-            entry.fused, entry.reason_code = False, "codegen_failed"
-            entry.reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            logger.warning("group %s could not be compiled: %s", entry.nodes, entry.reason)
-            report.groups.append(entry)
+            _refuse_job(job, "codegen_failed", err)
+            report.groups.append(job.entry)
             continue
-        entry.kernel, entry.config, entry.cache_hit, entry.tuning_s = source.name, config, hit, tuning_s
+        jobs.append(job)
+
+    total = len(jobs)
+
+    def check(job: _Job) -> None:
+        index = jobs.index(job) + 1
+        program, entry = job.candidate.program, job.entry
+        try:
+            kernel_inputs = [attr_tensor(gm, t.source.path) if isinstance(t.source, AttrRef) else job.inputs[t.source]
+                             for t in program.inputs]
+            config, hit, tuning_s, _ = _pick_config(job.candidate, job.source, job.kernel, kernel_inputs, device,
+                                                   options, lambda msg: progress(f"[{index}/{total}] {msg}"))
+            job.fused = FusedKernel(job.kernel, job.source, config, program, job.eager, gm)
+            outputs = job.fused.launch(*kernel_inputs)
+        except Exception as err:
+            _refuse_job(job, "codegen_failed", err)
+            return
+        entry.kernel, entry.config, entry.cache_hit, entry.tuning_s = job.source.name, config, hit, tuning_s
         worst = 0.0
         for out_tensor, meta in zip(outputs, program.outputs):
-            tol = _tolerance(candidate, meta.dtype, view)
-            ok, err = _max_error(out_tensor, values[meta.source], tol)
+            tol = _tolerance(job.candidate, view)
+            ok, err = _max_error(out_tensor, job.outputs[meta.source], tol)
             worst = max(worst, err) if err == err else err
             if not ok:
                 entry.fused, entry.reason_code = False, "mismatch"
@@ -250,21 +307,36 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
                 break
         entry.max_error = worst
         if entry.fused and device.type == "cuda" and options.verify_speed:
-            with torch.no_grad():
-                entry.time_fused_ms = _bench(fused.launch, *kernel_inputs)
-                entry.time_eager_ms = _bench(eager, *kernel_inputs)
+            entry.time_fused_ms = _bench(job.fused.launch, *kernel_inputs)
+            entry.time_eager_ms = _bench(job.eager, *kernel_inputs)
             if entry.time_fused_ms >= entry.time_eager_ms:
                 entry.fused, entry.reason_code = False, "slower"
                 entry.reason = (f"fused {entry.time_fused_ms:.4f} ms vs eager {entry.time_eager_ms:.4f} ms: "
                                 "kept eager for speed")
-        report.groups.append(entry)
-        if entry.fused:
-            survivors.append((candidate, fused))
-    del values, recorder
+
+    verifier = _Verifier(gm, jobs, check)
+    with preserved_state(gm), torch.no_grad():
+        # On copies: the graph may write into its inputs, and the caller's tensors
+        # must be changed once, by the real forward, not also by this run.
+        verifier.run(*[_snapshot(x) for x in inputs])
+    del verifier
+    survivors = []
+    for job in jobs:
+        if job.fused is None and job.entry.fused:
+            _refuse_job(job, "not_verified", RuntimeError("the group's outputs were never produced"))
+        report.groups.append(job.entry)
+        if job.entry.fused:
+            survivors.append((job.candidate, job.fused))
 
     new_gm = rewrite_graph(gm, [(c.program, f) for c, f in survivors])
     report.compile_s = time.perf_counter() - started
     return new_gm, report
+
+
+def _refuse_job(job: _Job, code: str, err: Exception) -> None:
+    job.entry.fused, job.entry.reason_code = False, code
+    job.entry.reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    logger.warning("group %s could not be compiled: %s", job.entry.nodes, job.entry.reason)
 
 
 def _device_of(inputs: tuple) -> torch.device:

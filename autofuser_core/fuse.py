@@ -20,7 +20,7 @@ import sys
 import time
 import warnings
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -45,7 +45,11 @@ class FuseOptions(BaseModel):
     tune_budget_s: float = Field(20.0, gt=0, description="Tuning time per group, seconds.")
     verify_speed: bool = Field(True, description="On a GPU, time each group fused vs eager; keep the faster.")
     progress: bool = Field(True, description="Print progress lines to stderr while compiling.")
-    cuda_graphs: bool = Field(True, description="For inference on CUDA, replay each compiled forward as a CUDA graph.")
+    cuda_graphs: bool = Field(True, description="For inference on CUDA, replay each compiled forward as a CUDA graph "
+                                                "where that is measured to be faster.")
+    strict_fp32_products: Literal["tf32x3", "ieee"] = Field(
+        "tf32x3", description="fp32 products where torch disallows TF32: 3xTF32 (fp32-level error, tensor cores) "
+                              "or plain fp32 FMAs.")
 
 
 class FusedModule(torch.nn.Module):
@@ -184,8 +188,17 @@ class FusedModule(torch.nn.Module):
             if self._options.cuda_graphs and not grad and _first_device(flat).type == "cuda":
                 graph, why = try_cuda_graph(fused_gm, flat, self._model)
                 if graph is not None:
-                    runner = graph
-                    report.notes.append("the compiled forward replays as one CUDA graph")
+                    # Replays copy the inputs in and clone the outputs: worth it when launches, not
+                    # bytes, dominate. Measured, not guessed.
+                    with torch.no_grad():
+                        plain_ms, graph_ms = _time(fused_gm, flat), _time(graph, flat)
+                    if graph_ms < plain_ms:
+                        runner = graph
+                        report.notes.append(f"the compiled forward replays as one CUDA graph "
+                                            f"({graph_ms:.3f} ms vs {plain_ms:.3f} ms launched op by op)")
+                    else:
+                        report.notes.append(f"no CUDA graph: replaying it ({graph_ms:.3f} ms, with input copies and "
+                                            f"output clones) is not faster than launching ({plain_ms:.3f} ms)")
                 else:
                     report.notes.append(f"no CUDA graph ({why}); kernels launch one by one")
             entry = (runner, report)
@@ -206,6 +219,12 @@ class FusedModule(torch.nn.Module):
     def reports(self) -> list[FusionReport]:
         """Reports of every compiled signature, oldest first."""
         return [report for _, report in self._compiled.values()]
+
+
+def _time(fn, args: tuple) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(lambda: fn(*args), warmup=5, rep=25, return_mode="median"))
 
 
 def _describe_inputs(args: tuple) -> str:

@@ -107,18 +107,11 @@ class GroupProgram:
 
 def _dtype_of(source: Any, root: torch.nn.Module) -> tuple[tuple[int, ...], torch.dtype, tuple[int, ...]]:
     if isinstance(source, AttrRef):
-        tensor = root.get_parameter(source.path) if _is_param(root, source.path) else root.get_buffer(source.path)
+        # getattr, not get_parameter: a parametrised weight (weight_norm) is computed on access.
+        tensor = attr_tensor(root, source.path)
         return tuple(tensor.shape), tensor.dtype, tuple(tensor.stride())
     meta = tensor_meta(source)
     return tuple(meta.shape), meta.dtype, tuple(meta.stride)
-
-
-def _is_param(root: torch.nn.Module, path: str) -> bool:
-    try:
-        root.get_parameter(path)
-        return True
-    except AttributeError:
-        return False
 
 
 def attr_tensor(root: torch.nn.Module, path: str) -> torch.Tensor:

@@ -20,6 +20,7 @@ grid axis. Each load gets strides for the domain it is read in, so one input
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -39,7 +40,7 @@ class MatmulLayout:
     load_strides: dict[int, tuple[int, ...]] = field(default_factory=dict)  # load uid -> strides over its domain
     b_strides: tuple[int, ...] = ()  # over out_domain[:-2] + (K, N)
     operand_dtype: Optional[torch.dtype] = None  # None: fp32 operands
-    precision: str = "ieee"  # fp32 products: "ieee" or "tf32"
+    precision: str = "ieee"  # fp32 products: "tf32" where torch allows it, else STRICT_FP32
     epilogue_reduces: bool = False  # a reduction over N after the product: one program holds all of N
 
     @property
@@ -66,10 +67,16 @@ class MatmulLayout:
         return n
 
 
+#: How fp32 products run when torch does not allow TF32: "tf32x3" (each operand split
+#: into two TF32 parts, three tensor-core products, fp32 accumulation: error at fp32
+#: level, checked against eager at fp32 tolerance) or "ieee" (plain fp32 FMAs, slow).
+STRICT_FP32 = contextvars.ContextVar("autofuser_strict_fp32", default="tf32x3")
+
+
 def fp32_precision() -> str:
     """Torch's own rule for fp32 matrix products: TF32 only where it is allowed."""
     allowed = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
-    return "tf32" if allowed else "ieee"
+    return "tf32" if allowed else STRICT_FP32.get()
 
 
 def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:

@@ -255,6 +255,9 @@ class PlanningView:
                     self.compose(union)
                 except GroupRefused:
                     continue
+                except Exception as err:  # a lowering's IR the core can't lay out: don't merge
+                    logger.debug("composing %s failed: %s", [n.name for n in union], err)
+                    continue
                 for n in members[b]:
                     group_of[n] = a
                 members[a] = sorted(union, key=self.order.__getitem__)
@@ -305,6 +308,9 @@ def plan_fusion_groups(gm: torch.fx.GraphModule, registry: Registry, veto=None, 
             candidate.program = view.compose(nodes)
         except GroupRefused as refusal:
             refuse(candidate, refusal.code, refusal.reason)
+            continue
+        except Exception as err:
+            refuse(candidate, "compose_failed", f"{type(err).__name__}: {err}")
             continue
         verdict = candidate.strategy.accepts(candidate.program)
         if verdict is not None:

@@ -154,4 +154,5 @@ def load_plugins(plugins: Optional[Sequence[Any]] = None) -> PluginSet:
                 raise PluginError(
                     f"plugin {impl.plugin_name!r} failed in {hook_name}: {type(err).__name__}: {err}"
                 ) from err
+    registry.check_ties()
     return PluginSet(manager=manager, registry=registry, names=names)

@@ -7,9 +7,10 @@ Rules, each enforced when a spec is registered:
    naming the plugin, the hook and what was wrong.
 2. The registry stamps ``spec.plugin`` with the registering plugin's name.
 3. Two specs of one kind with the same name are a duplicate: refused.
-4. Two lowerings claiming the same target at the same priority are a tie:
-   refused, naming both plugins. A plugin that means to replace a bundled
-   lowering registers with a higher ``priority``.
+4. Two lowerings claiming the same target at its highest priority are a tie,
+   refused (once all plugins have registered) naming both plugins. A plugin
+   that means to replace a bundled lowering registers with a higher
+   ``priority``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Registry:
         self.strategies: dict[str, StrategySpec] = {}
         self.quantizers: dict[str, QuantizerSpec] = {}
         self._by_target: dict[tuple[str, Any], LoweringSpec] = {}
+        self._claims: dict[tuple[str, Any], list[LoweringSpec]] = {}
 
     # -- registration -------------------------------------------------------
 
@@ -96,24 +98,29 @@ class Registry:
     # `plugin` is positional-only, so a spec's own `plugin=` keyword reaches validation (rule 2).
     def register_lowering(self, plugin: str, /, spec: Any = None, **fields: Any) -> LoweringSpec:
         lowering = self._validate(LoweringSpec, plugin, "autofuser_register_lowerings", spec, fields)
-        # Check every target before changing anything, so a refused spec leaves no trace.
-        replaced: list[tuple[str, Any]] = []
-        for target in lowering.targets:
-            key = _target_key(target)
-            holder = self._by_target.get(key)
-            if holder is None or holder.priority < lowering.priority:
-                replaced.append(key)
-            elif holder.priority == lowering.priority:
-                raise SpecError(
-                    f"tie on target {describe_target(target)}: lowering {lowering.name!r} of plugin "
-                    f"{lowering.plugin!r} and lowering {holder.name!r} of plugin {holder.plugin!r} both "
-                    f"claim it at priority {lowering.priority}. Give the one that should win a higher "
-                    "`priority`, or load only one of the two plugins."
-                )
         self._add_unique(self.lowerings, lowering, "lowering")
-        for key in replaced:
-            self._by_target[key] = lowering
+        for target in lowering.targets:
+            claims = self._claims.setdefault(_target_key(target), [])
+            claims.append(lowering)
+            self._by_target[_target_key(target)] = max(claims, key=lambda s: s.priority)
         return lowering
+
+    def check_ties(self) -> None:
+        """Refuse two lowerings claiming one target at its highest priority.
+
+        Called once every plugin has registered, so the outcome doesn't depend on
+        the order plugins load in (a low-priority tie under a clear winner is fine).
+        """
+        for (_, target), claims in self._claims.items():
+            top = max(s.priority for s in claims)
+            tied = [s for s in claims if s.priority == top]
+            if len(tied) > 1:
+                a, b = tied[0], tied[1]
+                raise SpecError(
+                    f"tie on target {describe_target(target)}: lowering {b.name!r} of plugin {b.plugin!r} and "
+                    f"lowering {a.name!r} of plugin {a.plugin!r} both claim it at priority {top}. Give the one "
+                    "that should win a higher `priority`, or load only one of the two plugins."
+                )
 
     def register_strategy(self, plugin: str, /, spec: Any = None, **fields: Any) -> StrategySpec:
         strategy = self._validate(StrategySpec, plugin, "autofuser_register_strategies", spec, fields)

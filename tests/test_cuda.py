@@ -26,9 +26,23 @@ def _inputs(batch=3):
     return torch.randn(batch, 221, 37, device="cuda"), torch.randn(batch, 221, 37, device="cuda")
 
 
+class Deep(torch.nn.Module):
+    """Many small kernels with eager ops between them: launch-bound, where a graph pays."""
+
+    def __init__(self, width=37, depth=8):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(ResidualNorm(width) for _ in range(depth))
+        self.norm = self.blocks[0].norm
+
+    def forward(self, x, r):
+        for block in self.blocks:
+            x = block(x, r).flip(1)
+        return x
+
+
 def test_cuda_graph_replay_is_right_and_never_overwrites_results():
     torch.manual_seed(0)
-    model = ResidualNorm().cuda().eval()
+    model = Deep().cuda().eval()
     fused = autofuser.fuse(model, progress=False, verify_speed=False)
     with torch.no_grad():
         x, r = _inputs()

@@ -516,3 +516,14 @@ def test_broken_entry_point_names_itself(monkeypatch):
         autofuser.load_plugins(["broken"])
     message = str(caught.value)
     assert "'broken'" in message and "af_no_such_module_xyz" in message and "failed to import" in message
+
+
+@pytest.mark.parametrize("order", ["winner-first", "winner-last"])
+def test_a_tie_below_a_clear_winner_is_not_an_error_in_any_order(order):
+    low_a = plugin_module("lowa", autofuser_register_lowerings=registering(**erf_fields(name="lowa.erf")))
+    low_b = plugin_module("lowb", autofuser_register_lowerings=registering(**erf_fields(name="lowb.erf")))
+    high = plugin_module("top", autofuser_register_lowerings=registering(**erf_fields(name="top.erf", priority=5)))
+    plugins = [high, low_a, low_b] if order == "winner-first" else [low_a, low_b, high]
+    registry = autofuser.load_plugins(plugins).registry
+    node = torch.fx.symbolic_trace(lambda x: torch.erf(x)).graph.find_nodes(op="call_function", target=torch.erf)[0]
+    assert registry.lowering_for(node).name == "top.erf"
