@@ -85,6 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Adam steps on generated airfoils before measuring (default 0: random weights)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="override every model's batch size (default: the paper's, or 2 for --config tiny)")
+    parser.add_argument("--tune-budget", type=float, default=None,
+                        help="AutoFuser tuning seconds per group (default: fuse()'s own)")
     parser.add_argument("--cache-dir", default=None,
                         help="parent of the per-model AutoFuser cache folders (default: OUT/autofuser-cache); "
                              "each model's folder is emptied first")
@@ -106,7 +108,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     result = run_bench(names, device=device, dtype=args.dtype, iters=args.iters, warmup=args.warmup,
                        out=Path(args.out), config=args.config, compile_mode=args.compile_mode,
                        no_compile=args.no_compile, train_steps=args.train_steps, batch_size=args.batch_size,
-                       cache_root=Path(args.cache_dir) if args.cache_dir else None)
+                       cache_root=Path(args.cache_dir) if args.cache_dir else None,
+                       fuse_options={} if args.tune_budget is None else {"tune_budget_s": args.tune_budget})
     print(result["markdown"])
     return 0
 
@@ -217,7 +220,7 @@ def _empty_cell(status: str = "not run", error: Optional[str] = None) -> dict[st
 
 def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warmup: int, config: str,
                 compile_mode: str, no_compile: bool, train_steps: int, batch_size: Optional[int],
-                cache_dir: Path) -> dict[str, Any]:
+                cache_dir: Path, fuse_options: Optional[dict] = None) -> dict[str, Any]:
     """One row: every system on model ``name``; errors are recorded, not raised."""
     entry = MODELS[name]
     mesh = MESHES[config]
@@ -288,7 +291,7 @@ def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warm
         shutil.rmtree(cache_dir, ignore_errors=True)
         cache_dir.mkdir(parents=True)
         progress(f"{name}: AutoFuser, cold cache {cache_dir}")
-        cold = autofuser.fuse(model, cache_dir=str(cache_dir))
+        cold = autofuser.fuse(model, cache_dir=str(cache_dir), **(fuse_options or {}))
         _, seconds = first_call_s(forward(cold), device)
         autofuser_cell["first_call_cold_s"] = autofuser_cell["first_call_s"] = seconds
         report = cold.report()
@@ -299,7 +302,7 @@ def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warm
         del cold
         _release(device)  # the cold module's buffers and CUDA graph pool
         progress(f"{name}: AutoFuser, warm cache")
-        warm = autofuser.fuse(model, cache_dir=str(cache_dir))
+        warm = autofuser.fuse(model, cache_dir=str(cache_dir), **(fuse_options or {}))
         out, seconds = first_call_s(forward(warm), device)
         autofuser_cell["first_call_warm_s"] = seconds
         autofuser_cell["warm_cache_hits"] = sum(g.cache_hit for g in warm.report().fused)
@@ -360,7 +363,7 @@ def geometric_mean(values: list[float]) -> Optional[float]:
 def run_bench(names: list[str], *, device: torch.device, dtype: str = "fp32", iters: int = 100, warmup: int = 10,
               out: Path = Path("bench-results"), config: str = "airfoil", compile_mode: str = "default",
               no_compile: bool = False, train_steps: int = 0, batch_size: Optional[int] = None,
-              cache_root: Optional[Path] = None) -> dict[str, Any]:
+              cache_root: Optional[Path] = None, fuse_options: Optional[dict] = None) -> dict[str, Any]:
     """Benchmark ``names``; write bench.json, bench.md, bench.png to ``out``; return the JSON data
     (plus the table under ``"markdown"``)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -375,7 +378,7 @@ def run_bench(names: list[str], *, device: torch.device, dtype: str = "fp32", it
         progress(f"[{index}/{len(names)}] {name} ({config}, {dtype}, {device})")
         rows.append(bench_model(name, device=device, dtype=dtype, iters=iters, warmup=warmup, config=config,
                                 compile_mode=compile_mode, no_compile=no_compile, train_steps=train_steps,
-                                batch_size=batch_size, cache_dir=cache_root / name))
+                                batch_size=batch_size, cache_dir=cache_root / name, fuse_options=fuse_options))
     import triton
 
     result: dict[str, Any] = {
