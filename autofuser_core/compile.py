@@ -33,7 +33,7 @@ from .ir import AttrRef
 from .launch import FusedKernel
 from .planner import Candidate, Plan, plan_fusion_groups
 from .report import FusionReport, GroupEntry, NodeEntry
-from .matmul_layout import STRICT_FP32
+from .matmul_layout import MAX_PRODUCTS, STRICT_FP32, MlpLayout
 from .rounding import interpreting
 from .rewrite import extract_group_module, rewrite_graph
 from .specs import DEFAULT_TOLERANCES, Tolerance, dtype_name
@@ -239,31 +239,57 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
         impl.function(*[{"gm": gm, "options": options}[a] for a in impl.argnames])
         gm.recompile()
 
-    def veto(candidate):
-        return plugin_set.manager.hook.autofuser_veto_fusion(group=candidate, options=options)
-
-    token = STRICT_FP32.set(options.strict_fp32_products)
-    try:
-        plan = plan_fusion_groups(gm, plugin_set.registry, veto=veto, options=options)
-    finally:
-        STRICT_FP32.reset(token)
-    view = plan.view
-    for entry in view.skipped:
-        report.unfused_nodes.append(NodeEntry(node=entry.node, target=entry.target,
-                                              reason_code=entry.reason_code, reason=entry.reason))
-    for decision in plan.decisions:
-        report.groups.append(_entry(decision.strategy, decision.nodes, view, False, decision.reason_code,
-                                    decision.reason, decision.program))
-
     device = _device_of(inputs)
-    if device.type != "cuda" and not interpreting():
-        report.notes.append("no CUDA device and TRITON_INTERPRET is not 1: every group stays eager")
-        for candidate in plan.kept:
-            report.groups.append(_entry(candidate.strategy.name, candidate.nodes, view, False, "no_device",
-                                        "Triton needs a CUDA device (or TRITON_INTERPRET=1)", candidate.program))
-        report.compile_s = time.perf_counter() - started
-        return gm, report
+    taken: set[torch.fx.Node] = set()
+    retry: Optional[set[torch.fx.Node]] = None  # round 2: only the nodes of chains that stayed eager
+    survivors: list[tuple[Candidate, FusedKernel]] = []
+    # Round 1 plans freely. A group of two products (an MLP) that turns out wrong or
+    # slower would leave all its nodes eager, so round 2 re-plans the nodes no kept
+    # group covers with one product per group, and verifies those.
+    for round_number, max_products in ((1, 2), (2, 1)):
+        def veto(candidate):
+            if taken.intersection(candidate.nodes) or (retry is not None and not retry.issuperset(candidate.nodes)):
+                return "decided in the first round"
+            return plugin_set.manager.hook.autofuser_veto_fusion(group=candidate, options=options)
 
+        tokens = (STRICT_FP32.set(options.strict_fp32_products), MAX_PRODUCTS.set(max_products))
+        try:
+            plan = plan_fusion_groups(gm, plugin_set.registry, veto=veto, options=options)
+        finally:
+            MAX_PRODUCTS.reset(tokens[1])
+            STRICT_FP32.reset(tokens[0])
+        view = plan.view
+        if round_number == 1:
+            for entry in view.skipped:
+                report.unfused_nodes.append(NodeEntry(node=entry.node, target=entry.target,
+                                                      reason_code=entry.reason_code, reason=entry.reason))
+        for decision in plan.decisions:
+            if round_number == 1 or decision.reason != "decided in the first round":
+                report.groups.append(_entry(decision.strategy, decision.nodes, view, False, decision.reason_code,
+                                            decision.reason, decision.program))
+        if device.type != "cuda" and not interpreting():
+            report.notes.append("no CUDA device and TRITON_INTERPRET is not 1: every group stays eager")
+            for candidate in plan.kept:
+                report.groups.append(_entry(candidate.strategy.name, candidate.nodes, view, False, "no_device",
+                                            "Triton needs a CUDA device (or TRITON_INTERPRET=1)", candidate.program))
+            break
+        jobs = _verify_round(gm, plan, inputs, device, options, progress, report)
+        survivors += [(job.candidate, job.fused) for job in jobs if job.entry.fused]
+        taken.update(n for job in jobs if job.entry.fused for n in job.candidate.nodes)
+        failed_chains = [job for job in jobs if not job.entry.fused and isinstance(job.candidate.program.matmul, MlpLayout)]
+        if not failed_chains:
+            break
+        retry = {n for job in failed_chains for n in job.candidate.nodes}
+        progress(f"re-planning {len(failed_chains)} product chain(s) that stayed eager, one product per group")
+
+    new_gm = rewrite_graph(gm, [(c.program, f) for c, f in survivors])
+    report.compile_s = time.perf_counter() - started
+    return new_gm, report
+
+
+def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, progress, report) -> list[_Job]:
+    """Generate, load, tune and check every kept group of ``plan`` in one recording pass."""
+    view = plan.view
     jobs: list[_Job] = []
     for candidate in plan.kept:
         program: GroupProgram = candidate.program
@@ -320,17 +346,12 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
         # must be changed once, by the real forward, not also by this run.
         verifier.run(*[_snapshot(x) for x in inputs])
     del verifier
-    survivors = []
     for job in jobs:
         if job.fused is None and job.entry.fused:
             _refuse_job(job, "not_verified", RuntimeError("the group's outputs were never produced"))
         report.groups.append(job.entry)
-        if job.entry.fused:
-            survivors.append((job.candidate, job.fused))
+    return jobs
 
-    new_gm = rewrite_graph(gm, [(c.program, f) for c, f in survivors])
-    report.compile_s = time.perf_counter() - started
-    return new_gm, report
 
 
 def _refuse_job(job: _Job, code: str, err: Exception) -> None:

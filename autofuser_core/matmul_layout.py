@@ -71,6 +71,9 @@ class MatmulLayout:
 #: into two TF32 parts, three tensor-core products, fp32 accumulation: error at fp32
 #: level, checked against eager at fp32 tolerance) or "ieee" (plain fp32 FMAs, slow).
 STRICT_FP32 = contextvars.ContextVar("autofuser_strict_fp32", default="tf32x3")
+#: Products one group may chain (2: an MLP's two linears). Set to 1 when re-planning
+#: nodes whose MLP kernel lost to eager, so they still fuse one product at a time.
+MAX_PRODUCTS = contextvars.ContextVar("autofuser_max_products", default=2)
 
 
 def fp32_precision() -> str:
@@ -81,7 +84,7 @@ def fp32_precision() -> str:
 
 def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
     dots = [v for v in values.values() if v.op == "dot"]
-    if len(dots) == 2:
+    if len(dots) == 2 and MAX_PRODUCTS.get() >= 2:
         lay_out_mlp(program, values, dots)
         return
     if len(dots) != 1:

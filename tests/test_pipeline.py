@@ -576,3 +576,42 @@ def test_kernel_source_is_in_the_cache_and_names_the_nodes_it_replaces(tmp_path)
     assert "in0=transpose[3, 11, 37]" in source and "in1=y[37]" in source
     assert f"def {group.kernel}(" in source
     assert group.kernel.startswith("af_flat_mul_add_gelu_sigmoid_clamp_sub")
+
+
+class _FeedForward(torch.nn.Module):
+    def __init__(self, width=24, hidden=40):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.fc1 = torch.nn.Linear(width, hidden)
+        self.fc2 = torch.nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def test_an_mlp_that_fails_verification_is_replanned_one_product_per_group(monkeypatch):
+    import autofuser_core.compile as compile_module
+    from autofuser_core.matmul_layout import MlpLayout
+    from autofuser_core.specs import Tolerance
+
+    real_tolerance = compile_module._tolerance
+
+    def impossible_for_mlps(candidate, view):
+        if isinstance(candidate.program.matmul, MlpLayout):
+            return Tolerance.model_construct(atol=-1.0, rtol=0.0)  # nothing passes
+        return real_tolerance(candidate, view)
+
+    monkeypatch.setattr(compile_module, "_tolerance", impossible_for_mlps)
+    torch.manual_seed(7)
+    model = _FeedForward().eval()
+    x = torch.randn(3, 19, 24)
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False)
+        torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
+    report = fused.report()
+    mlp = [g for g in report.groups if g.strategy == "mlp"]
+    assert mlp and not mlp[0].fused and mlp[0].reason_code == "mismatch"
+    strategies = sorted(g.strategy for g in report.fused)
+    assert strategies == ["layernorm_linear", "linear_epilogue"], str(report)
+    covered = {n for g in report.fused for n in g.nodes}
+    assert {"fc1", "fc2"} <= covered
