@@ -184,26 +184,37 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     for site, ro, bo in zip(sites, row_offs, batch_offs):
         w.site_offsets[site] = (ro, bo)
 
-    # 2. prologue reductions, one pass over K per level
-    known = _emit_prepasses(w, [v for v in values if v.uid in L.prologue], L.k)
-
-    # 3. main loop
     a, b = dot.args
     b_index = program.input_of_load[b.uid]
     b_tensor = program.inputs[b_index]
     bk, bn = L.b_strides[-2], L.b_strides[-1]
-    w.emit("acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)")
-    w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):")
-    w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", 2)
-    w.emit(f"k_mask = ks < {L.k}", 2)
-    w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 2)
-    block = _Block(w, 2, "k", known)
-    a_name = block.value(a)
     b_terms = [t for t in (b_row, _term("kk", bk), _term("cols", bn)) if t]
     b_cast = "" if b_tensor.dtype == torch.bool else ".to(tl.float32)"
-    w.emit(f"b_tile = tl.load(in{b_index} + {' + '.join(b_terms) or '0'}, mask=(kk < {L.k}) & col_mask, other=0){b_cast}", 2)
-    w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 2)
-    w.emit(f"acc += {_dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision)}", 2)
+    b_load = f"b_tile = tl.load(in{b_index} + {' + '.join(b_terms) or '0'}, mask=(kk < {L.k}) & col_mask, other=0){b_cast}"
+    prologue_values = [v for v in values if v.uid in L.prologue]
+    if L.prologue_reduces and next_power_of_2(L.k) <= RESIDENT_K:
+        # 2+3, rows of A on chip: the norm's statistics and the product in one step, no passes over K.
+        constexprs["BLOCK_K"] = next_power_of_2(L.k)
+        w.emit("ks = tl.arange(0, BLOCK_K)[None, :]")
+        w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
+        w.emit(f"k_mask = ks < {L.k}")
+        a_name = _Block(w, 1, "k", {}).value(a)
+        w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))")
+        w.emit(b_load)
+        w.emit(f"acc = {_dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision)}")
+    else:
+        # 2. prologue reductions, one pass over K per level
+        known = _emit_prepasses(w, prologue_values, L.k)
+        # 3. main loop
+        w.emit("acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)")
+        w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):")
+        w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", 2)
+        w.emit(f"k_mask = ks < {L.k}", 2)
+        w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 2)
+        a_name = _Block(w, 2, "k", known).value(a)
+        w.emit(b_load, 2)
+        w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 2)
+        w.emit(f"acc += {_dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision)}", 2)
 
     # 4. epilogue and stores
     block = _Block(w, 1, "n", {dot.uid: "acc"})
@@ -281,6 +292,20 @@ def _emit_prepasses(w: _MatmulWriter, prologue_values: list[Value], k: int, inde
     return known
 
 
+#: Up to this K (padded to a power of 2), a program keeps its rows of A on chip
+#: instead of streaming them in BLOCK_K steps (and computes their norm in one go).
+RESIDENT_K = 256
+
+
+def _operand(expr: str, dtype) -> str:
+    """``expr`` converted once to a product's operand dtype."""
+    if dtype is None:
+        return expr
+    if dtype == torch.bfloat16 and interpreting():
+        return rounded(expr, dtype)
+    return f"{expr}.to({TL_DTYPES[dtype]})"
+
+
 def _dot_line(a: str, b: str, dtype, precision: str) -> str:
     if dtype is None:
         return f"tl.dot({a}, {b}, input_precision=\"{precision}\")"
@@ -310,26 +335,40 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     wide = L.rows * max(L.k, L.h, L.n) > INT32_LIMIT
     constexprs = {"BLOCK_N": next_power_of_2(L.n)}
     _emit_rows(w, L.out_domain, L.rows, sites, strides, wide, None)
-    known = _emit_prepasses(w, [v for v in values if v.uid in L.prologue], L.k)
 
     w1 = program.input_of_load[L.dot1.args[1].uid]
     w2 = program.input_of_load[L.dot2.args[1].uid]
     (w1k, w1h), (w2h, w2n) = L.w1_strides, L.w2_strides
+    w1_off = " + ".join(t for t in (_term("kk", w1k), _term("hs", w1h)) if t) or "0"
+    resident = next_power_of_2(L.k) <= RESIDENT_K
+    if resident:
+        # The rows of A fit on chip: compute them (with their norm) once and reuse them
+        # for every slice of the hidden width.
+        constexprs["BLOCK_K"] = next_power_of_2(L.k)
+        w.emit("ks = tl.arange(0, BLOCK_K)[None, :]")
+        w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
+        w.emit(f"k_mask = ks < {L.k}")
+        a_name = _Block(w, 1, "k", {}).value(L.dot1.args[0])
+        w.emit(f"a_op = {_operand(f'tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))', L.operand_dtypes[0])}")
+    else:
+        known = _emit_prepasses(w, [v for v in values if v.uid in L.prologue], L.k)
     w.emit("acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)")
     w.emit(f"for h0 in range(0, {L.h}, BLOCK_H):")
     w.emit("hs = h0 + tl.arange(0, BLOCK_H)[None, :]", 2)
     w.emit("hh = h0 + tl.arange(0, BLOCK_H)[:, None]", 2)
     w.emit(f"h_mask = hs < {L.h}", 2)
-    w.emit("acc1 = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)", 2)
-    w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):", 2)
-    w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", 3)
-    w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 3)
-    w.emit(f"k_mask = ks < {L.k}", 3)
-    block = _Block(w, 3, "k", known)
-    a_name = block.value(L.dot1.args[0])
-    w1_off = " + ".join(t for t in (_term("kk", w1k), _term("hs", w1h)) if t) or "0"
-    w.emit(f"w1_tile = tl.load(in{w1} + {w1_off}, mask=(kk < {L.k}) & h_mask, other=0).to(tl.float32)", 3)
-    w.emit(f"acc1 += {_dot_line(f'tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))', 'w1_tile', L.operand_dtypes[0], L.precision)}", 3)
+    if resident:
+        w.emit(f"w1_tile = tl.load(in{w1} + {w1_off}, mask=(kk < {L.k}) & h_mask, other=0).to(tl.float32)", 2)
+        w.emit(f"acc1 = {_dot_line('a_op', 'w1_tile', L.operand_dtypes[0], L.precision)}", 2)
+    else:
+        w.emit("acc1 = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)", 2)
+        w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):", 2)
+        w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", 3)
+        w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 3)
+        w.emit(f"k_mask = ks < {L.k}", 3)
+        a_name = _Block(w, 3, "k", known).value(L.dot1.args[0])
+        w.emit(f"w1_tile = tl.load(in{w1} + {w1_off}, mask=(kk < {L.k}) & h_mask, other=0).to(tl.float32)", 3)
+        w.emit(f"acc1 += {_dot_line(f'tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))', 'w1_tile', L.operand_dtypes[0], L.precision)}", 3)
     block = _Block(w, 2, "h", {L.dot1.uid: "acc1"})
     hidden = block.value(L.dot2.args[0])
     w2_off = " + ".join(t for t in (_term("hh", w2h), _term("cols", w2n)) if t) or "0"

@@ -217,7 +217,7 @@ def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, 
     for config in configs:
         if time.perf_counter() - start > options.tune_budget_s and timings:
             break
-        launch = {**source.constexprs, **config}
+        launch = {**config, **source.constexprs}  # the layout's fixed sizes win over a config's
         grid = source.grid(config)
         try:
             ms = _bench(lambda: kernel[grid](*inputs, *outputs, **launch))

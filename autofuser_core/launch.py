@@ -29,7 +29,7 @@ class FusedKernel:
         self.config = dict(config)
         self.eager = eager  # the group's original ops, as a GraphModule
         self.grid = source.grid(self.config)
-        self.launch_args = {**source.constexprs, **self.config}
+        self.launch_args = {**self.config, **source.constexprs}  # fixed sizes win
         self.input_layout = [(t.shape, t.stride) for t in program.inputs]
         self.output_layout = [(t.shape, t.stride, t.dtype) for t in program.outputs]
         self.single_output = len(program.outputs) == 1

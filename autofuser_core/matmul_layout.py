@@ -42,6 +42,7 @@ class MatmulLayout:
     operand_dtype: Optional[torch.dtype] = None  # None: fp32 operands
     precision: str = "ieee"  # fp32 products: "tf32" where torch allows it, else STRICT_FP32
     epilogue_reduces: bool = False  # a reduction over N after the product: one program holds all of N
+    prologue_reduces: bool = False  # a norm over K before the product
 
     @property
     def a_domain(self) -> tuple[int, ...]:
@@ -154,6 +155,7 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
     layout.precision = fp32_precision()
 
     layout.epilogue_reduces = any(v.op == "reduce" and v.uid not in prologue for v in values.values())
+    layout.prologue_reduces = any(v.op == "reduce" and v.uid in prologue for v in values.values())
     program.domain = out_domain
     program.reduced_dims = ()
     program.matmul = layout

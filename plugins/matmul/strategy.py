@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from autofuser import StrategySpec
 from autofuser_core.codegen import next_power_of_2
-from autofuser_core.codegen_matmul import write_matmul_kernel
+from autofuser_core.codegen_matmul import RESIDENT_K, write_matmul_kernel
 from autofuser_core.group import GroupRefused
 from autofuser_core.matmul_layout import MatmulLayout
 
@@ -28,10 +28,10 @@ ACC_PER_THREAD = 128
 MAX_ROW_N = 256
 
 CONFIGS = [
-    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-    (128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 128, 64, 8, 3),
-    (64, 64, 32, 4, 4), (64, 64, 64, 4, 3), (128, 256, 32, 8, 3), (256, 128, 32, 8, 3),
-    (64, 256, 32, 8, 3), (32, 64, 32, 4, 4), (64, 32, 32, 4, 4), (32, 32, 32, 4, 2),
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), most promising first: tuning stops at its budget
+    (128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4),
+    (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 32, 8, 3), (64, 64, 32, 4, 4),
+    (64, 64, 64, 4, 3), (64, 256, 32, 8, 3), (32, 64, 32, 4, 4), (64, 32, 32, 4, 4), (32, 32, 32, 4, 2),
 ]
 
 
@@ -46,22 +46,9 @@ def _classify(view, nodes):
     layout = program.matmul
     if not isinstance(layout, MatmulLayout):
         return None  # none, or two products: the mlp plugin's
-    prologue_reduces = any(
-        v.op == "reduce" for v in _values(program) if v.uid in layout.prologue
-    )
-    if prologue_reduces:
+    if layout.prologue_reduces:
         return "layernorm_linear"
     return "matmul" if len(nodes) == 1 else "linear_epilogue"
-
-
-def _values(program):
-    seen, stack = {}, list(program.output_values)
-    while stack:
-        v = stack.pop()
-        if v.uid not in seen:
-            seen[v.uid] = v
-            stack.extend(v.args)
-    return seen.values()
 
 
 def accepts(program):
@@ -92,12 +79,14 @@ def is_valid(program, config):
     layout = program.matmul
     block_n = config.get("BLOCK_N") or next_power_of_2(layout.n)
     element = 2 if layout.operand_dtype is not None else 4
-    smem = (config["BLOCK_M"] + block_n) * config["BLOCK_K"] * element * config.get("num_stages", 2)
+    resident = layout.prologue_reduces and next_power_of_2(layout.k) <= RESIDENT_K
+    block_k = next_power_of_2(layout.k) if resident else config["BLOCK_K"]
+    smem = (config["BLOCK_M"] + block_n) * block_k * element * (1 if resident else config.get("num_stages", 2))
     if smem > SMEM_LIMIT:
         return f"{smem // 1024} KiB of shared memory for the pipelined tiles exceeds {SMEM_LIMIT // 1024} KiB"
     if config["BLOCK_M"] * block_n / (32 * config["num_warps"]) > ACC_PER_THREAD:
         return "too many accumulators per thread"
-    if config["BLOCK_K"] > max(16, next_power_of_2(layout.k)):
+    if not resident and config["BLOCK_K"] > max(16, next_power_of_2(layout.k)):
         return "BLOCK_K larger than K"
     return None
 

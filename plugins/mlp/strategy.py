@@ -7,19 +7,19 @@ from __future__ import annotations
 
 from autofuser import StrategySpec
 from autofuser_core.codegen import next_power_of_2
-from autofuser_core.codegen_matmul import write_mlp_kernel
+from autofuser_core.codegen_matmul import RESIDENT_K, write_mlp_kernel
 from autofuser_core.group import GroupRefused
 from autofuser_core.matmul_layout import MlpLayout
 
 #: One program holds a whole row of the second product: its width is bounded.
 MAX_OUT_WIDTH = 256
 SMEM_LIMIT = 200 * 1024
-REGS_PER_THREAD = 160  # fp32 accumulators (acc2 and acc1) per thread before spills
+REGS_PER_THREAD = 192  # fp32 values (acc2, acc1, resident rows of A) per thread before spills
 
 CONFIGS = [
-    # (BLOCK_M, BLOCK_H, BLOCK_K, num_warps, num_stages)
-    (64, 32, 32, 4, 2), (64, 64, 32, 8, 2), (128, 32, 32, 8, 2), (32, 64, 32, 4, 2),
-    (64, 64, 64, 8, 2), (128, 64, 32, 8, 2), (32, 32, 32, 4, 3), (64, 32, 64, 4, 3),
+    # (BLOCK_M, BLOCK_H, BLOCK_K, num_warps, num_stages); BLOCK_K is fixed to K when A's rows stay on chip
+    (64, 64, 64, 8, 2), (64, 32, 32, 4, 2), (128, 64, 32, 8, 2), (32, 64, 32, 4, 2),
+    (64, 64, 32, 8, 3), (128, 32, 32, 8, 2), (32, 32, 32, 4, 3), (64, 128, 64, 8, 2), (32, 128, 64, 8, 2),
 ]
 
 
@@ -55,10 +55,13 @@ def is_valid(program, config):
     layout = program.matmul
     block_n = next_power_of_2(layout.n)
     threads = 32 * config["num_warps"]
-    if config["BLOCK_M"] * (block_n + config["BLOCK_H"]) / threads > REGS_PER_THREAD:
-        return "too many accumulators per thread"
+    resident = next_power_of_2(layout.k) <= RESIDENT_K
+    block_k = next_power_of_2(layout.k) if resident else config["BLOCK_K"]
+    held = config["BLOCK_M"] * (block_n + config["BLOCK_H"] + (block_k if resident else 0))
+    if held / threads > REGS_PER_THREAD:
+        return "too many values held per thread (accumulators and resident rows)"
     element = 2 if layout.operand_dtypes[0] is not None else 4
-    smem = (config["BLOCK_M"] + config["BLOCK_H"]) * config["BLOCK_K"] * element * config["num_stages"]
+    smem = (config["BLOCK_M"] + config["BLOCK_H"]) * block_k * element * config["num_stages"]
     smem += config["BLOCK_H"] * block_n * element + config["BLOCK_M"] * config["BLOCK_H"] * element
     if smem > SMEM_LIMIT:
         return f"{smem // 1024} KiB of shared memory exceeds {SMEM_LIMIT // 1024} KiB"
