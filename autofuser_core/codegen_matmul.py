@@ -157,7 +157,7 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
 
     constexprs: dict[str, int] = {}
     if L.epilogue_reduces:
-        constexprs["BLOCK_N"] = next_power_of_2(L.n)
+        constexprs["BLOCK_N"] = dot_block(L.n)
 
     w.emit(f"pid = tl.program_id(0)")
     w.emit(f"num_m = tl.cdiv({L.rows}, BLOCK_M)")
@@ -192,9 +192,9 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     b_cast = "" if b_tensor.dtype == torch.bool else ".to(tl.float32)"
     b_load = f"b_tile = tl.load(in{b_index} + {' + '.join(b_terms) or '0'}, mask=(kk < {L.k}) & col_mask, other=0){b_cast}"
     prologue_values = [v for v in values if v.uid in L.prologue]
-    if L.prologue_reduces and next_power_of_2(L.k) <= RESIDENT_K:
+    if L.prologue_reduces and keeps_rows(L.k, L.operand_dtype):
         # 2+3, rows of A on chip: the norm's statistics and the product in one step, no passes over K.
-        constexprs["BLOCK_K"] = next_power_of_2(L.k)
+        constexprs["BLOCK_K"] = dot_block(L.k)
         w.emit("ks = tl.arange(0, BLOCK_K)[None, :]")
         w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
         w.emit(f"k_mask = ks < {L.k}")
@@ -292,9 +292,20 @@ def _emit_prepasses(w: _MatmulWriter, prologue_values: list[Value], k: int, inde
     return known
 
 
-#: Up to this K (padded to a power of 2), a program keeps its rows of A on chip
-#: instead of streaming them in BLOCK_K steps (and computes their norm in one go).
-RESIDENT_K = 256
+#: Bytes of one row of A (K padded to a power of 2) up to which a program keeps its
+#: rows of A on chip instead of streaming them in BLOCK_K steps, and computes their
+#: norm in one go: K <= 256 for 16-bit operands, K <= 128 for fp32 (measured on an
+#: H200: fp32 rows of 256 spill and run 3x slower than streaming).
+RESIDENT_ROW_BYTES = 512
+
+
+def dot_block(n: int) -> int:
+    """A block size covering ``n`` that ``tl.dot`` accepts (16 at least)."""
+    return max(16, next_power_of_2(n))
+
+
+def keeps_rows(k: int, operand_dtype) -> bool:
+    return dot_block(k) * (2 if operand_dtype is not None else 4) <= RESIDENT_ROW_BYTES
 
 
 def _operand(expr: str, dtype) -> str:
@@ -333,18 +344,18 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     sites = [("load", v.uid) for v in loads] + [("out", k) for k in range(len(program.outputs))]
     strides = [L.load_strides[v.uid] for v in loads] + [t.domain_stride for t in program.outputs]
     wide = L.rows * max(L.k, L.h, L.n) > INT32_LIMIT
-    constexprs = {"BLOCK_N": next_power_of_2(L.n)}
+    constexprs = {"BLOCK_N": dot_block(L.n)}
     _emit_rows(w, L.out_domain, L.rows, sites, strides, wide, None)
 
     w1 = program.input_of_load[L.dot1.args[1].uid]
     w2 = program.input_of_load[L.dot2.args[1].uid]
     (w1k, w1h), (w2h, w2n) = L.w1_strides, L.w2_strides
     w1_off = " + ".join(t for t in (_term("kk", w1k), _term("hs", w1h)) if t) or "0"
-    resident = next_power_of_2(L.k) <= RESIDENT_K
+    resident = keeps_rows(L.k, L.operand_dtypes[0])
     if resident:
         # The rows of A fit on chip: compute them (with their norm) once and reuse them
         # for every slice of the hidden width.
-        constexprs["BLOCK_K"] = next_power_of_2(L.k)
+        constexprs["BLOCK_K"] = dot_block(L.k)
         w.emit("ks = tl.arange(0, BLOCK_K)[None, :]")
         w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
         w.emit(f"k_mask = ks < {L.k}")

@@ -26,7 +26,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .capture import capture
-from .compile import compile_graph
+from .compile import compile_graph, preserved_state
 from .cudagraphs import try_cuda_graph
 from .errors import AutoFuserError, CaptureError
 from .plugins import load_plugins
@@ -185,12 +185,16 @@ class FusedModule(torch.nn.Module):
             with torch.no_grad():
                 fused_gm, report = compile_graph(gm, flat, self._plugin_set, self._options, self._progress)
             runner = fused_gm
-            if self._options.cuda_graphs and not grad and _first_device(flat).type == "cuda":
-                graph, why = try_cuda_graph(fused_gm, flat, self._model)
+            # Graph capture and timing run the forward many times: only for inference
+            # (eval mode, no grad), and leaving buffers and RNG state as they were.
+            inference = not grad and not any(m.training for m in self._all_modules)
+            if self._options.cuda_graphs and inference and _first_device(flat).type == "cuda":
+                with preserved_state(self._model):
+                    graph, why = try_cuda_graph(fused_gm, flat, self._model)
                 if graph is not None:
                     # Replays copy the inputs in and clone the outputs: worth it when launches, not
                     # bytes, dominate. Measured, not guessed.
-                    with torch.no_grad():
+                    with torch.no_grad(), preserved_state(self._model):
                         plain_ms, graph_ms = _time(fused_gm, flat), _time(graph, flat)
                     if graph_ms < plain_ms:
                         runner = graph
@@ -201,6 +205,17 @@ class FusedModule(torch.nn.Module):
                                             f"output clones) is not faster than launching ({plain_ms:.3f} ms)")
                 else:
                     report.notes.append(f"no CUDA graph ({why}); kernels launch one by one")
+            if self._options.verify_speed and inference and _first_device(flat).type == "cuda" and report.fused:
+                # The last word on "never slower than eager": the whole forward, as the user calls it.
+                with torch.no_grad(), preserved_state(self._model):
+                    eager_ms = _time(lambda *a: self._model(*args, **kwargs), ())
+                    fused_ms = _time(runner, flat)
+                if fused_ms >= eager_ms:
+                    report.notes.append(f"the fused forward ({fused_ms:.3f} ms) was not faster than the original "
+                                        f"({eager_ms:.3f} ms) for these inputs: the original runs")
+                    runner = None
+                else:
+                    report.notes.append(f"forward: {fused_ms:.3f} ms fused vs {eager_ms:.3f} ms eager")
             entry = (runner, report)
         report.signature = _describe_inputs(args)
         report.device = str(_first_device(flat))

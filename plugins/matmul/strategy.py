@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from autofuser import StrategySpec
 from autofuser_core.codegen import next_power_of_2
-from autofuser_core.codegen_matmul import RESIDENT_K, write_matmul_kernel
+from autofuser_core.codegen_matmul import dot_block, keeps_rows, write_matmul_kernel
 from autofuser_core.group import GroupRefused
 from autofuser_core.matmul_layout import MatmulLayout
 
@@ -62,7 +62,7 @@ def accepts(program):
 
 
 def configs(program):
-    fixed_n = next_power_of_2(program.matmul.n) if program.matmul.epilogue_reduces else None
+    fixed_n = dot_block(program.matmul.n) if program.matmul.epilogue_reduces else None
     out = []
     for m, n, k, warps, stages in CONFIGS:
         config = {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
@@ -77,10 +77,10 @@ def configs(program):
 
 def is_valid(program, config):
     layout = program.matmul
-    block_n = config.get("BLOCK_N") or next_power_of_2(layout.n)
+    block_n = config.get("BLOCK_N") or dot_block(layout.n)
     element = 2 if layout.operand_dtype is not None else 4
-    resident = layout.prologue_reduces and next_power_of_2(layout.k) <= RESIDENT_K
-    block_k = next_power_of_2(layout.k) if resident else config["BLOCK_K"]
+    resident = layout.prologue_reduces and keeps_rows(layout.k, layout.operand_dtype)
+    block_k = dot_block(layout.k) if resident else config["BLOCK_K"]
     smem = (config["BLOCK_M"] + block_n) * block_k * element * (1 if resident else config.get("num_stages", 2))
     if smem > SMEM_LIMIT:
         return f"{smem // 1024} KiB of shared memory for the pipelined tiles exceeds {SMEM_LIMIT // 1024} KiB"

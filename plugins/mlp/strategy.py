@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from autofuser import StrategySpec
 from autofuser_core.codegen import next_power_of_2
-from autofuser_core.codegen_matmul import RESIDENT_K, write_mlp_kernel
+from autofuser_core.codegen_matmul import dot_block, keeps_rows, write_mlp_kernel
 from autofuser_core.group import GroupRefused
 from autofuser_core.matmul_layout import MlpLayout
 
@@ -53,10 +53,10 @@ def configs(program):
 
 def is_valid(program, config):
     layout = program.matmul
-    block_n = next_power_of_2(layout.n)
+    block_n = dot_block(layout.n)
     threads = 32 * config["num_warps"]
-    resident = next_power_of_2(layout.k) <= RESIDENT_K
-    block_k = next_power_of_2(layout.k) if resident else config["BLOCK_K"]
+    resident = keeps_rows(layout.k, layout.operand_dtypes[0])
+    block_k = dot_block(layout.k) if resident else config["BLOCK_K"]
     held = config["BLOCK_M"] * (block_n + config["BLOCK_H"] + (block_k if resident else 0))
     if held / threads > REGS_PER_THREAD:
         return "too many values held per thread (accumulators and resident rows)"
