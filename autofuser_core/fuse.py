@@ -205,7 +205,7 @@ class FusedModule(torch.nn.Module):
                                             f"output clones) is not faster than launching ({plain_ms:.3f} ms)")
                 else:
                     report.notes.append(f"no CUDA graph ({why}); kernels launch one by one")
-            if self._options.verify_speed and inference and _first_device(flat).type == "cuda" and report.fused:
+            if self._options.verify_speed and inference and _first_device(flat).type == "cuda":
                 # The last word on "never slower than eager": the whole forward, as the user calls it.
                 with torch.no_grad(), preserved_state(self._model):
                     eager_ms = _time(lambda *a: self._model(*args, **kwargs), ())

@@ -138,6 +138,11 @@ class PlanningView:
     # -- step 1 ---------------------------------------------------------------
 
     def _lower_all(self) -> None:
+        self._lower_nodes()
+        for entry in self.skipped:
+            logger.debug("%s (%s) stays eager: [%s] %s", entry.node, entry.target, entry.reason_code, entry.reason)
+
+    def _lower_nodes(self) -> None:
         for node in self.nodes:
             if node.op not in ("call_function", "call_method", "call_module"):
                 continue
