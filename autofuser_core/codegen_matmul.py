@@ -218,18 +218,9 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
 
     # 4. epilogue and stores
     block = _Block(w, 1, "n", {dot.uid: "acc"})
-    results = [block.value(v) for v in program.output_values]
-    for k, (t, res) in enumerate(zip(program.outputs, results)):
-        ro, bo = w.site_offsets[("out", k)]
-        # cols always appears (times 0 for a width-1 output), so the pointer tile is [BLOCK_M, BLOCK_N].
-        n_term = _term("cols", t.domain_stride[-1]) or "cols * 0"
-        off = " + ".join(x for x in (ro, bo, n_term) if x)
-        store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
-        w.emit(f"tl.store(out{k} + {off}, tl.broadcast_to({store}, (BLOCK_M, BLOCK_N)), mask=row_mask & col_mask)")
-
-    params = [f"in{k}" for k in range(len(program.inputs))] + [f"out{k}" for k in range(len(program.outputs))]
+    _emit_stores(w, program, block)
     blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr", "GROUP_M: tl.constexpr"]
-    source, name = _assemble(program, w, params, blocks, helpers, "mm", strategy,
+    source, name = _assemble(program, w, blocks, helpers, "mm", strategy,
                              f"# product: rows {L.rows} x K {L.k} x N {L.n}, batch {L.batch}, "
                              f"operands {str(L.operand_dtype).removeprefix('torch.') if L.operand_dtype else L.precision}")
 
@@ -388,16 +379,9 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     w.emit(f"acc2 += {_dot_line(f'tl.broadcast_to({hidden}, (BLOCK_M, BLOCK_H))', 'w2_tile', L.operand_dtypes[1], L.precision)}", 2)
 
     block = _Block(w, 1, "n", {L.dot2.uid: "acc2"})
-    results = [block.value(v) for v in program.output_values]
-    for k, (t, res) in enumerate(zip(program.outputs, results)):
-        ro, _ = w.site_offsets[("out", k)]
-        off = " + ".join(x for x in (ro, _term("cols", t.domain_stride[-1]) or "cols * 0") if x)
-        store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
-        w.emit(f"tl.store(out{k} + {off}, tl.broadcast_to({store}, (BLOCK_M, BLOCK_N)), mask=row_mask & col_mask)")
-
-    params = [f"in{k}" for k in range(len(program.inputs))] + [f"out{k}" for k in range(len(program.outputs))]
+    _emit_stores(w, program, block)
     blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr", "BLOCK_H: tl.constexpr"]
-    source, name = _assemble(program, w, params, blocks, helpers, "mlp", strategy,
+    source, name = _assemble(program, w, blocks, helpers, "mlp", strategy,
                              f"# MLP: rows {L.rows} x K {L.k} -> hidden {L.h} -> N {L.n}, operands "
                              f"{[str(d).removeprefix('torch.') if d else L.precision for d in L.operand_dtypes]}")
 
@@ -407,7 +391,20 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     return KernelSource(name=name, source=source, layout="mlp", grid=grid, constexprs=constexprs)
 
 
-def _assemble(program, w, params, blocks, helpers, layout, strategy, extra_header):
+def _emit_stores(w: _MatmulWriter, program: GroupProgram, block: _Block) -> None:
+    """Step 4's stores: each output through its own strides, masked to the tile."""
+    results = [block.value(v) for v in program.output_values]
+    for k, (t, res) in enumerate(zip(program.outputs, results)):
+        ro, bo = w.site_offsets[("out", k)]
+        # cols always appears (times 0 for a width-1 output), so the pointer tile is [BLOCK_M, BLOCK_N].
+        n_term = _term("cols", t.domain_stride[-1]) or "cols * 0"
+        off = " + ".join(x for x in (ro, bo, n_term) if x)
+        store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
+        w.emit(f"tl.store(out{k} + {off}, tl.broadcast_to({store}, (BLOCK_M, BLOCK_N)), mask=row_mask & col_mask)")
+
+
+def _assemble(program, w, blocks, helpers, layout, strategy, extra_header):
+    params = [f"in{k}" for k in range(len(program.inputs))] + [f"out{k}" for k in range(len(program.outputs))]
     body = "\n".join(w.lines)
     helper_text = used_helpers(helpers, body)
     digest = hashlib.sha256(f"{helper_text}\n{', '.join(params + blocks)}\n{body}".encode()).hexdigest()[:10]

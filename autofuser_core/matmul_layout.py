@@ -98,16 +98,8 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
     prologue = set(_collect_uids(a))
     if any(values[u].op == "dot" for u in prologue):
         raise GroupRefused("several_products", "a product feeds another product")
-    depends: set[int] = set()
-    for v in sorted(values.values(), key=lambda v: v.uid):
-        if v is dot or any(x.uid in depends for x in v.args):
-            depends.add(v.uid)
-    for out, value in zip(program.outputs, program.output_values):
-        if value.uid not in depends:
-            raise GroupRefused("prologue_output", f"output {out.name} is computed before the product")
-    for v in values.values():
-        if v.uid in depends and v is not dot and any(x.uid in prologue for x in v.args):
-            raise GroupRefused("prologue_reused", "a value computed before the product is also used after it")
+    depends = _depending_on(values, dot)
+    _outputs_from(program, values, depends, dot, prologue, "the product")
 
     out_domain = tuple(dot.shape)
     rank = len(out_domain)
@@ -164,6 +156,27 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
         tensor.domain_stride = _domain_strides(tensor.shape, tensor.stride, out_domain)
         if any(s == 1 and d != 1 for s, d in zip((1,) * (rank - len(tensor.shape)) + tuple(tensor.shape), out_domain)):
             raise GroupRefused("output_broadcasts", f"output {tensor.name} is smaller than the product")
+
+
+def _depending_on(values: dict[int, Value], root: Value) -> set[int]:
+    """``root`` and every value computed from it (uids grow in creation order)."""
+    found: set[int] = set()
+    for v in sorted(values.values(), key=lambda v: v.uid):
+        if v is root or any(x.uid in found for x in v.args):
+            found.add(v.uid)
+    return found
+
+
+def _outputs_from(program: GroupProgram, values: dict[int, Value], after: set[int], product: Value, before: set[int],
+                  what: str) -> None:
+    """Every output is computed from ``product``, and nothing after it reads a value from ``before``."""
+    for out, value in zip(program.outputs, program.output_values):
+        if value.uid not in after:
+            raise GroupRefused("prologue_output", f"output {out.name} is not computed from {what}")
+    for uid in after:
+        v = values[uid]
+        if v is not product and any(x.uid in before for x in v.args):
+            raise GroupRefused("prologue_reused", f"a value from before {what} is also used after it")
 
 
 def _check_fits(shape, domain) -> None:
@@ -240,10 +253,7 @@ def _weight_strides(program: GroupProgram, load: Value, transpose: bool, domain:
 
 def lay_out_mlp(program: GroupProgram, values: dict[int, Value], dots: list[Value]) -> None:
     first, second = sorted(dots, key=lambda d: d.uid)
-    depends_first: set[int] = set()
-    for v in sorted(values.values(), key=lambda v: v.uid):
-        if v is first or any(x.uid in depends_first for x in v.args):
-            depends_first.add(v.uid)
+    depends_first = _depending_on(values, first)
     if second.args[0].uid not in depends_first:
         raise GroupRefused("several_products", "two products that don't feed each other")
     for d in (first, second):
@@ -253,19 +263,11 @@ def lay_out_mlp(program: GroupProgram, values: dict[int, Value], dots: list[Valu
     # Everything under the second product's input that isn't the first product's
     # own input: the first product, and the bias and activation on it.
     middle = set(_collect_uids(second.args[0])) - prologue - {first.args[1].uid}
-    if any(values[u].op in ("reduce", "dot") for u in middle - {first.uid}) or not middle <= depends_first | {
-            u for u in middle if values[u].op in ("load", "const")}:
+    if any(values[u].op in ("reduce", "dot") for u in middle - {first.uid}):
         raise GroupRefused("hidden_reduction", "only pointwise ops may sit between the two products")
-    after_second: set[int] = set()
-    for v in sorted(values.values(), key=lambda v: v.uid):
-        if v is second or any(x.uid in after_second for x in v.args):
-            after_second.add(v.uid)
-    for out, value in zip(program.outputs, program.output_values):
-        if value.uid not in after_second:
-            raise GroupRefused("hidden_output", f"output {out.name} is not computed from the second product")
+    after_second = _depending_on(values, second)
+    _outputs_from(program, values, after_second, second, middle | prologue, "the second product")
     for v in values.values():
-        if v.uid in after_second and v is not second and any(x.uid in (middle | prologue) for x in v.args):
-            raise GroupRefused("prologue_reused", "a value from before the second product is used after it")
         if v.op == "reduce":
             last = len(v.args[0].shape) - 1
             if v.dims != (last,) or not v.keepdim:
