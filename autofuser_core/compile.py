@@ -146,8 +146,7 @@ def _tolerance(candidate: Candidate, view) -> Tolerance:
             meta = n.meta.get("tensor_meta")
             if meta is not None and hasattr(meta, "dtype") and meta.dtype.is_floating_point:
                 dtypes.add(dtype_name(meta.dtype))
-    layout = candidate.program.matmul if candidate.program is not None else None
-    if layout is not None and getattr(layout, "precision", "ieee") == "tf32":  # tf32x3 is held to fp32
+    if candidate.program is not None and candidate.program.precision == "tf32":  # tf32x3 is held to fp32
         dtypes.add("tf32")
     tols = []
     for name in dtypes or {"float32"}:
@@ -382,6 +381,8 @@ def _entry(strategy: str, nodes, view, fused: bool, code: str, reason: str, prog
         if node.op == "call_module":
             before += sum(p.numel() * p.element_size() for p in view.gm.get_submodule(node.target).parameters(recurse=False))
     ops = [view.lowering_of[n].name if n in view.lowering_of else n.name for n in nodes]
+    if fused and not reason and program is not None:
+        reason = program.summary  # what the strategy recognised, where it said
     return GroupEntry(strategy=strategy, nodes=[n.name for n in nodes], ops=ops, fused=fused, reason_code=code,
                       reason=reason, bytes_before=before, bytes_after=program.bytes_after() if program else 0)
 

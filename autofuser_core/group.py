@@ -18,6 +18,12 @@ Algorithm (``compose_group``):
    outer dims. Inputs and outputs get one stride per dim of ``S`` (0 where
    they broadcast), which is all the kernel writer needs: permutes,
    broadcasting and views are folded into index arithmetic.
+
+A node lowered to an ``extern`` value (``ctx.extern()``) has no expression to
+substitute: ``compose_group`` refuses every group containing one. Strategies
+that generate such nodes compose their groups themselves
+(``StrategySpec.compose``), usually starting from ``program_from_nodes``: the
+group's external inputs and outputs, without IR values.
 """
 
 from __future__ import annotations
@@ -77,10 +83,23 @@ class GroupProgram:
     input_of_load: dict[int, int] = field(default_factory=dict)  # load uid -> input index
     op_names: list[str] = field(default_factory=list)
     matmul: Optional["MatmulLayout"] = None  # set when the group contains a matrix product
+    # fp32 products of a group laid out without a ``MatmulLayout`` (a strategy's own
+    # compose): "tf32" where torch allows it, else "tf32x3"/"ieee"; None without products.
+    products_precision: Optional[str] = None
+    # One sentence from a strategy's own compose on what it recognised; the report
+    # shows it as the fused group's reason.
+    summary: str = ""
 
     @property
     def has_matmul(self) -> bool:
         return self.matmul is not None
+
+    @property
+    def precision(self) -> Optional[str]:
+        """How the group's fp32 products run ("tf32" loosens the check against eager)."""
+        if self.matmul is not None:
+            return getattr(self.matmul, "precision", None)
+        return self.products_precision
 
     @property
     def has_reduction(self) -> bool:
@@ -159,6 +178,12 @@ def compose_group(
         return out
 
     for node in nodes:
+        if any(v.op == "extern" for v in _collect([lowered[node]]).values()):
+            raise GroupRefused(
+                "extern_op",
+                f"{node.name} ({(op_names or {}).get(node, node.target)}) is lowered as an extern op: only a "
+                "strategy with its own compose generates it",
+            )
         value = rebuild(lowered[node])
         meta = tensor_meta(node)
         _stamp_dot_dtype(value, meta.dtype)
@@ -197,6 +222,58 @@ def compose_group(
     return program
 
 
+def program_from_nodes(
+    nodes: Sequence[torch.fx.Node],
+    op_names: Optional[dict[torch.fx.Node, str]] = None,
+    summary: str = "",
+    products_precision: Optional[str] = None,
+) -> GroupProgram:
+    """A ``GroupProgram`` for ``nodes`` (in graph order) without IR values, for
+    strategies that compose their groups themselves (``StrategySpec.compose``).
+
+    - inputs: every tensor the nodes read from outside the group, in order of
+      first use (node by node, argument by argument), as fx nodes with their
+      recorded shape, dtype and strides; a non-tensor node argument refuses
+      the group;
+    - outputs: every node used outside the group, in graph order, with the
+      shape, dtype and strides eager produced (``FusedKernel`` allocates them
+      so);
+    - ``domain`` is the first output's shape; no reduced dims, no
+      ``output_values``, no ``domain_stride``s: the strategy's generator reads
+      the nodes and the tensors' own strides.
+
+    Parameters a ``call_module`` node reads itself are not inputs: the group's
+    eager ops (verification, the fallback, backward) read them from the module,
+    and a kernel that needs them must not use this helper.
+    """
+    members = set(nodes)
+    inputs: list[KernelTensor] = []
+    seen: set[torch.fx.Node] = set()
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg in members or arg in seen:
+                continue
+            meta = tensor_meta(arg)
+            if meta is None:
+                raise GroupRefused("unsupported_argument", f"{node.name} takes {arg.name}, which is not a tensor")
+            seen.add(arg)
+            inputs.append(KernelTensor(arg, tuple(meta.shape), meta.dtype, tuple(meta.stride)))
+    outputs: list[KernelTensor] = []
+    for node in nodes:
+        if any(user not in members for user in node.users):
+            meta = tensor_meta(node)
+            if meta is None:
+                raise GroupRefused("not_a_tensor", f"{node.name}'s result is not a single tensor")
+            outputs.append(KernelTensor(node, tuple(meta.shape), meta.dtype, tuple(meta.stride)))
+    if not outputs:
+        raise GroupRefused("no_outputs", "no value of the group is used outside it")
+    return GroupProgram(
+        nodes=list(nodes), inputs=inputs, outputs=outputs, output_values=[], domain=outputs[0].shape,
+        reduced_dims=(), op_names=[(op_names or {}).get(n, n.name) for n in nodes],
+        products_precision=products_precision, summary=summary,
+    )
+
+
 def _stamp_dot_dtype(value: Value, dtype: torch.dtype) -> None:
     """A product's operands round to the dtype its node produced in eager."""
     stack = [value]
@@ -225,6 +302,9 @@ def _collect(roots: Sequence[Value]) -> dict[int, Value]:
 def _lay_out(program: GroupProgram) -> None:
     """Steps 3 and 4 of the module doc: the domain, the reduced dims, strides."""
     values = _collect(program.output_values)
+    if any(v.op == "extern" for v in values.values()):
+        raise GroupRefused("extern_op", "the group contains an extern op, which only a strategy with its own "
+                                        "compose generates")
     if any(v.op == "dot" for v in values.values()):
         from .matmul_layout import lay_out_matmul
 

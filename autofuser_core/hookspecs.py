@@ -44,7 +44,13 @@ def autofuser_register_strategies(register):
     """Register tiling strategies (``StrategySpec``), which propose fusion groups
     and write their kernels.
 
-    Called once per plugin when it is loaded.
+    Called once per plugin when it is loaded. A strategy's groups are composed
+    by the generic ``compose_group`` unless the spec sets ``compose(view,
+    nodes) -> GroupProgram``: then the planner calls that for the strategy's
+    candidates (it may raise ``GroupRefused``), which is how a strategy takes
+    ops lowered as ``ctx.extern()`` or lays a group out its own way
+    (``autofuser_core.group.program_from_nodes`` builds the inputs and
+    outputs). A strategy's ``priority`` orders candidates before their size.
 
     :param register: as for ``autofuser_register_lowerings``, with ``StrategySpec``.
     """

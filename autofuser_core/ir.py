@@ -12,7 +12,11 @@ through a ``LoweringContext``:
 - ``ctx.matmul(a, b, transpose_b)`` - a matrix product over the last two dims
   (leading dims broadcast), accumulated in fp32, its operands rounded to the
   product's dtype (bf16/fp16 under autocast; fp32 products use TF32 only where
-  torch's own matmul-precision setting allows it).
+  torch's own matmul-precision setting allows it);
+- ``ctx.extern()`` - the node as one opaque value: the op is real and lowered,
+  but no generic strategy can generate it. Only a strategy with its own
+  ``compose`` (``StrategySpec.compose``), which reads the node's arguments
+  itself, takes it; ``compose_group`` refuses any group that contains one.
 
 Values carry torch-level shapes, so a lowering is checked against the node's
 real output shape. Everything computes in fp32 (or int1 for booleans); the
@@ -45,7 +49,7 @@ class AttrRef:
 class Value:
     """One node of the kernel expression DAG."""
 
-    op: str  # "load" | "const" | "pointwise" | "reduce"
+    op: str  # one of IR_OPS
     shape: tuple[int, ...]
     is_bool: bool = False
     args: tuple["Value", ...] = ()
@@ -61,7 +65,7 @@ class Value:
 
 
 REDUCE_OPS = ("sum", "max", "min")
-IR_OPS = ("load", "const", "pointwise", "reduce", "dot")
+IR_OPS = ("load", "const", "pointwise", "reduce", "dot", "extern")
 
 
 class LoweringRefused(Exception):
@@ -188,6 +192,19 @@ class LoweringContext:
         except RuntimeError as err:
             self.refuse("shape_mismatch", str(err))
         return Value("dot", batch + (m, n), args=(a, b), transpose_b=transpose_b)
+
+    def extern(self) -> Value:
+        """This node as one opaque value of its own output shape.
+
+        For an op that is real and lowered, but that only a strategy with its
+        own ``compose`` can generate (a whole attention, a convolution): such a
+        strategy reads the node's arguments from the graph itself. The generic
+        composition (``compose_group``) refuses every group containing an
+        extern value, so the generic strategies never take the node.
+        """
+        if self.out_shape is None:
+            self.refuse("not_a_tensor", f"{self.node.name}'s result is not a single tensor")
+        return Value("extern", self.out_shape, is_bool=self.out_dtype == torch.bool)
 
     def helper(self, name: str, source: str) -> str:
         """Add a ``@triton.jit`` helper function to the kernel module; returns ``name``.

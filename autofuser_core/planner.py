@@ -12,8 +12,9 @@
 2. **Propose.** Each strategy's ``propose(view)`` returns candidate node lists;
    ``PlanningView.space_groups()`` is the shared helper that grows groups
    along producer-consumer edges while they compose into one iteration domain.
-3. **Choose.** Candidates are taken largest first. One is kept only if it
-   composes (``compose_group``), its strategy accepts it, it overlaps no kept
+3. **Choose.** Candidates are taken by strategy priority (higher first),
+   then largest first. One is kept only if it composes (its strategy's own
+   ``compose``, else ``compose_group``), its strategy accepts it, it overlaps no kept
    group, it straddles no barrier, contracting it with the kept groups leaves
    the graph acyclic, and no plugin vetoes it. Every refusal is a
    ``Decision`` with a reason code and a sentence.
@@ -223,6 +224,16 @@ class PlanningView:
         names = {n: self.lowering_of[n].name for n in ordered}
         return compose_group(ordered, self.lowered, self.gm, names)
 
+    def compose_for(self, strategy: StrategySpec, nodes: list[torch.fx.Node]) -> GroupProgram:
+        """``nodes`` composed for ``strategy``: by its own ``compose`` if it has one."""
+        if strategy.compose is None:
+            return self.compose(nodes)
+        program = strategy.compose(self, sorted(nodes, key=self.order.__getitem__))
+        if not isinstance(program, GroupProgram):
+            raise TypeError(f"strategy {strategy.name} (plugin {strategy.plugin}) composed a "
+                            f"{type(program).__name__}, not a GroupProgram")
+        return program
+
     # -- step 2 helper ------------------------------------------------------------
 
     def space_groups(self) -> list[list[torch.fx.Node]]:
@@ -289,7 +300,7 @@ def plan_fusion_groups(gm: torch.fx.GraphModule, registry: Registry, veto=None, 
             logger.warning("strategy %s (plugin %s) failed to propose groups: %s", strategy.name, strategy.plugin, err)
             continue
         candidates.extend(Candidate(strategy, sorted(nodes, key=view.order.__getitem__)) for nodes in proposed if nodes)
-    candidates.sort(key=lambda c: (-len(c.nodes), view.order[c.nodes[0]]))
+    candidates.sort(key=lambda c: (-c.strategy.priority, -len(c.nodes), view.order[c.nodes[0]]))
 
     kept_of: dict[torch.fx.Node, int] = {}
     kept_groups: dict[int, set[torch.fx.Node]] = {}
@@ -310,7 +321,7 @@ def plan_fusion_groups(gm: torch.fx.GraphModule, registry: Registry, veto=None, 
             refuse(candidate, "barrier", "a mutation, random or opaque op sits between its first and last node")
             continue
         try:
-            candidate.program = view.compose(nodes)
+            candidate.program = view.compose_for(candidate.strategy, nodes)
         except GroupRefused as refusal:
             refuse(candidate, refusal.code, refusal.reason)
             continue

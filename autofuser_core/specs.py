@@ -61,7 +61,9 @@ class Sample(BaseModel):
     note: str = ""
 
 
-LoweringKind = Literal["pointwise", "reduction", "matmul", "layout", "opaque"]
+#: What a lowering's op is, for strategies choosing groups (``PlanningView.kinds``).
+#: "attention" ops are extern (``ctx.extern()``): only a strategy with its own compose takes them.
+LoweringKind = Literal["pointwise", "reduction", "matmul", "attention", "layout", "opaque"]
 
 
 class LoweringSpec(Spec):
@@ -139,7 +141,19 @@ class StrategySpec(Spec):
     Called by the planner in this order:
 
     1. ``propose(view)`` -> list of node lists: candidate groups in the graph
-       (``view`` is an ``autofuser_core.planner.PlanningView``).
+       (``view`` is an ``autofuser_core.planner.PlanningView``). Candidates
+       are then considered by strategy ``priority`` (higher first), then
+       largest first: a specialised strategy whose groups overlap generic
+       ones (a whole attention against its scores' softmax) takes priority 1.
+       Each candidate is composed into a ``GroupProgram`` by ``compose(view,
+       nodes)`` when the strategy has one (nodes in graph order; it may raise
+       ``autofuser_core.group.GroupRefused(code, sentence)``, which the
+       report shows), else by the generic ``view.compose(nodes)``. A strategy
+       needs its own ``compose`` for groups the generic composition refuses
+       (extern ops, ``ctx.extern()``) or lays out otherwise;
+       ``autofuser_core.group.program_from_nodes`` gives it the group's
+       inputs and outputs to start from, and it may return a subclass of
+       ``GroupProgram`` carrying what its ``generate`` needs.
     2. ``accepts(program)`` -> ``None`` or ``(reason_code, sentence)``: a final
        say on a composed ``GroupProgram`` (shapes, dtypes, reductions).
     3. ``configs(program)`` -> candidate launch configs (dicts over
@@ -154,6 +168,7 @@ class StrategySpec(Spec):
 
     block_params: tuple[str, ...] = ()
     propose: Callable[..., list]
+    compose: Optional[Callable[..., Any]] = None
     accepts: Callable[..., Any] = Field(default=lambda program: None)
     configs: Callable[..., list[dict]]
     default_config: Callable[..., dict]

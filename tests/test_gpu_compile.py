@@ -1,4 +1,5 @@
-"""Every kernel the zoo's models fuse into must also compile for a real GPU.
+"""Every kernel the zoo's models fuse into, and every form of the attention
+kernel, must also compile for a real GPU.
 
 CI has no GPU: the interpreter runs the kernels, but it accepts programs the
 GPU compiler refuses (``tl.dot`` needs every tile dim >= 16, for one). Here each
@@ -15,9 +16,12 @@ import sys
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import autofuser
 from autofuser_core.launch import FusedKernel
+from autofuser_core.planner import plan_fusion_groups
 from autofuser_zoo.models import MODELS
 
 
@@ -52,7 +56,27 @@ def _fused_kernels(fused_module):
     return list(found.values())
 
 
-@pytest.mark.parametrize("model_name", ["galerkin", "transolver", "fno", "unet"])
+def _job(tmp_path, source, input_dtypes, output_dtypes, launch_args) -> dict:
+    path = tmp_path / f"{source.name}.py"
+    path.write_text(source.source)
+    names = [f"in{k}" for k in range(len(input_dtypes))] + [f"out{k}" for k in range(len(output_dtypes))]
+    dtypes = list(input_dtypes) + list(output_dtypes)
+    constexprs = {k: v for k, v in launch_args.items() if k.isupper() or k.startswith("BLOCK")}
+    return {"name": source.name, "path": str(path), "constexprs": constexprs,
+            "pointers": {n: POINTER_TYPES[d] for n, d in zip(names, dtypes)}}
+
+
+def _compile_for_sm90(jobs, tmp_path) -> None:
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    (tmp_path / "compile.py").write_text(COMPILER)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(tmp_path / "compile.py"), str(tmp_path / "jobs.json")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == len(jobs)
+
+
+@pytest.mark.parametrize("model_name", ["galerkin", "transolver", "transformer", "fno", "unet"])
 def test_fused_kernels_compile_for_sm90(model_name, tmp_path):
     entry = MODELS[model_name]
     torch.manual_seed(0)
@@ -63,19 +87,49 @@ def test_fused_kernels_compile_for_sm90(model_name, tmp_path):
         fused(x)
     kernels = _fused_kernels(fused)
     assert kernels, str(fused.report())
+    if model_name in ("transformer", "transolver"):  # softmax attention, written out
+        assert any(k.source.layout == "attention" for k in kernels), str(fused.report())
+    jobs = [_job(tmp_path, k.source, k.input_dtypes, [dtype for _, _, dtype in k.output_layout], k.launch_args)
+            for k in kernels]
+    _compile_for_sm90(jobs, tmp_path)
+
+
+class AttentionForms(nn.Module):
+    """Softmax attention in its forms and sizes, side by side in one graph."""
+
+    def forward(self, q, k, v, bool_mask, bias, wide_q, wide_kv):
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask)
+        b = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        c = F.scaled_dot_product_attention(q, k[..., :20, :], v[..., :20, :16], is_causal=True)  # Dv != D
+        d = torch.softmax((q @ k.transpose(-2, -1)) * 0.2 + bias, dim=-1) @ v
+        e = torch.einsum("bhnd,bhmd->bhnm", q, k).masked_fill(~bool_mask, float("-inf")).softmax(-1)
+        e = torch.einsum("bhnm,bhmd->bhnd", e, v)
+        wide = F.scaled_dot_product_attention(wide_q, wide_kv, wide_kv)  # head width 256
+        return a + b + d + e, c, wide
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_attention_kernels_compile_for_sm90_as_a_gpu_writes_them(dtype, tmp_path, monkeypatch):
+    """The attention kernels written without the interpreter's workarounds (bf16
+    loaded and fed to ``tl.dot`` as is, rounding by conversion), for every
+    form, with each group's default config."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 37, 24, dtype=dtype) for _ in range(3))
+    bool_mask = torch.rand(37, 37) > 0.3
+    bias = torch.randn(2, 1, 37, 37, dtype=dtype)
+    wide_q, wide_kv = torch.randn(1, 2, 19, 256, dtype=dtype), torch.randn(1, 2, 23, 256, dtype=dtype)
+    gm = autofuser.capture(AttentionForms(), q, k, v, bool_mask, bias, wide_q, wide_kv)
+    plan = plan_fusion_groups(gm, autofuser.load_plugins().registry)
+    kept = [c for c in plan.kept if c.strategy.name == "softmax_attention"]
+    assert len(kept) == 6, [(c.strategy.name, [n.name for n in c.nodes]) for c in plan.kept]
     jobs = []
-    for kernel in kernels:
-        path = tmp_path / f"{kernel.source.name}.py"
-        path.write_text(kernel.source.source)
-        names = [f"in{k}" for k in range(len(kernel.input_dtypes))] + [f"out{k}" for k in range(len(kernel.output_layout))]
-        dtypes = kernel.input_dtypes + [dtype for _, _, dtype in kernel.output_layout]
-        constexprs = {k: v for k, v in kernel.launch_args.items() if k.isupper() or k.startswith("BLOCK")}
-        jobs.append({"name": kernel.source.name, "path": str(path), "constexprs": constexprs,
-                     "pointers": {n: POINTER_TYPES[d] for n, d in zip(names, dtypes)}})
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    (tmp_path / "compile.py").write_text(COMPILER)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(tmp_path / "compile.py"), str(tmp_path / "jobs.json")],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == len(jobs)
+    with monkeypatch.context() as env:
+        env.setenv("TRITON_INTERPRET", "0")
+        for candidate in kept:
+            program = candidate.program
+            source = candidate.strategy.generate(program, plan.view.helpers)
+            assert "_af_round_bf16" not in source.source
+            config = {**candidate.strategy.default_config(program), **source.constexprs}
+            jobs.append(_job(tmp_path, source, [t.dtype for t in program.inputs], [t.dtype for t in program.outputs],
+                             config))
+    _compile_for_sm90(jobs, tmp_path)

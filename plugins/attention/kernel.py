@@ -1,0 +1,256 @@
+"""The online-softmax (flash-style) attention kernel writer.
+
+Grid: (query blocks, batch entries). One program computes ``BLOCK_M`` rows
+of the output of one batch entry (one head of one sample):
+
+1. it loads its ``BLOCK_M x D`` tile of q once (running the written-out ops
+   on q, if any) and keeps it, as the product's operand, in registers;
+2. it walks the keys ``BLOCK_N`` at a time: loads k's tile transposed
+   (``[D, BLOCK_N]``, through k's own strides), ``s = q @ k^T`` in fp32, then
+   the scale and mask (SDPA) or the written-out steps (scale, bias,
+   ``masked_fill``/``where``, each rounded where eager rounds); keys past M,
+   and for ``is_causal`` keys after the query, get -inf;
+3. online softmax in base 2: ``m`` is the running row max, ``l`` the running
+   sum of ``exp2(s - m)`` and ``acc`` the running ``p @ v``; when a block
+   raises the max, ``l`` and ``acc`` are rescaled by ``exp2(m_old - m_new)``;
+   ``p`` is rounded to v's operand dtype for the product, as eager's
+   probabilities are;
+4. ``out = acc / l``, stored in the output's dtype through its strides.
+
+The N x M scores only ever exist as one ``BLOCK_M x BLOCK_N`` tile in
+registers: the kernel's one store is the output's. Head widths are padded to
+a power of two >= 16 (``tl.dot``'s minimum) with masks; shapes and strides
+are compile-time constants, like every AutoFuser kernel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Optional
+
+import torch
+
+from autofuser_core.codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, _literal, emit_offsets, triton_cdiv,
+                                    used_helpers)
+from autofuser_core.codegen_matmul import _dot_line, _operand, dot_block
+from autofuser_core.ir import Value
+from autofuser_core.rounding import interpreting, rounded, stored
+
+from .layout import AttentionLayout, Operand, Step
+
+LOG2E = 1.4426950408889634
+ROUNDED = (torch.float16, torch.bfloat16)
+
+
+def _term(axis: str, stride: int) -> Optional[str]:
+    if stride == 0:
+        return None
+    return axis if stride == 1 else f"{axis} * {stride}"
+
+
+def _all(masks) -> str:
+    """``a & b``, each comparison parenthesised (``&`` binds tighter than ``<``)."""
+    return " & ".join(f"({m})" if " " in m and len(masks) > 1 else m for m in masks)
+
+
+def load_cast(tensor_dtype: torch.dtype, operand_dtype: Optional[torch.dtype], need_fp32: bool = False) -> str:
+    """How an operand tile is loaded: as stored when that already is the product's
+    operand dtype (the dot reads it as is), else converted to fp32 (and rounded
+    to the operand dtype by ``_operand``/``_dot_line``). The interpreter's bf16
+    product works on rounded fp32 values, so there bf16 is loaded as fp32 too."""
+    if tensor_dtype == torch.float32:
+        return ""
+    native = tensor_dtype == operand_dtype and not (tensor_dtype == torch.bfloat16 and interpreting())
+    return "" if native and not need_fp32 else ".to(tl.float32)"
+
+
+class _Writer:
+    def __init__(self):
+        self.lines: list[str] = []
+        self.count = 0
+        self.bases: dict[int, str] = {}  # operand id -> its batch entry's base pointer
+
+    def emit(self, line: str, indent: int = 1) -> None:
+        self.lines.append("    " * indent + line)
+
+    def fresh(self) -> str:
+        self.count += 1
+        return f"t{self.count}"
+
+    def tile_load(self, op: Operand, base: str, rows: str, cols: str, masks: tuple, cast: str,
+                  full: bool = False) -> str:
+        """``tl.load`` of ``op`` at ``rows`` x ``cols``, masked along the axes it walks. ``full``:
+        the tile has both axes even where the tensor broadcasts (``tl.dot`` operands)."""
+        terms, used = [], []
+        for axis, stride, mask in ((rows, op.row_stride, masks[0]), (cols, op.col_stride, masks[1])):
+            term = _term(axis, stride) or (f"{axis} * 0" if full else None)
+            if term:
+                terms.append(term)
+                used += [mask] if mask else []
+        if not terms:
+            return f"tl.load({base}){cast}"
+        mask = f", mask={_all(used)}, other=0" if used else ""
+        return f"tl.load({base} + {' + '.join(terms)}{mask}){cast}"
+
+    def steps(self, steps: list[Step], current: str, tiles: dict, indent: int) -> str:
+        """Emit written-out ``steps`` on the tile named ``current``; returns the result's name."""
+        loaded: dict = {}
+        for step in steps:
+            result = self.value(step.value, step, current, tiles, loaded, {}, indent)
+            if step.dtype in ROUNDED:
+                result = rounded(result, step.dtype)
+            self.emit(f"{current} = {result}  # {step.node.name}", indent)
+        return current
+
+    def value(self, v: Value, step: Step, current: str, tiles: dict, loaded: dict, memo: dict, indent: int) -> str:
+        if v.uid in memo:
+            return memo[v.uid]
+        if v.op == "const":
+            return _literal(v.constant)
+        if v.op == "load":
+            if v.source in tiles:
+                if v.source not in loaded:
+                    op = tiles[v.source]
+                    name = f"x{op.index}"
+                    cast = "" if op.dtype == torch.bool else ".to(tl.float32)"
+                    self.emit(f"{name} = {self.tile_load(op, self.bases[id(op)], 'rows', 'keys', ('row_mask', 'key_mask'), cast)}", indent)
+                    loaded[v.source] = name
+                return loaded[v.source]
+            return current  # the previous step's result
+        operands = [self.value(a, step, current, tiles, loaded, memo, indent) for a in v.args]
+        name = self.fresh()
+        self.emit(f"{name} = {v.template.format(*operands)}", indent)
+        memo[v.uid] = name
+        return name
+
+
+def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, str]] = None) -> KernelSource:
+    """Write the Triton source for an ``AttentionProgram``; see module doc."""
+    L: AttentionLayout = program.attention
+    w = _Writer()
+    block_d, block_dv = dot_block(L.d), dot_block(L.dv)
+    extents = [L.q.extent(L.batch, L.n, L.d), L.k.extent(L.batch, L.m, L.d), L.v.extent(L.batch, L.m, L.dv),
+               L.out.extent(L.batch, L.n, L.dv)]
+    extents += [op.extent(L.batch, L.n, L.m) for op in ([L.mask] if L.mask else []) + list(L.tiles.values())]
+    wide = max(extents) > INT32_LIMIT
+    cast64 = ".to(tl.int64)" if wide else ""
+
+    # Operands and the base pointer of this program's batch entry in each.
+    operands = [("q", "in", L.q), ("k", "in", L.k), ("v", "in", L.v), ("out", "out", L.out)]
+    if L.mask is not None:
+        operands.append(("mask", "in", L.mask))
+    operands += [(f"x{op.index}", "in", op) for op in L.tiles.values()]
+    w.emit(f"pid_m = tl.program_id(0){cast64}")
+    w.emit(f"batch = tl.program_id(1){cast64}")
+    offsets = emit_offsets(w.emit, list(L.batch), [list(op.batch_strides) for _, _, op in operands], "batch", "b")
+    for (name, kind, op), off in zip(operands, offsets):
+        w.emit(f"{name}_base = {kind}{op.index}" + (f" + {off}" if off else ""))
+        w.bases[id(op)] = f"{name}_base"
+
+    w.emit(f"rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # this program's queries")
+    w.emit(f"row_mask = rows < {L.n}")
+    w.emit("d_cols = tl.arange(0, BLOCK_D)[None, :]  # head width, along q's tile")
+    w.emit("d_rows = tl.arange(0, BLOCK_D)[:, None]  # head width, along k^T's tile")
+    w.emit("dv_cols = tl.arange(0, BLOCK_DV)[None, :]  # head width of v and the output")
+    d_mask = f"d_cols < {L.d}" if L.d < block_d else None
+    dr_mask = f"d_rows < {L.d}" if L.d < block_d else None
+    dv_mask = f"dv_cols < {L.dv}" if L.dv < block_dv else None
+
+    # 1. q's tile, once.
+    q_cast = load_cast(L.q.dtype, L.qk_dtype, need_fp32=bool(L.q_steps))
+    w.emit(f"q = {w.tile_load(L.q, 'q_base', 'rows', 'd_cols', ('row_mask', d_mask), q_cast, full=True)}")
+    if L.q_steps:
+        w.steps(L.q_steps, "q", {}, 1)
+    if q_cast or L.q_steps:
+        operand = _operand("q", L.qk_dtype)
+        if operand != "q":
+            w.emit(f"q = {operand}  # the product's operand dtype")
+
+    # 2.-3. the keys, BLOCK_N at a time, with the running max, sum and accumulator.
+    w.emit('m_i = tl.full((BLOCK_M, 1), float("-inf"), tl.float32)  # running row max of s (base 2)')
+    w.emit("l_i = tl.zeros((BLOCK_M, 1), tl.float32)  # running sum of exp2(s - m_i)")
+    w.emit("acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)  # running sum of p @ v")
+    if L.causal:
+        w.emit(f"hi = tl.minimum({L.m}, (pid_m + 1) * BLOCK_M)  # causal: no key after this block's last query")
+    w.emit(f"for n0 in range(0, {'hi' if L.causal else L.m}, BLOCK_N):")
+    w.emit("keys = n0 + tl.arange(0, BLOCK_N)[None, :]  # along the scores' columns", 2)
+    w.emit("key_rows = n0 + tl.arange(0, BLOCK_N)[:, None]  # the same keys, along v's rows", 2)
+    w.emit(f"key_mask = keys < {L.m}", 2)
+    k_cast = load_cast(L.k.dtype, L.qk_dtype)
+    w.emit(f"kt = {w.tile_load(L.k, 'k_base', 'keys', 'd_rows', ('key_mask', dr_mask), k_cast, full=True)}", 2)
+    w.emit(f"s = {_dot_line('q', 'kt', L.qk_dtype, L.precision)}  # q @ k^T", 2)
+    if L.form == "sdpa":
+        if L.mask is None:
+            w.emit(f"s = s * {L.scale * LOG2E!r}  # scale, and base 2 for exp2", 2)
+        else:
+            mask_cast = "" if L.mask.dtype == torch.bool else ".to(tl.float32)"
+            w.emit(f"mask = {w.tile_load(L.mask, 'mask_base', 'rows', 'keys', ('row_mask', 'key_mask'), mask_cast)}", 2)
+            if L.mask.dtype == torch.bool:
+                w.emit(f'''s = tl.where(mask, s * {L.scale * LOG2E!r}, float("-inf"))  # scale, bool mask, base 2''', 2)
+            else:
+                w.emit(f"s = (s * {L.scale!r} + mask) * {LOG2E!r}  # scale, additive mask, base 2", 2)
+    else:
+        if L.scores_dtype in ROUNDED:
+            w.emit(f"s = {rounded('s', L.scores_dtype)}  # the product's dtype", 2)
+        w.steps(L.score_steps, "s", L.tiles, 2)
+        w.emit(f"s = s * {LOG2E!r}  # base 2 for exp2", 2)
+    keep = "key_mask & (keys <= rows)" if L.causal else "key_mask"
+    w.emit(f'''s = tl.where({keep}, s, float("-inf"))  # keys past M{" or after the query" if L.causal else ""} weigh nothing''', 2)
+    w.emit("m_new = tl.maximum(m_i, tl.max(s, axis=1)[:, None])", 2)
+    w.emit('m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2(-inf) = 0, not NaN', 2)
+    w.emit("alpha = tl.exp2(m_i - m_safe)  # rescales what was summed under the old max", 2)
+    w.emit("p = tl.exp2(s - m_safe)", 2)
+    w.emit("l_i = l_i * alpha + tl.sum(p, axis=1)[:, None]", 2)
+    v_cast = load_cast(L.v.dtype, L.pv_dtype)
+    w.emit(f"v = {w.tile_load(L.v, 'v_base', 'key_rows', 'dv_cols', (f'key_rows < {L.m}', dv_mask), v_cast, full=True)}", 2)
+    w.emit(f"acc = acc * alpha + {_dot_line('p', 'v', L.pv_dtype, L.precision)}", 2)
+    w.emit("m_i = m_new", 2)
+
+    # 4. normalise and store.
+    if L.empty_rows_zero:
+        w.emit("out = tl.where(l_i > 0, acc / l_i, 0.0)  # a row whose keys are all masked gives 0, as torch's does")
+    else:
+        w.emit("out = acc / l_i  # a row whose scores are all -inf gives NaN, as eager's softmax does")
+    out_off = " + ".join([_term("rows", L.out.row_stride) or "rows * 0", _term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
+    out_mask = _all([m for m in ("row_mask", dv_mask) if m])
+    w.emit(f"tl.store(out_base + {out_off}, {stored('out', L.out.dtype, TL_DTYPES[L.out.dtype])}, mask={out_mask})")
+
+    params = [f"in{k}" for k in range(len(program.inputs))] + ["out0"]
+    blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_D: tl.constexpr", "BLOCK_DV: tl.constexpr"]
+    body = "\n".join(w.lines)
+    helper_text = used_helpers(helpers, body)
+    digest = hashlib.sha256(f"{helper_text}\n{', '.join(params + blocks)}\n{body}".encode()).hexdigest()[:10]
+    name = f"af_attention_{L.form}_{digest}"
+    source = (
+        f"{_header(program, strategy)}\nimport triton\nimport triton.language as tl\n\n\n"
+        + (helper_text + "\n\n\n" if helper_text else "")
+        + f"@triton.jit\ndef {name}({', '.join(params + blocks)}):\n{body}\n"
+    )
+
+    def grid(config, n=L.n, batch=L.batch_numel):
+        return (triton_cdiv(n, config["BLOCK_M"]), batch)
+
+    return KernelSource(name=name, source=source, layout="attention", grid=grid,
+                        constexprs={"BLOCK_D": block_d, "BLOCK_DV": block_dv})
+
+
+def _dtype(dtype) -> str:
+    return "fp32" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _header(program, strategy: str) -> str:
+    L: AttentionLayout = program.attention
+    lines = [f"# Generated by AutoFuser ({strategy} strategy, online softmax). Replaces these fx nodes:"]
+    for node, op in zip(program.nodes, program.op_names):
+        meta = node.meta.get("tensor_meta")
+        shape = list(meta.shape) if meta is not None else "?"
+        dtype = str(meta.dtype).removeprefix("torch.") if meta is not None else "?"
+        lines.append(f"#   {node.name:<24} {op:<28} {shape} {dtype}")
+    lines.append(f"# {program.summary}")
+    lines.append(f"# batch {list(L.batch)}, {L.n} queries, {L.m} keys, head widths {L.d} -> {L.dv}; operands of "
+                 f"q @ k^T {_dtype(L.qk_dtype)}, of p @ v {_dtype(L.pv_dtype)}"
+                 + (f", fp32 products {L.precision}" if None in (L.qk_dtype, L.pv_dtype) else ""))
+    lines.append("# inputs:  " + ", ".join(f"in{k}={t.name}{list(t.shape)}" + ("" if t.read else " (not read)")
+                                          for k, t in enumerate(program.inputs)))
+    lines.append("# outputs: " + ", ".join(f"out{k}={t.name}{list(t.shape)}" for k, t in enumerate(program.outputs)))
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""What the attention kernel needs to know about one group.
+
+Every form (``scaled_dot_product_attention`` or written out) becomes one
+``AttentionLayout``: the sizes (``batch`` dims, ``n`` queries, ``m`` keys, head
+widths ``d`` and ``dv``), how each tensor is addressed (``Operand``: its
+strides over the batch dims and over its two matrix dims, read through the
+tensor's real strides, so transposed and rearranged views need no copy), and
+what happens to each tile of scores before the softmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.fx
+
+from autofuser_core.group import GroupProgram
+from autofuser_core.ir import Value
+
+
+@dataclass
+class Operand:
+    """A tensor the kernel reads or writes, as a matrix per batch entry.
+
+    ``row_stride``/``col_stride`` step along the matrix the kernel sees: q and
+    the output are [N, D], k is [M, D] (however it is stored: a ``k^T`` view
+    swaps its strides back), v is [M, Dv], masks and biases are [N, M]. A
+    stride is 0 where the tensor broadcasts.
+    """
+
+    index: int  # kernel argument ``in{index}`` (``out{index}`` for the output)
+    dtype: torch.dtype
+    batch_strides: tuple[int, ...]  # one per dim of ``AttentionLayout.batch``
+    row_stride: int
+    col_stride: int
+
+    def extent(self, batch: tuple[int, ...], rows: int, cols: int) -> int:
+        """Elements spanned, to choose 32- or 64-bit offsets."""
+        span = sum((s - 1) * abs(st) for s, st in zip(batch, self.batch_strides))
+        return span + (rows - 1) * abs(self.row_stride) + (cols - 1) * abs(self.col_stride) + 1
+
+
+@dataclass
+class Step:
+    """One written-out pointwise node applied to a tile (q's, or the scores'):
+    its lowered value, evaluated with the previous step's result for the load
+    of the node before it, then rounded to ``dtype`` as eager rounds."""
+
+    node: torch.fx.Node
+    value: Value
+    dtype: torch.dtype
+
+
+@dataclass
+class AttentionLayout:
+    form: str  # "sdpa" | "written_out"
+    batch: tuple[int, ...]  # the output's leading dims, walked by grid axis 1
+    n: int  # queries
+    m: int  # keys
+    d: int  # head width of q and k
+    dv: int  # head width of v and the output
+    q: Operand
+    k: Operand
+    v: Operand
+    out: Operand
+    qk_dtype: Optional[torch.dtype]  # operands of q @ k^T: None for fp32 (``precision``)
+    pv_dtype: Optional[torch.dtype]  # operands of p @ v
+    precision: str  # fp32 products: "tf32" where torch allows it, else "tf32x3" or "ieee"
+    scale: Optional[float] = None  # sdpa: scores = q @ k^T * scale
+    mask: Optional[Operand] = None  # sdpa: attn_mask as [N, M] tiles
+    causal: bool = False  # sdpa: key j attends query i only if j <= i
+    empty_rows_zero: bool = False  # sdpa gives 0 for a row whose keys are all masked (a softmax: NaN)
+    scores_dtype: Optional[torch.dtype] = None  # written out: the product's eager dtype
+    q_steps: list[Step] = field(default_factory=list)  # written out: pointwise ops on q before the product
+    score_steps: list[Step] = field(default_factory=list)  # written out: scale, bias, mask between product and softmax
+    tiles: dict[torch.fx.Node, Operand] = field(default_factory=dict)  # tensors the score steps read as [N, M]
+
+    @property
+    def batch_numel(self) -> int:
+        n = 1
+        for s in self.batch:
+            n *= s
+        return n
+
+
+@dataclass
+class AttentionProgram(GroupProgram):
+    """A ``GroupProgram`` with its attention layout (built by the strategy's compose)."""
+
+    attention: Optional[AttentionLayout] = None

@@ -1,0 +1,1 @@
+"""The attention plugin's ops, one file each; every module defines `SPECS`."""

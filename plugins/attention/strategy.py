@@ -1,0 +1,107 @@
+"""The ``softmax_attention`` strategy: ``softmax(q k^T * scale + mask) v`` -
+``scaled_dot_product_attention`` or written out - as one online-softmax kernel
+that never writes the N x M scores (``kernel.py``).
+
+It composes its groups itself (``match.compose_attention``): an SDPA node is
+an extern op the generic composition can't express, and a written-out chain
+would otherwise be laid out as two products with the scores in memory. Its
+priority is 1, so a chain is considered before the generic groups that would
+split it (the scores' product with its softmax, the second product alone);
+when it is refused - the scores are used elsewhere, a head is too wide - the
+report says why and those generic groups take the nodes instead.
+"""
+
+from __future__ import annotations
+
+from autofuser import StrategySpec
+from autofuser_core.codegen import next_power_of_2
+from autofuser_core.codegen_matmul import dot_block
+
+from .kernel import write_attention_kernel
+from .layout import AttentionProgram
+from .match import compose_attention, find_attention
+
+#: Shared memory one program may use for its pipelined k and v tiles (H100/H200: 228 KiB per SM).
+SMEM_LIMIT = 200 * 1024
+#: fp32 values (accumulator, scores tile, q's tile) per thread before registers spill.
+REGS_PER_THREAD = 192
+#: CUDA's limit on the grid's second axis, which walks the batch entries.
+MAX_GRID_Y = 65535
+
+CONFIGS = [
+    # (BLOCK_M, BLOCK_N, num_warps, num_stages), most promising first: tuning stops at its budget
+    (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 8, 3), (64, 128, 4, 2), (64, 32, 4, 3),
+    (64, 64, 8, 2), (64, 32, 8, 2), (32, 64, 4, 3), (32, 32, 4, 2), (16, 64, 4, 2), (16, 32, 2, 2),
+]
+
+
+def propose(view):
+    return find_attention(view)
+
+
+def accepts(program):
+    if not isinstance(program, AttentionProgram) or program.attention is None:
+        return ("not_attention", "the group was not composed by the attention strategy")
+    if program.attention.batch_numel > MAX_GRID_Y:
+        return ("batch_too_large", f"{program.attention.batch_numel} batch entries exceed the grid's second axis "
+                                   f"({MAX_GRID_Y})")
+    return None
+
+
+def _element(dtype) -> int:
+    return 4 if dtype is None else 2
+
+
+def is_valid(program, config):
+    L = program.attention
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    block_d, block_dv = dot_block(L.d), dot_block(L.dv)
+    if block_m > 16 and block_m // 2 >= L.n:
+        return "more query rows per program than there are queries"
+    if block_n > 16 and block_n // 2 >= L.m:
+        return "a key block longer than the keys"
+    threads = 32 * config["num_warps"]
+    held = block_m * (block_dv + block_n + block_d * _element(L.qk_dtype) / 4)
+    if held / threads > REGS_PER_THREAD:
+        return f"{held / threads:.0f} values per thread (accumulator, scores, q) would spill registers"
+    smem = block_n * (block_d * _element(L.qk_dtype) + block_dv * _element(L.pv_dtype)) * config.get("num_stages", 2)
+    if smem > SMEM_LIMIT:
+        return f"{smem // 1024} KiB of shared memory for the pipelined k and v tiles exceeds {SMEM_LIMIT // 1024} KiB"
+    return None
+
+
+def configs(program):
+    return [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": stages}
+            for m, n, warps, stages in CONFIGS]
+
+
+def default_config(program):
+    """Blocks of up to 64 x 64 (fewer, larger steps also keep the interpreter quick), shrunk until valid."""
+    L = program.attention
+    block_m = min(64, max(16, next_power_of_2(L.n)))
+    block_n = min(64, max(16, next_power_of_2(L.m)))
+    warps = 8 if max(L.d, L.dv) > 64 else 4
+    for m, n in ((block_m, block_n), (block_m, 32), (min(block_m, 32), 16), (16, 16)):
+        config = {"BLOCK_M": m, "BLOCK_N": min(n, block_n), "num_warps": warps, "num_stages": 2}
+        if is_valid(program, config) is None:
+            return config
+    return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": warps, "num_stages": 1}  # the smallest tiles there are
+
+
+def generate(program, helpers):
+    return write_attention_kernel(program, "softmax_attention", helpers)
+
+
+ATTENTION_STRATEGY = StrategySpec(
+    name="softmax_attention",
+    description="Softmax attention (SDPA or written out) as one online-softmax kernel: the scores never reach memory.",
+    priority=1,
+    block_params=("BLOCK_M", "BLOCK_N"),
+    propose=propose,
+    compose=compose_attention,
+    accepts=accepts,
+    configs=configs,
+    is_valid=is_valid,
+    default_config=default_config,
+    generate=generate,
+)
