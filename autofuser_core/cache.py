@@ -10,7 +10,8 @@ the user, mode 0700):
   folder cannot inject code.
 - ``tuning/<key-hash>.json`` - one tuning result: the full key (kernel
   source hash, GPU name and capability, torch and Triton versions), the
-  winning config and its timings. A file that doesn't parse, or whose key
+  winning config and its timings, and the group's fused-vs-eager times, so a
+  warm cache neither tunes nor times again. A file that doesn't parse, or whose key
   doesn't match the one asked for, is reported and re-tuned, never trusted.
 
 Every write goes to a temporary file in the same folder and is renamed over
@@ -110,14 +111,23 @@ def read_tuning(root: Path, key: dict[str, Any]) -> Optional[dict[str, Any]]:
         config = entry.get("config")
         if not isinstance(config, dict) or not all(isinstance(v, int) for v in config.values()):
             raise CacheError("its config is not a mapping of integers")
+        speed = entry.get("speed")
+        if speed is not None and not (isinstance(speed, dict) and set(speed) == {"fused_ms", "eager_ms"}
+                                      and all(isinstance(v, (int, float)) and v > 0 for v in speed.values())):
+            raise CacheError("its fused-vs-eager timing is malformed")
         return entry
     except (ValueError, CacheError) as err:
         warnings.warn(f"AutoFuser: ignoring corrupt or foreign cache entry {path} ({err}); re-tuning.")
         return None
 
 
-def write_tuning(root: Path, key: dict[str, Any], config: dict[str, int], timings: list[dict[str, Any]]) -> None:
+def write_tuning(root: Path, key: dict[str, Any], config: dict[str, int], timings: list[dict[str, Any]],
+                 speed: Optional[dict[str, float]] = None) -> None:
+    """Store a tuning result; ``speed`` is the group's measured fused and eager times, so a
+    warm cache skips re-timing them."""
     entry = {"version": ENTRY_VERSION, "key": key, "config": config, "timings": timings}
+    if speed is not None:
+        entry["speed"] = speed
     path = root / "tuning" / f"{key_digest(key)}.json"
     try:
         atomic_write(path, json.dumps(entry, indent=1, sort_keys=True))

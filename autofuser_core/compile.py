@@ -196,17 +196,32 @@ def _can_tune(device: torch.device, options) -> bool:
     return device.type == "cuda" and options.tune
 
 
-def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, progress) -> tuple[dict, bool, float, list]:
+def _can_time(device: torch.device, options) -> bool:
+    """Fused-vs-eager timing, like tuning, means something only on a GPU."""
+    return device.type == "cuda" and options.verify_speed
+
+
+@dataclass
+class _Tuned:
+    config: dict
+    cache_hit: bool = False
+    seconds: float = 0.0
+    timings: list = field(default_factory=list)
+    key: Optional[dict] = None  # the cache key, where tuning (and so caching) happens
+    speed: Optional[dict] = None  # a cached fused-vs-eager verdict: {"fused_ms", "eager_ms"}
+
+
+def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, progress) -> _Tuned:
     strategy = candidate.strategy
     program = candidate.program
     default = strategy.default_config(program)
     if not _can_tune(device, options):
-        return default, False, 0.0, []
+        return _Tuned(default)
     key = {"kernel": source.name, "source_sha256": source.source_hash, **_device_key(device)}
     root = cache_dir(options.cache_dir)
     entry = read_tuning(root, key)
     if entry is not None:
-        return entry["config"], True, 0.0, entry.get("timings", [])
+        return _Tuned(entry["config"], True, 0.0, entry.get("timings", []), key, entry.get("speed"))
     configs = [c for c in strategy.configs(program) if strategy.is_valid(program, c) is None] or [default]
     progress(f"tuning {source.name}: {len(configs)} configs")
     start = time.perf_counter()
@@ -227,7 +242,7 @@ def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, 
         if ms < best_ms:
             best, best_ms = config, ms
     write_tuning(root, key, best, timings)
-    return best, False, time.perf_counter() - start, timings
+    return _Tuned(best, False, time.perf_counter() - start, timings, key)
 
 
 def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, progress) -> tuple[torch.fx.GraphModule, FusionReport]:
@@ -312,14 +327,15 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
         try:
             kernel_inputs = [attr_tensor(gm, t.source.path) if isinstance(t.source, AttrRef) else job.inputs[t.source]
                              for t in program.inputs]
-            config, hit, tuning_s, _ = _pick_config(job.candidate, job.source, job.kernel, kernel_inputs, device,
-                                                   options, lambda msg: progress(f"[{index}/{total}] {msg}"))
+            tuned = _pick_config(job.candidate, job.source, job.kernel, kernel_inputs, device, options,
+                                 lambda msg: progress(f"[{index}/{total}] {msg}"))
+            config = tuned.config
             job.fused = FusedKernel(job.kernel, job.source, config, program, job.eager, gm)
             outputs = job.fused.launch(*kernel_inputs)
         except Exception as err:
             _refuse_job(job, "codegen_failed", err)
             return
-        entry.kernel, entry.config, entry.cache_hit, entry.tuning_s = job.source.name, config, hit, tuning_s
+        entry.kernel, entry.config, entry.cache_hit, entry.tuning_s = job.source.name, config, tuned.cache_hit, tuned.seconds
         worst = 0.0
         for out_tensor, meta in zip(outputs, program.outputs):
             tol = _tolerance(job.candidate, view)
@@ -331,9 +347,15 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
                                 f"(tolerance atol {tol.atol:g}, rtol {tol.rtol:g}); kept eager")
                 break
         entry.max_error = worst
-        if entry.fused and device.type == "cuda" and options.verify_speed:
-            entry.time_fused_ms = _bench(job.fused.launch, *kernel_inputs)
-            entry.time_eager_ms = _bench(job.eager, *kernel_inputs)
+        if entry.fused and _can_time(device, options):
+            if tuned.speed is not None:  # measured when this kernel was tuned for this GPU and these versions
+                entry.time_fused_ms, entry.time_eager_ms = tuned.speed["fused_ms"], tuned.speed["eager_ms"]
+            else:
+                entry.time_fused_ms = _bench(job.fused.launch, *kernel_inputs)
+                entry.time_eager_ms = _bench(job.eager, *kernel_inputs)
+                if tuned.key is not None:
+                    write_tuning(cache_dir(options.cache_dir), tuned.key, config, tuned.timings,
+                                 speed={"fused_ms": entry.time_fused_ms, "eager_ms": entry.time_eager_ms})
             if entry.time_fused_ms >= entry.time_eager_ms:
                 entry.fused, entry.reason_code = False, "slower"
                 entry.reason = (f"fused {entry.time_fused_ms:.4f} ms vs eager {entry.time_eager_ms:.4f} ms: "

@@ -298,3 +298,27 @@ def test_second_process_retunes_nothing_and_a_corrupt_entry_is_retuned(tmp_path)
     assert third["groups"][1]["tuning_s"] > 0
     assert json.loads(corrupted.read_text())["config"] == third["groups"][1]["config"]
     assert leftovers(cache_root / "tuning") == []
+
+
+def test_a_warm_cache_reuses_the_fused_vs_eager_verdict(tmp_path):
+    """The speed check's timings are stored with the tuning result; a second
+    process neither tunes nor times again, and reaches the same verdicts."""
+    script = tmp_path / "time_once.py"
+    script.write_text(TUNING_SCRIPT.replace(
+        "compile_module._can_tune = lambda device, options: options.tune",
+        "compile_module._can_tune = lambda device, options: options.tune\n"
+        "compile_module._can_time = lambda device, options: options.verify_speed"))
+    cache_root = tmp_path / "cache"
+    first, _ = run_tuning_process(script, cache_root)
+    timed = [g for g in first["groups"] if g["time_fused_ms"] is not None]
+    assert timed and all(g["time_eager_ms"] > 0 for g in timed)
+    stored = {k: json.loads(p.read_text()) for k, p in tuning_files(cache_root).items()}
+    assert all(stored[g["kernel"]]["speed"] == {"fused_ms": g["time_fused_ms"], "eager_ms": g["time_eager_ms"]}
+               for g in timed)
+    second, _ = run_tuning_process(script, cache_root)
+    again = {g["kernel"]: g for g in second["groups"]}
+    for g in timed:
+        assert again[g["kernel"]]["cache_hit"]
+        assert (again[g["kernel"]]["time_fused_ms"], again[g["kernel"]]["time_eager_ms"]) == (
+            g["time_fused_ms"], g["time_eager_ms"])
+        assert (again[g["kernel"]]["fused"], again[g["kernel"]]["reason_code"]) == (g["fused"], g["reason_code"])
