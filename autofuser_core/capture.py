@@ -249,7 +249,9 @@ class _ConcreteTracer(torch.fx.Tracer):
         return ConcreteProxy(node, self)
 
     def is_leaf_module(self, m: torch.nn.Module, path: str) -> bool:
-        return path in self.opaque or super().is_leaf_module(m, path)
+        # A module with hooks stays one call, so its hooks run (tracing through would skip them).
+        hooked = bool(m._forward_hooks or m._forward_pre_hooks)
+        return path in self.opaque or hooked or super().is_leaf_module(m, path)
 
     def get_fresh_qualname(self, prefix: str) -> str:
         name = super().get_fresh_qualname(prefix)
@@ -367,17 +369,39 @@ def _tracing_patches(tracer: _ConcreteTracer):
 
     registry = _einops_backends._type2backend if _einops_backends else {}
     proxy_types = (ConcreteProxy, ConcreteAttribute) if _einops_backends else ()
+    # Grad mode and autocast switched inside forward would not be recorded in the graph:
+    # the module doing it must stay opaque, run as it is (with its own context managers).
+    mode_switches = [(cls, name) for cls, name in (
+        (torch.autograd.grad_mode.no_grad, "__enter__"), (torch.autograd.grad_mode.enable_grad, "__enter__"),
+        (torch.autograd.grad_mode.set_grad_enabled, "__init__"), (torch.autograd.grad_mode.inference_mode, "__enter__"),
+        (torch.amp.autocast_mode.autocast, "__enter__"),
+    )]
+    switch_originals = {(cls, name): cls.__dict__[name] for cls, name in mode_switches if name in cls.__dict__}
+
+    def refusing(cls, original):
+        @functools.wraps(original)
+        def switch(self, *args, **kwargs):
+            if tracer.executing:
+                return original(self, *args, **kwargs)
+            raise torch.fx.proxy.TraceError(
+                f"{cls.__name__} inside forward changes grad mode or autocast, which a graph can't record")
+        return switch
+
     try:
         for n, f in originals.items():
             setattr(torch, n, recorder(f))
         for t in proxy_types:
             registry[t] = _ProxyEinopsBackend()
+        for (cls, name), original in switch_originals.items():
+            setattr(cls, name, refusing(cls, original))
         yield
     finally:
         for n, f in originals.items():
             setattr(torch, n, f)
         for t in proxy_types:
             registry.pop(t, None)
+        for (cls, name), original in switch_originals.items():
+            setattr(cls, name, original)
 
 
 @contextlib.contextmanager
@@ -400,7 +424,7 @@ def _preserved_state(model: torch.nn.Module):
                 buf.copy_(copy)
 
 
-def _bind_inputs(model: torch.nn.Module, args: tuple, kwargs: dict):
+def bind_inputs(model: torch.nn.Module, args: tuple, kwargs: dict):
     """Map every forward parameter to its example value; also the flat call order.
 
     fx orders placeholders as: positional parameters, keyword-only ones, *varargs.
@@ -494,7 +518,7 @@ def capture(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
                 if isinstance(model, type) else "")
         raise CaptureError(f"capture() needs an nn.Module instance, got {type(model).__name__}: "
                            f"pass an nn.Module instance.{hint}")
-    sig, arguments, flat_inputs = _bind_inputs(model, example_inputs, example_kwargs)
+    sig, arguments, flat_inputs = bind_inputs(model, example_inputs, example_kwargs)
 
     opaque: dict[str, str] = {}
     gm, reason = None, None

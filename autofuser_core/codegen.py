@@ -111,6 +111,19 @@ def emit_offsets(emit: Callable[[str], None], sizes: list[int], site_strides: li
     return offsets
 
 
+_NEUTRAL = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
+
+
+def row_reduction(op: str, full: str, mask: str) -> str:
+    """``op`` along axis 1 of the tile ``full`` over the lanes in ``mask``, kept as
+    ``[rows, 1]``. max/min propagate NaN as torch does (``tl.max`` alone drops it)."""
+    reduced = f"tl.{op}(tl.where({mask}, {full}, {_NEUTRAL[op]}), axis=1)[:, None]"
+    if op == "sum":
+        return reduced
+    has_nan = f"tl.max(tl.where({mask} & ({full} != {full}), 1, 0), axis=1)[:, None] > 0"
+    return f"tl.where({has_nan}, float(\"nan\"), {reduced})"
+
+
 def _literal(value) -> str:
     if isinstance(value, bool):
         return "True" if value else "False"
@@ -160,14 +173,13 @@ class _Writer:
         elif v.op == "reduce":
             arg = self.value(v.args[0], loads)
             name = self.fresh()
-            if self.layout != "rows" or not self.program.reduced_dims:
+            if self.layout != "rows" or not self.program.reduced_dims or v.uid in self.program.identity_reduces:
                 self.emit(f"{name} = {arg}  # reduction over size-1 dims")
             else:
-                neutral = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}[v.reduce_op]
                 full = f"tl.broadcast_to({arg}, (BLOCK_M, BLOCK_R))"
                 if v.args[0].is_bool:
                     full = f"{full}.to(tl.float32)"
-                self.emit(f"{name} = tl.{v.reduce_op}(tl.where(mask, {full}, {neutral}), axis=1)[:, None]")
+                self.emit(f"{name} = {row_reduction(v.reduce_op, full, 'mask')}")
         else:
             raise ValueError(f"unknown IR op {v.op!r}")
         self.names[v.uid] = name

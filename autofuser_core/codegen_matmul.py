@@ -29,13 +29,14 @@ from typing import Optional
 import torch
 
 from .codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, _header, _literal, _short, emit_offsets, next_power_of_2,
-                      triton_cdiv, used_helpers)
+                      row_reduction, triton_cdiv, used_helpers)
 from .group import GroupProgram
 from .ir import Value
 from .rounding import interpreting, rounded, stored
 
 _NEUTRAL = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
-_COMBINE = {"sum": "{0} + {1}", "max": "tl.maximum({0}, {1})", "min": "tl.minimum({0}, {1})"}
+_COMBINE = {"sum": "{0} + {1}", "max": "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+            "min": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)"}
 
 
 class _Block:
@@ -68,7 +69,7 @@ class _Block:
             arg = self.value(v.args[0])
             name = self.w.fresh()
             full = f"tl.broadcast_to({arg}, (BLOCK_M, {self.width}))"
-            self.emit(f"{name} = tl.{v.reduce_op}(tl.where(row_mask & {self.axis_mask}, {full}, {_NEUTRAL[v.reduce_op]}), axis=1)[:, None]")
+            self.emit(f"{name} = {row_reduction(v.reduce_op, full, f'row_mask & {self.axis_mask}')}")
         else:
             raise ValueError(f"{v.op} cannot be emitted here")
         self.names[v.uid] = name
@@ -277,8 +278,7 @@ def _emit_prepasses(w: _MatmulWriter, prologue_values: list[Value], k: int, inde
         block = _Block(w, indent + 1, "k", {u: n for u, n in known.items() if u not in {v.uid for v in level}})
         for v in level:
             arg = block.value(v.args[0])
-            part = (f"tl.{v.reduce_op}(tl.where(row_mask & k_mask, tl.broadcast_to({arg}, (BLOCK_M, BLOCK_K)), "
-                    f"{_NEUTRAL[v.reduce_op]}), axis=1)[:, None]")
+            part = row_reduction(v.reduce_op, f"tl.broadcast_to({arg}, (BLOCK_M, BLOCK_K))", "row_mask & k_mask")
             block.emit(f"{known[v.uid]} = {_COMBINE[v.reduce_op].format(known[v.uid], part)}")
     return known
 

@@ -15,6 +15,8 @@ act on the model itself, and updated weights take effect without recompiling.
 
 from __future__ import annotations
 
+import copy
+import inspect
 import logging
 import sys
 import time
@@ -25,6 +27,7 @@ from typing import Any, Literal, Optional, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .capture import bind_inputs
 from .capture import capture
 from .compile import compile_graph, preserved_state
 from .cudagraphs import try_cuda_graph
@@ -66,6 +69,11 @@ class FusedModule(torch.nn.Module):
         self._last_report: Optional[FusionReport] = None
         self._warned_full = False
         self._all_modules = list(model.modules())
+        forward_parameters = inspect.signature(model.forward).parameters.values()
+        # Calls that pass exactly the positional parameters need no binding.
+        self._positional_count = (
+            -1 if any(p.kind in (p.VAR_POSITIONAL, p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in forward_parameters)
+            else len(forward_parameters))
 
     # -- nn.Module plumbing: everything that holds state is the model's ------
 
@@ -109,6 +117,32 @@ class FusedModule(torch.nn.Module):
 
     def __repr__(self) -> str:
         return f"FusedModule({self._model!r})"
+
+    # -- copying and saving: compiled kernels and loaded plugins are per process ---
+
+    _PER_PROCESS = ("_plugin_set", "_compiled", "_last_report")
+
+    def __deepcopy__(self, memo):
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        shared = ("_model", "_plugins")  # the model is copied below; plugin modules can't be, nor need be
+        state = {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS and k not in shared}
+        clone.__dict__.update(copy.deepcopy(state, memo))
+        clone._plugins = self._plugins
+        object.__setattr__(clone, "_model", copy.deepcopy(self._model, memo))
+        clone._all_modules = list(clone._model.modules())
+        clone._plugin_set, clone._compiled, clone._last_report = self._plugin_set, OrderedDict(), None
+        return clone
+
+    def __getstate__(self):
+        state = {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS}
+        state["_plugins"] = list(self._plugin_set.names)  # names load again in another process
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._plugin_set = load_plugins(self._plugins)
+        self._compiled, self._last_report = OrderedDict(), None
 
     # -- signatures -----------------------------------------------------------
 
@@ -158,11 +192,10 @@ class FusedModule(torch.nn.Module):
         return graph_module(*self._flatten(args, kwargs))
 
     def _flatten(self, args: tuple, kwargs: dict) -> tuple:
-        names = self._input_names
-        if not kwargs:
-            return args
-        bound = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
-        return tuple(bound)
+        """The call's inputs in the captured graph's placeholder order, defaults filled in."""
+        if not kwargs and len(args) == self._positional_count:
+            return args  # the common case, kept cheap: it runs on every call
+        return tuple(bind_inputs(self._model, args, kwargs)[2])
 
     def _progress(self, message: str) -> None:
         logger.info(message)
@@ -174,7 +207,6 @@ class FusedModule(torch.nn.Module):
         name = type(self._model).__name__
         self._progress(f"compiling {name} for {_describe_inputs(args)}")
         gm = capture(self._model, *args, **kwargs)
-        self._input_names = list(gm.meta.get("autofuser_input_names", []))
         flat = self._flatten(args, kwargs)
         if list(gm.meta.get("autofuser_opaque", {})) == [""]:
             report = FusionReport(plugins=self._plugin_set.names, opaque=dict(gm.meta["autofuser_opaque"]),

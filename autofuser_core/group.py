@@ -83,6 +83,7 @@ class GroupProgram:
     input_of_load: dict[int, int] = field(default_factory=dict)  # load uid -> input index
     op_names: list[str] = field(default_factory=list)
     matmul: Optional["MatmulLayout"] = None  # set when the group contains a matrix product
+    identity_reduces: set[int] = field(default_factory=set)  # reductions over size-1 dims only
     # fp32 products of a group laid out without a ``MatmulLayout`` (a strategy's own
     # compose): "tf32" where torch allows it, else "tf32x3"/"ieee"; None without products.
     products_precision: Optional[str] = None
@@ -186,6 +187,12 @@ def compose_group(
             )
         value = rebuild(lowered[node])
         meta = tensor_meta(node)
+        if _is_no_op(lowered[node], meta) and any(user not in members for user in node.users):
+            # A no-op (x.float() on fp32, eval dropout, Identity) returns its input itself in
+            # eager; a kernel output would be a copy, and an in-place op on one name would no
+            # longer reach the other.
+            raise GroupRefused("alias_output", f"{node.name} is its input itself in eager; "
+                                                "a copy made by a kernel would break that alias")
         _stamp_dot_dtype(value, meta.dtype)
         if meta.dtype in ROUNDED_DTYPES and not value.is_bool:
             value = Value("pointwise", value.shape, args=(value,), template=rounded("{0}", meta.dtype))
@@ -274,6 +281,14 @@ def program_from_nodes(
     )
 
 
+def _is_no_op(value: Value, meta) -> bool:
+    """The node's result is its input unchanged (eager returns the same tensor)."""
+    if value.op != "load":
+        return False
+    source = tensor_meta(value.source)
+    return source is None or source.dtype == meta.dtype
+
+
 def _stamp_dot_dtype(value: Value, dtype: torch.dtype) -> None:
     """A product's operands round to the dtype its node produced in eager."""
     stack = [value]
@@ -345,7 +360,13 @@ def _lay_out(program: GroupProgram) -> None:
             arg = align(v.args[0])
             shift = rank - len(v.args[0].shape)
             dims = tuple(d + shift for d in v.dims)
-            reduced_sets.add(dims)
+            # Over dims where the operand has size 1 a reduction is the identity: those
+            # dims must not join the group's reduced dims (the kernel would sum copies).
+            effective = tuple(d for d in dims if arg[d] != 1)
+            if effective:
+                reduced_sets.add(effective)
+            else:
+                program.identity_reduces.add(v.uid)
             out = tuple(1 if d in dims else s for d, s in enumerate(arg))
         else:
             for a in v.args:

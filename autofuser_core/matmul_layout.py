@@ -111,7 +111,7 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
         if v.op == "reduce":
             in_prologue = v.uid in prologue
             last = len(v.args[0].shape) - 1
-            if v.dims != (last,) or not v.keepdim:
+            if v.dims != (last,) or not v.keepdim or v.args[0].shape[-1] == 1:
                 where = "before" if in_prologue else "after"
                 raise GroupRefused("unsupported_reduction",
                                    f"a reduction {where} the product must run over the last dim with keepdim")
@@ -270,7 +270,7 @@ def lay_out_mlp(program: GroupProgram, values: dict[int, Value], dots: list[Valu
     for v in values.values():
         if v.op == "reduce":
             last = len(v.args[0].shape) - 1
-            if v.dims != (last,) or not v.keepdim:
+            if v.dims != (last,) or not v.keepdim or v.args[0].shape[-1] == 1:
                 raise GroupRefused("unsupported_reduction", "reductions must run over the last dim with keepdim")
 
     out_domain = tuple(second.shape)

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -43,7 +44,8 @@ _RANDOM_FUNCTIONS = {
     torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
     torch.bernoulli, torch.normal, torch.multinomial, torch.randperm, torch.poisson,
 }
-_RANDOM_METHODS = {"bernoulli", "random_", "uniform_", "normal_", "exponential_", "geometric_", "cauchy_", "log_normal_"}
+_RANDOM_METHODS = {"bernoulli", "multinomial", "random_", "uniform_", "normal_", "exponential_", "geometric_",
+                   "cauchy_", "log_normal_"}
 _DROPOUT_FUNCTIONS = {
     torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
     torch.nn.functional.dropout3d, torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
@@ -64,6 +66,8 @@ def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple
     opaque = node.meta.get("autofuser_opaque_reason")
     if opaque:
         return "opaque", f"untraceable part, runs as it is: {opaque}"
+    if node.kwargs.get("out") is not None:
+        return "mutation", "out= writes into an existing tensor"
     if node.op == "call_method":
         name = str(node.target)
         if name in _RANDOM_METHODS:
@@ -74,8 +78,10 @@ def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple
         target = node.target
         if target in _MUTATING_FUNCTIONS:
             return "mutation", f"{describe_target(target)} writes into a tensor"
-        if target in _RANDOM_FUNCTIONS:
+        if target in _RANDOM_FUNCTIONS or target is torch.nn.functional.gumbel_softmax:
             return "random", f"{describe_target(target)} draws random numbers"
+        if target is torch.nn.functional.rrelu and _bound_argument(target, node, "training", False):
+            return "random", "rrelu in training mode draws random numbers"
         if (target in _DROPOUT_FUNCTIONS and _bound_argument(target, node, "training", True)
                 and _bound_argument(target, node, "p", 0.5) != 0):
             return "random", "dropout in training mode draws random numbers"
@@ -85,6 +91,11 @@ def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple
             return "mutation", f"{describe_target(target)}(inplace=True) writes into its input"
     elif node.op == "call_module":
         module = root.get_submodule(node.target)
+        if module._forward_hooks or module._forward_pre_hooks:
+            return "opaque", f"{type(module).__name__} has forward hooks, which must run as registered"
+        if (isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.training
+                and module.track_running_stats):
+            return "mutation", f"{type(module).__name__} in training mode updates its running statistics"
         if getattr(module, "inplace", False) is True:
             return "mutation", f"{type(module).__name__}(inplace=True) writes into its input"
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
@@ -252,10 +263,11 @@ class PlanningView:
         cycle. Every lowered node ends in exactly one group."""
         group_of: dict[torch.fx.Node, int] = {}
         members: dict[int, list[torch.fx.Node]] = {}
+        fresh_ids = itertools.count()
         for node in self.nodes:
             if node not in self.lowered:
                 continue
-            gid = len(members)
+            gid = next(fresh_ids)  # not len(members): merges delete ids, and a reused id would collide
             group_of[node] = gid
             members[gid] = [node]
             for producer in node.all_input_nodes:

@@ -209,13 +209,17 @@ def test_transformer_block_fuses_around_eager_matmuls(batch):
     assert_matches_eager(got, expected)
 
     report = fused.report()
-    assert not report.skipped, str(report)
+    # An eval dropout whose result leaves its group is a no-op eager returns as its input: not fused.
+    assert not [g for g in report.skipped if g.reason_code != "alias_output"], str(report)
     by_ops = {tuple(g.ops): g.strategy for g in report.fused}
-    assert by_ops[("elementwise.mul", "elementwise.where", "reduction.softmax", "elementwise.dropout")] == "row_reduction"
+    # The attention dropout and the MLP's hidden dropout feed eager matmuls: they stay
+    # eager no-ops, the ops around them fuse.
+    assert by_ops[("elementwise.mul", "elementwise.where", "reduction.softmax")] == "row_reduction"
     assert by_ops[("elementwise.dropout", "elementwise.add", "reduction.layer_norm_module")] == "row_reduction"
-    assert by_ops[("elementwise.gelu", "elementwise.dropout")] == "elementwise"
+    assert by_ops[("elementwise.gelu",)] == "elementwise"
     assert by_ops[("elementwise.dropout", "elementwise.add")] == "elementwise"
     assert by_ops[("reduction.layer_norm_module",)] == "row_reduction"
+    assert sorted(g.nodes[0] for g in report.skipped) == ["drop", "drop_2"]
 
     eager = {(n.node, n.target): n.reason_code for n in report.unfused_nodes}
     for linear in ("qkv", "fc1", "fc2"):
@@ -279,7 +283,8 @@ def test_mutation_and_randomness_stay_eager_and_split_groups():
         assert eager[node] == code, str(report)
     # Every group between the barriers fuses: values written in place later
     # (a.add_, out[:, :3] = ...) must not fail verification.
-    assert not report.skipped, str(report)
+    # An eval dropout whose result leaves its group is a no-op eager returns as its input: not fused.
+    assert not [g for g in report.skipped if g.reason_code != "alias_output"], str(report)
     assert len(report.fused) == 5
 
     order = graph_order(model, x, y)

@@ -39,6 +39,11 @@ def lower_cast(ctx, input, *args, **kwargs):
         ctx.refuse("unsupported_dtype", f"{ctx.node.target}: cast to {target} (kernels store fp32/fp16/bf16/bool)")
     if source == torch.bool:
         return ctx.pointwise("{0}.to(tl.float32)", input)
+    if kwargs.get("copy") or (len(args) >= 3 and args[2] is True):
+        # copy=True: eager makes a new tensor even for the same dtype, so this is a real op.
+        return ctx.pointwise("{0}", input)
+    # Otherwise the value itself; for the same dtype eager returns the input tensor
+    # (the core won't make a kernel output of that alias).
     return ctx.tensor(input)
 
 
