@@ -404,6 +404,14 @@ def _tracing_patches(tracer: _ConcreteTracer):
             setattr(cls, name, original)
 
 
+def frozen_state(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors a forward may update in place: buffers, parameters that don't
+    train (trainable ones changed in forward would break autograd anyway) and
+    plain tensor attributes of modules."""
+    plain = [v for m in module.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    return list(module.buffers()) + [p for p in module.parameters() if not p.requires_grad] + plain
+
+
 @contextlib.contextmanager
 def _preserved_state(model: torch.nn.Module):
     """Restore RNG states and every buffer (object and contents) on exit."""
@@ -412,6 +420,9 @@ def _preserved_state(model: torch.nn.Module):
                 if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
     saved = [(mod, name, buf, buf.detach().clone())
              for mod in model.modules() for name, buf in mod._buffers.items() if buf is not None]
+    # Parameters that don't train and plain tensor attributes may be updated in forward
+    # (an EMA codebook, a counter): restore them too.
+    frozen = [(t, t.detach().clone()) for t in frozen_state(model)]
     try:
         yield
     finally:
@@ -422,6 +433,8 @@ def _preserved_state(model: torch.nn.Module):
             for mod, name, buf, copy in saved:
                 mod._buffers[name] = buf  # undo re-assignments such as `self.buf = new`
                 buf.copy_(copy)
+            for tensor, copy in frozen:
+                tensor.copy_(copy)
 
 
 def bind_inputs(model: torch.nn.Module, args: tuple, kwargs: dict):

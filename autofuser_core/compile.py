@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
+from .capture import frozen_state
 from .cache import cache_dir, load_kernel_module, read_tuning, write_tuning
 from .group import GroupProgram, attr_tensor
 from .ir import AttrRef
@@ -43,18 +44,19 @@ logger = logging.getLogger("autofuser")
 
 @contextlib.contextmanager
 def preserved_state(module: torch.nn.Module):
-    """Run code on ``module`` without leaving a trace: buffers and RNG state are
-    restored afterwards (BatchNorm statistics, dropout draws)."""
-    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    """Run code on ``module`` without leaving a trace: buffers, frozen parameters
+    and RNG state are restored afterwards (BatchNorm statistics, an EMA codebook
+    kept as a frozen parameter, dropout draws)."""
+    state = frozen_state(module)
+    saved = [t.detach().clone() for t in state]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     try:
         yield
     finally:
         with torch.no_grad():
-            for name, b in module.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
+            for t, copy in zip(state, saved):
+                t.copy_(copy)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

@@ -55,6 +55,10 @@ class FuseOptions(BaseModel):
                               "or plain fp32 FMAs.")
 
 
+class _Unguardable(Exception):
+    """A call argument the signature guard can't compare (unhashable, not a tensor)."""
+
+
 class FusedModule(torch.nn.Module):
     """Behaves like the wrapped model; runs fused kernels. See module doc."""
 
@@ -68,6 +72,7 @@ class FusedModule(torch.nn.Module):
         self._compiled: "OrderedDict[Any, tuple[Any, FusionReport]]" = OrderedDict()
         self._last_report: Optional[FusionReport] = None
         self._warned_full = False
+        self._warned_unguardable = False
         self._all_modules = list(model.modules())
         forward_parameters = inspect.signature(model.forward).parameters.values()
         # Calls that pass exactly the positional parameters need no binding.
@@ -156,9 +161,9 @@ class FusedModule(torch.nn.Module):
                 return ("dict", tuple(sorted((k, describe(v)) for k, v in x.items())))
             try:
                 hash(x)
-                return ("V", x)
             except TypeError:
-                return ("id", id(x))
+                raise _Unguardable(type(x).__name__) from None
+            return ("V", type(x), x)  # the type too: 1 == True == 1.0, but code may tell them apart
 
         autocast = tuple(
             (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")
@@ -171,7 +176,15 @@ class FusedModule(torch.nn.Module):
     # -- forward ----------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
-        key = self._signature(args, kwargs)
+        try:
+            key = self._signature(args, kwargs)
+        except _Unguardable as err:
+            # The graph bakes in non-tensor arguments; one that can't be compared can't be guarded.
+            if not self._warned_unguardable:
+                warnings.warn(f"AutoFuser: an argument of type {err} can't be hashed, so a compiled graph "
+                              "can't tell when it changes; these calls run the original model.")
+                self._warned_unguardable = True
+            return self._model(*args, **kwargs)
         entry = self._compiled.get(key)
         if entry is None:
             if len(self._compiled) >= self._options.max_signatures:
@@ -256,6 +269,16 @@ class FusedModule(torch.nn.Module):
         self._progress(f"compiled {name} in {report.compile_s:.1f} s: {len(report.fused)} fused group(s), "
                        f"{len(report.skipped)} skipped")
         return entry
+
+    def reset(self) -> None:
+        """Forget every compiled signature; the next call compiles again.
+
+        Needed after changes a guard doesn't see: a submodule or parameter
+        replaced by a new object (in-place updates and ``load_state_dict`` are
+        seen), or a Python attribute that ``forward`` reads changed.
+        """
+        self._compiled.clear()
+        self._last_report = None
 
     def report(self) -> FusionReport:
         """The report of the most recently used compiled signature."""

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
+import pytest
+
 import torch
 import torch.nn.functional as F
 
@@ -227,3 +230,49 @@ def test_a_fused_model_deep_copies_and_saves(tmp_path):
     loaded = torch.load(tmp_path / "fused.pt", weights_only=False)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_a_forward_updating_frozen_state_updates_it_once_per_call():
+    class Codebook(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.ema = torch.nn.Parameter(torch.zeros(8), requires_grad=False)
+            self.seen = torch.zeros(1)  # a plain tensor attribute
+
+        def forward(self, x):
+            h = torch.tanh(self.lin(x))
+            with torch.no_grad():
+                self.ema.mul_(0.5).add_(h.mean(0), alpha=0.5)
+                self.seen.add_(x.shape[0])
+            return h * 2 + self.ema
+
+    torch.manual_seed(0)
+    eager, fused_model = Codebook(), Codebook()
+    fused_model.load_state_dict(eager.state_dict())
+    fused = autofuser.fuse(fused_model, progress=False)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), eager(x))
+    torch.testing.assert_close(fused_model.ema, eager.ema)
+    assert fused_model.seen.item() == eager.seen.item() == 4
+
+
+def test_arguments_a_guard_cannot_compare_run_the_original():
+    class M(torch.nn.Module):
+        def forward(self, x, table, flag):
+            scale = float(table[0])
+            y = torch.sigmoid(x) * scale
+            return y + 1 if flag is True else y - 1
+
+    model = M()
+    fused = autofuser.fuse(model, progress=False)
+    x = torch.randn(3, 5)
+    with torch.no_grad(), pytest.warns(UserWarning, match="can't be hashed"):
+        for value in (2.0, 3.0):  # a fresh array each call: its id() may repeat, its value differs
+            table = np.array([value])
+            torch.testing.assert_close(fused(x, table, True), model(x, table, True))
+    with torch.no_grad():
+        table = (2.0,)
+        torch.testing.assert_close(fused(x, table, True), model(x, table, True))
+        torch.testing.assert_close(fused(x, table, 1), model(x, table, 1))  # 1 == True, but not `is True`
