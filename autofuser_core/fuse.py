@@ -233,7 +233,12 @@ class FusedModule(torch.nn.Module):
             # Graph capture and timing run the forward many times: only for inference
             # (eval mode, no grad), and leaving buffers and RNG state as they were.
             inference = not grad and not any(m.training for m in self._all_modules)
-            if self._options.cuda_graphs and inference and _first_device(flat).type == "cuda":
+            # A forward that writes into memory might write into its inputs: a graph replay
+            # would write into its own static copies instead. Such forwards launch op by op.
+            writes = any(n.reason_code == "mutation" for n in report.unfused_nodes)
+            if writes and self._options.cuda_graphs:
+                report.notes.append("no CUDA graph: the forward writes into tensors in place")
+            if self._options.cuda_graphs and inference and not writes and _first_device(flat).type == "cuda":
                 with preserved_state(self._model):
                     graph, why = try_cuda_graph(fused_gm, flat, self._model)
                 if graph is not None:
