@@ -148,14 +148,7 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
 
     layout.epilogue_reduces = any(v.op == "reduce" and v.uid not in prologue for v in values.values())
     layout.prologue_reduces = any(v.op == "reduce" and v.uid in prologue for v in values.values())
-    program.domain = out_domain
-    program.reduced_dims = ()
-    program.matmul = layout
-    for tensor in program.outputs:
-        _check_fits(tensor.shape, out_domain)
-        tensor.domain_stride = _domain_strides(tensor.shape, tensor.stride, out_domain)
-        if any(s == 1 and d != 1 for s, d in zip((1,) * (rank - len(tensor.shape)) + tuple(tensor.shape), out_domain)):
-            raise GroupRefused("output_broadcasts", f"output {tensor.name} is smaller than the product")
+    _install(program, layout, out_domain)
 
 
 def _depending_on(values: dict[int, Value], root: Value) -> set[int]:
@@ -177,6 +170,20 @@ def _outputs_from(program: GroupProgram, values: dict[int, Value], after: set[in
         v = values[uid]
         if v is not product and any(x.uid in before for x in v.args):
             raise GroupRefused("prologue_reused", f"a value from before {what} is also used after it")
+
+
+def _install(program: GroupProgram, layout, out_domain: tuple[int, ...]) -> None:
+    """Attach ``layout`` to ``program``; every output must cover the whole product."""
+    program.domain = out_domain
+    program.reduced_dims = ()
+    program.matmul = layout
+    rank = len(out_domain)
+    for tensor in program.outputs:
+        _check_fits(tensor.shape, out_domain)
+        tensor.domain_stride = _domain_strides(tensor.shape, tensor.stride, out_domain)
+        padded = (1,) * (rank - len(tensor.shape)) + tuple(tensor.shape)
+        if any(s == 1 and d != 1 for s, d in zip(padded, out_domain)):
+            raise GroupRefused("output_broadcasts", f"output {tensor.name} is smaller than the product")
 
 
 def _check_fits(shape, domain) -> None:
@@ -293,9 +300,4 @@ def lay_out_mlp(program: GroupProgram, values: dict[int, Value], dots: list[Valu
     layout.operand_dtypes = (_operand_dtype(first), _operand_dtype(second))
     layout.precision = fp32_precision()
     layout.epilogue_reduces = any(v.op == "reduce" and v.uid in after_second for v in values.values())
-    program.domain = out_domain
-    program.reduced_dims = ()
-    program.matmul = layout
-    for tensor in program.outputs:
-        _check_fits(tensor.shape, out_domain)
-        tensor.domain_stride = _domain_strides(tensor.shape, tensor.stride, out_domain)
+    _install(program, layout, out_domain)
