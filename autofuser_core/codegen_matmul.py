@@ -150,11 +150,7 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     # Per site: strides over row dims and batch dims.
     sites: list[tuple] = [("load", v.uid) for v in loads] + [("out", k) for k in range(len(program.outputs))]
     strides = [L.load_strides[v.uid] for v in loads] + [t.domain_stride for t in program.outputs]
-    wide = max(
-        [L.rows * max(L.n, L.k), math.prod(L.out_domain)]
-        + [sum((s - 1) * abs(st) for s, st in zip(L.out_domain, t.domain_stride)) + 1 for t in program.outputs]
-        + [sum((s - 1) * abs(st) for s, st in zip(L.out_domain, L.load_strides[v.uid])) + 1 for v in loads]
-    ) > INT32_LIMIT
+    wide = needs_int64(program)
 
     constexprs: dict[str, int] = {}
     if L.epilogue_reduces:
@@ -290,6 +286,13 @@ def _emit_prepasses(w: _MatmulWriter, prologue_values: list[Value], k: int, inde
 RESIDENT_ROW_BYTES = 512
 
 
+def needs_int64(program: GroupProgram) -> bool:
+    """Whether some offset into some tensor of the kernel (weights included) can pass 2**31 - 1."""
+    extents = [sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride)) + 1
+               for t in program.inputs + program.outputs]
+    return max(extents + [math.prod(program.domain)]) > INT32_LIMIT
+
+
 def dot_block(n: int) -> int:
     """A block size covering ``n`` that ``tl.dot`` accepts (16 at least)."""
     return max(16, next_power_of_2(n))
@@ -334,7 +337,7 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     loads = [v for v in values if v.op == "load" and v.uid not in weights]
     sites = [("load", v.uid) for v in loads] + [("out", k) for k in range(len(program.outputs))]
     strides = [L.load_strides[v.uid] for v in loads] + [t.domain_stride for t in program.outputs]
-    wide = L.rows * max(L.k, L.h, L.n) > INT32_LIMIT
+    wide = needs_int64(program)
     constexprs = {"BLOCK_N": dot_block(L.n)}
     _emit_rows(w, L.out_domain, L.rows, sites, strides, wide, None)
 
