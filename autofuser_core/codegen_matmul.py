@@ -156,7 +156,7 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     if L.epilogue_reduces:
         constexprs["BLOCK_N"] = dot_block(L.n)
 
-    w.emit(f"pid = tl.program_id(0)")
+    w.emit("pid = tl.program_id(0)")
     w.emit(f"num_m = tl.cdiv({L.rows}, BLOCK_M)")
     w.emit(f"num_n = tl.cdiv({L.n}, BLOCK_N)")
     w.emit("in_group = GROUP_M * num_n")
@@ -251,7 +251,7 @@ def _emit_rows(w: _MatmulWriter, out_domain, rows: int, sites: list, strides: li
     if grouped_n is None:
         w.emit(f"pid_m = tl.program_id(0){cast}")
         w.emit("cols = tl.arange(0, BLOCK_N)[None, :]")
-    w.emit(f"rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]")
+    w.emit("rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]")
     w.emit(f"row_mask = rows < {rows}")
     w.emit(f"col_mask = cols < {out_domain[-1]}")
     row_dims = list(range(len(out_domain) - 1))

@@ -19,8 +19,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 import logging
-import os
-import sys
 import time
 from typing import Any, Optional
 

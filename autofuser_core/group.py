@@ -29,13 +29,16 @@ group's external inputs and outputs, without IR values.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 import torch.fx
 
 from .ir import AttrRef, Value, tensor_meta
 from .rounding import rounded
+
+if TYPE_CHECKING:
+    from .matmul_layout import MatmulLayout
 
 ROUNDED_DTYPES = (torch.float16, torch.bfloat16)
 

@@ -10,7 +10,7 @@ gradients, through ``RecomputeForBackward``: kernel forward, eager backward).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 

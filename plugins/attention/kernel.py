@@ -147,7 +147,7 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
         w.emit(f"{name}_base = {kind}{op.index}" + (f" + {off}" if off else ""))
         w.bases[id(op)] = f"{name}_base"
 
-    w.emit(f"rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # this program's queries")
+    w.emit("rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # this program's queries")
     w.emit(f"row_mask = rows < {L.n}")
     w.emit("d_cols = tl.arange(0, BLOCK_D)[None, :]  # head width, along q's tile")
     w.emit("d_rows = tl.arange(0, BLOCK_D)[:, None]  # head width, along k^T's tile")

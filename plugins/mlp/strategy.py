@@ -6,7 +6,6 @@ it never reaches memory (``autofuser_core.codegen_matmul.write_mlp_kernel``)."""
 from __future__ import annotations
 
 from autofuser import StrategySpec
-from autofuser_core.codegen import next_power_of_2
 from autofuser_core.codegen_matmul import dot_block, keeps_rows, write_mlp_kernel
 from autofuser_core.group import GroupRefused
 from autofuser_core.matmul_layout import MlpLayout
