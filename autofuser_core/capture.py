@@ -50,6 +50,7 @@ import logging
 import operator
 import sys
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -75,6 +76,7 @@ INPUT_NAMES_KEY = "autofuser_input_names"
 ROOT_ATTR = "opaque_model"  # attribute holding the model when the root is opaque
 
 _REAL = "_autofuser_real_value"  # private node.meta keys, deleted after tracing
+_HOLD = "_autofuser_real_hold"
 _DYN = "_autofuser_data_dependent"
 
 # Factories are recorded (not baked as constants) so random draws stay fresh.
@@ -119,11 +121,35 @@ def _clone_tree(values: Any) -> Any:
     return pytree.tree_map(clone, values)
 
 
+class _Held:
+    """A node's real value, owned by the node's proxies.
+
+    The node itself keeps only a weak reference: once the traced code drops every
+    proxy of a node, its value is freed, so tracing needs about as much memory as
+    running the model (a model whose activations fit once would not fit if every
+    intermediate value stayed alive until the end of the trace).
+    """
+
+    __slots__ = ("value", "__weakref__")
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _real_value(node: torch.fx.Node) -> Any:
+    held = node.meta.get(_HOLD) or node.meta[_REAL]()
+    if held is None:  # cannot happen while a proxy of the node is alive
+        raise TraceError(f"the value of {node.name} was freed before a later use")
+    return held.value
+
+
 class ConcreteProxy(torch.fx.Proxy):
     """An fx Proxy that knows the real value of its node and answers metadata with it."""
 
+    _held: _Held
+
     def _real(self) -> Any:
-        return self.node.meta[_REAL]
+        return self._held.value
 
     def _is_data_dependent(self) -> bool:
         return bool(self.node.meta.get(_DYN))
@@ -246,7 +272,14 @@ class _ConcreteTracer(torch.fx.Tracer):
         self.executing = 0
 
     def proxy(self, node: torch.fx.Node) -> ConcreteProxy:
-        return ConcreteProxy(node, self)
+        proxy = ConcreteProxy(node, self)
+        # The proxy takes over the node's value (see _Held); nodes that never get a
+        # proxy (parameters fx reads for an argument) keep theirs until the end.
+        held = node.meta.pop(_HOLD, None) or node.meta[_REAL]()
+        if held is None:
+            raise TraceError(f"the value of {node.name} was freed before a later use")
+        proxy._held = held
+        return proxy
 
     def is_leaf_module(self, m: torch.nn.Module, path: str) -> bool:
         # A module with hooks stays one call, so its hooks run (tracing through would skip them).
@@ -285,12 +318,16 @@ class _ConcreteTracer(torch.fx.Tracer):
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):  # type: ignore[override]
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind == "output":
+            return node
         if kind == "placeholder":
-            node.meta[_REAL] = _clone_tree(self.inputs[str(target).lstrip("*")])
-        elif kind != "output":
-            node.meta[_REAL] = value = self._execute(node)
-            if self._data_dependent(node, value):
-                node.meta[_DYN] = True
+            value = _clone_tree(self.inputs[str(target).lstrip("*")])
+        else:
+            value = self._execute(node)
+        held = _Held(value)
+        node.meta[_HOLD], node.meta[_REAL] = held, weakref.ref(held)
+        if kind != "placeholder" and self._data_dependent(node, value):
+            node.meta[_DYN] = True
         return node
 
     @contextlib.contextmanager
@@ -307,8 +344,8 @@ class _ConcreteTracer(torch.fx.Tracer):
             self.executing -= 1
 
     def _execute(self, node: torch.fx.Node) -> Any:
-        args = map_arg(node.args, lambda n: n.meta[_REAL])
-        kwargs = map_arg(node.kwargs, lambda n: n.meta[_REAL])
+        args = map_arg(node.args, _real_value)
+        kwargs = map_arg(node.kwargs, _real_value)
         with self.running_eagerly():
             if node.op == "call_function":
                 return node.target(*args, **kwargs)
@@ -327,14 +364,14 @@ class _ConcreteTracer(torch.fx.Tracer):
         if name in _DATA_DEPENDENT or (name == "where" and len(node.args) == 1):
             return True
         if node.target is operator.getitem:  # boolean-mask indexing
-            index = map_arg(node.args[1], lambda n: n.meta[_REAL])
+            index = map_arg(node.args[1], _real_value)
             if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
                    for i in pytree.tree_leaves(index)):
                 return True
         dynamic = [n for n in node.all_input_nodes if n.meta.get(_DYN)]
         if not dynamic:
             return False
-        scalars_only = not any(isinstance(n.meta[_REAL], torch.Tensor) for n in dynamic)
+        scalars_only = not any(isinstance(_real_value(n), torch.Tensor) for n in dynamic)
         return not (name in _ARITHMETIC and scalars_only and isinstance(value, torch.Tensor))
 
 
@@ -493,6 +530,7 @@ def _trace_once(model, arguments, opaque) -> tuple[torch.fx.GraphModule | None, 
             graph = tracer.trace(model)
         for node in graph.nodes:  # real values would keep every activation alive
             node.meta.pop(_REAL, None)
+            node.meta.pop(_HOLD, None)
             node.meta.pop(_DYN, None)
         return torch.fx.GraphModule(tracer.root, graph, class_name=type(model).__name__), None, ""
     except Exception as exc:
