@@ -13,6 +13,10 @@ the user, mode 0700):
   winning config and its timings, and the group's fused-vs-eager times, so a
   warm cache neither tunes nor times again. A file that doesn't parse, or whose key
   doesn't match the one asked for, is reported and re-tuned, never trusted.
+- ``verdicts/<key-hash>.json`` - whole-forward timings of one compiled signature
+  (fused with and without a CUDA graph, and the original model), keyed by the
+  rewritten graph's code, its kernels and configs, the input signature and the
+  GPU and versions, so a warm cache skips the whole-forward measurement too.
 
 Every write goes to a temporary file in the same folder and is renamed over
 the target (atomic on POSIX), so concurrent processes never read half a file.
@@ -131,5 +135,38 @@ def write_tuning(root: Path, key: dict[str, Any], config: dict[str, int], timing
     path = root / "tuning" / f"{key_digest(key)}.json"
     try:
         atomic_write(path, json.dumps(entry, indent=1, sort_keys=True))
+    except OSError as err:
+        warnings.warn(f"AutoFuser: cannot write cache entry {path} ({err}); keeping the result in memory only.")
+
+
+def read_verdict(root: Path, key: dict[str, Any]) -> dict[str, float]:
+    """Stored whole-forward timings for ``key`` (``{}`` when missing or unusable: warned).
+
+    ``verdicts/<key-hash>.json`` holds the times a compiled forward was measured at
+    (with and without a CUDA graph, and the original model's), so a warm cache
+    decides without timing the forward again.
+    """
+    path = root / "verdicts" / f"{key_digest(key)}.json"
+    try:
+        entry = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        warnings.warn(f"AutoFuser: ignoring unreadable cache entry {path} ({err}); timing again.")
+        return {}
+    times = entry.get("times") if isinstance(entry, dict) else None
+    if (not isinstance(entry, dict) or entry.get("version") != ENTRY_VERSION or entry.get("key") != key
+            or not isinstance(times, dict)
+            or not all(isinstance(v, (int, float)) and v > 0 for v in times.values())):
+        warnings.warn(f"AutoFuser: ignoring corrupt or foreign cache entry {path}; timing again.")
+        return {}
+    return {str(k): float(v) for k, v in times.items()}
+
+
+def write_verdict(root: Path, key: dict[str, Any], times: dict[str, float]) -> None:
+    path = root / "verdicts" / f"{key_digest(key)}.json"
+    try:
+        atomic_write(path, json.dumps({"version": ENTRY_VERSION, "key": key, "times": times}, indent=1,
+                                      sort_keys=True))
     except OSError as err:
         warnings.warn(f"AutoFuser: cannot write cache entry {path} ({err}); keeping the result in memory only.")

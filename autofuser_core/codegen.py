@@ -57,7 +57,14 @@ class KernelSource:
 
     @property
     def source_hash(self) -> str:
-        return hashlib.sha256(self.source.encode()).hexdigest()
+        """Digest of the code, without the leading comment block that names the
+        fx nodes: every repeat of a layer generates the same code, and must share
+        one tuning entry rather than be tuned again per layer."""
+        lines = self.source.splitlines(keepends=True)
+        start = 0
+        while start < len(lines) and lines[start].startswith("#"):
+            start += 1
+        return hashlib.sha256("".join(lines[start:]).encode()).hexdigest()
 
 
 def used_helpers(helpers: Optional[dict[str, str]], body: str) -> str:

@@ -31,6 +31,7 @@ from .group import GroupProgram, attr_tensor
 from .ir import AttrRef
 from .launch import FusedKernel
 from .planner import Candidate, Plan, plan_fusion_groups
+from .precompile import CompileJob, launch_items, precompile, start_workers
 from .report import FusionReport, GroupEntry, NodeEntry
 from .matmul_layout import MAX_PRODUCTS, STRICT_FP32, MlpLayout
 from .rounding import interpreting
@@ -178,7 +179,7 @@ def _bench(fn, *args) -> float:
     return float(triton.testing.do_bench(lambda: fn(*args), warmup=5, rep=20, return_mode="median"))
 
 
-def _device_key(device: torch.device) -> dict[str, Any]:
+def device_key(device: torch.device) -> dict[str, Any]:
     import triton
 
     key = {"torch": torch.__version__, "triton": triton.__version__}
@@ -211,18 +212,49 @@ class _Tuned:
     speed: Optional[dict] = None  # a cached fused-vs-eager verdict: {"fused_ms", "eager_ms"}
 
 
+def _tuning_configs(candidate: Candidate) -> list[dict]:
+    strategy, program = candidate.strategy, candidate.program
+    return ([c for c in strategy.configs(program) if strategy.is_valid(program, c) is None]
+            or [strategy.default_config(program)])
+
+
+def _tuning_key(source, device: torch.device) -> dict[str, Any]:
+    return {"kernel": source.name, "source_sha256": source.source_hash, **device_key(device)}
+
+
+def _precompile_untuned(jobs: list, device: torch.device, options, progress, report) -> None:
+    """Compile, in parallel, every config that tuning is about to time (see precompile.py)."""
+    if not _can_tune(device, options):
+        return
+    root = cache_dir(options.cache_dir)
+    work: dict[str, CompileJob] = {}
+    for job in jobs:
+        if job.source.name in work or read_tuning(root, _tuning_key(job.source, device)) is not None:
+            continue
+        program = job.candidate.program
+        work[job.source.name] = CompileJob(
+            path=str(root / "kernels" / f"{job.source.name}.py"), name=job.source.name,
+            dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in (*program.inputs, *program.outputs)),
+            launches=tuple(launch_items(c, job.source.constexprs) for c in _tuning_configs(job.candidate)))
+    work_list = list(work.values())
+    compiled = precompile(work_list, progress)
+    wanted = sum(len(j.launches) for j in work_list)
+    if compiled:
+        report.notes.append(f"compiled {compiled} of {wanted} tuning config(s) in parallel before timing")
+
+
 def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, progress) -> _Tuned:
     strategy = candidate.strategy
     program = candidate.program
     default = strategy.default_config(program)
     if not _can_tune(device, options):
         return _Tuned(default)
-    key = {"kernel": source.name, "source_sha256": source.source_hash, **_device_key(device)}
+    key = _tuning_key(source, device)
     root = cache_dir(options.cache_dir)
     entry = read_tuning(root, key)
     if entry is not None:
         return _Tuned(entry["config"], True, 0.0, entry.get("timings", []), key, entry.get("speed"))
-    configs = [c for c in strategy.configs(program) if strategy.is_valid(program, c) is None] or [default]
+    configs = _tuning_configs(candidate)
     progress(f"tuning {source.name}: {len(configs)} configs")
     start = time.perf_counter()
     timings = []
@@ -254,6 +286,8 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
         gm.recompile()
 
     device = _device_of(inputs)
+    if _can_tune(device, options):
+        start_workers()  # warms up while the graph is planned and the kernels written
     taken: set[torch.fx.Node] = set()
     retry: Optional[set[torch.fx.Node]] = None  # round 2: only the nodes of chains that stayed eager
     survivors: list[tuple[Candidate, FusedKernel]] = []
@@ -267,11 +301,13 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
             return plugin_set.manager.hook.autofuser_veto_fusion(group=candidate, options=options)
 
         tokens = (STRICT_FP32.set(options.strict_fp32_products), MAX_PRODUCTS.set(max_products))
+        step = time.perf_counter()
         try:
             plan = plan_fusion_groups(gm, plugin_set.registry, veto=veto, options=options)
         finally:
             MAX_PRODUCTS.reset(tokens[1])
             STRICT_FP32.reset(tokens[0])
+        report.add_phase("plan", time.perf_counter() - step)
         view = plan.view
         if round_number == 1:
             for entry in view.skipped:
@@ -296,7 +332,9 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
         retry = {n for job in failed_chains for n in job.candidate.nodes}
         progress(f"re-planning {len(failed_chains)} product chain(s) that stayed eager, one product per group")
 
+    step = time.perf_counter()
     new_gm = rewrite_graph(gm, [(c.program, f) for c, f in survivors])
+    report.add_phase("rewrite", time.perf_counter() - step)
     report.compile_s = time.perf_counter() - started
     return new_gm, report
 
@@ -305,6 +343,7 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
     """Generate, load, tune and check every kept group of ``plan`` in one recording pass."""
     view = plan.view
     jobs: list[_Job] = []
+    step = time.perf_counter()
     for candidate in plan.kept:
         program: GroupProgram = candidate.program
         job = _Job(candidate, _entry(candidate.strategy.name, candidate.nodes, view, True, "fused", "", program))
@@ -320,6 +359,11 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
         jobs.append(job)
 
     total = len(jobs)
+    report.add_phase("generate", time.perf_counter() - step)
+    step = time.perf_counter()
+    _precompile_untuned(jobs, device, options, progress, report)
+    report.add_phase("parallel_compile", time.perf_counter() - step)
+    step = time.perf_counter()
 
     def check(job: _Job) -> None:
         index = jobs.index(job) + 1
@@ -367,6 +411,9 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
         # must be changed once, by the real forward, not also by this run.
         verifier.run(*[_snapshot(x) for x in inputs])
     del verifier
+    tuning = sum(job.entry.tuning_s for job in jobs)
+    report.add_phase("verify", time.perf_counter() - step - tuning)
+    report.add_phase("tune", tuning)
     for job in jobs:
         if job.fused is None and job.entry.fused:
             _refuse_job(job, "not_verified", RuntimeError("the group's outputs were never produced"))

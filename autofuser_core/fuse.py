@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .capture import bind_inputs
 from .capture import capture
+from .cache import cache_dir, read_verdict, write_verdict
 from .compile import compile_graph, preserved_state
 from .cudagraphs import try_cuda_graph
 from .errors import AutoFuserError, CaptureError
@@ -220,6 +221,7 @@ class FusedModule(torch.nn.Module):
         name = type(self._model).__name__
         self._progress(f"compiling {name} for {_describe_inputs(args)}")
         gm = capture(self._model, *args, **kwargs)
+        captured_s = time.perf_counter() - start
         flat = self._flatten(args, kwargs)
         if list(gm.meta.get("autofuser_opaque", {})) == [""]:
             report = FusionReport(plugins=self._plugin_set.names, opaque=dict(gm.meta["autofuser_opaque"]),
@@ -229,6 +231,7 @@ class FusedModule(torch.nn.Module):
             grad = torch.is_grad_enabled()
             with torch.no_grad():
                 fused_gm, report = compile_graph(gm, flat, self._plugin_set, self._options, self._progress)
+            report.phases = {"capture": captured_s, **report.phases}
             runner = fused_gm
             # Graph capture and timing run the forward many times: only for inference
             # (eval mode, no grad), and leaving buffers and RNG state as they were.
@@ -238,14 +241,25 @@ class FusedModule(torch.nn.Module):
             writes = any(n.reason_code == "mutation" for n in report.unfused_nodes)
             if writes and self._options.cuda_graphs:
                 report.notes.append("no CUDA graph: the forward writes into tensors in place")
-            if self._options.cuda_graphs and inference and not writes and _first_device(flat).type == "cuda":
-                with preserved_state(self._model):
-                    graph, why = try_cuda_graph(fused_gm, flat, self._model)
+            step = time.perf_counter()
+            cuda = _first_device(flat).type == "cuda"
+            measured = self._options.verify_speed and inference and _can_time_forward(_first_device(flat))
+            vkey = _verdict_key(fused_gm, bool(report.fused), kwargs, flat) if measured else None
+            root = cache_dir(self._options.cache_dir)
+            known = read_verdict(root, vkey) if vkey is not None else {}
+            times = dict(known)
+            if self._options.cuda_graphs and inference and not writes and cuda:
+                graph, why = None, "its replay was measured slower before"
+                if not ("graph_ms" in known and known["graph_ms"] >= known.get("plain_ms", 0.0)):
+                    with preserved_state(self._model):
+                        graph, why = try_cuda_graph(fused_gm, flat, self._model)
                 if graph is not None:
                     # Replays copy the inputs in and clone the outputs: worth it when launches, not
                     # bytes, dominate. Measured, not guessed.
-                    with torch.no_grad(), preserved_state(self._model):
-                        plain_ms, graph_ms = _time(fused_gm, flat), _time(graph, flat)
+                    if "graph_ms" not in times or "plain_ms" not in times:
+                        with torch.no_grad(), preserved_state(self._model):
+                            times["plain_ms"], times["graph_ms"] = _time(fused_gm, flat), _time(graph, flat)
+                    plain_ms, graph_ms = times["plain_ms"], times["graph_ms"]
                     if graph_ms < plain_ms:
                         runner = graph
                         report.notes.append(f"the compiled forward replays as one CUDA graph "
@@ -253,19 +267,32 @@ class FusedModule(torch.nn.Module):
                     else:
                         report.notes.append(f"no CUDA graph: replaying it ({graph_ms:.3f} ms, with input copies and "
                                             f"output clones) is not faster than launching ({plain_ms:.3f} ms)")
+                elif "graph_ms" in known:
+                    report.notes.append(f"no CUDA graph: replaying it ({known['graph_ms']:.3f} ms) was measured "
+                                        f"not faster than launching ({known.get('plain_ms', 0.0):.3f} ms)")
                 else:
                     report.notes.append(f"no CUDA graph ({why}); kernels launch one by one")
-            if self._options.verify_speed and inference and _first_device(flat).type == "cuda":
+            report.add_phase("cuda_graph", time.perf_counter() - step)
+            step = time.perf_counter()
+            if measured:
                 # The last word on "never slower than eager": the whole forward, as the user calls it.
-                with torch.no_grad(), preserved_state(self._model):
-                    eager_ms = _time(lambda *a: self._model(*args, **kwargs), ())
-                    fused_ms = _time(runner, flat)
+                use = "graph" if runner is not fused_gm else "plain"
+                if f"{use}_fused_ms" not in times or "eager_ms" not in times:
+                    with torch.no_grad(), preserved_state(self._model):
+                        times["eager_ms"] = _time(lambda *a: self._model(*args, **kwargs), ())
+                        times[f"{use}_fused_ms"] = _time(runner, flat)
+                eager_ms, fused_ms = times["eager_ms"], times[f"{use}_fused_ms"]
                 if fused_ms >= eager_ms:
                     report.notes.append(f"the fused forward ({fused_ms:.3f} ms) was not faster than the original "
                                         f"({eager_ms:.3f} ms) for these inputs: the original runs")
                     runner = None
                 else:
                     report.notes.append(f"forward: {fused_ms:.3f} ms fused vs {eager_ms:.3f} ms eager")
+                if known:
+                    report.notes.append("whole-forward times read from the cache (measured when first compiled)")
+                if times != known:
+                    write_verdict(root, vkey, times)
+            report.add_phase("forward_check", time.perf_counter() - step)
             entry = (runner, report)
         report.signature = _describe_inputs(args)
         report.device = str(_first_device(flat))
@@ -300,6 +327,31 @@ def _time(fn, args: tuple) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(lambda: fn(*args), warmup=5, rep=25, return_mode="median"))
+
+
+def _can_time_forward(device: torch.device) -> bool:
+    """Whole-forward timings mean something only on a GPU."""
+    return device.type == "cuda"
+
+
+def _verdict_key(fused_gm: torch.fx.GraphModule, fused: bool, kwargs: dict, flat: list) -> Optional[dict]:
+    """What the whole-forward timings depend on: the rewritten graph, each kernel and
+    config, the inputs' shapes, dtypes and strides, the GPU and the versions.
+    ``None`` (never cached) when nothing was fused."""
+    import hashlib
+    import json
+
+    from .compile import device_key
+    from .launch import FusedKernel
+
+    if not fused:
+        return None
+    kernels = [[n.target.source.name, n.target.source.source_hash, sorted(n.target.config.items())]
+               for n in fused_gm.graph.nodes if isinstance(n.target, FusedKernel)]
+    inputs = [[str(x.dtype), list(x.shape), list(x.stride())] if isinstance(x, torch.Tensor) else repr(x)
+              for x in flat]
+    text = json.dumps([fused_gm.code, kernels, inputs, sorted(kwargs)], default=str)
+    return {"forward": hashlib.sha256(text.encode()).hexdigest(), **device_key(_first_device(flat))}
 
 
 def _describe_inputs(args: tuple) -> str:

@@ -54,6 +54,12 @@ class FusionReport(BaseModel):
     opaque: dict[str, str] = Field(default_factory=dict)
     notes: list[str] = Field(default_factory=list)
     compile_s: float = 0.0
+    # Seconds spent in each step of the compile (capture, plan, generate, verify -
+    # tuning included -, rewrite, cuda_graph, forward_check), in order.
+    phases: dict[str, float] = Field(default_factory=dict)
+
+    def add_phase(self, name: str, seconds: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
 
     @property
     def fused(self) -> list[GroupEntry]:
@@ -69,6 +75,8 @@ class FusionReport(BaseModel):
     def __str__(self) -> str:
         lines = [f"AutoFuser report - {self.signature or 'no signature'} on {self.device or '?'}"]
         lines.append(f"plugins: {', '.join(self.plugins) or 'none'}; compile {self.compile_s:.2f} s")
+        if self.phases:
+            lines.append("compile steps: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.phases.items()))
         fused = self.fused
         saved = sum(g.bytes_before - g.bytes_after for g in fused)
         lines.append(f"{len(fused)} fused group(s), {len(self.skipped)} skipped; predicted traffic saved {_bytes(saved)}")

@@ -17,6 +17,9 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
+
+import autofuser
 
 from autofuser_core import cache
 from autofuser_core.cache import cache_dir, key_digest, load_kernel_module, read_tuning, write_tuning
@@ -322,3 +325,34 @@ def test_a_warm_cache_reuses_the_fused_vs_eager_verdict(tmp_path):
         assert (again[g["kernel"]]["time_fused_ms"], again[g["kernel"]]["time_eager_ms"]) == (
             g["time_fused_ms"], g["time_eager_ms"])
         assert (again[g["kernel"]]["fused"], again[g["kernel"]]["reason_code"]) == (g["fused"], g["reason_code"])
+
+
+def test_whole_forward_timings_are_cached_and_a_corrupt_entry_is_retimed(tmp_path, monkeypatch):
+    """A warm cache decides fused-vs-original without timing the forward again."""
+    import autofuser_core.fuse as fuse_module
+
+    calls = []
+
+    def fake_time(fn, args):
+        calls.append(fn)
+        fn(*args)  # the forward runs, as a real measurement would run it
+        return 2.0 if len(calls) % 2 else 1.0  # eager first (2 ms), then fused (1 ms)
+
+    monkeypatch.setattr(fuse_module, "_can_time_forward", lambda device: True)
+    monkeypatch.setattr(fuse_module, "_time", fake_time)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(19), torch.nn.GELU()).eval()
+    x = torch.randn(3, 7, 19)
+    with torch.no_grad():
+        first = autofuser.fuse(model, cache_dir=str(tmp_path), cuda_graphs=False, progress=False)
+        torch.testing.assert_close(first(x), model(x))
+        assert len(calls) == 2 and "forward: 1.000 ms fused vs 2.000 ms eager" in first.report().notes
+        second = autofuser.fuse(model, cache_dir=str(tmp_path), cuda_graphs=False, progress=False)
+        torch.testing.assert_close(second(x), model(x))
+        assert len(calls) == 2, "a warm cache must not time the forward again"
+        assert any("read from the cache" in n for n in second.report().notes)
+        (entry,) = (tmp_path / "verdicts").glob("*.json")
+        entry.write_text('{"version": 1, "key": {}, "times": {"eager_ms": -1}}')
+        third = autofuser.fuse(model, cache_dir=str(tmp_path), cuda_graphs=False, progress=False)
+        with pytest.warns(UserWarning, match="corrupt or foreign cache entry"):
+            torch.testing.assert_close(third(x), model(x))
+        assert len(calls) == 4

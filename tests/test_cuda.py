@@ -85,3 +85,18 @@ def test_bf16_autocast_and_dtypes_on_gpu(dtype):
     with torch.no_grad():
         fused = autofuser.fuse(model, progress=False, verify_speed=False)
         torch.testing.assert_close(fused(x, r), model(x, r), atol=tol[0], rtol=tol[1])
+
+
+def test_tuning_configs_compile_in_parallel_worker_processes(tmp_path):
+    """Every config tuning times is compiled up front by the worker pool, not one by one."""
+    torch.manual_seed(0)
+    model = ResidualNorm().cuda()
+    fused = autofuser.fuse(model, cache_dir=str(tmp_path), tune=True, tune_budget_s=5.0)
+    x, r = _inputs()
+    torch.testing.assert_close(fused(x, r), model(x, r), rtol=1e-5, atol=1e-5)
+    report = fused.report()
+    notes = [n for n in report.notes if "in parallel before timing" in n]
+    assert notes, report.notes
+    compiled, wanted = (int(w) for w in notes[0].split()[1:4:2])
+    assert compiled == wanted > 1, notes[0]
+    assert report.phases["parallel_compile"] > 0

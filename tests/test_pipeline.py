@@ -613,3 +613,28 @@ def test_an_mlp_that_fails_verification_is_replanned_one_product_per_group(monke
     assert strategies == ["layernorm_linear", "linear_epilogue"], str(report)
     covered = {n for g in report.fused for n in g.nodes}
     assert {"fc1", "fc2"} <= covered
+
+
+def test_repeated_layers_share_one_kernel_and_one_tuning_key():
+    """Layers that generate the same code tune once: the tuning key ignores the
+    comment block naming each copy's fx nodes."""
+    from autofuser_core.launch import FusedKernel
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(24)
+
+        def forward(self, x):
+            return torch.cumsum(F.gelu(self.norm(x)) + x, -1)  # cumsum: no lowering, ends the group
+
+    model = nn.Sequential(Block(), Block(), Block())
+    fused = autofuser.fuse(model, progress=False)
+    x = torch.randn(2, 37, 24)
+    torch.testing.assert_close(fused(x), model(x), rtol=1e-4, atol=1e-5)
+    (gm, _), = fused._compiled.values()
+    kernels = [n.target for n in gm.graph.nodes if isinstance(n.target, FusedKernel)]
+    assert len(kernels) == 3
+    assert len({k.source.name for k in kernels}) == 1
+    assert len({k.source.source for k in kernels}) == 3  # each names its own nodes...
+    assert len({k.source.source_hash for k in kernels}) == 1  # ...and shares the tuning key

@@ -232,7 +232,7 @@ def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warm
     }
     autofuser_cell = row["systems"]["autofuser"]
     autofuser_cell.update(first_call_cold_s=None, first_call_warm_s=None, fused_groups=None, skipped_groups=None,
-                          warm_cache_hits=None, unfused_nodes=None, opaque=None, report=None, report_text=None)
+                          warm_cache_hits=None, warm_phases=None, unfused_nodes=None, opaque=None, report=None, report_text=None)
     row["systems"]["torch.compile"]["mode"] = compile_mode
     if dtype not in entry.dtypes:
         for cell in row["systems"].values():
@@ -306,6 +306,7 @@ def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warm
         out, seconds = first_call_s(forward(warm), device)
         autofuser_cell["first_call_warm_s"] = seconds
         autofuser_cell["warm_cache_hits"] = sum(g.cache_hit for g in warm.report().fused)
+        autofuser_cell["warm_phases"] = dict(warm.report().phases)  # where the warm first call's time went
         finish(autofuser_cell, out, reference)
         autofuser_cell["ms"] = median_ms(forward(warm), iters, warmup, device)
 

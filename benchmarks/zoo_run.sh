@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Zoo models one by one on the GPU, each in its own process with a time limit, so
+# one slow or failing model still leaves the others' results.
+# Usage: OUT=dir bash benchmarks/zoo_run.sh DTYPE MODEL [MODEL...]
+# Extra `autofuser bench` flags go in $BENCH_FLAGS (default: --iters 30 --warmup 5 --tune-budget 1).
+set -uo pipefail
+out=${OUT:-bench-results}
+dtype=$1; shift
+flags=${BENCH_FLAGS:---iters 30 --warmup 5 --tune-budget 1}
+limit=${MODEL_LIMIT_S:-200}
+export PYTHONUNBUFFERED=1
+mkdir -p "$out"
+for model in "$@"; do
+  dir="$out/$model-$dtype"
+  # shellcheck disable=SC2086
+  timeout "$limit" python3 -m autofuser.cli bench --models "$model" --device cuda --dtype "$dtype" \
+    --out "$dir" --cache-dir "/tmp/autofuser-zoo-cache" $flags > "$dir.log" 2>&1
+  echo "$model $dtype rc=$?" | tee -a "$out/summary.txt"
+  tail -n 3 "$dir.log"
+done
