@@ -118,8 +118,11 @@ def precompile(jobs: list[CompileJob], progress) -> int:
     if size == 0 or total == 0 or os.environ.get("TRITON_INTERPRET") == "1":
         return 0
     progress(f"compiling {total} config(s) of {len(jobs)} kernel(s) on {size} worker process(es)")
+    # One task per config, not per kernel: a kernel with 20 configs would otherwise
+    # keep one worker busy while the others wait.
+    tasks = [CompileJob(j.path, j.name, j.dtypes, (launch,)) for j in jobs for launch in j.launches]
     try:
-        futures = [_pool(size).submit(_compile_in_worker, job) for job in jobs]
+        futures = [_pool(size).submit(_compile_in_worker, task) for task in tasks]
         return sum(f.result() for f in cf.as_completed(futures))
     except Exception as err:  # a broken pool costs speed, never correctness
         logger.warning("parallel compilation failed (%s: %s); configs compile one by one when timed",
