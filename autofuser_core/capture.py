@@ -245,8 +245,9 @@ class ConcreteAttribute(ConcreteProxy):
     @property
     def node(self) -> torch.fx.Node:  # type: ignore[override]
         if self._node is None:
-            self._node = self.tracer.create_proxy(
-                "call_function", getattr, (self.root, self.attr), {}).node
+            # Keep the proxy: it owns the node's value (see _Held) for as long as this attribute lives.
+            self._proxy = self.tracer.create_proxy("call_function", getattr, (self.root, self.attr), {})
+            self._node = self._proxy.node
         return self._node
 
     def _real(self) -> Any:

@@ -211,6 +211,10 @@ class PlanningView:
         """Would contracting ``nodes`` (with the ``kept`` groups already contracted) make a cycle?"""
         kept = kept or {}
         kept_groups = kept_groups or {}
+        # Edges go forward in graph order, so a path back into ``nodes`` must stay at or
+        # before their last node - except through a contracted group reaching back.
+        last = max(self.order[n] for n in nodes)
+        group_first: dict[int, int] = {}
         seen: set[torch.fx.Node] = set()
         stack = [u for n in nodes for u in n.users if u not in nodes]
         while stack:
@@ -220,7 +224,15 @@ class PlanningView:
             seen.add(node)
             if node in nodes:
                 return True
-            group = kept_groups.get(kept.get(node, -1), {node})
+            gid = kept.get(node, -1)
+            if self.order[node] > last:
+                if gid not in kept_groups:
+                    continue
+                if gid not in group_first:
+                    group_first[gid] = min(self.order[m] for m in kept_groups[gid])
+                if group_first[gid] > last:
+                    continue
+            group = kept_groups.get(gid, {node})
             for member in group:
                 seen.add(member)
                 for user in member.users:
