@@ -173,10 +173,16 @@ def _max_error(fused: torch.Tensor, eager: torch.Tensor, tol: Tolerance) -> tupl
     return ok, float(diff.max()) if diff.numel() else 0.0
 
 
-def _bench(fn, *args) -> float:
+def _bench(fn, *args, rep_ms: float = 20) -> float:
     import triton.testing
 
-    return float(triton.testing.do_bench(lambda: fn(*args), warmup=5, rep=20, return_mode="median"))
+    return float(triton.testing.do_bench(lambda: fn(*args), warmup=max(1, rep_ms // 4), rep=rep_ms,
+                                         return_mode="median"))
+
+
+#: Milliseconds of repeats per tuning config: a median over hundreds of launches of a
+#: typical fused kernel (tens of microseconds) while keeping a cold compile short.
+TUNING_REP_MS = 6
 
 
 def device_key(device: torch.device) -> dict[str, Any]:
@@ -266,7 +272,7 @@ def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, 
         launch = {**config, **source.constexprs}  # the layout's fixed sizes win over a config's
         grid = source.grid(config)
         try:
-            ms = _bench(lambda: kernel[grid](*inputs, *outputs, **launch))
+            ms = _bench(lambda: kernel[grid](*inputs, *outputs, **launch), rep_ms=TUNING_REP_MS)
         except Exception as err:  # a config the compiler rejects (resources) is just not a candidate
             logger.debug("config %s of %s failed: %s", config, source.name, err)
             continue
