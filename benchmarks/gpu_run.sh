@@ -1,11 +1,41 @@
 #!/usr/bin/env bash
-# Every GPU step in one go: the test suite on the GPU, then the benchmarks.
-# Results (logs, JSON, markdown tables) go to ${OUT:-bench-results}.
+# GPU steps in one go. Each argument names a step; with none, every step runs:
+#   tests       the GPU-only tests, a conformance subset and the capture tests
+#   bandwidth   benchmarks/bandwidth.py        (memory-bound kernels vs copy)
+#   matmul      benchmarks/matmul.py           (products, MLPs, row-tiled chains)
+#   attention   benchmarks/attention.py        (softmax, Galerkin, slice attention)
+#   conv        benchmarks/conv.py             (U-Net / FNO convolutional blocks)
+#   mxint8      benchmarks/mxint8.py           (MXINT8 weights vs fp32)
+#   zoo:DTYPE:MODEL,MODEL   the zoo models through `autofuser bench` (benchmarks/zoo_run.sh)
+# Results (logs, JSON, markdown tables) go to ${OUT:-bench-results}/<step>.
+# Extra flags for a benchmark script: ${STEP}_FLAGS, e.g. MATMUL_FLAGS="--widths 128".
 set -uo pipefail
 out=${OUT:-bench-results}
 mkdir -p "$out"
 export AUTOFUSER_CACHE_DIR=${AUTOFUSER_CACHE_DIR:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider tests/test_capture.py tests/test_cuda.py tests/test_conformance.py -k "sample0-form0 or test_capture or test_cuda" 2>&1 | tail -n 30 | tee "$out/tests.log"
-python3 benchmarks/bandwidth.py --out "$out" 2>&1 | tee "$out/bandwidth.log"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests bandwidth matmul attention conv mxint8 "zoo:fp32:all")
+
+for step in "${steps[@]}"; do
+  start=$(date +%s)
+  case "$step" in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider tests/test_capture.py tests/test_cuda.py tests/test_conformance.py \
+        -k "sample0-form0 or test_capture or test_cuda" 2>&1 | tail -n 30 | tee "$out/tests.log" ;;
+    bandwidth|matmul|attention|conv|mxint8)
+      flags_var="${step^^}_FLAGS"
+      mkdir -p "$out/$step"
+      # shellcheck disable=SC2086
+      python3 "benchmarks/$step.py" --out "$out/$step" ${!flags_var:-} > "$out/$step.log" 2>&1
+      echo "$step rc=$?"; tail -n 40 "$out/$step.log" ;;
+    zoo:*)
+      IFS=: read -r _ dtype models <<< "$step"
+      [ "$models" = "all" ] && models=galerkin,transformer,transolver,gnot,factformer,fno,ffno,unet
+      # shellcheck disable=SC2046
+      OUT="$out/zoo" bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models") ;;
+    *) echo "unknown step $step" ;;
+  esac
+  echo "step $step took $(( $(date +%s) - start )) s" | tee -a "$out/steps.txt"
+done
