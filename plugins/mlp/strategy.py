@@ -19,6 +19,10 @@ CONFIGS = [
     # (BLOCK_M, BLOCK_H, BLOCK_K, num_warps, num_stages); BLOCK_K is fixed to K when A's rows stay on chip
     (64, 64, 64, 8, 2), (64, 32, 32, 4, 2), (128, 64, 32, 8, 2), (32, 64, 32, 4, 2),
     (64, 64, 32, 8, 3), (128, 32, 32, 8, 2), (32, 32, 32, 4, 3), (64, 128, 64, 8, 2), (32, 128, 64, 8, 2),
+    # Taller row blocks: every program reads both weight matrices once, so at narrow
+    # widths (where the weights, not the activations, are most of each program's
+    # reads) more rows per program means proportionally less weight traffic.
+    (128, 64, 64, 8, 3), (128, 128, 64, 8, 2), (128, 64, 32, 4, 3), (256, 32, 32, 8, 2),
 ]
 
 
