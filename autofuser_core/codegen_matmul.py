@@ -246,10 +246,11 @@ def weight_tile(target: str, index: int, dtype: torch.dtype, offset: str, mask: 
         cast = "" if dtype == torch.bool else ".to(tl.float32)"
         return [f"{target} = tl.load(in{index} + {offset}, mask={mask}, other=0){cast}"]
     blocks = f"{target}_blocks"
-    s_terms = [t for t in (_term(blocks, packed.strides[-2]), _term(across, packed.strides[-1])) if t]
+    # The block term always appears (times 0 for one block), so the pointers form a tile.
+    s_terms = [_term(blocks, packed.strides[-2]) or f"{blocks} * 0"] + [t for t in [_term(across, packed.strides[-1])] if t]
     return [
         f"{blocks} = {start} // {packed.block} + tl.arange(0, {width} // {packed.block})[:, None]",
-        f"{target}_scales = tl.load(in{packed.scales} + {' + '.join(s_terms) or '0'}, "
+        f"{target}_scales = tl.load(in{packed.scales} + {' + '.join(s_terms)}, "
         f"mask=({blocks} < {packed.blocks}) & {across_mask}, other=0)",
         f"{target} = {packed.decode}(tl.load(in{index} + {offset}, mask={mask}, other=0), {target}_scales)",
     ]
@@ -434,9 +435,10 @@ def _emit_stores(w: _MatmulWriter, program: GroupProgram, block: _Block) -> None
     results = [block.value(v) for v in program.output_values]
     for k, (t, res) in enumerate(zip(program.outputs, results)):
         ro, bo = w.site_offsets[("out", k)]
-        # cols always appears (times 0 for a width-1 output), so the pointer tile is [BLOCK_M, BLOCK_N].
+        # rows and cols always appear (times 0 for one row or a width-1 output), so the
+        # pointer tile is [BLOCK_M, BLOCK_N].
         n_term = _term("cols", t.domain_stride[-1]) or "cols * 0"
-        off = " + ".join(x for x in (ro, bo, n_term) if x)
+        off = " + ".join(x for x in (ro or "rows * 0", bo, n_term) if x)
         store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
         w.emit(f"tl.store(out{k} + {off}, tl.broadcast_to({store}, (BLOCK_M, BLOCK_N)), mask=row_mask & col_mask)")
 

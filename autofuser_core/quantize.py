@@ -109,6 +109,6 @@ def quantize_model(model: torch.nn.Module, options: QuantizeOptions,
             setattr(copied.get_submodule(owner) if owner else copied, attr, replacement)
         before = _nbytes([weight])
         after = _nbytes(replacement.buffers(recurse=False))  # the packed tensors
-        layers.append(QuantizedLayer(name=name, format=options.format, shape=list(weight.shape),
+        layers.append(QuantizedLayer(name=name or "<model>", format=options.format, shape=list(weight.shape),
                                      bytes_before=before, bytes_after=after))
     return copied, layers

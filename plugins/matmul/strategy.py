@@ -48,7 +48,9 @@ def _classify(view, nodes):
         return None  # none, or two products: the mlp plugin's
     if layout.prologue_reduces:
         return "layernorm_linear"
-    return "matmul" if len(nodes) == 1 else "linear_epilogue"
+    # A quantised weight's decode (a packed weight) is part of the product, not an epilogue.
+    ops = [n for n in nodes if view.lowered[n].packed is None]
+    return "matmul" if len(ops) == 1 else "linear_epilogue"
 
 
 def accepts(program):
