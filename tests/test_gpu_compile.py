@@ -157,16 +157,19 @@ class QuantisedProducts(nn.Module):
                 self.fc2(F.gelu(self.fc1(self.ln2(b)))))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_mxint8_kernels_compile_for_sm90(dtype, tmp_path):
-    torch.manual_seed(0)
-    model = QuantisedProducts().eval().to(dtype)
-    x, y = torch.randn(2, 9, 50, dtype=dtype), torch.randn(2, 9, 300, dtype=dtype)
-    with torch.no_grad():
-        fused = autofuser.fuse(model, quantize="mxint8", progress=False, tune=False, verify_speed=False)
-        fused(x, y)
-    kernels = [k for k in _fused_kernels(fused) if "mxint8_decode" in k.source.source]
-    assert len(kernels) >= 4, str(fused.report())
-    jobs = [_job(tmp_path, k.source, k.input_dtypes, [dtype for _, _, dtype in k.output_layout], k.launch_args)
-            for k in kernels]
+def test_mxint8_kernels_compile_for_sm90(tmp_path):
+    jobs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = QuantisedProducts().eval().to(dtype)
+        x, y = torch.randn(2, 9, 50, dtype=dtype), torch.randn(2, 9, 300, dtype=dtype)
+        with torch.no_grad():
+            fused = autofuser.fuse(model, quantize="mxint8", progress=False, tune=False, verify_speed=False)
+            fused(x, y)
+        kernels = [k for k in _fused_kernels(fused) if "mxint8_decode" in k.source.source]
+        strategies = {g.strategy for g in fused.report().fused}
+        assert len(kernels) == 5 and strategies == {"matmul", "linear_epilogue", "layernorm_linear", "mlp"}, \
+            str(fused.report())
+        jobs += [_job(tmp_path, k.source, k.input_dtypes, [d for _, _, d in k.output_layout], k.launch_args)
+                 for k in kernels]
     _compile_for_sm90(jobs, tmp_path)
