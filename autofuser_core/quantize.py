@@ -1,9 +1,8 @@
 """Weight quantisation before fusing: ``fuse(model, quantize=...)``.
 
 The chosen quantiser (a ``QuantizerSpec`` a plugin registered) replaces the
-selected layers of a copy of the model with its quantised layers; the copy
-shares every parameter and buffer it does not replace with the original, so
-the user's model is left as it was. What was quantised, and the weight bytes
+selected layers of a copy of the model with its quantised layers; the user's
+model is left as it was, and shares no tensor with the copy. What was quantised, and the weight bytes
 before and after, go into every ``FusionReport``.
 """
 
@@ -11,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import itertools
 from typing import Any, Optional, Union
 
 import torch
@@ -81,34 +79,33 @@ def quantize_model(model: torch.nn.Module, options: QuantizeOptions,
         known = sorted(q.format for q in registry.quantizers.values())
         raise AutoFuserError(f"no loaded plugin provides the weight format {options.format!r} "
                              f"(available: {', '.join(known) or 'none'}); load the plugin that registers it.")
-    # Share every tensor with the original: only the layers replaced below get new ones.
-    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-    copied = copy.deepcopy(model, memo)
-    layers: list[QuantizedLayer] = []
-    for name, module in list(copied.named_modules()):
-        if type(module) not in spec.module_types:
-            continue
-        if not any(fnmatch.fnmatchcase(name or "<model>", p) for p in options.include):
-            continue
-        if any(fnmatch.fnmatchcase(name, p) for p in options.exclude):
-            continue
+    selected = {}
+    for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.numel() < options.min_numel:
-            continue
+        if (type(module) in spec.module_types and isinstance(weight, torch.Tensor)
+                and weight.numel() >= options.min_numel
+                and any(fnmatch.fnmatchcase(name or "<model>", p) for p in options.include)
+                and not any(fnmatch.fnmatchcase(name or "<model>", p) for p in options.exclude)):
+            selected[name] = module
+    # A full copy, except the float weights about to be replaced: those are only read.
+    copied = copy.deepcopy(model, {id(module.weight): module.weight for module in selected.values()})
+    layers: list[QuantizedLayer] = []
+    for name in selected:
+        module = copied.get_submodule(name) if name else copied
+        weight = module.weight
         try:
             replacement = spec.replace(module)
         except ValueError as err:
-            raise AutoFuserError(f"cannot quantise layer {name!r} ({type(module).__name__}, weight "
+            raise AutoFuserError(f"cannot quantise layer {name or '<model>'!r} ({type(module).__name__}, weight "
                                  f"{list(weight.shape)}) to {options.format}: {err}. Fix the weights, or leave "
                                  f"the layer in floating point with quantize={{'format': {options.format!r}, "
-                                 f"'exclude': [{name!r}]}}.") from None
+                                 f"'exclude': [{name or '<model>'!r}]}}.") from None
         owner, _, attr = name.rpartition(".")
         if not name:
             copied = replacement  # the model is one layer
         else:
             setattr(copied.get_submodule(owner) if owner else copied, attr, replacement)
-        before = _nbytes([weight])
-        after = _nbytes(replacement.buffers(recurse=False))  # the packed tensors
         layers.append(QuantizedLayer(name=name or "<model>", format=options.format, shape=list(weight.shape),
-                                     bytes_before=before, bytes_after=after))
+                                     bytes_before=_nbytes([weight]),
+                                     bytes_after=_nbytes(replacement.buffers(recurse=False))))  # the packed tensors
     return copied, layers

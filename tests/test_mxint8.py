@@ -243,7 +243,8 @@ def test_layer_selection_and_report():
     assert "quantised weights: 1 layer(s)" in text and "fc1 [96, 40]: mxint8" in text
     # The caller's model keeps its float layers.
     assert type(model.fc1) is nn.Linear and type(fused.model.fc1) is MXInt8Linear
-    assert type(fused.model.fc2) is nn.Linear and fused.model.fc2.weight is model.fc2.weight
+    assert type(fused.model.fc2) is nn.Linear and torch.equal(fused.model.fc2.weight, model.fc2.weight)
+    assert fused.model.fc2.weight is not model.fc2.weight  # a copy: moving one doesn't move the other
 
 
 def test_quantize_option_errors():
