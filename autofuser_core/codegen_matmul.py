@@ -202,7 +202,7 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
         w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))")
         for line in b_load("0"):
             w.emit(line)
-        w.emit(f"acc = {_dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision)}")
+        w.emit(f"acc = {_dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision, L.b_packed)}")
     else:
         # 2. prologue reductions, one pass over K per level
         known = _emit_prepasses(w, prologue_values, L.k)
@@ -216,7 +216,7 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
         for line in b_load("k0"):
             w.emit(line, 2)
         w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 2)
-        w.emit(f"acc += {_dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision)}", 2)
+        w.emit(f"acc += {_dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision, L.b_packed)}", 2)
 
     # 4. epilogue and stores
     block = _Block(w, 1, "n", {dot.uid: "acc"})
@@ -340,7 +340,12 @@ def _operand(expr: str, dtype) -> str:
     return f"{expr}.to({TL_DTYPES[dtype]})"
 
 
-def _dot_line(a: str, b: str, dtype, precision: str) -> str:
+def _dot_line(a: str, b: str, dtype, precision: str, packed: Optional[PackedOperand] = None) -> str:
+    if dtype is None and precision == "tf32x3" and packed is not None and packed.exact_tf32:
+        # b is exact in TF32: a = a_hi + a_lo in TF32 parts, two products instead of three.
+        hi = f"({a}.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)"
+        return (f"tl.dot({hi}, {b}, input_precision=\"tf32\") + "
+                f"tl.dot({a} - {hi}, {b}, input_precision=\"tf32\")")
     if dtype is None:
         return f"tl.dot({a}, {b}, input_precision=\"{precision}\")"
     tl_dtype = TL_DTYPES[dtype]
@@ -396,7 +401,7 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
         for line in weight_tile("w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "0",
                                 "BLOCK_K", "hs", "h_mask"):
             w.emit(line, 2)
-        w.emit(f"acc1 = {_dot_line('a_op', 'w1_tile', L.operand_dtypes[0], L.precision)}", 2)
+        w.emit(f"acc1 = {_dot_line('a_op', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 2)
     else:
         w.emit("acc1 = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)", 2)
         w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):", 2)
@@ -407,7 +412,8 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
         for line in weight_tile("w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "k0",
                                 "BLOCK_K", "hs", "h_mask"):
             w.emit(line, 3)
-        w.emit(f"acc1 += {_dot_line(f'tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))', 'w1_tile', L.operand_dtypes[0], L.precision)}", 3)
+        w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 3)
+        w.emit(f"acc1 += {_dot_line('a_tile', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 3)
     block = _Block(w, 2, "h", {L.dot1.uid: "acc1"})
     hidden = block.value(L.dot2.args[0])
     w2_off = " + ".join(t for t in (_term("hh", w2h), _term("cols", w2n)) if t) or "0"
@@ -415,7 +421,8 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
                             "BLOCK_H", "cols", "col_mask"):
         w.emit(line, 2)
     # Hidden columns past H hold act(0) but meet zero rows of W2: they add nothing.
-    w.emit(f"acc2 += {_dot_line(f'tl.broadcast_to({hidden}, (BLOCK_M, BLOCK_H))', 'w2_tile', L.operand_dtypes[1], L.precision)}", 2)
+    w.emit(f"hidden_tile = tl.broadcast_to({hidden}, (BLOCK_M, BLOCK_H))", 2)
+    w.emit(f"acc2 += {_dot_line('hidden_tile', 'w2_tile', L.operand_dtypes[1], L.precision, L.w2_packed)}", 2)
 
     block = _Block(w, 1, "n", {L.dot2.uid: "acc2"})
     _emit_stores(w, program, block)

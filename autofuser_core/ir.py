@@ -61,6 +61,8 @@ class PackedWeight:
     reduction along axis 0 of both); tiles along the reduction are multiples
     of ``block``. ``dtype`` is the dtype eager dequantises to, which a product
     rounds its operands to anyway, so no rounding is inserted for it.
+    ``exact_tf32``: every decoded value is exact in TF32 (at most 11
+    significant bits), so strict fp32 products split only the other operand.
     """
 
     scales: Any  # torch.fx.Node or AttrRef
@@ -68,6 +70,7 @@ class PackedWeight:
     decode: str
     dtype: torch.dtype
     format: str = ""
+    exact_tf32: bool = False
 
 
 @dataclass(eq=False)
@@ -220,7 +223,7 @@ class LoweringContext:
         return Value("dot", batch + (m, n), args=(a, b), transpose_b=transpose_b)
 
     def packed_weight(self, data: Any, scales: Any, shape: Sequence[int], block: int, decode: str,
-                      dtype: torch.dtype, format: str = "") -> Value:
+                      dtype: torch.dtype, format: str = "", exact_tf32: bool = False) -> Value:
         """A quantised weight of logical ``shape`` (reduction dim last), stored as
         ``data`` (int8/uint8 elements, reduction dim padded to a multiple of
         ``block``) and ``scales`` (one per ``block`` elements): see ``PackedWeight``.
@@ -242,7 +245,8 @@ class LoweringContext:
         if decode not in self._helpers:
             raise ValueError(f"packed weight decoder {decode!r} is not a helper: register it with ctx.helper first")
         return Value("load", shape, source=data,
-                     packed=PackedWeight(scales=scales, block=block, decode=decode, dtype=dtype, format=format))
+                     packed=PackedWeight(scales=scales, block=block, decode=decode, dtype=dtype, format=format,
+                                         exact_tf32=exact_tf32))
 
     def extern(self) -> Value:
         """This node as one opaque value of its own output shape.

@@ -41,6 +41,7 @@ class PackedOperand:
     blocks: int  # scale blocks along the reduction dim
     block: int  # elements per scale
     decode: str  # the @triton.jit helper turning (elements, scales) tiles into fp32
+    exact_tf32: bool = False  # decoded values are exact in TF32
 
 
 @dataclass
@@ -192,7 +193,7 @@ def _weight_operand(program: GroupProgram, load: Value, dot: Value,
     s_domain = domain[:-2] + (blocks, domain[-1])
     _check_fits(tuple(s_shape), s_domain)
     return strides, PackedOperand(scales=index, strides=_domain_strides(s_shape, s_stride, s_domain), blocks=blocks,
-                                  block=packed.block, decode=packed.decode)
+                                  block=packed.block, decode=packed.decode, exact_tf32=packed.exact_tf32)
 
 
 def _depending_on(values: dict[int, Value], root: Value) -> set[int]:

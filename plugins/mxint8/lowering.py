@@ -30,7 +30,9 @@ def mxint8_decode(elements, scales):
 def lower_mxint8_weight(ctx, data, scales, k, dtype):
     decode = ctx.helper("mxint8_decode", DECODE_SOURCE)
     rows = ctx.shape(data)[0]
-    return ctx.packed_weight(data, scales, (rows, k), block=BLOCK, decode=decode, dtype=dtype, format="mxint8")
+    # Decoded values have at most 8 significant bits: exact in TF32.
+    return ctx.packed_weight(data, scales, (rows, k), block=BLOCK, decode=decode, dtype=dtype, format="mxint8",
+                             exact_tf32=True)
 
 
 SPECS = [
