@@ -294,11 +294,25 @@ def _operand_dtype(dot: Value) -> Optional[torch.dtype]:
     return None
 
 
-def _weight_strides(program: GroupProgram, dot: Value,
-                    domain: tuple[int, int]) -> tuple[tuple[int, int], Optional[PackedOperand]]:
-    load = dot.args[1]
-    if len(load.shape) != 2:
+def _weight_strides(program: GroupProgram, load: Value, transpose: bool, domain: tuple[int, int]) -> tuple[int, int]:
+    if load.packed is not None:
+        raise GroupRefused("packed_weight", "this kernel does not decode quantised weights")
+    meta = program.inputs[program.input_of_load[load.uid]]
+    if len(meta.shape) != 2:
         raise GroupRefused("batched_weight", "an MLP's weights must be matrices")
+    shape, stride = list(meta.shape), list(meta.stride)
+    if transpose:
+        shape, stride = shape[::-1], stride[::-1]
+    _check_fits(tuple(shape), domain)
+    return tuple(_domain_strides(shape, stride, domain))
+
+
+def _mlp_weight(program: GroupProgram, dot: Value,
+                domain: tuple[int, int]) -> tuple[tuple[int, int], Optional[PackedOperand]]:
+    """An MLP weight's strides over ``domain``, and its scales when it is stored quantised."""
+    load = dot.args[1]
+    if load.packed is None:
+        return _weight_strides(program, load, dot.transpose_b, domain), None
     strides, packed = _weight_operand(program, load, dot, domain)
     return tuple(strides), packed
 
@@ -341,8 +355,8 @@ def lay_out_mlp(program: GroupProgram, values: dict[int, Value], dots: list[Valu
         _check_fits(meta.shape, domains[where])
         layout.load_strides[v.uid] = _domain_strides(meta.shape, meta.stride, domains[where])
     _packed_only_as_weights(values, (first.args[1], second.args[1]))
-    layout.w1_strides, layout.w1_packed = _weight_strides(program, first, (k, h))
-    layout.w2_strides, layout.w2_packed = _weight_strides(program, second, (h, out_domain[-1]))
+    layout.w1_strides, layout.w1_packed = _mlp_weight(program, first, (k, h))
+    layout.w2_strides, layout.w2_packed = _mlp_weight(program, second, (h, out_domain[-1]))
     layout.operand_dtypes = (_operand_dtype(first), _operand_dtype(second))
     layout.precision = fp32_precision()
     layout.epilogue_reduces = any(v.op == "reduce" and v.uid in after_second for v in values.values())
