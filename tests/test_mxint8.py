@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import autofuser
 from autofuser_plugins.mxint8 import MXInt8Linear, dequantize_mxint8, quantize_mxint8
+from autofuser_plugins.mxint8 import layer as mxint8_layer
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=4e-2)}
 
@@ -181,6 +182,36 @@ def test_one_block_and_one_column(k, n):
     ref = torch.tanh(x.double() @ layer.dequantized_weight().double().T + layer.bias.double())
     torch.testing.assert_close(out, ref.float(), **TOL[torch.float32])
     assert any("mxint8.weight" in g.ops for g in fused.report().fused), str(fused.report())
+
+
+class OtherUse(nn.Module):
+    """The dequantised weight read other than as a linear layer's weight."""
+
+    FORMS = {"transposed_matmul": lambda x, w: x @ w.t(), "pointwise": lambda x, w: torch.relu(w) * 3,
+             "bmm": lambda x, w: torch.bmm(x[None], w.t()[None])}
+
+    def __init__(self, form):
+        super().__init__()
+        self.layer = MXInt8Linear.from_linear(nn.Linear(40, 24))
+        self.form = form
+
+    def forward(self, x):
+        weight = mxint8_layer.mxint8_weight(self.layer.weight_q, self.layer.weight_scale, 40, x.dtype)
+        return self.FORMS[self.form](x, weight)
+
+
+@pytest.mark.parametrize("form", list(OtherUse.FORMS))
+def test_a_packed_weight_read_otherwise_is_dequantised_eagerly(form):
+    torch.manual_seed(0)
+    model = OtherUse(form).eval()
+    x = torch.randn(5, 40)
+    fused = _fuse(model)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), **TOL[torch.float32])
+    groups = [g for g in fused.report().groups if "mxint8.weight" in g.ops]
+    assert groups and not any(g.fused for g in groups), str(fused.report())
+    assert {g.reason_code for g in groups} == {"packed_weight"}
+    assert fused.report().fused  # the rest still fuses, reading the eagerly dequantised weight
 
 
 # -- fuse(model, quantize=...) -------------------------------------------------------
