@@ -32,6 +32,7 @@ from .codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, _header, _literal, _
                       row_reduction, triton_cdiv, used_helpers)
 from .group import GroupProgram
 from .ir import Value
+from .matmul_layout import PackedOperand
 from .rounding import interpreting, rounded, stored
 
 _NEUTRAL = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
@@ -186,19 +187,22 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     b_tensor = program.inputs[b_index]
     bk, bn = L.b_strides[-2], L.b_strides[-1]
     b_terms = [t for t in (b_row, _term("kk", bk), _term("cols", bn)) if t]
-    b_cast = "" if b_tensor.dtype == torch.bool else ".to(tl.float32)"
-    b_load = f"b_tile = tl.load(in{b_index} + {' + '.join(b_terms) or '0'}, mask=(kk < {L.k}) & col_mask, other=0){b_cast}"
+
+    def b_load(start: str) -> list[str]:
+        return weight_tile("b_tile", b_index, b_tensor.dtype, " + ".join(b_terms) or "0", f"(kk < {L.k}) & col_mask",
+                           L.b_packed, start, "BLOCK_K", "cols", "col_mask")
     prologue_values = [v for v in values if v.uid in L.prologue]
     if L.prologue_reduces and keeps_rows(L.k, L.operand_dtype):
         # 2+3, rows of A on chip: the norm's statistics and the product in one step, no passes over K.
-        constexprs["BLOCK_K"] = dot_block(L.k)
+        constexprs["BLOCK_K"] = dot_block(L.k, L.b_packed)
         w.emit("ks = tl.arange(0, BLOCK_K)[None, :]")
         w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
         w.emit(f"k_mask = ks < {L.k}")
         a_name = _Block(w, 1, "k", {}).value(a)
         w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))")
-        w.emit(b_load)
-        w.emit(f"acc = {_dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision)}")
+        for line in b_load("0"):
+            w.emit(line)
+        w.emit(f"acc = {_dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision, L.b_packed)}")
     else:
         # 2. prologue reductions, one pass over K per level
         known = _emit_prepasses(w, prologue_values, L.k)
@@ -209,9 +213,10 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
         w.emit(f"k_mask = ks < {L.k}", 2)
         w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 2)
         a_name = _Block(w, 2, "k", known).value(a)
-        w.emit(b_load, 2)
+        for line in b_load("k0"):
+            w.emit(line, 2)
         w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 2)
-        w.emit(f"acc += {_dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision)}", 2)
+        w.emit(f"acc += {_dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision, L.b_packed)}", 2)
 
     # 4. epilogue and stores
     block = _Block(w, 1, "n", {dot.uid: "acc"})
@@ -226,6 +231,29 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
         return (triton_cdiv(rows, config["BLOCK_M"]) * triton_cdiv(n, block_n), batch)
 
     return KernelSource(name=name, source=source, layout="matmul", grid=grid, constexprs=constexprs)
+
+
+def weight_tile(target: str, index: int, dtype: torch.dtype, offset: str, mask: str, packed: Optional[PackedOperand],
+                start: str, width: str, across: str, across_mask: str) -> list[str]:
+    """The lines loading a product's weight tile ``[width, BLOCK_*]`` into ``target`` as fp32.
+
+    A quantised weight (``packed``) loads its element tile and the tile of its
+    scales - ``width // block`` rows from scale block ``start // block`` (tiles
+    along the reduction are multiples of ``block``), ``across`` the other axis
+    - and decodes both with the quantiser's helper, in registers.
+    """
+    if packed is None:
+        cast = "" if dtype == torch.bool else ".to(tl.float32)"
+        return [f"{target} = tl.load(in{index} + {offset}, mask={mask}, other=0){cast}"]
+    blocks = f"{target}_blocks"
+    # The block term always appears (times 0 for one block), so the pointers form a tile.
+    s_terms = [_term(blocks, packed.strides[-2]) or f"{blocks} * 0"] + [t for t in [_term(across, packed.strides[-1])] if t]
+    return [
+        f"{blocks} = {start} // {packed.block} + tl.arange(0, {width} // {packed.block})[:, None]",
+        f"{target}_scales = tl.load(in{packed.scales} + {' + '.join(s_terms)}, "
+        f"mask=({blocks} < {packed.blocks}) & {across_mask}, other=0)",
+        f"{target} = {packed.decode}(tl.load(in{index} + {offset}, mask={mask}, other=0), {target}_scales)",
+    ]
 
 
 def _term(axis: str, stride: int) -> Optional[str]:
@@ -293,9 +321,10 @@ def needs_int64(program: GroupProgram) -> bool:
     return max(extents + [math.prod(program.domain)]) > INT32_LIMIT
 
 
-def dot_block(n: int) -> int:
-    """A block size covering ``n`` that ``tl.dot`` accepts (16 at least)."""
-    return max(16, next_power_of_2(n))
+def dot_block(n: int, packed: Optional[PackedOperand] = None) -> int:
+    """A block size covering ``n`` that ``tl.dot`` accepts (16 at least), and a
+    multiple of a quantised weight's block when it runs along that weight's reduction."""
+    return max(16, packed.block if packed is not None else 1, next_power_of_2(n))
 
 
 def keeps_rows(k: int, operand_dtype) -> bool:
@@ -311,7 +340,12 @@ def _operand(expr: str, dtype) -> str:
     return f"{expr}.to({TL_DTYPES[dtype]})"
 
 
-def _dot_line(a: str, b: str, dtype, precision: str) -> str:
+def _dot_line(a: str, b: str, dtype, precision: str, packed: Optional[PackedOperand] = None) -> str:
+    if dtype is None and precision == "tf32x3" and packed is not None and packed.exact_tf32:
+        # b is exact in TF32: a = a_hi + a_lo in TF32 parts, two products instead of three.
+        hi = f"({a}.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)"
+        return (f"tl.dot({hi}, {b}, input_precision=\"tf32\") + "
+                f"tl.dot({a} - {hi}, {b}, input_precision=\"tf32\")")
     if dtype is None:
         return f"tl.dot({a}, {b}, input_precision=\"{precision}\")"
     tl_dtype = TL_DTYPES[dtype]
@@ -345,11 +379,12 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     w2 = program.input_of_load[L.dot2.args[1].uid]
     (w1k, w1h), (w2h, w2n) = L.w1_strides, L.w2_strides
     w1_off = " + ".join(t for t in (_term("kk", w1k), _term("hs", w1h)) if t) or "0"
+    w1_dtype, w2_dtype = program.inputs[w1].dtype, program.inputs[w2].dtype
     resident = keeps_rows(L.k, L.operand_dtypes[0])
     if resident:
         # The rows of A fit on chip: compute them (with their norm) once and reuse them
         # for every slice of the hidden width.
-        constexprs["BLOCK_K"] = dot_block(L.k)
+        constexprs["BLOCK_K"] = dot_block(L.k, L.w1_packed)
         w.emit("ks = tl.arange(0, BLOCK_K)[None, :]")
         w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
         w.emit(f"k_mask = ks < {L.k}")
@@ -363,8 +398,10 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     w.emit("hh = h0 + tl.arange(0, BLOCK_H)[:, None]", 2)
     w.emit(f"h_mask = hs < {L.h}", 2)
     if resident:
-        w.emit(f"w1_tile = tl.load(in{w1} + {w1_off}, mask=(kk < {L.k}) & h_mask, other=0).to(tl.float32)", 2)
-        w.emit(f"acc1 = {_dot_line('a_op', 'w1_tile', L.operand_dtypes[0], L.precision)}", 2)
+        for line in weight_tile("w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "0",
+                                "BLOCK_K", "hs", "h_mask"):
+            w.emit(line, 2)
+        w.emit(f"acc1 = {_dot_line('a_op', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 2)
     else:
         w.emit("acc1 = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)", 2)
         w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):", 2)
@@ -372,14 +409,20 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
         w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 3)
         w.emit(f"k_mask = ks < {L.k}", 3)
         a_name = _Block(w, 3, "k", known).value(L.dot1.args[0])
-        w.emit(f"w1_tile = tl.load(in{w1} + {w1_off}, mask=(kk < {L.k}) & h_mask, other=0).to(tl.float32)", 3)
-        w.emit(f"acc1 += {_dot_line(f'tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))', 'w1_tile', L.operand_dtypes[0], L.precision)}", 3)
+        for line in weight_tile("w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "k0",
+                                "BLOCK_K", "hs", "h_mask"):
+            w.emit(line, 3)
+        w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 3)
+        w.emit(f"acc1 += {_dot_line('a_tile', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 3)
     block = _Block(w, 2, "h", {L.dot1.uid: "acc1"})
     hidden = block.value(L.dot2.args[0])
     w2_off = " + ".join(t for t in (_term("hh", w2h), _term("cols", w2n)) if t) or "0"
-    w.emit(f"w2_tile = tl.load(in{w2} + {w2_off}, mask=(hh < {L.h}) & col_mask, other=0).to(tl.float32)", 2)
+    for line in weight_tile("w2_tile", w2, w2_dtype, w2_off, f"(hh < {L.h}) & col_mask", L.w2_packed, "h0",
+                            "BLOCK_H", "cols", "col_mask"):
+        w.emit(line, 2)
     # Hidden columns past H hold act(0) but meet zero rows of W2: they add nothing.
-    w.emit(f"acc2 += {_dot_line(f'tl.broadcast_to({hidden}, (BLOCK_M, BLOCK_H))', 'w2_tile', L.operand_dtypes[1], L.precision)}", 2)
+    w.emit(f"hidden_tile = tl.broadcast_to({hidden}, (BLOCK_M, BLOCK_H))", 2)
+    w.emit(f"acc2 += {_dot_line('hidden_tile', 'w2_tile', L.operand_dtypes[1], L.precision, L.w2_packed)}", 2)
 
     block = _Block(w, 1, "n", {L.dot2.uid: "acc2"})
     _emit_stores(w, program, block)
@@ -399,9 +442,10 @@ def _emit_stores(w: _MatmulWriter, program: GroupProgram, block: _Block) -> None
     results = [block.value(v) for v in program.output_values]
     for k, (t, res) in enumerate(zip(program.outputs, results)):
         ro, bo = w.site_offsets[("out", k)]
-        # cols always appears (times 0 for a width-1 output), so the pointer tile is [BLOCK_M, BLOCK_N].
+        # rows and cols always appear (times 0 for one row or a width-1 output), so the
+        # pointer tile is [BLOCK_M, BLOCK_N].
         n_term = _term("cols", t.domain_stride[-1]) or "cols * 0"
-        off = " + ".join(x for x in (ro, bo, n_term) if x)
+        off = " + ".join(x for x in (ro or "rows * 0", bo, n_term) if x)
         store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
         w.emit(f"tl.store(out{k} + {off}, tl.broadcast_to({store}, (BLOCK_M, BLOCK_N)), mask=row_mask & col_mask)")
 

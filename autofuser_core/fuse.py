@@ -25,7 +25,7 @@ from collections import OrderedDict
 from typing import Any, Literal, Optional, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .capture import bind_inputs
 from .capture import capture
@@ -34,6 +34,7 @@ from .compile import compile_graph, preserved_state
 from .cudagraphs import try_cuda_graph
 from .errors import AutoFuserError, CaptureError
 from .plugins import load_plugins
+from .quantize import QuantizedLayer, QuantizeOptions, parse_quantize, quantize_model
 from .report import FusionReport
 
 logger = logging.getLogger("autofuser")
@@ -51,9 +52,18 @@ class FuseOptions(BaseModel):
     progress: bool = Field(True, description="Print progress lines to stderr while compiling.")
     cuda_graphs: bool = Field(True, description="For inference on CUDA, replay each compiled forward as a CUDA graph "
                                                 "where that is measured to be faster.")
+    quantize: Optional[QuantizeOptions] = Field(
+        None, description="Quantise weights first: a format name ('mxint8'), or a dict / QuantizeOptions "
+                          "naming the format and which layers (include, exclude, min_numel).")
     strict_fp32_products: Literal["tf32x3", "ieee"] = Field(
         "tf32x3", description="fp32 products where torch disallows TF32: 3xTF32 (fp32-level error, tensor cores) "
                               "or plain fp32 FMAs.")
+
+
+    @field_validator("quantize", mode="before")
+    @classmethod
+    def _parse_quantize(cls, value: Any) -> Optional[QuantizeOptions]:
+        return parse_quantize(value)
 
 
 class _Unguardable(Exception):
@@ -65,10 +75,14 @@ class FusedModule(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, plugins: Optional[Sequence[Any]], options: FuseOptions):
         super().__init__()
-        # Not a registered submodule: state_dict keys stay those of the model.
-        object.__setattr__(self, "_model", model)
         self._plugins = plugins
         self._plugin_set = load_plugins(plugins)
+        self._quantized: list[QuantizedLayer] = []
+        if options.quantize is not None:
+            # A quantised copy; the caller's model keeps its float weights.
+            model, self._quantized = quantize_model(model, options.quantize, self._plugin_set.registry)
+        # Not a registered submodule: state_dict keys stay those of the model.
+        object.__setattr__(self, "_model", model)
         self._options = options
         self._compiled: "OrderedDict[Any, tuple[Any, FusionReport]]" = OrderedDict()
         self._last_report: Optional[FusionReport] = None
@@ -294,6 +308,7 @@ class FusedModule(torch.nn.Module):
                     write_verdict(root, vkey, times)
             report.add_phase("forward_check", time.perf_counter() - step)
             entry = (runner, report)
+        report.quantized = list(self._quantized)
         report.signature = _describe_inputs(args)
         report.device = str(_first_device(flat))
         report.compile_s = time.perf_counter() - start
@@ -379,7 +394,9 @@ def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **opti
         modules, hook-carrying objects or entry-point names.
     :param options: see ``FuseOptions`` (``cache_dir``, ``max_signatures``,
         ``tune``, ``tune_budget_s``, ``verify_speed``, ``progress``,
-        ``cuda_graphs``).
+        ``cuda_graphs``, ``strict_fp32_products``, ``quantize``). With
+        ``quantize``, the fused module wraps a quantised copy of ``model``
+        (``fused.model``); ``model`` itself is left unchanged.
     :raises CaptureError: ``model`` is not a module instance.
     :raises PluginError, SpecError: a plugin could not be loaded or is invalid.
     """

@@ -84,6 +84,7 @@ class GroupProgram:
     domain: tuple[int, ...]
     reduced_dims: tuple[int, ...]
     input_of_load: dict[int, int] = field(default_factory=dict)  # load uid -> input index
+    scales_of_load: dict[int, int] = field(default_factory=dict)  # packed weight load uid -> its scales' input index
     op_names: list[str] = field(default_factory=list)
     matmul: Optional["MatmulLayout"] = None  # set when the group contains a matrix product
     identity_reduces: set[int] = field(default_factory=set)  # reductions over size-1 dims only
@@ -157,19 +158,26 @@ def compose_group(
     input_index: dict[Any, int] = {}
     input_of_load: dict[int, int] = {}
 
+    scales_of_load: dict[int, int] = {}
+
+    def input_for(source: Any) -> int:
+        key = source if isinstance(source, AttrRef) else ("node", source)
+        if key not in input_index:
+            shape, dtype, stride = _dtype_of(source, root)
+            input_index[key] = len(inputs)
+            inputs.append(KernelTensor(source, shape, dtype, stride))
+        return input_index[key]
+
     def rebuild(v: Value) -> Value:
         if v.uid in memo:
             return memo[v.uid]
         if v.op == "load" and isinstance(v.source, torch.fx.Node) and v.source in members:
             out = composed[v.source]
         elif v.op == "load":
-            key = v.source if isinstance(v.source, AttrRef) else ("node", v.source)
-            if key not in input_index:
-                shape, dtype, stride = _dtype_of(v.source, root)
-                input_index[key] = len(inputs)
-                inputs.append(KernelTensor(v.source, shape, dtype, stride))
-            out = Value("load", v.shape, is_bool=v.is_bool, source=v.source)
-            input_of_load[out.uid] = input_index[key]
+            out = Value("load", v.shape, is_bool=v.is_bool, source=v.source, packed=v.packed)
+            input_of_load[out.uid] = input_for(v.source)
+            if v.packed is not None:
+                scales_of_load[out.uid] = input_for(v.packed.scales)
         elif v.args:
             out = Value(
                 v.op, v.shape, is_bool=v.is_bool, args=tuple(rebuild(a) for a in v.args), template=v.template,
@@ -197,7 +205,8 @@ def compose_group(
             raise GroupRefused("alias_output", f"{node.name} is its input itself in eager; "
                                                 "a copy made by a kernel would break that alias")
         _stamp_dot_dtype(value, meta.dtype)
-        if meta.dtype in ROUNDED_DTYPES and not value.is_bool:
+        # A packed weight is only ever a product's operand, which rounds to its dtype itself.
+        if meta.dtype in ROUNDED_DTYPES and not value.is_bool and value.packed is None:
             value = Value("pointwise", value.shape, args=(value,), template=rounded("{0}", meta.dtype))
         composed[node] = value
 
@@ -225,7 +234,7 @@ def compose_group(
 
     program = GroupProgram(
         nodes=list(nodes), inputs=inputs, outputs=outputs, output_values=output_values,
-        domain=(), reduced_dims=(), input_of_load=input_of_load,
+        domain=(), reduced_dims=(), input_of_load=input_of_load, scales_of_load=scales_of_load,
         op_names=[(op_names or {}).get(n, n.name) for n in nodes],
     )
     _lay_out(program)
@@ -323,6 +332,8 @@ def _lay_out(program: GroupProgram) -> None:
     if any(v.op == "extern" for v in values.values()):
         raise GroupRefused("extern_op", "the group contains an extern op, which only a strategy with its own "
                                         "compose generates")
+    if not any(v.op == "dot" for v in values.values()) and any(v.packed is not None for v in values.values()):
+        raise GroupRefused("packed_weight", "a quantised weight is decoded only inside a matrix product's kernel")
     if any(v.op == "dot" for v in values.values()):
         from .matmul_layout import lay_out_matmul
 

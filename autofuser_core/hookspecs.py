@@ -60,7 +60,11 @@ def autofuser_register_strategies(register):
 def autofuser_register_quantizers(register):
     """Register weight quantisers (``QuantizerSpec``).
 
-    Called once per plugin when it is loaded.
+    Called once per plugin when it is loaded. ``fuse(model, quantize=format)``
+    picks the quantiser whose ``format`` matches and calls its ``replace`` on
+    each selected layer of a copy of the model; the plugin's lowerings make
+    the quantised layer's weight a packed weight (``ctx.packed_weight``) that
+    the product kernels decode in registers.
 
     :param register: as for ``autofuser_register_lowerings``, with ``QuantizerSpec``.
     """

@@ -13,6 +13,9 @@ through a ``LoweringContext``:
   (leading dims broadcast), accumulated in fp32, its operands rounded to the
   product's dtype (bf16/fp16 under autocast; fp32 products use TF32 only where
   torch's own matmul-precision setting allows it);
+- ``ctx.packed_weight(data, scales, ...)`` - a weight stored quantised
+  (integer elements plus per-block scales), read only as a product's second
+  operand and decoded in registers by a quantiser's helper;
 - ``ctx.extern()`` - the node as one opaque value: the op is real and lowered,
   but no generic strategy can generate it. Only a strategy with its own
   ``compose`` (``StrategySpec.compose``), which reads the node's arguments
@@ -45,6 +48,31 @@ class AttrRef:
     path: str
 
 
+@dataclass(frozen=True)
+class PackedWeight:
+    """How a quantised weight is stored, for a ``load`` whose ``source`` is its element tensor.
+
+    The logical weight is the load's ``shape`` (``[..., N, K]`` for a linear
+    layer, the reduction dim last); the element tensor holds it with the
+    reduction dim padded to a multiple of ``block``, and ``scales`` one entry
+    per ``block`` elements along it. ``decode`` names a ``@triton.jit`` helper
+    ``decode(elements, scales) -> fp32 tile`` that receives a ``[BLOCK_K,
+    BLOCK_N]`` element tile and its ``[BLOCK_K // block, BLOCK_N]`` scales (the
+    reduction along axis 0 of both); tiles along the reduction are multiples
+    of ``block``. ``dtype`` is the dtype eager dequantises to, which a product
+    rounds its operands to anyway, so no rounding is inserted for it.
+    ``exact_tf32``: every decoded value is exact in TF32 (at most 11
+    significant bits), so strict fp32 products split only the other operand.
+    """
+
+    scales: Any  # torch.fx.Node or AttrRef
+    block: int
+    decode: str
+    dtype: torch.dtype
+    format: str = ""
+    exact_tf32: bool = False
+
+
 @dataclass(eq=False)
 class Value:
     """One node of the kernel expression DAG."""
@@ -61,6 +89,7 @@ class Value:
     keepdim: bool = True
     transpose_b: bool = False  # dot: b is stored [..., N, K] (a linear layer's weight)
     dtype: Optional[torch.dtype] = None  # dot: the product's dtype in eager (set when composed)
+    packed: Optional[PackedWeight] = None  # load: a quantised weight (see PackedWeight)
     uid: int = field(default_factory=lambda: next(_ids))
 
 
@@ -192,6 +221,32 @@ class LoweringContext:
         except RuntimeError as err:
             self.refuse("shape_mismatch", str(err))
         return Value("dot", batch + (m, n), args=(a, b), transpose_b=transpose_b)
+
+    def packed_weight(self, data: Any, scales: Any, shape: Sequence[int], block: int, decode: str,
+                      dtype: torch.dtype, format: str = "", exact_tf32: bool = False) -> Value:
+        """A quantised weight of logical ``shape`` (reduction dim last), stored as
+        ``data`` (int8/uint8 elements, reduction dim padded to a multiple of
+        ``block``) and ``scales`` (one per ``block`` elements): see ``PackedWeight``.
+
+        It may only be the second operand of ``ctx.matmul(..., transpose_b=True)``
+        somewhere in the group; a group that reads it any other way is refused.
+        """
+        for arg, what in ((data, "elements"), (scales, "scales")):
+            meta = tensor_meta(arg)
+            if meta is None or meta.dtype not in (torch.int8, torch.uint8):
+                self.refuse("unsupported_dtype", f"packed weight {what} must be an int8/uint8 tensor")
+        data_shape, scale_shape = tensor_meta(data).shape, tensor_meta(scales).shape
+        shape = tuple(shape)
+        padded = -(-shape[-1] // block) * block
+        if (len(data_shape) != len(shape) or tuple(data_shape[:-1]) != shape[:-1] or data_shape[-1] != padded
+                or tuple(scale_shape) != shape[:-1] + (padded // block,)):
+            self.refuse("shape_mismatch", f"packed weight of shape {list(shape)} stored as {list(data_shape)} "
+                                          f"elements and {list(scale_shape)} scales (block {block})")
+        if decode not in self._helpers:
+            raise ValueError(f"packed weight decoder {decode!r} is not a helper: register it with ctx.helper first")
+        return Value("load", shape, source=data,
+                     packed=PackedWeight(scales=scales, block=block, decode=decode, dtype=dtype, format=format,
+                                         exact_tf32=exact_tf32))
 
     def extern(self) -> Value:
         """This node as one opaque value of its own output shape.

@@ -7,7 +7,9 @@ The group splits around the product:
   reductions may only run over ``K``, and none of its values may be used after
   the product (that would need A's tile in C's layout);
 - ``B``: read straight from memory (a weight, or any tensor), possibly stored
-  transposed (``[..., N, K]``, as ``nn.Linear`` keeps it);
+  transposed (``[..., N, K]``, as ``nn.Linear`` keeps it), or stored quantised
+  (``PackedWeight``: integer elements and per-block scales, decoded in
+  registers by the quantiser's helper - ``PackedOperand``);
 - the *epilogue*: every value that depends on the product, plus what it reads,
   in C's domain ``[..., M, N]`` (bias, activation, residual add, a norm over
   ``N``); every output of the group is an epilogue value.
@@ -31,6 +33,18 @@ from .ir import Value
 
 
 @dataclass
+class PackedOperand:
+    """A product's weight stored quantised (``ir.PackedWeight``): where its scales are."""
+
+    scales: int  # input index of the scales tensor
+    strides: tuple[int, ...]  # the scales' strides over the weight's domain, the reduction dim counted in blocks
+    blocks: int  # scale blocks along the reduction dim
+    block: int  # elements per scale
+    decode: str  # the @triton.jit helper turning (elements, scales) tiles into fp32
+    exact_tf32: bool = False  # decoded values are exact in TF32
+
+
+@dataclass
 class MatmulLayout:
     dot: Value
     out_domain: tuple[int, ...]  # [..., M, N]
@@ -43,6 +57,7 @@ class MatmulLayout:
     precision: str = "ieee"  # fp32 products: "tf32" where torch allows it, else STRICT_FP32
     epilogue_reduces: bool = False  # a reduction over N after the product: one program holds all of N
     prologue_reduces: bool = False  # a norm over K before the product
+    b_packed: Optional[PackedOperand] = None  # B stored quantised
 
     @property
     def a_domain(self) -> tuple[int, ...]:
@@ -118,6 +133,7 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
         if v.op in ("pointwise", "reduce", "load") and len(v.shape) > rank:
             raise GroupRefused("shape_mismatch", "a value has more dims than the product")
 
+    _packed_only_as_weights(values, (b,))
     for v in values.values():
         if v.op != "load" or v is b:
             continue
@@ -130,13 +146,7 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
             raise
         layout.load_strides[v.uid] = strides
 
-    b_meta = program.inputs[program.input_of_load[b.uid]]
-    b_shape, b_stride = list(b_meta.shape), list(b_meta.stride)
-    if dot.transpose_b:
-        b_shape[-2:], b_stride[-2:] = b_shape[-2:][::-1], b_stride[-2:][::-1]
-    b_domain = out_domain[:-2] + (k, out_domain[-1])
-    _check_fits(tuple(b_shape), b_domain)
-    layout.b_strides = _domain_strides(b_shape, b_stride, b_domain)
+    layout.b_strides, layout.b_packed = _weight_operand(program, b, dot, out_domain[:-2] + (k, out_domain[-1]))
     layout.batched = any(layout.b_strides[:-2])
 
     dtype = dot.dtype or torch.float32
@@ -149,6 +159,41 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
     layout.epilogue_reduces = any(v.op == "reduce" and v.uid not in prologue for v in values.values())
     layout.prologue_reduces = any(v.op == "reduce" and v.uid in prologue for v in values.values())
     _install(program, layout, out_domain)
+
+
+def _packed_only_as_weights(values: dict[int, Value], weights: tuple[Value, ...]) -> None:
+    """A quantised weight is decoded only where a product reads it as its second operand."""
+    for v in values.values():
+        if v.op == "load" and v.packed is not None and not any(v is w for w in weights):
+            raise GroupRefused("packed_weight", "a quantised weight is read other than as a product's weight")
+
+
+def _weight_operand(program: GroupProgram, load: Value, dot: Value,
+                    domain: tuple[int, ...]) -> tuple[tuple[int, ...], Optional[PackedOperand]]:
+    """The weight's strides over ``domain`` (``[..., K, N]``), and its scales if it is stored quantised."""
+    meta = program.inputs[program.input_of_load[load.uid]]
+    packed = load.packed
+    # A packed weight's elements are stored with K padded: index them by the logical shape.
+    shape, stride = list(load.shape if packed is not None else meta.shape), list(meta.stride)
+    if dot.transpose_b:
+        shape[-2:], stride[-2:] = shape[-2:][::-1], stride[-2:][::-1]
+    _check_fits(tuple(shape), domain)
+    strides = _domain_strides(shape, stride, domain)
+    if packed is None:
+        return strides, None
+    if not dot.transpose_b or len(load.shape) != 2:
+        raise GroupRefused("packed_weight", "a quantised weight must be a matrix stored [N, K] (as nn.Linear keeps it)")
+    if packed.dtype in (torch.float16, torch.bfloat16) and packed.dtype != dot.dtype:
+        raise GroupRefused("packed_weight", f"a weight dequantised to {packed.dtype} feeds a {dot.dtype} product")
+    index = program.scales_of_load[load.uid]
+    scales = program.inputs[index]
+    s_shape, s_stride = list(scales.shape), list(scales.stride)
+    s_shape[-2:], s_stride[-2:] = s_shape[-2:][::-1], s_stride[-2:][::-1]
+    blocks = s_shape[-2]
+    s_domain = domain[:-2] + (blocks, domain[-1])
+    _check_fits(tuple(s_shape), s_domain)
+    return strides, PackedOperand(scales=index, strides=_domain_strides(s_shape, s_stride, s_domain), blocks=blocks,
+                                  block=packed.block, decode=packed.decode, exact_tf32=packed.exact_tf32)
 
 
 def _depending_on(values: dict[int, Value], root: Value) -> set[int]:
@@ -222,6 +267,8 @@ class MlpLayout:
     load_strides: dict[int, tuple[int, ...]] = field(default_factory=dict)
     w1_strides: tuple[int, int] = (0, 0)  # over (K, H)
     w2_strides: tuple[int, int] = (0, 0)  # over (H, N)
+    w1_packed: Optional[PackedOperand] = None  # a weight stored quantised
+    w2_packed: Optional[PackedOperand] = None
     operand_dtypes: tuple[Optional[torch.dtype], Optional[torch.dtype]] = (None, None)
     precision: str = "ieee"
     epilogue_reduces: bool = False
@@ -248,6 +295,8 @@ def _operand_dtype(dot: Value) -> Optional[torch.dtype]:
 
 
 def _weight_strides(program: GroupProgram, load: Value, transpose: bool, domain: tuple[int, int]) -> tuple[int, int]:
+    if load.packed is not None:
+        raise GroupRefused("packed_weight", "this kernel does not decode quantised weights")
     meta = program.inputs[program.input_of_load[load.uid]]
     if len(meta.shape) != 2:
         raise GroupRefused("batched_weight", "an MLP's weights must be matrices")
@@ -256,6 +305,16 @@ def _weight_strides(program: GroupProgram, load: Value, transpose: bool, domain:
         shape, stride = shape[::-1], stride[::-1]
     _check_fits(tuple(shape), domain)
     return tuple(_domain_strides(shape, stride, domain))
+
+
+def _mlp_weight(program: GroupProgram, dot: Value,
+                domain: tuple[int, int]) -> tuple[tuple[int, int], Optional[PackedOperand]]:
+    """An MLP weight's strides over ``domain``, and its scales when it is stored quantised."""
+    load = dot.args[1]
+    if load.packed is None:
+        return _weight_strides(program, load, dot.transpose_b, domain), None
+    strides, packed = _weight_operand(program, load, dot, domain)
+    return tuple(strides), packed
 
 
 def lay_out_mlp(program: GroupProgram, values: dict[int, Value], dots: list[Value]) -> None:
@@ -295,8 +354,9 @@ def lay_out_mlp(program: GroupProgram, values: dict[int, Value], dots: list[Valu
         meta = program.inputs[program.input_of_load[v.uid]]
         _check_fits(meta.shape, domains[where])
         layout.load_strides[v.uid] = _domain_strides(meta.shape, meta.stride, domains[where])
-    layout.w1_strides = _weight_strides(program, first.args[1], first.transpose_b, (k, h))
-    layout.w2_strides = _weight_strides(program, second.args[1], second.transpose_b, (h, out_domain[-1]))
+    _packed_only_as_weights(values, (first.args[1], second.args[1]))
+    layout.w1_strides, layout.w1_packed = _mlp_weight(program, first, (k, h))
+    layout.w2_strides, layout.w2_packed = _mlp_weight(program, second, (h, out_domain[-1]))
     layout.operand_dtypes = (_operand_dtype(first), _operand_dtype(second))
     layout.precision = fp32_precision()
     layout.epilogue_reduces = any(v.op == "reduce" and v.uid in after_second for v in values.values())

@@ -10,6 +10,8 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .quantize import QuantizedLayer
+
 
 class GroupEntry(BaseModel):
     """One fusion candidate and its fate."""
@@ -57,6 +59,7 @@ class FusionReport(BaseModel):
     # Seconds spent in each step of the compile (capture, plan, generate, verify -
     # tuning included -, rewrite, cuda_graph, forward_check), in order.
     phases: dict[str, float] = Field(default_factory=dict)
+    quantized: list[QuantizedLayer] = Field(default_factory=list)
 
     def add_phase(self, name: str, seconds: float) -> None:
         self.phases[name] = self.phases.get(name, 0.0) + seconds
@@ -110,6 +113,13 @@ class FusionReport(BaseModel):
             lines.append("opaque parts (could not be traced, run as they are):")
             for path, reason in self.opaque.items():
                 lines.append(f"  {path or '<whole model>'}: {reason}")
+        if self.quantized:
+            before = sum(q.bytes_before for q in self.quantized)
+            after = sum(q.bytes_after for q in self.quantized)
+            lines.append("")
+            lines.append(f"quantised weights: {len(self.quantized)} layer(s), {_bytes(before)} -> {_bytes(after)}")
+            for q in self.quantized:
+                lines.append(f"  {q.name} {q.shape}: {q.format}, {_bytes(q.bytes_before)} -> {_bytes(q.bytes_after)}")
         for note in self.notes:
             lines.append(f"note: {note}")
         return "\n".join(lines)

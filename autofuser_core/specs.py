@@ -177,13 +177,24 @@ class StrategySpec(Spec):
 
 
 class QuantizerSpec(Spec):
-    """A weight format: ``quantize(weight) -> dict of tensors`` and its inverse.
+    """A block-scaled weight format and how a layer is quantised to it.
 
-    ``dequantize(packed) -> tensor`` is the plain-torch reference the fused
-    kernels are checked against.
+    - ``quantize(weight) -> {"data": ..., "scales": ...}``: a ``[N, K]`` float
+      weight (reduction dim last) to its element tensor (``K`` padded to a
+      multiple of ``block_size``) and one scale per ``block_size`` elements;
+      raises ``ValueError`` on a weight it can't encode (NaN, infinity);
+    - ``dequantize(data, scales, k) -> tensor``: the plain-torch reference,
+      fp32 ``[N, k]``, that the fused kernels are checked against;
+    - ``replace(module) -> module``: the quantised layer that takes the place
+      of a float layer of one of ``module_types`` (exact types): its buffers
+      hold the packed tensors, so ``state_dict`` round-trips, and its forward
+      computes through the dequantised weight - which a lowering of the same
+      plugin turns into a product that decodes the weight in registers.
     """
 
     format: str = Field(min_length=1)
     block_size: int = Field(gt=0)
     quantize: Callable[..., dict]
     dequantize: Callable[..., torch.Tensor]
+    module_types: tuple[type, ...] = (torch.nn.Linear,)
+    replace: Callable[..., torch.nn.Module]

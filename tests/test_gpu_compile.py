@@ -25,7 +25,8 @@ from autofuser_core.planner import plan_fusion_groups
 from autofuser_zoo.models import MODELS
 
 
-POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.bool: "*i1"}
+POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.bool: "*i1",
+                 torch.int8: "*i8", torch.uint8: "*u8"}
 
 
 # Runs in a fresh process: once interpreted kernels have run, Triton's language module
@@ -132,4 +133,43 @@ def test_attention_kernels_compile_for_sm90_as_a_gpu_writes_them(dtype, tmp_path
             config = {**candidate.strategy.default_config(program), **source.constexprs}
             jobs.append(_job(tmp_path, source, [t.dtype for t in program.inputs], [t.dtype for t in program.outputs],
                              config))
+    _compile_for_sm90(jobs, tmp_path)
+
+
+class QuantisedProducts(nn.Module):
+    """Every product strategy over MXINT8 weights: alone, with an epilogue, after a
+    layer norm (rows on chip and statistics in passes over K), and an MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.alone = nn.Linear(50, 37, bias=False)
+        self.epilogue = nn.Linear(50, 50)
+        self.ln = nn.LayerNorm(300)
+        self.normed = nn.Linear(300, 45)
+        self.ln2 = nn.LayerNorm(50)
+        self.normed_small = nn.Linear(50, 20)
+        self.fc1 = nn.Linear(50, 72)
+        self.fc2 = nn.Linear(72, 50)
+
+    def forward(self, x, y):
+        b = F.gelu(self.epilogue(x)) + x
+        return (self.alone(x), self.normed(self.ln(y)), self.normed_small(self.ln2(x)),
+                self.fc2(F.gelu(self.fc1(self.ln2(b)))))
+
+
+def test_mxint8_kernels_compile_for_sm90(tmp_path):
+    jobs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = QuantisedProducts().eval().to(dtype)
+        x, y = torch.randn(2, 9, 50, dtype=dtype), torch.randn(2, 9, 300, dtype=dtype)
+        with torch.no_grad():
+            fused = autofuser.fuse(model, quantize="mxint8", progress=False, tune=False, verify_speed=False)
+            fused(x, y)
+        kernels = [k for k in _fused_kernels(fused) if "mxint8_decode" in k.source.source]
+        strategies = {g.strategy for g in fused.report().fused}
+        assert len(kernels) == 5 and strategies == {"matmul", "linear_epilogue", "layernorm_linear", "mlp"}, \
+            str(fused.report())
+        jobs += [_job(tmp_path, k.source, k.input_dtypes, [d for _, _, d in k.output_layout], k.launch_args)
+                 for k in kernels]
     _compile_for_sm90(jobs, tmp_path)

@@ -638,3 +638,14 @@ def test_repeated_layers_share_one_kernel_and_one_tuning_key():
     assert len({k.source.name for k in kernels}) == 1
     assert len({k.source.source for k in kernels}) == 3  # each names its own nodes...
     assert len({k.source.source_hash for k in kernels}) == 1  # ...and shares the tuning key
+
+
+@pytest.mark.parametrize("out_features", [1, 5])
+def test_a_product_with_one_row_fuses(out_features):
+    """One row (batch 1, one point): the output tile still spans BLOCK_M rows of pointers."""
+    model = nn.Sequential(nn.Linear(20, out_features), nn.Tanh()).eval()
+    x = torch.randn(1, 20)
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False)
+        torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
+    assert [g.strategy for g in fused.report().fused] == ["linear_epilogue"], str(fused.report())

@@ -48,7 +48,9 @@ def _classify(view, nodes):
         return None  # none, or two products: the mlp plugin's
     if layout.prologue_reduces:
         return "layernorm_linear"
-    return "matmul" if len(nodes) == 1 else "linear_epilogue"
+    # A quantised weight's decode (a packed weight) is part of the product, not an epilogue.
+    ops = [n for n in nodes if view.lowered[n].packed is None]
+    return "matmul" if len(ops) == 1 else "linear_epilogue"
 
 
 def accepts(program):
@@ -80,7 +82,9 @@ def is_valid(program, config):
     block_n = config.get("BLOCK_N") or dot_block(layout.n)
     element = 2 if layout.operand_dtype is not None else 4
     resident = layout.prologue_reduces and keeps_rows(layout.k, layout.operand_dtype)
-    block_k = dot_block(layout.k) if resident else config["BLOCK_K"]
+    block_k = dot_block(layout.k, layout.b_packed) if resident else config["BLOCK_K"]
+    if layout.b_packed is not None and block_k % layout.b_packed.block:
+        return f"BLOCK_K {block_k} is not a multiple of the quantised weight's block of {layout.b_packed.block}"
     smem = (config["BLOCK_M"] + block_n) * block_k * element * (1 if resident else config.get("num_stages", 2))
     if smem > SMEM_LIMIT:
         return f"{smem // 1024} KiB of shared memory for the pipelined tiles exceeds {SMEM_LIMIT // 1024} KiB"
@@ -93,7 +97,9 @@ def is_valid(program, config):
 
 def default_config(program):
     layout = program.matmul
-    block_k = 32 if layout.k >= 32 else 16
+    block_k = 32 if layout.k >= 32 or layout.b_packed is not None else 16
+    if layout.b_packed is not None:
+        block_k = max(block_k, layout.b_packed.block)
     config = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": block_k, "GROUP_M": 8, "num_warps": 4}
     if layout.epilogue_reduces:
         config.pop("BLOCK_N")

@@ -59,7 +59,10 @@ def is_valid(program, config):
     block_n = dot_block(layout.n)
     threads = 32 * config["num_warps"]
     resident = keeps_rows(layout.k, layout.operand_dtypes[0])
-    block_k = dot_block(layout.k) if resident else config["BLOCK_K"]
+    block_k = dot_block(layout.k, layout.w1_packed) if resident else config["BLOCK_K"]
+    for packed, block, name in ((layout.w1_packed, block_k, "BLOCK_K"), (layout.w2_packed, config["BLOCK_H"], "BLOCK_H")):
+        if packed is not None and block % packed.block:
+            return f"{name} {block} is not a multiple of the quantised weight's block of {packed.block}"
     held = config["BLOCK_M"] * (block_n + config["BLOCK_H"] + (block_k if resident else 0))
     if held / threads > REGS_PER_THREAD:
         return "too many values held per thread (accumulators and resident rows)"
@@ -73,7 +76,10 @@ def is_valid(program, config):
 
 def default_config(program):
     layout = program.matmul
-    return {"BLOCK_M": 32, "BLOCK_H": 32 if layout.h >= 32 else 16, "BLOCK_K": 32 if layout.k >= 32 else 16,
+    def block(size, packed):
+        return max(32 if size >= 32 else 16, packed.block if packed is not None else 0)
+
+    return {"BLOCK_M": 32, "BLOCK_H": block(layout.h, layout.w2_packed), "BLOCK_K": block(layout.k, layout.w1_packed),
             "num_warps": 4}
 
 
