@@ -224,7 +224,7 @@ TUNING_SCRIPT = textwrap.dedent('''
     import autofuser
     import autofuser_core.compile as compile_module
 
-    def cpu_bench(fn, *args):
+    def cpu_bench(fn, *args, rep_ms=20):
         start = time.perf_counter()
         for _ in range(2):
             fn(*args)
