@@ -141,12 +141,14 @@ def test_gradients_match_eager():
         _check_close(got, want, atol=1e-4, rtol=1e-3)
 
 
-class ReadsBufferEarly(torch.nn.Module):
-    """The buffer is read between two assignments: not a pure spectral mix, left alone."""
-
+class _OneWeight(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Parameter(torch.randn(3, 3, 2, 2, dtype=torch.cfloat))
+
+
+class ReadsBufferEarly(_OneWeight):
+    """The buffer is read between two assignments: not a pure spectral mix, left alone."""
 
     def forward(self, x):
         x_ft = torch.fft.rfft2(x)
@@ -157,12 +159,8 @@ class ReadsBufferEarly(torch.nn.Module):
         return early + torch.fft.irfft2(out_ft, s=x.shape[-2:])
 
 
-class ShiftedModes(torch.nn.Module):
+class ShiftedModes(_OneWeight):
     """The einsum reads other modes than it writes: not this pattern, left alone."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(3, 3, 2, 2, dtype=torch.cfloat))
 
     def forward(self, x):
         x_ft = torch.fft.rfft2(x)
