@@ -169,7 +169,19 @@ class ShiftedModes(_OneWeight):
         return torch.fft.irfft2(out_ft, s=x.shape[-2:])
 
 
-@pytest.mark.parametrize("model_class", [ReadsBufferEarly, ShiftedModes])
+class WritesSpectrumBetween(_OneWeight):
+    """The spectrum changes between the two einsums: reading it once would be wrong, left alone."""
+
+    def forward(self, x):
+        x_ft = torch.fft.rfft2(x)
+        out_ft = torch.zeros_like(x_ft)
+        out_ft[:, :, :2, :2] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, :2, :2], self.w)
+        x_ft.mul_(3.0)
+        out_ft[:, :, -2:, :2] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, -2:, :2], self.w)
+        return torch.fft.irfft2(out_ft, s=x.shape[-2:])
+
+
+@pytest.mark.parametrize("model_class", [ReadsBufferEarly, ShiftedModes, WritesSpectrumBetween])
 def test_other_patterns_are_left_alone_and_stay_right(model_class):
     model = model_class().eval()
     x = torch.randn(2, 3, 6, 5)

@@ -23,6 +23,7 @@ Shapes and strides are compile-time constants, as in every AutoFuser kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -65,20 +66,11 @@ class SpectralProgram(GroupProgram):
 
 
 def _kept_modes(regions, spatial) -> int:
-    kept = set()
+    """How many modes some region covers."""
+    covered = torch.zeros(tuple(spatial), dtype=torch.bool)
     for _, ranges, _ in regions:
-        kept |= set(_points(ranges))
-    return len(kept)
-
-
-def _points(ranges):
-    if not ranges:
-        yield ()
-        return
-    (start, stop), rest = ranges[0], ranges[1:]
-    for c in range(start, stop):
-        for tail in _points(rest):
-            yield (c, *tail)
+        covered[tuple(slice(start, stop) for start, stop in ranges)] = True
+    return int(covered.sum())
 
 
 def propose(view):
@@ -94,7 +86,7 @@ def compose(view, nodes) -> SpectralProgram:
     replaced = node.meta.get("autofuser_plugin_fft_replaced", [])
     base = program_from_nodes(nodes, op_names={node: "fft.spectral_mix"}, summary=_summary(node, regions))
     sources = [t.source for t in base.inputs]
-    program = SpectralProgram(**{f: getattr(base, f) for f in GroupProgram.__dataclass_fields__},
+    program = SpectralProgram(**{f.name: getattr(base, f.name) for f in dataclasses.fields(GroupProgram)},
                               regions=regions, spectrum_input=sources.index(spectrum),
                               weight_inputs=[sources.index(w) for w in weights], replaced=list(replaced))
     for tensor in program.inputs + program.outputs:

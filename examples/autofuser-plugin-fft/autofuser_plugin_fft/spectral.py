@@ -26,7 +26,8 @@ The pattern is taken only when it can't change the result: the buffer is a
 fresh zero complex64 tensor, nothing reads it before the last assignment,
 each assigned value is an einsum ``b i S, i o T -> b o S`` (``T`` a subset of
 the spatial letters ``S``) of the same slice of the same spectrum, used
-nowhere else. Anything else stays as it was.
+nowhere else, and nothing that might write into memory runs between the
+first slice and the last assignment. Anything else stays as it was.
 """
 
 from __future__ import annotations
@@ -137,6 +138,22 @@ def _weight_dims(equation: str, rank: int) -> Optional[tuple[int, ...]]:
     return tuple(spatial.index(letter) for letter in w[2:])
 
 
+_IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                       operator.ipow, operator.iand, operator.ior, operator.ixor}
+
+
+def _may_write(node: torch.fx.Node) -> bool:
+    """Could ``node`` write into memory? (In-place ops, ``out=``, ``inplace=True``; a module call might.)"""
+    if node.op == "call_module":
+        return True
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if node.target in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.startswith("__")):
+        return True
+    return node.kwargs.get("out") is not None or node.kwargs.get("inplace") is True
+
+
 def _match(buffer: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Optional[SpectralMix]:
     meta = _meta(buffer)
     if meta is None or meta.dtype != torch.complex64 or len(meta.shape) < 3:
@@ -184,7 +201,14 @@ def _match(buffer: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Optional[S
             weights.append(weight)
         regions.append((weights.index(weight), ranges[2:], weight_dims))
         replaced += [sliced, value, assign]
-    return SpectralMix(buffer, spectrum, weights, tuple(regions), sorted(replaced, key=order.__getitem__))
+    replaced.sort(key=order.__getitem__)
+    # spectral_mix reads the spectrum and the weights after the last assignment, where the
+    # einsums read them earlier: nothing else may run in between (it might write into them).
+    members = set(replaced)
+    between = list(order)[order[replaced[0]]:order[replaced[-1]]]
+    if any(n not in members and _may_write(n) for n in between):
+        return None
+    return SpectralMix(buffer, spectrum, weights, tuple(regions), replaced)
 
 
 def find_spectral_mixes(gm: torch.fx.GraphModule) -> list[SpectralMix]:
