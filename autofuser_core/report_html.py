@@ -157,7 +157,9 @@ def render_html(report: "FusionReport", title: str = "") -> str:
            f"<tr><th>inputs</th><td>{_e(report.signature or '-')}</td></tr>",
            f"<tr><th>device</th><td>{_e(report.device or '-')}</td></tr>",
            f"<tr><th>plugins</th><td>{_e(', '.join(report.plugins) or 'none')}</td></tr>",
-           f"<tr><th>compile time</th><td>{report.compile_s:.2f} s</td></tr>",
+           f"<tr><th>compile time</th><td>{report.compile_s:.2f} s"
+           + (" (" + ", ".join(f"{_e(k)} {v:.2f} s" for k, v in report.phases.items()) + ")" if report.phases else "")
+           + "</td></tr>",
            f'<tr><th>groups</th><td id="summary">{len(fused)} fused, {len(skipped)} skipped; predicted traffic '
            f"saved {_bytes(saved)}</td></tr>",
            "</table>"]

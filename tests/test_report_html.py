@@ -85,7 +85,10 @@ def test_timings_and_colours_where_measured():
         GroupEntry(strategy="elementwise", nodes=["mul"], ops=["elementwise.mul"], fused=False,
                    reason_code="slower", reason="fused 0.0100 ms vs eager 0.0090 ms: kept eager for speed",
                    time_eager_ms=0.009, time_fused_ms=0.01)])
+    report.add_phase("capture", 0.25)
+    report.add_phase("verify", 1.5)
     page = report.to_html()
+    assert "capture 0.25 s, verify 1.50 s" in page
     assert "0.0123 / 0.0071" in page and "0.0090 / 0.0100" in page
     assert "kept eager for speed" in page
     assert 'id="group-0"' in page and "background:#" in page
