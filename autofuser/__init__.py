@@ -7,10 +7,15 @@ Public API::
     print(model.report())                  # what was fused, what wasn't, and why
 
 Plugins implement the hooks in ``autofuser_core.hookspecs`` with the spec
-types exported here.
+types exported here. A strategy that composes and writes its groups itself
+(``StrategySpec.compose`` and ``generate``) builds on ``program_from_nodes``,
+``GroupProgram``/``KernelTensor`` (what it composed), ``GroupRefused`` (a
+refusal with a reason code) and ``KernelSource`` (what it wrote).
 """
 
+from autofuser_core.codegen import KernelSource
 from autofuser_core.errors import AutoFuserError, CacheError, CaptureError, PluginError, SpecError
+from autofuser_core.group import GroupProgram, GroupRefused, KernelTensor, program_from_nodes
 from autofuser_core.hookspecs import hookimpl
 from autofuser_core.ir import LoweringContext, Value
 from autofuser_core.plugins import load_plugins
@@ -22,6 +27,10 @@ __all__ = [
     "AutoFuserError",
     "CacheError",
     "CaptureError",
+    "GroupProgram",
+    "GroupRefused",
+    "KernelSource",
+    "KernelTensor",
     "LoweringContext",
     "LoweringSpec",
     "PluginError",
@@ -35,6 +44,7 @@ __all__ = [
     "fuse",
     "hookimpl",
     "load_plugins",
+    "program_from_nodes",
 ]
 
 

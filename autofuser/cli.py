@@ -2,9 +2,11 @@
 
     autofuser bench --models fno,transolver --device cuda --dtype bf16 --out results/
     autofuser models [--config tiny]
+    autofuser report mypackage.models:make_example --out report.html
 
 ``bench`` runs the model zoo under eager PyTorch, torch.compile and AutoFuser
-(``autofuser_zoo.harness``); ``models`` lists the zoo.
+(``autofuser_zoo.harness``); ``models`` lists the zoo; ``report`` fuses one
+model on example inputs and writes its report as one HTML page.
 """
 
 from __future__ import annotations
@@ -52,6 +54,62 @@ def _list_models(args: argparse.Namespace) -> int:
     return 0
 
 
+REPORT_HELP = """Fuse a model on example inputs and write its report as one self-contained HTML page.
+
+MODULE:FACTORY names a function (MODULE an importable module or a .py file)
+that takes no arguments and returns (model, inputs): inputs a tensor or a
+tuple of positional arguments, or (model, args, kwargs). The model runs once
+under torch.no_grad(), in the train/eval mode the factory left it in."""
+
+
+def _load_factory(spec: str):
+    module_name, sep, attribute = spec.rpartition(":")
+    if not sep or not module_name or not attribute:
+        raise SystemExit(f"autofuser report: {spec!r} is not MODULE:FACTORY (e.g. mypackage.models:make_example "
+                         "or path/to/file.py:make_example)")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise SystemExit(f"autofuser report: no file {module_name}")
+        loader_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[path.stem] = module
+        loader_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            raise SystemExit(f"autofuser report: can't import {module_name!r} ({err}); check the name, or pass "
+                             "a .py file") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise SystemExit(f"autofuser report: {module_name} has no function {attribute!r}")
+    return factory
+
+
+def _report(args: argparse.Namespace) -> int:
+    import torch
+
+    import autofuser
+
+    made = _load_factory(args.factory)()
+    if not isinstance(made, tuple) or len(made) not in (2, 3) or not isinstance(made[0], torch.nn.Module):
+        raise SystemExit(f"autofuser report: {args.factory} must return (model, inputs) or (model, args, kwargs), "
+                         f"got {type(made).__name__}")
+    model, inputs, kwargs = made[0], made[1], made[2] if len(made) == 3 else {}
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    plugins = None if args.plugins is None else [p for p in args.plugins.split(",") if p]
+    fused = autofuser.fuse(model, plugins=plugins)
+    with torch.no_grad():
+        fused(*inputs, **kwargs)
+    report = fused.report()
+    report.to_html(args.out, title=f"AutoFuser report: {type(model).__name__} ({args.factory})")
+    if args.json:
+        Path(args.json).write_text(report.to_json())
+    print(f"{len(report.fused)} fused group(s), {len(report.skipped)} skipped; wrote {args.out}")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     _import_zoo()
     from autofuser_zoo import harness
@@ -65,6 +123,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     models = commands.add_parser("models", help="list the model zoo")
     models.add_argument("--config", choices=("airfoil", "tiny"), default="airfoil")
     models.set_defaults(run=_list_models)
+    report = commands.add_parser("report", help="fuse a model and write its report as an HTML page",
+                                 description=REPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    report.add_argument("factory", metavar="MODULE:FACTORY", help="function returning (model, inputs)")
+    report.add_argument("--out", default="autofuser-report.html", help="the HTML page to write")
+    report.add_argument("--json", help="also write the report as JSON here")
+    report.add_argument("--plugins", help="comma-separated plugin names (default: every installed plugin)")
+    report.set_defaults(run=_report)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -32,7 +32,7 @@ from .ir import AttrRef
 from .launch import FusedKernel
 from .planner import Candidate, Plan, plan_fusion_groups
 from .precompile import CompileJob, launch_items, precompile, start_workers
-from .report import FusionReport, GroupEntry, NodeEntry
+from .report import FusionReport, GroupEntry, NodeEntry, describe_graph
 from .matmul_layout import MAX_PRODUCTS, STRICT_FP32, MlpLayout
 from .rounding import interpreting
 from .rewrite import extract_group_module, rewrite_graph
@@ -290,6 +290,7 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
     for impl in plugin_set.manager.hook.autofuser_transform_graph.get_hookimpls():
         impl.function(*[{"gm": gm, "options": options}[a] for a in impl.argnames])
         gm.recompile()
+    report.graph = describe_graph(gm)
 
     device = _device_of(inputs)
     if _can_tune(device, options):
@@ -355,6 +356,7 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
         job = _Job(candidate, _entry(candidate.strategy.name, candidate.nodes, view, True, "fused", "", program))
         try:
             job.source = candidate.strategy.generate(program, view.helpers)
+            job.entry.kernel_source = job.source.source
             module = load_kernel_module(job.source.name, job.source.source, cache_dir(options.cache_dir))
             job.kernel = getattr(module, job.source.name)
             job.eager = extract_group_module(gm, program)

@@ -1,12 +1,16 @@
 """``FusionReport``: what was fused, what wasn't, and why - as data.
 
 A report is a pydantic model (``report.to_json()`` round-trips through
-``FusionReport.model_validate_json``) and ``str(report)`` is a readable table.
+``FusionReport.model_validate_json``), ``str(report)`` is a readable table and
+``report.to_html(path)`` one self-contained page (``report_html.py``): the
+graph coloured by group, every skipped candidate with its reason, each
+group's kernel source and the timings that were measured.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from pathlib import Path
+from typing import Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,6 +36,19 @@ class GroupEntry(BaseModel):
     max_error: Optional[float] = None
     tuning_s: float = 0.0
     cache_hit: bool = False
+    kernel_source: Optional[str] = None  # the generated Triton source, where one was written
+
+
+class GraphNode(BaseModel):
+    """One node of the graph that was planned (after plugins' graph passes)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    op: str  # placeholder, get_attr, call_function, call_method, call_module, output
+    target: str
+    inputs: list[str] = Field(default_factory=list)
+    shape: Optional[list[int]] = None
+    dtype: Optional[str] = None
 
 
 class NodeEntry(BaseModel):
@@ -56,6 +73,7 @@ class FusionReport(BaseModel):
     opaque: dict[str, str] = Field(default_factory=dict)
     notes: list[str] = Field(default_factory=list)
     compile_s: float = 0.0
+    graph: list[GraphNode] = Field(default_factory=list)
     # Seconds spent in each step of the compile (capture, plan, generate, verify -
     # tuning included -, rewrite, cuda_graph, forward_check), in order.
     phases: dict[str, float] = Field(default_factory=dict)
@@ -74,6 +92,16 @@ class FusionReport(BaseModel):
 
     def to_json(self, **kwargs) -> str:
         return self.model_dump_json(indent=kwargs.pop("indent", 1), **kwargs)
+
+    def to_html(self, path: Union[str, Path, None] = None, title: str = "") -> str:
+        """One self-contained HTML page (no external assets) of this report;
+        written to ``path`` when given. Returns the page."""
+        from .report_html import render_html
+
+        page = render_html(self, title)
+        if path is not None:
+            Path(path).write_text(page, encoding="utf-8")
+        return page
 
     def __str__(self) -> str:
         lines = [f"AutoFuser report - {self.signature or 'no signature'} on {self.device or '?'}"]
@@ -123,6 +151,26 @@ class FusionReport(BaseModel):
         for note in self.notes:
             lines.append(f"note: {note}")
         return "\n".join(lines)
+
+
+def describe_graph(gm) -> list[GraphNode]:
+    """The nodes of an fx ``GraphModule`` as report data."""
+    from .registry import describe_target
+
+    nodes = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            target = f"{node.target} ({type(gm.get_submodule(node.target)).__name__})"
+        elif node.op in ("call_function", "call_method"):
+            target = describe_target(node.target)
+        else:
+            target = str(node.target)
+        meta = node.meta.get("tensor_meta")
+        shape = list(meta.shape) if hasattr(meta, "shape") else None
+        dtype = str(meta.dtype).removeprefix("torch.") if hasattr(meta, "dtype") else None
+        nodes.append(GraphNode(name=node.name, op=node.op, target=target,
+                               inputs=[n.name for n in node.all_input_nodes], shape=shape, dtype=dtype))
+    return nodes
 
 
 def _bytes(n: int) -> str:

@@ -6,6 +6,7 @@
 #   attention   benchmarks/attention.py        (softmax, Galerkin, slice attention)
 #   conv        benchmarks/conv.py             (U-Net / FNO convolutional blocks)
 #   mxint8      benchmarks/mxint8.py           (MXINT8 weights vs fp32)
+#   fft         benchmarks/fft_plugin.py       (FNO / F-FNO with and without examples/autofuser-plugin-fft)
 #   zoo:DTYPE:MODEL,MODEL   the zoo models through `autofuser bench` (benchmarks/zoo_run.sh)
 # Results (logs, JSON, markdown tables) go to ${OUT:-bench-results}/<step>.
 # Extra flags for a benchmark script: ${STEP}_FLAGS, e.g. MATMUL_FLAGS="--widths 128".
@@ -16,7 +17,7 @@ export AUTOFUSER_CACHE_DIR=${AUTOFUSER_CACHE_DIR:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests bandwidth matmul attention conv mxint8 "zoo:fp32:all")
+[ ${#steps[@]} -eq 0 ] && steps=(tests bandwidth matmul attention conv mxint8 fft "zoo:fp32:all")
 
 for step in "${steps[@]}"; do
   start=$(date +%s)
@@ -30,6 +31,13 @@ for step in "${steps[@]}"; do
       # shellcheck disable=SC2086
       python3 "benchmarks/$step.py" --out "$out/$step" ${!flags_var:-} > "$out/$step.log" 2>&1
       echo "$step rc=$?"; tail -n 40 "$out/$step.log" ;;
+    fft)
+      # The plugin is its own distribution; nothing outside the machine is reachable, hence no deps/isolation.
+      python3 -m pip install -q --no-deps --no-build-isolation ./examples/autofuser-plugin-fft 2>&1 | tail -n 3
+      mkdir -p "$out/fft"
+      # shellcheck disable=SC2086
+      python3 benchmarks/fft_plugin.py --out "$out/fft" ${FFT_FLAGS:-} > "$out/fft.log" 2>&1
+      echo "fft rc=$?"; tail -n 20 "$out/fft.log" ;;
     zoo:*)
       IFS=: read -r _ dtype models <<< "$step"
       [ "$models" = "all" ] && models=galerkin,transformer,transolver,gnot,factformer,fno,ffno,unet

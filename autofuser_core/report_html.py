@@ -1,0 +1,220 @@
+"""``FusionReport.to_html``: one self-contained page to look at.
+
+No external assets, no script: inline CSS and an inline SVG drawing of the
+graph, so the file can be mailed, attached to an issue or opened offline.
+
+Sections: a summary; the graph, laid out in layers (each node one layer below
+its deepest input) and coloured by the fused group it belongs to (grey: left
+eager); every fusion group with its fate, reason, traffic and the timings that
+were measured; the nodes left eager and why; opaque parts; the generated
+kernel source of every group that got one.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .report import FusionReport, GroupEntry
+
+#: Fill colours of fused groups, in turn (readable with black text).
+PALETTE = ("#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5",
+           "#bc80bd", "#ccebc5", "#ffed6f", "#a6cee3", "#b2df8a", "#fdbf6f", "#cab2d6", "#e5c494")
+EAGER_FILL = "#e8e8e8"
+IO_FILL = "#ffffff"
+
+NODE_W, NODE_H, GAP_X, GAP_Y, MARGIN = 176, 34, 16, 30, 12
+
+CSS = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }
+h1 { font-size: 20px; } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #ccc; }
+table { border-collapse: collapse; margin: 8px 0; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #f3f3f3; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.fused { color: #0a6b0a; font-weight: 600; } .skipped { color: #a33; font-weight: 600; }
+.swatch { display: inline-block; width: 12px; height: 12px; border: 1px solid #555; vertical-align: middle; }
+.graph { overflow: auto; max-height: 80vh; border: 1px solid #ccc; }
+.graph text { font: 11px monospace; pointer-events: none; }
+pre { background: #f7f7f7; border: 1px solid #ddd; padding: 8px; overflow: auto; font-size: 12px; }
+code { font-size: 12px; }
+"""
+
+
+def _e(value) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _bytes(n: int) -> str:
+    from .report import _bytes as readable
+
+    return readable(n)
+
+
+def _ms(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _group_colours(report: "FusionReport") -> dict[int, str]:
+    """Group index -> fill colour, for fused groups."""
+    colours = {}
+    for k, group in enumerate(report.groups):
+        if group.fused:
+            colours[k] = PALETTE[len(colours) % len(PALETTE)]
+    return colours
+
+
+def _layers(report: "FusionReport") -> dict[str, int]:
+    """Each node's layer: one below its deepest input (the graph is in topological order)."""
+    depth: dict[str, int] = {}
+    for node in report.graph:
+        depth[node.name] = 1 + max((depth[i] for i in node.inputs if i in depth), default=-1)
+    return depth
+
+
+def render_svg(report: "FusionReport") -> str:
+    """The graph as an inline SVG: boxes in layers, edges as lines, fill by group."""
+    colours = _group_colours(report)
+    group_of = {}
+    for k, group in enumerate(report.groups):
+        if group.fused:
+            for name in group.nodes:
+                group_of[name] = k
+    depth = _layers(report)
+    rows: dict[int, list[str]] = {}
+    for node in report.graph:
+        rows.setdefault(depth[node.name], []).append(node.name)
+    position = {}
+    for layer, names in rows.items():
+        for column, name in enumerate(names):
+            position[name] = (MARGIN + column * (NODE_W + GAP_X), MARGIN + layer * (NODE_H + GAP_Y))
+    width = MARGIN * 2 + max((len(n) for n in rows.values()), default=1) * (NODE_W + GAP_X)
+    height = MARGIN * 2 + max(len(rows), 1) * (NODE_H + GAP_Y)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" role="img" aria-label="the graph, coloured by fusion group">',
+             '<defs><marker id="arrow" viewBox="0 0 8 8" refX="8" refY="4" markerWidth="6" markerHeight="6" '
+             'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#777"/></marker></defs>']
+    for node in report.graph:
+        x, y = position[node.name]
+        for source in node.inputs:
+            if source in position:
+                sx, sy = position[source]
+                parts.append(f'<line x1="{sx + NODE_W / 2}" y1="{sy + NODE_H}" x2="{x + NODE_W / 2}" y2="{y}" '
+                             'stroke="#999" stroke-width="1" marker-end="url(#arrow)"/>')
+    for node in report.graph:
+        x, y = position[node.name]
+        k = group_of.get(node.name)
+        if k is not None:
+            fill, group_class = colours[k], f"node group-{k}"
+        else:
+            fill = IO_FILL if node.op in ("placeholder", "output", "get_attr") else EAGER_FILL
+            group_class = "node eager"
+        shape = f" {node.dtype}{node.shape}" if node.shape is not None else ""
+        where = f"group #{k} ({report.groups[k].strategy})" if k is not None else "not in a fused group"
+        label = node.target.rsplit(".", 1)[-1] if node.op != "call_module" else node.target.split(" ")[0]
+        if k is not None:
+            label = f"#{k} {label}"
+        parts.append(
+            f'<g class="{group_class}" data-node="{_e(node.name)}"><title>{_e(node.name)} = {_e(node.op)} '
+            f'{_e(node.target)}{_e(shape)}; {_e(where)}</title>'
+            f'<rect x="{x}" y="{y}" width="{NODE_W}" height="{NODE_H}" rx="5" fill="{fill}" '
+            f'stroke="{"#333" if k is not None else "#999"}"/>'
+            f'<text x="{x + 6}" y="{y + 14}">{_e(node.name[:24])}</text>'
+            f'<text x="{x + 6}" y="{y + 27}" fill="#555">{_e(label[:26])}</text></g>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _group_rows(report: "FusionReport", colours: dict[int, str]) -> list[str]:
+    rows = []
+    for k, g in enumerate(report.groups):
+        swatch = f'<span class="swatch" style="background:{colours[k]}"></span> ' if k in colours else ""
+        fate = '<span class="fused">fused</span>' if g.fused else '<span class="skipped">skipped</span>'
+        reason = _e(g.reason_code) + (f": {_e(g.reason)}" if g.reason else "")
+        timing = (f"{_ms(g.time_eager_ms)} / {_ms(g.time_fused_ms)}"
+                  if g.time_eager_ms is not None or g.time_fused_ms is not None else "not measured")
+        kernel = f'<a href="#kernel-{k}"><code>{_e(g.kernel)}</code></a>' if g.kernel_source else _e(g.kernel or "-")
+        error = "-" if g.max_error is None else f"{g.max_error:.3g}"
+        rows.append(
+            f'<tr id="group-{k}"><td>{swatch}#{k}</td><td>{_e(g.strategy)}</td><td>{fate}</td><td>{reason}</td>'
+            f'<td>{_e(" > ".join(g.ops))}<br><small>{_e(", ".join(g.nodes))}</small></td>'
+            f'<td class="num">{_bytes(g.bytes_before)} -> {_bytes(g.bytes_after)}</td>'
+            f'<td class="num">{timing}</td><td class="num">{error}</td><td>{kernel}'
+            f'{" (cache hit)" if g.cache_hit else ""}</td></tr>')
+    return rows
+
+
+def render_html(report: "FusionReport", title: str = "") -> str:
+    colours = _group_colours(report)
+    fused, skipped = report.fused, report.skipped
+    saved = sum(g.bytes_before - g.bytes_after for g in fused)
+    heading = title or "AutoFuser report"
+    out = [f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_e(heading)}</title>',
+           f"<style>{CSS}</style></head><body>",
+           f"<h1>{_e(heading)}</h1>",
+           "<table>",
+           f"<tr><th>inputs</th><td>{_e(report.signature or '-')}</td></tr>",
+           f"<tr><th>device</th><td>{_e(report.device or '-')}</td></tr>",
+           f"<tr><th>plugins</th><td>{_e(', '.join(report.plugins) or 'none')}</td></tr>",
+           f"<tr><th>compile time</th><td>{report.compile_s:.2f} s"
+           + (" (" + ", ".join(f"{_e(k)} {v:.2f} s" for k, v in report.phases.items()) + ")" if report.phases else "")
+           + "</td></tr>",
+           f'<tr><th>groups</th><td id="summary">{len(fused)} fused, {len(skipped)} skipped; predicted traffic '
+           f"saved {_bytes(saved)}</td></tr>",
+           "</table>"]
+    if report.notes:
+        out.append("<ul>" + "".join(f"<li>{_e(n)}</li>" for n in report.notes) + "</ul>")
+
+    out.append(f'<h2 id="graph">Graph ({len(report.graph)} nodes)</h2>')
+    if report.graph:
+        legend = " ".join(f'<span class="swatch" style="background:{c}"></span> <a href="#group-{k}">#{k} '
+                          f"{_e(report.groups[k].strategy)}</a>" for k, c in colours.items())
+        out.append(f'<p>Each fused group has its colour; grey nodes run eager, white ones are inputs, parameters '
+                   f"and the output. Hover a node for its op, shape and group.</p><p>{legend}</p>")
+        out.append(f'<div class="graph">{render_svg(report)}</div>')
+    else:
+        out.append("<p>No graph was recorded (the model could not be traced).</p>")
+
+    out.append('<h2 id="groups">Fusion groups</h2>')
+    if report.groups:
+        out.append("<table><tr><th>group</th><th>strategy</th><th>fate</th><th>reason</th><th>ops / nodes</th>"
+                   "<th>bytes before -> after (predicted)</th><th>eager / fused ms</th><th>max error</th>"
+                   "<th>kernel</th></tr>")
+        out += _group_rows(report, colours)
+        out.append("</table>")
+    else:
+        out.append("<p>No fusion candidates.</p>")
+
+    out.append(f'<h2 id="skipped">Skipped candidates ({len(skipped)})</h2>')
+    if skipped:
+        out.append("<ul>")
+        for k, g in enumerate(report.groups):
+            if not g.fused:
+                out.append(f'<li><a href="#group-{k}">#{k}</a> {_e(g.strategy)} over {_e(", ".join(g.nodes))}: '
+                           f"<b>{_e(g.reason_code)}</b>{': ' + _e(g.reason) if g.reason else ''}</li>")
+        out.append("</ul>")
+    else:
+        out.append("<p>None.</p>")
+
+    out.append(f'<h2 id="eager">Nodes left eager ({len(report.unfused_nodes)})</h2>')
+    if report.unfused_nodes:
+        out.append("<table><tr><th>node</th><th>op</th><th>reason</th></tr>")
+        out += [f"<tr><td>{_e(n.node)}</td><td>{_e(n.target)}</td><td><b>{_e(n.reason_code)}</b>: {_e(n.reason)}"
+                "</td></tr>" for n in report.unfused_nodes]
+        out.append("</table>")
+    if report.opaque:
+        out.append('<h2 id="opaque">Opaque parts (run as they are)</h2><ul>')
+        out += [f"<li>{_e(path or '<whole model>')}: {_e(reason)}</li>" for path, reason in report.opaque.items()]
+        out.append("</ul>")
+
+    out.append('<h2 id="kernels">Generated kernels</h2>')
+    written = [(k, g) for k, g in enumerate(report.groups) if g.kernel_source]
+    if not written:
+        out.append("<p>No kernel was generated.</p>")
+    for k, g in written:
+        fate = "fused" if g.fused else f"not used: {g.reason_code}"
+        out.append(f'<h3 id="kernel-{k}">#{k} {_e(g.strategy)}: <code>{_e(g.kernel or "")}</code> ({_e(fate)})</h3>'
+                   f'<pre class="kernel-source">{_e(g.kernel_source)}</pre>')
+    out.append("</body></html>")
+    return "\n".join(out)
