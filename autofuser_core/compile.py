@@ -30,7 +30,7 @@ from .cache import cache_dir, load_kernel_module, read_tuning, write_tuning
 from .group import GroupProgram, attr_tensor
 from .ir import AttrRef
 from .launch import FusedKernel
-from .planner import Candidate, Plan, plan_fusion_groups
+from .planner import Candidate, Plan, barrier_reason, plan_fusion_groups
 from .precompile import CompileJob, launch_items, precompile, start_workers
 from .report import FusionReport, GroupEntry, NodeEntry, describe_graph
 from .matmul_layout import MAX_PRODUCTS, STRICT_FP32, MlpLayout
@@ -88,6 +88,8 @@ class _Job:
     inputs: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)
     fused: Optional[FusedKernel] = None
+    storages: dict = field(default_factory=dict)  # data_ptr -> storage of each input, while tracking writes
+    overwritten_by: Optional[str] = None  # a later in-place op that writes into one of its inputs
 
 
 class _Verifier(torch.fx.Interpreter):
@@ -100,11 +102,23 @@ class _Verifier(torch.fx.Interpreter):
     and last node). Outputs are copied as eager produces them. Copies, because
     a later in-place op (``a.add_(1)``, ``out[:, :3] = y``) must not change what
     the kernel is checked against.
+
+    With ``track_writes`` it also notes, for each group, any later in-place op
+    that writes into the memory of one of its inputs (through any view): with
+    gradients on, the group's backward recomputes from those inputs, so such a
+    group must stay eager (eager's own ops may not need the old values).
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, jobs: list[_Job], check):
+    def __init__(self, gm: torch.fx.GraphModule, jobs: list[_Job], check, track_writes: bool = False):
         super().__init__(gm)
         self.check = check
+        self.writers = {}
+        if track_writes:
+            for n in gm.graph.nodes:
+                reason = barrier_reason(n, gm)
+                if reason is not None and reason[0] == "mutation":
+                    self.writers[n] = reason[1]
+        self.jobs = jobs
         self.first_of: dict[torch.fx.Node, list[_Job]] = {}
         self.input_of: dict[torch.fx.Node, list[_Job]] = {}
         self.output_of: dict[torch.fx.Node, list[_Job]] = {}
@@ -125,16 +139,46 @@ class _Verifier(torch.fx.Interpreter):
             for t in job.candidate.program.inputs:
                 if isinstance(t.source, torch.fx.Node) and t.source in self.env:
                     job.inputs[t.source] = _snapshot(self.env[t.source])
+                    self._remember_storage(job, self.env[t.source])
+                elif isinstance(t.source, AttrRef):
+                    self._remember_storage(job, attr_tensor(self.module, t.source.path))
+        if n in self.writers:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            for tensor in _written_tensors(n, args, kwargs, self.module):
+                ptr = tensor.untyped_storage().data_ptr()
+                for job in self.jobs:
+                    if job.started and job.overwritten_by is None and ptr in job.storages:
+                        job.overwritten_by = f"{n.name} ({self.writers[n]})"
         result = super().run_node(n)
         for job in self.input_of.get(n, ()):
             if job.started and n not in job.inputs:
                 job.inputs[n] = _snapshot(result)
+                self._remember_storage(job, result)
         for job in self.output_of.get(n, ()):
             job.outputs[n] = _snapshot(result)
         for job in self.last_of.get(n, ()):
             self.check(job)
             job.inputs, job.outputs = {}, {}
         return result
+
+    def _remember_storage(self, job: _Job, value: Any) -> None:
+        # The storage object itself is kept, so its address can't be reused by another tensor.
+        if self.writers and isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            job.storages[storage.data_ptr()] = storage
+
+
+def _written_tensors(node: torch.fx.Node, args: tuple, kwargs: dict, root: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors an in-place node writes into: ``out=``, else its first argument;
+    a module's buffers too (BatchNorm's running statistics)."""
+    out = kwargs.get("out")
+    if out is not None:
+        candidates = list(out) if isinstance(out, (tuple, list)) else [out]
+    else:
+        candidates = list(args[:1])
+    if node.op == "call_module":
+        candidates += list(root.get_submodule(node.target).buffers())
+    return [t for t in candidates if isinstance(t, torch.Tensor)]
 
 
 def _tolerance(candidate: Candidate, view) -> Tolerance:
@@ -283,8 +327,13 @@ def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, 
     return _Tuned(best, False, time.perf_counter() - start, timings, key)
 
 
-def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, progress) -> tuple[torch.fx.GraphModule, FusionReport]:
-    """Steps 1-5 of the module doc; returns the rewritten module and its report."""
+def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, progress,
+                  backward: bool = False) -> tuple[torch.fx.GraphModule, FusionReport]:
+    """Steps 1-5 of the module doc; returns the rewritten module and its report.
+
+    ``backward``: the graph will run with gradients on, so every group must be
+    able to recompute its ops for backward from its saved inputs.
+    """
     started = time.perf_counter()
     report = FusionReport(plugins=list(plugin_set.names), opaque=dict(gm.meta.get("autofuser_opaque", {})))
     for impl in plugin_set.manager.hook.autofuser_transform_graph.get_hookimpls():
@@ -330,7 +379,7 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
                 report.groups.append(_entry(candidate.strategy.name, candidate.nodes, view, False, "no_device",
                                             "Triton needs a CUDA device (or TRITON_INTERPRET=1)", candidate.program))
             break
-        jobs = _verify_round(gm, plan, inputs, device, options, progress, report)
+        jobs = _verify_round(gm, plan, inputs, device, options, progress, report, backward)
         survivors += [(job.candidate, job.fused) for job in jobs if job.entry.fused]
         taken.update(n for job in jobs if job.entry.fused for n in job.candidate.nodes)
         failed_chains = [job for job in jobs if not job.entry.fused and isinstance(job.candidate.program.matmul, MlpLayout)]
@@ -346,7 +395,8 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
     return new_gm, report
 
 
-def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, progress, report) -> list[_Job]:
+def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, progress, report,
+                  backward: bool = False) -> list[_Job]:
     """Generate, load, tune and check every kept group of ``plan`` in one recording pass."""
     view = plan.view
     jobs: list[_Job] = []
@@ -413,7 +463,7 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
                 entry.reason = (f"fused {entry.time_fused_ms:.4f} ms vs eager {entry.time_eager_ms:.4f} ms: "
                                 "kept eager for speed")
 
-    verifier = _Verifier(gm, jobs, check)
+    verifier = _Verifier(gm, jobs, check, track_writes=backward)
     with preserved_state(gm), torch.no_grad():
         # On copies: the graph may write into its inputs, and the caller's tensors
         # must be changed once, by the real forward, not also by this run.
@@ -423,8 +473,13 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
     report.add_phase("verify", time.perf_counter() - step - tuning)
     report.add_phase("tune", tuning)
     for job in jobs:
+        job.storages = {}
         if job.fused is None and job.entry.fused:
             _refuse_job(job, "not_verified", RuntimeError("the group's outputs were never produced"))
+        if job.overwritten_by is not None and job.entry.fused:
+            job.entry.fused, job.entry.reason_code = False, "overwritten_before_backward"
+            job.entry.reason = (f"{job.overwritten_by} later writes into one of its inputs, which its backward "
+                                "would recompute from; kept eager while gradients are on")
         report.groups.append(job.entry)
     return jobs
 

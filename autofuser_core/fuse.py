@@ -125,6 +125,7 @@ class FusedModule(torch.nn.Module):
     def modules(self):
         return self._model.modules()
 
+
     def train(self, mode: bool = True):
         self._model.train(mode)
         return super().train(mode)
@@ -244,7 +245,8 @@ class FusedModule(torch.nn.Module):
         else:
             grad = torch.is_grad_enabled()
             with torch.no_grad():
-                fused_gm, report = compile_graph(gm, flat, self._plugin_set, self._options, self._progress)
+                fused_gm, report = compile_graph(gm, flat, self._plugin_set, self._options, self._progress,
+                                                 backward=grad)
             report.phases = {"capture": captured_s, **report.phases}
             runner = fused_gm
             # Graph capture and timing run the forward many times: only for inference

@@ -10,6 +10,7 @@ gradients, through ``RecomputeForBackward``: kernel forward, eager backward).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -83,24 +84,41 @@ class FusedKernel:
 
 
 class RecomputeForBackward(torch.autograd.Function):
-    """Forward by the fused kernel; backward by recomputing the group's eager ops."""
+    """Forward by the fused kernel; backward by recomputing the group's eager ops.
+
+    The recomputation runs under the forward's autocast state (as eager's
+    backward uses the dtypes its forward chose). With ``create_graph=True``
+    (gradients of gradients, as in physics-informed losses) backward runs with
+    grad enabled: the recomputation then starts from the saved inputs
+    themselves, so the gradients it returns stay differentiable.
+    """
 
     @staticmethod
     def forward(ctx, fused: FusedKernel, *inputs: torch.Tensor):
         ctx.fused = fused
+        ctx.autocast = [(device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                        if torch.is_autocast_enabled(device)]
         ctx.save_for_backward(*inputs)
         return tuple(fused.launch(*inputs))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        higher_order = torch.is_grad_enabled()
+        inputs = list(ctx.saved_tensors)
+        if not higher_order:
+            inputs = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
         params = {path: inputs[k] for k, path in ctx.fused.attr_inputs.items()}
-        with torch.enable_grad():
+        with torch.enable_grad(), contextlib.ExitStack() as autocast:
+            for device, dtype in ctx.autocast:
+                autocast.enter_context(torch.autocast(device, dtype=dtype))
             outputs = torch.func.functional_call(ctx.fused.eager, params, tuple(inputs))
         if not isinstance(outputs, (tuple, list)):
             outputs = (outputs,)
         wanted = [t for t in inputs if t.requires_grad]
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
-        found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True) if pairs else [None] * len(wanted)
+        found = [None] * len(wanted)
+        if pairs and wanted:
+            found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True,
+                                        create_graph=higher_order)
         it = iter(found)
         return (None, *[next(it) if t.requires_grad else None for t in inputs])

@@ -1,0 +1,260 @@
+"""Training through a fused model (``autofuser_core.launch.RecomputeForBackward``
+and the grad-mode rules of ``autofuser_core.compile``).
+
+With gradients on, every fused group runs its kernel forward and recomputes
+its original ops for backward. These tests train fused and eager copies of the
+same models side by side and require the same losses, gradients and weights,
+with the optimiser acting on parameters the fused module shares with the model,
+and with no recompilation after optimiser steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autofuser
+from autofuser_zoo import airfoil
+from autofuser_zoo.models import MESHES, MODELS
+
+FP32 = dict(atol=1e-5, rtol=1e-4)
+#: Adam turns tiny gradient differences into steps of size ~lr: weights are compared looser than losses.
+WEIGHTS_AFTER_ADAM = dict(atol=1e-4, rtol=1e-3)
+BF16 = dict(atol=2e-2, rtol=4e-2)
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+def autograd_nodes(tensor: torch.Tensor) -> set[str]:
+    """Names of every autograd node ``tensor``'s backward would run."""
+    seen, names, stack = set(), set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def assert_same_weights(model: nn.Module, reference: nn.Module, **tolerance) -> None:
+    for (name, got), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got, expected, msg=lambda m: f"{name}: {m}", **tolerance)
+
+
+# ---------------------------------------------------------------------------
+# Zoo models: a few Adam steps, fused vs eager
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["galerkin", "fno"])
+def test_zoo_model_trains_like_eager(name):
+    entry, mesh = MODELS[name], MESHES["tiny"]
+    model = entry.make("tiny").train()
+    reference = copy.deepcopy(model)
+    fused = autofuser.fuse(model, progress=False)
+    coords, target = airfoil.make_dataset(6, 3, mesh)
+
+    def train(module: nn.Module) -> list[float]:
+        optimiser = torch.optim.Adam(module.parameters(), lr=3e-3)
+        losses = []
+        for step in range(3):
+            batch = torch.arange(2 * step, 2 * step + 2)
+            prediction = entry.as_grid(module(entry.inputs(coords[batch])), mesh)
+            loss = airfoil.relative_l2(prediction, target[batch])
+            if module is fused:
+                assert "RecomputeForBackwardBackward" in autograd_nodes(loss)
+            optimiser.zero_grad(set_to_none=True)
+            loss.backward()
+            optimiser.step()
+            losses.append(loss.item())
+        return losses
+
+    expected, got = train(reference), train(fused)
+    report = fused.report()
+    assert len(report.fused) >= 3, str(report)
+    assert len(fused.reports()) == 1  # one compilation: optimiser steps don't invalidate it
+    assert got[0] != got[-1]  # it did learn something
+    torch.testing.assert_close(got, expected, **FP32)
+    assert_same_weights(model, reference, **WEIGHTS_AFTER_ADAM)
+
+
+# ---------------------------------------------------------------------------
+# Parameters are the model's: an optimiser on either, no recompilation
+# ---------------------------------------------------------------------------
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, width: int = 29, hidden: int = 45):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+@pytest.mark.parametrize("optimise", ["fused", "model"])
+def test_an_optimiser_on_either_updates_both_without_recompiling(optimise):
+    model = MLPBlock()
+    fused = autofuser.fuse(model, progress=False)
+    assert [id(p) for p in fused.parameters()] == [id(p) for p in model.parameters()]
+    assert [n for n, _ in fused.named_parameters()] == [n for n, _ in model.named_parameters()]
+    optimiser = torch.optim.Adam((fused if optimise == "fused" else model).parameters(), lr=1e-2)
+    x = torch.randn(1, 7, 29)  # batch 1, odd sizes
+
+    before = None
+    for _ in range(3):
+        loss = fused(x).square().mean()
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+        got, expected = fused(x), model(x)  # same signature as training: grad on, train mode
+        torch.testing.assert_close(got, expected, **FP32)
+        if before is not None:
+            assert not torch.allclose(got, before)  # the new weights are used
+        before = got.detach()
+    assert len(fused.reports()) == 1
+    assert [g.ops for g in fused.report().fused]  # the kernels ran, not a fallback
+    assert all(p.grad is not None for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------
+# Random ops, in-place writes, BatchNorm in training
+# ---------------------------------------------------------------------------
+
+
+class Unruly(nn.Module):
+    """Everything that must keep its place: dropout, in-place activations and
+    additions, BatchNorm updating its statistics, and an in-place write into a
+    fused group's input after the group (eager's own ops don't need the old
+    values; a recomputing backward would)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(13) + 0.5)
+        self.lin = nn.Linear(13, 24)
+        self.ln = nn.LayerNorm(24)
+        self.act = nn.ReLU(inplace=True)
+        self.drop = nn.Dropout(0.3)
+        self.bn = nn.BatchNorm1d(24)
+        self.out = nn.Linear(24, 5)
+
+    def forward(self, x):
+        a = torch.cumsum(x * self.scale, -1)
+        b = torch.sigmoid(a) * 3 + 1
+        a.mul_(2)
+        h = self.act(self.ln(self.lin(a + b.tanh())))
+        h = self.bn(self.drop(h) * 2)
+        h += 1
+        return self.out(F.gelu(h))
+
+
+def test_random_and_in_place_ops_train_like_eager():
+    model = Unruly().train()
+    reference = copy.deepcopy(model)
+    fused = autofuser.fuse(model, progress=False)
+    x = torch.randn(7, 13)
+
+    def train(module: nn.Module) -> list[float]:
+        torch.manual_seed(5)  # the same dropout masks
+        optimiser = torch.optim.Adam(module.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            loss = module(x).square().mean()
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+            losses.append(loss.item())
+        return losses
+
+    expected, got = train(reference), train(fused)
+    torch.testing.assert_close(got, expected, **FP32)
+    assert_same_weights(model, reference, **WEIGHTS_AFTER_ADAM)
+    for got_buffer, expected_buffer in zip(model.buffers(), reference.buffers()):
+        torch.testing.assert_close(got_buffer, expected_buffer, **WEIGHTS_AFTER_ADAM)  # statistics of h
+
+    groups = {tuple(g.ops): g for g in fused.report().groups}
+    overwritten = groups[("elementwise.sigmoid", "elementwise.mul", "elementwise.add")]
+    assert not overwritten.fused and overwritten.reason_code == "overwritten_before_backward"
+    assert "mul_" in overwritten.reason
+    assert len(fused.report().fused) >= 2
+
+    # Without gradients nothing is recomputed later, so the same group fuses.
+    with torch.no_grad():
+        fused.eval()
+        torch.testing.assert_close(fused(x), model(x), **FP32)
+    groups = {tuple(g.ops): g for g in fused.report().groups}
+    assert groups[("elementwise.sigmoid", "elementwise.mul", "elementwise.add")].fused
+
+
+# ---------------------------------------------------------------------------
+# Gradients of gradients, autocast
+# ---------------------------------------------------------------------------
+
+
+class Field(nn.Module):
+    """u(x) for a physics-informed loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.lift = nn.Linear(2, 24)
+        self.norm = nn.LayerNorm(24)
+        self.proj = nn.Linear(24, 1)
+
+    def forward(self, x):
+        return self.proj(torch.tanh(self.norm(self.lift(x))))
+
+
+def test_gradients_of_gradients_match_eager():
+    """A physics-informed loss differentiates u with respect to x, then trains on it:
+    backward runs through the fused groups' backward (``create_graph=True``)."""
+    model = Field()
+    reference = copy.deepcopy(model)
+    fused = autofuser.fuse(model, progress=False)
+    points = torch.randn(11, 2)
+
+    def residual_loss(module: nn.Module):
+        x = points.clone().requires_grad_()
+        u = module(x)
+        (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+        loss = du.square().mean() + u.square().mean()
+        loss.backward()
+        return loss, x.grad
+
+    expected_loss, expected_x_grad = residual_loss(reference)
+    got_loss, got_x_grad = residual_loss(fused)
+    assert fused.report().fused
+    torch.testing.assert_close(got_loss, expected_loss, **FP32)
+    torch.testing.assert_close(got_x_grad, expected_x_grad, **FP32)
+    for got, expected in zip(model.parameters(), reference.parameters()):
+        assert got.grad is not None and got.grad.abs().sum() > 0
+        torch.testing.assert_close(got.grad, expected.grad, **FP32)
+
+
+def test_backward_under_autocast_matches_eager():
+    """The recomputation runs under the forward's autocast state, as eager's backward
+    uses the dtypes eager's forward chose (here a bf16 product feeds a fused group
+    holding an fp32 layer norm and another product)."""
+    model = Field()
+    reference = copy.deepcopy(model)
+    fused = autofuser.fuse(model, progress=False)
+    x = torch.randn(3, 17, 2)
+    for module in (reference, fused):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(x)
+        assert out.dtype == torch.bfloat16
+        out.float().square().mean().backward()
+    assert fused.report().fused
+    for got, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad, **BF16)
