@@ -20,10 +20,23 @@ the user, mode 0700):
 
 Every write goes to a temporary file in the same folder and is renamed over
 the target (atomic on POSIX), so concurrent processes never read half a file.
+
+Several processes (the ranks of a distributed job, say) sharing one folder
+tune each kernel once: a process that misses an entry takes the entry's lock
+(``tuning/<key-hash>.lock``, an advisory ``flock``), reads again, and tunes
+only if the entry is still missing; the others wait for the lock and then read
+its result. The operating system drops the lock of a process that dies, and
+an entry appears only by the final rename, so a process killed while tuning
+leaves nothing a later run trusts (only a stray ``*.tmp``, removed later).
+
+A folder that can't be written (read-only, full disk) is not an error: one
+warning, tuning results are kept in memory for the process, and kernel sources
+go to a private temporary folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -31,9 +44,10 @@ import logging
 import os
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from .errors import CacheError
 
@@ -41,16 +55,43 @@ logger = logging.getLogger("autofuser")
 
 ENTRY_VERSION = 1
 
+#: How long a process waits for another one tuning the same kernel before it
+#: gives up waiting and tunes itself (a tuner that hangs must not hang the job).
+LOCK_TIMEOUT_S = 600.0
+#: A temporary file this old is left over from a process that died while writing.
+STALE_TMP_S = 60.0
+
+# Tuning results this process could not write, by (folder, key hash): reused by
+# later compilations in the same process.
+_unwritten: dict[tuple[str, str], dict[str, Any]] = {}
+_warned_unwritable: set[str] = set()
+_private_kernel_dir: Optional[Path] = None
+
 
 def cache_dir(override: Optional[str] = None) -> Path:
-    """The cache folder, created (mode 0700) if missing."""
+    """The cache folder, created (mode 0700) if missing. A folder that can't be
+    created is returned all the same: reads miss and writes fall back to memory."""
     root = override or os.environ.get("AUTOFUSER_CACHE_DIR")
     if not root:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(base, "autofuser")
     path = Path(root)
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as err:
+        _warn_unwritable(path, err)
     return path
+
+
+def _warn_unwritable(root: Path, err: OSError) -> None:
+    """One warning per folder and process: what failed and what happens instead."""
+    if str(root) in _warned_unwritable:
+        logger.debug("cache folder %s: %s", root, err)
+        return
+    _warned_unwritable.add(str(root))
+    warnings.warn(f"AutoFuser: cannot write to the cache folder {root} ({err}); tuning results are kept in "
+                  "memory for this process only, and kernel sources go to a private temporary folder. Point "
+                  "AUTOFUSER_CACHE_DIR (or fuse(cache_dir=...)) at a writable folder to keep them.", stacklevel=3)
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -79,7 +120,12 @@ def load_kernel_module(name: str, source: str, root: Path):
     except OSError:
         trusted = False
     if not trusted:
-        atomic_write(path, source)
+        try:
+            atomic_write(path, source)
+        except OSError as err:
+            _warn_unwritable(root, err)
+            path = _private_kernels() / f"{name}.py"
+            atomic_write(path, source)
     module_name = f"autofuser_kernels.{name}"
     if module_name in sys.modules:
         return sys.modules[module_name]
@@ -92,13 +138,29 @@ def load_kernel_module(name: str, source: str, root: Path):
     return module
 
 
+def _private_kernels() -> Path:
+    """A private temporary folder for kernel sources when the cache folder can't
+    take them (Triton reads a kernel's source through its file)."""
+    global _private_kernel_dir
+    if _private_kernel_dir is None:
+        _private_kernel_dir = Path(tempfile.mkdtemp(prefix="autofuser-kernels-"))
+    return _private_kernel_dir
+
+
 def key_digest(key: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def read_tuning(root: Path, key: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The stored result for ``key``, or ``None`` (missing, or unusable: warned)."""
-    path = root / "tuning" / f"{key_digest(key)}.json"
+    """The stored result for ``key``, or ``None`` (missing, or unusable: warned).
+    Where the file has none, a result this process tuned but could not write."""
+    entry = _read_entry_file(root / "tuning" / f"{key_digest(key)}.json", key)
+    if entry is None:
+        entry = _unwritten.get((str(root), key_digest(key)))
+    return entry
+
+
+def _read_entry_file(path: Path, key: dict[str, Any]) -> Optional[dict[str, Any]]:
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -136,7 +198,15 @@ def write_tuning(root: Path, key: dict[str, Any], config: dict[str, int], timing
     try:
         atomic_write(path, json.dumps(entry, indent=1, sort_keys=True))
     except OSError as err:
-        warnings.warn(f"AutoFuser: cannot write cache entry {path} ({err}); keeping the result in memory only.")
+        _keep_in_memory(root, key_digest(key), entry, path, err)
+    else:
+        _unwritten.pop((str(root), key_digest(key)), None)
+
+
+def _keep_in_memory(root: Path, slot: str, value: dict[str, Any], path: Path, err: OSError) -> None:
+    """A result the folder wouldn't take: kept for this process, and warned about once."""
+    _unwritten[(str(root), slot)] = value
+    _warn_unwritable(root, OSError(err.errno, f"cannot write cache entry {path}: {err.strerror or err}"))
 
 
 def read_verdict(root: Path, key: dict[str, Any]) -> dict[str, float]:
@@ -150,7 +220,7 @@ def read_verdict(root: Path, key: dict[str, Any]) -> dict[str, float]:
     try:
         entry = json.loads(path.read_text())
     except FileNotFoundError:
-        return {}
+        return dict(_unwritten.get((str(root), f"verdict-{key_digest(key)}"), {}).get("times", {}))
     except (OSError, ValueError) as err:
         warnings.warn(f"AutoFuser: ignoring unreadable cache entry {path} ({err}); timing again.")
         return {}
@@ -169,4 +239,72 @@ def write_verdict(root: Path, key: dict[str, Any], times: dict[str, float]) -> N
         atomic_write(path, json.dumps({"version": ENTRY_VERSION, "key": key, "times": times}, indent=1,
                                       sort_keys=True))
     except OSError as err:
-        warnings.warn(f"AutoFuser: cannot write cache entry {path} ({err}); keeping the result in memory only.")
+        _keep_in_memory(root, f"verdict-{key_digest(key)}", {"times": times}, path, err)
+
+
+@contextlib.contextmanager
+def tuning_lock(root: Path, key: dict[str, Any], on_wait: Optional[Callable[[], None]] = None,
+                timeout_s: Optional[float] = None) -> Iterator[bool]:
+    """Hold ``key``'s entry lock, so that one process at a time tunes it.
+
+    Yields ``True`` while the lock is held, ``False`` where there is no lock to
+    take (no ``fcntl``, a folder that can't be written, a file system without
+    locks, or ``timeout_s`` - default ``LOCK_TIMEOUT_S`` - spent waiting): the
+    caller then tunes on its own, which is only slower. ``on_wait`` is called
+    once if another process holds the lock.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: each process tunes; atomic writes still keep entries whole
+        yield False
+        return
+    digest = key_digest(key)
+    path = root / "tuning" / f"{digest}.lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as err:
+        _warn_unwritable(root, err)
+        yield False
+        return
+    try:
+        held = _acquire(fcntl, fd, path, on_wait, LOCK_TIMEOUT_S if timeout_s is None else timeout_s)
+        if held:
+            _remove_stale_temporaries(path.parent, f".{digest}.json.")
+        yield held
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+def _acquire(fcntl, fd: int, path: Path, on_wait, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    delay = 0.02
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        except OSError as err:  # a file system without locks (some network mounts)
+            logger.debug("cannot lock %s: %s", path, err)
+            return False
+        if on_wait is not None:
+            on_wait()
+            on_wait = None
+        if time.monotonic() >= deadline:
+            warnings.warn(f"AutoFuser: waited {timeout_s:.0f} s for another process to finish tuning "
+                          f"({path}); tuning here as well.")
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+def _remove_stale_temporaries(folder: Path, prefix: str) -> None:
+    """Half-written files of processes that died while writing this entry."""
+    now = time.time()
+    for tmp in folder.glob(f"{prefix}*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > STALE_TMP_S:
+                tmp.unlink()
+        except OSError:
+            pass

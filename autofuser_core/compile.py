@@ -26,7 +26,7 @@ import torch
 import torch.fx
 
 from .capture import frozen_state
-from .cache import cache_dir, load_kernel_module, read_tuning, write_tuning
+from .cache import cache_dir, load_kernel_module, read_tuning, tuning_lock, write_tuning
 from .group import GroupProgram, attr_tensor
 from .ir import AttrRef
 from .launch import FusedKernel
@@ -88,6 +88,7 @@ class _Job:
     inputs: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)
     fused: Optional[FusedKernel] = None
+    kernel_path: str = ""
     storages: dict = field(default_factory=dict)  # data_ptr -> storage of each input, while tracking writes
     overwritten_by: Optional[str] = None  # a later in-place op that writes into one of its inputs
 
@@ -283,7 +284,7 @@ def _precompile_untuned(jobs: list, device: torch.device, options, progress, rep
             continue
         program = job.candidate.program
         work[job.source.name] = CompileJob(
-            path=str(root / "kernels" / f"{job.source.name}.py"), name=job.source.name,
+            path=job.kernel_path, name=job.source.name,
             dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in (*program.inputs, *program.outputs)),
             launches=tuple(launch_items(c, job.source.constexprs) for c in _tuning_configs(job.candidate)))
     work_list = list(work.values())
@@ -294,16 +295,25 @@ def _precompile_untuned(jobs: list, device: torch.device, options, progress, rep
 
 
 def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, progress) -> _Tuned:
-    strategy = candidate.strategy
-    program = candidate.program
-    default = strategy.default_config(program)
     if not _can_tune(device, options):
-        return _Tuned(default)
+        return _Tuned(candidate.strategy.default_config(candidate.program))
     key = _tuning_key(source, device)
     root = cache_dir(options.cache_dir)
     entry = read_tuning(root, key)
-    if entry is not None:
-        return _Tuned(entry["config"], True, 0.0, entry.get("timings", []), key, entry.get("speed"))
+    if entry is None:
+        # Another process (a rank of the same job) may be tuning this kernel: wait for
+        # it, then read what it found, rather than tune the same kernel twice.
+        with tuning_lock(root, key, on_wait=lambda: progress(f"waiting for another process tuning {source.name}")):
+            entry = read_tuning(root, key)
+            if entry is None:
+                return _tune(candidate, source, kernel, inputs, device, options, progress, root, key)
+    return _Tuned(entry["config"], True, 0.0, entry.get("timings", []), key, entry.get("speed"))
+
+
+def _tune(candidate: Candidate, source, kernel, inputs, device, options, progress, root, key) -> _Tuned:
+    """Time the strategy's valid configs within the budget; store and return the fastest."""
+    program = candidate.program
+    default = candidate.strategy.default_config(program)
     configs = _tuning_configs(candidate)
     progress(f"tuning {source.name}: {len(configs)} configs")
     start = time.perf_counter()
@@ -408,6 +418,7 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
             job.source = candidate.strategy.generate(program, view.helpers)
             job.entry.kernel_source = job.source.source
             module = load_kernel_module(job.source.name, job.source.source, cache_dir(options.cache_dir))
+            job.kernel_path = module.__file__  # not in the cache folder where that can't be written
             job.kernel = getattr(module, job.source.name)
             job.eager = extract_group_module(gm, program)
         except Exception as err:

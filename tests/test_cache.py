@@ -3,15 +3,18 @@ sources, the folder itself, and tuning results reused across processes."""
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import marshal
 import os
+import shutil
 import stat
 import struct
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -20,7 +23,6 @@ import pytest
 import torch
 
 import autofuser
-
 from autofuser_core import cache
 from autofuser_core.cache import cache_dir, key_digest, load_kernel_module, read_tuning, write_tuning
 
@@ -356,3 +358,198 @@ def test_whole_forward_timings_are_cached_and_a_corrupt_entry_is_retimed(tmp_pat
         with pytest.warns(UserWarning, match="corrupt or foreign cache entry"):
             torch.testing.assert_close(third(x), model(x))
         assert len(calls) == 4
+
+
+# ---------------------------------------------------------------------------
+# Faults: a process killed while tuning, a folder that can't be written
+# ---------------------------------------------------------------------------
+
+# The tuning script, stopped for good at one point while it tunes its first kernel:
+# in the timer (holding the entry's lock), or inside the write (the entry's
+# temporary file complete, the rename not yet done).
+STOP_POINTS = {
+    "while-tuning": ("compile_module._bench", "lambda fn, *args: stop()"),
+    "while-writing": ("cache.os.replace",
+                      "lambda src, dst, replace=os.replace: stop() if str(dst).endswith('.json') else replace(src, dst)"),
+}
+
+
+def stopping_script(where: str, marker: Path) -> str:
+    target, replacement = STOP_POINTS[where]
+    return TUNING_SCRIPT.replace("import autofuser_core.compile as compile_module", textwrap.dedent(f'''
+        import os
+        import autofuser_core.compile as compile_module
+        from autofuser_core import cache
+
+        def stop():
+            open({str(marker)!r}, "w").close()
+            time.sleep(600)
+    ''')).replace("compile_module._bench = cpu_bench", f"compile_module._bench = cpu_bench\n{target} = {replacement}")
+
+
+def lock_is_free(path: Path) -> bool:
+    import fcntl
+
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return True
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="entry locks use POSIX flock")
+@pytest.mark.parametrize("where", list(STOP_POINTS))
+def test_a_process_killed_while_tuning_leaves_nothing_a_later_run_trusts(tmp_path, where):
+    marker, cache_root = tmp_path / "stopped", tmp_path / "cache"
+    script = tmp_path / "stops.py"
+    script.write_text(stopping_script(where, marker))
+    env = {**os.environ, "AUTOFUSER_CACHE_DIR": str(cache_root), "TRITON_INTERPRET": "1",
+           "AUTOFUSER_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    victim = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert victim.poll() is None, victim.communicate()[1].decode()
+            assert time.monotonic() < deadline, "the tuning process never reached its stop point"
+            time.sleep(0.05)
+        (lock,) = (cache_root / "tuning").glob("*.lock")
+        assert not lock_is_free(lock)  # it is tuning, and holds the entry's lock
+    finally:
+        victim.kill()
+        victim.communicate()
+    assert lock_is_free(lock)  # the system dropped the dead process's lock
+    assert list((cache_root / "tuning").glob("*.json")) == []  # no entry, whole or half
+    stray = leftovers(cache_root / "tuning")
+    assert len(stray) == (1 if where == "while-writing" else 0)
+    for name in stray:  # as if it died a while ago
+        os.utime(cache_root / "tuning" / name, (time.time() - 3600, time.time() - 3600))
+
+    script.write_text(TUNING_SCRIPT)
+    later, _ = run_tuning_process(script, cache_root)
+    assert all(not g["cache_hit"] and g["tuning_s"] > 0 for g in later["groups"])  # tuned again
+    assert set(tuning_files(cache_root)) == {g["kernel"] for g in later["groups"]}
+    assert leftovers(cache_root / "tuning") == []  # the dead writer's temporary file is cleaned up
+
+
+class NormGelu(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(37)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.ln(x * 2 + 1)).transpose(1, 2) * 3
+
+
+@pytest.fixture
+def gpu_tuning(monkeypatch):
+    """Tuning as on a GPU, with a stand-in timer; returns the list of timed launches.
+    ``gpu_tuning.device_key`` is the machine the cache key describes."""
+    import autofuser_core.compile as compile_module
+
+    timed = []
+
+    def bench(fn, *args):
+        timed.append(fn)
+        return 1.0 + 0.1 * len(timed) % 0.7
+
+    monkeypatch.setattr(compile_module, "_can_tune", lambda device, options: options.tune)
+    monkeypatch.setattr(compile_module, "_bench", bench)
+    return timed
+
+
+def fuse_norm_gelu(root: Path, x: torch.Tensor):
+    """Fuse and run ``NormGelu`` with cache folder ``root``: (report, output, eager output)."""
+    torch.manual_seed(0)
+    model = NormGelu()
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False, cache_dir=str(root))
+        return fused.report() if fused(x) is None else (fused.report(), fused(x), model(x))
+
+
+def unwritable_folder(kind: str, root: Path, monkeypatch) -> None:
+    """Make ``root`` refuse writes: for real (chmod), or a write that fails as a
+    read-only file system or a full disk would."""
+    root.mkdir(parents=True)
+    if kind == "chmod":
+        root.chmod(0o500)
+        return
+    code = errno.EROFS if kind == "read-only" else errno.ENOSPC
+    write = cache.atomic_write
+
+    def failing(path, text):
+        if Path(path).is_relative_to(root):
+            raise OSError(code, os.strerror(code), str(path))
+        write(path, text)
+
+    monkeypatch.setattr(cache, "atomic_write", failing)
+
+
+@pytest.mark.parametrize("kind", [
+    "read-only", "full-disk",
+    pytest.param("chmod", marks=pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
+                                                   reason="as root, chmod doesn't stop writes (simulated above)")),
+])
+def test_an_unwritable_cache_folder_means_tuning_in_memory_with_one_warning(tmp_path, monkeypatch, gpu_tuning, kind):
+    root = tmp_path / "cache"
+    unwritable_folder(kind, root, monkeypatch)
+    x = torch.randn(3, 5, 37)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report, got, expected = fuse_norm_gelu(root, x)
+            messages = [str(w.message) for w in caught if "AutoFuser" in str(w.message)]
+            assert len(messages) == 1 and "cannot write to the cache folder" in messages[0], messages
+            assert str(root) in messages[0] and "in memory" in messages[0]
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+            assert report.fused and all(not g.cache_hit and g.tuning_s > 0 for g in report.fused)
+            timed_once = len(gpu_tuning)
+            assert timed_once > 0
+
+            # A second compilation in this process reuses what was tuned, without a new warning.
+            again, got, expected = fuse_norm_gelu(root, x)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+            assert [g.config for g in again.fused] == [g.config for g in report.fused]
+            assert all(g.cache_hit for g in again.fused) and len(gpu_tuning) == timed_once
+            assert len([w for w in caught if "AutoFuser" in str(w.message)]) == 1
+    finally:
+        root.chmod(0o700)
+    assert list(root.glob("tuning/*.json")) == [] and list(root.glob("kernels/*.py")) == []
+
+
+# ---------------------------------------------------------------------------
+# Shipping a cache to other machines
+# ---------------------------------------------------------------------------
+
+
+def test_a_shipped_cache_is_used_on_the_same_gpu_and_versions_and_ignored_elsewhere(tmp_path, monkeypatch, gpu_tuning):
+    import autofuser_core.compile as compile_module
+
+    machine = {"gpu": "NVIDIA H200", "capability": "9.0", "torch": "2.11.0", "triton": "3.6.0"}
+    monkeypatch.setattr(compile_module, "device_key", lambda device: dict(machine))
+    x = torch.randn(2, 5, 37)
+    built = tmp_path / "built"
+    tuned, _, _ = fuse_norm_gelu(built, x)
+    assert tuned.fused and all(not g.cache_hit for g in tuned.fused)
+    entries = {p.name: json.loads(p.read_text()) for p in (built / "tuning").glob("*.json")}
+    assert len(entries) == len(tuned.fused)
+    for entry in entries.values():
+        assert {k: entry["key"][k] for k in machine} == machine
+
+    shipped = tmp_path / "shipped"
+    shutil.copytree(built, shipped)
+    timed = len(gpu_tuning)
+    same, got, expected = fuse_norm_gelu(shipped, x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert all(g.cache_hit for g in same.fused) and len(gpu_tuning) == timed
+    assert [g.config for g in same.fused] == [g.config for g in tuned.fused]
+
+    for field, other in [("gpu", "NVIDIA A100-SXM4-80GB"), ("capability", "8.0"), ("torch", "2.12.0"),
+                         ("triton", "3.7.0")]:
+        monkeypatch.setattr(compile_module, "device_key", lambda device: {**machine, field: other})
+        elsewhere, got, expected = fuse_norm_gelu(shipped, x)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+        assert all(not g.cache_hit and g.tuning_s > 0 for g in elsewhere.fused), field
+    for name, entry in entries.items():  # the shipped entries are left as they were
+        assert json.loads((shipped / "tuning" / name).read_text()) == entry
