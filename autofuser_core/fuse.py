@@ -122,9 +122,15 @@ class FusedModule(torch.nn.Module):
     def children(self):
         return self._model.children()
 
+    def named_children(self):
+        return self._model.named_children()
+
     def modules(self):
         return self._model.modules()
 
+    def named_modules(self, *args, **kwargs):
+        # DistributedDataParallel finds the parameters module by module through this.
+        return self._model.named_modules(*args, **kwargs)
 
     def train(self, mode: bool = True):
         self._model.train(mode)
