@@ -444,15 +444,14 @@ class NormGelu(torch.nn.Module):
 
 @pytest.fixture
 def gpu_tuning(monkeypatch):
-    """Tuning as on a GPU, with a stand-in timer; returns the list of timed launches.
-    ``gpu_tuning.device_key`` is the machine the cache key describes."""
+    """Tuning as on a GPU, with a stand-in timer; returns the list of timed launches."""
     import autofuser_core.compile as compile_module
 
     timed = []
 
     def bench(fn, *args):
         timed.append(fn)
-        return 1.0 + 0.1 * len(timed) % 0.7
+        return 1.0 + (0.1 * len(timed)) % 0.7  # configs differ, so a winner is picked
 
     monkeypatch.setattr(compile_module, "_can_tune", lambda device, options: options.tune)
     monkeypatch.setattr(compile_module, "_bench", bench)
@@ -465,7 +464,8 @@ def fuse_norm_gelu(root: Path, x: torch.Tensor):
     model = NormGelu()
     with torch.no_grad():
         fused = autofuser.fuse(model, progress=False, cache_dir=str(root))
-        return fused.report() if fused(x) is None else (fused.report(), fused(x), model(x))
+        got = fused(x)
+        return fused.report(), got, model(x)
 
 
 def unwritable_folder(kind: str, root: Path, monkeypatch) -> None:
@@ -540,7 +540,19 @@ def test_a_shipped_cache_is_used_on_the_same_gpu_and_versions_and_ignored_elsewh
     shipped = tmp_path / "shipped"
     shutil.copytree(built, shipped)
     timed = len(gpu_tuning)
-    same, got, expected = fuse_norm_gelu(shipped, x)
+    with monkeypatch.context() as read_only, warnings.catch_warnings():
+        # The same GPU and versions: every kernel is served without writing anything.
+        def refuse(original):
+            def call(path, *args, **kwargs):
+                if Path(path).is_relative_to(shipped):
+                    pytest.fail(f"wrote to {path}")
+                return original(path, *args, **kwargs)
+            return call
+
+        read_only.setattr(cache, "atomic_write", refuse(cache.atomic_write))
+        read_only.setattr(cache.os, "open", refuse(os.open))  # the entry lock
+        warnings.simplefilter("error")
+        same, got, expected = fuse_norm_gelu(shipped, x)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     assert all(g.cache_hit for g in same.fused) and len(gpu_tuning) == timed
     assert [g.config for g in same.fused] == [g.config for g in tuned.fused]
