@@ -76,7 +76,7 @@ class FusedModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, plugins: Optional[Sequence[Any]], options: FuseOptions):
         super().__init__()
         self._plugins = plugins
-        self._plugin_set = load_plugins(plugins)
+        self._plugin_set = _load_plugins_quietly(plugins)
         self._quantized: list[QuantizedLayer] = []
         if options.quantize is not None:
             # A quantised copy; the caller's model keeps its float weights.
@@ -168,7 +168,7 @@ class FusedModule(torch.nn.Module):
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._plugin_set = load_plugins(self._plugins)
+        self._plugin_set = _load_plugins_quietly(self._plugins)
         self._compiled, self._last_report = OrderedDict(), None
 
     # -- signatures -----------------------------------------------------------
@@ -344,6 +344,14 @@ class FusedModule(torch.nn.Module):
     def reports(self) -> list[FusionReport]:
         """Reports of every compiled signature, oldest first."""
         return [report for _, report in self._compiled.values()]
+
+
+def _load_plugins_quietly(plugins):
+    """``load_plugins`` leaving the CPU random stream as it was: a plugin may build
+    sample modules when it is first imported, and ``fuse()`` must not change what
+    the user's next ``torch.randn`` draws."""
+    with torch.random.fork_rng(devices=[]):
+        return load_plugins(plugins)
 
 
 def _time(fn, args: tuple) -> float:
