@@ -368,7 +368,7 @@ def test_whole_forward_timings_are_cached_and_a_corrupt_entry_is_retimed(tmp_pat
 # in the timer (holding the entry's lock), or inside the write (the entry's
 # temporary file complete, the rename not yet done).
 STOP_POINTS = {
-    "while-tuning": ("compile_module._bench", "lambda fn, *args: stop()"),
+    "while-tuning": ("compile_module._bench", "lambda fn, *args, **timing: stop()"),
     "while-writing": ("cache.os.replace",
                       "lambda src, dst, replace=os.replace: stop() if str(dst).endswith('.json') else replace(src, dst)"),
 }
@@ -449,7 +449,7 @@ def gpu_tuning(monkeypatch):
 
     timed = []
 
-    def bench(fn, *args):
+    def bench(fn, *args, **timing):
         timed.append(fn)
         return 1.0 + (0.1 * len(timed)) % 0.7  # configs differ, so a winner is picked
 
