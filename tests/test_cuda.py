@@ -100,3 +100,99 @@ def test_tuning_configs_compile_in_parallel_worker_processes(tmp_path):
     compiled, wanted = (int(w) for w in notes[0].split()[1:4:2])
     assert compiled == wanted > 1, notes[0]
     assert report.phases["parallel_compile"] > 0
+
+
+# ---------------------------------------------------------------------------
+# Training and several processes on a real GPU
+# ---------------------------------------------------------------------------
+
+
+class Block(torch.nn.Module):
+    """Layer norm, an MLP and a residual: groups with products, reductions and pointwise ops."""
+
+    def __init__(self, width=48, hidden=96):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, hidden)
+        self.down = torch.nn.Linear(hidden, width)
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        x = x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        return self.head(torch.tanh(x))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_training_on_gpu_matches_eager(autocast):
+    """Real kernels forward, recomputed eager ops backward: the same losses and first gradients."""
+    import copy
+
+    torch.manual_seed(3)
+    model = Block().cuda().train()
+    reference = copy.deepcopy(model)
+    fused = autofuser.fuse(model, progress=False, verify_speed=False)
+    x, y = torch.randn(4, 211, 48, device="cuda"), torch.randn(4, 211, 1, device="cuda")
+
+    def train(module, weights):
+        optimiser = torch.optim.Adam(module.parameters(), lr=1e-3)
+        losses, first = [], {}
+        for step in range(4):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = torch.nn.functional.mse_loss(module(x).float(), y)
+            optimiser.zero_grad()
+            loss.backward()
+            if step == 0:
+                first = {n: p.grad.clone() for n, p in weights.named_parameters()}
+            optimiser.step()
+            losses.append(loss.item())
+        return losses, first
+
+    expected, expected_grads = train(reference, reference)
+    got, got_grads = train(fused, model)
+    assert fused.report().fused and len(fused.reports()) == 1
+    tol = dict(atol=2e-2, rtol=4e-2) if autocast else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, expected, **tol)
+    for name, grad in got_grads.items():
+        scale = max(1.0, float(expected_grads[name].abs().max()))
+        torch.testing.assert_close(grad, expected_grads[name], atol=tol["atol"] * scale, rtol=tol["rtol"], msg=name)
+
+
+def test_two_processes_tune_each_kernel_once(tmp_path):
+    """Two processes compile the same model into one cache at once: each kernel is
+    timed by one of them, and the other reads its result."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "tune.py"
+    script.write_text(textwrap.dedent('''
+        import json, sys, time
+        import torch
+        import autofuser
+        sys.path.insert(0, sys.argv[2])
+        from test_cuda import Block
+
+        torch.manual_seed(3)
+        model = Block().cuda().eval()
+        x = torch.randn(4, 211, 48, device="cuda")
+        while time.time() < float(sys.argv[3]):  # start together
+            time.sleep(0.01)
+        with torch.no_grad():
+            fused = autofuser.fuse(model, progress=False, verify_speed=False, tune_budget_s=5.0)
+            torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
+        json.dump([g.model_dump() for g in fused.report().fused], open(sys.argv[1], "w"))
+    '''))
+    start = __import__("time").time() + 20
+    env = {**os.environ, "AUTOFUSER_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / f"{k}.json"), os.path.dirname(__file__),
+                               str(start)], env=env, stderr=subprocess.PIPE, text=True) for k in range(2)]
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
+    runs = [{g["kernel"]: g for g in json.loads((tmp_path / f"{k}.json").read_text())} for k in range(2)]
+    assert runs[0] and set(runs[0]) == set(runs[1])
+    for kernel in runs[0]:
+        assert sorted(run[kernel]["cache_hit"] for run in runs) == [False, True], kernel
+        assert runs[0][kernel]["config"] == runs[1][kernel]["config"]
