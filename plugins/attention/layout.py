@@ -55,7 +55,7 @@ class Step:
 
 @dataclass
 class AttentionLayout:
-    form: str  # "sdpa" | "written_out"
+    form: str  # "sdpa" | "written_out" (softmax) | "fourier" ((q @ k^T) @ v as written, no softmax)
     batch: tuple[int, ...]  # the output's leading dims, walked by grid axis 1
     n: int  # queries
     m: int  # keys
@@ -76,6 +76,53 @@ class AttentionLayout:
     q_steps: list[Step] = field(default_factory=list)  # written out: pointwise ops on q before the product
     score_steps: list[Step] = field(default_factory=list)  # written out: scale, bias, mask between product and softmax
     tiles: dict[torch.fx.Node, Operand] = field(default_factory=dict)  # tensors the score steps read as [N, M]
+    out_steps: list[Step] = field(default_factory=list)  # fourier: ops by constants on the output (``/ n``)
+
+    @property
+    def batch_numel(self) -> int:
+        n = 1
+        for s in self.batch:
+            n *= s
+        return n
+
+
+@dataclass
+class RowNorm:
+    """A layer norm over the head width of k or v, fused into the kernel that reads them."""
+
+    node: torch.fx.Node
+    eps: float
+    dtype: torch.dtype  # of its result in eager
+    weight: Optional[int] = None  # kernel argument ``in{weight}``, or ``None`` (no affine weight)
+    bias: Optional[int] = None
+
+
+@dataclass
+class LinearAttentionLayout:
+    """``q @ (k^T @ v)`` with the context ``k^T @ v`` (a d x dv matrix per batch entry)
+    summed over the m points in splits, then applied to every query.
+
+    ``form`` "galerkin": written as ``q @ (k^T @ v) / n``; "fourier": written as
+    ``(q @ k^T) @ v / n`` and reassociated (the user allowed it).
+    """
+
+    form: str
+    batch: tuple[int, ...]
+    n: int  # queries
+    m: int  # points summed over in k^T @ v
+    d: int
+    dv: int
+    q: Operand  # [n, d]
+    k: Operand  # [m, d]
+    v: Operand  # [m, dv]
+    out: Operand  # [n, dv]
+    ctx_dtype: torch.dtype  # eager dtype of k^T @ v (its operands round to it unless fp32)
+    out_dtype: torch.dtype  # eager dtype of q @ context
+    precision: str
+    k_norm: Optional[RowNorm] = None
+    v_norm: Optional[RowNorm] = None
+    ctx_steps: list[Step] = field(default_factory=list)  # ops by constants on the context (``/ n``)
+    out_steps: list[Step] = field(default_factory=list)  # ops by constants on the output
 
     @property
     def batch_numel(self) -> int:
@@ -90,3 +137,5 @@ class AttentionProgram(GroupProgram):
     """A ``GroupProgram`` with its attention layout (built by the strategy's compose)."""
 
     attention: Optional[AttentionLayout] = None
+    linear: Optional[LinearAttentionLayout] = None
+    slices: Optional["SliceLayout"] = None  # noqa: F821 (slice.py)
