@@ -14,7 +14,7 @@ from autofuser import hookimpl
 from autofuser_core.oplib import collect_specs
 
 from . import ops
-from .strategy import ATTENTION_STRATEGY, LINEAR_STRATEGY
+from .strategy import ATTENTION_STRATEGY, LINEAR_STRATEGY, SLICE_STRATEGY
 
 
 @hookimpl
@@ -27,3 +27,4 @@ def autofuser_register_lowerings(register):
 def autofuser_register_strategies(register):
     register(ATTENTION_STRATEGY)
     register(LINEAR_STRATEGY)
+    register(SLICE_STRATEGY)

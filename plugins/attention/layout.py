@@ -133,6 +133,64 @@ class LinearAttentionLayout:
 
 
 @dataclass
+class LinearMap:
+    """An ``nn.Linear`` inside a chain: ``x @ weight^T + bias``, rounded to ``dtype``."""
+
+    node: torch.fx.Node
+    weight: int  # kernel argument ``in{weight}``, [out, in] contiguous
+    bias: Optional[int]
+    dtype: torch.dtype
+    width_in: int
+    width_out: int
+
+
+@dataclass
+class SliceLayout:
+    """Transolver's slice attention, per batch entry (sample and head).
+
+    Points ``x`` [n, dx] decide the slice weights ``w = softmax(steps(x @ Ws^T + bs))``
+    over ``g`` slices; points ``fx`` [n, df] are aggregated into slice tokens
+    ``t = (w^T @ fx) / steps(sum_n w)``; the tokens attend to each other
+    (``q, k, v`` by linear maps of ``t``); ``out = w @ t'`` [n, dv].
+    """
+
+    batch: tuple[int, ...]
+    n: int
+    g: int
+    dx: int
+    df: int
+    dq: int
+    dv: int
+    x: Operand
+    fx: Operand
+    out: Operand
+    to_slice: LinearMap
+    logit_steps: list[Step]
+    logit_tiles: dict  # tensors the logit steps read, as [n, g] tiles
+    weights_dtype: torch.dtype  # the softmax's
+    sum_dtype: torch.dtype
+    sum_steps: list[Step]  # on the weights' sums (``+ 1e-5``)
+    agg_dtype: torch.dtype  # w^T @ fx
+    tokens_dtype: torch.dtype  # after the division
+    to_q: LinearMap
+    to_k: LinearMap
+    to_v: LinearMap
+    scores_dtype: torch.dtype
+    score_steps: list[Step]  # by constants (the scale)
+    probs_dtype: torch.dtype
+    mixed_dtype: torch.dtype  # p @ v
+    out_dtype: torch.dtype  # w @ t'
+    precision: str
+
+    @property
+    def batch_numel(self) -> int:
+        n = 1
+        for s in self.batch:
+            n *= s
+        return n
+
+
+@dataclass
 class AttentionProgram(GroupProgram):
     """A ``GroupProgram`` with its attention layout (built by the strategy's compose)."""
 

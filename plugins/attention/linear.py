@@ -89,7 +89,7 @@ def _context(view, node: torch.fx.Node):
         a, b, swapped = found
         return None if swapped else (a, (-2, -1), b, (-2, -1))
     dot = product(view, node)
-    if dot is None:
+    if dot is None or not _is_transposed_view(dot.args[0].source):  # k^T marks the context
         return None
     return (dot.args[0].source, (-1, -2), dot.args[1].source, (-1, -2) if dot.transpose_b else (-2, -1))
 
