@@ -168,12 +168,23 @@ def layer_norm_of(view, node: torch.fx.Node, width: int):
 # ---------------------------------------------------------------------------
 
 
+def _through_transpose(view, source: torch.fx.Node, dims, user: torch.fx.Node):
+    """``(x, (-2, -1), [view])`` when ``source`` is ``x.transpose(-2, -1)`` used only by
+    ``user`` (lowered as an extern view, so it can join the chain), else as given."""
+    value = view.lowered.get(source)
+    if (dims == (-1, -2) and value is not None and value.op == "extern" and _is_transposed_view(source)
+            and set(source.users) == {user}):
+        return source.args[0], (-2, -1), [source]
+    return source, dims, []
+
+
 def _norm_feeding(view, source: torch.fx.Node, dims, user: torch.fx.Node) -> list[torch.fx.Node]:
-    """``[source]`` if ``source`` is a layer norm over the head width used only by ``user``."""
+    """The layer norm over the head width (and the k^T view after it) feeding only ``user``, if any."""
+    source, dims, views = _through_transpose(view, source, dims, user)
     meta = tensor_meta(source)
-    if dims != (-2, -1) or meta is None or len(meta.shape) < 2 or set(source.users) != {user}:
+    if dims != (-2, -1) or meta is None or len(meta.shape) < 2 or set(source.users) != {(views or [user])[0]}:
         return []
-    return [source] if layer_norm_of(view, source, meta.shape[-1]) is not None else []
+    return [source] + views if layer_norm_of(view, source, meta.shape[-1]) is not None else []
 
 
 def galerkin_chain(view, output: torch.fx.Node) -> Optional[list[torch.fx.Node]]:
@@ -319,7 +330,7 @@ def _linear_layout(view, form, q_node, k_node, k_dims, v_node, v_dims, context, 
     out_meta, ctx_meta = tensor_meta(out_steps[-1] if out_steps else output), tensor_meta(context)
     batch = tuple(out_meta.shape[:-2])
     n, dv = out_meta.shape[-2:]
-    d = ctx_meta.shape[-2]
+    d = tensor_meta(q_node).shape[-1]
     k_meta = tensor_meta(k_node)
     m = k_meta.shape[k_dims[0]]
     _head_widths(d, dv)
@@ -359,13 +370,17 @@ def _read_galerkin(view, nodes, output, index):
     out_steps = nodes[nodes.index(output) + 1:]
     k, k_dims, v, v_dims = _context(view, context)
     norms = {}
-    for name, source in (("k", k), ("v", v)):
+    for name, source, dims in (("k", k, k_dims), ("v", v, v_dims)):
+        if source in nodes and view.lowered[source].op == "extern":  # a k^T view of a layer norm's result
+            source, dims, _ = _through_transpose(view, source, dims, context)
+        norms[name + "_dims"] = dims
         if source in nodes:
             width = tensor_meta(source).shape[-1]
             norms[name] = _row_norm(view, source, width, index)
             source = layer_norm_of(view, source, width)[0]
         norms[name + "_node"] = source
-    layout = _linear_layout(view, "galerkin", dot.args[0].source, norms["k_node"], k_dims, norms["v_node"], v_dims,
+    layout = _linear_layout(view, "galerkin", dot.args[0].source, norms["k_node"], norms["k_dims"], norms["v_node"],
+                            norms["v_dims"],
                             context, output, ctx_steps, out_steps, index, norms.get("k"), norms.get("v"))
     fused = [f"layer norm on {w}" for w in ("k", "v") if norms.get(w)]
     summary = (f"form galerkin: q @ (k^T @ v){' with ' + ' and '.join(fused) if fused else ''} as a chain of three "

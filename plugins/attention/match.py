@@ -275,7 +275,7 @@ def _read_sdpa(node: torch.fx.Node, index: dict):
         causal=a["is_causal"], empty_rows_zero=True,
     )
     kind = "no mask" if mask is None else "bool mask" if mask.dtype == torch.bool else "additive mask"
-    summary = (f"form sdpa: scaled_dot_product_attention ({kind}{', causal' if a['is_causal'] else ''}) as one "
+    summary = (f"form softmax (sdpa): scaled_dot_product_attention ({kind}{', causal' if a['is_causal'] else ''}) as one "
                f"online-softmax kernel over {n} queries x {m} keys per head, head width {d}; the scores never "
                "reach memory")
     return layout, summary
@@ -349,7 +349,7 @@ def _read_written_out(view, nodes: list[torch.fx.Node], index: dict):
             raise GroupRefused("shape_mismatch", f"{node.name} broadcasts the scores to {list(tensor_meta(node).shape)}")
         previous = node
     ops = " -> ".join(view.lowering_of[n].name.rsplit(".", 1)[-1] for n in nodes)
-    summary = (f"form written_out: softmax attention ({ops}) as one online-softmax kernel over {n} queries x {m} "
+    summary = (f"form softmax (written out): softmax attention ({ops}) as one online-softmax kernel over {n} queries x {m} "
                f"keys per head, head width {d}; the scores never reach memory")
     return layout, summary
 
