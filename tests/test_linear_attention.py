@@ -208,3 +208,39 @@ def test_einsum_transposed_a_alone_stays_eager_with_reason():
     fused, got, expected = run(Context(), k, v)
     torch.testing.assert_close(got, expected)
     assert not [g for g in fused.report().fused if "matmul.einsum" in g.ops]
+
+
+def test_chain_warmup_compiles_every_stage_with_its_own_arguments():
+    """``warmup`` (the parallel compiler's entry point) reaches each kernel of a chain with
+    that kernel's pointer types and constants; no GPU needed to check the plumbing."""
+    model = Galerkin(16, "einsum")
+    qkv = torch.randn(1, 37, 3 * HEADS * 16, dtype=torch.float16, device=DEVICE)
+    fused, _, _ = run(model.to(torch.float16), qkv)
+    (kernel,) = [k for k in _kernels(fused) if k.source.layout == "attention_chain"]
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def warmup(self, *args, grid, **kwargs):
+            calls.append((self.name, args, kwargs))
+
+    module = __import__("sys").modules[type(kernel.kernel).__module__]
+    stages = kernel.kernel.stages(kernel.launch_args)
+    saved = {s["name"]: getattr(module, s["name"]) for s in stages}
+    try:
+        for name in saved:
+            setattr(module, name, Recorder(name))
+        dtypes = [*kernel.input_dtypes, *[dtype for _, _, dtype in kernel.output_layout]]
+        kernel.kernel.warmup(*dtypes, grid=(1,), **kernel.launch_args)
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+    assert [c[0] for c in calls] == [s["name"] for s in stages]
+    for (name, args, kwargs), stage in zip(calls, stages):
+        assert len(args) == len(stage["pointers"]) and kwargs["num_warps"] == kernel.launch_args["num_warps"]
+        assert {k: kwargs[k] for k in stage["constexprs"]} == stage["constexprs"]
+        for arg, pointer in zip(args, stage["pointers"]):
+            # the model's tensors (parameters included) are fp16; the chain's scratch buffers fp32
+            assert arg == (torch.float16 if pointer.startswith("in") or pointer == "out0" else torch.float32)

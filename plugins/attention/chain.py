@@ -3,7 +3,7 @@
 A group's kernel module names one entry point, which the core launches as
 ``entry[grid](*inputs, *outputs, **config)`` - exactly how a ``@triton.jit``
 function is launched. For a chain, the entry is a small host-side launcher
-with that interface: it allocates the chain's scratch buffers (fp32 partial
+with that interface (and ``warmup``, to be compiled ahead of its first launch): it allocates the chain's scratch buffers (fp32 partial
 results, a few KiB to MiB), launches each stage with its own grid and ignores
 the grid it is given. Tuning times the whole chain, and verification checks
 its outputs, like any kernel's.
@@ -32,13 +32,16 @@ def digest(*parts: str) -> str:
 
 
 def chain_module(header: str, helper_text: str, functions: list[str], entry: str, launch_lines: list[str],
-                 signature: str, stages: list[dict], derived: dict[str, str] = None) -> str:
+                 signature: str, stages: list[dict], derived: dict[str, str] = None,
+                 tensor_names: tuple[str, ...] = ()) -> str:
     """The module text: the kernels, then the launcher ``entry``.
 
     ``launch_lines`` is the body of ``launch(self, <signature>)``; ``stages``
     (one dict per kernel: ``name``, ``pointers`` {argument: type}, ``constexprs``
     {name: the name of a config key}) becomes ``stages(config)``; ``derived``
     adds keys computed from the config (Python expressions over ``config``).
+    ``tensor_names``: the entry's tensor arguments in call order (inputs, then
+    outputs), for ``warmup``; scratch buffers are fp32.
     """
     derive = "".join(f"        config[{k!r}] = {v}\n" for k, v in (derived or {}).items())
     body = "\n".join("        " + line for line in launch_lines)
@@ -53,6 +56,15 @@ def chain_module(header: str, helper_text: str, functions: list[str], entry: str
         + "    def stages(self, config):\n"
         + "        config = dict(config)\n" + derive
         + f"        stages = {stages!r}\n"
-        + "        return [dict(s, constexprs={k: config[v] for k, v in s['constexprs'].items()}) for s in stages]\n\n\n"
+        + "        return [dict(s, constexprs={k: config[v] for k, v in s['constexprs'].items()}) for s in stages]\n\n"
+        + "    def warmup(self, *dtypes, grid, **config):\n"
+        + '        """Compile every stage without launching it (``autofuser_core.precompile``)."""\n'
+        + "        names = " + repr(tensor_names) + "\n"
+        + "        given = dict(zip(names, dtypes))\n"
+        + "        for stage in self.stages(config):\n"
+        + "            fn = globals()[stage['name']]\n"
+        + "            args = [given.get(name, torch.float32) for name in stage['pointers']]\n"
+        + "            fn.warmup(*args, grid=(1,), num_warps=config.get('num_warps', 4),\n"
+        + "                      num_stages=config.get('num_stages', 2), **stage['constexprs'])\n\n\n"
         + f"{entry} = _Chain()\n"
     )

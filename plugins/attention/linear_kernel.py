@@ -155,7 +155,7 @@ def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource
                                     "num_warps=4", "num_stages=2"])
     derived = {"CHUNK": f"triton.cdiv(triton.cdiv({L.m}, config['SPLITS']), config['BLOCK_N']) * config['BLOCK_N']"}
     source = chain_module(_header(program, strategy), helper_text, functions, name, launch, signature, stages,
-                          derived)
+                          derived, tuple(inputs + ['out0']))
     return KernelSource(name=name, source=source, layout="attention_chain", grid=lambda config: (1,),
                         constexprs={"BLOCK_D": block_d, "BLOCK_DV": block_dv})
 

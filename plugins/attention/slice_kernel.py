@@ -197,7 +197,8 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     signature = ", ".join(inputs + ["out0", "*", "BLOCK_M", "BLOCK_N", "SPLITS", "BLOCK_G", "BLOCK_DX", "BLOCK_DF",
                                     "BLOCK_DQ", "BLOCK_DV", "num_warps=4", "num_stages=2"])
     derived = {"CHUNK": f"triton.cdiv(triton.cdiv({L.n}, config['SPLITS']), config['BLOCK_N']) * config['BLOCK_N']"}
-    source = chain_module(_header(program, strategy), helper_text, functions, name, launch, signature, stages, derived)
+    source = chain_module(_header(program, strategy), helper_text, functions, name, launch, signature, stages, derived,
+                          tuple(inputs + ["out0"]))
     return KernelSource(name=name, source=source, layout="attention_chain", grid=lambda config: (1,),
                         constexprs={"BLOCK_G": bg, "BLOCK_DX": bdx, "BLOCK_DF": bdf, "BLOCK_DQ": bdq, "BLOCK_DV": bdv})
 
