@@ -17,19 +17,13 @@ import zlib
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from einops import rearrange
 
 import autofuser
-from autofuser_core.launch import FusedKernel
 from autofuser_zoo.models import MODELS
+from test_attention import TOLERANCES, fused_kernels  # the softmax attention tests' tolerances and helper
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TOLERANCES = {
-    torch.float32: dict(atol=1e-4, rtol=1e-4),
-    torch.float16: dict(atol=2e-3, rtol=1e-2),
-    torch.bfloat16: dict(atol=2e-2, rtol=4e-2),
-}
 HEADS = 2
 
 
@@ -140,7 +134,7 @@ def test_fourier_as_written_by_default(extra, batch, n, d, dtype):
     torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[dtype])
     (group,) = linear_groups(fused)
     assert group.reason.startswith("form fourier: (q @ k^T) @ v as written"), group.reason
-    kernel = [k for k in _kernels(fused) if k.source.layout == "attention"]
+    kernel = [k for k in fused_kernels(fused) if k.source.layout == "attention"]
     assert len(kernel) == 1 and kernel[0].source.source.count("tl.store(") == 1  # no N x N scores written
 
 
@@ -152,7 +146,7 @@ def test_fourier_reassociated_only_when_allowed(dtype):
     torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[dtype])
     (group,) = linear_groups(fused)
     assert group.reason.startswith("form fourier: (q @ k^T) @ v reassociated"), group.reason
-    assert [k.source.layout for k in _kernels(fused)] == ["attention_chain"]
+    assert [k.source.layout for k in fused_kernels(fused)] == ["attention_chain"]
 
 
 def test_fourier_with_bias_is_not_reassociated():
@@ -189,15 +183,6 @@ def test_zoo_galerkin_tiny_fuses_its_attention():
                for g in groups)
 
 
-def _kernels(fused):
-    found = {}
-    for graph_module, _ in fused._compiled.values():
-        for node in graph_module.graph.nodes:
-            if node.op == "call_function" and isinstance(node.target, FusedKernel):
-                found[node.target.source.name] = node.target
-    return list(found.values())
-
-
 def test_einsum_transposed_a_alone_stays_eager_with_reason():
     """k^T v by itself is an extern op: no generic group takes it, and it runs eager."""
     class Context(nn.Module):
@@ -207,7 +192,9 @@ def test_einsum_transposed_a_alone_stays_eager_with_reason():
     k, v = torch.randn(3, 37, 16, device=DEVICE), torch.randn(3, 37, 24, device=DEVICE)
     fused, got, expected = run(Context(), k, v)
     torch.testing.assert_close(got, expected)
-    assert not [g for g in fused.report().fused if "matmul.einsum" in g.ops]
+    report = fused.report()
+    assert not [g for g in report.fused if "matmul.einsum" in g.ops]
+    assert [(n.node, n.reason_code) for n in report.unfused_nodes] == [("einsum", "extern_not_taken")], str(report)
 
 
 def test_chain_warmup_compiles_every_stage_with_its_own_arguments():
@@ -216,7 +203,7 @@ def test_chain_warmup_compiles_every_stage_with_its_own_arguments():
     model = Galerkin(16, "einsum")
     qkv = torch.randn(1, 37, 3 * HEADS * 16, dtype=torch.float16, device=DEVICE)
     fused, _, _ = run(model.to(torch.float16), qkv)
-    (kernel,) = [k for k in _kernels(fused) if k.source.layout == "attention_chain"]
+    (kernel,) = [k for k in fused_kernels(fused) if k.source.layout == "attention_chain"]
     calls = []
 
     class Recorder:

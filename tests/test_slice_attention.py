@@ -17,16 +17,11 @@ import pytest
 import torch
 
 import autofuser
-from autofuser_core.launch import FusedKernel
 from autofuser_zoo.models import MODELS
 from autofuser_zoo.models.transolver import PhysicsAttention
+from test_attention import TOLERANCES, fused_kernels  # the softmax attention tests' tolerances and helper
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TOLERANCES = {
-    torch.float32: dict(atol=1e-4, rtol=1e-4),
-    torch.float16: dict(atol=2e-3, rtol=1e-2),
-    torch.bfloat16: dict(atol=2e-2, rtol=4e-2),
-}
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 HEADS = 2
 CASES = [
@@ -62,15 +57,6 @@ def slice_groups(fused):
     return [g for g in fused.report().fused if g.strategy == "slice_attention"]
 
 
-def kernels(fused):
-    found = {}
-    for graph_module, _ in fused._compiled.values():
-        for node in graph_module.graph.nodes:
-            if node.op == "call_function" and isinstance(node.target, FusedKernel):
-                found[node.target.source.name] = node.target
-    return list(found.values())
-
-
 @pytest.mark.parametrize("batch,n,width,slices,dtype", CASES, ids=str)
 def test_slice_attention_matches_eager_as_one_chain(batch, n, width, slices, dtype):
     model = make(width, slices, dtype)
@@ -84,7 +70,7 @@ def test_slice_attention_matches_eager_as_one_chain(batch, n, width, slices, dty
     # softmax among slices and the scatter; nothing of it went to another group.
     assert group.ops.count("matmul.linear_module") == 4 and group.ops.count("reduction.softmax") == 2, group.ops
     assert {"reduction.sum", "matmul.einsum"} <= set(group.ops), group.ops
-    chain = [k for k in kernels(fused) if k.source.layout == "attention_chain"]
+    chain = [k for k in fused_kernels(fused) if k.source.layout == "attention_chain"]
     assert len(chain) == 1 and chain[0].source.source.count("@triton.jit\ndef af_attention_slice") == 3
 
 

@@ -10,6 +10,7 @@ what happens to each tile of scores before the softmax.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -80,10 +81,7 @@ class AttentionLayout:
 
     @property
     def batch_numel(self) -> int:
-        n = 1
-        for s in self.batch:
-            n *= s
-        return n
+        return math.prod(self.batch)
 
 
 @dataclass
@@ -126,10 +124,7 @@ class LinearAttentionLayout:
 
     @property
     def batch_numel(self) -> int:
-        n = 1
-        for s in self.batch:
-            n *= s
-        return n
+        return math.prod(self.batch)
 
 
 @dataclass
@@ -184,10 +179,7 @@ class SliceLayout:
 
     @property
     def batch_numel(self) -> int:
-        n = 1
-        for s in self.batch:
-            n *= s
-        return n
+        return math.prod(self.batch)
 
 
 @dataclass

@@ -44,7 +44,7 @@ from autofuser_core.matmul_layout import fp32_precision
 
 from .layout import AttentionLayout, AttentionProgram, LinearAttentionLayout, RowNorm
 from .match import (MAX_SCORE_STEPS, _head_widths, _is_pointwise, _operand, _operand_dtype, _step, _values,
-                    product)
+                    product, steps_after)
 
 #: Ops on a chain value by constants that the walks pass through.
 MAX_CONSTANT_STEPS = 4
@@ -260,7 +260,7 @@ def find_linear_attention(view) -> list[list[torch.fx.Node]]:
 # ---------------------------------------------------------------------------
 
 
-def _check_private(nodes: list[torch.fx.Node], last: torch.fx.Node, what: str) -> None:
+def check_private(nodes: list[torch.fx.Node], last: torch.fx.Node, what: str) -> None:
     members = set(nodes)
     for node in nodes:
         if node is last:
@@ -352,19 +352,13 @@ def _linear_layout(view, form, q_node, k_node, k_dims, v_node, v_dims, context, 
     )
     for dtype, what in ((layout.ctx_dtype, "the context product"), (layout.out_dtype, "the output product")):
         _operand_dtype(dtype, what)
-    previous = context
-    for node in ctx_steps:
-        layout.ctx_steps.append(_step(view, node, previous, {}, None))
-        previous = node
-    previous = output
-    for node in out_steps:
-        layout.out_steps.append(_step(view, node, previous, {}, None))
-        previous = node
+    layout.ctx_steps = steps_after(view, context, ctx_steps)
+    layout.out_steps = steps_after(view, output, out_steps)
     return layout
 
 
 def _read_galerkin(view, nodes, output, index):
-    _check_private(nodes, nodes[-1], "an intermediate of the linear attention")
+    check_private(nodes, nodes[-1], "an intermediate of the linear attention")
     dot = product(view, output)
     ctx_steps, context = _constant_steps_back(view, dot.args[1].source)
     out_steps = nodes[nodes.index(output) + 1:]
@@ -392,7 +386,7 @@ def _read_galerkin(view, nodes, output, index):
 def _read_fourier(view, nodes, output, index):
     from .match import _back_to_product
 
-    _check_private(nodes, nodes[-1], "an intermediate of the linear attention")
+    check_private(nodes, nodes[-1], "an intermediate of the linear attention")
     pv = product(view, output)
     back = _back_to_product(view, pv.args[0].source, MAX_SCORE_STEPS)
     scores, steps = back[0], back[1:]
@@ -451,8 +445,5 @@ def _fourier_as_written(view, nodes, scores, steps, output, out_steps, index) ->
         if tuple(tensor_meta(node).shape) != tuple(scores_meta.shape):
             raise GroupRefused("shape_mismatch", f"{node.name} broadcasts the scores to {list(tensor_meta(node).shape)}")
         previous = node
-    previous = output
-    for node in out_steps:
-        layout.out_steps.append(_step(view, node, previous, {}, None))
-        previous = node
+    layout.out_steps = steps_after(view, output, out_steps)
     return layout

@@ -376,3 +376,12 @@ def _step(view, node, previous, index, tiles) -> Step:
             table[v.source] = _operand(f"{v.source.name} (read by {node.name})", tensor_meta(v.source),
                                        index[v.source], batch, -2, -1, n, m)
     return Step(node, value, meta.dtype)
+
+
+def steps_after(view, first: torch.fx.Node, nodes, index=None, tiles=None) -> list[Step]:
+    """``nodes`` as steps, each on the tile made by the one before it (the first on ``first``'s)."""
+    steps, previous = [], first
+    for node in nodes:
+        steps.append(_step(view, node, previous, index or {}, tiles))
+        previous = node
+    return steps

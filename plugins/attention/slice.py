@@ -28,9 +28,9 @@ from autofuser_core.ir import AttrRef, tensor_meta
 from autofuser_core.matmul_layout import fp32_precision
 
 from .layout import AttentionProgram, LinearMap, SliceLayout
-from .linear import _constant_step, transposed_a_einsum
-from .match import (FLOATS, MAX_SCORE_STEPS, _is_pointwise, _operand, _roles, _step, product, softmax_dim,
-                    written_out_chain)
+from .linear import _constant_step, check_private, transposed_a_einsum
+from .match import (FLOATS, MAX_SCORE_STEPS, _is_pointwise, _operand, _roles, _step, _values, product, softmax_dim,
+                    steps_after, written_out_chain)
 
 #: Widest slice count and head width the kernels keep in registers.
 MAX_SLICES = 128
@@ -91,14 +91,8 @@ def _denominator_path(view, start: torch.fx.Node, end: torch.fx.Node) -> Optiona
 def _constant_step_any_shape(view, node, previous) -> bool:
     if not _is_pointwise(view, node):
         return False
-    loads = [v for v in _all_values(view.lowered[node]) if v.op == "load"]
+    loads = [v for v in _values(view.lowered[node]) if v.op == "load"]
     return bool(loads) and all(v.source is previous for v in loads)
-
-
-def _all_values(value):
-    from .match import _values
-
-    return _values(value)
 
 
 def _aggregation(view, weights: torch.fx.Node):
@@ -200,12 +194,7 @@ def compose_slice_attention(view, nodes: list[torch.fx.Node]) -> AttentionProgra
     if slice_chain(view, scatter) != nodes:
         raise GroupRefused("not_attention", "the nodes are not one slice attention chain")
     members = set(nodes)
-    for node in nodes[:-1]:
-        outside = [u.name for u in node.users if u not in members]
-        if outside:
-            raise GroupRefused("intermediate_used_elsewhere",
-                               f"{node.name} is also used by {', '.join(outside)}: it has to be written for it, "
-                               "so this slice attention stays as ordinary groups")
+    check_private(nodes, scatter, "an intermediate of the slice attention")
     names = {n: view.lowering_of[n].name for n in nodes if n in view.lowering_of}
     base = program_from_nodes(nodes, names)
     index = {t.source: k for k, t in enumerate(base.inputs)}
@@ -268,19 +257,11 @@ def compose_slice_attention(view, nodes: list[torch.fx.Node]) -> AttentionProgra
         scores_dtype=tensor_meta(scores).dtype, score_steps=[], probs_dtype=tensor_meta(softmax2).dtype,
         mixed_dtype=tensor_meta(mixed).dtype, out_dtype=out_meta.dtype, precision=fp32_precision(),
     )
-    previous = logits[0]
-    for node in logits[1:]:
-        layout.logit_steps.append(_step(view, node, previous, index, (batch, n, g, layout.logit_tiles)))
-        previous = node
-    previous = sums
-    for node in path:
-        if view.lowered[node].op != "extern":  # a view: the sums are held as a column already
-            layout.sum_steps.append(_step(view, node, previous, {}, None))
-        previous = node
-    previous = scores
-    for node in steps:
-        layout.score_steps.append(_step(view, node, previous, {}, None))
-        previous = node
+    layout.logit_steps = steps_after(view, logits[0], logits[1:], index, (batch, n, g, layout.logit_tiles))
+    # The views on the sums are the identity here: the kernel holds the sums as a column already.
+    layout.sum_steps = [_step(view, node, previous, {}, None) for previous, node in zip([sums] + path, path)
+                        if view.lowered[node].op != "extern"]
+    layout.score_steps = steps_after(view, scores, steps)
     base.summary = (f"form slice: slice attention ({n} points -> {g} slices per head, head width {df}) as a chain "
                     "of three kernels: slice weights and aggregation, attention among the slices, scatter back")
     program = AttentionProgram(**{f: getattr(base, f) for f in base.__dataclass_fields__}, slices=layout)
