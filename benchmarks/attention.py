@@ -23,7 +23,6 @@ same run with a large ``torch.matmul``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import sys
@@ -38,6 +37,7 @@ import triton.testing
 from einops import rearrange
 
 import autofuser
+from matmul import _ms, precision  # the same timing and precision settings as the matmul benchmark
 
 N = 221 * 51
 BATCH = 4
@@ -109,27 +109,6 @@ def _flops(form: str, d: int) -> float:
 
 
 FORMS = {"softmax": Softmax, "galerkin": Galerkin, "slice": Slice}
-
-
-@contextlib.contextmanager
-def precision(mode):
-    """Torch's matmul precision for ``mode``; every system runs under it."""
-    old = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
-    torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
-    torch.set_float32_matmul_precision("high" if mode == "tf32" else "highest")
-    try:
-        if mode == "bf16":
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                yield
-        else:
-            yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old[0]
-        torch.set_float32_matmul_precision(old[1])
-
-
-def _ms(fn, *args):
-    return float(triton.testing.do_bench(lambda: fn(*args), warmup=25, rep=100, return_mode="median"))
 
 
 def measure_rates(device):

@@ -43,8 +43,8 @@ from autofuser_core.ir import AttrRef, tensor_meta
 from autofuser_core.matmul_layout import fp32_precision
 
 from .layout import AttentionLayout, AttentionProgram, LinearAttentionLayout, RowNorm
-from .match import (MAX_SCORE_STEPS, _head_widths, _is_pointwise, _operand, _operand_dtype, _step, _values,
-                    product, steps_after)
+from .match import (MAX_SCORE_STEPS, _head_widths, _is_pointwise, _operand, _operand_dtype, _values,
+                    product, score_steps, steps_after)
 
 #: Ops on a chain value by constants that the walks pass through.
 MAX_CONSTANT_STEPS = 4
@@ -439,11 +439,6 @@ def _fourier_as_written(view, nodes, scores, steps, output, out_steps, index) ->
         pv_dtype=_operand_dtype(tensor_meta(output).dtype, "the output product"),
         precision=fp32_precision(), scores_dtype=scores_meta.dtype,
     )
-    previous = scores
-    for node in steps:
-        layout.score_steps.append(_step(view, node, previous, index, (batch, n, m, layout.tiles)))
-        if tuple(tensor_meta(node).shape) != tuple(scores_meta.shape):
-            raise GroupRefused("shape_mismatch", f"{node.name} broadcasts the scores to {list(tensor_meta(node).shape)}")
-        previous = node
+    layout.score_steps = score_steps(view, layout, scores, steps, index)
     layout.out_steps = steps_after(view, output, out_steps)
     return layout

@@ -338,16 +338,8 @@ def _read_written_out(view, nodes: list[torch.fx.Node], index: dict):
         pv_dtype=_operand_dtype(out_meta.dtype, "the output product"),
         precision=fp32_precision(), scores_dtype=scores_meta.dtype,
     )
-    previous = a_source
-    for node in prologue:
-        layout.q_steps.append(_step(view, node, previous, {}, None))
-        previous = node
-    previous = scores
-    for node in steps:
-        layout.score_steps.append(_step(view, node, previous, index, (batch, n, m, layout.tiles)))
-        if tuple(tensor_meta(node).shape) != tuple(scores_meta.shape):
-            raise GroupRefused("shape_mismatch", f"{node.name} broadcasts the scores to {list(tensor_meta(node).shape)}")
-        previous = node
+    layout.q_steps = steps_after(view, a_source, prologue)
+    layout.score_steps = score_steps(view, layout, scores, steps, index)
     ops = " -> ".join(view.lowering_of[n].name.rsplit(".", 1)[-1] for n in nodes)
     summary = (f"form softmax (written out): softmax attention ({ops}) as one online-softmax kernel over {n} queries x {m} "
                f"keys per head, head width {d}; the scores never reach memory")
@@ -385,3 +377,12 @@ def steps_after(view, first: torch.fx.Node, nodes, index=None, tiles=None) -> li
         steps.append(_step(view, node, previous, index or {}, tiles))
         previous = node
     return steps
+
+
+def score_steps(view, layout: AttentionLayout, scores: torch.fx.Node, steps, index) -> list[Step]:
+    """The steps on the scores; tensors they read become [N, M] tiles (``layout.tiles``)."""
+    shape = tuple(tensor_meta(scores).shape)
+    for node in steps:
+        if tuple(tensor_meta(node).shape) != shape:
+            raise GroupRefused("shape_mismatch", f"{node.name} broadcasts the scores to {list(tensor_meta(node).shape)}")
+    return steps_after(view, scores, steps, index, (layout.batch, layout.n, layout.m, layout.tiles))
