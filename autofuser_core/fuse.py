@@ -398,9 +398,9 @@ def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **opti
         modules, hook-carrying objects or entry-point names.
     :param options: see ``FuseOptions`` (``cache_dir``, ``max_signatures``,
         ``tune``, ``tune_budget_s``, ``verify_speed``, ``progress``,
-        ``cuda_graphs``, ``strict_fp32_products``, ``quantize``). With
-        ``quantize``, the fused module wraps a quantised copy of ``model``
-        (``fused.model``); ``model`` itself is left unchanged.
+        ``cuda_graphs``, ``strict_fp32_products``, ``reassociate_products``,
+        ``quantize``). With ``quantize``, the fused module wraps a quantised
+        copy of ``model`` (``fused.model``); ``model`` itself is left unchanged.
     :raises CaptureError: ``model`` is not a module instance.
     :raises PluginError, SpecError: a plugin could not be loaded or is invalid.
     """
