@@ -128,6 +128,8 @@ def main(argv=None) -> int:
     parser.add_argument("--forms", default="softmax,galerkin,slice")
     parser.add_argument("--modes", default="fp32,tf32,bf16")
     parser.add_argument("--tune-budget", type=float, default=5.0, help="AutoFuser tuning seconds per group")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="start no new case after this many seconds (the rest are listed as not run)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("attention.py needs a CUDA GPU", file=sys.stderr)
@@ -149,6 +151,10 @@ def main(argv=None) -> int:
                 flops = _flops(form, width)
                 row = {"form": form, "width": width, "mode": mode, "GFLOP": flops / 1e9,
                        "at_matrix_rate_ms": 1e3 * flops / rates[mode]}
+                if time.perf_counter() - started > args.budget_s:
+                    row.update({s: {"error": f"not run: past --budget-s {args.budget_s:g}"} for s in systems})
+                    rows.append(row)
+                    continue
                 with precision(mode), torch.no_grad():
                     expected = model(*inputs).float()
                     for system in systems:
