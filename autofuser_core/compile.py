@@ -32,6 +32,7 @@ from .ir import AttrRef
 from .launch import FusedKernel
 from .planner import Candidate, Plan, barrier_reason, plan_fusion_groups
 from .precompile import CompileJob, launch_items, precompile, start_workers
+from .registry import describe_target
 from .report import FusionReport, GroupEntry, NodeEntry, describe_graph
 from .matmul_layout import MAX_PRODUCTS, STRICT_FP32, MlpLayout
 from .rounding import interpreting
@@ -379,6 +380,14 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
             for entry in view.skipped:
                 report.unfused_nodes.append(NodeEntry(node=entry.node, target=entry.target,
                                                       reason_code=entry.reason_code, reason=entry.reason))
+            # An extern op only a specialised strategy can generate, which none took, runs eager too.
+            kept = {n for candidate in plan.kept for n in candidate.nodes}
+            for node, value in view.lowered.items():
+                if value.op == "extern" and node not in kept:
+                    report.unfused_nodes.append(NodeEntry(
+                        node=node.name, target=describe_target(node.target), reason_code="extern_not_taken",
+                        reason=f"{view.lowering_of[node].name} is lowered for a strategy with its own compose, "
+                               "and no such strategy took this node (see its refused groups); it runs eager"))
         for decision in plan.decisions:
             if round_number == 1 or decision.reason != "decided in the first round":
                 report.groups.append(_entry(decision.strategy, decision.nodes, view, False, decision.reason_code,

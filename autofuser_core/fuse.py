@@ -58,6 +58,10 @@ class FuseOptions(BaseModel):
     strict_fp32_products: Literal["tf32x3", "ieee"] = Field(
         "tf32x3", description="fp32 products where torch disallows TF32: 3xTF32 (fp32-level error, tensor cores) "
                               "or plain fp32 FMAs.")
+    reassociate_products: bool = Field(
+        False, description="Let strategies reorder a chain of matrix products where exact arithmetic gives the same "
+                           "result ((q @ k^T) @ v as q @ (k^T @ v)): rounding differs and the cost changes, often "
+                           "from quadratic to linear in the sequence length. Off: products run as written.")
 
 
     @field_validator("quantize", mode="before")
@@ -410,9 +414,9 @@ def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **opti
         modules, hook-carrying objects or entry-point names.
     :param options: see ``FuseOptions`` (``cache_dir``, ``max_signatures``,
         ``tune``, ``tune_budget_s``, ``verify_speed``, ``progress``,
-        ``cuda_graphs``, ``strict_fp32_products``, ``quantize``). With
-        ``quantize``, the fused module wraps a quantised copy of ``model``
-        (``fused.model``); ``model`` itself is left unchanged.
+        ``cuda_graphs``, ``strict_fp32_products``, ``reassociate_products``,
+        ``quantize``). With ``quantize``, the fused module wraps a quantised
+        copy of ``model`` (``fused.model``); ``model`` itself is left unchanged.
     :raises CaptureError: ``model`` is not a module instance.
     :raises PluginError, SpecError: a plugin could not be loaded or is invalid.
     """

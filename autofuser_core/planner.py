@@ -133,9 +133,10 @@ class SkippedNode:
 class PlanningView:
     """What strategies see: the graph, each node's lowering, and the barriers."""
 
-    def __init__(self, gm: torch.fx.GraphModule, registry: Registry):
+    def __init__(self, gm: torch.fx.GraphModule, registry: Registry, options=None):
         self.gm = gm
         self.registry = registry
+        self.options = options  # the ``FuseOptions`` of this ``fuse()`` call (``None`` outside one)
         self.nodes: list[torch.fx.Node] = list(gm.graph.nodes)
         self.order = {n: i for i, n in enumerate(self.nodes)}
         self.lowered: dict[torch.fx.Node, Value] = {}
@@ -314,7 +315,7 @@ class Plan:
 
 def plan_fusion_groups(gm: torch.fx.GraphModule, registry: Registry, veto=None, options=None) -> Plan:
     """Steps 1-3 of the module doc. ``veto(candidate)`` returns a reason or ``None``."""
-    view = PlanningView(gm, registry)
+    view = PlanningView(gm, registry, options)
     plan = Plan(view)
     candidates: list[Candidate] = []
     for strategy in registry.strategies_by_priority():

@@ -151,7 +151,7 @@ def assert_one_attention_group(fused, form):
     report = fused.report()
     groups = [g for g in report.fused if g.strategy == "softmax_attention"]
     assert len(groups) == 1, str(report)
-    recognised = "form sdpa" if form.startswith("sdpa") else "form written_out"
+    recognised = "form softmax (sdpa)" if form.startswith("sdpa") else "form softmax (written out)"
     assert recognised in groups[0].reason, groups[0].reason
     if form.startswith("sdpa"):
         assert groups[0].ops == ["attention.sdpa"]
@@ -391,7 +391,7 @@ def test_autocast_bf16_matches_eager_under_autocast():
         torch.testing.assert_close(g.float(), e.float(), **TOLERANCES[torch.bfloat16])
     report = fused.report()
     assert sorted(g.reason.split(":")[0] for g in report.fused if g.strategy == "softmax_attention") == [
-        "form sdpa", "form written_out"], str(report)
+        "form softmax (sdpa)", "form softmax (written out)"], str(report)
 
 
 # ---------------------------------------------------------------------------

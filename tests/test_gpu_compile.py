@@ -9,6 +9,7 @@ would launch with, which needs no device.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ import autofuser
 from autofuser_core.launch import FusedKernel
 from autofuser_core.planner import plan_fusion_groups
 from autofuser_zoo.models import MODELS
+from autofuser_zoo.models.transolver import PhysicsAttention
 
 
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.bool: "*i1",
@@ -67,6 +69,27 @@ def _job(tmp_path, source, input_dtypes, output_dtypes, launch_args) -> dict:
             "pointers": {n: POINTER_TYPES[d] for n, d in zip(names, dtypes)}}
 
 
+def _chain_jobs(tmp_path, source, launch_args, chain=None) -> list[dict]:
+    """One job per kernel of a chain (``plugins/attention/chain.py``): its ``stages``
+    give each kernel's argument types and compile-time constants."""
+    path = tmp_path / f"{source.name}.py"
+    path.write_text(source.source)
+    if chain is None:
+        spec = importlib.util.spec_from_file_location(source.name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        chain = getattr(module, source.name)
+    return [{"name": s["name"], "path": str(path), "constexprs": s["constexprs"], "pointers": s["pointers"]}
+            for s in chain.stages(launch_args)]
+
+
+def _jobs_of(tmp_path, kernel) -> list[dict]:
+    if kernel.source.layout == "attention_chain":
+        return _chain_jobs(tmp_path, kernel.source, kernel.launch_args, kernel.kernel)
+    return [_job(tmp_path, kernel.source, kernel.input_dtypes, [dtype for _, _, dtype in kernel.output_layout],
+                 kernel.launch_args)]
+
+
 def _compile_for_sm90(jobs, tmp_path) -> None:
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     (tmp_path / "compile.py").write_text(COMPILER)
@@ -88,10 +111,11 @@ def test_fused_kernels_compile_for_sm90(model_name, tmp_path):
         fused(x)
     kernels = _fused_kernels(fused)
     assert kernels, str(fused.report())
-    if model_name in ("transformer", "transolver"):  # softmax attention, written out
+    if model_name == "transformer":  # softmax attention, written out
         assert any(k.source.layout == "attention" for k in kernels), str(fused.report())
-    jobs = [_job(tmp_path, k.source, k.input_dtypes, [dtype for _, _, dtype in k.output_layout], k.launch_args)
-            for k in kernels]
+    if model_name in ("galerkin", "transolver"):  # linear and slice attention: chains of kernels
+        assert any(k.source.layout == "attention_chain" for k in kernels), str(fused.report())
+    jobs = [job for k in kernels for job in _jobs_of(tmp_path, k)]
     _compile_for_sm90(jobs, tmp_path)
 
 
@@ -172,4 +196,48 @@ def test_mxint8_kernels_compile_for_sm90(tmp_path):
             str(fused.report())
         jobs += [_job(tmp_path, k.source, k.input_dtypes, [d for _, _, d in k.output_layout], k.launch_args)
                  for k in kernels]
+    _compile_for_sm90(jobs, tmp_path)
+
+
+class LinearAndSliceForms(nn.Module):
+    """Galerkin (with its layer norms), Fourier as written, and slice attention in one graph."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm_k, self.norm_v = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.slices = PhysicsAttention(2 * width, 2, 32)
+
+    def forward(self, q, k, v, x):
+        context = torch.einsum("bhnd,bhne->bhde", self.norm_k(k), self.norm_v(v)) / k.shape[-2]
+        galerkin = torch.einsum("bhnd,bhde->bhne", q, context)
+        fourier = (torch.matmul(q, k.transpose(-2, -1)) * 0.5) @ v / k.shape[-2]
+        return galerkin, fourier, self.slices(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)  # fp16 is written as bf16 is
+def test_linear_and_slice_attention_chains_compile_for_sm90(dtype, tmp_path, monkeypatch):
+    """Every kernel of the linear and slice attention chains, written as for a GPU, with the
+    default config and with the first tuning config."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 37, 24, dtype=dtype) for _ in range(3))
+    model = LinearAndSliceForms(24).to(dtype)
+    x = torch.randn(2, 37, 48, dtype=dtype)
+    gm = autofuser.capture(model, q, k, v, x)
+    plan = plan_fusion_groups(gm, autofuser.load_plugins().registry)
+    kept = [c for c in plan.kept if c.strategy.name in ("linear_attention", "slice_attention")]
+    assert len(kept) == 3, [(c.strategy.name, [n.name for n in c.nodes]) for c in plan.kept]
+    jobs = []
+    with monkeypatch.context() as env:
+        env.setenv("TRITON_INTERPRET", "0")
+        for candidate in kept:
+            program, strategy = candidate.program, candidate.strategy
+            source = strategy.generate(program, plan.view.helpers)
+            assert "_af_round_bf16" not in source.source
+            for config in (strategy.default_config(program), strategy.configs(program)[0]):
+                launch = {**config, **source.constexprs}
+                if source.layout == "attention_chain":
+                    jobs += _chain_jobs(tmp_path, source, launch)
+                else:
+                    jobs.append(_job(tmp_path, source, [t.dtype for t in program.inputs],
+                                     [t.dtype for t in program.outputs], launch))
     _compile_for_sm90(jobs, tmp_path)

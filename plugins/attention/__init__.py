@@ -1,20 +1,28 @@
-"""Softmax attention without the N x N scores: ``F.scaled_dot_product_attention``
-and the same computation written out (``softmax(q @ k^T * scale + mask) @ v``,
-``einsum`` products too) as one online-softmax Triton kernel.
+"""Attention without its big intermediates, in four forms (``docs/attention.md``):
 
-- ``ops/``: one lowering per op (``attention.sdpa``);
-- ``match.py``: finding both forms in a graph and reading them into an
-  ``AttentionLayout`` (``layout.py``), or refusing with a reason;
-- ``strategy.py``: the ``softmax_attention`` strategy (its own compose,
-  configs, validity rule);
-- ``kernel.py``: the kernel writer.
+- softmax attention - ``F.scaled_dot_product_attention`` and the same written
+  out (``softmax(q @ k^T * scale + mask) @ v``, einsum products too) - as one
+  online-softmax Triton kernel that never writes the N x M scores;
+- Galerkin-type linear attention ``q @ (LN(k)^T @ LN(v)) / n`` as a chain of
+  split-N kernels, and Fourier-type ``(q @ k^T) @ v / n`` as written (or
+  reassociated, with ``reassociate_products=True``);
+- Transolver's slice attention as a chain of three kernels.
+
+- ``ops/``: one lowering per op (``attention.sdpa``; the views inside slice
+  attention);
+- ``match.py``, ``linear.py``, ``slice.py``: finding each form in a graph and
+  reading it into a layout (``layout.py``), or refusing with a reason;
+- ``strategy.py``: the ``softmax_attention``, ``linear_attention`` and
+  ``slice_attention`` strategies (their own compose, configs, validity rules);
+- ``kernel.py``, ``linear_kernel.py``, ``slice_kernel.py``: the kernel writers;
+  ``chain.py``: the launcher of a chain of kernels.
 """
 
 from autofuser import hookimpl
 from autofuser_core.oplib import collect_specs
 
 from . import ops
-from .strategy import ATTENTION_STRATEGY
+from .strategy import ATTENTION_STRATEGY, LINEAR_STRATEGY, SLICE_STRATEGY
 
 
 @hookimpl
@@ -26,3 +34,5 @@ def autofuser_register_lowerings(register):
 @hookimpl
 def autofuser_register_strategies(register):
     register(ATTENTION_STRATEGY)
+    register(LINEAR_STRATEGY)
+    register(SLICE_STRATEGY)

@@ -167,11 +167,29 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
             w.emit(f"q = {operand}  # the product's operand dtype")
 
     # 2.-3. the keys, BLOCK_N at a time, with the running max, sum and accumulator.
-    w.emit('m_i = tl.full((BLOCK_M, 1), float("-inf"), tl.float32)  # running row max of s (base 2)')
-    w.emit("l_i = tl.zeros((BLOCK_M, 1), tl.float32)  # running sum of exp2(s - m_i)")
-    w.emit("acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)  # running sum of p @ v")
-    if L.causal:
-        w.emit(f"hi = tl.minimum({L.m}, (pid_m + 1) * BLOCK_M)  # causal: no key after this block's last query")
+    if L.form == "fourier":
+        _fourier_loop(w, L, dr_mask, dv_mask)
+    else:
+        _softmax_loop(w, L, dr_mask, dv_mask)
+
+    # 4. normalise and store.
+    if L.form == "fourier":
+        w.emit("out = acc  # no softmax: the products' sum is the output")
+        if L.out_steps and L.pv_dtype in ROUNDED:
+            w.emit(f"out = {rounded('out', L.pv_dtype)}  # the product's dtype")
+        w.steps(L.out_steps, "out", {}, 1)
+    elif L.empty_rows_zero:
+        w.emit("out = tl.where(l_i > 0, acc / l_i, 0.0)  # a row whose keys are all masked gives 0, as torch's does")
+    else:
+        w.emit("out = acc / l_i  # a row whose scores are all -inf gives NaN, as eager's softmax does")
+    out_off = " + ".join([_term("rows", L.out.row_stride) or "rows * 0", _term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
+    out_mask = _all([m for m in ("row_mask", dv_mask) if m])
+    w.emit(f"tl.store(out_base + {out_off}, {stored('out', L.out.dtype, TL_DTYPES[L.out.dtype])}, mask={out_mask})")
+    return _finish(program, strategy, helpers, w, L, block_d, block_dv)
+
+
+def _key_block(w: _Writer, L: AttentionLayout, dr_mask) -> None:
+    """The loop head: this block's keys, k's tile transposed and ``s = q @ k^T``."""
     w.emit(f"for n0 in range(0, {'hi' if L.causal else L.m}, BLOCK_N):")
     w.emit("keys = n0 + tl.arange(0, BLOCK_N)[None, :]  # along the scores' columns", 2)
     w.emit("key_rows = n0 + tl.arange(0, BLOCK_N)[:, None]  # the same keys, along v's rows", 2)
@@ -179,6 +197,32 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
     k_cast = load_cast(L.k.dtype, L.qk_dtype)
     w.emit(f"kt = {w.tile_load(L.k, 'k_base', 'keys', 'd_rows', ('key_mask', dr_mask), k_cast, full=True)}", 2)
     w.emit(f"s = {_dot_line('q', 'kt', L.qk_dtype, L.precision)}  # q @ k^T", 2)
+
+
+def _load_v(w: _Writer, L: AttentionLayout, dv_mask) -> None:
+    v_cast = load_cast(L.v.dtype, L.pv_dtype)
+    w.emit(f"v = {w.tile_load(L.v, 'v_base', 'key_rows', 'dv_cols', (f'key_rows < {L.m}', dv_mask), v_cast, full=True)}", 2)
+
+
+def _fourier_loop(w: _Writer, L: AttentionLayout, dr_mask, dv_mask) -> None:
+    """``acc += steps(q @ k^T) @ v`` block by block: no softmax, so no running max or sum."""
+    w.emit("acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)  # running sum of s @ v")
+    _key_block(w, L, dr_mask)
+    if L.scores_dtype in ROUNDED:
+        w.emit(f"s = {rounded('s', L.scores_dtype)}  # the product's dtype", 2)
+    w.steps(L.score_steps, "s", L.tiles, 2)
+    w.emit("s = tl.where(key_mask, s, 0.0)  # keys past M add nothing", 2)
+    _load_v(w, L, dv_mask)
+    w.emit(f"acc += {_dot_line('s', 'v', L.pv_dtype, L.precision)}", 2)
+
+
+def _softmax_loop(w: _Writer, L: AttentionLayout, dr_mask, dv_mask) -> None:
+    w.emit('m_i = tl.full((BLOCK_M, 1), float("-inf"), tl.float32)  # running row max of s (base 2)')
+    w.emit("l_i = tl.zeros((BLOCK_M, 1), tl.float32)  # running sum of exp2(s - m_i)")
+    w.emit("acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)  # running sum of p @ v")
+    if L.causal:
+        w.emit(f"hi = tl.minimum({L.m}, (pid_m + 1) * BLOCK_M)  # causal: no key after this block's last query")
+    _key_block(w, L, dr_mask)
     if L.form == "sdpa":
         if L.mask is None:
             w.emit(f"s = s * {L.scale * LOG2E!r}  # scale, and base 2 for exp2", 2)
@@ -201,20 +245,12 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
     w.emit("alpha = tl.exp2(m_i - m_safe)  # rescales what was summed under the old max", 2)
     w.emit("p = tl.exp2(s - m_safe)", 2)
     w.emit("l_i = l_i * alpha + tl.sum(p, axis=1)[:, None]", 2)
-    v_cast = load_cast(L.v.dtype, L.pv_dtype)
-    w.emit(f"v = {w.tile_load(L.v, 'v_base', 'key_rows', 'dv_cols', (f'key_rows < {L.m}', dv_mask), v_cast, full=True)}", 2)
+    _load_v(w, L, dv_mask)
     w.emit(f"acc = acc * alpha + {_dot_line('p', 'v', L.pv_dtype, L.precision)}", 2)
     w.emit("m_i = m_new", 2)
 
-    # 4. normalise and store.
-    if L.empty_rows_zero:
-        w.emit("out = tl.where(l_i > 0, acc / l_i, 0.0)  # a row whose keys are all masked gives 0, as torch's does")
-    else:
-        w.emit("out = acc / l_i  # a row whose scores are all -inf gives NaN, as eager's softmax does")
-    out_off = " + ".join([_term("rows", L.out.row_stride) or "rows * 0", _term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
-    out_mask = _all([m for m in ("row_mask", dv_mask) if m])
-    w.emit(f"tl.store(out_base + {out_off}, {stored('out', L.out.dtype, TL_DTYPES[L.out.dtype])}, mask={out_mask})")
 
+def _finish(program, strategy, helpers, w: _Writer, L: AttentionLayout, block_d: int, block_dv: int) -> KernelSource:
     params = [f"in{k}" for k in range(len(program.inputs))] + ["out0"]
     blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_D: tl.constexpr", "BLOCK_DV: tl.constexpr"]
     body = "\n".join(w.lines)
@@ -238,19 +274,26 @@ def _dtype(dtype) -> str:
     return "fp32" if dtype is None else str(dtype).removeprefix("torch.")
 
 
-def _header(program, strategy: str) -> str:
-    L: AttentionLayout = program.attention
-    lines = [f"# Generated by AutoFuser ({strategy} strategy, online softmax). Replaces these fx nodes:"]
+def kernel_header(program, title: str, sizes: str) -> str:
+    """The comment block that opens a kernel module: the fx nodes it replaces, the
+    form recognised, the sizes, and every argument."""
+    lines = [f"# Generated by AutoFuser ({title}). Replaces these fx nodes:"]
     for node, op in zip(program.nodes, program.op_names):
         meta = node.meta.get("tensor_meta")
         shape = list(meta.shape) if meta is not None else "?"
         dtype = str(meta.dtype).removeprefix("torch.") if meta is not None else "?"
         lines.append(f"#   {node.name:<24} {op:<28} {shape} {dtype}")
     lines.append(f"# {program.summary}")
-    lines.append(f"# batch {list(L.batch)}, {L.n} queries, {L.m} keys, head widths {L.d} -> {L.dv}; operands of "
-                 f"q @ k^T {_dtype(L.qk_dtype)}, of p @ v {_dtype(L.pv_dtype)}"
-                 + (f", fp32 products {L.precision}" if None in (L.qk_dtype, L.pv_dtype) else ""))
+    lines.append(f"# {sizes}")
     lines.append("# inputs:  " + ", ".join(f"in{k}={t.name}{list(t.shape)}" + ("" if t.read else " (not read)")
                                           for k, t in enumerate(program.inputs)))
     lines.append("# outputs: " + ", ".join(f"out{k}={t.name}{list(t.shape)}" for k, t in enumerate(program.outputs)))
     return "\n".join(lines)
+
+
+def _header(program, strategy: str) -> str:
+    L: AttentionLayout = program.attention
+    return kernel_header(program, f"{strategy} strategy, online softmax",
+                         f"batch {list(L.batch)}, {L.n} queries, {L.m} keys, head widths {L.d} -> {L.dv}; operands of "
+                         f"q @ k^T {_dtype(L.qk_dtype)}, of p @ v {_dtype(L.pv_dtype)}"
+                         + (f", fp32 products {L.precision}" if None in (L.qk_dtype, L.pv_dtype) else ""))

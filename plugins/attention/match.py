@@ -275,7 +275,7 @@ def _read_sdpa(node: torch.fx.Node, index: dict):
         causal=a["is_causal"], empty_rows_zero=True,
     )
     kind = "no mask" if mask is None else "bool mask" if mask.dtype == torch.bool else "additive mask"
-    summary = (f"form sdpa: scaled_dot_product_attention ({kind}{', causal' if a['is_causal'] else ''}) as one "
+    summary = (f"form softmax (sdpa): scaled_dot_product_attention ({kind}{', causal' if a['is_causal'] else ''}) as one "
                f"online-softmax kernel over {n} queries x {m} keys per head, head width {d}; the scores never "
                "reach memory")
     return layout, summary
@@ -338,18 +338,10 @@ def _read_written_out(view, nodes: list[torch.fx.Node], index: dict):
         pv_dtype=_operand_dtype(out_meta.dtype, "the output product"),
         precision=fp32_precision(), scores_dtype=scores_meta.dtype,
     )
-    previous = a_source
-    for node in prologue:
-        layout.q_steps.append(_step(view, node, previous, {}, None))
-        previous = node
-    previous = scores
-    for node in steps:
-        layout.score_steps.append(_step(view, node, previous, index, (batch, n, m, layout.tiles)))
-        if tuple(tensor_meta(node).shape) != tuple(scores_meta.shape):
-            raise GroupRefused("shape_mismatch", f"{node.name} broadcasts the scores to {list(tensor_meta(node).shape)}")
-        previous = node
+    layout.q_steps = steps_after(view, a_source, prologue)
+    layout.score_steps = score_steps(view, layout, scores, steps, index)
     ops = " -> ".join(view.lowering_of[n].name.rsplit(".", 1)[-1] for n in nodes)
-    summary = (f"form written_out: softmax attention ({ops}) as one online-softmax kernel over {n} queries x {m} "
+    summary = (f"form softmax (written out): softmax attention ({ops}) as one online-softmax kernel over {n} queries x {m} "
                f"keys per head, head width {d}; the scores never reach memory")
     return layout, summary
 
@@ -376,3 +368,21 @@ def _step(view, node, previous, index, tiles) -> Step:
             table[v.source] = _operand(f"{v.source.name} (read by {node.name})", tensor_meta(v.source),
                                        index[v.source], batch, -2, -1, n, m)
     return Step(node, value, meta.dtype)
+
+
+def steps_after(view, first: torch.fx.Node, nodes, index=None, tiles=None) -> list[Step]:
+    """``nodes`` as steps, each on the tile made by the one before it (the first on ``first``'s)."""
+    steps, previous = [], first
+    for node in nodes:
+        steps.append(_step(view, node, previous, index or {}, tiles))
+        previous = node
+    return steps
+
+
+def score_steps(view, layout: AttentionLayout, scores: torch.fx.Node, steps, index) -> list[Step]:
+    """The steps on the scores; tensors they read become [N, M] tiles (``layout.tiles``)."""
+    shape = tuple(tensor_meta(scores).shape)
+    for node in steps:
+        if tuple(tensor_meta(node).shape) != shape:
+            raise GroupRefused("shape_mismatch", f"{node.name} broadcasts the scores to {list(tensor_meta(node).shape)}")
+    return steps_after(view, scores, steps, index, (layout.batch, layout.n, layout.m, layout.tiles))

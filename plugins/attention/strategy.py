@@ -19,7 +19,11 @@ from autofuser_core.codegen_matmul import dot_block
 
 from .kernel import write_attention_kernel
 from .layout import AttentionProgram
+from .linear import compose_linear_attention, find_linear_attention
+from .linear_kernel import write_linear_attention
 from .match import compose_attention, find_attention
+from .slice import compose_slice_attention, find_slice_attention
+from .slice_kernel import write_slice_attention
 
 #: Shared memory one program may use for its pipelined k and v tiles (H100/H200: 228 KiB per SM).
 SMEM_LIMIT = 200 * 1024
@@ -104,4 +108,159 @@ ATTENTION_STRATEGY = StrategySpec(
     is_valid=is_valid,
     default_config=default_config,
     generate=generate,
+)
+
+
+# ---------------------------------------------------------------------------
+# linear_attention: Galerkin (a chain of three kernels) and Fourier (as written, or reassociated)
+# ---------------------------------------------------------------------------
+
+#: (BLOCK_M, BLOCK_N, SPLITS, num_warps), most promising first.
+LINEAR_CONFIGS = [
+    (128, 128, 16, 4), (128, 64, 32, 4), (64, 128, 8, 4), (128, 128, 32, 8), (64, 64, 64, 4), (128, 256, 8, 8),
+    (256, 128, 16, 8), (64, 128, 32, 4),
+]
+
+
+def linear_accepts(program):
+    if not isinstance(program, AttentionProgram) or (program.linear is None and program.attention is None):
+        return ("not_attention", "the group was not composed by the linear attention strategy")
+    layout = program.linear or program.attention
+    if layout.batch_numel > MAX_GRID_Y:
+        return ("batch_too_large", f"{layout.batch_numel} batch entries exceed the grid's second axis ({MAX_GRID_Y})")
+    return None
+
+
+def _linear_held(L, config) -> float:
+    """fp32 values per thread: the context (d x dv) and the k, v or q tiles."""
+    block_d, block_dv = dot_block(L.d), dot_block(L.dv)
+    tiles = max(config["BLOCK_N"] * (block_d + block_dv), config["BLOCK_M"] * (block_d + block_dv))
+    return (tiles + 2 * block_d * block_dv) / (32 * config["num_warps"])
+
+
+def linear_is_valid(program, config):
+    if program.linear is None:
+        return is_valid(program, config)
+    L = program.linear
+    if config["BLOCK_M"] > 16 and config["BLOCK_M"] // 2 >= L.n:
+        return "more query rows per program than there are queries"
+    if config["BLOCK_N"] > 16 and (config["BLOCK_N"] // 2) * config["SPLITS"] >= L.m:
+        return "splits longer than their share of the points"
+    held = _linear_held(L, config)
+    if held > REGS_PER_THREAD:
+        return f"{held:.0f} values per thread would spill registers"
+    return None
+
+
+def linear_configs(program):
+    if program.linear is None:
+        return configs(program)
+    return [{"BLOCK_M": m, "BLOCK_N": n, "SPLITS": s, "num_warps": warps, "num_stages": 2}
+            for m, n, s, warps in LINEAR_CONFIGS]
+
+
+def linear_default_config(program):
+    """Up to 64-point blocks and 4 splits (a few steps each under the interpreter), shrunk until valid."""
+    if program.linear is None:
+        return default_config(program)
+    L = program.linear
+    warps = 8 if max(L.d, L.dv) > 64 else 4
+    block_m = min(64, max(16, next_power_of_2(L.n)))
+    for splits in (4, 2, 1):
+        block_n = min(64, max(16, next_power_of_2(-(-L.m // splits))))
+        config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLITS": splits, "num_warps": warps, "num_stages": 2}
+        if linear_is_valid(program, config) is None:
+            return config
+    return {"BLOCK_M": 16, "BLOCK_N": 16, "SPLITS": 1, "num_warps": warps, "num_stages": 1}
+
+
+def linear_generate(program, helpers):
+    if program.linear is None:
+        return write_attention_kernel(program, "linear_attention", helpers)
+    return write_linear_attention(program, "linear_attention", helpers)
+
+
+LINEAR_STRATEGY = StrategySpec(
+    name="linear_attention",
+    description="Linear attention without a softmax: Galerkin-type q @ (k^T @ v) with its layer norms as a chain "
+                "of split-N kernels; Fourier-type (q @ k^T) @ v as written (or reassociated when allowed).",
+    priority=1,
+    block_params=("BLOCK_M", "BLOCK_N", "SPLITS"),
+    propose=find_linear_attention,
+    compose=compose_linear_attention,
+    accepts=linear_accepts,
+    configs=linear_configs,
+    is_valid=linear_is_valid,
+    default_config=linear_default_config,
+    generate=linear_generate,
+)
+
+
+# ---------------------------------------------------------------------------
+# slice_attention: Transolver's physics attention as a chain of three kernels
+# ---------------------------------------------------------------------------
+
+#: (BLOCK_M, BLOCK_N, SPLITS, num_warps), most promising first.
+SLICE_CONFIGS = [
+    (64, 64, 16, 4), (128, 64, 16, 8), (64, 128, 8, 8), (64, 64, 32, 4), (32, 64, 16, 4), (128, 128, 8, 8),
+    (64, 32, 32, 4), (32, 32, 32, 2),
+]
+
+
+def slice_accepts(program):
+    if not isinstance(program, AttentionProgram) or program.slices is None:
+        return ("not_attention", "the group was not composed by the slice attention strategy")
+    if program.slices.batch_numel > MAX_GRID_Y:
+        return ("batch_too_large", f"{program.slices.batch_numel} batch entries exceed the grid's second axis "
+                                   f"({MAX_GRID_Y})")
+    return None
+
+
+def slice_is_valid(program, config):
+    L = program.slices
+    bg, bdx, bdf, bdq, bdv = (dot_block(s) for s in (L.g, L.dx, L.df, L.dq, L.dv))
+    if config["BLOCK_M"] > 16 and config["BLOCK_M"] // 2 >= L.n:
+        return "more points per program than there are points"
+    if config["BLOCK_N"] > 16 and (config["BLOCK_N"] // 2) * config["SPLITS"] >= L.n:
+        return "splits longer than their share of the points"
+    threads = 32 * config["num_warps"]
+    points = max(config["BLOCK_M"], config["BLOCK_N"]) * (bdx + 3 * bg + bdf) + bg * bdf + bdx * bg
+    tokens = 3 * bg * bg + bg * (bdf + 2 * bdq + 2 * bdv)
+    if max(points, tokens) / threads > REGS_PER_THREAD:
+        return f"{max(points, tokens) / threads:.0f} values per thread would spill registers"
+    return None
+
+
+def slice_configs(program):
+    return [{"BLOCK_M": m, "BLOCK_N": n, "SPLITS": s, "num_warps": warps, "num_stages": 2}
+            for m, n, s, warps in SLICE_CONFIGS]
+
+
+def slice_default_config(program):
+    L = program.slices
+    warps = 8 if L.g > 64 else 4
+    block_m = min(64, max(16, next_power_of_2(L.n)))
+    for splits in (4, 2, 1):
+        block_n = min(64, max(16, next_power_of_2(-(-L.n // splits))))
+        for m in (block_m, 32, 16):
+            config = {"BLOCK_M": min(m, block_m), "BLOCK_N": block_n, "SPLITS": splits, "num_warps": warps,
+                      "num_stages": 2}
+            if slice_is_valid(program, config) is None:
+                return config
+    return {"BLOCK_M": 16, "BLOCK_N": 16, "SPLITS": 1, "num_warps": 8, "num_stages": 1}
+
+
+SLICE_STRATEGY = StrategySpec(
+    name="slice_attention",
+    description="Transolver's slice (physics) attention - slice weights, aggregation, attention among the slices, "
+                "scatter back - as a chain of three kernels that read the point features once each.",
+    priority=1,
+    block_params=("BLOCK_M", "BLOCK_N", "SPLITS"),
+    propose=find_slice_attention,
+    compose=compose_slice_attention,
+    accepts=slice_accepts,
+    configs=slice_configs,
+    is_valid=slice_is_valid,
+    default_config=slice_default_config,
+    generate=lambda program, helpers: write_slice_attention(program, "slice_attention", helpers),
 )

@@ -6,7 +6,16 @@ letter (first operand and output), one column letter (second operand and
 output) and one contracted letter (both operands, not the output), and the
 first operand is ``batch, row, contracted``. The second operand may be
 ``batch, contracted, column`` or ``batch, column, contracted`` (read
-transposed through its strides). Anything else stays eager.
+transposed through its strides). An equation that is one of these with its
+operands swapped (``bhgd,bhng->bhnd``: weights @ tokens) is lowered with them
+swapped.
+
+Equations that contract the leading matrix dim of both operands
+(``bhnd,bhne->bhde``: ``k^T @ v``, as linear and slice attention write it) have
+no plain product in the IR (its ``a`` is read untransposed): they are lowered as
+extern ops, which only a strategy with its own compose takes (the attention
+plugin's linear and slice attention); anywhere else they run eager. Anything
+else stays eager.
 """
 
 from typing import Optional
@@ -48,15 +57,38 @@ def parse_matmul_equation(equation: str) -> Optional[bool]:
     return None
 
 
+def parse_transposed_a_equation(equation: str) -> bool:
+    """Is ``equation`` ``a^T @ b`` (or its transpose): both operands ``batch, contracted, x``?"""
+    eq = equation.replace(" ", "")
+    if "->" not in eq or "." in eq:
+        return False
+    lhs, out = eq.split("->")
+    ops = lhs.split(",")
+    if len(ops) != 2 or any(len(set(t)) != len(t) for t in (*ops, out)):
+        return False
+    a, b = ops
+    if len(a) != len(b) or len(out) != len(a) or len(a) < 2 or a[:-2] != b[:-2] or a[:-2] != out[:-2]:
+        return False
+    contracted, row, col = a[-2], a[-1], b[-1]
+    return b[-2] == contracted and len({contracted, row, col}) == 3 and out[-2:] in (row + col, col + row)
+
+
 def lower_einsum(ctx, equation, *operands):
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
     if not isinstance(equation, str) or len(operands) != 2:
         ctx.refuse("unsupported_equation", "einsum with other than an equation and two operands")
     transpose_b = parse_matmul_equation(equation)
-    if transpose_b is None:
-        ctx.refuse("unsupported_equation", f"einsum {equation!r} is not a plain matrix product")
-    return ctx.matmul(operands[0], operands[1], transpose_b=transpose_b)
+    if transpose_b is not None:
+        return ctx.matmul(operands[0], operands[1], transpose_b=transpose_b)
+    lhs, out = equation.replace(" ", "").split("->") if "->" in equation else (equation, "")
+    swapped = ",".join(reversed(lhs.split(","))) + "->" + out
+    transpose_b = parse_matmul_equation(swapped)
+    if transpose_b is not None:
+        return ctx.matmul(operands[1], operands[0], transpose_b=transpose_b)
+    if parse_transposed_a_equation(equation) and all(ctx.is_tensor(t) for t in operands):
+        return ctx.extern()
+    ctx.refuse("unsupported_equation", f"einsum {equation!r} is not a plain matrix product")
 
 
 def _samples(dtype):
@@ -77,6 +109,7 @@ SPECS = [
         references=(
             lambda q, k: torch.einsum("bhnd,bhmd->bhnm", q, k),
             lambda q, k: torch.einsum("bhnd,bhmd->bhnm", q, k) * 0.25,
+            lambda q, k: torch.einsum("bhmd,bhnd->bhnm", k, q),  # operands swapped
         ),
         tolerances=PRODUCT_TOLERANCES,
     ),

@@ -1,0 +1,70 @@
+"""Kernel chains: several ``@triton.jit`` kernels run one after the other as one fused group.
+
+A group's kernel module names one entry point, which the core launches as
+``entry[grid](*inputs, *outputs, **config)`` - exactly how a ``@triton.jit``
+function is launched. For a chain, the entry is a small host-side launcher
+with that interface (and ``warmup``, to be compiled ahead of its first launch): it allocates the chain's scratch buffers (fp32 partial
+results, a few KiB to MiB), launches each stage with its own grid and ignores
+the grid it is given. Tuning times the whole chain, and verification checks
+its outputs, like any kernel's.
+
+``stages(config)`` lists each stage's kernel with its argument types and
+compile-time constants, so the chain can be compiled ahead of time for a GPU
+without one (``tests/test_gpu_compile.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.bool: "*i1"}
+
+
+def jit_function(name: str, params: list[str], blocks: list[str], lines: list[str]) -> str:
+    signature = ", ".join(params + [f"{b}: tl.constexpr" for b in blocks])
+    return f"@triton.jit\ndef {name}({signature}):\n" + "\n".join(lines) + "\n"
+
+
+def digest(*parts: str) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:10]
+
+
+def chain_module(header: str, helper_text: str, functions: list[str], entry: str, launch_lines: list[str],
+                 signature: str, stages: list[dict], derived: dict[str, str] = None,
+                 tensor_names: tuple[str, ...] = ()) -> str:
+    """The module text: the kernels, then the launcher ``entry``.
+
+    ``launch_lines`` is the body of ``launch(self, <signature>)``; ``stages``
+    (one dict per kernel: ``name``, ``pointers`` {argument: type}, ``constexprs``
+    {name: the name of a config key}) becomes ``stages(config)``; ``derived``
+    adds keys computed from the config (Python expressions over ``config``).
+    ``tensor_names``: the entry's tensor arguments in call order (inputs, then
+    outputs), for ``warmup``; scratch buffers are fp32.
+    """
+    derive = "".join(f"        config[{k!r}] = {v}\n" for k, v in (derived or {}).items())
+    body = "\n".join("        " + line for line in launch_lines)
+    return (
+        f"{header}\nimport torch\nimport triton\nimport triton.language as tl\n\n\n"
+        + (helper_text + "\n\n\n" if helper_text else "")
+        + "\n\n".join(functions)
+        + "\n\nclass _Chain:\n"
+        + f'    """Launches the chain {", ".join(s["name"] for s in stages)}; indexed like a kernel, the grid unused."""\n\n'
+        + "    def __getitem__(self, grid):\n        return self.launch\n\n"
+        + f"    def launch(self, {signature}):\n{body}\n\n"
+        + "    def stages(self, config):\n"
+        + "        config = dict(config)\n" + derive
+        + f"        stages = {stages!r}\n"
+        + "        return [dict(s, constexprs={k: config[v] for k, v in s['constexprs'].items()}) for s in stages]\n\n"
+        + "    def warmup(self, *dtypes, grid, **config):\n"
+        + '        """Compile every stage without launching it (``autofuser_core.precompile``)."""\n'
+        + "        names = " + repr(tensor_names) + "\n"
+        + "        given = dict(zip(names, dtypes))\n"
+        + "        for stage in self.stages(config):\n"
+        + "            fn = globals()[stage['name']]\n"
+        + "            args = [given.get(name, torch.float32) for name in stage['pointers']]\n"
+        + "            fn.warmup(*args, grid=(1,), num_warps=config.get('num_warps', 4),\n"
+        + "                      num_stages=config.get('num_stages', 2), **stage['constexprs'])\n\n\n"
+        + f"{entry} = _Chain()\n"
+    )

@@ -1,0 +1,119 @@
+"""Slice ("physics") attention as Transolver writes it (the ``slice_attention`` strategy).
+
+The zoo's ``PhysicsAttention`` (point-cloud variant: linear projections) is
+fused into one group - slice weights with their temperature, aggregation with
+the normalisation by the weight sums, attention among the slices, scatter
+back - that runs as a chain of three kernels, and matches eager on awkward
+shapes (37 and 1127 points, head widths 16, 24 and 64, batch 1 and 3, 8 and
+32 slices) in fp32, fp16 and bf16 (also under autocast). The report names
+the form; a chain whose weights are used elsewhere is refused with a reason.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import autofuser
+from autofuser_zoo.models import MODELS
+from autofuser_zoo.models.transolver import PhysicsAttention
+from test_attention import TOLERANCES, fused_kernels  # the softmax attention tests' tolerances and helper
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+HEADS = 2
+CASES = [
+    # batch, points, head width, slices, dtype
+    (3, 37, 24, 8, F32), (1, 1127, 16, 32, F32), (1, 37, 64, 8, F32),
+    (3, 37, 16, 8, F16), (1, 1127, 16, 32, BF16), (1, 37, 64, 8, BF16),
+]
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+def make(width: int, slices: int, dtype) -> PhysicsAttention:
+    model = PhysicsAttention(HEADS * width, HEADS, slices)
+    with torch.no_grad():
+        model.temperature.uniform_(0.3, 1.0)  # a different temperature per head
+        for linear in (model.to_q, model.to_k, model.to_v):
+            linear.weight.mul_(3.0)  # attention among the slices far from uniform
+    return model.to(DEVICE, dtype).eval()
+
+
+def run(model, x):
+    with torch.no_grad():
+        expected = model(x)
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        got = fused(x)
+    return fused, got, expected
+
+
+def slice_groups(fused):
+    return [g for g in fused.report().fused if g.strategy == "slice_attention"]
+
+
+@pytest.mark.parametrize("batch,n,width,slices,dtype", CASES, ids=str)
+def test_slice_attention_matches_eager_as_one_chain(batch, n, width, slices, dtype):
+    model = make(width, slices, dtype)
+    x = torch.randn(batch, n, HEADS * width, dtype=dtype, device=DEVICE)
+    fused, got, expected = run(model, x)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[dtype])
+    (group,) = slice_groups(fused)
+    assert group.reason.startswith(f"form slice: slice attention ({n} points -> {slices} slices"), group.reason
+    # Every step is inside the group: the weights, their sum, the aggregation, q/k/v, the
+    # softmax among slices and the scatter; nothing of it went to another group.
+    assert group.ops.count("matmul.linear_module") == 4 and group.ops.count("reduction.softmax") == 2, group.ops
+    assert {"reduction.sum", "matmul.einsum"} <= set(group.ops), group.ops
+    chain = [k for k in fused_kernels(fused) if k.source.layout == "attention_chain"]
+    assert len(chain) == 1 and chain[0].source.source.count("@triton.jit\ndef af_attention_slice") == 3
+
+
+def test_slice_attention_under_autocast_bf16():
+    model = make(16, 8, F32)
+    x = torch.randn(3, 37, HEADS * 16, device=DEVICE)
+    with torch.no_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        fused, got, expected = run(model, x)
+    assert got.dtype == expected.dtype
+    torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[BF16])
+    assert len(slice_groups(fused)) == 1, str(fused.report())
+
+
+class LeakyWeights(PhysicsAttention):
+    """Slice attention that also returns a statistic of its slice weights."""
+
+    def forward(self, x):
+        x_mid, fx_mid = self._project(x)
+        weights = torch.softmax(self.to_slice(x_mid) / self.temperature, dim=-1)
+        norm = weights.sum(dim=2)
+        tokens = torch.einsum("bhnd,bhng->bhgd", fx_mid, weights) / (norm[..., None] + 1e-5)
+        q, k, v = self.to_q(tokens), self.to_k(tokens), self.to_v(tokens)
+        mixed = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * self.scale, dim=-1) @ v
+        return torch.einsum("bhgd,bhng->bhnd", mixed, weights), weights.amax(dim=-1)
+
+
+def test_weights_used_elsewhere_are_refused_with_reason():
+    model = LeakyWeights(HEADS * 16, HEADS, 8).to(DEVICE).eval()
+    x = torch.randn(1, 37, HEADS * 16, device=DEVICE)
+    fused, got, expected = run(model, x)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, **TOLERANCES[F32])
+    assert not slice_groups(fused)
+    refused = [g for g in fused.report().groups if g.strategy == "slice_attention"]
+    assert refused and refused[0].reason_code == "intermediate_used_elsewhere", str(fused.report())
+
+
+def test_zoo_transolver_tiny_fuses_its_slice_attention():
+    entry = MODELS["transolver"]
+    model = entry.make("tiny").to(DEVICE).eval()
+    x = entry.inputs(torch.rand(2, 17, 9, 2, device=DEVICE))
+    fused, got, expected = run(model, x)
+    torch.testing.assert_close(got, expected, **TOLERANCES[F32])
+    groups = slice_groups(fused)
+    assert len(groups) == len(model.blocks), str(fused.report())
+    assert all(g.reason.startswith("form slice") for g in groups)
