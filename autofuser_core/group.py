@@ -182,7 +182,7 @@ def compose_group(
             out = Value(
                 v.op, v.shape, is_bool=v.is_bool, args=tuple(rebuild(a) for a in v.args), template=v.template,
                 constant=v.constant, reduce_op=v.reduce_op, dims=v.dims, keepdim=v.keepdim,
-                transpose_b=v.transpose_b, dtype=v.dtype,
+                transpose_b=v.transpose_b, column_dims=v.column_dims, dtype=v.dtype,
             )
         else:
             out = v
@@ -405,9 +405,18 @@ def _lay_out(program: GroupProgram) -> None:
     program.domain = tuple(domain)
     program.reduced_dims = tuple(d for d in reduced if domain[d] != 1)
 
-    for tensor in program.inputs:
-        tensor.domain_stride = (_domain_strides(tensor.shape, tensor.stride, program.domain) if tensor.read
-                                else (0,) * len(program.domain))
+    views: dict[int, set[tuple[int, ...]]] = {}
+    for v in values.values():
+        if v.op == "load":
+            views.setdefault(program.input_of_load[v.uid], set()).add(tuple(v.shape))
+    for index, tensor in enumerate(program.inputs):
+        if not tensor.read:
+            tensor.domain_stride = (0,) * len(program.domain)
+            continue
+        shapes = views.get(index, {tensor.shape})
+        if len(shapes) > 1:
+            raise GroupRefused("mixed_views", f"{tensor.name} is read with several shapes {sorted(shapes)}")
+        tensor.domain_stride = _domain_strides(*read_view(tensor, next(iter(shapes))), program.domain)
     for tensor, value in zip(program.outputs, program.output_values):
         shape_s = aligned[value.uid]
         for d in range(rank):
@@ -434,6 +443,16 @@ def _lay_out(program: GroupProgram) -> None:
         reduced_full = [shape_s[d] == program.domain[d] for d in reduced if program.domain[d] != 1]
         if reduced_full and any(reduced_full) and not all(reduced_full):
             raise GroupRefused("output_broadcasts", f"output {tensor.name} is partly reduced")
+
+
+def read_view(tensor: KernelTensor, shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``tensor``'s shape and strides when read as ``shape`` (``ctx.read_as``: size-1
+    dims inserted or removed); its own when ``shape`` is its shape."""
+    shape = tuple(shape)
+    if shape == tuple(tensor.shape):
+        return shape, tuple(tensor.stride)
+    own = iter([st for s, st in zip(tensor.shape, tensor.stride) if s != 1])
+    return shape, tuple(next(own) if s != 1 else 0 for s in shape)
 
 
 def _domain_strides(shape: Sequence[int], stride: Sequence[int], domain: Sequence[int]) -> tuple[int, ...]:

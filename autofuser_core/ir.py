@@ -9,10 +9,15 @@ through a ``LoweringContext``:
   ``{0}``, ``{1}``, ... standing for the operands (``"tl.exp({0})"``);
   operands broadcast as in torch;
 - ``ctx.reduce(op, value, dims, keepdim)`` - ``sum``/``max``/``min`` over dims;
-- ``ctx.matmul(a, b, transpose_b)`` - a matrix product over the last two dims
-  (leading dims broadcast), accumulated in fp32, its operands rounded to the
-  product's dtype (bf16/fp16 under autocast; fp32 products use TF32 only where
-  torch's own matmul-precision setting allows it);
+- ``ctx.matmul(a, b, transpose_b, column_dims)`` - a matrix product over the
+  last two dims (leading dims broadcast), accumulated in fp32, its operands
+  rounded to the product's dtype (bf16/fp16 under autocast; fp32 products use
+  TF32 only where torch's own matmul-precision setting allows it); with
+  ``column_dims=c`` the product's columns span ``b``'s last ``c`` dims (a
+  channels-first 1x1 convolution: ``[O, C] @ [B, C, H, W] -> [B, O, H, W]``);
+- ``ctx.read_as(arg, shape)`` - read a tensor argument with size-1 dims
+  inserted or removed (a conv weight ``[O, C, 1, 1]`` as ``[O, C]``, a
+  per-channel ``[C]`` as ``[C, 1, 1]``); no data moves;
 - ``ctx.packed_weight(data, scales, ...)`` - a weight stored quantised
   (integer elements plus per-block scales), read only as a product's second
   operand and decoded in registers by a quantiser's helper;
@@ -88,6 +93,7 @@ class Value:
     dims: tuple[int, ...] = ()  # reduce: dims of args[0].shape, non-negative
     keepdim: bool = True
     transpose_b: bool = False  # dot: b is stored [..., N, K] (a linear layer's weight)
+    column_dims: int = 1  # dot: the product's columns span this many trailing dims of b and of the result
     dtype: Optional[torch.dtype] = None  # dot: the product's dtype in eager (set when composed)
     packed: Optional[PackedWeight] = None  # load: a quantised weight (see PackedWeight)
     uid: int = field(default_factory=lambda: next(_ids))
@@ -207,20 +213,48 @@ class LoweringContext:
             shape = tuple(s for i, s in enumerate(value.shape) if i not in norm)
         return Value("reduce", shape, args=(value,), reduce_op=op, dims=norm, keepdim=keepdim)
 
-    def matmul(self, a: Any, b: Any, transpose_b: bool = False) -> Value:
-        """``a @ b`` (``a @ b.transpose(-2, -1)`` with ``transpose_b``) over the last two dims."""
+    def matmul(self, a: Any, b: Any, transpose_b: bool = False, column_dims: int = 1) -> Value:
+        """``a @ b`` (``a @ b.transpose(-2, -1)`` with ``transpose_b``) over the last two dims.
+
+        ``column_dims=c`` lets the columns span ``b``'s last ``c`` dims: ``a``
+        is ``[..., M, K]``, ``b`` is ``[..., K, N1, ..., Nc]`` and the result
+        ``[..., M, N1, ..., Nc]`` - a product over a channels-first tensor's
+        channel dim, read in place. The layout walks the ``c`` dims as one
+        column index, so every tensor of the group must walk them contiguously
+        (any strides, as long as they merge), else the group is refused.
+        """
         a, b = self.tensor(a), self.tensor(b)
-        if len(a.shape) < 2 or len(b.shape) < 2:
+        if column_dims < 1 or (column_dims > 1 and transpose_b):
+            raise ValueError("column_dims must be >= 1, and 1 with transpose_b")
+        if len(a.shape) < 2 or len(b.shape) < 1 + column_dims:
             self.refuse("unsupported_shape", "matrix products of vectors stay eager")
         m, k = a.shape[-2:]
-        kb, n = (b.shape[-1], b.shape[-2]) if transpose_b else b.shape[-2:]
+        if transpose_b:
+            kb, columns, b_batch = b.shape[-1], (b.shape[-2],), b.shape[:-2]
+        else:
+            kb, columns, b_batch = b.shape[-1 - column_dims], b.shape[len(b.shape) - column_dims:], b.shape[:-1 - column_dims]
         if k != kb:
             self.refuse("shape_mismatch", f"inner dims {k} and {kb} differ")
         try:
-            batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+            batch = tuple(torch.broadcast_shapes(a.shape[:-2], b_batch))
         except RuntimeError as err:
             self.refuse("shape_mismatch", str(err))
-        return Value("dot", batch + (m, n), args=(a, b), transpose_b=transpose_b)
+        return Value("dot", batch + (m,) + tuple(columns), args=(a, b), transpose_b=transpose_b,
+                     column_dims=column_dims)
+
+    def read_as(self, arg: Any, shape: Sequence[int]) -> Value:
+        """Read tensor ``arg`` (an fx node or a loaded ``Value``) as ``shape``: its own
+        shape with size-1 dims inserted or removed, nothing else (``[O, C, 1, 1]`` as
+        ``[O, C]``, ``[C]`` as ``[C, 1, 1]``). No data moves: the layout reads the
+        tensor through its own strides."""
+        value = self.tensor(arg)
+        shape = tuple(int(s) for s in shape)
+        if value.op != "load":
+            self.refuse("unsupported_argument", "only tensors read from memory can be re-read with another shape")
+        if [s for s in shape if s != 1] != [s for s in value.shape if s != 1]:
+            self.refuse("shape_mismatch", f"{list(value.shape)} can't be read as {list(shape)}: only size-1 dims "
+                                          "may be inserted or removed")
+        return Value("load", shape, is_bool=value.is_bool, source=value.source)
 
     def packed_weight(self, data: Any, scales: Any, shape: Sequence[int], block: int, decode: str,
                       dtype: torch.dtype, format: str = "", exact_tf32: bool = False) -> Value:

@@ -23,12 +23,13 @@ grid axis. Each load gets strides for the domain it is read in, so one input
 from __future__ import annotations
 
 import contextvars
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from .group import GroupProgram, GroupRefused, _domain_strides
+from .group import GroupProgram, GroupRefused, _domain_strides, read_view
 from .ir import Value
 
 
@@ -116,8 +117,13 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
     depends = _depending_on(values, dot)
     _outputs_from(program, values, depends, dot, prologue, "the product")
 
-    out_domain = tuple(dot.shape)
-    rank = len(out_domain)
+    # With column_dims = c > 1 the product's columns span c trailing dims (a 1x1
+    # convolution over [B, C, H, W]); every tensor of the epilogue and B is laid out
+    # over the full domain, then its c column strides merge into one.
+    columns = dot.column_dims
+    full_domain = tuple(dot.shape)
+    out_domain = full_domain[:len(full_domain) - columns] + (math.prod(full_domain[len(full_domain) - columns:]),)
+    rank = len(full_domain)
     k = a.shape[-1]
     a_domain = out_domain[:-1] + (k,)
     layout = MatmulLayout(dot=dot, out_domain=out_domain, k=k, batched=False, prologue=prologue)
@@ -126,10 +132,11 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
         if v.op == "reduce":
             in_prologue = v.uid in prologue
             last = len(v.args[0].shape) - 1
-            if v.dims != (last,) or not v.keepdim or v.args[0].shape[-1] == 1:
+            if v.dims != (last,) or not v.keepdim or v.args[0].shape[-1] == 1 or (columns > 1 and not in_prologue):
                 where = "before" if in_prologue else "after"
                 raise GroupRefused("unsupported_reduction",
-                                   f"a reduction {where} the product must run over the last dim with keepdim")
+                                   f"a reduction {where} the product must run over the last dim with keepdim"
+                                   + ("" if in_prologue else ", and the product's columns must be one dim"))
         if v.op in ("pointwise", "reduce", "load") and len(v.shape) > rank:
             raise GroupRefused("shape_mismatch", "a value has more dims than the product")
 
@@ -137,16 +144,15 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
     for v in values.values():
         if v.op != "load" or v is b:
             continue
-        meta = program.inputs[program.input_of_load[v.uid]]
-        domain = a_domain if v.uid in prologue else out_domain
-        try:
-            strides = _domain_strides(meta.shape, meta.stride, domain)
-            _check_fits(meta.shape, domain)
-        except GroupRefused:
-            raise
-        layout.load_strides[v.uid] = strides
+        shape, stride = read_view(program.inputs[program.input_of_load[v.uid]], v.shape)
+        if v.uid in prologue:
+            _check_fits(shape, a_domain)
+            layout.load_strides[v.uid] = _domain_strides(shape, stride, a_domain)
+        else:
+            layout.load_strides[v.uid] = _column_strides(shape, stride, full_domain, columns)
 
-    layout.b_strides, layout.b_packed = _weight_operand(program, b, dot, out_domain[:-2] + (k, out_domain[-1]))
+    b_domain = full_domain[:rank - 1 - columns] + (k,) + full_domain[rank - columns:]
+    layout.b_strides, layout.b_packed = _weight_operand(program, b, dot, b_domain, columns)
     layout.batched = any(layout.b_strides[:-2])
 
     dtype = dot.dtype or torch.float32
@@ -158,7 +164,29 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
 
     layout.epilogue_reduces = any(v.op == "reduce" and v.uid not in prologue for v in values.values())
     layout.prologue_reduces = any(v.op == "reduce" and v.uid in prologue for v in values.values())
-    _install(program, layout, out_domain)
+    _install(program, layout, full_domain, columns)
+
+
+def _column_strides(shape, stride, domain, columns: int) -> tuple[int, ...]:
+    """Strides of a tensor over ``domain``, its last ``columns`` dims merged into one.
+
+    The merge needs the tensor to walk those dims as one: ``stride[d] == size[d+1]
+    * stride[d+1]`` between neighbours (a broadcast over all of them, stride 0,
+    merges too); a tensor that doesn't (a column slice, a broadcast over some of
+    them) refuses the group.
+    """
+    _check_fits(shape, domain)
+    strides = _domain_strides(shape, stride, domain)
+    if columns == 1:
+        return strides
+    head, tail = list(strides[:len(strides) - columns]), strides[len(strides) - columns:]
+    sizes = domain[len(domain) - columns:]
+    walked = [(size, st) for size, st in zip(sizes, tail) if size != 1]
+    for (_, outer), (size, inner) in zip(walked, walked[1:]):
+        if outer != size * inner:
+            raise GroupRefused("strided_columns", f"a tensor of shape {list(shape)} and strides {list(stride)} "
+                                                  f"doesn't walk the product's {columns} column dims as one")
+    return tuple(head + [walked[-1][1] if walked else 0])
 
 
 def _packed_only_as_weights(values: dict[int, Value], weights: tuple[Value, ...]) -> None:
@@ -168,17 +196,20 @@ def _packed_only_as_weights(values: dict[int, Value], weights: tuple[Value, ...]
             raise GroupRefused("packed_weight", "a quantised weight is read other than as a product's weight")
 
 
-def _weight_operand(program: GroupProgram, load: Value, dot: Value,
-                    domain: tuple[int, ...]) -> tuple[tuple[int, ...], Optional[PackedOperand]]:
-    """The weight's strides over ``domain`` (``[..., K, N]``), and its scales if it is stored quantised."""
+def _weight_operand(program: GroupProgram, load: Value, dot: Value, domain: tuple[int, ...],
+                    columns: int = 1) -> tuple[tuple[int, ...], Optional[PackedOperand]]:
+    """The weight's strides over ``domain`` (``[..., K, N]``, its last ``columns`` dims
+    merged into one), and its scales if it is stored quantised."""
     meta = program.inputs[program.input_of_load[load.uid]]
     packed = load.packed
     # A packed weight's elements are stored with K padded: index them by the logical shape.
-    shape, stride = list(load.shape if packed is not None else meta.shape), list(meta.stride)
+    if packed is not None:
+        shape, stride = list(load.shape), list(meta.stride)
+    else:
+        shape, stride = map(list, read_view(meta, load.shape))
     if dot.transpose_b:
         shape[-2:], stride[-2:] = shape[-2:][::-1], stride[-2:][::-1]
-    _check_fits(tuple(shape), domain)
-    strides = _domain_strides(shape, stride, domain)
+    strides = _column_strides(tuple(shape), tuple(stride), domain, columns)
     if packed is None:
         return strides, None
     if not dot.transpose_b or len(load.shape) != 2:
@@ -217,18 +248,19 @@ def _outputs_from(program: GroupProgram, values: dict[int, Value], after: set[in
             raise GroupRefused("prologue_reused", f"a value from before {what} is also used after it")
 
 
-def _install(program: GroupProgram, layout, out_domain: tuple[int, ...]) -> None:
-    """Attach ``layout`` to ``program``; every output must cover the whole product."""
-    program.domain = out_domain
+def _install(program: GroupProgram, layout, out_domain: tuple[int, ...], columns: int = 1) -> None:
+    """Attach ``layout`` to ``program``; every output must cover the whole product
+    (``out_domain``, whose last ``columns`` dims the layout walks as one)."""
+    program.domain = layout.out_domain
     program.reduced_dims = ()
     program.matmul = layout
     rank = len(out_domain)
     for tensor in program.outputs:
         _check_fits(tensor.shape, out_domain)
-        tensor.domain_stride = _domain_strides(tensor.shape, tensor.stride, out_domain)
         padded = (1,) * (rank - len(tensor.shape)) + tuple(tensor.shape)
         if any(s == 1 and d != 1 for s, d in zip(padded, out_domain)):
             raise GroupRefused("output_broadcasts", f"output {tensor.name} is smaller than the product")
+        tensor.domain_stride = _column_strides(tensor.shape, tensor.stride, out_domain, columns)
 
 
 def _check_fits(shape, domain) -> None:
@@ -297,10 +329,9 @@ def _operand_dtype(dot: Value) -> Optional[torch.dtype]:
 def _weight_strides(program: GroupProgram, load: Value, transpose: bool, domain: tuple[int, int]) -> tuple[int, int]:
     if load.packed is not None:
         raise GroupRefused("packed_weight", "this kernel does not decode quantised weights")
-    meta = program.inputs[program.input_of_load[load.uid]]
-    if len(meta.shape) != 2:
+    shape, stride = map(list, read_view(program.inputs[program.input_of_load[load.uid]], load.shape))
+    if len(shape) != 2:
         raise GroupRefused("batched_weight", "an MLP's weights must be matrices")
-    shape, stride = list(meta.shape), list(meta.stride)
     if transpose:
         shape, stride = shape[::-1], stride[::-1]
     _check_fits(tuple(shape), domain)
@@ -319,6 +350,8 @@ def _mlp_weight(program: GroupProgram, dot: Value,
 
 def lay_out_mlp(program: GroupProgram, values: dict[int, Value], dots: list[Value]) -> None:
     first, second = sorted(dots, key=lambda d: d.uid)
+    if first.column_dims != 1 or second.column_dims != 1:
+        raise GroupRefused("several_products", "an MLP's products must have one column dim each")
     depends_first = _depending_on(values, first)
     if second.args[0].uid not in depends_first:
         raise GroupRefused("several_products", "two products that don't feed each other")
@@ -351,9 +384,9 @@ def lay_out_mlp(program: GroupProgram, values: dict[int, Value], dots: list[Valu
         if v.op != "load" or v is first.args[1] or v is second.args[1]:
             continue
         where = "prologue" if v.uid in prologue else "middle" if v.uid in layout.middle else "epilogue"
-        meta = program.inputs[program.input_of_load[v.uid]]
-        _check_fits(meta.shape, domains[where])
-        layout.load_strides[v.uid] = _domain_strides(meta.shape, meta.stride, domains[where])
+        shape, stride = read_view(program.inputs[program.input_of_load[v.uid]], v.shape)
+        _check_fits(shape, domains[where])
+        layout.load_strides[v.uid] = _domain_strides(shape, stride, domains[where])
     _packed_only_as_weights(values, (first.args[1], second.args[1]))
     layout.w1_strides, layout.w1_packed = _mlp_weight(program, first, (k, h))
     layout.w2_strides, layout.w2_packed = _mlp_weight(program, second, (h, out_domain[-1]))

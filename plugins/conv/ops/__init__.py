@@ -1,0 +1,1 @@
+"""The conv plugin's ops, one file each; every module defines `SPECS`."""
