@@ -1,0 +1,332 @@
+"""The conv plugin end to end: 1x1 convolutions as channel-dim products with
+their epilogues, batch norm folded into them (reading live statistics), instance
+and group norm as row reductions, and the convolutional blocks of the zoo's
+models - each compared with eager on fresh random inputs, fp32 and bf16, at
+odd spatial sizes, and each checked in the report for what fused and why.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+import autofuser
+from autofuser_core.group import GroupRefused
+from autofuser_core.planner import PlanningView
+
+TOLERANCES = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    # A bf16 rounding step that differs by one unit passes through the next convolution.
+    torch.bfloat16: dict(atol=3e-2, rtol=5e-2),
+}
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+def fuse_and_run(model, *inputs):
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        got = fused(*inputs)
+        expected = model(*inputs)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[expected.dtype])
+    return fused
+
+
+def trained_norm(norm: nn.Module) -> nn.Module:
+    """Running statistics and affine parameters far from their initial values."""
+    with torch.no_grad():
+        norm.running_mean.normal_()
+        norm.running_var.uniform_(0.5, 2.0)
+        norm.weight.normal_()
+        norm.bias.normal_()
+    return norm
+
+
+def group_with(report, *ops):
+    """The fused group holding every op in ``ops``, or None."""
+    return next((g for g in report.fused if all(op in g.ops for op in ops)), None)
+
+
+# ---------------------------------------------------------------------------
+# 1x1 convolutions with their epilogue
+# ---------------------------------------------------------------------------
+
+
+class PointwiseConvBlock(nn.Module):
+    """conv 1x1 -> batch norm -> GELU -> + residual: one product with its epilogue."""
+
+    def __init__(self, channels: int, out_channels: int, dims: int = 2):
+        super().__init__()
+        conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+        norm = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[dims]
+        self.conv = conv(channels, out_channels, kernel_size=1)
+        self.norm = trained_norm(norm(out_channels))
+
+    def forward(self, x, residual):
+        return F.gelu(self.norm(self.conv(x))) + residual
+
+
+@pytest.mark.parametrize("dims,spatial", [(1, (37,)), (2, (37, 13)), (3, (5, 7, 3))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_1x1_conv_bn_gelu_residual_is_one_product_kernel(dims, spatial, dtype):
+    model = PointwiseConvBlock(12, 20, dims).eval().to(dtype)
+    x = torch.randn(2, 12, *spatial, dtype=dtype)
+    residual = torch.randn(2, 20, *spatial, dtype=dtype)
+    fused = fuse_and_run(model, x, residual)
+    report = fused.report()
+    group = group_with(report, f"conv.conv{dims}d_1x1_module", "conv.batch_norm_module", "elementwise.gelu",
+                       "elementwise.add")
+    assert group is not None and group.strategy == "linear_epilogue", str(report)
+    assert len(report.fused) == 1, str(report)
+
+
+def test_1x1_conv_reads_channels_last_input_in_place_and_writes_one_output_channel():
+    # The input is a permuted view (FNO's `rearrange(h, "b x y c -> b c x y")`): the
+    # product walks its spatial dims with stride C and no copy is made.
+    model = nn.Sequential(nn.Conv2d(9, 1, kernel_size=1), nn.Tanh()).eval()
+    x = torch.randn(3, 37, 13, 9).permute(0, 3, 1, 2)
+    fused = fuse_and_run(model, x)
+    report = fused.report()
+    assert len(report.fused) == 1 and report.fused[0].strategy == "linear_epilogue", str(report)
+    assert not any("permute" in n.target or "contiguous" in n.target for n in report.unfused_nodes)
+
+
+def test_functional_1x1_conv_with_a_bias_argument_fuses_its_activation():
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(16, 7, 1, 1) * 0.3)
+            self.bias = nn.Parameter(torch.randn(16))
+
+        def forward(self, x):
+            return F.silu(F.conv2d(x, self.weight, self.bias))
+
+    fused = fuse_and_run(Functional(), torch.randn(1, 7, 21, 11))
+    assert group_with(fused.report(), "conv.conv2d_1x1", "elementwise.silu") is not None, str(fused.report())
+
+
+def test_convolutions_that_are_not_plain_products_stay_eager_with_reasons():
+    model = nn.Sequential(nn.Conv2d(6, 6, kernel_size=1, stride=2), nn.Conv2d(6, 6, kernel_size=1, groups=2),
+                          nn.Conv2d(6, 6, kernel_size=1, padding=1), nn.ReLU()).eval()
+    fused = fuse_and_run(model, torch.randn(2, 6, 15, 9))
+    reasons = [n.reason for n in fused.report().unfused_nodes if "Conv2d" in n.target]
+    assert len(reasons) == 3
+    assert any("stride" in r for r in reasons) and any("groups" in r for r in reasons)
+    assert any("padding" in r for r in reasons)
+
+
+def test_columns_a_tensor_does_not_walk_as_one_refuse_the_group():
+    # The residual is a slice along W: its H stride is not W times its W stride,
+    # so (H, W) can't be the product's one column index. The product still fuses alone.
+    class SlicedResidual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(5, 8, kernel_size=1)
+
+        def forward(self, x, wide):
+            return self.conv(x) + wide[..., :11]
+
+    model = SlicedResidual().eval()
+    x, wide = torch.randn(2, 5, 9, 11), torch.randn(2, 8, 9, 17)
+    fused = fuse_and_run(model, x, wide)
+    report = fused.report()
+    assert [g.ops for g in report.fused] == [["conv.conv2d_1x1_module"], ["elementwise.add"]], str(report)
+    view = PlanningView(autofuser.capture(model, x, wide), autofuser.load_plugins().registry)
+    with pytest.raises(GroupRefused) as refusal:
+        view.compose(list(view.lowered))
+    assert refusal.value.code == "strided_columns"
+
+
+# ---------------------------------------------------------------------------
+# Batch norm: folded in eval mode, live statistics, a barrier in training
+# ---------------------------------------------------------------------------
+
+
+def test_folded_batch_norm_reads_its_statistics_and_parameters_at_call_time():
+    model = nn.Sequential(nn.Conv2d(6, 10, kernel_size=1), trained_norm(nn.BatchNorm2d(10)), nn.ReLU()).eval()
+    x = torch.randn(2, 6, 11, 7)
+    fused = fuse_and_run(model, x)
+    assert len(fused.report().fused) == 1
+    with torch.no_grad():
+        before = fused(x)
+        model[1].running_mean.add_(torch.randn(10))
+        model[1].running_var.mul_(3.0)
+        model[1].weight.mul_(-2.0)
+        after = fused(x)
+        torch.testing.assert_close(after, model(x), **TOLERANCES[torch.float32])
+        assert not torch.allclose(before, after)
+        replacement = nn.Sequential(nn.Conv2d(6, 10, kernel_size=1), trained_norm(nn.BatchNorm2d(10)), nn.ReLU())
+        model.load_state_dict(replacement.state_dict())
+        torch.testing.assert_close(fused(x), replacement.eval()(x), **TOLERANCES[torch.float32])
+    assert len(fused.reports()) == 1
+
+
+def test_linear_then_batch_norm_1d_folds_into_the_linear():
+    model = nn.Sequential(nn.Linear(24, 17), trained_norm(nn.BatchNorm1d(17)), nn.GELU()).eval()
+    fused = fuse_and_run(model, torch.randn(29, 24))
+    group = group_with(fused.report(), "matmul.linear_module", "conv.batch_norm_module", "elementwise.gelu")
+    assert group is not None and group.strategy == "linear_epilogue", str(fused.report())
+
+
+def test_batch_norm_in_training_mode_stays_a_barrier():
+    model = nn.Sequential(nn.Conv2d(4, 8, kernel_size=1), nn.BatchNorm2d(8), nn.GELU()).train()
+    x = torch.randn(3, 4, 9, 5)
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        got = fused(x)
+    reference = nn.Sequential(nn.Conv2d(4, 8, kernel_size=1), nn.BatchNorm2d(8), nn.GELU()).train()
+    reference.load_state_dict(model.state_dict())
+    reference[1].running_mean.copy_(torch.zeros(8))  # before the fused call updated them
+    reference[1].running_var.copy_(torch.ones(8))
+    reference[1].num_batches_tracked.zero_()
+    with torch.no_grad():
+        expected = reference(x)
+    torch.testing.assert_close(got, expected, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(model[1].running_mean, reference[1].running_mean)
+    report = fused.report()
+    assert any(n.reason_code == "mutation" and "BatchNorm2d" in n.target for n in report.unfused_nodes), str(report)
+    assert not any("conv.batch_norm_module" in g.ops for g in report.fused)
+
+
+# ---------------------------------------------------------------------------
+# Instance norm and group norm: row reductions with their activation
+# ---------------------------------------------------------------------------
+
+
+class NormAct(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x, skip):
+        return F.gelu(self.norm(x * 2 + skip))
+
+
+@pytest.mark.parametrize("norm,op", [
+    (lambda: nn.InstanceNorm2d(6, affine=True), "conv.instance_norm_module"),
+    (lambda: nn.GroupNorm(6, 6), "conv.group_norm_module"),
+    (lambda: nn.GroupNorm(1, 6), "conv.group_norm_module"),
+], ids=["instance", "group-per-channel", "group-of-all"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_instance_and_group_norm_join_one_row_reduction_with_what_surrounds_them(norm, op, dtype):
+    module = norm()
+    with torch.no_grad():
+        module.weight.normal_()
+        module.bias.normal_()
+    model = NormAct(module).eval().to(dtype)
+    x, skip = torch.randn(2, 6, 37, 13, dtype=dtype), torch.randn(2, 6, 37, 13, dtype=dtype)
+    fused = fuse_and_run(model, x, skip)
+    report = fused.report()
+    group = group_with(report, op, "elementwise.gelu", "elementwise.add")
+    assert group is not None and group.strategy == "row_reduction" and len(report.fused) == 1, str(report)
+
+
+def test_group_norm_over_part_of_the_channels_stays_eager_and_says_why():
+    fused = fuse_and_run(NormAct(nn.GroupNorm(2, 6)).eval(), torch.randn(2, 6, 9, 5), torch.randn(2, 6, 9, 5))
+    entry = next(n for n in fused.report().unfused_nodes if "GroupNorm" in n.target)
+    assert entry.reason_code == "partial_channel_groups" and "2 groups of 6 channels" in entry.reason
+
+
+# ---------------------------------------------------------------------------
+# Blocks of the zoo's models
+# ---------------------------------------------------------------------------
+
+
+class UNetBlock(nn.Module):
+    """Encoder step and decoder step of a U-Net: (conv 3x3 - BN - GELU) x 2, pool,
+    (conv-BN-GELU) x 2, bilinear upsampling back to the skip's size, concatenation."""
+
+    def __init__(self, channels: int = 4):
+        super().__init__()
+
+        def double(cin, cout):
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1, bias=False), trained_norm(nn.BatchNorm2d(cout)), nn.GELU(),
+                nn.Conv2d(cout, cout, 3, padding=1, bias=False), trained_norm(nn.BatchNorm2d(cout)), nn.GELU())
+
+        self.encode = double(channels, channels)
+        self.down = double(channels, 2 * channels)
+        self.head = nn.Conv2d(3 * channels, 2, kernel_size=1)
+
+    def forward(self, x):
+        skip = self.encode(x)
+        low = self.down(F.max_pool2d(skip, 2))
+        up = F.interpolate(low, size=skip.shape[-2:], mode="bilinear", align_corners=False)
+        return self.head(torch.cat((skip, up), dim=1))
+
+
+# One full-size case (221 x 51, fp32, batch 1) keeps the interpreter's time in CI down.
+@pytest.mark.parametrize("size,dtype", [((37, 13), torch.float32), ((37, 13), torch.bfloat16),
+                                        ((221, 51), torch.float32)], ids=["37x13-fp32", "37x13-bf16", "221x51-fp32"])
+def test_unet_block_matches_eager_with_bn_gelu_fused(size, dtype):
+    model = UNetBlock().eval().to(dtype)
+    x = torch.randn(1 if size == (221, 51) else 2, 4, *size, dtype=dtype)
+    fused = fuse_and_run(model, x)
+    report = fused.report()
+    bn_gelu = [g for g in report.fused if g.ops == ["conv.batch_norm_module", "elementwise.gelu"]]
+    assert len(bn_gelu) == 4, str(report)  # after each 3x3 convolution, which stays with cuDNN
+    assert group_with(report, "conv.conv2d_1x1_module") is not None, str(report)
+
+
+class FnoLayer(nn.Module):
+    """One FNO layer's 1x1 path: lift (channels last), then ``gelu(K(h) + W h)`` with
+    ``W`` a 1x1 convolution over the permuted view and ``K`` the spectral branch."""
+
+    def __init__(self, width: int = 8, modes: int = 3):
+        super().__init__()
+        self.lift = nn.Linear(3, width)
+        self.pointwise = nn.Conv2d(width, width, kernel_size=1)
+        self.modes = modes
+        self.spectral = nn.Parameter(torch.randn(width, width, modes, modes, dtype=torch.cfloat) / width)
+
+    def forward(self, x):
+        h = rearrange(self.lift(x), "b x y c -> b c x y")
+        h_ft = torch.fft.rfft2(h.float())
+        out_ft = torch.zeros_like(h_ft)
+        m = self.modes
+        out_ft[:, :, :m, :m] = torch.einsum("bixy,ioxy->boxy", h_ft[:, :, :m, :m], self.spectral)
+        spectral = torch.fft.irfft2(out_ft, s=h.shape[-2:]).to(h.dtype)
+        return F.gelu(spectral + self.pointwise(h))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fno_layer_1x1_path_is_one_product_with_residual_and_gelu(dtype):
+    model = FnoLayer().eval()
+    x = torch.randn(2, 37, 13, 3)
+    if dtype == torch.bfloat16:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fused = fuse_and_run(model, x)
+    else:
+        fused = fuse_and_run(model, x)
+    report = fused.report()
+    group = group_with(report, "conv.conv2d_1x1_module", "elementwise.add", "elementwise.gelu")
+    assert group is not None and group.strategy == "linear_epilogue", str(report)
+
+
+@pytest.mark.parametrize("name", ["unet", "fno"])
+def test_zoo_models_fuse_their_convolutional_parts(name):
+    from autofuser_zoo import airfoil
+    from autofuser_zoo.models import MESHES, MODELS, TINY_BATCH
+
+    model = MODELS[name].make("tiny").eval()
+    coords, _ = airfoil.make_dataset(TINY_BATCH, 0, MESHES["tiny"])
+    fused = fuse_and_run(model, MODELS[name].inputs(coords))
+    report = fused.report()
+    convs = [g for g in report.fused if "conv.conv2d_1x1_module" in g.ops]
+    if name == "unet":
+        # 2 x depth + ... DoubleConvs, each with two BN + GELU after cuDNN's 3x3 products; the 1x1 head.
+        assert sum(g.ops == ["conv.batch_norm_module", "elementwise.gelu"] for g in report.fused) == 10, str(report)
+        assert len(convs) == 1, str(report)
+    else:
+        # Every layer's 1x1 convolution with the spectral branch's sum (and GELU but after the last).
+        assert len(convs) == 2 and all("elementwise.add" in g.ops for g in convs), str(report)
+        assert sum("elementwise.gelu" in g.ops for g in convs) == 1, str(report)
