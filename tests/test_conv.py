@@ -268,12 +268,14 @@ class UNetBlock(nn.Module):
 @pytest.mark.parametrize("size,dtype", [((37, 13), torch.float32), ((37, 13), torch.bfloat16),
                                         ((221, 51), torch.float32)], ids=["37x13-fp32", "37x13-bf16", "221x51-fp32"])
 def test_unet_block_matches_eager_with_bn_gelu_fused(size, dtype):
-    model = UNetBlock().eval().to(dtype)
-    x = torch.randn(1 if size == (221, 51) else 2, 4, *size, dtype=dtype)
+    model = UNetBlock(2 if size == (221, 51) else 4).eval().to(dtype)
+    x = torch.randn(1, 2, *size, dtype=dtype) if size == (221, 51) else torch.randn(2, 4, *size, dtype=dtype)
     fused = fuse_and_run(model, x)
     report = fused.report()
     bn_gelu = [g for g in report.fused if g.ops == ["conv.batch_norm_module", "elementwise.gelu"]]
     assert len(bn_gelu) == 4, str(report)  # after each 3x3 convolution, which stays with cuDNN
+    upsample = group_with(report, "conv.interpolate", "conv.cat")
+    assert upsample is not None and upsample.strategy == "upsample_fused", str(report)
     assert group_with(report, "conv.conv2d_1x1_module") is not None, str(report)
 
 
@@ -323,10 +325,84 @@ def test_zoo_models_fuse_their_convolutional_parts(name):
     report = fused.report()
     convs = [g for g in report.fused if "conv.conv2d_1x1_module" in g.ops]
     if name == "unet":
-        # 2 x depth + ... DoubleConvs, each with two BN + GELU after cuDNN's 3x3 products; the 1x1 head.
+        # 5 DoubleConvs (depth 2), each with two BN + GELU after cuDNN's 3x3 products; the 1x1 head.
         assert sum(g.ops == ["conv.batch_norm_module", "elementwise.gelu"] for g in report.fused) == 10, str(report)
         assert len(convs) == 1, str(report)
+        # Each decoder step's bilinear upsampling with the concatenation of its skip.
+        assert sum(g.ops == ["conv.interpolate", "conv.cat"] for g in report.fused) == 2, str(report)
     else:
         # Every layer's 1x1 convolution with the spectral branch's sum (and GELU but after the last).
         assert len(convs) == 2 and all("elementwise.add" in g.ops for g in convs), str(report)
         assert sum("elementwise.gelu" in g.ops for g in convs) == 1, str(report)
+
+
+# ---------------------------------------------------------------------------
+# Upsampling with what follows it
+# ---------------------------------------------------------------------------
+
+
+class UpsampleCatAct(nn.Module):
+    """A decoder step written in several ways: an upsampling, a concatenation with the
+    skip (which may be an upsampling too), and pointwise ops with a per-channel norm."""
+
+    def __init__(self, channels: int, mode: str, **kwargs):
+        super().__init__()
+        self.up = nn.Upsample(mode=mode, **kwargs)
+        self.norm = trained_norm(nn.BatchNorm2d(channels))
+
+    def forward(self, low, skip, coarse):
+        up = self.up(low)
+        other = F.interpolate(coarse, size=skip.shape[-2:], mode="nearest")
+        return F.silu(self.norm(torch.cat((skip, up, other), dim=1))) + 1.0
+
+
+@pytest.mark.parametrize("mode,kwargs", [
+    ("bilinear", dict(size=(37, 13))),
+    ("bilinear", dict(size=(37, 13), align_corners=True)),
+    ("nearest", dict(size=(37, 13))),
+], ids=["bilinear", "bilinear-align-corners", "nearest"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_upsampling_cat_and_pointwise_are_one_kernel_reading_the_low_resolution_input(mode, kwargs, dtype):
+    model = UpsampleCatAct(2 + 3 + 1, mode, **kwargs).eval().to(dtype)
+    low = torch.randn(2, 3, 19, 7, dtype=dtype)
+    skip = torch.randn(2, 2, 37, 13, dtype=dtype)
+    coarse = torch.randn(2, 1, 5, 4, dtype=dtype)
+    fused = fuse_and_run(model, low, skip, coarse)
+    report = fused.report()
+    assert len(report.fused) == 1 and report.fused[0].strategy == "upsample_fused", str(report)
+    assert report.fused[0].ops == ["conv.upsample_module", "conv.interpolate", "conv.cat",
+                                   "conv.batch_norm_module", "elementwise.silu", "elementwise.add"], str(report)
+    # Inputs and output only: the upsampled tensors and the concatenation are never written.
+    read = [low, skip, coarse, model.norm.weight, model.norm.bias, model.norm.running_mean, model.norm.running_var]
+    written = 2 * 6 * 37 * 13 * low.element_size()
+    assert report.fused[0].bytes_after == sum(t.numel() * t.element_size() for t in read) + written
+
+
+def test_an_upsampled_tensor_used_twice_is_written_once_and_its_users_fuse_apart():
+    class Twice(nn.Module):
+        def forward(self, x):
+            up = F.interpolate(x, scale_factor=2.0, mode="bilinear")
+            return torch.tanh(up), up * 3
+
+    fused = fuse_and_run_tuple(Twice(), torch.randn(1, 3, 9, 5))
+    ops = [g.ops for g in fused.report().fused]
+    assert ["conv.interpolate"] in ops, ops
+
+
+def fuse_and_run_tuple(model, *inputs):
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        got, expected = fused(*inputs), model(*inputs)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, **TOLERANCES[e.dtype])
+    return fused
+
+
+def test_upsampling_modes_not_fused_say_why():
+    class Bicubic(nn.Module):
+        def forward(self, x):
+            return F.interpolate(x, scale_factor=2, mode="bicubic") + 1
+
+    fused = fuse_and_run(Bicubic(), torch.randn(1, 2, 7, 5))
+    entry = next(n for n in fused.report().unfused_nodes if "interpolate" in n.target)
+    assert "bicubic" in entry.reason

@@ -246,7 +246,8 @@ def test_linear_and_slice_attention_chains_compile_for_sm90(dtype, tmp_path, mon
 class ConvForms(nn.Module):
     """The conv plugin's kernels side by side: 1x1 convolutions in 1, 2 and 3 dims with
     batch norm, activation and residual epilogues (channels-last input, one output
-    channel), and instance / group norm as row reductions."""
+    channel), instance / group norm as row reductions, and upsampling with a cat and
+    pointwise ops after it."""
 
     def __init__(self):
         super().__init__()
@@ -258,13 +259,15 @@ class ConvForms(nn.Module):
         self.instance = nn.InstanceNorm2d(12, affine=True)
         self.group = nn.GroupNorm(1, 12)
 
-    def forward(self, x1, x2, x3, last):
+    def forward(self, x1, x2, x3, last, low):
         a = F.gelu(self.conv1(x1))
         b = F.relu(self.bn(self.conv2(x2))) + x2[:, :1]
         c = torch.tanh(self.conv3(x3))
         d = self.head(last)
         e = F.silu(self.instance(x2)) + self.group(x2)
-        return a, b, c, d, e
+        f = F.gelu(torch.cat((x2, F.interpolate(low, size=(13, 7), mode="bilinear")), dim=1))
+        g = F.interpolate(low, scale_factor=2.0, mode="nearest") * 2
+        return a, b, c, d, e, f, g
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -272,12 +275,14 @@ def test_conv_kernels_compile_for_sm90_as_a_gpu_writes_them(dtype, tmp_path, mon
     torch.manual_seed(0)
     model = ConvForms().eval().to(dtype)
     inputs = (torch.randn(2, 12, 37, dtype=dtype), torch.randn(2, 12, 13, 7, dtype=dtype),
-              torch.randn(1, 12, 5, 3, 4, dtype=dtype), torch.randn(2, 13, 7, 12, dtype=dtype).permute(0, 3, 1, 2))
+              torch.randn(1, 12, 5, 3, 4, dtype=dtype), torch.randn(2, 13, 7, 12, dtype=dtype).permute(0, 3, 1, 2),
+              torch.randn(2, 3, 6, 4, dtype=dtype))
     gm = autofuser.capture(model, *inputs)
     plan = plan_fusion_groups(gm, autofuser.load_plugins().registry)
     ops = [op for c in plan.kept for op in c.program.op_names]
     for name in ("conv.conv1d_1x1_module", "conv.conv2d_1x1_module", "conv.conv3d_1x1_module",
-                 "conv.batch_norm_module", "conv.instance_norm_module", "conv.group_norm_module"):
+                 "conv.batch_norm_module", "conv.instance_norm_module", "conv.group_norm_module",
+                 "conv.interpolate", "conv.cat"):
         assert name in ops, (name, [(c.strategy.name, c.program.op_names) for c in plan.kept])
     jobs = []
     with monkeypatch.context() as env:

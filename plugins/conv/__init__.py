@@ -3,15 +3,23 @@
 place, so the matmul strategies fuse their bias, activation and residual; batch
 norm in eval mode as a per-channel scale and shift that joins the product's
 epilogue (or any pointwise chain); instance norm and group norm as row
-reductions over the spatial dims that join the row-reduction strategy."""
+reductions over the spatial dims that join the row-reduction strategy;
+upsampling with the cat and pointwise ops after it as one kernel that reads
+the low-resolution input directly (the ``upsample_fused`` strategy)."""
 
 from autofuser import hookimpl
 from autofuser_core.oplib import collect_specs
 
 from . import ops
+from .strategy import UPSAMPLE_STRATEGY
 
 
 @hookimpl
 def autofuser_register_lowerings(register):
     for spec in collect_specs(ops):
         register(spec)
+
+
+@hookimpl
+def autofuser_register_strategies(register):
+    register(UPSAMPLE_STRATEGY)

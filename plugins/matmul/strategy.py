@@ -101,6 +101,9 @@ def default_config(program):
     if layout.b_packed is not None:
         block_k = max(block_k, layout.b_packed.block)
     config = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": block_k, "GROUP_M": 8, "num_warps": 4}
+    if layout.rows <= 16 and layout.n >= 1024:
+        # A few rows by many columns (a 1x1 convolution to a few channels): wide column tiles.
+        config.update(BLOCK_M=16, BLOCK_N=128)
     if layout.epilogue_reduces:
         config.pop("BLOCK_N")
     return config
