@@ -34,7 +34,7 @@ from .planner import Candidate, Plan, barrier_reason, plan_fusion_groups
 from .precompile import CompileJob, launch_items, precompile, start_workers
 from .registry import describe_target
 from .report import FusionReport, GroupEntry, NodeEntry, describe_graph
-from .matmul_layout import MAX_PRODUCTS, STRICT_FP32, MlpLayout
+from .matmul_layout import MAX_PRODUCTS, STRICT_FP32
 from .rounding import interpreting
 from .rewrite import extract_group_module, rewrite_graph
 from .specs import DEFAULT_TOLERANCES, Tolerance, dtype_name
@@ -356,14 +356,19 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
     if _can_tune(device, options):
         start_workers()  # warms up while the graph is planned and the kernels written
     taken: set[torch.fx.Node] = set()
-    retry: Optional[set[torch.fx.Node]] = None  # round 2: only the nodes of chains that stayed eager
+    retry: Optional[set[torch.fx.Node]] = None  # round 2: only the nodes of groups that stayed eager
+    lost: set[tuple[str, frozenset]] = set()  # (strategy, nodes) of the groups that stayed eager
     survivors: list[tuple[Candidate, FusedKernel]] = []
-    # Round 1 plans freely. A group of two products (an MLP) that turns out wrong or
-    # slower would leave all its nodes eager, so round 2 re-plans the nodes no kept
-    # group covers with one product per group, and verifies those.
+    # Round 1 plans freely. A group of several ops that turns out wrong or slower
+    # would leave all its nodes eager, so round 2 re-plans the nodes no kept group
+    # covers, without the groups that lost and with one product per group: an MLP's
+    # products fuse one at a time, a convolution that lost to cuDNN leaves its
+    # epilogue to fuse on its own.
     for round_number, max_products in ((1, 2), (2, 1)):
         def veto(candidate):
             if taken.intersection(candidate.nodes) or (retry is not None and not retry.issuperset(candidate.nodes)):
+                return "decided in the first round"
+            if (candidate.strategy.name, frozenset(candidate.nodes)) in lost:
                 return "decided in the first round"
             return plugin_set.manager.hook.autofuser_veto_fusion(group=candidate, options=options)
 
@@ -401,11 +406,12 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
         jobs = _verify_round(gm, plan, inputs, device, options, progress, report, backward)
         survivors += [(job.candidate, job.fused) for job in jobs if job.entry.fused]
         taken.update(n for job in jobs if job.entry.fused for n in job.candidate.nodes)
-        failed_chains = [job for job in jobs if not job.entry.fused and isinstance(job.candidate.program.matmul, MlpLayout)]
-        if not failed_chains:
+        failed = [job for job in jobs if not job.entry.fused and len(job.candidate.nodes) > 1]
+        if not failed:
             break
-        retry = {n for job in failed_chains for n in job.candidate.nodes}
-        progress(f"re-planning {len(failed_chains)} product chain(s) that stayed eager, one product per group")
+        retry = {n for job in failed for n in job.candidate.nodes}
+        lost = {(job.candidate.strategy.name, frozenset(job.candidate.nodes)) for job in failed}
+        progress(f"re-planning the nodes of {len(failed)} group(s) that stayed eager")
 
     step = time.perf_counter()
     new_gm = rewrite_graph(gm, [(c.program, f) for c, f in survivors])

@@ -246,8 +246,9 @@ def test_linear_and_slice_attention_chains_compile_for_sm90(dtype, tmp_path, mon
 class ConvForms(nn.Module):
     """The conv plugin's kernels side by side: 1x1 convolutions in 1, 2 and 3 dims with
     batch norm, activation and residual epilogues (channels-last input, one output
-    channel), instance / group norm as row reductions, and upsampling with a cat and
-    pointwise ops after it."""
+    channel), 3x3 and 3x3x3 convolutions as implicit GEMM with their epilogue,
+    instance / group norm as row reductions, and upsampling with a cat and pointwise
+    ops after it."""
 
     def __init__(self):
         super().__init__()
@@ -258,6 +259,8 @@ class ConvForms(nn.Module):
         self.bn = nn.BatchNorm2d(20)
         self.instance = nn.InstanceNorm2d(12, affine=True)
         self.group = nn.GroupNorm(1, 12)
+        self.conv3x3 = nn.Conv2d(12, 20, kernel_size=3, stride=2, padding=1)
+        self.conv3x3x3 = nn.Conv3d(12, 8, kernel_size=3, padding=1, bias=False)
 
     def forward(self, x1, x2, x3, last, low):
         a = F.gelu(self.conv1(x1))
@@ -267,7 +270,9 @@ class ConvForms(nn.Module):
         e = F.silu(self.instance(x2)) + self.group(x2)
         f = F.gelu(torch.cat((x2, F.interpolate(low, size=(13, 7), mode="bilinear")), dim=1))
         g = F.interpolate(low, scale_factor=2.0, mode="nearest") * 2
-        return a, b, c, d, e, f, g
+        h = F.gelu(self.bn(self.conv3x3(x2)))
+        i = self.conv3x3x3(x3) + 1.0
+        return a, b, c, d, e, f, g, h, i
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -280,10 +285,11 @@ def test_conv_kernels_compile_for_sm90_as_a_gpu_writes_them(dtype, tmp_path, mon
     gm = autofuser.capture(model, *inputs)
     plan = plan_fusion_groups(gm, autofuser.load_plugins().registry)
     ops = [op for c in plan.kept for op in c.program.op_names]
-    for name in ("conv.conv1d_1x1_module", "conv.conv2d_1x1_module", "conv.conv3d_1x1_module",
+    for name in ("conv.conv1d_module", "conv.conv2d_module", "conv.conv3d_module",
                  "conv.batch_norm_module", "conv.instance_norm_module", "conv.group_norm_module",
                  "conv.interpolate", "conv.cat"):
         assert name in ops, (name, [(c.strategy.name, c.program.op_names) for c in plan.kept])
+    assert sum(c.strategy.name == "implicit_gemm" for c in plan.kept) == 2
     jobs = []
     with monkeypatch.context() as env:
         env.setenv("TRITON_INTERPRET", "0")

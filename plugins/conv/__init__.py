@@ -1,6 +1,8 @@
 """Convolutional layers as fused kernels: 1x1 convolutions (``Conv1d``/``2d``/
 ``3d`` and ``F.conv*d`` with kernel 1) as channel-dim matrix products read in
-place, so the matmul strategies fuse their bias, activation and residual; batch
+place, so the matmul strategies fuse their bias, activation and residual; small
+kernels (3x3, 3x3x3; any stride, padding, dilation) as implicit GEMM with the
+same epilogue (the ``implicit_gemm`` strategy); batch
 norm in eval mode as a per-channel scale and shift that joins the product's
 epilogue (or any pointwise chain); instance norm and group norm as row
 reductions over the spatial dims that join the row-reduction strategy;
@@ -11,6 +13,7 @@ from autofuser import hookimpl
 from autofuser_core.oplib import collect_specs
 
 from . import ops
+from .convolution import CONV_STRATEGY
 from .strategy import UPSAMPLE_STRATEGY
 
 
@@ -23,3 +26,4 @@ def autofuser_register_lowerings(register):
 @hookimpl
 def autofuser_register_strategies(register):
     register(UPSAMPLE_STRATEGY)
+    register(CONV_STRATEGY)

@@ -52,8 +52,9 @@ class ResampleProgram(GroupProgram):
     slot: dict = field(default_factory=dict)  # fx node or AttrRef -> input index
 
 
-def _chain(view, start: torch.fx.Node) -> list[torch.fx.Node]:
-    """``start`` and the cats and pointwise ops that follow it (see module doc)."""
+def follow_chain(view, start: torch.fx.Node, cats: bool = True) -> list[torch.fx.Node]:
+    """``start`` and the cats (with ``cats``) and pointwise ops that follow it, one
+    consumer after another, each the single user of the one before."""
     group = [start]
     current = start
     while len(current.users) == 1:
@@ -61,13 +62,14 @@ def _chain(view, start: torch.fx.Node) -> list[torch.fx.Node]:
         spec = view.lowering_of.get(user)
         if spec is None:
             break
-        if spec.name in CAT_OPS:
+        if spec.name in CAT_OPS and cats:
             siblings = [n for n in user.all_input_nodes if n is not current and n not in group]
             extra = [n for n in siblings if n in view.lowering_of and view.lowering_of[n].name in RESAMPLE_OPS
                      and len(n.users) == 1]
             group.extend(extra)
         elif spec.kind != "pointwise" or any(v.op in ("reduce", "dot", "extern")
-                                             for v in _values(view.lowered[user])):
+                                             for v in _values(view.lowered[user])) or (
+                tensor_meta(user).shape != tensor_meta(start).shape and not cats):
             break
         group.append(user)
         current = user
@@ -86,18 +88,19 @@ def _values(root: Value) -> list[Value]:
 
 
 def propose(view):
-    return [_chain(view, node) for node in view.nodes
+    return [follow_chain(view, node) for node in view.nodes
             if node in view.lowering_of and view.lowering_of[node].name in RESAMPLE_OPS]
 
 
-def compose(view, nodes):
+def compose_members(view, nodes, program: GroupProgram, fields: dict) -> None:
+    """Fill ``fields`` (``resamples``, ``cats``, ``pointwise``) from ``nodes`` and add the
+    parameters the pointwise members read to ``program.inputs``; nodes already in
+    ``fields`` are skipped."""
     members = set(nodes)
-    program = program_from_nodes(nodes, {n: view.lowering_of[n].name for n in nodes})
-    if len(program.outputs) != 1 or program.outputs[0].source is not nodes[-1]:
-        raise GroupRefused("several_outputs", "a value inside the upsampling group is also used outside it")
-    extra: list[KernelTensor] = []
-    fields = dict(resamples={}, cats={}, pointwise={})
+    known = {t.source for t in program.inputs}
     for node in nodes:
+        if any(node in part for part in fields.values()):
+            continue
         name = view.lowering_of[node].name
         if name in RESAMPLE_OPS:
             resample = parse_resample(node, view.gm)
@@ -111,13 +114,26 @@ def compose(view, nodes):
         else:
             value = view.lowered[node]
             for v in _values(value):
-                if v.op == "load" and isinstance(v.source, AttrRef) and all(t.source != v.source for t in extra):
+                if v.op == "load" and isinstance(v.source, AttrRef) and v.source not in known:
                     tensor = attr_tensor(view.gm, v.source.path)
-                    extra.append(KernelTensor(v.source, tuple(tensor.shape), tensor.dtype, tuple(tensor.stride())))
+                    program.inputs.append(KernelTensor(v.source, tuple(tensor.shape), tensor.dtype,
+                                                       tuple(tensor.stride())))
+                    known.add(v.source)
                 if v.op == "load" and v.source in members and tuple(v.shape) != tuple(tensor_meta(v.source).shape):
                     raise GroupRefused("viewed_value", f"{node.name} reads {v.source.name} with another shape")
             fields["pointwise"][node] = value
-    program.inputs.extend(extra)
+
+
+def single_output(program: GroupProgram, nodes) -> None:
+    if len(program.outputs) != 1 or program.outputs[0].source is not nodes[-1]:
+        raise GroupRefused("several_outputs", "a value inside the group is also used outside it")
+
+
+def compose(view, nodes):
+    program = program_from_nodes(nodes, {n: view.lowering_of[n].name for n in nodes})
+    single_output(program, nodes)
+    fields = dict(resamples={}, cats={}, pointwise={})
+    compose_members(view, nodes, program, fields)
     slot = {t.source: k for k, t in enumerate(program.inputs)}
     ops = ", ".join(dict.fromkeys(r.mode for r in fields["resamples"].values()))
     summary = f"{ops} upsampling" + (" + cat" if fields["cats"] else "") + (
@@ -138,17 +154,19 @@ def accepts(program):
     return None
 
 
-class _KernelWriter:
+class ChainWriter:
     """Emits each member's value at the coordinates where the output needs it."""
 
-    def __init__(self, program: ResampleProgram):
+    def __init__(self, program: ResampleProgram, known: Optional[dict] = None, indent: int = 1):
         self.program = program
         self.lines: list[str] = []
         self.count = itertools.count(1)
         self.memo: dict = {}
+        self.known = dict(known or {})  # member node -> the name of its value, computed by the caller
+        self.indent = indent
 
     def emit(self, line: str) -> None:
-        self.lines.append("    " + line)
+        self.lines.append("    " * self.indent + line)
 
     def fresh(self) -> str:
         return f"v{next(self.count)}"
@@ -174,6 +192,8 @@ class _KernelWriter:
 
     def node(self, node: torch.fx.Node, coords: tuple[str, ...], mask: str) -> str:
         """``node``'s value (a member, or an input read from memory) at ``coords``."""
+        if node in self.known:
+            return self.known[node]
         if node not in self.program.nodes:
             return self.load(node, tuple(tensor_meta(node).shape), coords, mask)
         key = ("node", node, coords, mask)
@@ -263,7 +283,7 @@ def write_upsample_kernel(program: ResampleProgram, strategy: str, helpers=None)
     out = program.outputs[0]
     shape = out.shape
     numel = math.prod(shape)
-    w = _KernelWriter(program)
+    w = ChainWriter(program)
     extents = [sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride)) + 1 for t in program.inputs + [out]]
     wide = max(extents + [numel]) > INT32_LIMIT
     w.emit(f"offs = tl.program_id(0){'.to(tl.int64)' if wide else ''} * BLOCK + tl.arange(0, BLOCK)")

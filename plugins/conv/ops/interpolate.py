@@ -44,13 +44,11 @@ SPECS = [
         references=(
             lambda x: F.interpolate(x, size=(19, 11), mode="bilinear", align_corners=False),
             lambda x: F.interpolate(x, scale_factor=2, mode="nearest"),
-            lambda x: F.interpolate(x, scale_factor=(1.7, 2.5), mode="bilinear"),
+            lambda x: F.interpolate(x, scale_factor=(1.7, 2.5), mode="bilinear", recompute_scale_factor=False),
             lambda x: F.interpolate(x, size=(23, 9), mode="bilinear", align_corners=True),
-            lambda x: F.interpolate(x, size=(17, 13), mode="nearest"),
-            lambda x: F.interpolate(x, size=(17, 13), mode="nearest-exact"),
+            lambda x: F.interpolate(x, scale_factor=1.5, mode="nearest-exact", recompute_scale_factor=True),
             lambda x: F.interpolate(x.flatten(2), scale_factor=3, mode="linear"),
             lambda x: F.interpolate(x.unsqueeze(2), scale_factor=(2, 1.5, 2), mode="trilinear"),
-            lambda x: F.interpolate(x, scale_factor=1.5, mode="bilinear", recompute_scale_factor=True),
         ),
     ),
     LoweringSpec(
