@@ -1,0 +1,186 @@
+"""Convolutional blocks at the sizes of the zoo's U-Net and FNO on the airfoil grid.
+
+On B x C x 221 x 51 (B = 20, the zoo's batch), in one run on one GPU:
+
+- conv 3x3 + batch norm (eval) + GELU, C -> C for C = 32, 64, 128 (U-Net's
+  levels), and with stride 2: AutoFuser's implicit GEMM with the epilogue, or,
+  where that lost to cuDNN at compile time, cuDNN plus a fused BN + GELU kernel
+  (the ``kept`` column says which);
+- conv 1x1 + bias + residual + GELU over a channels-last view (an FNO layer's
+  1x1 path), C = 32, 64;
+- bilinear upsampling from 110 x 25 + cat with the skip (U-Net's decoder step);
+- instance norm + GELU;
+
+each in fp32 (cuDNN's default TF32 for convolutions on every side) and in bf16
+under ``torch.autocast``; under eager, ``torch.compile`` and AutoFuser. Every
+output is checked against eager before it is timed; the floor is the bytes
+the block must move at the measured copy bandwidth.
+
+    python benchmarks/conv.py --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import triton
+
+import autofuser
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from matmul import _line, _ms  # noqa: E402  (shared timing and table row)
+
+BATCH, H, W = 20, 221, 51
+
+
+def _trained(norm):
+    with torch.no_grad():
+        norm.running_mean.normal_(0, 0.1)
+        norm.running_var.uniform_(0.5, 2.0)
+    return norm
+
+
+class ConvBnGelu(nn.Module):
+    def __init__(self, c, stride=1):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, stride=stride, padding=1, bias=False)
+        self.norm = _trained(nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        return F.gelu(self.norm(self.conv(x)))
+
+
+class PointwiseConvResidual(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 1)
+
+    def forward(self, x_last, spectral):
+        return F.gelu(spectral + self.conv(x_last.permute(0, 3, 1, 2)))
+
+
+class UpsampleCat(nn.Module):
+    def forward(self, low, skip):
+        return torch.cat((skip, F.interpolate(low, size=skip.shape[-2:], mode="bilinear")), dim=1)
+
+
+class InstanceNormGelu(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.norm = nn.InstanceNorm2d(c, affine=True)
+
+    def forward(self, x):
+        return F.gelu(self.norm(x))
+
+
+def _cases(device):
+    """(name, width, model, inputs, bytes moved at fp32)."""
+    def rand(*shape):
+        return torch.randn(*shape, device=device)
+
+    for c in (32, 64, 128):
+        x = rand(BATCH, c, H, W)
+        yield "conv3x3+BN+GELU", c, ConvBnGelu(c), (x,), 2 * x.numel() * 4
+    x = rand(BATCH, 64, H, W)
+    yield "conv3x3 stride 2+BN+GELU", 64, ConvBnGelu(64, stride=2), (x,), x.numel() * 4 * 5 // 4
+    for c in (32, 64):
+        x, spectral = rand(BATCH, H, W, c), rand(BATCH, c, H, W)
+        yield "conv1x1+residual+GELU", c, PointwiseConvResidual(c), (x, spectral), 3 * x.numel() * 4
+    low, skip = rand(BATCH, 64, 110, 25), rand(BATCH, 32, H, W)
+    yield "upsample+cat", 96, UpsampleCat(), (low, skip), (low.numel() + skip.numel() + BATCH * 96 * H * W) * 4
+    x = rand(BATCH, 64, H, W)
+    yield "instance norm+GELU", 64, InstanceNormGelu(64), (x,), 2 * x.numel() * 4
+
+
+@contextlib.contextmanager
+def precision(mode):
+    if mode == "bf16":
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            yield
+    else:
+        yield
+
+
+def _bandwidth(device):
+    x = torch.randn(2**28, device=device)
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 4 / (_ms(lambda: y.copy_(x)) * 1e-3)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench-results")
+    parser.add_argument("--modes", default="fp32,bf16")
+    parser.add_argument("--tune-budget", type=float, default=8.0, help="AutoFuser tuning seconds per group")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("conv.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bandwidth = _bandwidth(device)
+    systems = ["eager", "compile", "autofuser"]
+    rows = []
+    for case, width, model, inputs, fp32_bytes in _cases(device):
+        torch.manual_seed(0)
+        model = model.to(device).eval()
+        for mode in args.modes.split(","):
+            moved = fp32_bytes // (2 if mode == "bf16" else 1)
+            row = {"case": case, "width": width, "mode": mode, "floor_ms": 1e3 * moved / bandwidth}
+            with precision(mode), torch.no_grad():
+                expected = model(*inputs).float()
+                for system in systems:
+                    try:
+                        start = time.perf_counter()
+                        if system == "eager":
+                            fn = model
+                        elif system == "compile":
+                            torch._dynamo.reset()
+                            fn = torch.compile(model)
+                        else:
+                            fn = autofuser.fuse(model, tune_budget_s=args.tune_budget, progress=False)
+                        got = fn(*inputs).float()
+                        torch.cuda.synchronize()
+                        first = time.perf_counter() - start
+                        err = float((got - expected).norm() / expected.norm())
+                        row[system] = {"ms": _ms(fn, *inputs), "rel_err": err, "first_call_s": first}
+                        if system == "autofuser":
+                            report = fn.report()
+                            row["kept"] = ", ".join(g.strategy for g in report.fused) or "eager"
+                            row[system]["groups"] = [
+                                {"strategy": g.strategy, "ops": g.ops, "fused": g.fused, "reason": g.reason_code,
+                                 "config": g.config, "eager_ms": g.time_eager_ms, "fused_ms": g.time_fused_ms}
+                                for g in report.groups]
+                    except Exception as err:  # a failing system is a row, not a crash
+                        row[system] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+            rows.append(row)
+            print(f"{_line(row, systems)} kept: {row.get('kept', '-')}", file=sys.stderr, flush=True)
+            (out / "conv.partial.json").write_text(json.dumps(rows, indent=1))
+    result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "triton": triton.__version__, "copy_GB/s": bandwidth / 1e9,
+              "shape": [BATCH, "C", H, W], "cases": rows}
+    (out / "conv.json").write_text(json.dumps(result, indent=1))
+    header = (f"B x C x {H} x {W}, B = {BATCH}; {result['gpu']}, {result['date']}, torch {result['torch']}, "
+              f"Triton {result['triton']}; copy {bandwidth / 1e9:.0f} GB/s. Time in ms (speedup over eager); "
+              "'kept': AutoFuser's fused groups.")
+    lines = [header, "", "| case | C | precision | floor | eager | torch.compile | AutoFuser | kept |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"{_line(row, systems)} {row.get('kept', '-')} |" for row in rows]
+    table = "\n".join(lines)
+    (out / "conv.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
