@@ -455,6 +455,28 @@ def test_upsampling_cat_and_pointwise_are_one_kernel_reading_the_low_resolution_
     assert report.fused[0].bytes_after == sum(t.numel() * t.element_size() for t in read) + written
 
 
+class LearnedUpsampling(nn.Module):
+    """A U-Net decoder step with a transposed convolution (stride == kernel) instead of
+    interpolation, concatenated with the skip and normalised."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ConvTranspose2d(6, 3, kernel_size=2, stride=2)
+        self.norm = trained_norm(nn.BatchNorm2d(5))
+
+    def forward(self, low, skip):
+        return F.relu(self.norm(torch.cat((self.up(low), skip), dim=1)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_transposed_convolution_cat_and_norm_are_one_kernel(dtype):
+    model = LearnedUpsampling().eval().to(dtype)
+    fused = fuse_and_run(model, torch.randn(2, 6, 18, 6, dtype=dtype), torch.randn(2, 2, 36, 12, dtype=dtype))
+    report = fused.report()
+    assert len(report.fused) == 1 and report.fused[0].strategy == "upsample_fused", str(report)
+    assert report.fused[0].ops[:2] == ["conv.conv_transpose_module", "conv.cat"], str(report)
+
+
 def test_an_upsampled_tensor_used_twice_is_written_once_and_its_users_fuse_apart():
     class Twice(nn.Module):
         def forward(self, x):

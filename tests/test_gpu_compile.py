@@ -247,8 +247,8 @@ class ConvForms(nn.Module):
     """The conv plugin's kernels side by side: 1x1 convolutions in 1, 2 and 3 dims with
     batch norm, activation and residual epilogues (channels-last input, one output
     channel), 3x3 and 3x3x3 convolutions as implicit GEMM with their epilogue,
-    instance / group norm as row reductions, and upsampling with a cat and pointwise
-    ops after it."""
+    instance / group norm as row reductions, and upsampling (interpolation, a transposed
+    convolution) with a cat and pointwise ops after it."""
 
     def __init__(self):
         super().__init__()
@@ -261,6 +261,7 @@ class ConvForms(nn.Module):
         self.group = nn.GroupNorm(1, 12)
         self.conv3x3 = nn.Conv2d(12, 20, kernel_size=3, stride=2, padding=1)
         self.conv3x3x3 = nn.Conv3d(12, 8, kernel_size=3, padding=1, bias=False)
+        self.transposed = nn.ConvTranspose2d(3, 4, kernel_size=2, stride=2)
 
     def forward(self, x1, x2, x3, last, low):
         a = F.gelu(self.conv1(x1))
@@ -272,7 +273,8 @@ class ConvForms(nn.Module):
         g = F.interpolate(low, scale_factor=2.0, mode="nearest") * 2
         h = F.gelu(self.bn(self.conv3x3(x2)))
         i = self.conv3x3x3(x3) + 1.0
-        return a, b, c, d, e, f, g, h, i
+        j = F.gelu(self.transposed(low))
+        return a, b, c, d, e, f, g, h, i, j
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -287,7 +289,7 @@ def test_conv_kernels_compile_for_sm90_as_a_gpu_writes_them(dtype, tmp_path, mon
     ops = [op for c in plan.kept for op in c.program.op_names]
     for name in ("conv.conv1d_module", "conv.conv2d_module", "conv.conv3d_module",
                  "conv.batch_norm_module", "conv.instance_norm_module", "conv.group_norm_module",
-                 "conv.interpolate", "conv.cat"):
+                 "conv.interpolate", "conv.cat", "conv.conv_transpose_module"):
         assert name in ops, (name, [(c.strategy.name, c.program.op_names) for c in plan.kept])
     assert sum(c.strategy.name == "implicit_gemm" for c in plan.kept) == 2
     jobs = []

@@ -6,8 +6,9 @@ same epilogue (the ``implicit_gemm`` strategy); batch
 norm in eval mode as a per-channel scale and shift that joins the product's
 epilogue (or any pointwise chain); instance norm and group norm as row
 reductions over the spatial dims that join the row-reduction strategy;
-upsampling with the cat and pointwise ops after it as one kernel that reads
-the low-resolution input directly (the ``upsample_fused`` strategy)."""
+upsampling (interpolation, transposed convolutions with stride == kernel) with
+the cat and pointwise ops after it as one kernel that reads the low-resolution
+input directly (the ``upsample_fused`` strategy)."""
 
 from autofuser import hookimpl
 from autofuser_core.oplib import collect_specs

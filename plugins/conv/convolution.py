@@ -39,6 +39,8 @@ FUNCTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 MODULES = {torch.nn.Conv1d: 1, torch.nn.Conv2d: 2, torch.nn.Conv3d: 3}
 #: Kernel volumes fused (3x3x3 = 27; larger kernels are cuDNN's).
 MAX_KERNEL_VOLUME = 27
+#: CUDA's limit on the grid's second axis, which walks the batch.
+MAX_GRID_Y = 65535
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,12 @@ def accepts(program):
     if not isinstance(program, ConvProgram):
         return ("not_convolution", "the group was not composed by the implicit-GEMM strategy")
     reason = conv_reason(program.conv)
-    return None if reason is None else ("unsupported_kernel", reason)
+    if reason is not None:
+        return ("unsupported_kernel", reason)
+    batch = tensor_meta(program.conv.x).shape[0]
+    if batch > MAX_GRID_Y:
+        return ("batch_too_large", f"{batch} samples exceed the grid's second axis ({MAX_GRID_Y})")
+    return None
 
 
 CONFIGS = [
@@ -218,6 +225,8 @@ def default_config(program):
 
 
 def is_valid(program, config):
+    if config["BLOCK_K"] > dot_block(program.conv.in_channels * math.prod(program.conv.kernel)):
+        return "BLOCK_K larger than the reduction"
     if config["BLOCK_M"] * config["BLOCK_N"] / (32 * config["num_warps"]) > 128:
         return "too many accumulators per thread"
     element = 4 if program.operand_dtype is None else 2

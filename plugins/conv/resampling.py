@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from autofuser_core.ir import tensor_meta
+from autofuser_core.ir import AttrRef, tensor_meta
 
 #: Modes with their spatial rank (None: any), the ones fused here.
 MODES = {"nearest": None, "nearest-exact": None, "linear": 1, "bilinear": 2, "trilinear": 3}
@@ -130,3 +130,79 @@ def parse_resample(node: torch.fx.Node, root: torch.nn.Module) -> Union[Resample
     in_sizes, out_sizes = tuple(in_meta.shape[2:]), tuple(out_meta.shape[2:])
     ratios = tuple(_ratio(MODES[mode] is not None, i, o, s, align) for i, o, s in zip(in_sizes, out_sizes, scales))
     return Resample(source, mode, in_sizes, out_sizes, ratios, align)
+
+
+# ---------------------------------------------------------------------------
+# Transposed convolutions whose stride equals their kernel: a learned upsampling
+# ---------------------------------------------------------------------------
+
+TRANSPOSED_FUNCTIONS = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
+TRANSPOSED_MODULES = {torch.nn.ConvTranspose1d: 1, torch.nn.ConvTranspose2d: 2, torch.nn.ConvTranspose3d: 3}
+
+
+@dataclass(frozen=True)
+class TransposedConv:
+    """``ConvTranspose`` with stride == kernel, no padding: every output pixel comes from
+    exactly one input pixel, ``out[b, o, y] = bias[o] + sum_c x[b, c, y // k] * W[c, o, y % k]``."""
+
+    source: torch.fx.Node
+    weight: Union[torch.fx.Node, AttrRef]
+    bias: Union[torch.fx.Node, AttrRef, None]
+    kernel: tuple[int, ...]
+    in_channels: int
+    out_channels: int
+
+
+def parse_transposed_conv(node: torch.fx.Node, root: torch.nn.Module) -> Union[TransposedConv, str]:
+    """The ``TransposedConv`` a transposed-convolution node computes, or why it isn't fused."""
+    if node.op == "call_module":
+        module = root.get_submodule(node.target)
+        base = next((k for k in type(module).__mro__ if k in TRANSPOSED_MODULES), None)
+        if base is None or type(module).forward is not base.forward:
+            return f"{type(module).__name__} overrides the transposed convolution's forward"
+        if len(node.args) != 1 or node.kwargs:
+            return "called with more than its input (output_size)"
+        if module.padding_mode != "zeros":
+            return f"padding_mode={module.padding_mode!r}"
+        rank = TRANSPOSED_MODULES[base]
+        source = node.args[0]
+        weight = AttrRef(f"{node.target}.weight")
+        bias = AttrRef(f"{node.target}.bias") if module.bias is not None else None
+        geometry = (module.stride, module.padding, module.output_padding, module.groups, module.dilation)
+        weight_shape = tuple(module.weight.shape)
+    elif node.op == "call_function" and node.target in TRANSPOSED_FUNCTIONS:
+        rank = TRANSPOSED_FUNCTIONS[node.target]
+        names = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
+        if len(node.args) > len(names) or set(node.kwargs) - set(names[len(node.args):]):
+            return "arguments don't match conv_transpose(input, weight, bias, stride, padding, ...)"
+        args = {"bias": None, "stride": 1, "padding": 0, "output_padding": 0, "groups": 1, "dilation": 1,
+                **dict(zip(names, node.args)), **node.kwargs}
+        source, weight, bias = args["input"], args["weight"], args["bias"]
+        if tensor_meta(weight) is None or (bias is not None and tensor_meta(bias) is None):
+            return "weight or bias is not a tensor of the graph"
+        geometry = tuple(args[k] for k in ("stride", "padding", "output_padding", "groups", "dilation"))
+        weight_shape = tuple(tensor_meta(weight).shape)
+    else:
+        return "not a transposed convolution"
+    meta = tensor_meta(source)
+    if meta is None or meta.dtype not in (torch.float32, torch.float16, torch.bfloat16) or len(meta.shape) != rank + 2:
+        return "input is not a batched float tensor"
+    kernel = weight_shape[2:]
+
+    def ints(value):
+        return (value,) * rank if isinstance(value, int) else tuple(value)
+
+    stride, padding, output_padding, groups, dilation = geometry
+    if (ints(stride) != tuple(kernel) or any(ints(padding)) or any(ints(output_padding)) or groups != 1
+            or any(d != 1 for d in ints(dilation))):
+        return "only stride == kernel, no padding, one group, no dilation is an upsampling"
+    return TransposedConv(source, weight, bias, tuple(kernel), weight_shape[0], weight_shape[1])
+
+
+def parse_upsampling(node: torch.fx.Node, root: torch.nn.Module) -> Union[Resample, TransposedConv, str]:
+    """An interpolation or a stride == kernel transposed convolution, or why it isn't fused."""
+    if node.op == "call_module" and isinstance(root.get_submodule(node.target), tuple(TRANSPOSED_MODULES)):
+        return parse_transposed_conv(node, root)
+    if node.op == "call_function" and node.target in TRANSPOSED_FUNCTIONS:
+        return parse_transposed_conv(node, root)
+    return parse_resample(node, root)

@@ -2,7 +2,8 @@
 pointwise ops after it, as one flat kernel that reads the low-resolution input
 directly - the upsampled tensor never reaches memory.
 
-A group starts at an upsampling node (``F.interpolate``, ``nn.Upsample``) and
+A group starts at an upsampling node (``F.interpolate``, ``nn.Upsample``, a
+``ConvTranspose`` with stride == kernel) and
 follows its single consumer while that is a ``cat`` (whose other inputs are
 read from memory, or are upsamplings too) or a pointwise op (any lowering of
 kind ``pointwise``: activations, a residual add, batch norm in eval mode).
@@ -34,9 +35,9 @@ from autofuser_core.group import (GroupProgram, GroupRefused, KernelTensor, _col
 from autofuser_core.ir import AttrRef, Value, tensor_meta
 from autofuser_core.rounding import rounded, stored
 
-from .resampling import Resample, parse_resample
+from .resampling import Resample, TransposedConv, parse_upsampling
 
-RESAMPLE_OPS = ("conv.interpolate", "conv.upsample_module")
+RESAMPLE_OPS = ("conv.interpolate", "conv.upsample_module", "conv.conv_transpose", "conv.conv_transpose_module")
 CAT_OPS = ("conv.cat",)
 BLOCKS = (256, 512, 1024, 2048)
 WARPS = (2, 4, 8)
@@ -90,18 +91,25 @@ def compose_members(view, nodes, program: GroupProgram, fields: dict) -> None:
     """Fill ``fields`` (``resamples``, ``cats``, ``pointwise``) from ``nodes`` and add the
     parameters the pointwise members read to ``program.inputs``; nodes already in
     ``fields`` are skipped."""
-    members = set(nodes)
+    members = set(program.nodes)
     known = {t.source for t in program.inputs}
     for node in nodes:
         if any(node in part for part in fields.values()):
             continue
         name = view.lowering_of[node].name
         if name in RESAMPLE_OPS:
-            resample = parse_resample(node, view.gm)
+            resample = parse_upsampling(node, view.gm)
             if isinstance(resample, str):
                 raise GroupRefused("unsupported_argument", resample)
             if resample.source in members:
                 raise GroupRefused("computed_source", "an upsampling reads its input from memory, not from the group")
+            if isinstance(resample, TransposedConv):
+                for ref in (resample.weight, resample.bias):
+                    if isinstance(ref, AttrRef) and ref not in known:
+                        tensor = attr_tensor(view.gm, ref.path)
+                        program.inputs.append(KernelTensor(ref, tuple(tensor.shape), tensor.dtype,
+                                                           tuple(tensor.stride())))
+                        known.add(ref)
             fields["resamples"][node] = resample
         elif name in CAT_OPS:
             fields["cats"][node] = _cat_parts(node)
@@ -129,7 +137,8 @@ def compose(view, nodes):
     fields = dict(resamples={}, cats={}, pointwise={})
     compose_members(view, nodes, program, fields)
     slot = {t.source: k for k, t in enumerate(program.inputs)}
-    ops = ", ".join(dict.fromkeys(r.mode for r in fields["resamples"].values()))
+    ops = ", ".join(dict.fromkeys(getattr(r, "mode", "transposed-convolution")
+                                  for r in fields["resamples"].values()))
     summary = f"{ops} upsampling" + (" + cat" if fields["cats"] else "") + (
         " + pointwise" if fields["pointwise"] else "") + ", the upsampled tensor never written"
     return ResampleProgram(**{**program.__dict__, "summary": summary}, slot=slot, **fields)
@@ -194,7 +203,9 @@ class ChainWriter:
         if key in self.memo:
             return self.memo[key]
         p = self.program
-        if node in p.resamples:
+        if node in p.resamples and isinstance(p.resamples[node], TransposedConv):
+            value = self.transposed_conv(p.resamples[node], tensor_meta(node).dtype, coords, mask)
+        elif node in p.resamples:
             value = self.resample(p.resamples[node], coords, mask)
         elif node in p.cats:
             value = self.cat(*p.cats[node], coords, mask)
@@ -276,6 +287,28 @@ class ChainWriter:
                   + (helper_text + "\n\n\n" if helper_text else "")
                   + f"@triton.jit\ndef {name}({', '.join(params)}):\n{body}\n")
         return KernelSource(name=name, source=source, layout=layout, grid=grid)
+
+    def transposed_conv(self, t: TransposedConv, dtype, coords: tuple[str, ...], mask: str) -> str:
+        """``bias[o] + sum_c x[b, c, y // k] * W[c, o, y % k]``: one input pixel per output pixel."""
+        b, o, spatial = coords[0], coords[1], coords[2:]
+        source = tuple(f"({c} // {k})" for c, k in zip(spatial, t.kernel))
+        tap = tuple(f"({c} % {k})" for c, k in zip(spatial, t.kernel))
+        acc = self.fresh()
+        self.emit(f"{acc} = ({b} * 0 + {o} * 0 + {spatial[-1]} * 0).to(tl.float32)")
+        self.emit(f"for ci in range({t.in_channels}):")
+        self.indent += 1
+        x = self.load(t.source, tuple(tensor_meta(t.source).shape), (b, "ci") + source, mask)
+        w = self.load(t.weight, (t.in_channels, t.out_channels) + t.kernel, ("ci", o) + tap, mask)
+        if dtype in ROUNDED:  # autocast: the weight rounds to the product's dtype as in eager
+            w = rounded(w, dtype)
+        self.emit(f"{acc} += {x} * {w}")
+        self.indent -= 1
+        # The loop's loads (at channel "ci") don't exist after it.
+        self.memo = {k: v for k, v in self.memo.items() if not (k[0] == "load" and "ci" in k[3])}
+        if t.bias is not None:
+            bias = self.load(t.bias, (t.out_channels,) + (1,) * len(spatial), coords[1:], mask)
+            self.emit(f"{acc} += {bias}")
+        return acc
 
     def resample(self, r: Resample, coords: tuple[str, ...], mask: str) -> str:
         lead = coords[:2]
