@@ -162,7 +162,7 @@ def test_report_round_trips_and_reads_well():
     assert "row_reduction" in text and "elementwise.add > reduction.layer_norm" in text  # ops column is cut at 42
     assert report.signature == "(float32[3, 7, 37], float32[3, 7, 37])"
     assert report.device == "cpu"
-    assert report.plugins == ["attention", "elementwise", "matmul", "mlp", "mxint8", "reduction"]
+    assert report.plugins == ["attention", "conv", "elementwise", "matmul", "mlp", "mxint8", "reduction"]
 
 
 # ---------------------------------------------------------------------------

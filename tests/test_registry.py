@@ -22,7 +22,7 @@ import autofuser
 from autofuser import LoweringSpec, PluginError, Sample, SpecError, StrategySpec
 from autofuser_core.plugins import AUTOLOAD_ENV, ENTRY_POINT_GROUP, installed_entry_points
 
-BUNDLED = ["attention", "elementwise", "matmul", "mlp", "mxint8", "reduction"]
+BUNDLED = ["attention", "conv", "elementwise", "matmul", "mlp", "mxint8", "reduction"]
 KNOWN_HOOKS = (
     "autofuser_register_lowerings",
     "autofuser_register_strategies",
