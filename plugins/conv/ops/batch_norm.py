@@ -19,8 +19,11 @@ from autofuser import LoweringSpec, Sample, Tolerance
 from ._common import float_tensor, module_forward_is, per_channel
 
 MODULES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
-# rsqrt and a different order of the scale and shift than eager's kernel.
-TOLERANCES = {"float32": Tolerance(atol=2e-5, rtol=1e-4)}
+# rsqrt and a different order of the scale and shift than eager's kernel. In fp16,
+# eager's CPU kernel folds the statistics into a scale and a shift in half precision
+# (GPUs compute in fp32, as the kernel does): an output near zero, the difference of
+# two large terms, then differs by a step of those terms (about 4e-3 at 4).
+TOLERANCES = {"float32": Tolerance(atol=2e-5, rtol=1e-4), "float16": Tolerance(atol=1e-2, rtol=1e-2)}
 
 
 def normalize_by_statistics(ctx, op, x, mean, var, weight, bias, eps):
