@@ -33,7 +33,7 @@ from .launch import FusedKernel
 from .planner import Candidate, Plan, plan_fusion_groups
 from .precompile import CompileJob, launch_items, precompile, start_workers
 from .report import FusionReport, GroupEntry, NodeEntry, describe_graph
-from .matmul_layout import MAX_PRODUCTS, STRICT_FP32, MlpLayout
+from .matmul_layout import MAX_PRODUCTS, STRICT_FP32
 from .rounding import interpreting
 from .rewrite import extract_group_module, rewrite_graph
 from .specs import DEFAULT_TOLERANCES, Tolerance, dtype_name
@@ -296,15 +296,20 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
     if _can_tune(device, options):
         start_workers()  # warms up while the graph is planned and the kernels written
     taken: set[torch.fx.Node] = set()
-    retry: Optional[set[torch.fx.Node]] = None  # round 2: only the nodes of chains that stayed eager
+    retry: Optional[set[torch.fx.Node]] = None  # later rounds: only the nodes of groups that stayed eager
     survivors: list[tuple[Candidate, FusedKernel]] = []
-    # Round 1 plans freely. A group of two products (an MLP) that turns out wrong or
-    # slower would leave all its nodes eager, so round 2 re-plans the nodes no kept
-    # group covers with one product per group, and verifies those.
-    for round_number, max_products in ((1, 2), (2, 1)):
+    # Round 1 plans freely. A group of several products (a row-tiled chain, an MLP)
+    # that turns out wrong or slower would leave all its nodes eager, so each later
+    # round re-plans the nodes no kept group covers with fewer products per group
+    # (fewer than the largest group that failed), down to one, and verifies those.
+    max_products = MAX_PRODUCTS.get()
+    round_number = 0
+    while max_products >= 1:
+        round_number += 1
+
         def veto(candidate):
             if taken.intersection(candidate.nodes) or (retry is not None and not retry.issuperset(candidate.nodes)):
-                return "decided in the first round"
+                return "decided in an earlier round"
             return plugin_set.manager.hook.autofuser_veto_fusion(group=candidate, options=options)
 
         tokens = (STRICT_FP32.set(options.strict_fp32_products), MAX_PRODUCTS.set(max_products))
@@ -321,7 +326,7 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
                 report.unfused_nodes.append(NodeEntry(node=entry.node, target=entry.target,
                                                       reason_code=entry.reason_code, reason=entry.reason))
         for decision in plan.decisions:
-            if round_number == 1 or decision.reason != "decided in the first round":
+            if round_number == 1 or decision.reason != "decided in an earlier round":
                 report.groups.append(_entry(decision.strategy, decision.nodes, view, False, decision.reason_code,
                                             decision.reason, decision.program))
         if device.type != "cuda" and not interpreting():
@@ -333,11 +338,13 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
         jobs = _verify_round(gm, plan, inputs, device, options, progress, report)
         survivors += [(job.candidate, job.fused) for job in jobs if job.entry.fused]
         taken.update(n for job in jobs if job.entry.fused for n in job.candidate.nodes)
-        failed_chains = [job for job in jobs if not job.entry.fused and isinstance(job.candidate.program.matmul, MlpLayout)]
-        if not failed_chains:
+        failed = [job for job in jobs if not job.entry.fused and product_count(job.candidate.program) > 1]
+        if not failed:
             break
-        retry = {n for job in failed_chains for n in job.candidate.nodes}
-        progress(f"re-planning {len(failed_chains)} product chain(s) that stayed eager, one product per group")
+        retry = {n for job in failed for n in job.candidate.nodes}
+        max_products = min(max_products, max(product_count(job.candidate.program) for job in failed)) - 1
+        progress(f"re-planning {len(failed)} product chain(s) that stayed eager, at most {max_products} "
+                 "product(s) per group")
 
     step = time.perf_counter()
     new_gm = rewrite_graph(gm, [(c.program, f) for c, f in survivors])
@@ -462,6 +469,23 @@ def _entry(strategy: str, nodes, view, fused: bool, code: str, reason: str, prog
         reason = program.summary  # what the strategy recognised, where it said
     return GroupEntry(strategy=strategy, nodes=[n.name for n in nodes], ops=ops, fused=fused, reason_code=code,
                       reason=reason, bytes_before=before, bytes_after=program.bytes_after() if program else 0)
+
+
+def product_count(program: Optional[GroupProgram]) -> int:
+    """Matrix products (``dot`` values) in a composed group: what re-planning splits."""
+    if program is None:
+        return 0
+    seen: set[int] = set()
+    stack = list(program.output_values)
+    count = 0
+    while stack:
+        v = stack.pop()
+        if v.uid in seen:
+            continue
+        seen.add(v.uid)
+        count += v.op == "dot"
+        stack.extend(v.args)
+    return count
 
 
 def _numel(shape) -> int:

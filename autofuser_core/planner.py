@@ -242,10 +242,12 @@ class PlanningView:
                         stack.append(user)
         return False
 
-    def compose(self, nodes: list[torch.fx.Node]) -> GroupProgram:
+    def compose(self, nodes: list[torch.fx.Node], lay_out=None) -> GroupProgram:
+        """``nodes`` composed into one program (``compose_group``; ``lay_out``: a
+        strategy's own layout of the composed values instead of the generic one)."""
         ordered = sorted(nodes, key=self.order.__getitem__)
         names = {n: self.lowering_of[n].name for n in ordered}
-        return compose_group(ordered, self.lowered, self.gm, names)
+        return compose_group(ordered, self.lowered, self.gm, names, lay_out)
 
     def compose_for(self, strategy: StrategySpec, nodes: list[torch.fx.Node]) -> GroupProgram:
         """``nodes`` composed for ``strategy``: by its own ``compose`` if it has one."""
