@@ -28,6 +28,7 @@ from autofuser_core.matmul_layout import MAX_PRODUCTS
 
 from .chain_kernel import write_chain_kernel
 from .chain_layout import ChainLayout, lay_out_chain, padded
+from .strategy import propose as propose_mlps
 
 logger = logging.getLogger("autofuser")
 
@@ -87,10 +88,13 @@ def _grow_chains(view, allowed, max_products: int) -> list[list]:
 
 def propose(view):
     allowed = {n for n in view.lowered if view.lowering_of[n].kind in ("pointwise", "reduction", "matmul", "layout")}
+    # A two-product chain that overlaps an MLP is left to the MLP strategy: its kernel keeps
+    # the hidden activation on chip, where a chain cut at two products would write it out.
+    in_mlps = {n for group in propose_mlps(view) for n in group}
     found = []
     for group in _grow_chains(view, allowed, MAX_PRODUCTS.get()):
         products = _product_nodes(view, group)
-        if products < 2:
+        if products < 2 or (products == 2 and in_mlps.intersection(group)):
             continue
         try:
             view.compose(group)
@@ -122,15 +126,13 @@ def accepts(program):
         return ("too_many_steps", f"{len(layout.steps)} products in one chain; one kernel runs at most {MAX_STEPS}")
     wide = [w for w in layout.row_widths if w > MAX_ROW_WIDTH]
     wide += [s.n for s in layout.steps if s.mode in ("whole", "streamed") and s.n > MAX_ROW_WIDTH]
-    wide += [s.k for s in layout.steps if s.mode != "streamed" and s.k > MAX_ROW_WIDTH]
+    wide += [s.k for s in layout.steps if s.mode != "streamed" and s.fed_by is None and s.k > MAX_ROW_WIDTH]
     if wide:
         return ("too_wide", f"a row of {max(wide)} values would be held whole in one program "
                             f"(limit {MAX_ROW_WIDTH}); only hidden and tail products may be wider")
     chunked = [s.chunked_width for s in layout.steps if s.chunked and s.chunked_width > MAX_CHUNKED_WIDTH]
     if chunked:
         return ("too_wide", f"a product of width {max(chunked)} (limit {MAX_CHUNKED_WIDTH})")
-    if any(min(s.k, s.n) < 2 for s in layout.steps):
-        return ("degenerate_product", "a product with one input or output column is a reduction, not a step")
     if not any(is_valid(program, c) is None for c in configs(program)):
         return ("no_config", f"no block sizes fit: {is_valid(program, default_config(program))}")
     return None
@@ -169,6 +171,8 @@ def is_valid(program, config):
     carried = max([padded(w) for w in layout.row_widths] + [0])
     worst_regs = worst_smem = 0
     for s in layout.steps:
+        if s.fed_by is not None:
+            continue  # accumulated chunk by chunk: counted with the hidden step that feeds it
         element = 2 if s.operand_dtype is not None else 4
         chunk = config.get(f"BLOCK_S{s.index}")
         if s.chunked:

@@ -142,6 +142,9 @@ def lay_out_chain(program: GroupProgram, values: dict[int, Value]) -> None:
     for index, d in enumerate(dots):
         a = d.args[0]
         k, n = width[a.uid], width[d.uid]
+        if min(k, n) < 2:
+            raise GroupRefused("degenerate_product", "a product with one input or output column (a chain keeps "
+                                                     "those outside: they are reductions, not steps)")
         step = ChainStep(index=index, dot=d, k=k, n=n, mode="whole",
                          weight_strides=_weight_strides(program, d.args[1], d.transpose_b, (k, n)),
                          operand_dtype=_operand_dtype(d))
