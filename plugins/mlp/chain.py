@@ -20,7 +20,6 @@ shorter ones instead); shapes no config fits (registers, shared memory).
 from __future__ import annotations
 
 import itertools
-import logging
 
 from autofuser import StrategySpec
 from autofuser_core.group import GroupRefused
@@ -29,8 +28,6 @@ from autofuser_core.matmul_layout import MAX_PRODUCTS
 from .chain_kernel import write_chain_kernel
 from .chain_layout import ChainLayout, lay_out_chain, padded
 from .strategy import propose as propose_mlps
-
-logger = logging.getLogger("autofuser")
 
 #: Widest value a program holds as a whole-row tile (a layer norm's row, a residual).
 MAX_ROW_WIDTH = 256
@@ -49,41 +46,15 @@ def _product_nodes(view, nodes) -> int:
 
 
 def _grow_chains(view, allowed, max_products: int) -> list[list]:
-    """Grow groups along producer -> consumer edges, in graph order, while the union
-    still lays out as a chain with at most ``max_products`` products, straddles no
-    barrier and makes no cycle (as ``PlanningView.space_groups`` does for one domain)."""
-    group_of: dict = {}
-    members: dict[int, list] = {}
-    fresh = itertools.count()
-    for node in view.nodes:
-        if node not in allowed:
-            continue
-        gid = next(fresh)
-        group_of[node] = gid
-        members[gid] = [node]
-        for producer in node.all_input_nodes:
-            if producer not in group_of:
-                continue
-            a, b = group_of[producer], group_of[node]
-            if a == b:
-                continue
-            union = sorted(members[a] + members[b], key=view.order.__getitem__)
-            if _product_nodes(view, union) > max_products:
-                continue
-            if view.straddles_barrier(union) or view.creates_cycle(set(union)):
-                continue
-            try:
-                view.compose(union, lay_out=lay_out_chain)
-            except GroupRefused:
-                continue
-            except Exception as err:  # IR a chain can't lay out: don't merge
-                logger.debug("composing chain %s failed: %s", [n.name for n in union], err)
-                continue
-            for n in members[b]:
-                group_of[n] = a
-            members[a] = union
-            del members[b]
-    return list(members.values())
+    """Groups grown (``PlanningView.grow_groups``) while the union still lays out as a
+    chain with at most ``max_products`` products."""
+
+    def compose_chain(union):
+        if _product_nodes(view, union) > max_products:
+            raise GroupRefused("too_many_steps", f"more than {max_products} products")
+        view.compose(union, lay_out=lay_out_chain)
+
+    return view.grow_groups(allowed, compose_chain)
 
 
 def propose(view):
