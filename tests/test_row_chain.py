@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autofuser
+from autofuser_core.matmul_layout import STRICT_FP32
 from autofuser_core.planner import plan_fusion_groups
 
 TOLERANCES = {
@@ -179,6 +180,11 @@ def test_tf32_only_where_torch_allows_it():
         return chain.program.precision
 
     assert precision() == "tf32x3"
+    token = STRICT_FP32.set("ieee")  # what the strict_fp32_products="ieee" option sets
+    try:
+        assert precision() == "ieee"
+    finally:
+        STRICT_FP32.reset(token)
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
     try:
