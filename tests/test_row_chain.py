@@ -157,6 +157,32 @@ def test_three_projections_of_one_norm_store_chunk_by_chunk(dtype):
     assert chain.fused and "tail 48->80, tail 48->80, tail 48->40" in chain.reason, str(fused.report())
 
 
+class RowScaledHidden(nn.Module):
+    """A per-row scale (an RMS statistic of the input) read inside the hidden and the tail chunks."""
+
+    def __init__(self, width=48):
+        super().__init__()
+        self.fc1 = nn.Linear(width, 80)
+        self.fc2 = nn.Linear(80, width)
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, 40)
+
+    def forward(self, x):
+        scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-3)
+        y = x + self.fc2(F.silu(self.fc1(x)) * scale)
+        return self.out(self.norm(y)) * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_per_row_scalars_are_read_inside_chunk_loops(dtype):
+    model = _randomise(RowScaledHidden()).to(dtype)
+    x = torch.randn(3, 21, 48, dtype=dtype)
+    fused, got, expected = _run(model, x)
+    _assert_close(got, expected)
+    [chain] = _chains(fused.report())
+    assert chain.fused and "(hidden 48->80, accumulated 80->48, tail 48->40), 3 row reductions" in chain.reason
+
+
 def test_chain_kernel_source_names_its_steps_and_precision(tmp_path):
     model = _randomise(BlockTail(attn_width=32, width=32))
     x, attn = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
