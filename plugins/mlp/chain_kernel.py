@@ -134,7 +134,7 @@ class _ChainWriter(_MatmulWriter):
         name = f"w{step.index}_{self.fresh()}"
         return name, f"tl.load(in{index} + {off}, mask=({k_axis} < {k_limit}) & {n_mask}, other=0).to(tl.float32)"
 
-    def operand(self, ctx: _Context, value: Value, width: int, step: ChainStep, mask: str, cols: str) -> str:
+    def operand(self, ctx: _Context, value: Value, step: ChainStep, mask: str, cols: str) -> str:
         """``value`` as a product operand: a [BLOCK_M, cols] tile, padding zeroed, in the product's dtype."""
         name = self.fresh()
         tile = f"tl.broadcast_to({ctx.value(value)}, (BLOCK_M, {cols}))"
@@ -149,7 +149,7 @@ class _ChainWriter(_MatmulWriter):
             return self.accumulators[step.index]
         pn = padded(step.n)
         if step.mode == "whole":
-            a_op = self.operand(ctx, step.dot.args[0], step.k, step, f"m{step.k}", str(padded(step.k)))
+            a_op = self.operand(ctx, step.dot.args[0], step, f"m{step.k}", str(padded(step.k)))
             name, load = self.weight_tile(step, f"k{step.k}", f"c{step.n}", str(step.k), f"m{step.n}")
             ctx.emit(f"{name} = {load}")
             acc = f"acc{step.index}"
@@ -164,7 +164,7 @@ class _ChainWriter(_MatmulWriter):
         inner.emit(f"ks{step.index} = s{step.index} + tl.arange(0, {block})[None, :]")
         inner.emit(f"ks{step.index}_mask = ks{step.index} < {step.k}")
         inner.emit(f"kk{step.index} = s{step.index} + tl.arange(0, {block})[:, None]")
-        a_op = self.operand(inner, step.dot.args[0], step.k, step, f"ks{step.index}_mask", block)
+        a_op = self.operand(inner, step.dot.args[0], step, f"ks{step.index}_mask", block)
         name, load = self.weight_tile(step, f"kk{step.index}", f"c{step.n}", str(step.k), f"m{step.n}")
         inner.emit(f"{name} = {load}")
         inner.emit(f"{acc} += {_dot_line(a_op, name, step.operand_dtype, L.precision)}")
@@ -177,7 +177,7 @@ class _ChainWriter(_MatmulWriter):
         top = self.top
         i = step.index
         block = f"BLOCK_S{i}"
-        a_op = self.operand(top, step.dot.args[0], step.k, step, f"m{step.k}", str(padded(step.k)))
+        a_op = self.operand(top, step.dot.args[0], step, f"m{step.k}", str(padded(step.k)))
         # Per-row scalars the chunk reads (a norm's statistics) are computed once, outside the loop.
         region = {v.uid for v in step.region}
         for v in step.region[1:]:
@@ -201,7 +201,7 @@ class _ChainWriter(_MatmulWriter):
         self.top.emit(f"{acc} = tl.zeros((BLOCK_M, {padded(consumer.n)}), tl.float32)")
         body = self.chunk_loop(step)
         block = f"BLOCK_S{i}"
-        mid = self.operand(body, consumer.dot.args[0], step.n, consumer, f"cs{i}_mask", block)
+        mid = self.operand(body, consumer.dot.args[0], consumer, f"cs{i}_mask", block)
         body.emit(f"hs{i} = s{i} + tl.arange(0, {block})[:, None]")
         name, load = self.weight_tile(consumer, f"hs{i}", f"c{consumer.n}", str(step.n), f"m{consumer.n}")
         body.emit(f"{name} = {load}")

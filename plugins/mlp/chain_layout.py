@@ -175,8 +175,8 @@ def lay_out_chain(program: GroupProgram, values: dict[int, Value]) -> None:
     for tensor, value in zip(program.outputs, program.output_values):
         domain = lead_t + (width[value.uid],)
         _check_fits(tensor.shape, domain)
-        padded = (1,) * (len(domain) - len(tensor.shape)) + tuple(tensor.shape)
-        if any(s == 1 and t != 1 for s, t in zip(padded, domain)) or aligned[value.uid] != domain:
+        shape = (1,) * (len(domain) - len(tensor.shape)) + tuple(tensor.shape)
+        if any(s == 1 and t != 1 for s, t in zip(shape, domain)) or aligned[value.uid] != domain:
             raise GroupRefused("output_broadcasts", f"output {tensor.name} is smaller than the chain's rows")
         tensor.domain_stride = _domain_strides(tensor.shape, tensor.stride, domain)
     program.domain = lead_t + (max(width.values()),)
