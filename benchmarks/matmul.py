@@ -114,6 +114,9 @@ CASES = {
     "layernorm+linear": (NormLinear, lambda w: 2 * M * w * w, lambda w, e: 2 * M * w * e + w * w * 4),
     "MLP w-2w-w": (Mlp, lambda w: 4 * M * w * 2 * w, lambda w, e: 2 * M * w * e + 4 * w * w * 4),
     "FFN half (LN+MLP+res)": (FeedForwardHalf, lambda w: 4 * M * w * 2 * w, lambda w, e: 2 * M * w * e + 4 * w * w * 4),
+}
+#: Row-tiled chains: several inputs or outputs (apart from CASES, which other benchmarks reuse one tensor in, one out).
+CHAIN_CASES = {
     "block tail: LN+MLP+res+LN+linear": (BlockTail, lambda w: 2 * M * 7 * w * w,
                                          lambda w, e: 5 * M * w * e + 7 * w * w * 4),
     "post-attention: proj+res+block tail": (PostAttention, lambda w: 2 * M * 8 * w * w,
@@ -175,7 +178,7 @@ def main(argv=None) -> int:
     systems = ["eager", "compile"] + (["compile-max"] if args.max_autotune else []) + ["autofuser"]
     rows = []
     for width in [int(w) for w in args.widths.split(",")]:
-        for case, (factory, flops_of, bytes_of) in CASES.items():
+        for case, (factory, flops_of, bytes_of) in {**CASES, **CHAIN_CASES}.items():
             if args.cases and not any(part in case for part in args.cases.split(",")):
                 continue
             torch.manual_seed(0)

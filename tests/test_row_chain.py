@@ -328,3 +328,17 @@ def test_zoo_transformer_fuses_each_block_tail_into_one_chain():
     chains = [g for g in fused.report().fused if g.strategy == "row_chain"]
     tail = [g for g in chains if "blocks_0_attention_to_out" in g.nodes]
     assert tail and {"blocks_0_feed_forward_0", "blocks_0_feed_forward_2", "blocks_1_attention_to_qkv"} <= set(tail[0].nodes)
+
+
+def test_products_over_quantised_weights_stay_with_the_product_strategies():
+    """A chain kernel doesn't decode MXINT8 weights: those products go to the strategies that do."""
+    model = _randomise(BlockTail(attn_width=64, width=64))
+    x, attn = torch.randn(1, 9, 64), torch.randn(1, 9, 64)
+    fused, got, _ = _run(model, x, attn, quantize="mxint8")
+    with torch.no_grad():
+        expected = fused.model(x, attn)  # the quantised model, eager
+    _assert_close(got, expected)
+    report = fused.report()
+    assert not any(g.fused for g in _chains(report)), str(report)
+    products = [g for g in report.fused if any(op.startswith("matmul.") for op in g.ops)]
+    assert len(products) >= 2 and all("mxint8.weight" in g.ops for g in products), str(report)

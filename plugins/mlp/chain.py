@@ -57,8 +57,16 @@ def _grow_chains(view, allowed, max_products: int) -> list[list]:
     return view.grow_groups(allowed, compose_chain)
 
 
+def _packed(view, node) -> bool:
+    """Whether ``node`` is lowered to a quantised weight (``ctx.packed_weight``)."""
+    value = view.lowered.get(node)
+    return value is not None and value.op == "load" and getattr(value, "packed", None) is not None
+
+
 def propose(view):
-    allowed = {n for n in view.lowered if view.lowering_of[n].kind in ("pointwise", "reduction", "matmul", "layout")}
+    # Products over quantised weights stay with the product strategies, which decode them.
+    allowed = {n for n in view.lowered if view.lowering_of[n].kind in ("pointwise", "reduction", "matmul", "layout")
+               and not any(_packed(view, arg) for arg in n.all_input_nodes)}
     # A two-product chain that overlaps an MLP is left to the MLP strategy: its kernel keeps
     # the hidden activation on chip, where a chain cut at two products would write it out.
     in_mlps = {n for group in propose_mlps(view) for n in group}

@@ -113,6 +113,9 @@ def lay_out_chain(program: GroupProgram, values: dict[int, Value]) -> None:
         for a in v.args:
             users[a.uid].append(v)
 
+    if any(v.op == "load" and getattr(v, "packed", None) is not None for v in ordered):
+        raise GroupRefused("packed_weight", "a chain kernel does not decode quantised weights; the product "
+                                            "strategies do")
     for d in dots:
         if d.args[1].op != "load":
             raise GroupRefused("computed_weight", "a chain's products must read their weights from memory")
