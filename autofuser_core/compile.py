@@ -338,6 +338,10 @@ def _tune(candidate: Candidate, source, kernel, inputs, device, options, progres
     return _Tuned(best, False, time.perf_counter() - start, timings, key)
 
 
+#: Planning rounds at most: each later one re-plans what the groups that lost covered.
+MAX_ROUNDS = 6
+
+
 def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, progress,
                   backward: bool = False) -> tuple[torch.fx.GraphModule, FusionReport]:
     """Steps 1-5 of the module doc; returns the rewritten module and its report.
@@ -356,20 +360,25 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
     if _can_tune(device, options):
         start_workers()  # warms up while the graph is planned and the kernels written
     taken: set[torch.fx.Node] = set()
-    retry: Optional[set[torch.fx.Node]] = None  # round 2: only the nodes of groups that stayed eager
+    retry: Optional[set[torch.fx.Node]] = None  # later rounds: only the nodes of groups that stayed eager
     lost: set[tuple[str, frozenset]] = set()  # (strategy, nodes) of the groups that stayed eager
     survivors: list[tuple[Candidate, FusedKernel]] = []
     # Round 1 plans freely. A group of several ops that turns out wrong or slower
-    # would leave all its nodes eager, so round 2 re-plans the nodes no kept group
-    # covers, without the groups that lost and with one product per group: an MLP's
-    # products fuse one at a time, a convolution that lost to cuDNN leaves its
-    # epilogue to fuse on its own.
-    for round_number, max_products in ((1, 2), (2, 1)):
+    # would leave all its nodes eager, so each later round re-plans the nodes no
+    # kept group covers, without the groups that lost, and with fewer products per
+    # group than the largest that lost (down to one): a row-tiled chain or an MLP
+    # falls back to shorter chains and single products; a convolution that lost to
+    # cuDNN leaves its epilogue to fuse on its own.
+    max_products = MAX_PRODUCTS.get()
+    round_number = 0
+    while True:
+        round_number += 1
+
         def veto(candidate):
             if taken.intersection(candidate.nodes) or (retry is not None and not retry.issuperset(candidate.nodes)):
-                return "decided in the first round"
+                return "decided in an earlier round"
             if (candidate.strategy.name, frozenset(candidate.nodes)) in lost:
-                return "decided in the first round"
+                return "decided in an earlier round"
             return plugin_set.manager.hook.autofuser_veto_fusion(group=candidate, options=options)
 
         tokens = (STRICT_FP32.set(options.strict_fp32_products), MAX_PRODUCTS.set(max_products))
@@ -394,7 +403,7 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
                         reason=f"{view.lowering_of[node].name} is lowered for a strategy with its own compose, "
                                "and no such strategy took this node (see its refused groups); it runs eager"))
         for decision in plan.decisions:
-            if round_number == 1 or decision.reason != "decided in the first round":
+            if round_number == 1 or decision.reason != "decided in an earlier round":
                 report.groups.append(_entry(decision.strategy, decision.nodes, view, False, decision.reason_code,
                                             decision.reason, decision.program))
         if device.type != "cuda" and not interpreting():
@@ -407,11 +416,15 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
         survivors += [(job.candidate, job.fused) for job in jobs if job.entry.fused]
         taken.update(n for job in jobs if job.entry.fused for n in job.candidate.nodes)
         failed = [job for job in jobs if not job.entry.fused and len(job.candidate.nodes) > 1]
-        if not failed:
+        if not failed or round_number >= MAX_ROUNDS:
             break
         retry = {n for job in failed for n in job.candidate.nodes}
-        lost = {(job.candidate.strategy.name, frozenset(job.candidate.nodes)) for job in failed}
-        progress(f"re-planning the nodes of {len(failed)} group(s) that stayed eager")
+        lost |= {(job.candidate.strategy.name, frozenset(job.candidate.nodes)) for job in failed}
+        most = max(product_count(job.candidate.program) for job in failed)
+        if most > 1:
+            max_products = min(max_products, most) - 1
+        progress(f"re-planning the nodes of {len(failed)} group(s) that stayed eager, at most "
+                 f"{max_products} product(s) per group")
 
     step = time.perf_counter()
     new_gm = rewrite_graph(gm, [(c.program, f) for c, f in survivors])
@@ -543,6 +556,23 @@ def _entry(strategy: str, nodes, view, fused: bool, code: str, reason: str, prog
         reason = program.summary  # what the strategy recognised, where it said
     return GroupEntry(strategy=strategy, nodes=[n.name for n in nodes], ops=ops, fused=fused, reason_code=code,
                       reason=reason, bytes_before=before, bytes_after=program.bytes_after() if program else 0)
+
+
+def product_count(program: Optional[GroupProgram]) -> int:
+    """Matrix products (``dot`` values) in a composed group: what re-planning splits."""
+    if program is None:
+        return 0
+    seen: set[int] = set()
+    stack = list(program.output_values)
+    count = 0
+    while stack:
+        v = stack.pop()
+        if v.uid in seen:
+            continue
+        seen.add(v.uid)
+        count += v.op == "dot"
+        stack.extend(v.args)
+    return count
 
 
 def _numel(shape) -> int:

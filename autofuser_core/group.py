@@ -29,7 +29,7 @@ group's external inputs and outputs, without IR values.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.fx
@@ -149,8 +149,14 @@ def compose_group(
     lowered: dict[torch.fx.Node, Value],
     root: torch.nn.Module,
     op_names: Optional[dict[torch.fx.Node, str]] = None,
+    lay_out: Optional[Callable[[GroupProgram, dict[int, Value]], None]] = None,
 ) -> GroupProgram:
-    """Compose ``nodes`` (in graph order) into a ``GroupProgram``; see module doc."""
+    """Compose ``nodes`` (in graph order) into a ``GroupProgram``; see module doc.
+
+    ``lay_out(program, values)`` replaces steps 3-4 (``values``: every IR value
+    of the group by uid): a strategy that tiles the composed DAG its own way
+    (a chain of several products) sets the domain and strides itself, or
+    raises ``GroupRefused``."""
     members = set(nodes)
     composed: dict[torch.fx.Node, Value] = {}
     memo: dict[int, Value] = {}
@@ -237,7 +243,10 @@ def compose_group(
         domain=(), reduced_dims=(), input_of_load=input_of_load, scales_of_load=scales_of_load,
         op_names=[(op_names or {}).get(n, n.name) for n in nodes],
     )
-    _lay_out(program)
+    if lay_out is None:
+        _lay_out(program)
+    else:
+        lay_out(program, _collect(program.output_values))
     return program
 
 

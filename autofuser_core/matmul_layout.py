@@ -88,9 +88,10 @@ class MatmulLayout:
 #: into two TF32 parts, three tensor-core products, fp32 accumulation: error at fp32
 #: level, checked against eager at fp32 tolerance) or "ieee" (plain fp32 FMAs, slow).
 STRICT_FP32 = contextvars.ContextVar("autofuser_strict_fp32", default="tf32x3")
-#: Products one group may chain (2: an MLP's two linears). Set to 1 when re-planning
-#: nodes whose MLP kernel lost to eager, so they still fuse one product at a time.
-MAX_PRODUCTS = contextvars.ContextVar("autofuser_max_products", default=2)
+#: Products one group may hold (an MLP has 2, a row-tiled chain more). Lowered when
+#: re-planning the nodes of a multi-product group that stayed eager, so they still
+#: fuse in smaller groups (``autofuser_core.compile``).
+MAX_PRODUCTS = contextvars.ContextVar("autofuser_max_products", default=8)
 
 
 def fp32_precision() -> str:

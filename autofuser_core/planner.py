@@ -243,10 +243,12 @@ class PlanningView:
                         stack.append(user)
         return False
 
-    def compose(self, nodes: list[torch.fx.Node]) -> GroupProgram:
+    def compose(self, nodes: list[torch.fx.Node], lay_out=None) -> GroupProgram:
+        """``nodes`` composed into one program (``compose_group``; ``lay_out``: a
+        strategy's own layout of the composed values instead of the generic one)."""
         ordered = sorted(nodes, key=self.order.__getitem__)
         names = {n: self.lowering_of[n].name for n in ordered}
-        return compose_group(ordered, self.lowered, self.gm, names)
+        return compose_group(ordered, self.lowered, self.gm, names, lay_out)
 
     def compose_for(self, strategy: StrategySpec, nodes: list[torch.fx.Node]) -> GroupProgram:
         """``nodes`` composed for ``strategy``: by its own ``compose`` if it has one."""
@@ -271,14 +273,22 @@ class PlanningView:
         return {self.lowering_of[n].kind for n in nodes if n in self.lowering_of}
 
     def _grow_space_groups(self) -> list[list[torch.fx.Node]]:
+        return self.grow_groups()
+
+    def grow_groups(self, nodes: Optional[set[torch.fx.Node]] = None, compose=None) -> list[list[torch.fx.Node]]:
         """Grow groups along producer -> consumer edges, in graph order, while the
-        union still composes into one domain, straddles no barrier and makes no
-        cycle. Every lowered node ends in exactly one group."""
+        union still composes, straddles no barrier and makes no cycle. Every node
+        of ``nodes`` (default: every lowered node) ends in exactly one group.
+
+        ``compose(union)`` (default ``self.compose``: one domain) decides whether a
+        union composes; it refuses by raising ``GroupRefused``. A strategy with
+        its own layout grows its candidates through it (the row-chain strategy)."""
+        compose = compose or self.compose
         group_of: dict[torch.fx.Node, int] = {}
         members: dict[int, list[torch.fx.Node]] = {}
         fresh_ids = itertools.count()
         for node in self.nodes:
-            if node not in self.lowered:
+            if node not in self.lowered or (nodes is not None and node not in nodes):
                 continue
             gid = next(fresh_ids)  # not len(members): merges delete ids, and a reused id would collide
             group_of[node] = gid
@@ -289,11 +299,11 @@ class PlanningView:
                 a, b = group_of[producer], group_of[node]
                 if a == b:
                     continue
-                union = members[a] + members[b]
+                union = sorted(members[a] + members[b], key=self.order.__getitem__)
                 if self.straddles_barrier(union) or self.creates_cycle(set(union)):
                     continue
                 try:
-                    self.compose(union)
+                    compose(union)
                 except GroupRefused:
                     continue
                 except Exception as err:  # a lowering's IR the core can't lay out: don't merge
@@ -301,7 +311,7 @@ class PlanningView:
                     continue
                 for n in members[b]:
                     group_of[n] = a
-                members[a] = sorted(union, key=self.order.__getitem__)
+                members[a] = union
                 del members[b]
         return list(members.values())
 

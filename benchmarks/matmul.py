@@ -6,6 +6,9 @@ For M = 8 * 221 * 51 rows and widths 128 and 256, in one run on one GPU:
 - layer norm + linear (w -> w);
 - MLP (w -> 2w -> w, GELU, residual);
 - a transformer block's feed-forward half (x + MLP(LN(x)));
+- its block tail (the feed-forward half, then the next block's LN -> qkv) and
+  the whole post-attention part (``x + proj(attn)`` first): row-tiled chains
+  of three and four products;
 
 each in strict fp32, with TF32 allowed (on every side), and in bf16 under
 ``torch.autocast``; under eager, ``torch.compile`` (default, and
@@ -14,7 +17,7 @@ output is checked against eager before it is timed. Beside each case: its
 roofline floor, ``max(bytes / copy bandwidth, FLOPs / matrix rate)``, with the
 bandwidth and the matrix rate of each precision measured in the same run.
 
-    python benchmarks/matmul.py --out results/ [--max-autotune]
+    python benchmarks/matmul.py --out results/ [--max-autotune] [--cases "block tail,post-attention"]
 """
 
 from __future__ import annotations
@@ -76,11 +79,48 @@ class FeedForwardHalf(torch.nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
 
 
+class BlockTail(torch.nn.Module):
+    """A pre-norm transformer block after its attention's residual: LN -> MLP -> + residual,
+    then the next block's LN -> qkv projection (a row-tiled chain of three products)."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.norm1 = torch.nn.LayerNorm(w)
+        self.fc1 = torch.nn.Linear(w, 2 * w)
+        self.fc2 = torch.nn.Linear(2 * w, w)
+        self.norm2 = torch.nn.LayerNorm(w)
+        self.qkv = torch.nn.Linear(w, 3 * w, bias=False)
+
+    def forward(self, x):
+        h = x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm1(x))))
+        return h, self.qkv(self.norm2(h))
+
+
+class PostAttention(BlockTail):
+    """``x + proj(attn)`` first: the whole post-attention part, four products in one chain."""
+
+    inputs = 2
+
+    def __init__(self, w):
+        super().__init__(w)
+        self.proj = torch.nn.Linear(w, w)
+
+    def forward(self, x, attn):
+        return super().forward(x + self.proj(attn))
+
+
 CASES = {
     "linear+GELU": (LinearGelu, lambda w: 2 * M * w * 2 * w, lambda w, e: (M * w + M * 2 * w) * e + 2 * w * w * 4),
     "layernorm+linear": (NormLinear, lambda w: 2 * M * w * w, lambda w, e: 2 * M * w * e + w * w * 4),
     "MLP w-2w-w": (Mlp, lambda w: 4 * M * w * 2 * w, lambda w, e: 2 * M * w * e + 4 * w * w * 4),
     "FFN half (LN+MLP+res)": (FeedForwardHalf, lambda w: 4 * M * w * 2 * w, lambda w, e: 2 * M * w * e + 4 * w * w * 4),
+}
+#: Row-tiled chains: several inputs or outputs (apart from CASES, which other benchmarks reuse one tensor in, one out).
+CHAIN_CASES = {
+    "block tail: LN+MLP+res+LN+linear": (BlockTail, lambda w: 2 * M * 7 * w * w,
+                                         lambda w, e: 5 * M * w * e + 7 * w * w * 4),
+    "post-attention: proj+res+block tail": (PostAttention, lambda w: 2 * M * 8 * w * w,
+                                            lambda w, e: 6 * M * w * e + 8 * w * w * 4),
 }
 
 
@@ -124,6 +164,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench-results")
     parser.add_argument("--widths", default="128,256")
     parser.add_argument("--modes", default="fp32,tf32,bf16")
+    parser.add_argument("--cases", default="", help="comma-separated substrings: only cases whose name contains one")
     parser.add_argument("--max-autotune", action="store_true", help="also torch.compile max-autotune-no-cudagraphs")
     parser.add_argument("--tune-budget", type=float, default=8.0, help="AutoFuser tuning seconds per group")
     args = parser.parse_args(argv)
@@ -137,17 +178,19 @@ def main(argv=None) -> int:
     systems = ["eager", "compile"] + (["compile-max"] if args.max_autotune else []) + ["autofuser"]
     rows = []
     for width in [int(w) for w in args.widths.split(",")]:
-        for case, (factory, flops_of, bytes_of) in CASES.items():
+        for case, (factory, flops_of, bytes_of) in {**CASES, **CHAIN_CASES}.items():
+            if args.cases and not any(part in case for part in args.cases.split(",")):
+                continue
             torch.manual_seed(0)
             model = factory(width).to(device).eval()
-            x = torch.randn(M, width, device=device)
+            xs = [torch.randn(M, width, device=device) for _ in range(getattr(factory, "inputs", 1))]
             for mode in args.modes.split(","):
                 row = {"case": case, "width": width, "mode": mode}
                 element = 2 if mode == "bf16" else 4
                 floor_ms = 1e3 * max(bytes_of(width, element) / bandwidth, flops_of(width) / rates[mode])
                 row["floor_ms"] = floor_ms
                 with precision(mode), torch.no_grad():
-                    expected = model(x).float()
+                    expected = _flat(model(*xs))
                     for system in systems:
                         try:
                             start = time.perf_counter()
@@ -161,11 +204,11 @@ def main(argv=None) -> int:
                                 fn = torch.compile(model, mode="max-autotune-no-cudagraphs")
                             else:
                                 fn = autofuser.fuse(model, tune_budget_s=args.tune_budget, progress=False)
-                            got = fn(x).float()
+                            got = _flat(fn(*xs))
                             torch.cuda.synchronize()
                             first = time.perf_counter() - start
                             err = float((got - expected).norm() / expected.norm())
-                            ms = _ms(fn, x)
+                            ms = _ms(fn, *xs)
                             row[system] = {"ms": ms, "rel_err": err, "first_call_s": first}
                             if system == "autofuser":
                                 report = fn.report()
@@ -198,6 +241,12 @@ def main(argv=None) -> int:
     (out / "matmul.md").write_text(table + "\n")
     print(table)
     return 0
+
+
+def _flat(out):
+    """One fp32 vector of a model's output(s), to compare systems by relative error."""
+    outs = out if isinstance(out, tuple) else (out,)
+    return torch.cat([o.float().flatten() for o in outs])
 
 
 def _line(row, systems):

@@ -302,3 +302,59 @@ def test_conv_kernels_compile_for_sm90_as_a_gpu_writes_them(dtype, tmp_path, mon
             jobs.append(_job(tmp_path, source, [t.dtype for t in program.inputs], [t.dtype for t in program.outputs],
                              config))
     _compile_for_sm90(jobs, tmp_path)
+
+
+class ChainForms(nn.Module):
+    """Row-tiled chains in each step mode: a transformer block's post-attention part
+    (streamed, hidden, accumulated and tail steps) and a softmax between two products
+    (whole steps), side by side in one graph."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.norm1 = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.lin1 = nn.Linear(width, 80)
+        self.lin2 = nn.Linear(80, width)
+
+    def forward(self, x, attn, y):
+        x = x + self.proj(attn)
+        x = x + self.fc2(F.gelu(self.fc1(self.norm1(x))))
+        z = self.norm2(y + self.lin2(torch.softmax(self.lin1(y), dim=-1)))
+        return x, self.qkv(self.norm2(x)), z
+
+
+def test_row_chain_kernels_compile_for_sm90_as_a_gpu_writes_them(tmp_path, monkeypatch):
+    """The chain kernels with their default configs: every step mode, strict fp32
+    (3xTF32), TF32 where torch allows it, bf16 and fp16 operands, widths 96 to 256."""
+    cases = [(96, torch.float32, "highest", 2), (256, torch.bfloat16, "highest", 1),
+             (128, torch.float32, "high", 1), (80, torch.float16, "highest", 1)]
+    jobs = []
+    for width, dtype, precision, kernels in cases:
+        torch.manual_seed(0)
+        model = ChainForms(width).to(dtype).eval()
+        x, attn, y = (torch.randn(2, 37, width, dtype=dtype) for _ in range(3))
+        gm = autofuser.capture(model, x, attn, y)
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(precision)
+        try:
+            with monkeypatch.context() as env:
+                env.setenv("TRITON_INTERPRET", "0")  # bf16 rounds by conversion, as on a GPU
+                plan = plan_fusion_groups(gm, autofuser.load_plugins().registry)
+                kept = [c for c in plan.kept if c.strategy.name == "row_chain"]
+                assert len(kept) == 2, [(c.strategy.name, [n.name for n in c.nodes]) for c in plan.kept]
+                for candidate in kept[:kernels]:
+                    program = candidate.program
+                    source = candidate.strategy.generate(program, plan.view.helpers)
+                    assert "_af_round_bf16" not in source.source
+                    if dtype == torch.float32:
+                        assert ("'tf32'" if precision == "high" else "'tf32x3'") in source.source
+                    config = {**candidate.strategy.default_config(program), **source.constexprs}
+                    jobs.append(_job(tmp_path, source, [t.dtype for t in program.inputs],
+                                     [t.dtype for t in program.outputs], config))
+        finally:
+            torch.set_float32_matmul_precision(before)
+    _compile_for_sm90(jobs, tmp_path)
