@@ -188,7 +188,8 @@ def compose_group(
             out = Value(
                 v.op, v.shape, is_bool=v.is_bool, args=tuple(rebuild(a) for a in v.args), template=v.template,
                 constant=v.constant, reduce_op=v.reduce_op, dims=v.dims, keepdim=v.keepdim,
-                transpose_b=v.transpose_b, column_dims=v.column_dims, dtype=v.dtype,
+                transpose_b=v.transpose_b, column_dims=v.column_dims, fp32_precision=v.fp32_precision,
+                dtype=v.dtype,
             )
         else:
             out = v

@@ -94,6 +94,9 @@ class Value:
     keepdim: bool = True
     transpose_b: bool = False  # dot: b is stored [..., N, K] (a linear layer's weight)
     column_dims: int = 1  # dot: the product's columns span this many trailing dims of b and of the result
+    # dot: how the eager op multiplies fp32 operands, where that is not torch's matmul rule
+    # (``allow_tf32`` / matmul precision): "tf32" for a cuDNN convolution with TF32 allowed.
+    fp32_precision: Optional[str] = None
     dtype: Optional[torch.dtype] = None  # dot: the product's dtype in eager (set when composed)
     packed: Optional[PackedWeight] = None  # load: a quantised weight (see PackedWeight)
     uid: int = field(default_factory=lambda: next(_ids))
@@ -213,7 +216,8 @@ class LoweringContext:
             shape = tuple(s for i, s in enumerate(value.shape) if i not in norm)
         return Value("reduce", shape, args=(value,), reduce_op=op, dims=norm, keepdim=keepdim)
 
-    def matmul(self, a: Any, b: Any, transpose_b: bool = False, column_dims: int = 1) -> Value:
+    def matmul(self, a: Any, b: Any, transpose_b: bool = False, column_dims: int = 1,
+               fp32_precision: Optional[str] = None) -> Value:
         """``a @ b`` (``a @ b.transpose(-2, -1)`` with ``transpose_b``) over the last two dims.
 
         ``column_dims=c`` lets the columns span ``b``'s last ``c`` dims: ``a``
@@ -240,7 +244,7 @@ class LoweringContext:
         except RuntimeError as err:
             self.refuse("shape_mismatch", str(err))
         return Value("dot", batch + (m,) + tuple(columns), args=(a, b), transpose_b=transpose_b,
-                     column_dims=column_dims)
+                     column_dims=column_dims, fp32_precision=fp32_precision)
 
     def read_as(self, arg: Any, shape: Sequence[int]) -> Value:
         """Read tensor ``arg`` (an fx node or a loaded ``Value``) as ``shape``: its own

@@ -161,7 +161,7 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
         layout.operand_dtype = dtype
     elif dtype != torch.float32:
         raise GroupRefused("unsupported_dtype", f"products in {dtype}")
-    layout.precision = fp32_precision()
+    layout.precision = dot.fp32_precision or fp32_precision()
 
     layout.epilogue_reduces = any(v.op == "reduce" and v.uid not in prologue for v in values.values())
     layout.prologue_reduces = any(v.op == "reduce" and v.uid in prologue for v in values.values())

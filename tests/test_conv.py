@@ -17,7 +17,7 @@ from einops import rearrange
 
 import autofuser
 from autofuser_core.group import GroupRefused
-from autofuser_core.planner import PlanningView
+from autofuser_core.planner import PlanningView, plan_fusion_groups
 
 TOLERANCES = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),
@@ -505,3 +505,20 @@ def test_upsampling_modes_not_fused_say_why():
     fused = fuse_and_run(Bicubic(), torch.randn(1, 2, 7, 5))
     entry = next(n for n in fused.report().unfused_nodes if "interpolate" in n.target)
     assert "bicubic" in entry.reason
+
+
+@pytest.mark.parametrize("cudnn_tf32", [True, False])
+def test_1x1_conv_products_multiply_fp32_as_cudnn_does(cudnn_tf32, monkeypatch):
+    """cuDNN runs fp32 convolutions in TF32 when torch.backends.cudnn.allow_tf32 (the
+    default): a 1x1 convolution's product does the same, and is checked at TF32's
+    tolerance, not at fp32's against an eager result that carries TF32 error."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", cudnn_tf32)
+    model = nn.Sequential(nn.Conv2d(12, 20, kernel_size=1), nn.GELU())
+    x = torch.randn(2, 12, 13, 7)
+    gm = autofuser.capture(model, x)
+    plan = plan_fusion_groups(gm, autofuser.load_plugins().registry)
+    (candidate,) = [c for c in plan.kept if "conv.conv2d_module" in c.program.op_names]
+    assert candidate.program.precision == ("tf32" if cudnn_tf32 else "tf32x3")
+    fused = autofuser.fuse(model, progress=False)
+    torch.testing.assert_close(fused(x), model(x), rtol=1e-4, atol=1e-5)
+    assert fused.report().fused

@@ -110,7 +110,7 @@ def test_ddp_trains_like_eager_and_ranks_tune_each_kernel_once(tmp_path: Path):
     expected_losses, expected_weights = eager_reference()
     for rank, result in enumerate(results):
         assert result["compiled"] == 1
-        assert [g["fused"] for g in result["groups"]].count(True) >= 2, result["groups"]
+        assert [g["fused"] for g in result["groups"]].count(True) >= 1, result["groups"]
         torch.testing.assert_close(result["losses"], [losses[rank] for losses in expected_losses],
                                    atol=1e-5, rtol=1e-4)
         for got, expected in zip(result["weights"], expected_weights):

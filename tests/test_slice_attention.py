@@ -117,3 +117,20 @@ def test_zoo_transolver_tiny_fuses_its_slice_attention():
     groups = slice_groups(fused)
     assert len(groups) == len(model.blocks), str(fused.report())
     assert all(g.reason.startswith("form slice") for g in groups)
+
+
+def test_tf32_products_keep_slice_attention_eager_with_reason():
+    """With TF32 allowed the chain's kernels faulted on an H200 (Triton 3.6): the form is
+    refused, says why, and the model still matches eager."""
+    model = make(16, 8, F32)
+    x = torch.randn(1, 37, HEADS * 16, device=DEVICE, dtype=F32)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 allowed
+    try:
+        fused, got, expected = run(model, x)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)  # the other groups may run TF32 products
+    assert not slice_groups(fused)
+    refused = [g for g in fused.report().groups if g.strategy == "slice_attention"]
+    assert refused and refused[0].reason_code == "tf32_unsafe", str(fused.report())

@@ -210,6 +210,12 @@ SLICE_CONFIGS = [
 def slice_accepts(program):
     if not isinstance(program, AttentionProgram) or program.slices is None:
         return ("not_attention", "the group was not composed by the slice attention strategy")
+    if program.slices.precision == "tf32":
+        # Measured on an H200 (Triton 3.6): with plain-TF32 products this chain's kernels
+        # faulted (illegal memory access) while tuning, which leaves the CUDA context
+        # unusable. Strict fp32 (3xTF32) and the other forms' TF32 kernels ran correctly.
+        return ("tf32_unsafe", "with TF32 allowed, the slice attention kernels faulted on a GPU "
+                               "(illegal memory access); it stays eager until that is fixed")
     if program.slices.batch_numel > MAX_GRID_Y:
         return ("batch_too_large", f"{program.slices.batch_numel} batch entries exceed the grid's second axis "
                                    f"({MAX_GRID_Y})")
