@@ -36,8 +36,7 @@ import triton
 import triton.testing
 from einops import rearrange
 
-import autofuser
-from matmul import _ms, precision  # the same timing and precision settings as the matmul benchmark
+from matmul import _ms, build_system, precision  # the same timing and precision settings as the matmul benchmark
 
 N = 221 * 51
 BATCH = 4
@@ -160,13 +159,7 @@ def main(argv=None) -> int:
                     for system in systems:
                         try:
                             start = time.perf_counter()
-                            if system == "eager":
-                                fn = model
-                            elif system == "compile":
-                                torch._dynamo.reset()
-                                fn = torch.compile(model)
-                            else:
-                                fn = autofuser.fuse(model, tune_budget_s=args.tune_budget, progress=False)
+                            fn = build_system(system, model, args.tune_budget)
                             got = fn(*inputs).float()
                             torch.cuda.synchronize()
                             first = time.perf_counter() - start

@@ -34,10 +34,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 import triton
 
-import autofuser
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from matmul import _line, _ms  # noqa: E402  (shared timing and table row)
+from matmul import _line, _ms, build_system  # noqa: E402  (shared timing, systems and table row)
 
 BATCH, H, W = 20, 221, 51
 
@@ -142,13 +141,7 @@ def main(argv=None) -> int:
                 for system in systems:
                     try:
                         start = time.perf_counter()
-                        if system == "eager":
-                            fn = model
-                        elif system == "compile":
-                            torch._dynamo.reset()
-                            fn = torch.compile(model)
-                        else:
-                            fn = autofuser.fuse(model, tune_budget_s=args.tune_budget, progress=False)
+                        fn = build_system(system, model, args.tune_budget)
                         got = fn(*inputs).float()
                         torch.cuda.synchronize()
                         first = time.perf_counter() - start

@@ -194,16 +194,7 @@ def main(argv=None) -> int:
                     for system in systems:
                         try:
                             start = time.perf_counter()
-                            if system == "eager":
-                                fn = model
-                            elif system == "compile":
-                                torch._dynamo.reset()
-                                fn = torch.compile(model)
-                            elif system == "compile-max":
-                                torch._dynamo.reset()
-                                fn = torch.compile(model, mode="max-autotune-no-cudagraphs")
-                            else:
-                                fn = autofuser.fuse(model, tune_budget_s=args.tune_budget, progress=False)
+                            fn = build_system(system, model, args.tune_budget)
                             got = _flat(fn(*xs))
                             torch.cuda.synchronize()
                             first = time.perf_counter() - start
@@ -247,6 +238,17 @@ def _flat(out):
     """One fp32 vector of a model's output(s), to compare systems by relative error."""
     outs = out if isinstance(out, tuple) else (out,)
     return torch.cat([o.float().flatten() for o in outs])
+
+
+def build_system(system: str, model, tune_budget: float):
+    """The callable a benchmark times for ``system``: eager, torch.compile (default or
+    max-autotune-no-cudagraphs) or AutoFuser."""
+    if system == "eager":
+        return model
+    if system in ("compile", "compile-max"):
+        torch._dynamo.reset()
+        return torch.compile(model, mode="max-autotune-no-cudagraphs" if system == "compile-max" else None)
+    return autofuser.fuse(model, tune_budget_s=tune_budget, progress=False)
 
 
 def _line(row, systems):
