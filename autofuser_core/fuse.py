@@ -2,7 +2,7 @@
 
 ``FusedModule`` compiles lazily: the first forward with a new *signature*
 (input shapes, dtypes, devices and strides; grad mode; autocast state; the
-train/eval flags of every submodule; torch's fp32 matmul precision) captures the model on those inputs,
+train/eval flags of every submodule; torch's fp32 matmul and cuDNN TF32 settings) captures the model on those inputs,
 plans, generates, tunes, verifies and rewrites it, and keeps the result. Later
 forwards with the same signature reuse it. Up to ``max_signatures`` compiled
 versions are kept; past that, new signatures run the original model, with one
@@ -196,7 +196,9 @@ class FusedModule(torch.nn.Module):
         )
         modes = tuple(m.training for m in self._all_modules)
         # fp32 products compile to TF32 or full fp32 by torch's setting at the time.
-        precision = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+        # How eager multiplies fp32: kernels are written to match it (cuDNN's flag for convolutions).
+        precision = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
+                     torch.backends.cudnn.allow_tf32)
         return (describe(args), describe(kwargs), torch.is_grad_enabled(), autocast, modes, precision)
 
     # -- forward ----------------------------------------------------------------

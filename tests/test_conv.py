@@ -522,3 +522,16 @@ def test_1x1_conv_products_multiply_fp32_as_cudnn_does(cudnn_tf32, monkeypatch):
     fused = autofuser.fuse(model, progress=False)
     torch.testing.assert_close(fused(x), model(x), rtol=1e-4, atol=1e-5)
     assert fused.report().fused
+
+
+def test_changing_cudnn_tf32_compiles_again(monkeypatch):
+    """A kernel written for cuDNN's TF32 must not keep running once the flag is off."""
+    model = nn.Sequential(nn.Conv2d(4, 8, kernel_size=1), nn.ReLU())
+    x = torch.randn(2, 4, 9, 5)
+    fused = autofuser.fuse(model, progress=False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    fused(x)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    torch.testing.assert_close(fused(x), model(x), rtol=1e-5, atol=1e-6)
+    assert len(fused.reports()) == 2
+    assert fused.reports()[1].groups and all(g.reason_code != "mismatch" for g in fused.reports()[1].groups)
