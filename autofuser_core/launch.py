@@ -109,8 +109,13 @@ class RecomputeForBackward(torch.autograd.Function):
             inputs = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
         params = {path: inputs[k] for k, path in ctx.fused.attr_inputs.items()}
         with torch.enable_grad(), contextlib.ExitStack() as autocast:
-            for device, dtype in ctx.autocast:
-                autocast.enter_context(torch.autocast(device, dtype=dtype))
+            # Exactly the forward's autocast state, whatever is in force around backward().
+            forward_state = dict(ctx.autocast)
+            for device in ("cpu", "cuda"):
+                if device in forward_state:
+                    autocast.enter_context(torch.autocast(device, dtype=forward_state[device]))
+                else:
+                    autocast.enter_context(torch.autocast(device, enabled=False))
             outputs = torch.func.functional_call(ctx.fused.eager, params, tuple(inputs))
         if not isinstance(outputs, (tuple, list)):
             outputs = (outputs,)

@@ -290,3 +290,20 @@ def test_backward_under_autocast_matches_eager():
     assert fused.report().fused
     for got, expected in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got.grad, expected.grad, **BF16)
+
+
+def test_backward_called_inside_autocast_recomputes_as_the_forward_ran():
+    """A forward in fp32 whose backward() is called inside an autocast region: the
+    recomputation must not pick up that autocast (eager's backward doesn't)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+    reference = copy.deepcopy(model)
+    fused = autofuser.fuse(model, progress=False)
+    x = torch.randn(8, 32)
+    for module in (reference, fused):
+        out = module(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out.square().sum().backward()
+    assert fused.report().fused
+    for got, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-4, atol=1e-5)
