@@ -2,37 +2,48 @@
 
 Tuning times every valid config of every new kernel, and on a GPU most of a
 cold compile is Triton compiling those configs one after another. Compiling
-is independent of timing: a pool of worker processes compiles every
-(kernel, config) pair up front through Triton's own ``warmup`` entry point,
-which stores the binaries in Triton's on-disk cache under the key a real
-launch computes; the timing loop then finds each binary there instead of
-compiling it.
+is independent of timing: worker processes compile every (kernel, config)
+pair up front through Triton's own ``warmup`` entry point, which stores the
+binaries in Triton's on-disk cache under the key a real launch computes; the
+timing loop then finds each binary there instead of compiling it.
 
 Only tensors of the kernel's dtypes are described to the workers (generated
 kernels take tensors and compile-time constants only), as 16-byte-aligned
 pointers, which is what freshly allocated tensors are. A launch whose tensor
 is not so aligned just compiles its own variant, as it would have anyway.
 
-Worker processes are spawned (not forked: a forked child can't use CUDA),
-started once and reused; a failure in a worker (a config the compiler
-refuses) only means that config is compiled - and refused - at launch.
+The workers are plain subprocesses running this module (``python -m
+autofuser_core.precompile``), never ``multiprocessing`` children: those
+re-import the user's main script, which without an ``if __name__ ==
+"__main__":`` guard would run the user's whole program again in every worker.
+Each worker is started when a compile begins (it imports torch and Triton
+while the graph is planned, without touching the GPU), takes one list of
+tasks on stdin, answers with how many compiled, and exits; workers a warm
+cache leaves without work are stopped. A worker that fails or hangs costs speed, never
+correctness: a config it did not compile is compiled when it is timed.
 """
 
 from __future__ import annotations
 
 import atexit
-import concurrent.futures as cf
+import json
 import logging
-import multiprocessing
 import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional
-
-import torch
+from typing import Any
 
 logger = logging.getLogger("autofuser")
 
-_POOL: Optional[cf.ProcessPoolExecutor] = None
+#: Seconds a compile waits for its workers before giving up on them.
+WAIT_S = 900
+
+_workers: list[subprocess.Popen] = []
+#: Tasks the workers of the last ``precompile`` call answered for (compiled or refused).
+last_answered = 0
 
 
 @dataclass(frozen=True)
@@ -40,104 +51,168 @@ class CompileJob:
     """One kernel file and the launches to compile it for."""
 
     path: str  # the kernel's source file (Triton reads the source from it)
-    name: str  # the @triton.jit function in it
+    name: str  # the @triton.jit function (or chain launcher) in it
     dtypes: tuple[str, ...]  # one per tensor argument, in call order ("float32", ...)
     launches: tuple[tuple[tuple[str, Any], ...], ...]  # constexprs, num_warps, num_stages per config
 
 
 def workers() -> int:
-    """Worker processes: ``AUTOFUSER_COMPILE_WORKERS``, else one per core up to 16; 0 turns it off."""
+    """Worker processes: ``AUTOFUSER_COMPILE_WORKERS``, else the cores this process may
+    use, shared among the ranks on this machine (``LOCAL_WORLD_SIZE``), at most 16;
+    0 turns parallel compilation off."""
     configured = os.environ.get("AUTOFUSER_COMPILE_WORKERS")
     if configured is not None:
         try:
             return max(0, int(configured))
         except ValueError:
-            logger.warning("AUTOFUSER_COMPILE_WORKERS=%r is not an integer; compiling in parallel with the default",
-                           configured)
-    return min(16, os.cpu_count() or 1)
+            logger.warning("AUTOFUSER_COMPILE_WORKERS=%r is not an integer; using the default", configured)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return max(1, min(16, cores // ranks))
 
 
-def _pool(size: int) -> cf.ProcessPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        _POOL = cf.ProcessPoolExecutor(max_workers=size, mp_context=multiprocessing.get_context("spawn"))
-        atexit.register(_POOL.shutdown, wait=False, cancel_futures=True)
-    return _POOL
-
-
-def _ready() -> None:
-    """Runs in a worker: pay the imports and the driver start-up before there is work."""
-    import triton
-
-    triton.runtime.driver.active.get_current_target()
+def _enabled() -> bool:
+    return workers() > 0 and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def start_workers() -> None:
-    """Start the pool in the background (its processes import torch and Triton for
-    seconds), so it is ready by the time the first kernels are generated."""
-    size = workers()
-    if size == 0 or os.environ.get("TRITON_INTERPRET") == "1":
+    """Start the workers in the background, so their imports overlap planning."""
+    if not _enabled() or _workers:
         return
+    import autofuser_core
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(autofuser_core.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     try:
-        pool = _pool(size)
-        for _ in range(size):
-            pool.submit(_ready)
-    except Exception as err:
-        logger.warning("could not start compile workers (%s: %s)", type(err).__name__, err)
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            env["AUTOFUSER_COMPILE_DEVICE"] = str(torch.cuda.current_device())  # this rank's GPU, not GPU 0
+    except Exception:
+        pass
+    try:
+        for _ in range(workers()):
+            _workers.append(subprocess.Popen(
+                [sys.executable, "-m", "autofuser_core.precompile"], env=env, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+    except OSError as err:
+        logger.warning("could not start compile workers (%s); configs compile one by one when timed", err)
         shutdown()
-
-
-def _compile_in_worker(job: CompileJob) -> int:
-    """Runs in a worker: import the kernel file, warm up every launch; returns how many compiled."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"autofuser_kernels.{job.name}", job.path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    kernel = getattr(module, job.name)
-    args = [getattr(torch, d) for d in job.dtypes]
-    done = 0
-    for launch in job.launches:
-        try:
-            kernel.warmup(*args, grid=(1,), **dict(launch))
-            done += 1
-        except Exception:  # refused configs are refused again, with the error, when launched
-            pass
-    return done
 
 
 def precompile(jobs: list[CompileJob], progress) -> int:
-    """Compile every job's launches on the worker pool; returns the number compiled.
+    """Compile every job's launches on the workers; returns the number compiled.
 
-    Blocks until all are done. Returns 0 without doing anything where parallel
-    compilation is off (``AUTOFUSER_COMPILE_WORKERS=0``), under Triton's
-    interpreter, or when the pool can't start.
+    Blocks until the workers answer (at most ``WAIT_S``). Returns 0 without doing
+    anything where parallel compilation is off (``AUTOFUSER_COMPILE_WORKERS=0``) or
+    under Triton's interpreter.
     """
-    size = workers()
-    total = sum(len(j.launches) for j in jobs)
-    if size == 0 or total == 0 or os.environ.get("TRITON_INTERPRET") == "1":
+    tasks = [{"path": j.path, "name": j.name, "dtypes": list(j.dtypes), "launch": dict(launch)}
+             for j in jobs for launch in j.launches]
+    if not _enabled():
         return 0
-    progress(f"compiling {total} config(s) of {len(jobs)} kernel(s) on {size} worker process(es)")
-    # One task per config, not per kernel: a kernel with 20 configs would otherwise
-    # keep one worker busy while the others wait.
-    tasks = [CompileJob(j.path, j.name, j.dtypes, (launch,)) for j in jobs for launch in j.launches]
-    try:
-        futures = [_pool(size).submit(_compile_in_worker, task) for task in tasks]
-        return sum(f.result() for f in cf.as_completed(futures))
-    except Exception as err:  # a broken pool costs speed, never correctness
-        logger.warning("parallel compilation failed (%s: %s); configs compile one by one when timed",
-                       type(err).__name__, err)
-        shutdown()
+    if not tasks:
+        shutdown()  # started for nothing: every kernel was tuned already
         return 0
+    start_workers()
+    pool = list(_workers)
+    _workers.clear()  # one list of tasks per worker: the next compile starts fresh ones
+    if not pool:
+        return 0
+    progress(f"compiling {len(tasks)} config(s) of {len(jobs)} kernel(s) on {len(pool)} worker process(es)")
+    shares = [tasks[k::len(pool)] for k in range(len(pool))]  # one config per task, spread round robin
+    deadline = time.monotonic() + WAIT_S
+
+    def ask(proc: subprocess.Popen, share: list) -> tuple[int, int]:
+        try:
+            out, _ = proc.communicate(json.dumps(share) + "\n", timeout=max(1.0, deadline - time.monotonic()))
+            answer = json.loads(out.strip().splitlines()[-1])
+            return int(answer["compiled"]), int(answer["tried"])
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            logger.warning("a compile worker did not answer within %d s; its configs compile when timed", WAIT_S)
+        except (ValueError, KeyError, IndexError, OSError):
+            logger.debug("a compile worker exited without an answer (code %s)", proc.returncode)
+        return 0, 0
+
+    global last_answered
+    with ThreadPoolExecutor(max_workers=len(pool)) as waiters:  # each worker fed and read at once
+        answers = list(waiters.map(ask, pool, shares))
+    last_answered = sum(tried for _, tried in answers)
+    compiled = sum(done for done, _ in answers)
+    return compiled
 
 
 def shutdown() -> None:
-    global _POOL
-    if _POOL is not None:
-        _POOL.shutdown(wait=False, cancel_futures=True)
-        _POOL = None
+    """Stop every worker not yet handed its tasks."""
+    while _workers:
+        proc = _workers.pop()
+        proc.kill()
+        try:
+            proc.communicate(timeout=5)
+        except Exception:
+            pass
+
+
+atexit.register(shutdown)
 
 
 def launch_items(config: dict, constexprs: dict) -> tuple[tuple[str, Any], ...]:
     """A launch's keyword arguments as the tuning loop passes them, hashable."""
     return tuple(sorted({**config, **constexprs}.items()))
+
+
+def _compile_tasks(tasks: list[dict]) -> int:
+    """In a worker: import each kernel file and warm up its launches; returns how many compiled."""
+    import importlib.util
+
+    import torch
+
+    modules: dict[str, Any] = {}
+    done = 0
+    for task in tasks:
+        try:
+            if task["path"] not in modules:
+                spec = importlib.util.spec_from_file_location(f"autofuser_kernels.{task['name']}", task["path"])
+                module = importlib.util.module_from_spec(spec)
+                with open(task["path"]) as handle:  # the text itself, never a cached .pyc beside it
+                    exec(compile(handle.read(), task["path"], "exec"), module.__dict__)
+                modules[task["path"]] = module
+            kernel = getattr(modules[task["path"]], task["name"])
+            kernel.warmup(*[getattr(torch, d) for d in task["dtypes"]], grid=(1,), **task["launch"])
+            done += 1
+        except Exception:  # refused configs are refused again, with the error, when timed
+            pass
+    return done
+
+
+def _worker_main() -> None:
+    compiled, tasks = 0, []
+    try:
+        import torch  # noqa: F401  (imports while waiting: the slow part of a worker's start)
+        import triton  # noqa: F401
+    except Exception:
+        pass
+    line = sys.stdin.readline()
+    try:
+        tasks = json.loads(line) if line.strip() else []
+        if tasks:
+            # Only now touch the GPU: a worker killed unused never holds a CUDA context.
+            device = os.environ.get("AUTOFUSER_COMPILE_DEVICE")
+            if device is not None:
+                torch.cuda.set_device(int(device))
+        compiled = _compile_tasks(tasks)
+    finally:
+        print(json.dumps({"compiled": compiled, "tried": len(tasks)}), flush=True)
+
+
+if __name__ == "__main__":
+    _worker_main()
