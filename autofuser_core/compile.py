@@ -435,9 +435,13 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
 
 def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, progress, report,
                   backward: bool = False) -> list[_Job]:
-    """Generate, load, tune and check every kept group of ``plan`` in one recording pass."""
+    """Generate, load, tune and check every kept group of ``plan`` in one recording pass.
+
+    Returns every job, those whose code could not be generated included (not fused),
+    so a group that failed either way is re-planned."""
     view = plan.view
     jobs: list[_Job] = []
+    not_generated: list[_Job] = []
     step = time.perf_counter()
     for candidate in plan.kept:
         program: GroupProgram = candidate.program
@@ -452,6 +456,7 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
         except Exception as err:
             _refuse_job(job, "codegen_failed", err)
             report.groups.append(job.entry)
+            not_generated.append(job)
             continue
         jobs.append(job)
 
@@ -520,7 +525,7 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
             job.entry.reason = (f"{job.overwritten_by} later writes into one of its inputs, which its backward "
                                 "would recompute from; kept eager while gradients are on")
         report.groups.append(job.entry)
-    return jobs
+    return jobs + not_generated
 
 
 

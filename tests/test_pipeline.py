@@ -649,3 +649,29 @@ def test_a_product_with_one_row_fuses(out_features):
         fused = autofuser.fuse(model, progress=False)
         torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
     assert [g.strategy for g in fused.report().fused] == ["linear_epilogue"], str(fused.report())
+
+
+def test_a_group_whose_code_cannot_be_generated_is_replanned(monkeypatch):
+    """A failure to generate or load a kernel leaves that group eager and, like a failed
+    check, sends its nodes to the next planning round, where smaller groups fuse."""
+    import autofuser_core.compile as compile_module
+
+    real_load = compile_module.load_kernel_module
+
+    def no_mlp_kernels(name, source, root):
+        if name.startswith("af_mlp"):
+            raise RuntimeError("the compiler refused this kernel")
+        return real_load(name, source, root)
+
+    monkeypatch.setattr(compile_module, "load_kernel_module", no_mlp_kernels)
+    torch.manual_seed(8)
+    model = _FeedForward().eval()
+    x = torch.randn(3, 19, 24)
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False)
+        torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
+    report = fused.report()
+    mlp = [g for g in report.groups if g.strategy == "mlp"]
+    assert mlp and not mlp[0].fused and mlp[0].reason_code == "codegen_failed"
+    covered = {n for g in report.fused for n in g.nodes}
+    assert {"fc1", "fc2"} <= covered, str(report)
