@@ -91,6 +91,7 @@ class _Job:
     fused: Optional[FusedKernel] = None
     kernel_path: str = ""
     storages: dict = field(default_factory=dict)  # data_ptr -> storage of each input, while tracking writes
+    watched: list = field(default_factory=list)  # its input tensors, for opaque parts' writes (version counters)
     overwritten_by: Optional[str] = None  # a later in-place op that writes into one of its inputs
 
 
@@ -115,11 +116,14 @@ class _Verifier(torch.fx.Interpreter):
         super().__init__(gm)
         self.check = check
         self.writers = {}
+        self.opaque = {}  # untraceable or hooked parts: whatever they write shows in version counters
         if track_writes:
             for n in gm.graph.nodes:
                 reason = barrier_reason(n, gm)
                 if reason is not None and reason[0] == "mutation":
                     self.writers[n] = reason[1]
+                elif reason is not None and reason[0] == "opaque":
+                    self.opaque[n] = reason[1]
         self.jobs = jobs
         self.first_of: dict[torch.fx.Node, list[_Job]] = {}
         self.input_of: dict[torch.fx.Node, list[_Job]] = {}
@@ -151,7 +155,12 @@ class _Verifier(torch.fx.Interpreter):
                 for job in self.jobs:
                     if job.started and job.overwritten_by is None and ptr in job.storages:
                         job.overwritten_by = f"{n.name} ({self.writers[n]})"
+        watched = [(job, t, t._version) for job in self.jobs if job.started and job.overwritten_by is None
+                   for t in job.watched] if n in self.opaque else []
         result = super().run_node(n)
+        for job, tensor, version in watched:
+            if tensor._version != version and job.overwritten_by is None:
+                job.overwritten_by = f"{n.name} (an opaque part that wrote in place)"
         for job in self.input_of.get(n, ()):
             if job.started and n not in job.inputs:
                 job.inputs[n] = _snapshot(result)
@@ -165,9 +174,10 @@ class _Verifier(torch.fx.Interpreter):
 
     def _remember_storage(self, job: _Job, value: Any) -> None:
         # The storage object itself is kept, so its address can't be reused by another tensor.
-        if self.writers and isinstance(value, torch.Tensor):
+        if (self.writers or self.opaque) and isinstance(value, torch.Tensor):
             storage = value.untyped_storage()
             job.storages[storage.data_ptr()] = storage
+            job.watched.append(value)
 
 
 def _written_tensors(node: torch.fx.Node, args: tuple, kwargs: dict, root: torch.nn.Module) -> list[torch.Tensor]:
@@ -517,7 +527,7 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
     report.add_phase("verify", time.perf_counter() - step - tuning)
     report.add_phase("tune", tuning)
     for job in jobs:
-        job.storages = {}
+        job.storages, job.watched = {}, []
         if job.fused is None and job.entry.fused:
             _refuse_job(job, "not_verified", RuntimeError("the group's outputs were never produced"))
         if job.overwritten_by is not None and job.entry.fused:

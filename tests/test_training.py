@@ -307,3 +307,38 @@ def test_backward_called_inside_autocast_recomputes_as_the_forward_ran():
     assert fused.report().fused
     for got, expected in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got.grad, expected.grad, rtol=1e-4, atol=1e-5)
+
+
+class _DoublesInPlace(nn.Module):
+    def forward(self, h):
+        if h.sum() > -1e30:  # value-dependent: this module stays opaque
+            h.mul_(2)
+        return h
+
+
+class _OpaqueWriter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.doubler = _DoublesInPlace()
+
+    def forward(self, x):
+        h = torch.cumsum(self.lin(x), -1)  # cumsum: no lowering, so h is a group's input
+        y = torch.tanh(h) * 3 + h  # a fused group reading h, which its backward would recompute from
+        self.doubler(h)  # an opaque part writes into h afterwards
+        return y + h
+
+
+def test_an_opaque_part_writing_into_a_groups_input_keeps_that_group_eager_in_training():
+    torch.manual_seed(3)
+    model = _OpaqueWriter()
+    reference = copy.deepcopy(model)
+    fused = autofuser.fuse(model, progress=False)
+    x = torch.randn(5, 16)
+    for module in (reference, fused):
+        module(x).square().mean().backward()
+    for got, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-5, atol=1e-6)
+    report = fused.report()
+    assert "doubler" in report.opaque, str(report)
+    assert any(g.reason_code == "overwritten_before_backward" for g in report.groups), str(report)
