@@ -245,3 +245,26 @@ def test_spectral_kernels_compile_for_sm90(tmp_path):
         jobs += [_job(tmp_path, k.source, k.input_dtypes, [dtype for _, _, dtype in k.output_layout], k.launch_args)
                  for k in kernels]
     _compile_for_sm90(jobs, tmp_path)
+
+
+@pytest.mark.parametrize("sample", range(3))
+def test_an_infinite_mode_stays_infinite_as_in_eager(sample):
+    """Each mode is multiplied by its own region's weight only: another region's (zero)
+    weight times an infinite mode would make NaN where eager has an infinity."""
+    spec = autofuser.load_plugins(["fft"]).registry.lowerings["fft.spectral_mix"]
+    case = spec.samples(torch.float32)[sample]
+    spectrum = case.args[0].clone()
+    spectrum[(0,) * spectrum.dim()] = float("inf")  # the real part of mode (0, ...), in the first region
+    args = (spectrum, *case.args[1:])
+
+    class Call(torch.nn.Module):
+        def forward(self, *tensors):
+            return spectral_mix(*tensors, **case.kwargs)
+
+    fused = autofuser.fuse(Call(), plugins=["fft"], progress=False)
+    with torch.no_grad():
+        expected = spectral_mix(*args, **case.kwargs)
+        got = fused(*args)
+    assert torch.isinf(expected).any(), case.note
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert [g.fused for g in _spectral_groups(fused.report())] == [True], (case.note, str(fused.report()))

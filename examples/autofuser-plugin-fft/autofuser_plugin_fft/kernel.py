@@ -205,12 +205,16 @@ def write_spectral_kernel(program: SpectralProgram) -> KernelSource:
     emit(f"    x_ptr = in{program.spectrum_input} + x_off + {_term('i', xs[1])}")
     emit("    xr = tl.load(x_ptr, mask=read, other=0.0)[None, :]")
     emit(f"    xi = tl.load(x_ptr + {xs[-1]}, mask=read, other=0.0)[None, :]")
+    # Each mode takes the weight of the one region that owns it, then one complex product:
+    # adding every region's (masked, zero) product would turn an infinite x into NaN.
+    emit("    wr = tl.zeros((BLOCK_O, BLOCK_P), dtype=tl.float32)")
+    emit("    wi = tl.zeros((BLOCK_O, BLOCK_P), dtype=tl.float32)")
     for r, (name, ws) in enumerate(weight_offsets):
         emit(f"    w_ptr = {name} + {_term('i', ws[0])} + w{r}_off")
-        emit(f"    wr = tl.load(w_ptr, mask=w{r}_mask, other=0.0)")
-        emit(f"    wi = tl.load(w_ptr + {ws[-1]}, mask=w{r}_mask, other=0.0)")
-        emit("    acc_re += xr * wr - xi * wi")
-        emit("    acc_im += xr * wi + xi * wr")
+        emit(f"    wr = tl.where(w{r}_mask, tl.load(w_ptr, mask=w{r}_mask, other=0.0), wr)")
+        emit(f"    wi = tl.where(w{r}_mask, tl.load(w_ptr + {ws[-1]}, mask=w{r}_mask, other=0.0), wi)")
+    emit("    acc_re += xr * wr - xi * wi")
+    emit("    acc_im += xr * wi + xi * wr")
     os_ = out.stride
     emit("out_off = " + " + ".join([_term("b", os_[0]), _term("o[:, None]", os_[1])]
                                    + [_term(f"c{d}[None, :]", os_[2 + d]) for d in range(len(spatial))]))
