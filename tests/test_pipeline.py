@@ -587,6 +587,18 @@ class _FeedForward(torch.nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
 
 
+def _fused_feedforward(seed: int):
+    """Fuse and run ``_FeedForward`` (checked against eager); its report and MLP groups."""
+    torch.manual_seed(seed)
+    model = _FeedForward().eval()
+    x = torch.randn(3, 19, 24)
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False)
+        torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
+    report = fused.report()
+    return report, [g for g in report.groups if g.strategy == "mlp"]
+
+
 def test_an_mlp_that_fails_verification_is_replanned_one_product_per_group(monkeypatch):
     import autofuser_core.compile as compile_module
     from autofuser_core.matmul_layout import MlpLayout
@@ -600,14 +612,7 @@ def test_an_mlp_that_fails_verification_is_replanned_one_product_per_group(monke
         return real_tolerance(candidate, view)
 
     monkeypatch.setattr(compile_module, "_tolerance", impossible_for_mlps)
-    torch.manual_seed(7)
-    model = _FeedForward().eval()
-    x = torch.randn(3, 19, 24)
-    with torch.no_grad():
-        fused = autofuser.fuse(model, progress=False)
-        torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
-    report = fused.report()
-    mlp = [g for g in report.groups if g.strategy == "mlp"]
+    report, mlp = _fused_feedforward(seed=7)
     assert mlp and not mlp[0].fused and mlp[0].reason_code == "mismatch"
     strategies = sorted(g.strategy for g in report.fused)
     assert strategies == ["layernorm_linear", "linear_epilogue"], str(report)
@@ -664,14 +669,7 @@ def test_a_group_whose_code_cannot_be_generated_is_replanned(monkeypatch):
         return real_load(name, source, root)
 
     monkeypatch.setattr(compile_module, "load_kernel_module", no_mlp_kernels)
-    torch.manual_seed(8)
-    model = _FeedForward().eval()
-    x = torch.randn(3, 19, 24)
-    with torch.no_grad():
-        fused = autofuser.fuse(model, progress=False)
-        torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
-    report = fused.report()
-    mlp = [g for g in report.groups if g.strategy == "mlp"]
+    report, mlp = _fused_feedforward(seed=8)
     assert mlp and not mlp[0].fused and mlp[0].reason_code == "codegen_failed"
     covered = {n for g in report.fused for n in g.nodes}
     assert {"fc1", "fc2"} <= covered, str(report)
