@@ -87,8 +87,10 @@ def quantize_model(model: torch.nn.Module, options: QuantizeOptions,
                 and any(fnmatch.fnmatchcase(name or "<model>", p) for p in options.include)
                 and not any(fnmatch.fnmatchcase(name or "<model>", p) for p in options.exclude)):
             selected[name] = module
-    # A full copy, except the float weights about to be replaced: those are only read.
-    copied = copy.deepcopy(model, {id(module.weight): module.weight for module in selected.values()})
+    # A full copy, except the float weights about to be replaced: those are only read. A
+    # weight another (unselected) module also holds - tied weights - is copied too.
+    kept = {id(p) for name, m in model.named_modules() if name not in selected for p in m.parameters(recurse=False)}
+    copied = copy.deepcopy(model, {id(m.weight): m.weight for m in selected.values() if id(m.weight) not in kept})
     layers: list[QuantizedLayer] = []
     for name in selected:
         module = copied.get_submodule(name) if name else copied

@@ -332,3 +332,29 @@ def test_benchmark_script_smoke_run(tmp_path):
         assert quantised["weight_bytes"] < row["eager"]["weight_bytes"]
         assert 0 < quantised["rel_err_vs_fp32"] < 2e-2
     assert (tmp_path / "mxint8.md").read_text().count("\n| ") == 5
+
+
+def test_a_weight_tied_to_a_layer_left_in_float_is_copied_not_shared():
+    """The quantised model shares no tensor with the caller's, tied weights included:
+    a later change to the caller's weight must not reach half of the fused model."""
+    from autofuser_core.quantize import QuantizeOptions, quantize_model
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(64, 40, bias=False)
+            self.mirror = nn.Linear(64, 40, bias=False)
+            self.mirror.weight = self.head.weight  # tied; only the head is selected
+
+        def forward(self, x):
+            return self.head(x) + self.mirror(x)
+
+    model = Tied()
+    registry = autofuser.load_plugins().registry
+    copied, layers = quantize_model(model, QuantizeOptions(format="mxint8", include=["head"], min_numel=1), registry)
+    assert [layer.name for layer in layers] == ["head"]
+    assert copied.mirror.weight is not model.head.weight
+    torch.testing.assert_close(copied.mirror.weight, model.head.weight)
+    with torch.no_grad():
+        model.head.weight.add_(1.0)
+    assert not torch.equal(copied.mirror.weight, model.head.weight)
