@@ -36,7 +36,7 @@ import triton
 import triton.testing
 from einops import rearrange
 
-from matmul import _ms, build_system, precision  # the same timing and precision settings as the matmul benchmark
+from matmul import _cells, _flat, _ms, measure, precision  # the matmul benchmark's timing, checks and cells
 
 N = 221 * 51
 BATCH = 4
@@ -155,27 +155,12 @@ def main(argv=None) -> int:
                     rows.append(row)
                     continue
                 with precision(mode), torch.no_grad():
-                    expected = model(*inputs).float()
+                    expected = _flat(model(*inputs))
                     for system in systems:
-                        try:
-                            start = time.perf_counter()
-                            fn = build_system(system, model, args.tune_budget)
-                            got = fn(*inputs).float()
-                            torch.cuda.synchronize()
-                            first = time.perf_counter() - start
-                            err = float((got - expected).norm() / expected.norm())
-                            row[system] = {"rel_err": err, "first_call_s": first, "checked": err <= CHECK[mode]}
-                            row[system]["ms"] = _ms(fn, *inputs)
-                            if system == "autofuser":
-                                report = fn.report()
-                                row[system]["groups"] = [
-                                    {"strategy": g.strategy, "ops": g.ops, "fused": g.fused, "reason": g.reason_code,
-                                     "summary": g.reason, "config": g.config, "eager_ms": g.time_eager_ms,
-                                     "fused_ms": g.time_fused_ms}
-                                    for g in report.groups if "attention" in g.strategy
-                                ]
-                        except Exception as err:  # a failing system is a row, not a crash
-                            row[system] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+                        row[system] = measure(system, model, inputs, expected, args.tune_budget,
+                                              keep=lambda g: "attention" in g.strategy)
+                        if "rel_err" in row[system]:
+                            row[system]["checked"] = row[system]["rel_err"] <= CHECK[mode]
                 rows.append(row)
                 print(_line(row, systems) + f"  [{time.perf_counter() - started:.0f} s]", file=sys.stderr, flush=True)
                 (out / "attention.partial.json").write_text(json.dumps(rows, indent=1))
@@ -204,15 +189,7 @@ def main(argv=None) -> int:
 
 
 def _line(row, systems):
-    cells = []
-    eager = row.get("eager", {}).get("ms")
-    for s in systems:
-        r = row.get(s, {})
-        if "ms" in r:
-            speed = f" ({eager / r['ms']:.2f}x)" if eager else ""
-            cells.append(f"{r['ms']:.3f}{speed}{'' if r['checked'] else ' !'}")
-        else:
-            cells.append(r.get("error", "-")[:60])
+    cells = _cells(row, systems)
     groups = row.get("autofuser", {}).get("groups", [])
     group = next((g for g in groups if g["fused"]), groups[0] if groups else None)
     what = "-" if group is None else (group["summary"].split(":")[0] if group["fused"] else

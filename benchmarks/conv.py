@@ -26,7 +26,6 @@ import contextlib
 import datetime
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,7 +35,7 @@ import triton
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from matmul import _line, _ms, build_system  # noqa: E402  (shared timing, systems and table row)
+from matmul import _flat, _line, _ms, measure  # noqa: E402  (shared timing, checks and table row)
 
 BATCH, H, W = 20, 221, 51
 
@@ -137,25 +136,11 @@ def main(argv=None) -> int:
             moved = fp32_bytes // (2 if mode == "bf16" else 1)
             row = {"case": case, "width": width, "mode": mode, "floor_ms": 1e3 * moved / bandwidth}
             with precision(mode), torch.no_grad():
-                expected = model(*inputs).float()
+                expected = _flat(model(*inputs))
                 for system in systems:
-                    try:
-                        start = time.perf_counter()
-                        fn = build_system(system, model, args.tune_budget)
-                        got = fn(*inputs).float()
-                        torch.cuda.synchronize()
-                        first = time.perf_counter() - start
-                        err = float((got - expected).norm() / expected.norm())
-                        row[system] = {"ms": _ms(fn, *inputs), "rel_err": err, "first_call_s": first}
-                        if system == "autofuser":
-                            report = fn.report()
-                            row["kept"] = ", ".join(g.strategy for g in report.fused) or "eager"
-                            row[system]["groups"] = [
-                                {"strategy": g.strategy, "ops": g.ops, "fused": g.fused, "reason": g.reason_code,
-                                 "config": g.config, "eager_ms": g.time_eager_ms, "fused_ms": g.time_fused_ms}
-                                for g in report.groups]
-                    except Exception as err:  # a failing system is a row, not a crash
-                        row[system] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+                    row[system] = measure(system, model, inputs, expected, args.tune_budget)
+                    if system == "autofuser" and "groups" in row[system]:
+                        row["kept"] = ", ".join(g["strategy"] for g in row[system]["groups"] if g["fused"]) or "eager"
             rows.append(row)
             print(f"{_line(row, systems)} kept: {row.get('kept', '-')}", file=sys.stderr, flush=True)
             (out / "conv.partial.json").write_text(json.dumps(rows, indent=1))

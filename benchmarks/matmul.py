@@ -192,24 +192,7 @@ def main(argv=None) -> int:
                 with precision(mode), torch.no_grad():
                     expected = _flat(model(*xs))
                     for system in systems:
-                        try:
-                            start = time.perf_counter()
-                            fn = build_system(system, model, args.tune_budget)
-                            got = _flat(fn(*xs))
-                            torch.cuda.synchronize()
-                            first = time.perf_counter() - start
-                            err = float((got - expected).norm() / expected.norm())
-                            ms = _ms(fn, *xs)
-                            row[system] = {"ms": ms, "rel_err": err, "first_call_s": first}
-                            if system == "autofuser":
-                                report = fn.report()
-                                row[system]["groups"] = [
-                                    {"strategy": g.strategy, "ops": g.ops, "fused": g.fused, "reason": g.reason_code,
-                                     "config": g.config, "eager_ms": g.time_eager_ms, "fused_ms": g.time_fused_ms}
-                                    for g in report.groups
-                                ]
-                        except Exception as err:  # a failing system is a row, not a crash
-                            row[system] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+                        row[system] = measure(system, model, xs, expected, args.tune_budget)
                 rows.append(row)
                 print(_line(row, systems), file=sys.stderr, flush=True)
                 (out / "matmul.partial.json").write_text(json.dumps(rows, indent=1))
@@ -251,17 +234,44 @@ def build_system(system: str, model, tune_budget: float):
     return autofuser.fuse(model, tune_budget_s=tune_budget, progress=False)
 
 
-def _line(row, systems):
+def measure(system: str, model, inputs, expected, tune_budget: float, keep=lambda group: True) -> dict:
+    """One system's cell: its first call (seconds, checked against ``expected`` by
+    relative error), then its median time; for AutoFuser also the groups ``keep``
+    selects. A system that fails gives a cell with the error, not a crash."""
+    try:
+        start = time.perf_counter()
+        fn = build_system(system, model, tune_budget)
+        got = _flat(fn(*inputs))
+        torch.cuda.synchronize()
+        cell = {"first_call_s": time.perf_counter() - start,
+                "rel_err": float((got - expected).norm() / expected.norm())}
+        cell["ms"] = _ms(fn, *inputs)
+        if system == "autofuser":
+            cell["groups"] = [
+                {"strategy": g.strategy, "ops": g.ops, "fused": g.fused, "reason": g.reason_code,
+                 "summary": g.reason, "config": g.config, "eager_ms": g.time_eager_ms, "fused_ms": g.time_fused_ms}
+                for g in fn.report().groups if keep(g)]
+        return cell
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+
+
+def _cells(row, systems) -> list[str]:
+    """Each system's 'ms (speedup over eager)', marked ' !' where its output failed the check."""
     cells = []
     eager = row.get("eager", {}).get("ms")
     for s in systems:
         r = row.get(s, {})
         if "ms" in r:
             speed = f" ({eager / r['ms']:.2f}x)" if eager else ""
-            cells.append(f"{r['ms']:.3f}{speed}")
+            cells.append(f"{r['ms']:.3f}{speed}{' !' if r.get('checked') is False else ''}")
         else:
             cells.append(r.get("error", "-")[:60])
-    return f"| {row['case']} | {row['width']} | {row['mode']} | {row['floor_ms']:.3f} | " + " | ".join(cells) + " |"
+    return cells
+
+
+def _line(row, systems):
+    return f"| {row['case']} | {row['width']} | {row['mode']} | {row['floor_ms']:.3f} | " + " | ".join(_cells(row, systems)) + " |"
 
 
 if __name__ == "__main__":
