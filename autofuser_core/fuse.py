@@ -195,8 +195,7 @@ class FusedModule(torch.nn.Module):
             (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")
         )
         modes = tuple(m.training for m in self._all_modules)
-        # fp32 products compile to TF32 or full fp32 by torch's setting at the time.
-        # How eager multiplies fp32: kernels are written to match it (cuDNN's flag for convolutions).
+        # How eager multiplies fp32 (matmuls, and cuDNN's convolutions): kernels are written to match it.
         precision = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
                      torch.backends.cudnn.allow_tf32)
         return (describe(args), describe(kwargs), torch.is_grad_enabled(), autocast, modes, precision)

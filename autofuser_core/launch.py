@@ -32,7 +32,6 @@ class FusedKernel:
         self.grid = source.grid(self.config)
         self.launch_args = {**self.config, **source.constexprs}  # fixed sizes win
         self.input_layout = [(t.shape, t.stride) for t in program.inputs]
-        self.input_dtypes = [t.dtype for t in program.inputs]
         self.output_layout = [(t.shape, t.stride, t.dtype) for t in program.outputs]
         self.single_output = len(program.outputs) == 1
         # Parameters and buffers are fetched from their live module on every call,
@@ -96,8 +95,8 @@ class RecomputeForBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fused: FusedKernel, *inputs: torch.Tensor):
         ctx.fused = fused
-        ctx.autocast = [(device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
-                        if torch.is_autocast_enabled(device)]
+        ctx.autocast = {device: torch.get_autocast_dtype(device) for device in ("cpu", "cuda")
+                        if torch.is_autocast_enabled(device)}
         ctx.save_for_backward(*inputs)
         return tuple(fused.launch(*inputs))
 
@@ -110,12 +109,9 @@ class RecomputeForBackward(torch.autograd.Function):
         params = {path: inputs[k] for k, path in ctx.fused.attr_inputs.items()}
         with torch.enable_grad(), contextlib.ExitStack() as autocast:
             # Exactly the forward's autocast state, whatever is in force around backward().
-            forward_state = dict(ctx.autocast)
             for device in ("cpu", "cuda"):
-                if device in forward_state:
-                    autocast.enter_context(torch.autocast(device, dtype=forward_state[device]))
-                else:
-                    autocast.enter_context(torch.autocast(device, enabled=False))
+                enabled = device in ctx.autocast
+                autocast.enter_context(torch.autocast(device, dtype=ctx.autocast.get(device), enabled=enabled))
             outputs = torch.func.functional_call(ctx.fused.eager, params, tuple(inputs))
         if not isinstance(outputs, (tuple, list)):
             outputs = (outputs,)
