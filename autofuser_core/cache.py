@@ -154,19 +154,38 @@ def key_digest(key: dict[str, Any]) -> str:
 def read_tuning(root: Path, key: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The stored result for ``key``, or ``None`` (missing, or unusable: warned).
     Where the file has none, a result this process tuned but could not write."""
-    entry = _read_entry_file(root / "tuning" / f"{key_digest(key)}.json", key)
+    entry = _read_entry_file(root / "tuning" / f"{key_digest(key)}.json", key, _check_tuning, "re-tuning")
     if entry is None:
         entry = _unwritten.get((str(root), key_digest(key)))
     return entry
 
 
-def _read_entry_file(path: Path, key: dict[str, Any]) -> Optional[dict[str, Any]]:
+def _check_tuning(entry: dict[str, Any]) -> None:
+    config = entry.get("config")
+    if not isinstance(config, dict) or not all(isinstance(v, int) for v in config.values()):
+        raise CacheError("its config is not a mapping of integers")
+    speed = entry.get("speed")
+    if speed is not None and not (isinstance(speed, dict) and set(speed) == {"fused_ms", "eager_ms"}
+                                  and all(isinstance(v, (int, float)) and v > 0 for v in speed.values())):
+        raise CacheError("its fused-vs-eager timing is malformed")
+
+
+def _check_verdict(entry: dict[str, Any]) -> None:
+    times = entry.get("times")
+    if not isinstance(times, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in times.values()):
+        raise CacheError("its timings are malformed")
+
+
+def _read_entry_file(path: Path, key: dict[str, Any], check: Callable[[dict[str, Any]], None],
+                     redo: str) -> Optional[dict[str, Any]]:
+    """The entry in ``path`` if it is whole, of this version, for ``key`` and passes ``check``;
+    else ``None`` (a missing file silently, anything else with a warning saying ``redo``)."""
     try:
         text = path.read_text()
     except FileNotFoundError:
         return None
     except OSError as err:
-        warnings.warn(f"AutoFuser: cannot read cache entry {path}: {err}; re-tuning.")
+        warnings.warn(f"AutoFuser: cannot read cache entry {path}: {err}; {redo}.")
         return None
     try:
         entry = json.loads(text)
@@ -174,16 +193,10 @@ def _read_entry_file(path: Path, key: dict[str, Any]) -> Optional[dict[str, Any]
             raise CacheError("unknown format version")
         if entry.get("key") != key:
             raise CacheError("it was written for another kernel, GPU or software version")
-        config = entry.get("config")
-        if not isinstance(config, dict) or not all(isinstance(v, int) for v in config.values()):
-            raise CacheError("its config is not a mapping of integers")
-        speed = entry.get("speed")
-        if speed is not None and not (isinstance(speed, dict) and set(speed) == {"fused_ms", "eager_ms"}
-                                      and all(isinstance(v, (int, float)) and v > 0 for v in speed.values())):
-            raise CacheError("its fused-vs-eager timing is malformed")
+        check(entry)
         return entry
     except (ValueError, CacheError) as err:
-        warnings.warn(f"AutoFuser: ignoring corrupt or foreign cache entry {path} ({err}); re-tuning.")
+        warnings.warn(f"AutoFuser: ignoring corrupt or foreign cache entry {path} ({err}); {redo}.")
         return None
 
 
@@ -214,23 +227,13 @@ def read_verdict(root: Path, key: dict[str, Any]) -> dict[str, float]:
 
     ``verdicts/<key-hash>.json`` holds the times a compiled forward was measured at
     (with and without a CUDA graph, and the original model's), so a warm cache
-    decides without timing the forward again.
+    decides without timing the forward again. Where the file has none, timings this
+    process measured but could not write.
     """
-    path = root / "verdicts" / f"{key_digest(key)}.json"
-    try:
-        entry = json.loads(path.read_text())
-    except FileNotFoundError:
-        return dict(_unwritten.get((str(root), f"verdict-{key_digest(key)}"), {}).get("times", {}))
-    except (OSError, ValueError) as err:
-        warnings.warn(f"AutoFuser: ignoring unreadable cache entry {path} ({err}); timing again.")
-        return {}
-    times = entry.get("times") if isinstance(entry, dict) else None
-    if (not isinstance(entry, dict) or entry.get("version") != ENTRY_VERSION or entry.get("key") != key
-            or not isinstance(times, dict)
-            or not all(isinstance(v, (int, float)) and v > 0 for v in times.values())):
-        warnings.warn(f"AutoFuser: ignoring corrupt or foreign cache entry {path}; timing again.")
-        return {}
-    return {str(k): float(v) for k, v in times.items()}
+    entry = _read_entry_file(root / "verdicts" / f"{key_digest(key)}.json", key, _check_verdict, "timing again")
+    if entry is None:
+        entry = _unwritten.get((str(root), f"verdict-{key_digest(key)}"), {})
+    return {str(k): float(v) for k, v in entry.get("times", {}).items()}
 
 
 def write_verdict(root: Path, key: dict[str, Any], times: dict[str, float]) -> None:
