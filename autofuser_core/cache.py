@@ -129,12 +129,18 @@ def load_kernel_module(name: str, source: str, root: Path):
     module_name = f"autofuser_kernels.{name}"
     if module_name in sys.modules:
         return sys.modules[module_name]
+    module = module_from_source(module_name, source, path)
+    sys.modules[module_name] = module
+    return module
+
+
+def module_from_source(module_name: str, source: str, path: Path):
+    """A module made by running ``source``, filed as ``path`` (Triton reads a kernel's
+    source back from its file). The text itself runs, not the import system's pick: it
+    would take a ``__pycache__/*.pyc`` planted next to the file over the file."""
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
-    # Run the text just checked, not the loader's pick: it would take a
-    # ``__pycache__/*.pyc`` planted next to the file over the file itself.
     exec(compile(source, str(path), "exec"), module.__dict__)
-    sys.modules[module_name] = module
     return module
 
 

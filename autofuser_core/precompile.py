@@ -172,20 +172,18 @@ def launch_items(config: dict, constexprs: dict) -> tuple[tuple[str, Any], ...]:
 
 def _compile_tasks(tasks: list[dict]) -> int:
     """In a worker: import each kernel file and warm up its launches; returns how many compiled."""
-    import importlib.util
-
     import torch
+
+    from .cache import module_from_source
 
     modules: dict[str, Any] = {}
     done = 0
     for task in tasks:
         try:
             if task["path"] not in modules:
-                spec = importlib.util.spec_from_file_location(f"autofuser_kernels.{task['name']}", task["path"])
-                module = importlib.util.module_from_spec(spec)
-                with open(task["path"]) as handle:  # the text itself, never a cached .pyc beside it
-                    exec(compile(handle.read(), task["path"], "exec"), module.__dict__)
-                modules[task["path"]] = module
+                with open(task["path"]) as handle:
+                    modules[task["path"]] = module_from_source(f"autofuser_kernels.{task['name']}", handle.read(),
+                                                               task["path"])
             kernel = getattr(modules[task["path"]], task["name"])
             kernel.warmup(*[getattr(torch, d) for d in task["dtypes"]], grid=(1,), **task["launch"])
             done += 1
