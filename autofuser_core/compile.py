@@ -493,8 +493,8 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
             return
         entry.kernel, entry.config, entry.cache_hit, entry.tuning_s = job.source.name, config, tuned.cache_hit, tuned.seconds
         worst = 0.0
+        tol = _tolerance(job.candidate, view)
         for out_tensor, meta in zip(outputs, program.outputs):
-            tol = _tolerance(job.candidate, view)
             ok, err = _max_error(out_tensor, job.outputs[meta.source], tol)
             worst = max(worst, err) if err == err else err
             if not ok:

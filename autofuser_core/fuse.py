@@ -16,7 +16,9 @@ act on the model itself, and updated weights take effect without recompiling.
 from __future__ import annotations
 
 import copy
+import hashlib
 import inspect
+import json
 import logging
 import sys
 import time
@@ -27,12 +29,12 @@ from typing import Any, Literal, Optional, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .capture import bind_inputs
-from .capture import capture
+from .capture import bind_inputs, capture
 from .cache import cache_dir, read_verdict, write_verdict
-from .compile import compile_graph, preserved_state
+from .compile import compile_graph, device_key, preserved_state
 from .cudagraphs import try_cuda_graph
 from .errors import AutoFuserError, CaptureError
+from .launch import FusedKernel
 from .plugins import load_plugins
 from .quantize import QuantizedLayer, QuantizeOptions, parse_quantize, quantize_model
 from .report import FusionReport
@@ -374,12 +376,6 @@ def _verdict_key(fused_gm: torch.fx.GraphModule, fused: bool, kwargs: dict, flat
     """What the whole-forward timings depend on: the rewritten graph, each kernel and
     config, the inputs' shapes, dtypes and strides, the GPU and the versions.
     ``None`` (never cached) when nothing was fused."""
-    import hashlib
-    import json
-
-    from .compile import device_key
-    from .launch import FusedKernel
-
     if not fused:
         return None
     kernels = [[n.target.source.name, n.target.source.source_hash, sorted(n.target.config.items())]
