@@ -32,6 +32,7 @@ class FusedKernel:
         self.grid = source.grid(self.config)
         self.launch_args = {**self.config, **source.constexprs}  # fixed sizes win
         self.input_layout = [(t.shape, t.stride) for t in program.inputs]
+        self.input_dtypes = [t.dtype for t in program.inputs]  # what the kernel was compiled for
         self.output_layout = [(t.shape, t.stride, t.dtype) for t in program.outputs]
         self.single_output = len(program.outputs) == 1
         # Parameters and buffers are fetched from their live module on every call,
