@@ -210,20 +210,26 @@ SLICE_CONFIGS = [
 def slice_accepts(program):
     if not isinstance(program, AttentionProgram) or program.slices is None:
         return ("not_attention", "the group was not composed by the slice attention strategy")
-    if program.slices.precision == "tf32":
-        # Measured on an H200 (Triton 3.6): with plain-TF32 products this chain's kernels
-        # faulted (illegal memory access) while tuning, which leaves the CUDA context
-        # unusable. Strict fp32 (3xTF32) and the other forms' TF32 kernels ran correctly.
-        return ("tf32_unsafe", "with TF32 allowed, the slice attention kernels faulted on a GPU "
-                               "(illegal memory access); it stays eager until that is fixed")
     if program.slices.batch_numel > MAX_GRID_Y:
         return ("batch_too_large", f"{program.slices.batch_numel} batch entries exceed the grid's second axis "
                                    f"({MAX_GRID_Y})")
     return None
 
 
+#: Measured on an H200 (Triton 3.6, ``benchmarks/slice_tf32_probe.py``): with plain-TF32
+#: products, every 8-warp configuration of this chain with a software-pipelined loop
+#: (``num_stages`` 2) read shared memory out of bounds (an illegal memory access, which
+#: leaves the CUDA context unusable); the same configurations with ``num_stages`` 1, and
+#: every 4-warp one, ran and matched eager. TF32 chains with 8 warps therefore run unpipelined.
+TF32_MAX_STAGES_AT_8_WARPS = 1
+
+
 def slice_is_valid(program, config):
     L = program.slices
+    if (L.precision == "tf32" and config["num_warps"] >= 8
+            and config.get("num_stages", 1) > TF32_MAX_STAGES_AT_8_WARPS):
+        return ("plain-TF32 products with 8 warps and a pipelined loop read shared memory out of bounds "
+                "(Triton 3.6, sm_90); use num_stages 1")
     bg, bdx, bdf, bdq, bdv = (dot_block(s) for s in (L.g, L.dx, L.df, L.dq, L.dv))
     if config["BLOCK_M"] > 16 and config["BLOCK_M"] // 2 >= L.n:
         return "more points per program than there are points"
@@ -237,8 +243,12 @@ def slice_is_valid(program, config):
     return None
 
 
+def _slice_stages(program, warps):
+    return TF32_MAX_STAGES_AT_8_WARPS if program.slices.precision == "tf32" and warps >= 8 else 2
+
+
 def slice_configs(program):
-    return [{"BLOCK_M": m, "BLOCK_N": n, "SPLITS": s, "num_warps": warps, "num_stages": 2}
+    return [{"BLOCK_M": m, "BLOCK_N": n, "SPLITS": s, "num_warps": warps, "num_stages": _slice_stages(program, warps)}
             for m, n, s, warps in SLICE_CONFIGS]
 
 
@@ -250,7 +260,7 @@ def slice_default_config(program):
         block_n = min(64, max(16, next_power_of_2(-(-L.n // splits))))
         for m in (block_m, 32, 16):
             config = {"BLOCK_M": min(m, block_m), "BLOCK_N": block_n, "SPLITS": splits, "num_warps": warps,
-                      "num_stages": 2}
+                      "num_stages": _slice_stages(program, warps)}
             if slice_is_valid(program, config) is None:
                 return config
     return {"BLOCK_M": 16, "BLOCK_N": 16, "SPLITS": 1, "num_warps": 8, "num_stages": 1}
