@@ -1,0 +1,62 @@
+"""Where one fused forward spends its time: the report's notes (CUDA graph or
+not, whole-forward times) and a ``torch.profiler`` table of the GPU kernels and
+the host time per call, for one case of ``benchmarks/attention.py`` (a form) or of ``benchmarks/matmul.py``
+(a case whose name contains ``--form``).
+
+    python benchmarks/profile_case.py --form galerkin --width 64 --mode bf16
+    python benchmarks/profile_case.py --form w-2w-w --width 128 --mode tf32
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+import autofuser
+from attention import FORMS, Softmax, _inputs
+from matmul import CASES, CHAIN_CASES, M, _ms, precision
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--form", default="galerkin", help=f"{', '.join(sorted(FORMS))} or part of a matmul case name")
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--mode", default="bf16", choices=["fp32", "tf32", "bf16"])
+    parser.add_argument("--tune-budget", type=float, default=2.0)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    if args.form in FORMS:
+        model = (Softmax() if args.form == "softmax" else FORMS[args.form](args.width)).to(device).eval()
+        inputs = _inputs(args.form, args.width, device)
+    else:
+        factory = next(f for name, (f, _, _) in {**CASES, **CHAIN_CASES}.items() if args.form in name)
+        model = factory(args.width).to(device).eval()
+        inputs = [torch.randn(M, args.width, device=device) for _ in range(getattr(factory, "inputs", 1))]
+    with precision(args.mode), torch.no_grad():
+        fused = autofuser.fuse(model, tune_budget_s=args.tune_budget, progress=False)
+        fused(*inputs)
+        print(fused.report(), file=sys.stderr)
+        for name, fn in (("eager", model), ("autofuser", fused)):
+            print(f"{name}: {_ms(fn, *inputs):.4f} ms (do_bench)")
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(50):
+                fn(*inputs)
+            host = (time.perf_counter() - start) / 50
+            torch.cuda.synchronize()
+            print(f"{name}: {1e3 * host:.4f} ms host time per call (launch only, unsynchronised)")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                fused(*inputs)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
