@@ -20,6 +20,7 @@ import hashlib
 import inspect
 import json
 import logging
+import statistics
 import sys
 import time
 import warnings
@@ -307,13 +308,19 @@ class FusedModule(torch.nn.Module):
                 # The last word on "never slower than eager": the whole forward, as the user calls it.
                 use = "graph" if runner is not fused_gm else "plain"
                 if f"{use}_fused_ms" not in times or "eager_ms" not in times:
+                    # Alternating rounds, the best of each side: a slow moment of the GPU (clocks,
+                    # another process) then can't decide the verdict by landing on one side only.
+                    eager_runs, fused_runs = [], []
                     with torch.no_grad(), preserved_state(self._model):
-                        times["eager_ms"] = _time(lambda *a: self._model(*args, **kwargs), ())
-                        times[f"{use}_fused_ms"] = _time(runner, flat)
+                        for _ in range(FORWARD_ROUNDS):
+                            eager_runs.append(_time(lambda *a: self._model(*args, **kwargs), ()))
+                            fused_runs.append(_time(runner, flat))
+                    times["eager_ms"], times[f"{use}_fused_ms"] = min(eager_runs), min(fused_runs)
                 eager_ms, fused_ms = times["eager_ms"], times[f"{use}_fused_ms"]
-                if fused_ms >= eager_ms:
-                    report.notes.append(f"the fused forward ({fused_ms:.3f} ms) was not faster than the original "
-                                        f"({eager_ms:.3f} ms) for these inputs: the original runs")
+                if fused_ms >= eager_ms * (1.0 - FORWARD_MARGIN):
+                    report.notes.append(f"the fused forward ({fused_ms:.3f} ms) was not at least "
+                                        f"{100 * FORWARD_MARGIN:.0f}% faster than the original ({eager_ms:.3f} ms) "
+                                        "for these inputs: the original runs")
                     runner = None
                 else:
                     report.notes.append(f"forward: {fused_ms:.3f} ms fused vs {eager_ms:.3f} ms eager")
@@ -361,10 +368,34 @@ def _load_plugins_quietly(plugins):
         return load_plugins(plugins)
 
 
-def _time(fn, args: tuple) -> float:
-    import triton.testing
+#: The whole-forward check: alternating rounds of eager and fused timing, and the
+#: share by which the fused forward must beat the original to replace it (when in
+#: doubt, the original runs).
+FORWARD_ROUNDS = 2
+FORWARD_MARGIN = 0.02
+FORWARD_BUDGET_MS = 25.0
 
-    return float(triton.testing.do_bench(lambda: fn(*args), warmup=5, rep=25, return_mode="median"))
+
+def _time(fn, args: tuple) -> float:
+    """Median ms per call of ``fn(*args)`` called back to back, as a loop of forwards runs:
+    each call between two CUDA events, no cache flush between calls (a flush would also
+    give the host a head start, hiding launch overhead), about ``FORWARD_BUDGET_MS`` of calls
+    after two warm-up calls."""
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    fn(*args)
+    torch.cuda.synchronize()
+    once_ms = (time.perf_counter() - begin) * 1e3
+    calls = max(5, min(100, int(FORWARD_BUDGET_MS / max(once_ms, 1e-3))))
+    for _ in range(2):
+        fn(*args)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+    for start, end in events:
+        start.record()
+        fn(*args)
+        end.record()
+    torch.cuda.synchronize()
+    return float(statistics.median(start.elapsed_time(end) for start, end in events))
 
 
 def _can_time_forward(device: torch.device) -> bool:
