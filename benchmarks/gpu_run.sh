@@ -10,6 +10,8 @@
 #   zoo:DTYPE:MODEL,MODEL   the zoo models through `autofuser bench` (benchmarks/zoo_run.sh)
 # Results (logs, JSON, markdown tables) go to ${OUT:-bench-results}/<step>.
 # Extra flags for a benchmark script: ${STEP}_FLAGS, e.g. MATMUL_FLAGS="--widths 128".
+# At the end, everything under the results folder is also packed into one
+# archive beside it, FOLDER.tar.gz: one file to copy off the machine.
 set -uo pipefail
 out=${OUT:-bench-results}
 mkdir -p "$out"
@@ -47,3 +49,4 @@ for step in "${steps[@]}"; do
   esac
   echo "step $step took $(( $(date +%s) - start )) s" | tee -a "$out/steps.txt"
 done
+tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")" && echo "archive: $out.tar.gz"
