@@ -329,8 +329,10 @@ def test_a_warm_cache_reuses_the_fused_vs_eager_verdict(tmp_path):
         assert (again[g["kernel"]]["fused"], again[g["kernel"]]["reason_code"]) == (g["fused"], g["reason_code"])
 
 
-def test_whole_forward_timings_are_cached_and_a_corrupt_entry_is_retimed(tmp_path, monkeypatch):
-    """A warm cache decides fused-vs-original without timing the forward again."""
+def _fake_forward_times(monkeypatch, fused_ms, eager_ms: float):
+    """Whole-forward timing on any device, by a stand-in timer: the fused forward (a
+    GraphModule) takes ``fused_ms()`` ms, the original ``eager_ms``. Returns the list
+    of timed callables, a small model and an input."""
     import autofuser_core.fuse as fuse_module
 
     calls = []
@@ -338,16 +340,23 @@ def test_whole_forward_timings_are_cached_and_a_corrupt_entry_is_retimed(tmp_pat
     def fake_time(fn, args):
         calls.append(fn)
         fn(*args)  # the forward runs, as a real measurement would run it
-        return 1.0 if isinstance(fn, torch.fx.GraphModule) else 2.0  # the fused forward: 1 ms; eager: 2 ms
+        return fused_ms() if isinstance(fn, torch.fx.GraphModule) else eager_ms
 
     monkeypatch.setattr(fuse_module, "_can_time_forward", lambda device: True)
     monkeypatch.setattr(fuse_module, "_time", fake_time)
     model = torch.nn.Sequential(torch.nn.LayerNorm(19), torch.nn.GELU()).eval()
-    x = torch.randn(3, 7, 19)
+    return calls, model, torch.randn(3, 7, 19)
+
+
+def test_whole_forward_timings_are_cached_and_a_corrupt_entry_is_retimed(tmp_path, monkeypatch):
+    """A warm cache decides fused-vs-original without timing the forward again."""
+    from autofuser_core.fuse import FORWARD_ROUNDS
+
+    calls, model, x = _fake_forward_times(monkeypatch, lambda: 1.0, 2.0)
     with torch.no_grad():
         first = autofuser.fuse(model, cache_dir=str(tmp_path), cuda_graphs=False, progress=False)
         torch.testing.assert_close(first(x), model(x))
-        rounds = 2 * fuse_module.FORWARD_ROUNDS  # eager and fused alternate
+        rounds = 2 * FORWARD_ROUNDS  # eager and fused alternate
         assert len(calls) == rounds and "forward: 1.000 ms fused vs 2.000 ms eager" in first.report().notes
         second = autofuser.fuse(model, cache_dir=str(tmp_path), cuda_graphs=False, progress=False)
         torch.testing.assert_close(second(x), model(x))
@@ -364,18 +373,8 @@ def test_whole_forward_timings_are_cached_and_a_corrupt_entry_is_retimed(tmp_pat
 def test_a_fused_forward_within_the_margin_of_eager_leaves_the_original_running(tmp_path, monkeypatch):
     """Timing noise must not decide: a fused forward only 1% faster than eager is not kept,
     and the best of the alternating rounds counts, not one slow round."""
-    import autofuser_core.fuse as fuse_module
-
-    fused_times = iter([1.5, 0.99, 1.5, 0.99])  # a slow first round, then 1% ahead of eager
-
-    def fake_time(fn, args):
-        fn(*args)
-        return next(fused_times) if isinstance(fn, torch.fx.GraphModule) else 1.0
-
-    monkeypatch.setattr(fuse_module, "_can_time_forward", lambda device: True)
-    monkeypatch.setattr(fuse_module, "_time", fake_time)
-    model = torch.nn.Sequential(torch.nn.LayerNorm(19), torch.nn.GELU()).eval()
-    x = torch.randn(3, 7, 19)
+    fused_times = iter([1.5, 0.99])  # a slow first round, then 1% ahead of eager
+    _, model, x = _fake_forward_times(monkeypatch, lambda: next(fused_times), 1.0)
     with torch.no_grad():
         fused = autofuser.fuse(model, cache_dir=str(tmp_path), cuda_graphs=False, progress=False)
         torch.testing.assert_close(fused(x), model(x))
