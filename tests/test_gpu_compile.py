@@ -100,7 +100,7 @@ def _compile_for_sm90(jobs, tmp_path) -> None:
     assert done.stdout.count("compiled") == len(jobs)
 
 
-@pytest.mark.parametrize("model_name", ["galerkin", "transolver", "transformer", "fno", "unet"])
+@pytest.mark.parametrize("model_name", ["galerkin", "transolver", "transformer", "fno", "unet", "lsm"])
 def test_fused_kernels_compile_for_sm90(model_name, tmp_path):
     entry = MODELS[model_name]
     torch.manual_seed(0)
