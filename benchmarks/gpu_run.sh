@@ -42,7 +42,7 @@ for step in "${steps[@]}"; do
       echo "fft rc=$?"; tail -n 20 "$out/fft.log" ;;
     zoo:*)
       IFS=: read -r _ dtype models <<< "$step"
-      [ "$models" = "all" ] && models=galerkin,transformer,transolver,gnot,factformer,fno,ffno,unet
+      [ "$models" = "all" ] && models=galerkin,transformer,transolver,gnot,factformer,fno,ffno,unet,lsm
       # shellcheck disable=SC2046
       OUT="$out/zoo" bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models") ;;
     *) echo "unknown step $step" ;;

@@ -100,7 +100,7 @@ def _compile_for_sm90(jobs, tmp_path) -> None:
     assert done.stdout.count("compiled") == len(jobs)
 
 
-@pytest.mark.parametrize("model_name", ["galerkin", "transolver", "transformer", "fno", "unet"])
+@pytest.mark.parametrize("model_name", ["galerkin", "transolver", "transformer", "fno", "unet", "lsm"])
 def test_fused_kernels_compile_for_sm90(model_name, tmp_path):
     entry = MODELS[model_name]
     torch.manual_seed(0)
@@ -111,7 +111,7 @@ def test_fused_kernels_compile_for_sm90(model_name, tmp_path):
         fused(x)
     kernels = _fused_kernels(fused)
     assert kernels, str(fused.report())
-    if model_name == "transformer":  # softmax attention, written out
+    if model_name in ("transformer", "lsm"):  # softmax attention, written out
         assert any(k.source.layout == "attention" for k in kernels), str(fused.report())
     if model_name in ("galerkin", "transolver"):  # linear and slice attention: chains of kernels
         assert any(k.source.layout == "attention_chain" for k in kernels), str(fused.report())

@@ -39,8 +39,9 @@ def expected_shape(name: str) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------
 
 
-def test_registry_lists_the_eight_models_with_their_airfoil_settings():
-    assert set(MODELS) == {"galerkin", "transformer", "transolver", "gnot", "factformer", "fno", "ffno", "unet"}
+def test_registry_lists_the_nine_models_with_their_airfoil_settings():
+    assert list(MODELS) == ["galerkin", "transformer", "transolver", "gnot", "factformer", "fno", "ffno", "unet",
+                            "lsm"]
     for name, entry in MODELS.items():
         assert entry.layout in ("points", "grid"), name
         assert set(entry.configs) == {"airfoil", "tiny"}, name
@@ -51,6 +52,8 @@ def test_registry_lists_the_eight_models_with_their_airfoil_settings():
             assert entry.batch_size == 4, name
     assert MODELS["fno"].configs["airfoil"] == {"width": 32, "modes": (12, 12), "layers": 4}
     assert MODELS["fno"].batch_size == 20
+    assert MODELS["lsm"].configs["airfoil"] == {"width": 32, "num_token": 4, "num_basis": 12, "depth": 4, "heads": 8}
+    assert MODELS["lsm"].batch_size == 4
     assert MESHES["airfoil"] == (221, 51) and 221 * 51 == 11271
 
 
@@ -112,6 +115,101 @@ def test_tiny_model_is_captured_whole_and_bit_exact(name):
     other = tiny_input(name, seed=1)
     with torch.no_grad():
         assert torch.equal(gm(other), model(other))
+
+
+# ---------------------------------------------------------------------------
+# LSM: padding, patches, and what AutoFuser makes of it
+# ---------------------------------------------------------------------------
+
+
+def test_lsm_airfoil_pads_to_224_by_64_and_every_scale_splits_into_14_by_4_patches():
+    from autofuser_zoo.models.lsm import NeuralSpectralBlock2d
+
+    model = MODELS["lsm"].make("airfoil").eval()
+    assert [block.to_query.in_channels for block in model.process] == [32, 64, 128, 256, 256]
+    seen = []
+    hooks = [block.register_forward_hook(lambda module, args, out: seen.append((args[0].shape, args[1], out.shape)))
+             for block in model.modules() if isinstance(block, NeuralSpectralBlock2d)]
+    x = MODELS["lsm"].inputs(airfoil.make_dataset(1, 0)[0])
+    with torch.no_grad():
+        out = model(x)
+    for hook in hooks:
+        hook.remove()
+    assert out.shape == (1, 221, 51, 1) and torch.isfinite(out).all()
+    sizes = sorted((shape[-2:] for shape, _, _ in seen), reverse=True)
+    assert sizes == [(224, 64), (112, 32), (56, 16), (28, 8), (14, 4)]
+    assert all(patch == (14, 4) and shape == out_shape for shape, patch, out_shape in seen)
+
+
+def test_lsm_spectral_block_works_patch_by_patch():
+    # Split and merge put every patch back where it came from: the block on the whole map
+    # equals the block on each patch alone, and a change in one patch changes only that patch.
+    from autofuser_zoo.models.lsm import NeuralSpectralBlock2d
+
+    torch.manual_seed(0)
+    block = NeuralSpectralBlock2d(width=8, num_basis=4, num_token=3, heads=2).eval()
+    x = torch.randn(2, 8, 10, 9)
+    with torch.no_grad():
+        whole = block(x, (5, 3))
+        for i in range(2):
+            for j in range(3):
+                rows, cols = slice(5 * i, 5 * i + 5), slice(3 * j, 3 * j + 3)
+                torch.testing.assert_close(whole[..., rows, cols], block(x[..., rows, cols], (5, 3)))
+        changed = x.clone()
+        changed[..., 5:, 3:6] += torch.randn(2, 8, 5, 3)
+        diff = (block(changed, (5, 3)) - whole).abs().amax(dim=(0, 1))
+    assert diff[5:, 3:6].min() > 0
+    diff[5:, 3:6] = 0
+    assert diff.max() == 0
+
+
+LSM_TOLERANCES = {  # as for the convolutional zoo models (tests/test_conv.py)
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.bfloat16: dict(atol=3e-2, rtol=5e-2),
+}
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_lsm_fused_matches_eager_with_convolutions_attention_and_upsampling_fused(autocast):
+    torch.manual_seed(0)
+    model = MODELS["lsm"].make("tiny").eval()
+    x, other = tiny_input("lsm"), tiny_input("lsm", seed=1)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        got, expected = fused(x), model(x)
+        got_other, expected_other = fused(other), model(other)
+    assert got.dtype == expected.dtype == (torch.bfloat16 if autocast else torch.float32)
+    for g, e in ((got, expected), (got_other, expected_other)):
+        torch.testing.assert_close(g.float(), e.float(), **LSM_TOLERANCES[e.dtype])
+    report = fused.report()
+    strategies = [g.strategy for g in report.fused]
+    # Tiny LSM (depth 2): stem, 2 encoder and 2 decoder double convs, each two 3x3 conv-BN-GELU.
+    conv_bn_gelu = ["conv.conv2d_module", "conv.batch_norm_module", "elementwise.gelu"]
+    assert sum(g.ops == conv_bn_gelu and g.strategy == "implicit_gemm" for g in report.fused) == 10, str(report)
+    # Each decoder step's upsampling with the concatenation of its processed skip.
+    assert sum(g.ops == ["conv.interpolate", "conv.cat"] for g in report.fused) == 2, str(report)
+    # Per scale (3), latent queries -> points and points -> latent tokens, scores never in memory.
+    assert strategies.count("softmax_attention") == 6, str(report)
+    # The 1x1 convolutions (keys and values, queries per scale; the head) are products.
+    assert sum(g.ops == ["conv.conv2d_module"] and g.strategy == "matmul" for g in report.fused) == 7, str(report)
+
+
+def test_lsm_patches_and_heads_are_traced_through_einops():
+    model = MODELS["lsm"].make("tiny").eval()
+    gm = autofuser.capture(model, tiny_input("lsm"))
+    assert gm.meta["autofuser_opaque"] == {}
+    assert not any(str(getattr(n.target, "__module__", "") or "").startswith("einops") for n in gm.graph.nodes)
+    permutes: dict[str, list] = {}
+    for node in gm.graph.nodes:
+        if node.target == "permute":
+            scope = list(node.meta.get("nn_module_stack", {}))
+            permutes.setdefault(scope[-1] if scope else "", []).append(tuple(node.args[1]))
+    for scale in range(3):
+        block = permutes[f"process.{scale}"]
+        # "b c (nh ph) (nw pw) -> (b nh nw) c ph pw" and back.
+        assert block.count((0, 2, 4, 1, 3, 5)) == 1 and block.count((0, 3, 1, 4, 2, 5)) == 1, block
+        # "p (heads d) ph pw -> p heads (ph pw) d" for keys, values, queries and back for the output.
+        assert block.count((0, 1, 3, 4, 2)) == 3 and block.count((0, 1, 4, 2, 3)) == 1, block
 
 
 # ---------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from .ffno import FFNO2d
 from .fno import FNO2d
 from .galerkin import GalerkinTransformer
 from .gnot import GNOT
+from .lsm import LSM2d
 from .transformer import Transformer
 from .transolver import Transolver
 from .unet import UNet2d
@@ -129,6 +130,13 @@ MODELS: dict[str, ModelEntry] = {
             builder=UNet2d, configs={
                 "airfoil": {"width": 32, "depth": 4},
                 "tiny": {"width": 8, "depth": 2}}),
+        ModelEntry(
+            name="lsm", title="LSM", family="neural operator", layout="grid", batch_size=4,
+            paper="Wu et al., Solving High-Dimensional PDEs with Latent Spectral Models, ICML 2023",
+            builder=LSM2d, configs={
+                "airfoil": {"width": 32, "num_token": 4, "num_basis": 12, "depth": 4, "heads": 8},
+                "tiny": {"width": 8, "num_token": 4, "num_basis": 4, "depth": 2, "heads": 2, "projection": 16}},
+            notes="the grid is zero-padded to a multiple of 16 (224 x 64) inside the model and cropped back"),
     )
 }
 

@@ -23,12 +23,15 @@ from ._layers import grid_positions
 
 
 class DoubleConv(nn.Module):
-    def __init__(self, in_channels: int, out_channels: int):
+    """(conv 3 x 3 - BatchNorm - GELU) x 2; the first maps to ``mid_channels`` (default: ``out_channels``)."""
+
+    def __init__(self, in_channels: int, out_channels: int, mid_channels: int | None = None):
         super().__init__()
+        mid = mid_channels or out_channels
         self.layers = nn.Sequential(
-            nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1, bias=False),
-            nn.BatchNorm2d(out_channels), nn.GELU(),
-            nn.Conv2d(out_channels, out_channels, kernel_size=3, padding=1, bias=False),
+            nn.Conv2d(in_channels, mid, kernel_size=3, padding=1, bias=False),
+            nn.BatchNorm2d(mid), nn.GELU(),
+            nn.Conv2d(mid, out_channels, kernel_size=3, padding=1, bias=False),
             nn.BatchNorm2d(out_channels), nn.GELU())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
