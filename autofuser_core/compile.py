@@ -291,7 +291,7 @@ def _precompile_untuned(jobs: list, device: torch.device, options, progress, rep
     root = cache_dir(options.cache_dir)
     work: dict[str, CompileJob] = {}
     for job in jobs:
-        if job.source.name in work or read_tuning(root, _tuning_key(job.source, device)) is not None:
+        if job.source.name in work or _valid_entry(job.candidate, read_tuning(root, _tuning_key(job.source, device))):
             continue
         program = job.candidate.program
         work[job.source.name] = CompileJob(
@@ -310,15 +310,35 @@ def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, 
         return _Tuned(candidate.strategy.default_config(candidate.program))
     key = _tuning_key(source, device)
     root = cache_dir(options.cache_dir)
-    entry = read_tuning(root, key)
+    entry = _valid_entry(candidate, read_tuning(root, key))
     if entry is None:
         # Another process (a rank of the same job) may be tuning this kernel: wait for
         # it, then read what it found, rather than tune the same kernel twice.
         with tuning_lock(root, key, on_wait=lambda: progress(f"waiting for another process tuning {source.name}")):
-            entry = read_tuning(root, key)
+            entry = _valid_entry(candidate, read_tuning(root, key))
             if entry is None:
                 return _tune(candidate, source, kernel, inputs, device, options, progress, root, key)
     return _Tuned(entry["config"], True, 0.0, entry.get("timings", []), key, entry.get("speed"))
+
+
+def _valid_entry(candidate: Candidate, entry: Optional[dict]) -> Optional[dict]:
+    """A cached tuning entry whose config the strategy still accepts, else ``None`` (tune again):
+    a validity rule added since the entry was written (a config found to fault, say) holds
+    for cached configs too."""
+    if entry is None:
+        return None
+    strategy, program = candidate.strategy, candidate.program
+    if entry["config"] == strategy.default_config(program):
+        return entry  # the fallback when no listed config is valid; validity rules are written for the list
+    try:
+        why = strategy.is_valid(program, entry["config"])
+    except Exception as err:  # a config missing a key the rule reads
+        why = f"its validity check failed: {type(err).__name__}: {err}"
+    if why is not None:
+        logger.warning("cached config %s of %s is no longer valid (%s); tuning again", entry["config"],
+                       candidate.strategy.name, why)
+        return None
+    return entry
 
 
 def _tune(candidate: Candidate, source, kernel, inputs, device, options, progress, root, key) -> _Tuned:

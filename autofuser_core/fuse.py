@@ -51,7 +51,9 @@ class FuseOptions(BaseModel):
     max_signatures: int = Field(8, ge=1, description="Compiled signatures kept; later new ones run eager.")
     tune: bool = Field(True, description="Benchmark each kernel's configs on a GPU (cached).")
     tune_budget_s: float = Field(20.0, gt=0, description="Tuning time per group, seconds.")
-    verify_speed: bool = Field(True, description="On a GPU, time each group fused vs eager; keep the faster.")
+    verify_speed: bool = Field(True, description="On a GPU, time each group fused vs eager and keep the faster; "
+                                                 "run the original model unless the whole fused forward is at "
+                                                 "least FORWARD_MARGIN (2%) faster.")
     progress: bool = Field(True, description="Print progress lines to stderr while compiling.")
     cuda_graphs: bool = Field(True, description="For inference on CUDA, replay each compiled forward as a CUDA graph "
                                                 "where that is measured to be faster.")
@@ -313,7 +315,7 @@ class FusedModule(torch.nn.Module):
                     eager_runs, fused_runs = [], []
                     with torch.no_grad(), preserved_state(self._model):
                         for _ in range(FORWARD_ROUNDS):
-                            eager_runs.append(_time(lambda *a: self._model(*args, **kwargs), ()))
+                            eager_runs.append(_time(lambda *a: self._model(*args, **kwargs), flat))
                             fused_runs.append(_time(runner, flat))
                     times["eager_ms"], times[f"{use}_fused_ms"] = min(eager_runs), min(fused_runs)
                 eager_ms, fused_ms = times["eager_ms"], times[f"{use}_fused_ms"]
@@ -374,13 +376,21 @@ def _load_plugins_quietly(plugins):
 FORWARD_ROUNDS = 2
 FORWARD_MARGIN = 0.02
 FORWARD_BUDGET_MS = 25.0
+FORWARD_TIMING = f"back-to-back events, best of {FORWARD_ROUNDS} rounds"
 
 
 def _time(fn, args: tuple) -> float:
     """Median ms per call of ``fn(*args)`` called back to back, as a loop of forwards runs:
     each call between two CUDA events, no cache flush between calls (a flush would also
     give the host a head start, hiding launch overhead), about ``FORWARD_BUDGET_MS`` of calls
-    after two warm-up calls."""
+    after two warm-up calls. On the device of the first tensor argument (``args`` or, for
+    a closure over the call's arguments, the current device)."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+    with torch.cuda.device(device):
+        return _time_on_device(fn, args)
+
+
+def _time_on_device(fn, args: tuple) -> float:
     torch.cuda.synchronize()
     begin = time.perf_counter()
     fn(*args)
@@ -415,7 +425,8 @@ def _verdict_key(fused_gm: torch.fx.GraphModule, fused: bool, kwargs: dict, flat
               for x in flat]
     precision = [torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
                  torch.backends.cudnn.allow_tf32]  # they change eager's own time
-    text = json.dumps([fused_gm.code, kernels, inputs, sorted(kwargs), precision], default=str)
+    # The timing method is part of the key: verdicts timed another way are not reused.
+    text = json.dumps([fused_gm.code, kernels, inputs, sorted(kwargs), precision, FORWARD_TIMING], default=str)
     return {"forward": hashlib.sha256(text.encode()).hexdigest(), **device_key(_first_device(flat))}
 
 

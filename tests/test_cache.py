@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import itertools
 import json
 import marshal
 import os
@@ -373,7 +374,7 @@ def test_whole_forward_timings_are_cached_and_a_corrupt_entry_is_retimed(tmp_pat
 def test_a_fused_forward_within_the_margin_of_eager_leaves_the_original_running(tmp_path, monkeypatch):
     """Timing noise must not decide: a fused forward only 1% faster than eager is not kept,
     and the best of the alternating rounds counts, not one slow round."""
-    fused_times = iter([1.5, 0.99])  # a slow first round, then 1% ahead of eager
+    fused_times = itertools.chain([1.5], itertools.repeat(0.99))  # a slow first round, then 1% ahead of eager
     _, model, x = _fake_forward_times(monkeypatch, lambda: next(fused_times), 1.0)
     with torch.no_grad():
         fused = autofuser.fuse(model, cache_dir=str(tmp_path), cuda_graphs=False, progress=False)
@@ -588,6 +589,26 @@ def test_a_shipped_cache_is_used_on_the_same_gpu_and_versions_and_ignored_elsewh
         assert all(not g.cache_hit and g.tuning_s > 0 for g in elsewhere.fused), field
     for name, entry in entries.items():  # the shipped entries are left as they were
         assert json.loads((shipped / "tuning" / name).read_text()) == entry
+
+
+def test_a_cached_config_the_strategy_now_refuses_is_tuned_again(tmp_path, gpu_tuning, caplog):
+    """A validity rule added after an entry was written (a config found to fault on some GPU)
+    applies to cached configs too: such an entry is a miss, tuned again and replaced."""
+    x = torch.randn(2, 5, 37)
+    first, _, _ = fuse_norm_gelu(tmp_path, x)
+    rows = [p for p in (tmp_path / "tuning").glob("*.json") if "BLOCK_M" in json.loads(p.read_text())["config"]]
+    assert len(rows) == 1 and len(first.fused) > 1
+    entry = json.loads(rows[0].read_text())
+    entry["config"] = {**entry["config"], "BLOCK_M": 1 << 20}  # a tile far past the strategy's limit
+    rows[0].write_text(json.dumps(entry))
+    with caplog.at_level("WARNING", logger="autofuser"):
+        second, got, expected = fuse_norm_gelu(tmp_path, x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert "is no longer valid" in caplog.text and "exceeds" in caplog.text, caplog.text
+    retuned = [g for g in second.fused if "BLOCK_M" in g.config]
+    assert len(retuned) == 1 and not retuned[0].cache_hit and retuned[0].config["BLOCK_M"] < 1 << 20
+    assert all(g.cache_hit for g in second.fused if "BLOCK_M" not in g.config)
+    assert json.loads(rows[0].read_text())["config"]["BLOCK_M"] < 1 << 20  # the entry was replaced
 
 
 UNGUARDED_SCRIPT = r'''
