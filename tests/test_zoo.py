@@ -53,7 +53,7 @@ def test_registry_lists_the_nine_models_with_their_airfoil_settings():
     assert MODELS["fno"].configs["airfoil"] == {"width": 32, "modes": (12, 12), "layers": 4}
     assert MODELS["fno"].batch_size == 20
     assert MODELS["lsm"].configs["airfoil"] == {"width": 32, "num_token": 4, "num_basis": 12, "depth": 4, "heads": 8}
-    assert MODELS["lsm"].batch_size == 4
+    assert MODELS["lsm"].batch_size == 20
     assert MESHES["airfoil"] == (221, 51) and 221 * 51 == 11271
 
 
@@ -183,9 +183,9 @@ def test_lsm_fused_matches_eager_with_convolutions_attention_and_upsampling_fuse
         torch.testing.assert_close(g.float(), e.float(), **LSM_TOLERANCES[e.dtype])
     report = fused.report()
     strategies = [g.strategy for g in report.fused]
-    # Tiny LSM (depth 2): stem, 2 encoder and 2 decoder double convs, each two 3x3 conv-BN-GELU.
-    conv_bn_gelu = ["conv.conv2d_module", "conv.batch_norm_module", "elementwise.gelu"]
-    assert sum(g.ops == conv_bn_gelu and g.strategy == "implicit_gemm" for g in report.fused) == 10, str(report)
+    # Tiny LSM (depth 2): stem, 2 encoder and 2 decoder double convs, each two 3x3 conv-BN-ReLU.
+    conv_bn_relu = ["conv.conv2d_module", "conv.batch_norm_module", "elementwise.relu"]
+    assert sum(g.ops == conv_bn_relu and g.strategy == "implicit_gemm" for g in report.fused) == 10, str(report)
     # Each decoder step's upsampling with the concatenation of its processed skip.
     assert sum(g.ops == ["conv.interpolate", "conv.cat"] for g in report.fused) == 2, str(report)
     # Per scale (3), latent queries -> points and points -> latent tokens, scores never in memory.

@@ -1,6 +1,6 @@
 """AutoFuser's model zoo and benchmark harness (importable as ``autofuser_zoo``).
 
-- ``autofuser_zoo.models.MODELS``: eight neural PDE solvers (transformers and
+- ``autofuser_zoo.models.MODELS``: nine neural PDE solvers (transformers and
   neural operators), each in an "airfoil" configuration that follows its paper
   or the standard neural-solver benchmark, and a "tiny" one for CPU tests;
 - ``autofuser_zoo.airfoil``: a synthetic airfoil task (potential flow around

@@ -131,7 +131,7 @@ MODELS: dict[str, ModelEntry] = {
                 "airfoil": {"width": 32, "depth": 4},
                 "tiny": {"width": 8, "depth": 2}}),
         ModelEntry(
-            name="lsm", title="LSM", family="neural operator", layout="grid", batch_size=4,
+            name="lsm", title="LSM", family="neural operator", layout="grid", batch_size=20,
             paper="Wu et al., Solving High-Dimensional PDEs with Latent Spectral Models, ICML 2023",
             builder=LSM2d, configs={
                 "airfoil": {"width": 32, "num_token": 4, "num_basis": 12, "depth": 4, "heads": 8},

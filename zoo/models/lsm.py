@@ -4,7 +4,7 @@ PDEs with Latent Spectral Models", ICML 2023) on the 221 x 51 grid.
 1. Lift: the coordinates and the normalised mesh indices (4 channels) -> width
    ``d``, channels first, zero-padded at the end of each axis to a multiple of
    ``2**depth`` (221 x 51 -> 224 x 64) so that every scale halves exactly.
-2. Encoder, as in U-Net: double conv 3 x 3 - BatchNorm - GELU at full size,
+2. Encoder, as in U-Net: double conv 3 x 3 - BatchNorm - ReLU at full size,
    then ``depth`` times 2 x 2 max-pool and a double conv; channels ``d, 2d,
    4d, 8d, 8d`` for depth 4 (the last scale keeps the previous width).
 3. At every scale a *neural spectral block* on the feature map, split into
@@ -12,13 +12,17 @@ PDEs with Latent Spectral Models", ICML 2023) on the 221 x 51 grid.
    so the finest scale has 16 x 16 patches and the coarsest one):
 
    - hierarchical projection: ``num_token`` learned latent queries per head
-     attend over the patch's points (keys and values from a 1 x 1 conv);
+     attend over the patch's points (keys and values from a 1 x 1 conv), plus
+     the latent queries themselves (a residual);
    - neural spectral operator: each latent token component ``t`` is expanded
-     on the fixed basis ``sin(k pi t), cos(k pi t)``, ``k = 1..num_basis``, and
-     replaced by ``t + sum_k w_k basis_k(t)`` with learned weights per channel
-     and basis function;
+     on the fixed basis ``sin(k pi t / K), cos(k pi t / K)``, ``k = 0..K-1``
+     with ``K = num_basis``, and replaced by ``t + sum_k w_k basis_k(t)`` with
+     learned weights per channel and basis function;
    - back to the points: each point (query from a 1 x 1 conv) attends over the
      patch's latent tokens; residual around the block.
+
+   Both attentions take softmax of the plain dot products (no 1/sqrt(d)
+   scale), as the authors' reference configuration does.
 
 4. Decoder: bilinear upsampling (``align_corners=True``) to the skip's size,
    concatenation with the processed skip, double conv; halving the channels
@@ -48,7 +52,7 @@ class Up(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int):
         super().__init__()
-        self.conv = DoubleConv(in_channels, out_channels, in_channels // 2)
+        self.conv = DoubleConv(in_channels, out_channels, in_channels // 2, activation=nn.ReLU)
 
     def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
         x = F.interpolate(x, size=skip.shape[-2:], mode="bilinear", align_corners=True)
@@ -65,12 +69,11 @@ class NeuralSpectralBlock2d(nn.Module):
             raise ValueError(f"LSM: width {width} is not divisible by heads={heads}; choose heads dividing it")
         self.heads = heads
         head_dim = width // heads
-        self.scale = head_dim**-0.5
-        self.latent = nn.Parameter(torch.randn(heads, num_token, head_dim) * self.scale)
+        self.latent = nn.Parameter(torch.rand(heads, num_token, head_dim) / width)
         self.to_key_value = nn.Conv2d(width, 2 * width, kernel_size=1)
         self.to_query = nn.Conv2d(width, width, kernel_size=1)
-        # k * pi for k = 1..num_basis: the frequencies of the sin and cos basis.
-        self.register_buffer("frequencies", math.pi * torch.arange(1, num_basis + 1, dtype=torch.float32))
+        # k * pi / K for k = 0..K-1: the frequencies of the sin and cos basis.
+        self.register_buffer("frequencies", math.pi * torch.arange(num_basis, dtype=torch.float32) / num_basis)
         self.basis_weights = nn.Parameter(torch.randn(width, 2 * num_basis) / (2 * num_basis))
 
     def spectral(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -89,12 +92,12 @@ class NeuralSpectralBlock2d(nn.Module):
         key, value = self.to_key_value(points).chunk(2, dim=1)
         key = rearrange(key, "p (heads d) ph pw -> p heads (ph pw) d", heads=self.heads)
         value = rearrange(value, "p (heads d) ph pw -> p heads (ph pw) d", heads=self.heads)
-        weights = torch.softmax(self.latent @ key.transpose(-1, -2) * self.scale, dim=-1)
-        tokens = self.spectral(weights @ value)
+        weights = torch.softmax(self.latent @ key.transpose(-1, -2), dim=-1)
+        tokens = self.spectral(weights @ value + self.latent)
 
         # Back to the points: each point attends over the patch's latent tokens.
         query = rearrange(self.to_query(points), "p (heads d) ph pw -> p heads (ph pw) d", heads=self.heads)
-        weights = torch.softmax(query @ tokens.transpose(-1, -2) * self.scale, dim=-1)
+        weights = torch.softmax(query @ tokens.transpose(-1, -2), dim=-1)
         out = rearrange(weights @ tokens, "p heads (ph pw) d -> p (heads d) ph pw", ph=ph, pw=pw) + points
         return rearrange(out, "(b nh nw) c ph pw -> b c (nh ph) (nw pw)", nh=height // ph, nw=width // pw)
 
@@ -107,9 +110,10 @@ class LSM2d(nn.Module):
         # d, 2d, 4d, ... for the first `depth` scales; the coarsest keeps the width of the one above.
         channels = [width * 2**i for i in range(depth)] + [width * 2 ** (depth - 1)]
         self.lift = nn.Linear(in_dim + 2, width)
-        self.stem = DoubleConv(width, width)
+        self.stem = DoubleConv(width, width, activation=nn.ReLU)
         self.down = nn.ModuleList(
-            nn.Sequential(nn.MaxPool2d(2), DoubleConv(channels[i], channels[i + 1])) for i in range(depth))
+            nn.Sequential(nn.MaxPool2d(2), DoubleConv(channels[i], channels[i + 1], activation=nn.ReLU))
+            for i in range(depth))
         self.process = nn.ModuleList(NeuralSpectralBlock2d(c, num_basis, num_token, heads) for c in channels)
         # Scale i receives channels[i] from below and its skip's channels[i]; it passes on channels[i - 1].
         self.up = nn.ModuleList(Up(2 * channels[i], channels[max(i - 1, 0)]) for i in reversed(range(depth)))
