@@ -19,6 +19,8 @@ import autofuser
 from attention import FORMS, Softmax, _inputs
 from matmul import CASES, CHAIN_CASES, M, _ms, precision
 
+from autofuser_core.fuse import _time as forward_time
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -33,7 +35,11 @@ def main(argv=None) -> int:
         model = (Softmax() if args.form == "softmax" else FORMS[args.form](args.width)).to(device).eval()
         inputs = _inputs(args.form, args.width, device)
     else:
-        factory = next(f for name, (f, _, _) in {**CASES, **CHAIN_CASES}.items() if args.form in name)
+        factories = [f for name, (f, _, _) in {**CASES, **CHAIN_CASES}.items() if args.form in name]
+        if not factories:
+            parser.error(f"--form {args.form!r} is neither an attention form ({', '.join(sorted(FORMS))}) nor part of "
+                         f"a matmul case name ({'; '.join({**CASES, **CHAIN_CASES})})")
+        factory = factories[0]
         model = factory(args.width).to(device).eval()
         inputs = [torch.randn(M, args.width, device=device) for _ in range(getattr(factory, "inputs", 1))]
     with precision(args.mode), torch.no_grad():
@@ -41,7 +47,9 @@ def main(argv=None) -> int:
         fused(*inputs)
         print(fused.report(), file=sys.stderr)
         for name, fn in (("eager", model), ("autofuser", fused)):
-            print(f"{name}: {_ms(fn, *inputs):.4f} ms (do_bench)")
+            print(f"{name}: {_ms(fn, *inputs):.4f} ms (do_bench: L2 flushed before each call)")
+            print(f"{name}: {forward_time(fn, tuple(inputs)):.4f} ms (calls back to back, as the whole-forward check "
+                  "and the zoo harness time them)")
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(50):
