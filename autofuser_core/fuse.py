@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .capture import bind_inputs, capture
 from .cache import cache_dir, read_verdict, write_verdict
-from .compile import compile_graph, device_key, preserved_state
+from .compile import _snapshot, compile_graph, device_key, preserved_state
 from .cudagraphs import try_cuda_graph
 from .errors import AutoFuserError, CaptureError
 from .launch import FusedKernel
@@ -268,13 +268,18 @@ class FusedModule(torch.nn.Module):
             # Graph capture and timing run the forward many times: only for inference
             # (eval mode, no grad), and leaving buffers and RNG state as they were.
             inference = not grad and not any(m.training for m in self._all_modules)
-            # A forward that writes into memory might write into its inputs: a graph replay
-            # would write into its own static copies instead. Such forwards launch op by op.
-            writes = any(n.reason_code == "mutation" for n in report.unfused_nodes)
-            if writes and self._options.cuda_graphs:
-                report.notes.append("no CUDA graph: the forward writes into tensors in place")
             step = time.perf_counter()
             cuda = _first_device(flat).type == "cuda"
+            # A forward that writes into its inputs can't replay as a graph: the replay would
+            # write into its own static copies instead. Writes into tensors the forward makes
+            # itself (FNO's `out_ft[..., :m] = ...`) or into parameters and buffers (the same
+            # addresses on every replay) are fine.
+            writes = False
+            if self._options.cuda_graphs and inference and cuda:
+                with preserved_state(self._model):
+                    writes = writes_into_inputs(fused_gm, flat)
+                if writes:
+                    report.notes.append("no CUDA graph: the forward writes into its inputs in place")
             measured = self._options.verify_speed and inference and _can_time_forward(_first_device(flat))
             vkey = _verdict_key(fused_gm, bool(report.fused), kwargs, flat) if measured else None
             root = cache_dir(self._options.cache_dir)
@@ -377,6 +382,17 @@ FORWARD_ROUNDS = 2
 FORWARD_MARGIN = 0.02
 FORWARD_BUDGET_MS = 25.0
 FORWARD_TIMING = f"back-to-back events, best of {FORWARD_ROUNDS} rounds"
+
+
+def writes_into_inputs(forward, flat: Sequence[Any]) -> bool:
+    """Whether ``forward`` writes into the memory of one of its tensor inputs, through any
+    view or any call (an opaque part included): it runs once on copies of the inputs (the
+    caller's tensors are left alone), and an in-place write shows in a copy's version counter."""
+    copies = [_snapshot(x) for x in flat]
+    before = [(c, c._version) for c in copies if isinstance(c, torch.Tensor)]
+    with torch.no_grad():
+        forward(*copies)
+    return any(c._version != version for c, version in before)
 
 
 def _time(fn, args: tuple) -> float:

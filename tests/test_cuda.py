@@ -196,3 +196,34 @@ def test_two_processes_tune_each_kernel_once(tmp_path):
     for kernel in runs[0]:
         assert sorted(run[kernel]["cache_hit"] for run in runs) == [False, True], kernel
         assert runs[0][kernel]["config"] == runs[1][kernel]["config"]
+
+
+class _FreshBufferWrite(torch.nn.Module):
+    """FNO's pattern: a buffer made in the forward and written into by slice assignment."""
+
+    def forward(self, x):
+        out = torch.zeros(x.shape[0], 64, 37, device=x.device)
+        out[:, :40, :20] = torch.nn.functional.gelu(x[:, :40, :20] * 2)
+        return out * 3 + 1
+
+
+class _InputWrite(torch.nn.Module):
+    def forward(self, x):
+        x.mul_(2)
+        return torch.nn.functional.gelu(x) + 1
+
+
+def test_writes_into_fresh_tensors_allow_a_graph_and_writes_into_inputs_forbid_it():
+    fresh = autofuser.fuse(_FreshBufferWrite().eval(), progress=False, verify_speed=False)
+    writer = autofuser.fuse(_InputWrite().eval(), progress=False, verify_speed=False)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(3, 64, 37, device="cuda")
+            torch.testing.assert_close(fresh(x), _FreshBufferWrite()(x), atol=1e-5, rtol=1e-4)
+        assert not any("writes into its inputs" in n for n in fresh.report().notes), fresh.report()
+        for _ in range(3):
+            x = torch.randn(3, 64, 37, device="cuda")
+            mine, theirs = x.clone(), x.clone()
+            torch.testing.assert_close(writer(mine), _InputWrite()(theirs), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(mine, theirs, atol=0, rtol=0)  # the caller's tensor written, as in eager
+        assert any("writes into its inputs" in n for n in writer.report().notes), writer.report()

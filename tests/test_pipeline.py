@@ -673,3 +673,69 @@ def test_a_group_whose_code_cannot_be_generated_is_replanned(monkeypatch):
     assert mlp and not mlp[0].fused and mlp[0].reason_code == "codegen_failed"
     covered = {n for g in report.fused for n in g.nodes}
     assert {"fc1", "fc2"} <= covered, str(report)
+
+
+# ---------------------------------------------------------------------------
+# Which forwards may replay as a CUDA graph: those that never write into their inputs
+# ---------------------------------------------------------------------------
+
+
+class _SpectralLike(torch.nn.Module):
+    """FNO's pattern: a buffer made in the forward, then written into by slice assignment."""
+
+    def forward(self, x):
+        out = torch.zeros(x.shape[0], 5, 7, dtype=x.dtype)
+        out[:, :3, :4] = x[:, :3, :4] * 2
+        return out + 1
+
+
+class _WritesInput(torch.nn.Module):
+    def forward(self, x):
+        x.add_(1)
+        return x * 2
+
+
+class _WritesInputThroughView(torch.nn.Module):
+    def forward(self, x):
+        x.reshape(-1)[:3] = 0.0
+        return x.sum(dim=-1)
+
+
+class _CountsCalls(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return x * self.calls
+
+
+class _WritesInputOutsideTheTrace(torch.nn.Module):
+    """The write sits in a part capture can't trace (value-dependent control flow)."""
+
+    def forward(self, x):
+        y = x * 3
+        _scale_if_positive(x)
+        return y
+
+
+@torch.fx.wrap
+def _scale_if_positive(x):
+    if x.sum() > -1e9:
+        x.mul_(2)
+    return None
+
+
+@pytest.mark.parametrize("model,writes", [
+    (_SpectralLike(), False), (_CountsCalls(), False), (_WritesInput(), True), (_WritesInputThroughView(), True),
+    (_WritesInputOutsideTheTrace(), True),
+], ids=lambda v: type(v).__name__ if isinstance(v, torch.nn.Module) else str(v))
+def test_writes_into_inputs_tells_graph_safe_forwards_from_unsafe_ones(model, writes):
+    from autofuser_core.fuse import writes_into_inputs
+
+    x = torch.randn(2, 5, 7)
+    before = x.clone()
+    gm = autofuser.capture(model, x.clone())
+    assert writes_into_inputs(gm, (x,)) is writes
+    torch.testing.assert_close(x, before, atol=0, rtol=0)  # the check runs on copies
