@@ -291,7 +291,8 @@ def _precompile_untuned(jobs: list, device: torch.device, options, progress, rep
     root = cache_dir(options.cache_dir)
     work: dict[str, CompileJob] = {}
     for job in jobs:
-        if job.source.name in work or _valid_entry(job.candidate, read_tuning(root, _tuning_key(job.source, device))):
+        cached = _valid_entry(job.candidate, read_tuning(root, _tuning_key(job.source, device)), warn=False)
+        if job.source.name in work or cached:
             continue
         program = job.candidate.program
         work[job.source.name] = CompileJob(
@@ -321,7 +322,7 @@ def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, 
     return _Tuned(entry["config"], True, 0.0, entry.get("timings", []), key, entry.get("speed"))
 
 
-def _valid_entry(candidate: Candidate, entry: Optional[dict]) -> Optional[dict]:
+def _valid_entry(candidate: Candidate, entry: Optional[dict], warn: bool = True) -> Optional[dict]:
     """A cached tuning entry whose config the strategy still accepts, else ``None`` (tune again):
     a validity rule added since the entry was written (a config found to fault, say) holds
     for cached configs too."""
@@ -335,8 +336,9 @@ def _valid_entry(candidate: Candidate, entry: Optional[dict]) -> Optional[dict]:
     except Exception as err:  # a config missing a key the rule reads
         why = f"its validity check failed: {type(err).__name__}: {err}"
     if why is not None:
-        logger.warning("cached config %s of %s is no longer valid (%s); tuning again", entry["config"],
-                       candidate.strategy.name, why)
+        if warn:
+            logger.warning("cached config %s of %s is no longer valid (%s); tuning again", entry["config"],
+                           candidate.strategy.name, why)
         return None
     return entry
 
