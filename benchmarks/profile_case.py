@@ -10,8 +10,11 @@ the host time per call, for one case of ``benchmarks/attention.py`` (a form) or 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,7 +29,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--form", default="galerkin", help=f"{', '.join(sorted(FORMS))} or part of a matmul case name")
     parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--mode", default="bf16", choices=["fp32", "tf32", "bf16"])
+    parser.add_argument("--mode", default="bf16", choices=["fp32", "tf32", "bf16", "bf16-weights"],
+                        help="bf16: autocast over fp32 parameters; bf16-weights: parameters and inputs in bf16 "
+                             "(no autocast), to see what reading fp32 weights costs a fused kernel")
     parser.add_argument("--tune-budget", type=float, default=2.0)
     args = parser.parse_args(argv)
     device = torch.device("cuda")
@@ -42,10 +47,19 @@ def main(argv=None) -> int:
         factory = factories[0]
         model = factory(args.width).to(device).eval()
         inputs = [torch.randn(M, args.width, device=device) for _ in range(getattr(factory, "inputs", 1))]
-    with precision(args.mode), torch.no_grad():
-        fused = autofuser.fuse(model, tune_budget_s=args.tune_budget, progress=False)
+    if args.mode == "bf16-weights":
+        model = model.to(torch.bfloat16)
+        inputs = [x.to(torch.bfloat16) for x in inputs]
+    cache = tempfile.mkdtemp(prefix="autofuser-profile-")
+    with precision("fp32" if args.mode == "bf16-weights" else args.mode), torch.no_grad():
+        fused = autofuser.fuse(model, tune_budget_s=args.tune_budget, progress=False, cache_dir=cache)
         fused(*inputs)
         print(fused.report(), file=sys.stderr)
+        for entry in sorted(Path(cache, "tuning").glob("*.json")):  # every config tuning timed, fastest first
+            data = json.loads(entry.read_text())
+            print(f"tuning {data['key']['kernel']}:")
+            for timing in sorted(data.get("timings", []), key=lambda t: t["ms"])[:8]:
+                print(f"  {timing['ms']:.4f} ms  {timing['config']}")
         for name, fn in (("eager", model), ("autofuser", fused)):
             print(f"{name}: {_ms(fn, *inputs):.4f} ms (do_bench: L2 flushed before each call)")
             print(f"{name}: {forward_time(fn, tuple(inputs)):.4f} ms (calls back to back, as the whole-forward check "
