@@ -413,12 +413,19 @@ def _time_on_device(fn, args: tuple) -> float:
     torch.cuda.synchronize()
     once_ms = (time.perf_counter() - begin) * 1e3
     calls = max(5, min(100, int(FORWARD_BUDGET_MS / max(once_ms, 1e-3))))
-    for _ in range(2):
-        fn(*args)
+    return median_call_ms(lambda: fn(*args), calls, warmup=2)
+
+
+def median_call_ms(fn, calls: int, warmup: int) -> float:
+    """Median ms of one call of ``fn()`` on the current CUDA device: ``warmup`` untimed
+    calls, then ``calls`` calls back to back, each between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
     for start, end in events:
         start.record()
-        fn(*args)
+        fn()
         end.record()
     torch.cuda.synchronize()
     return float(statistics.median(start.elapsed_time(end) for start, end in events))

@@ -47,6 +47,7 @@ from typing import Any, Callable, Optional
 import torch
 
 import autofuser
+from autofuser_core.fuse import median_call_ms
 from autofuser_zoo.airfoil import TRAIN_SEED, make_dataset, relative_l2, test_set
 from autofuser_zoo.models import MESHES, MODELS, ModelEntry, parameter_count
 
@@ -137,24 +138,18 @@ def _autocast(device: torch.device, dtype: str):
 
 
 def median_ms(fn: Callable[[], Any], iters: int, warmup: int, device: torch.device) -> float:
-    """Median wall time of one call of ``fn`` in ms, over ``iters`` calls after ``warmup`` calls."""
+    """Median wall time of one call of ``fn`` in ms, over ``iters`` calls after ``warmup`` calls:
+    on a GPU timed as AutoFuser's whole-forward check times it (CUDA events, calls back to back)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            return median_call_ms(fn, iters, warmup)
     for _ in range(warmup):
         fn()
-    _synchronize(device)
-    if device.type == "cuda":
-        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-        for start, end in pairs:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize(device)
-        times = [start.elapsed_time(end) for start, end in pairs]
-    else:
-        times = []
-        for _ in range(iters):
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
+    times = []
+    for _ in range(iters):
+        begin = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - begin) * 1e3)
     return float(statistics.median(times))
 
 
