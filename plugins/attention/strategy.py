@@ -13,6 +13,8 @@ report says why and those generic groups take the nodes instead.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from autofuser import StrategySpec
 from autofuser_core.codegen import next_power_of_2
 from autofuser_core.codegen_matmul import dot_block
@@ -138,14 +140,36 @@ def _linear_held(L, config) -> float:
     return (tiles + 2 * block_d * block_dv) / (32 * config["num_warps"])
 
 
+def _split_blocks_oversized(config, rows: int, points: int, row_name: str, rows_name: str) -> Optional[str]:
+    """Why a split-N chain's blocks are too large for its sizes (``BLOCK_M`` over ``rows``,
+    ``SPLITS`` runs of ``BLOCK_N`` over ``points``), or ``None``."""
+    if config["BLOCK_M"] > 16 and config["BLOCK_M"] // 2 >= rows:
+        return f"more {row_name} per program than there are {rows_name}"
+    if config["BLOCK_N"] > 16 and (config["BLOCK_N"] // 2) * config["SPLITS"] >= points:
+        return "splits longer than their share of the points"
+    return None
+
+
+def _split_default(points: int, row_blocks, warps: int, stages: int, is_valid) -> Optional[dict]:
+    """The first valid split-N config with up to 64-point blocks and 4, 2 or 1 splits (a few
+    steps each under the interpreter), trying the row blocks ``row_blocks`` in order."""
+    for splits in (4, 2, 1):
+        block_n = min(64, max(16, next_power_of_2(-(-points // splits))))
+        for block_m in row_blocks:
+            config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLITS": splits, "num_warps": warps,
+                      "num_stages": stages}
+            if is_valid(config) is None:
+                return config
+    return None
+
+
 def linear_is_valid(program, config):
     if program.linear is None:
         return is_valid(program, config)
     L = program.linear
-    if config["BLOCK_M"] > 16 and config["BLOCK_M"] // 2 >= L.n:
-        return "more query rows per program than there are queries"
-    if config["BLOCK_N"] > 16 and (config["BLOCK_N"] // 2) * config["SPLITS"] >= L.m:
-        return "splits longer than their share of the points"
+    oversized = _split_blocks_oversized(config, L.n, L.m, "query rows", "queries")
+    if oversized:
+        return oversized
     held = _linear_held(L, config)
     if held > REGS_PER_THREAD:
         return f"{held:.0f} values per thread would spill registers"
@@ -166,12 +190,8 @@ def linear_default_config(program):
     L = program.linear
     warps = 8 if max(L.d, L.dv) > 64 else 4
     block_m = min(64, max(16, next_power_of_2(L.n)))
-    for splits in (4, 2, 1):
-        block_n = min(64, max(16, next_power_of_2(-(-L.m // splits))))
-        config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLITS": splits, "num_warps": warps, "num_stages": 2}
-        if linear_is_valid(program, config) is None:
-            return config
-    return {"BLOCK_M": 16, "BLOCK_N": 16, "SPLITS": 1, "num_warps": warps, "num_stages": 1}
+    return (_split_default(L.m, (block_m,), warps, 2, lambda c: linear_is_valid(program, c))
+            or {"BLOCK_M": 16, "BLOCK_N": 16, "SPLITS": 1, "num_warps": warps, "num_stages": 1})
 
 
 def linear_generate(program, helpers):
@@ -232,10 +252,9 @@ def slice_is_valid(program, config):
         return ("plain-TF32 products with 8 warps and a pipelined loop read shared memory out of bounds "
                 "(Triton 3.6, sm_90); use num_stages 1")
     bg, bdx, bdf, bdq, bdv = (dot_block(s) for s in (L.g, L.dx, L.df, L.dq, L.dv))
-    if config["BLOCK_M"] > 16 and config["BLOCK_M"] // 2 >= L.n:
-        return "more points per program than there are points"
-    if config["BLOCK_N"] > 16 and (config["BLOCK_N"] // 2) * config["SPLITS"] >= L.n:
-        return "splits longer than their share of the points"
+    oversized = _split_blocks_oversized(config, L.n, L.n, "points", "points")
+    if oversized:
+        return oversized
     threads = 32 * config["num_warps"]
     points = max(config["BLOCK_M"], config["BLOCK_N"]) * (bdx + 3 * bg + bdf) + bg * bdf + bdx * bg
     tokens = 3 * bg * bg + bg * (bdf + 2 * bdq + 2 * bdv)
@@ -257,14 +276,9 @@ def slice_default_config(program):
     L = program.slices
     warps = 8 if L.g > 64 else 4
     block_m = min(64, max(16, next_power_of_2(L.n)))
-    for splits in (4, 2, 1):
-        block_n = min(64, max(16, next_power_of_2(-(-L.n // splits))))
-        for m in (block_m, 32, 16):
-            config = {"BLOCK_M": min(m, block_m), "BLOCK_N": block_n, "SPLITS": splits, "num_warps": warps,
-                      "num_stages": _slice_stages(program, warps)}
-            if slice_is_valid(program, config) is None:
-                return config
-    return {"BLOCK_M": 16, "BLOCK_N": 16, "SPLITS": 1, "num_warps": 8, "num_stages": 1}
+    return (_split_default(L.n, (block_m, min(32, block_m), 16), warps, _slice_stages(program, warps),
+                           lambda c: slice_is_valid(program, c))
+            or {"BLOCK_M": 16, "BLOCK_N": 16, "SPLITS": 1, "num_warps": 8, "num_stages": 1})
 
 
 SLICE_STRATEGY = StrategySpec(
