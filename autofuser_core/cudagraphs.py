@@ -29,7 +29,7 @@ class CudaGraphRunner:
         self.tensor_slots = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
         self.static_inputs = [x.clone() for x in inputs if isinstance(x, torch.Tensor)]
         self.template = list(inputs)
-        self.addresses = self._addresses()
+        self.baked = BakedAddresses(model)
         self.graph = torch.cuda.CUDAGraph()
         args = self._args(self.static_inputs)
         stream = torch.cuda.Stream()
@@ -45,9 +45,6 @@ class CudaGraphRunner:
         if not _bit_equal(self.static_outputs, reference):
             raise RuntimeError("a replay of the captured graph differs from the uncaptured forward")
 
-    def _addresses(self) -> list[int]:
-        return [t.data_ptr() for t in self.model.parameters()] + [t.data_ptr() for t in self.model.buffers()]
-
     def _args(self, tensors) -> list:
         args = list(self.template)
         for slot, t in zip(self.tensor_slots, tensors):
@@ -55,12 +52,37 @@ class CudaGraphRunner:
         return args
 
     def __call__(self, *inputs):
-        if self._addresses() != self.addresses:
+        if not self.baked.unchanged():
             return self.forward(*inputs)
         for static, slot in zip(self.static_inputs, self.tensor_slots):
             static.copy_(inputs[slot])
         self.graph.replay()
         return _clone(self.static_outputs)
+
+
+class BakedAddresses:
+    """The memory a captured graph baked in: each parameter and buffer of the model, found
+    where it lives (its owner's dict and name), and each submodule where it hangs.
+    ``unchanged()`` runs on every replay, so it checks them with dict lookups instead of
+    walking the module tree: an optimiser's in-place update keeps them; a replaced
+    parameter, a ``.data`` swap or a replaced submodule does not."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.modules = []  # (parent._modules, name, child)
+        self.tensors = []  # (owner dict, name, data_ptr)
+        for parent in model.modules():
+            self.modules += [(parent._modules, name, child) for name, child in parent._modules.items()]
+            for owner in (parent._parameters, parent._buffers):
+                self.tensors += [(owner, name, t.data_ptr()) for name, t in owner.items() if t is not None]
+
+    def unchanged(self) -> bool:
+        if any(modules.get(name) is not child for modules, name, child in self.modules):
+            return False
+        for owner, name, address in self.tensors:
+            tensor = owner.get(name)
+            if tensor is None or tensor.data_ptr() != address:
+                return False
+        return True
 
 
 def _clone(value: Any) -> Any:

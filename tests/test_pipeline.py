@@ -739,3 +739,27 @@ def test_writes_into_inputs_tells_graph_safe_forwards_from_unsafe_ones(model, wr
     gm = autofuser.capture(model, x.clone())
     assert writes_into_inputs(gm, (x,)) is writes
     torch.testing.assert_close(x, before, atol=0, rtol=0)  # the check runs on copies
+
+
+def test_baked_addresses_tell_in_place_updates_from_replaced_tensors_and_modules():
+    """What a CUDA-graph replay checks on every call, without walking the module tree."""
+    from autofuser_core.cudagraphs import BakedAddresses
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 3)).eval()
+
+    m = model()
+    baked = BakedAddresses(m)
+    assert baked.unchanged()
+    with torch.no_grad():
+        m[0].weight.mul_(2)  # an optimiser's step: same memory
+        m[1].running_mean.add_(torch.randn(7))
+    assert baked.unchanged()
+    for change in (lambda m: setattr(m[0], "weight", torch.nn.Parameter(torch.randn(7, 5))),
+                   lambda m: setattr(m[2].bias, "data", torch.randn(3)),
+                   lambda m: setattr(m[1], "running_var", torch.rand(7)),
+                   lambda m: m.__setitem__(2, torch.nn.Linear(7, 3))):
+        m = model()
+        baked = BakedAddresses(m)
+        change(m)
+        assert not baked.unchanged()
