@@ -51,7 +51,7 @@ import operator
 import sys
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.fx
@@ -475,12 +475,13 @@ def _preserved_state(model: torch.nn.Module):
                 tensor.copy_(copy)
 
 
-def bind_inputs(model: torch.nn.Module, args: tuple, kwargs: dict):
+def bind_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, sig: Optional[inspect.Signature] = None):
     """Map every forward parameter to its example value; also the flat call order.
 
     fx orders placeholders as: positional parameters, keyword-only ones, *varargs.
+    ``sig``: ``model.forward``'s signature where the caller keeps it (calls on a hot path).
     """
-    sig = inspect.signature(model.forward)
+    sig = sig or inspect.signature(model.forward)
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:

@@ -98,7 +98,8 @@ class FusedModule(torch.nn.Module):
         self._warned_full = False
         self._warned_unguardable = False
         self._all_modules = list(model.modules())
-        forward_parameters = inspect.signature(model.forward).parameters.values()
+        self._forward_signature = inspect.signature(model.forward)
+        forward_parameters = self._forward_signature.parameters.values()
         # Calls that pass exactly the positional parameters need no binding.
         self._positional_count = (
             -1 if any(p.kind in (p.VAR_POSITIONAL, p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in forward_parameters)
@@ -156,7 +157,7 @@ class FusedModule(torch.nn.Module):
 
     # -- copying and saving: compiled kernels and loaded plugins are per process ---
 
-    _PER_PROCESS = ("_plugin_set", "_compiled", "_last_report")
+    _PER_PROCESS = ("_plugin_set", "_compiled", "_last_report", "_forward_signature")
 
     def __deepcopy__(self, memo):
         clone = type(self).__new__(type(self))
@@ -168,6 +169,7 @@ class FusedModule(torch.nn.Module):
         object.__setattr__(clone, "_model", copy.deepcopy(self._model, memo))
         clone._all_modules = list(clone._model.modules())
         clone._plugin_set, clone._compiled, clone._last_report = self._plugin_set, OrderedDict(), None
+        clone._forward_signature = inspect.signature(clone._model.forward)
         return clone
 
     def __getstate__(self):
@@ -179,6 +181,7 @@ class FusedModule(torch.nn.Module):
         self.__dict__.update(state)
         self._plugin_set = _load_plugins_quietly(self._plugins)
         self._compiled, self._last_report = OrderedDict(), None
+        self._forward_signature = inspect.signature(self._model.forward)
 
     # -- signatures -----------------------------------------------------------
 
@@ -240,7 +243,7 @@ class FusedModule(torch.nn.Module):
         """The call's inputs in the captured graph's placeholder order, defaults filled in."""
         if not kwargs and len(args) == self._positional_count:
             return args  # the common case, kept cheap: it runs on every call
-        return tuple(bind_inputs(self._model, args, kwargs)[2])
+        return tuple(bind_inputs(self._model, args, kwargs, self._forward_signature)[2])
 
     def _progress(self, message: str) -> None:
         logger.info(message)
