@@ -11,6 +11,7 @@ gradients, through ``RecomputeForBackward``: kernel forward, eager backward).
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,7 +32,10 @@ class FusedKernel:
         self.eager = eager  # the group's original ops, as a GraphModule
         self.grid = source.grid(self.config)
         self.launch_args = {**self.config, **source.constexprs}  # fixed sizes win
-        self.input_layout = [(t.shape, t.stride) for t in program.inputs]
+        self.launcher = kernel[self.grid]  # indexing a Triton kernel by its grid builds a launcher: once
+        # (shape, strides or None where a single element makes strides meaningless)
+        self.input_layout = [(torch.Size(t.shape), tuple(t.stride) if math.prod(t.shape) > 1 else None)
+                             for t in program.inputs]
         self.input_dtypes = [t.dtype for t in program.inputs]  # what the kernel was compiled for
         self.output_layout = [(t.shape, t.stride, t.dtype) for t in program.outputs]
         self.single_output = len(program.outputs) == 1
@@ -51,7 +55,7 @@ class FusedKernel:
 
     def matches(self, inputs: Sequence[torch.Tensor]) -> bool:
         for tensor, (shape, stride) in zip(inputs, self.input_layout):
-            if tuple(tensor.shape) != shape or (tensor.numel() > 1 and tuple(tensor.stride()) != stride):
+            if tensor.shape != shape or (stride is not None and tensor.stride() != stride):
                 return False
         return True
 
@@ -59,7 +63,7 @@ class FusedKernel:
         device = inputs[0].device
         outputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                    for shape, stride, dtype in self.output_layout]
-        self.kernel[self.grid](*inputs, *outputs, **self.launch_args)
+        self.launcher(*inputs, *outputs, **self.launch_args)
         return outputs
 
     def with_live_attrs(self, graph_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
