@@ -263,17 +263,14 @@ class PlanningView:
     # -- step 2 helper ------------------------------------------------------------
 
     def space_groups(self) -> list[list[torch.fx.Node]]:
-        """Cached result of ``_grow_space_groups`` (several strategies ask)."""
+        """Cached result of ``grow_groups()`` (several strategies ask)."""
         if self._space_groups is None:
-            self._space_groups = self._grow_space_groups()
+            self._space_groups = self.grow_groups()
         return [list(g) for g in self._space_groups]
 
     def kinds(self, nodes: list[torch.fx.Node]) -> set[str]:
         """The lowering kinds (``pointwise``, ``reduction``, ...) among ``nodes``."""
         return {self.lowering_of[n].kind for n in nodes if n in self.lowering_of}
-
-    def _grow_space_groups(self) -> list[list[torch.fx.Node]]:
-        return self.grow_groups()
 
     def grow_groups(self, nodes: Optional[set[torch.fx.Node]] = None, compose=None) -> list[list[torch.fx.Node]]:
         """Grow groups along producer -> consumer edges, in graph order, while the

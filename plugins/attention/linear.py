@@ -405,7 +405,7 @@ def _read_fourier(view, nodes, output, index):
         summary = (f"form fourier: (q @ k^T) @ v reassociated as q @ (k^T @ v) (reassociate_products=True) as a "
                    f"chain of three kernels over {layout.m} points, head width {layout.d}; linear in the points")
         return layout, summary
-    layout = _fourier_as_written(view, nodes, scores, steps, output, out_steps, index)
+    layout = _fourier_as_written(view, scores, steps, output, out_steps, index)
     why = ("reassociate_products=True would make it linear" if scaling else
            "its score steps are not all scalings by constants, so it can't be reassociated")
     summary = (f"form fourier: (q @ k^T) @ v as written, one kernel over {layout.n} queries x {layout.m} keys "
@@ -413,7 +413,7 @@ def _read_fourier(view, nodes, output, index):
     return layout, summary
 
 
-def _fourier_as_written(view, nodes, scores, steps, output, out_steps, index) -> AttentionLayout:
+def _fourier_as_written(view, scores, steps, output, out_steps, index) -> AttentionLayout:
     qk, pv = product(view, scores), product(view, output)
     scores_meta = tensor_meta(scores)
     out_meta = tensor_meta(out_steps[-1] if out_steps else output)

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from autofuser import StrategySpec
-from autofuser_core.codegen import INT32_LIMIT, KernelSource, triton_cdiv
-from autofuser_core.codegen_matmul import _dot_line, dot_block
+from autofuser_core.codegen import KernelSource, triton_cdiv
+from autofuser_core.codegen_matmul import _dot_line, dot_block, needs_int64
 from autofuser_core.group import GroupRefused, KernelTensor, attr_tensor, program_from_nodes
 from autofuser_core.ir import AttrRef, tensor_meta
 from autofuser_core.matmul_layout import STRICT_FP32
@@ -58,11 +58,6 @@ class Conv:
     out_spatial: tuple[int, ...]
     in_channels: int
     out_channels: int
-
-    @property
-    def is_pointwise(self) -> bool:
-        """A 1x1 convolution with stride 1 and no padding: a plain product over channels."""
-        return all(k == 1 for k in self.kernel) and all(s == 1 for s in self.stride) and not any(self.padding)
 
 
 def _ints(value: Any, rank: int) -> Optional[tuple[int, ...]]:
@@ -260,8 +255,7 @@ def write_conv_kernel(program: ConvProgram, strategy: str, helpers=None) -> Kern
     pixels = math.prod(conv.out_spatial)
     w = ChainWriter(program, known={program.conv_node: "acc"})
     emit = w.emit
-    extents = [sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride)) + 1 for t in program.inputs + [out]]
-    wide = max(extents + [math.prod(out.shape)]) > INT32_LIMIT
+    wide = needs_int64(program)
     cast = ".to(tl.int64)" if wide else ""
 
     emit(f"num_n = tl.cdiv({pixels}, BLOCK_N)")

@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 
 from autofuser import StrategySpec
-from autofuser_core.codegen import INT32_LIMIT, TL_DTYPES, KernelSource, _literal, triton_cdiv, used_helpers
+from autofuser_core.codegen import TL_DTYPES, KernelSource, _literal, triton_cdiv, used_helpers
+from autofuser_core.codegen_matmul import needs_int64
 from autofuser_core.group import (GroupProgram, GroupRefused, KernelTensor, _collect, attr_tensor, program_from_nodes,
                                   read_view)
 from autofuser_core.ir import AttrRef, Value, tensor_meta
@@ -343,8 +344,7 @@ def write_upsample_kernel(program: ResampleProgram, strategy: str, helpers=None)
     shape = out.shape
     numel = math.prod(shape)
     w = ChainWriter(program)
-    extents = [sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride)) + 1 for t in program.inputs + [out]]
-    wide = max(extents + [numel]) > INT32_LIMIT
+    wide = needs_int64(program)
     w.emit(f"offs = tl.program_id(0){'.to(tl.int64)' if wide else ''} * BLOCK + tl.arange(0, BLOCK)")
     w.emit(f"mask = offs < {numel}")
     coords = []

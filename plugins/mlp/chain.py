@@ -38,7 +38,7 @@ MAX_STEPS = 6
 SMEM_LIMIT = 200 * 1024  # H100/H200: 228 KiB per SM
 #: fp32 values per thread (whole-row tiles, accumulators, operands) before registers spill.
 REGS_PER_THREAD = 160
-CHUNKS = (64, 32, 128, 16, 256)
+CHUNKS = (64, 32, 128)
 
 
 def _product_nodes(view, nodes) -> int:
@@ -78,9 +78,7 @@ def propose(view):
         try:
             view.compose(group)
             continue  # one product, or an MLP: the matmul and mlp strategies' groups
-        except GroupRefused:
-            pass
-        except Exception:
+        except Exception:  # refused (GroupRefused) or not one domain: a chain candidate
             pass
         found.append(group)
         if products > MAX_STEPS:
@@ -125,7 +123,7 @@ def _chunk_sizes(layout: ChainLayout, chunk: int, widest_step=None) -> dict[str,
 def configs(program):
     layout: ChainLayout = program.matmul
     out = []
-    for block_m, warps, chunk in itertools.product((64, 32, 128, 16), (4, 8), CHUNKS[:3]):
+    for block_m, warps, chunk in itertools.product((64, 32, 128, 16), (4, 8), CHUNKS):
         config = {"BLOCK_M": block_m, **_chunk_sizes(layout, chunk), "num_warps": warps, "num_stages": 2}
         if config not in out:
             out.append(config)
