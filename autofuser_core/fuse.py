@@ -203,9 +203,7 @@ class FusedModule(torch.nn.Module):
             (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")
         )
         modes = tuple(m.training for m in self._all_modules)
-        # How eager multiplies fp32 (matmuls, and cuDNN's convolutions): kernels are written to match it.
-        precision = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
-                     torch.backends.cudnn.allow_tf32)
+        precision = _fp32_settings()
         return (describe(args), describe(kwargs), torch.is_grad_enabled(), autocast, modes, precision)
 
     # -- forward ----------------------------------------------------------------
@@ -272,7 +270,8 @@ class FusedModule(torch.nn.Module):
             # (eval mode, no grad), and leaving buffers and RNG state as they were.
             inference = not grad and not any(m.training for m in self._all_modules)
             step = time.perf_counter()
-            cuda = _first_device(flat).type == "cuda"
+            device = _first_device(flat)
+            cuda = device.type == "cuda"
             # A forward that writes into its inputs can't replay as a graph: the replay would
             # write into its own static copies instead. Writes into tensors the forward makes
             # itself (FNO's `out_ft[..., :m] = ...`) or into parameters and buffers (the same
@@ -283,7 +282,7 @@ class FusedModule(torch.nn.Module):
                     writes = writes_into_inputs(fused_gm, flat)
                 if writes:
                     report.notes.append("no CUDA graph: the forward writes into its inputs in place")
-            measured = self._options.verify_speed and inference and _can_time_forward(_first_device(flat))
+            measured = self._options.verify_speed and inference and _can_time_forward(device)
             vkey = _verdict_key(fused_gm, bool(report.fused), kwargs, flat) if measured else None
             root = cache_dir(self._options.cache_dir)
             known = read_verdict(root, vkey) if vkey is not None else {}
@@ -439,6 +438,12 @@ def _can_time_forward(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _fp32_settings() -> tuple:
+    """How eager multiplies fp32 (matmuls, and cuDNN's convolutions): kernels are written to match it."""
+    return (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
+            torch.backends.cudnn.allow_tf32)
+
+
 def _verdict_key(fused_gm: torch.fx.GraphModule, fused: bool, kwargs: dict, flat: list) -> Optional[dict]:
     """What the whole-forward timings depend on: the rewritten graph, each kernel and
     config, the inputs' shapes, dtypes and strides, the GPU and the versions.
@@ -449,8 +454,7 @@ def _verdict_key(fused_gm: torch.fx.GraphModule, fused: bool, kwargs: dict, flat
                for n in fused_gm.graph.nodes if isinstance(n.target, FusedKernel)]
     inputs = [[str(x.dtype), list(x.shape), list(x.stride())] if isinstance(x, torch.Tensor) else repr(x)
               for x in flat]
-    precision = [torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
-                 torch.backends.cudnn.allow_tf32]  # they change eager's own time
+    precision = _fp32_settings()  # they change eager's own time
     # The timing method is part of the key: verdicts timed another way are not reused.
     text = json.dumps([fused_gm.code, kernels, inputs, sorted(kwargs), precision, FORWARD_TIMING], default=str)
     return {"forward": hashlib.sha256(text.encode()).hexdigest(), **device_key(_first_device(flat))}
