@@ -48,9 +48,13 @@ def propose(view):
 def accepts(program):
     if not isinstance(program, AttentionProgram) or program.attention is None:
         return ("not_attention", "the group was not composed by the attention strategy")
-    if program.attention.batch_numel > MAX_GRID_Y:
-        return ("batch_too_large", f"{program.attention.batch_numel} batch entries exceed the grid's second axis "
-                                   f"({MAX_GRID_Y})")
+    return _batch_refusal(program.attention)
+
+
+def _batch_refusal(layout):
+    """The refusal of a layout whose batch entries would not fit the grid's second axis, or ``None``."""
+    if layout.batch_numel > MAX_GRID_Y:
+        return ("batch_too_large", f"{layout.batch_numel} batch entries exceed the grid's second axis ({MAX_GRID_Y})")
     return None
 
 
@@ -127,10 +131,7 @@ LINEAR_CONFIGS = [
 def linear_accepts(program):
     if not isinstance(program, AttentionProgram) or (program.linear is None and program.attention is None):
         return ("not_attention", "the group was not composed by the linear attention strategy")
-    layout = program.linear or program.attention
-    if layout.batch_numel > MAX_GRID_Y:
-        return ("batch_too_large", f"{layout.batch_numel} batch entries exceed the grid's second axis ({MAX_GRID_Y})")
-    return None
+    return _batch_refusal(program.linear or program.attention)
 
 
 def _linear_held(L, config) -> float:
@@ -230,10 +231,7 @@ SLICE_CONFIGS = [
 def slice_accepts(program):
     if not isinstance(program, AttentionProgram) or program.slices is None:
         return ("not_attention", "the group was not composed by the slice attention strategy")
-    if program.slices.batch_numel > MAX_GRID_Y:
-        return ("batch_too_large", f"{program.slices.batch_numel} batch entries exceed the grid's second axis "
-                                   f"({MAX_GRID_Y})")
-    return None
+    return _batch_refusal(program.slices)
 
 
 #: Measured on an H200 (Triton 3.6, ``benchmarks/slice_tf32_probe.py``): with plain-TF32
