@@ -27,6 +27,21 @@ def jit_function(name: str, params: list[str], blocks: list[str], lines: list[st
     return f"@triton.jit\ndef {name}({signature}):\n" + "\n".join(lines) + "\n"
 
 
+def chain_stages(names: list[str], sources, types: dict[str, str]) -> tuple[list[str], list[dict]]:
+    """A chain's ``@triton.jit`` functions and its stage descriptions (for ``chain_module``):
+    ``sources`` is one ``(params, blocks, lines)`` per stage, ``types`` each pointer argument's type."""
+    functions = [jit_function(n, params, blocks, lines) for n, (params, blocks, lines) in zip(names, sources)]
+    stages = [{"name": n, "pointers": {p: types[p] for p in params}, "constexprs": {b: b for b in blocks}}
+              for n, (params, blocks, _) in zip(names, sources)]
+    return functions, stages
+
+
+def split_chunk(points: int, splits: str = "SPLITS", block: str = "BLOCK_N") -> str:
+    """The points each of ``splits`` splits covers, in whole blocks: an expression over the
+    launcher's arguments (or, with other names, over a config)."""
+    return f"triton.cdiv(triton.cdiv({points}, {splits}), {block}) * {block}"
+
+
 def digest(*parts: str) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:10]
 

@@ -24,7 +24,7 @@ from autofuser_core.codegen import INT32_LIMIT, TL_DTYPES, KernelSource, emit_of
 from autofuser_core.codegen_matmul import _dot_line, _operand, dot_block
 from autofuser_core.rounding import rounded, stored
 
-from .chain import POINTER_TYPES, chain_module, digest, jit_function
+from .chain import POINTER_TYPES, chain_module, chain_stages, digest, split_chunk
 from .kernel import ROUNDED, _all, _term, _Writer, kernel_header, load_cast
 from .layout import LinearAttentionLayout, Operand, RowNorm
 
@@ -132,15 +132,11 @@ def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource
     helper_text = used_helpers(helpers, bodies)
     name = f"af_attention_{L.form}_{digest(helper_text, bodies, repr(partial_params))}"
     stage_names = [f"{name}_partials", f"{name}_combine", f"{name}_apply"]
-    functions = [jit_function(n, params, blocks, lines)
-                 for n, (params, blocks, lines) in zip(stage_names, (partials, combine, apply))]
     types = {f"in{k}": POINTER_TYPES[t.dtype] for k, t in enumerate(program.inputs)}
     types.update(partial="*fp32", context="*fp32", out0=POINTER_TYPES[L.out.dtype])
-    stages = [{"name": n, "pointers": {p: types[p] for p in params},
-               "constexprs": {b: b for b in blocks}}
-              for n, (params, blocks, _) in zip(stage_names, (partials, combine, apply))]
+    functions, stages = chain_stages(stage_names, (partials, combine, apply), types)
     launch = [
-        f"chunk = triton.cdiv(triton.cdiv({L.m}, SPLITS), BLOCK_N) * BLOCK_N  # points per split",
+        f"chunk = {split_chunk(L.m)}  # points per split",
         "device = out0.device",
         f"partial = torch.empty(({L.batch_numel}, SPLITS, BLOCK_D, BLOCK_DV), dtype=torch.float32, device=device)",
         f"context = torch.empty(({L.batch_numel}, BLOCK_D, BLOCK_DV), dtype=torch.float32, device=device)",
@@ -153,7 +149,7 @@ def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource
     ]
     signature = ", ".join(inputs + ["out0", "*", "BLOCK_M", "BLOCK_N", "SPLITS", "BLOCK_D", "BLOCK_DV",
                                     "num_warps=4", "num_stages=2"])
-    derived = {"CHUNK": f"triton.cdiv(triton.cdiv({L.m}, config['SPLITS']), config['BLOCK_N']) * config['BLOCK_N']"}
+    derived = {"CHUNK": split_chunk(L.m, "config['SPLITS']", "config['BLOCK_N']")}
     source = chain_module(_header(program, strategy), helper_text, functions, name, launch, signature, stages,
                           derived, tuple(inputs + ['out0']))
     return KernelSource(name=name, source=source, layout="attention_chain", grid=lambda config: (1,),

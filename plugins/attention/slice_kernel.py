@@ -24,7 +24,7 @@ from autofuser_core.codegen import INT32_LIMIT, TL_DTYPES, KernelSource, used_he
 from autofuser_core.codegen_matmul import _dot_line, _operand, dot_block
 from autofuser_core.rounding import rounded, stored
 
-from .chain import POINTER_TYPES, chain_module, digest, jit_function
+from .chain import POINTER_TYPES, chain_module, chain_stages, digest, split_chunk
 from .kernel import ROUNDED, _all, _term, _Writer, kernel_header, load_cast
 from .layout import LinearMap, SliceLayout
 from .linear_kernel import _offsets
@@ -173,14 +173,12 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     helper_text = used_helpers(helpers, bodies)
     name = f"af_attention_slice_{digest(helper_text, bodies)}"
     stage_names = [f"{name}_aggregate", f"{name}_mix", f"{name}_scatter"]
-    functions = [jit_function(n, params, blocks, lines) for n, (params, blocks, lines) in zip(stage_names, stages_src)]
     types = {f"in{k}": POINTER_TYPES[t.dtype] for k, t in enumerate(program.inputs)}
     types.update(partial="*fp32", partial_sums="*fp32", mixed_tokens="*fp32", out0=POINTER_TYPES[L.out.dtype])
-    stages = [{"name": n, "pointers": {p: types[p] for p in params}, "constexprs": {b: b for b in blocks}}
-              for n, (params, blocks, _) in zip(stage_names, stages_src)]
+    functions, stages = chain_stages(stage_names, stages_src, types)
     batch, args = L.batch_numel, ", ".join(inputs)
     launch = [
-        f"chunk = triton.cdiv(triton.cdiv({L.n}, SPLITS), BLOCK_N) * BLOCK_N  # points per split",
+        f"chunk = {split_chunk(L.n)}  # points per split",
         "device = out0.device",
         f"partial = torch.empty(({batch}, SPLITS, BLOCK_G, BLOCK_DF), dtype=torch.float32, device=device)",
         f"partial_sums = torch.empty(({batch}, SPLITS, BLOCK_G), dtype=torch.float32, device=device)",
@@ -196,7 +194,7 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     ]
     signature = ", ".join(inputs + ["out0", "*", "BLOCK_M", "BLOCK_N", "SPLITS", "BLOCK_G", "BLOCK_DX", "BLOCK_DF",
                                     "BLOCK_DQ", "BLOCK_DV", "num_warps=4", "num_stages=2"])
-    derived = {"CHUNK": f"triton.cdiv(triton.cdiv({L.n}, config['SPLITS']), config['BLOCK_N']) * config['BLOCK_N']"}
+    derived = {"CHUNK": split_chunk(L.n, "config['SPLITS']", "config['BLOCK_N']")}
     source = chain_module(_header(program, strategy), helper_text, functions, name, launch, signature, stages, derived,
                           tuple(inputs + ["out0"]))
     return KernelSource(name=name, source=source, layout="attention_chain", grid=lambda config: (1,),
