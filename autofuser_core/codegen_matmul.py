@@ -30,7 +30,7 @@ import torch
 
 from .codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, _header, _literal, _short, emit_offsets, next_power_of_2,
                       row_reduction, triton_cdiv, used_helpers)
-from .group import GroupProgram
+from .group import GroupProgram, collect_values
 from .ir import Value
 from .matmul_layout import PackedOperand
 from .rounding import interpreting, rounded, stored
@@ -263,14 +263,7 @@ def _term(axis: str, stride: int) -> Optional[str]:
 
 
 def _all_values(program: GroupProgram) -> list[Value]:
-    seen: dict[int, Value] = {}
-    stack = list(program.output_values)
-    while stack:
-        v = stack.pop()
-        if v.uid not in seen:
-            seen[v.uid] = v
-            stack.extend(v.args)
-    return sorted(seen.values(), key=lambda v: v.uid)
+    return sorted(collect_values(program.output_values).values(), key=lambda v: v.uid)
 
 
 def _emit_rows(w: _MatmulWriter, out_domain, rows: int, sites: list, strides: list, wide: bool, grouped_n: Optional[int]) -> None:

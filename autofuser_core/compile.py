@@ -27,7 +27,7 @@ import torch.fx
 
 from .capture import frozen_state
 from .cache import cache_dir, load_kernel_module, read_tuning, tuning_lock, write_tuning
-from .group import GroupProgram, attr_tensor
+from .group import GroupProgram, attr_tensor, collect_values
 from .ir import AttrRef
 from .launch import FusedKernel
 from .planner import Candidate, Plan, barrier_reason, plan_fusion_groups
@@ -599,17 +599,7 @@ def product_count(program: Optional[GroupProgram]) -> int:
     """Matrix products (``dot`` values) in a composed group: what re-planning splits."""
     if program is None:
         return 0
-    seen: set[int] = set()
-    stack = list(program.output_values)
-    count = 0
-    while stack:
-        v = stack.pop()
-        if v.uid in seen:
-            continue
-        seen.add(v.uid)
-        count += v.op == "dot"
-        stack.extend(v.args)
-    return count
+    return sum(v.op == "dot" for v in collect_values(program.output_values).values())
 
 
 def _numel(shape) -> int:

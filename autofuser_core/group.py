@@ -197,7 +197,7 @@ def compose_group(
         return out
 
     for node in nodes:
-        if any(v.op == "extern" for v in _collect([lowered[node]]).values()):
+        if any(v.op == "extern" for v in collect_values([lowered[node]]).values()):
             raise GroupRefused(
                 "extern_op",
                 f"{node.name} ({(op_names or {}).get(node, node.target)}) is lowered as an extern op: only a "
@@ -247,7 +247,7 @@ def compose_group(
     if lay_out is None:
         _lay_out(program)
     else:
-        lay_out(program, _collect(program.output_values))
+        lay_out(program, collect_values(program.output_values))
     return program
 
 
@@ -325,7 +325,8 @@ def _stamp_dot_dtype(value: Value, dtype: torch.dtype) -> None:
         stack.extend(v.args)
 
 
-def _collect(roots: Sequence[Value]) -> dict[int, Value]:
+def collect_values(roots: Sequence[Value]) -> dict[int, Value]:
+    """Every value the ``roots`` depend on (themselves included), by uid."""
     values: dict[int, Value] = {}
     stack = list(roots)
     while stack:
@@ -338,7 +339,7 @@ def _collect(roots: Sequence[Value]) -> dict[int, Value]:
 
 def _lay_out(program: GroupProgram) -> None:
     """Steps 3 and 4 of the module doc: the domain, the reduced dims, strides."""
-    values = _collect(program.output_values)
+    values = collect_values(program.output_values)
     if any(v.op == "extern" for v in values.values()):
         raise GroupRefused("extern_op", "the group contains an extern op, which only a strategy with its own "
                                         "compose generates")

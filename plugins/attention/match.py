@@ -37,7 +37,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from autofuser_core.group import GroupRefused, _domain_strides, program_from_nodes
+from autofuser_core.group import GroupRefused, _domain_strides, collect_values, program_from_nodes
 from autofuser_core.ir import AttrRef, Value, tensor_meta
 from autofuser_core.matmul_layout import fp32_precision
 
@@ -93,14 +93,7 @@ def product(view, node: torch.fx.Node) -> Optional[Value]:
 
 
 def _values(root: Value) -> list[Value]:
-    seen: dict[int, Value] = {}
-    stack = [root]
-    while stack:
-        v = stack.pop()
-        if v.uid not in seen:
-            seen[v.uid] = v
-            stack.extend(v.args)
-    return list(seen.values())
+    return list(collect_values([root]).values())
 
 
 def _is_pointwise(view, node: torch.fx.Node) -> bool:

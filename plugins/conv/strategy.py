@@ -31,7 +31,7 @@ import torch
 from autofuser import StrategySpec
 from autofuser_core.codegen import TL_DTYPES, KernelSource, _literal, triton_cdiv, used_helpers
 from autofuser_core.codegen_matmul import needs_int64
-from autofuser_core.group import (GroupProgram, GroupRefused, KernelTensor, _collect, attr_tensor, program_from_nodes,
+from autofuser_core.group import (GroupProgram, GroupRefused, KernelTensor, attr_tensor, collect_values, program_from_nodes,
                                   read_view)
 from autofuser_core.ir import AttrRef, Value, tensor_meta
 from autofuser_core.rounding import rounded, stored
@@ -80,7 +80,7 @@ def follow_chain(view, start: torch.fx.Node, cats: bool = True) -> list[torch.fx
 
 
 def _values(root: Value) -> list[Value]:
-    return list(_collect([root]).values())
+    return list(collect_values([root]).values())
 
 
 def propose(view):

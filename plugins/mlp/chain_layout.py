@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from autofuser_core.codegen_matmul import dot_block
-from autofuser_core.group import GroupProgram, GroupRefused, _domain_strides
+from autofuser_core.group import GroupProgram, GroupRefused, _domain_strides, collect_values
 from autofuser_core.ir import Value
 from autofuser_core.matmul_layout import _check_fits, _operand_dtype, _weight_strides, fp32_precision
 
@@ -239,13 +239,7 @@ def _from_memory(v: Value) -> bool:
 
 
 def _collect(root: Value) -> set[int]:
-    found, stack = set(), [root]
-    while stack:
-        v = stack.pop()
-        if v.uid not in found:
-            found.add(v.uid)
-            stack.extend(v.args)
-    return found
+    return set(collect_values([root]))
 
 
 def padded(width: int) -> int:
