@@ -55,6 +55,10 @@ class KernelSource:
     grid: Callable[[dict], tuple[int, ...]]
     constexprs: dict[str, int] = field(default_factory=dict)  # fixed by the layout, not tuned
 
+    def launch_args(self, config: dict) -> dict:
+        """The keyword arguments of a launch with ``config``: the layout's fixed sizes win over a config's."""
+        return {**config, **self.constexprs}
+
     @property
     def source_hash(self) -> str:
         """Digest of the code, without the leading comment block that names the

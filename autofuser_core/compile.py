@@ -298,7 +298,7 @@ def _precompile_untuned(jobs: list, device: torch.device, options, progress, rep
         work[job.source.name] = CompileJob(
             path=job.kernel_path, name=job.source.name,
             dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in (*program.inputs, *program.outputs)),
-            launches=tuple(launch_items(c, job.source.constexprs) for c in _tuning_configs(job.candidate)))
+            launches=tuple(launch_items(job.source.launch_args(c)) for c in _tuning_configs(job.candidate)))
     work_list = list(work.values())
     compiled = precompile(work_list, progress)
     wanted = sum(len(j.launches) for j in work_list)
@@ -356,7 +356,7 @@ def _tune(candidate: Candidate, source, kernel, inputs, device, options, progres
     for config in configs:
         if time.perf_counter() - start > options.tune_budget_s and timings:
             break
-        launch = {**config, **source.constexprs}  # the layout's fixed sizes win over a config's
+        launch = source.launch_args(config)
         grid = source.grid(config)
         try:
             ms = _bench(lambda: kernel[grid](*inputs, *outputs, **launch), rep_ms=TUNING_REP_MS)

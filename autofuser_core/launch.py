@@ -31,7 +31,7 @@ class FusedKernel:
         self.config = dict(config)
         self.eager = eager  # the group's original ops, as a GraphModule
         self.grid = source.grid(self.config)
-        self.launch_args = {**self.config, **source.constexprs}  # fixed sizes win
+        self.launch_args = source.launch_args(self.config)
         self.launcher = kernel[self.grid]  # indexing a Triton kernel by its grid builds a launcher: once
         # (shape, strides or None where a single element makes strides meaningless)
         self.input_layout = [(torch.Size(t.shape), tuple(t.stride) if math.prod(t.shape) > 1 else None)

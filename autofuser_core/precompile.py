@@ -165,9 +165,9 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 
-def launch_items(config: dict, constexprs: dict) -> tuple[tuple[str, Any], ...]:
-    """A launch's keyword arguments as the tuning loop passes them, hashable."""
-    return tuple(sorted({**config, **constexprs}.items()))
+def launch_items(launch_args: dict) -> tuple[tuple[str, Any], ...]:
+    """A launch's keyword arguments (``KernelSource.launch_args``), hashable."""
+    return tuple(sorted(launch_args.items()))
 
 
 def _compile_tasks(tasks: list[dict]) -> int:

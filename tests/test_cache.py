@@ -624,7 +624,7 @@ with open(path, "w") as f:
             "    tl.store(y + i, tl.load(x + i) * 2)\n")
 precompile.start_workers()
 jobs = [precompile.CompileJob(path, "k", ("float32", "float32"), tuple(
-    precompile.launch_items({"BLOCK": b, "num_warps": 4}, {}) for b in (16, 32, 64)))]
+    precompile.launch_items({"BLOCK": b, "num_warps": 4}) for b in (16, 32, 64)))]
 compiled = precompile.precompile(jobs, lambda m: None)
 print("answered", precompile.last_answered, "compiled", compiled, flush=True)
 '''
