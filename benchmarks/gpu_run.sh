@@ -10,8 +10,9 @@
 #   zoo:DTYPE:MODEL,MODEL   the zoo models through `autofuser bench` (benchmarks/zoo_run.sh)
 # Results (logs, JSON, markdown tables) go to ${OUT:-bench-results}/<step>.
 # Extra flags for a benchmark script: ${STEP}_FLAGS, e.g. MATMUL_FLAGS="--widths 128".
-# At the end, everything under the results folder is also packed into one
-# archive beside it, FOLDER.tar.gz: one file to copy off the machine.
+# After every step, everything under the results folder is packed into one
+# archive beside it, FOLDER.tar.gz: one file to copy off the machine, which
+# still holds the finished steps when a time limit stops the run part-way.
 set -uo pipefail
 out=${OUT:-bench-results}
 mkdir -p "$out"
@@ -48,5 +49,6 @@ for step in "${steps[@]}"; do
     *) echo "unknown step $step" ;;
   esac
   echo "step $step took $(( $(date +%s) - start )) s" | tee -a "$out/steps.txt"
+  tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")"
 done
-tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")" && echo "archive: $out.tar.gz"
+echo "archive: $out.tar.gz"
