@@ -31,7 +31,7 @@ from .group import GroupProgram, attr_tensor, collect_values
 from .ir import AttrRef
 from .launch import FusedKernel
 from .planner import Candidate, Plan, barrier_reason, plan_fusion_groups
-from .precompile import CompileJob, launch_items, precompile, start_workers
+from .precompile import CompileJob, launch_items, precompile, shutdown, start_workers
 from .registry import describe_target
 from .report import FusionReport, GroupEntry, NodeEntry, describe_graph
 from .matmul_layout import MAX_PRODUCTS, STRICT_FP32
@@ -381,6 +381,14 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
     ``backward``: the graph will run with gradients on, so every group must be
     able to recompute its ops for backward from its saved inputs.
     """
+    try:
+        return _compile_rounds(gm, inputs, plugin_set, options, progress, backward)
+    finally:
+        shutdown()  # the compile workers served every round; nothing is left for them
+
+
+def _compile_rounds(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, progress,
+                    backward: bool) -> tuple[torch.fx.GraphModule, FusionReport]:
     started = time.perf_counter()
     report = FusionReport(plugins=list(plugin_set.names), opaque=dict(gm.meta.get("autofuser_opaque", {})))
     for impl in plugin_set.manager.hook.autofuser_transform_graph.get_hookimpls():

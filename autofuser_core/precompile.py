@@ -17,10 +17,14 @@ autofuser_core.precompile``), never ``multiprocessing`` children: those
 re-import the user's main script, which without an ``if __name__ ==
 "__main__":`` guard would run the user's whole program again in every worker.
 Each worker is started when a compile begins (it imports torch and Triton
-while the graph is planned, without touching the GPU), takes one list of
-tasks on stdin, answers with how many compiled, and exits; workers a warm
-cache leaves without work are stopped. A worker that fails or hangs costs speed, never
-correctness: a config it did not compile is compiled when it is timed.
+while the graph is planned, without touching the GPU) and serves every
+planning round of that compile: it reads one line of tasks per round on
+stdin and answers with how many compiled, so a later round pays neither the
+imports nor Triton's first-compile set-up again. The compile stops its
+workers when it ends (``shutdown``); a worker a warm cache leaves without work
+never touches the GPU. A worker that fails or hangs costs speed, never
+correctness: a config it did not compile is compiled when it is timed, and the
+worker is dropped from the pool.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,18 +117,16 @@ def precompile(jobs: list[CompileJob], progress) -> int:
 
     Blocks until the workers answer (at most ``WAIT_S``). Returns 0 without doing
     anything where parallel compilation is off (``AUTOFUSER_COMPILE_WORKERS=0``) or
-    under Triton's interpreter.
+    under Triton's interpreter. The workers stay up for the next call, until ``shutdown``.
     """
     tasks = [{"path": j.path, "name": j.name, "dtypes": list(j.dtypes), "launch": dict(launch)}
              for j in jobs for launch in j.launches]
-    if not _enabled():
-        return 0
-    if not tasks:
-        shutdown()  # started for nothing: every kernel was tuned already
+    global last_answered
+    last_answered = 0
+    if not _enabled() or not tasks:
         return 0
     start_workers()
     pool = list(_workers)
-    _workers.clear()  # one list of tasks per worker: the next compile starts fresh ones
     if not pool:
         return 0
     progress(f"compiling {len(tasks)} config(s) of {len(jobs)} kernel(s) on {len(pool)} worker process(es)")
@@ -131,35 +134,56 @@ def precompile(jobs: list[CompileJob], progress) -> int:
     deadline = time.monotonic() + WAIT_S
 
     def ask(proc: subprocess.Popen, share: list) -> tuple[int, int]:
+        if not share:
+            return 0, 0
         try:
-            out, _ = proc.communicate(json.dumps(share) + "\n", timeout=max(1.0, deadline - time.monotonic()))
-            answer = json.loads(out.strip().splitlines()[-1])
+            proc.stdin.write(json.dumps(share) + "\n")
+            proc.stdin.flush()
+            answer = json.loads(_read_line(proc, deadline))
             return int(answer["compiled"]), int(answer["tried"])
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+        except TimeoutError:
             logger.warning("a compile worker did not answer within %d s; its configs compile when timed", WAIT_S)
-        except (ValueError, KeyError, IndexError, OSError):
-            logger.debug("a compile worker exited without an answer (code %s)", proc.returncode)
+        except (ValueError, KeyError, TypeError, OSError):
+            logger.debug("a compile worker exited without an answer (code %s)", proc.poll())
+        _stop(proc)
+        if proc in _workers:
+            _workers.remove(proc)
         return 0, 0
 
-    global last_answered
     with ThreadPoolExecutor(max_workers=len(pool)) as waiters:  # each worker fed and read at once
         answers = list(waiters.map(ask, pool, shares))
     last_answered = sum(tried for _, tried in answers)
-    compiled = sum(done for done, _ in answers)
-    return compiled
+    return sum(done for done, _ in answers)
+
+
+def _read_line(proc: subprocess.Popen, deadline: float) -> str:
+    """The worker's next line of output; ``TimeoutError`` past ``deadline``, ``OSError`` if it exited."""
+    reader = ThreadPoolExecutor(max_workers=1)
+    try:
+        text = reader.submit(proc.stdout.readline).result(timeout=max(1.0, deadline - time.monotonic()))
+    except FutureTimeout:
+        _stop(proc)  # ends the blocked read
+        raise TimeoutError from None
+    finally:
+        reader.shutdown(wait=False)
+    if not text:
+        raise OSError("the worker exited")
+    return text
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    try:
+        proc.communicate(timeout=5)
+    except Exception:
+        pass
 
 
 def shutdown() -> None:
-    """Stop every worker not yet handed its tasks."""
+    """Stop every worker: the compile that started them is over."""
     while _workers:
-        proc = _workers.pop()
-        proc.kill()
-        try:
-            proc.communicate(timeout=5)
-        except Exception:
-            pass
+        _stop(_workers.pop())
 
 
 atexit.register(shutdown)
@@ -193,23 +217,27 @@ def _compile_tasks(tasks: list[dict]) -> int:
 
 
 def _worker_main() -> None:
-    compiled, tasks = 0, []
     try:
         import torch  # noqa: F401  (imports while waiting: the slow part of a worker's start)
         import triton  # noqa: F401
     except Exception:
         pass
-    line = sys.stdin.readline()
-    try:
-        tasks = json.loads(line) if line.strip() else []
-        if tasks:
-            # Only now touch the GPU: a worker killed unused never holds a CUDA context.
-            device = os.environ.get("AUTOFUSER_COMPILE_DEVICE")
-            if device is not None:
-                torch.cuda.set_device(int(device))
-        compiled = _compile_tasks(tasks)
-    finally:
-        print(json.dumps({"compiled": compiled, "tried": len(tasks)}), flush=True)
+    device_set = False
+    for line in sys.stdin:  # one list of tasks per planning round, until the compile stops the worker
+        compiled, tasks = 0, []
+        try:
+            tasks = json.loads(line) if line.strip() else []
+            if tasks and not device_set:
+                # Only now touch the GPU: a worker stopped unused never holds a CUDA context.
+                device = os.environ.get("AUTOFUSER_COMPILE_DEVICE")
+                if device is not None:
+                    torch.cuda.set_device(int(device))
+                device_set = True
+            compiled = _compile_tasks(tasks)
+        except Exception:
+            pass
+        finally:
+            print(json.dumps({"compiled": compiled, "tried": len(tasks)}), flush=True)
 
 
 if __name__ == "__main__":

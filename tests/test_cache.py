@@ -630,6 +630,50 @@ print("answered", precompile.last_answered, "compiled", compiled, flush=True)
 '''
 
 
+ROUNDS_SCRIPT = r'''
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["AUTOFUSER_COMPILE_WORKERS"] = "3"
+from autofuser_core import precompile
+path = sys.argv[1]
+with open(path, "w") as f:
+    f.write("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+            "def k(x, y, BLOCK: tl.constexpr):\n    i = tl.arange(0, BLOCK)\n"
+            "    tl.store(y + i, tl.load(x + i) * 2)\n")
+def jobs(blocks):
+    return [precompile.CompileJob(path, "k", ("float32", "float32"), tuple(
+        precompile.launch_items({"BLOCK": b, "num_warps": 4}) for b in blocks))]
+precompile.start_workers()
+pids = [p.pid for p in precompile._workers]
+precompile.precompile(jobs((16, 32, 64, 128, 256)), lambda m: None)
+print("round 1 answered", precompile.last_answered, flush=True)
+precompile.precompile(jobs((16, 32, 64)), lambda m: None)
+print("round 2 answered", precompile.last_answered, "same workers", [p.pid for p in precompile._workers] == pids, flush=True)
+precompile._workers[0].kill()
+precompile._workers[0].wait()
+precompile.precompile(jobs((16, 32, 64)), lambda m: None)  # the dead worker's one config is not answered
+print("round 3 answered", precompile.last_answered, "workers left", len(precompile._workers), flush=True)
+procs = list(precompile._workers)
+precompile.shutdown()
+print("stopped", all(p.poll() is not None for p in procs), len(precompile._workers), flush=True)
+'''
+
+
+def test_compile_workers_serve_every_round_and_stop_with_the_compile(tmp_path):
+    """One pool of workers answers each planning round's tasks; a worker that died is
+    dropped (its share is not answered, never waited for); ``shutdown`` stops the rest."""
+    script = tmp_path / "rounds.py"
+    script.write_text(ROUNDS_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "kernel.py")], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "round 1 answered 5" in done.stdout, done.stdout
+    assert "round 2 answered 3 same workers True" in done.stdout, done.stdout
+    assert "round 3 answered 2 workers left 2" in done.stdout, done.stdout
+    assert "stopped True 0" in done.stdout, done.stdout
+
+
 def test_compile_workers_never_run_the_users_script(tmp_path):
     """Workers are fresh interpreters running autofuser's own module: a script without an
     ``if __name__ == "__main__"`` guard runs once, and every task gets an answer."""
