@@ -101,6 +101,21 @@ def _coalesce(sizes: list[int], strides: list[list[int]]) -> tuple[list[int], li
     return merged_sizes, merged_strides
 
 
+def memory_order(dims: list[int], program: GroupProgram) -> list[int]:
+    """``dims`` reordered so that consecutive flat indices walk the outputs' memory
+    (largest stride outermost), which makes a flat kernel's loads and stores coalesced
+    where the tensors are permuted views (a channels-last ``permute`` before a cast,
+    say); inputs break ties the outputs leave (a dim of size 1, a broadcast output).
+    Walking the dims in their logical order instead would stride every access of such a
+    tensor by its channel count. Any order is correct: each element is independent."""
+    ranked = program.outputs + sorted(program.inputs, key=lambda t: -math.prod(t.shape))
+
+    def key(d: int) -> tuple:
+        return tuple(-abs(t.domain_stride[d]) for t in ranked)
+
+    return sorted(dims, key=key)
+
+
 def emit_offsets(emit: Callable[[str], None], sizes: list[int], site_strides: list[list[int]], index: str,
                  prefix: str) -> list[Optional[str]]:
     """Emit the coordinates of ``index`` over dims of ``sizes`` (outer to inner) and
@@ -217,7 +232,7 @@ def write_kernel(program: GroupProgram, layout: str, strategy: str, helpers: Opt
     if layout == "flat":
         w.emit(f"offs = {pid} * BLOCK + tl.arange(0, BLOCK)")
         w.emit(f"mask = offs < {n_outer}")
-        offsets = w.axis_offsets(outer_dims, "offs", "i", tensors)
+        offsets = w.axis_offsets(memory_order(outer_dims, program), "offs", "i", tensors)
         loads = {}
         for k, (t, off) in enumerate(zip(program.inputs, offsets)):
             if not t.read:

@@ -8,6 +8,7 @@ and checks what the report says was fused, skipped and left eager, and why.
 from __future__ import annotations
 
 import json
+import re
 import types
 import warnings
 import zlib
@@ -107,6 +108,34 @@ def test_pointwise_chain_is_one_elementwise_group(dtype, batch):
     # The transpose stays a view the kernel reads through strides.
     assert [(n.node, n.reason_code) for n in report.unfused_nodes] == [("transpose", "no_lowering")]
     assert group.kernel and group.max_error is not None  # it was generated, run and checked
+
+
+class ChannelsLastAffine(nn.Module):
+    """A channels-last tensor permuted to channels-first, scaled, shifted and activated."""
+
+    def forward(self, x, scale, shift):
+        return torch.relu(x.permute(0, 3, 1, 2) * scale + shift)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_flat_kernel_walks_permuted_tensors_in_memory_order(dtype, batch):
+    """The output keeps the input's channels-last layout, so consecutive elements in
+    memory differ in the channel: the kernel's innermost coordinate must be the one
+    with stride 1 in memory (coalesced accesses), not the logical last dim (W)."""
+    channels, height, width = 13, 9, 17
+    x = torch.randn(batch, height, width, channels, dtype=dtype)
+    scale, shift = torch.randn(channels, 1, 1, dtype=dtype), torch.randn(channels, 1, 1, dtype=dtype)
+    fused, got, expected = fuse_and_run(ChannelsLastAffine(), x, scale, shift)
+    assert_matches_eager(got, expected)
+    assert got.stride() == expected.stride()  # the layout eager gives, channels last
+
+    (group,) = fused.report().groups
+    assert_fused(group, dtype)
+    store = next(line for line in group.kernel_source.splitlines() if "tl.store(out0" in line)
+    offset = store.split("tl.store(out0 + ")[1].split(",")[0]
+    coords = sorted({int(t) for t in re.findall(r"\bi(\d+)\b", group.kernel_source)})
+    assert f"i{coords[-1]}" in [term.strip() for term in offset.split("+")], group.kernel_source
 
 
 class ResidualNorm(nn.Module):
