@@ -204,6 +204,27 @@ def test_a_convolution_that_loses_to_eager_leaves_its_epilogue_to_fuse_alone(mon
         ("elementwise", ["conv.batch_norm_module", "elementwise.gelu"])], str(report)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_long_reduction_convolution_is_left_to_cudnn_and_its_epilogue_fused_at_once(dtype):
+    """17 channels x 9 taps = 153 > MAX_REDUCTION: the implicit-GEMM group is refused
+    before any kernel is written, and batch norm + GELU fuse in the first round."""
+    from autofuser_plugins.conv.convolution import MAX_REDUCTION
+
+    assert 17 * 9 > MAX_REDUCTION >= 16 * 9
+    model = nn.Sequential(nn.Conv2d(17, 6, 3, padding=1), trained_norm(nn.BatchNorm2d(6)), nn.GELU()).eval().to(dtype)
+    fused = fuse_and_run(model, torch.randn(3, 17, 11, 7, dtype=dtype))
+    report = fused.report()
+    refused = [g for g in report.groups if g.strategy == "implicit_gemm"]
+    assert len(refused) == 1 and not refused[0].fused and refused[0].reason_code == "cudnn_faster", str(report)
+    assert "17 channels x 9 taps" in refused[0].reason and not refused[0].kernel, str(report)
+    assert [(g.strategy, g.ops) for g in report.fused] == [
+        ("elementwise", ["conv.batch_norm_module", "elementwise.gelu"])], str(report)
+    # One channel fewer stays within the limit: the whole chain is one implicit-GEMM kernel.
+    model = nn.Sequential(nn.Conv2d(16, 6, 3, padding=1), trained_norm(nn.BatchNorm2d(6)), nn.GELU()).eval().to(dtype)
+    report = fuse_and_run(model, torch.randn(3, 16, 11, 7, dtype=dtype)).report()
+    assert [g.strategy for g in report.fused] == ["implicit_gemm"], str(report)
+
+
 # ---------------------------------------------------------------------------
 # Batch norm: folded in eval mode, live statistics, a barrier in training
 # ---------------------------------------------------------------------------
@@ -402,8 +423,17 @@ def test_zoo_models_fuse_their_convolutional_parts(name):
     convs = [g for g in report.fused if "conv.conv2d_module" in g.ops and g.strategy != "implicit_gemm"]
     if name == "unet":
         # 5 DoubleConvs (depth 2), each two 3x3 convolutions with their BN + GELU; the 1x1 head.
+        # A 3x3 convolution with a reduction past MAX_REDUCTION is cuDNN's, its BN + GELU fused alone.
+        from autofuser_plugins.conv.convolution import MAX_REDUCTION
+
+        short = sum(m.in_channels * 9 <= MAX_REDUCTION for m in model.modules()
+                    if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3))
+        assert 0 < short < 10
         conv_bn_gelu = ["conv.conv2d_module", "conv.batch_norm_module", "elementwise.gelu"]
-        assert sum(g.ops == conv_bn_gelu for g in report.fused) == 10, str(report)
+        assert sum(g.ops == conv_bn_gelu and g.strategy == "implicit_gemm" for g in report.fused) == short, str(report)
+        refused = [g for g in report.groups if g.strategy == "implicit_gemm" and not g.fused]
+        assert len(refused) == 10 - short and {g.reason_code for g in refused} == {"cudnn_faster"}, str(report)
+        assert sum(g.ops == conv_bn_gelu[1:] for g in report.fused) == 10 - short, str(report)
         assert len(convs) == 1, str(report)
         # Each decoder step's bilinear upsampling with the concatenation of its skip.
         assert sum(g.ops == ["conv.interpolate", "conv.cat"] for g in report.fused) == 2, str(report)

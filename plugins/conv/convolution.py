@@ -39,6 +39,13 @@ FUNCTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 MODULES = {torch.nn.Conv1d: 1, torch.nn.Conv2d: 2, torch.nn.Conv3d: 3}
 #: Kernel volumes fused (3x3x3 = 27; larger kernels are cuDNN's).
 MAX_KERNEL_VOLUME = 27
+#: Longest reduction (input channels x taps) the implicit-GEMM kernel is tried for.
+#: Past it cuDNN's product plus a fused epilogue was faster in every measured case
+#: (U-Net and LSM on an H200, fp32 and bf16: 33 of 35 convolutions with a reduction of
+#: 288 or more lost, by 1.2x to 15x; the one clear win had a reduction of 36), so
+#: the group is refused up front: its kernel is neither compiled nor tuned, and the
+#: epilogue fuses on its own in the first planning round instead of a later one.
+MAX_REDUCTION = 144
 #: CUDA's limit on the grid's second axis, which walks the batch.
 MAX_GRID_Y = 65535
 
@@ -190,6 +197,11 @@ def accepts(program):
     reason = conv_reason(program.conv)
     if reason is not None:
         return ("unsupported_kernel", reason)
+    conv = program.conv
+    reduction = conv.in_channels * math.prod(conv.kernel)
+    if reduction > MAX_REDUCTION:
+        return ("cudnn_faster", f"a reduction of {reduction} ({conv.in_channels} channels x {math.prod(conv.kernel)} "
+                                f"taps): past {MAX_REDUCTION} cuDNN's product with a fused epilogue is faster")
     batch = tensor_meta(program.conv.x).shape[0]
     if batch > MAX_GRID_Y:
         return ("batch_too_large", f"{batch} samples exceed the grid's second axis ({MAX_GRID_Y})")
