@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass, field
 import logging
 import time
@@ -274,10 +275,19 @@ class _Tuned:
     speed: Optional[dict] = None  # a cached fused-vs-eager verdict: {"fused_ms", "eager_ms"}
 
 
+#: Configs tuned per kernel in a re-planning round (the second on), the first ones in
+#: the strategy's list (strategies list their most promising configs first). Those
+#: rounds re-try the leftovers of groups that lost - shorter chains, single products
+#: - and each config tuned is a Triton compile: a cold compile of the Galerkin
+#: Transformer spent half its compiles in three re-planning rounds.
+LATER_ROUND_CONFIGS = 4
+_CONFIG_LIMIT: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("autofuser_config_limit", default=None)
+
+
 def _tuning_configs(candidate: Candidate) -> list[dict]:
     strategy, program = candidate.strategy, candidate.program
-    return ([c for c in strategy.configs(program) if strategy.is_valid(program, c) is None]
-            or [strategy.default_config(program)])
+    valid = [c for c in strategy.configs(program) if strategy.is_valid(program, c) is None]
+    return valid[:_CONFIG_LIMIT.get()] or [strategy.default_config(program)]
 
 
 def _tuning_key(source, device: torch.device) -> dict[str, Any]:
@@ -452,7 +462,11 @@ def _compile_rounds(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options
                 report.groups.append(_entry(candidate.strategy.name, candidate.nodes, view, False, "no_device",
                                             "Triton needs a CUDA device (or TRITON_INTERPRET=1)", candidate.program))
             break
-        jobs = _verify_round(gm, plan, inputs, device, options, progress, report, backward)
+        limit = _CONFIG_LIMIT.set(LATER_ROUND_CONFIGS if round_number > 1 else None)
+        try:
+            jobs = _verify_round(gm, plan, inputs, device, options, progress, report, backward)
+        finally:
+            _CONFIG_LIMIT.reset(limit)
         survivors += [(job.candidate, job.fused) for job in jobs if job.entry.fused]
         taken.update(n for job in jobs if job.entry.fused for n in job.candidate.nodes)
         failed = [job for job in jobs if not job.entry.fused and len(job.candidate.nodes) > 1]

@@ -641,12 +641,40 @@ def test_an_mlp_that_fails_verification_is_replanned_one_product_per_group(monke
         return real_tolerance(candidate, view)
 
     monkeypatch.setattr(compile_module, "_tolerance", impossible_for_mlps)
+    limits = []  # the tuning-config limit each planning round ran under
+    real_round = compile_module._verify_round
+
+    def recording_round(*args, **kwargs):
+        limits.append(compile_module._CONFIG_LIMIT.get())
+        return real_round(*args, **kwargs)
+
+    monkeypatch.setattr(compile_module, "_verify_round", recording_round)
     report, mlp = _fused_feedforward(seed=7)
     assert mlp and not mlp[0].fused and mlp[0].reason_code == "mismatch"
+    # Round 1 tunes every valid config; the re-planning round only the first few of each list.
+    assert limits == [None, compile_module.LATER_ROUND_CONFIGS], limits
     strategies = sorted(g.strategy for g in report.fused)
     assert strategies == ["layernorm_linear", "linear_epilogue"], str(report)
     covered = {n for g in report.fused for n in g.nodes}
     assert {"fc1", "fc2"} <= covered
+
+
+def test_tuning_configs_are_the_valid_ones_first_few_under_a_limit():
+    import autofuser_core.compile as compile_module
+
+    strategy = types.SimpleNamespace(
+        configs=lambda program: [{"BLOCK": b} for b in (8, 16, 32, 64, 128, 256)],
+        is_valid=lambda program, config: "too big" if config["BLOCK"] > 100 else None,
+        default_config=lambda program: {"BLOCK": 4})
+    candidate = types.SimpleNamespace(strategy=strategy, program=None)
+    assert [c["BLOCK"] for c in compile_module._tuning_configs(candidate)] == [8, 16, 32, 64]
+    token = compile_module._CONFIG_LIMIT.set(3)
+    try:
+        assert [c["BLOCK"] for c in compile_module._tuning_configs(candidate)] == [8, 16, 32]
+        strategy.is_valid = lambda program, config: "none fits"
+        assert compile_module._tuning_configs(candidate) == [{"BLOCK": 4}]  # the default, as without a limit
+    finally:
+        compile_module._CONFIG_LIMIT.reset(token)
 
 
 def test_repeated_layers_share_one_kernel_and_one_tuning_key():
