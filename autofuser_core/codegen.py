@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch.fx
 
 from .group import GroupProgram, KernelTensor
 from .ir import Value
@@ -69,6 +70,20 @@ class KernelSource:
         while start < len(lines) and lines[start].startswith("#"):
             start += 1
         return hashlib.sha256("".join(lines[start:]).encode()).hexdigest()
+
+
+def op_label(node: torch.fx.Node) -> str:
+    """What ``node`` computes, for a kernel's inline comments: the same for every repeat of
+    a layer, where its name is not. The comments are part of the kernel's name digest and
+    of Triton's cache key, so a node name there would compile each layer's copy again."""
+    if node.op == "call_module":
+        try:
+            return type(node.graph.owning_module.get_submodule(node.target)).__name__
+        except (AttributeError, TypeError):
+            return "module"
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
 
 
 def used_helpers(helpers: Optional[dict[str, str]], body: str) -> str:

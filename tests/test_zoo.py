@@ -325,3 +325,28 @@ def test_relative_l2():
     scaled = target * torch.tensor([1.0, 10.0, 100.0])[:, None, None, None]
     assert torch.isclose(airfoil.relative_l2(1.1 * scaled, scaled), torch.tensor(0.1))
     assert airfoil.relative_l2(target.bfloat16(), target).dtype == torch.float32
+
+
+def _code(source: str) -> str:
+    """A kernel's code without its comments (the header naming fx nodes, inline notes)."""
+    lines = [line.split("  # ")[0].rstrip() for line in source.splitlines() if not line.startswith("#")]
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("name", ["galerkin", "transolver"])
+def test_repeated_layers_share_their_kernels(name):
+    """Every layer of a tiny transformer generates the same code for its attention and
+    feed-forward: one kernel name (one Triton compile, one tuning) per distinct code,
+    not one per layer because a comment names the layer's nodes."""
+    model = MODELS[name].make("tiny").eval()
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        x = tiny_input(name)
+        torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
+    groups = [g for g in fused.report().fused if g.kernel_source]
+    names_by_code: dict[str, set] = {}
+    for g in groups:
+        names_by_code.setdefault(_code(g.kernel_source), set()).add(g.kernel)
+    assert all(len(names) == 1 for names in names_by_code.values()), names_by_code.values()
+    attention = {g.kernel for g in groups if "attention" in g.strategy}
+    assert len(attention) == 1 and sum("attention" in g.strategy for g in groups) == 2, str(fused.report())

@@ -32,7 +32,7 @@ import torch
 
 from autofuser_core.codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, _literal, emit_offsets, triton_cdiv,
                                     kernel_header as core_kernel_header,
-                                    used_helpers)
+                                    op_label, used_helpers)
 from autofuser_core.codegen_matmul import _dot_line, _operand, dot_block
 from autofuser_core.ir import Value
 from autofuser_core.rounding import interpreting, rounded, stored
@@ -100,7 +100,7 @@ class _Writer:
             result = self.value(step.value, step, current, tiles, loaded, {}, indent)
             if step.dtype in ROUNDED:
                 result = rounded(result, step.dtype)
-            self.emit(f"{current} = {result}  # {step.node.name}", indent)
+            self.emit(f"{current} = {result}  # {op_label(step.node)}", indent)
         return current
 
     def value(self, v: Value, step: Step, current: str, tiles: dict, loaded: dict, memo: dict, indent: int) -> str:

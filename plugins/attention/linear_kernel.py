@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from autofuser_core.codegen import INT32_LIMIT, TL_DTYPES, KernelSource, emit_offsets, used_helpers
+from autofuser_core.codegen import INT32_LIMIT, TL_DTYPES, KernelSource, emit_offsets, op_label, used_helpers
 from autofuser_core.codegen_matmul import _dot_line, _operand, dot_block
 from autofuser_core.rounding import rounded, stored
 
@@ -40,7 +40,7 @@ def emit_row_norm(w: _Writer, tile: str, norm: RowNorm, width: int, block: int, 
     """A layer norm over the columns of ``tile`` (``width`` of ``block`` are real), in fp32,
     rounded to its eager dtype; padded columns stay 0."""
     valid = f"{cols} < {width}"
-    w.emit(f"mean = tl.sum({tile}, axis=1)[:, None] / {float(width)!r}  # {norm.node.name}", indent)
+    w.emit(f"mean = tl.sum({tile}, axis=1)[:, None] / {float(width)!r}  # {op_label(norm.node)}", indent)
     deviation = f"{tile} - mean" if width == block else f"tl.where({valid}, {tile} - mean, 0.0)"
     w.emit(f"{tile} = {deviation}", indent)
     w.emit(f"var = tl.sum({tile} * {tile}, axis=1)[:, None] / {float(width)!r}", indent)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from autofuser_core.codegen import INT32_LIMIT, TL_DTYPES, KernelSource, used_helpers
+from autofuser_core.codegen import INT32_LIMIT, TL_DTYPES, KernelSource, op_label, used_helpers
 from autofuser_core.codegen_matmul import _dot_line, _operand, dot_block
 from autofuser_core.rounding import rounded, stored
 
@@ -48,7 +48,7 @@ def _linear(w: _Writer, result: str, tile: str, linear: LinearMap, in_block: str
     w.emit(f"wt = tl.load(in{linear.weight} + {out_idx} * {linear.width_in} + {in_idx}, "
            f"mask=({in_idx} < {linear.width_in}) & ({out_idx} < {linear.width_out}), other=0).to(tl.float32)", indent)
     w.emit(f"{result} = {_dot_line(_operand(tile, operand), _operand('wt', operand), operand, precision)}"
-           f"  # {linear.node.name}", indent)
+           f"  # {op_label(linear.node)}", indent)
     if linear.bias is not None:
         w.emit(f"{result} += tl.load(in{linear.bias} + {out_idx}, mask={out_idx} < {linear.width_out}, other=0)"
                ".to(tl.float32)", indent)
