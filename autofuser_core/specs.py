@@ -35,7 +35,8 @@ class Spec(BaseModel):
 
 
 class Tolerance(BaseModel):
-    """``|fused - eager| <= atol + rtol * |eager|`` element by element."""
+    """``|fused - eager| <= atol + rtol * |eager|`` element by element (for fp16/bf16
+    outputs, ``atol`` times the output's largest magnitude above 1; docs/architecture.md)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     atol: float = Field(ge=0)

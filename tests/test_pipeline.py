@@ -820,3 +820,34 @@ def test_baked_addresses_tell_in_place_updates_from_replaced_tensors_and_modules
         baked = BakedAddresses(m)
         change(m)
         assert not baked.unchanged()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_checks_allow_roundings_of_the_tensor_scale_only(dtype):
+    """A residual stream near 16 in bf16 that cancels to about 0.5 at one element: one
+    rounding of the stream (16 * 2**-8 = 0.0625 in bf16) is not an error of the kernel;
+    an error of the size of the values is. fp32 keeps the plain elementwise rule."""
+    from autofuser_core.compile import _max_error
+    from autofuser_core.specs import DEFAULT_TOLERANCES, dtype_name
+
+    tol = DEFAULT_TOLERANCES[dtype_name(dtype)]
+    ulp = 16 * torch.finfo(dtype).eps  # the spacing at 16: two roundings of half a spacing
+    scale = 16 + torch.rand(37) * 4
+    eager = torch.cat([scale, torch.tensor([0.5])]).to(dtype)
+    rounded_apart = eager.clone()
+    rounded_apart[-1] += ulp  # the cancelled element off by two roundings of the stream
+    ok, err = _max_error(rounded_apart, eager, tol)
+    assert ok and err > tol.atol + tol.rtol * 0.5, err  # the old, unscaled rule refused this
+    wrong = eager.clone()
+    wrong[-1] += 0.1 * float(eager.float().abs().max())  # 10% of the values' size: a wrong kernel
+    assert not _max_error(wrong, eager, tol)[0]
+    with_inf = torch.cat([rounded_apart, torch.tensor([float("inf")], dtype=dtype)])
+    assert _max_error(with_inf, torch.cat([eager, torch.tensor([float("inf")], dtype=dtype)]), tol)[0]
+    wrong_inf = torch.cat([wrong, torch.tensor([float("inf")], dtype=dtype)])  # inf does not widen the scale
+    assert not _max_error(wrong_inf, torch.cat([eager, torch.tensor([float("inf")], dtype=dtype)]), tol)[0]
+    # fp32 outputs: atol is absolute.
+    fp32_tol = DEFAULT_TOLERANCES["float32"]
+    eager32 = eager.float()
+    off32 = eager32.clone()
+    off32[-1] += 1e-3
+    assert not _max_error(off32, eager32, fp32_tol)[0]
