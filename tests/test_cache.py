@@ -611,29 +611,8 @@ def test_a_cached_config_the_strategy_now_refuses_is_tuned_again(tmp_path, gpu_t
     assert json.loads(rows[0].read_text())["config"]["BLOCK_M"] < 1 << 20  # the entry was replaced
 
 
-UNGUARDED_SCRIPT = r'''
-import os, sys
-print("top level ran", flush=True)  # no __main__ guard, as in many training scripts
-os.environ.pop("TRITON_INTERPRET", None)
-os.environ["AUTOFUSER_COMPILE_WORKERS"] = "2"
-from autofuser_core import precompile
-path = sys.argv[1]
-with open(path, "w") as f:
-    f.write("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
-            "def k(x, y, BLOCK: tl.constexpr):\n    i = tl.arange(0, BLOCK)\n"
-            "    tl.store(y + i, tl.load(x + i) * 2)\n")
-precompile.start_workers()
-jobs = [precompile.CompileJob(path, "k", ("float32", "float32"), tuple(
-    precompile.launch_items({"BLOCK": b, "num_warps": 4}) for b in (16, 32, 64)))]
-compiled = precompile.precompile(jobs, lambda m: None)
-print("answered", precompile.last_answered, "compiled", compiled, flush=True)
-'''
-
-
-ROUNDS_SCRIPT = r'''
-import os, sys
-os.environ.pop("TRITON_INTERPRET", None)
-os.environ["AUTOFUSER_COMPILE_WORKERS"] = "3"
+#: Writes a one-kernel file at argv[1] and defines ``jobs(blocks)``: its launches, one per BLOCK.
+WORKER_KERNEL = r'''
 from autofuser_core import precompile
 path = sys.argv[1]
 with open(path, "w") as f:
@@ -643,6 +622,38 @@ with open(path, "w") as f:
 def jobs(blocks):
     return [precompile.CompileJob(path, "k", ("float32", "float32"), tuple(
         precompile.launch_items({"BLOCK": b, "num_warps": 4}) for b in blocks))]
+'''
+
+UNGUARDED_SCRIPT = r'''
+import os, sys
+print("top level ran", flush=True)  # no __main__ guard, as in many training scripts
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["AUTOFUSER_COMPILE_WORKERS"] = "2"
+''' + WORKER_KERNEL + r'''
+precompile.start_workers()
+compiled = precompile.precompile(jobs((16, 32, 64)), lambda m: None)
+print("answered", precompile.last_answered, "compiled", compiled, flush=True)
+'''
+
+
+def test_compile_workers_never_run_the_users_script(tmp_path):
+    """Workers are fresh interpreters running autofuser's own module: a script without an
+    ``if __name__ == "__main__"`` guard runs once, and every task gets an answer."""
+    script = tmp_path / "train.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "kernel.py")], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("top level ran") == 1, done.stdout
+    assert "answered 3 compiled" in done.stdout, done.stdout  # on a CPU the compiles fail, but are answered
+
+
+ROUNDS_SCRIPT = r'''
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["AUTOFUSER_COMPILE_WORKERS"] = "3"
+''' + WORKER_KERNEL + r'''
 precompile.start_workers()
 pids = [p.pid for p in precompile._workers]
 precompile.precompile(jobs((16, 32, 64, 128, 256)), lambda m: None)
@@ -674,14 +685,3 @@ def test_compile_workers_serve_every_round_and_stop_with_the_compile(tmp_path):
     assert "stopped True 0" in done.stdout, done.stdout
 
 
-def test_compile_workers_never_run_the_users_script(tmp_path):
-    """Workers are fresh interpreters running autofuser's own module: a script without an
-    ``if __name__ == "__main__"`` guard runs once, and every task gets an answer."""
-    script = tmp_path / "train.py"
-    script.write_text(UNGUARDED_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "kernel.py")], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.count("top level ran") == 1, done.stdout
-    assert "answered 3 compiled" in done.stdout, done.stdout  # on a CPU the compiles fail, but are answered

@@ -260,7 +260,7 @@ class ConvForms(nn.Module):
         self.instance = nn.InstanceNorm2d(12, affine=True)
         self.group = nn.GroupNorm(1, 12)
         self.conv3x3 = nn.Conv2d(12, 20, kernel_size=3, stride=2, padding=1)
-        self.conv3x3x3 = nn.Conv3d(12, 8, kernel_size=3, padding=1, bias=False)
+        self.conv3x3x3 = nn.Conv3d(5, 8, kernel_size=3, padding=1, bias=False)  # 5 x 27 taps: within MAX_REDUCTION
         self.transposed = nn.ConvTranspose2d(3, 4, kernel_size=2, stride=2)
 
     def forward(self, x1, x2, x3, last, low):
@@ -272,7 +272,7 @@ class ConvForms(nn.Module):
         f = F.gelu(torch.cat((x2, F.interpolate(low, size=(13, 7), mode="bilinear")), dim=1))
         g = F.interpolate(low, scale_factor=2.0, mode="nearest") * 2
         h = F.gelu(self.bn(self.conv3x3(x2)))
-        i = self.conv3x3x3(x3) + 1.0
+        i = self.conv3x3x3(x3[:, :5]) + 1.0
         j = F.gelu(self.transposed(low))
         return a, b, c, d, e, f, g, h, i, j
 

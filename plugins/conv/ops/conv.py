@@ -99,13 +99,19 @@ def _module_samples(rank):
     def samples(dtype):
         s = SPATIAL[rank]
         # channels-last strides: the product walks the spatial dims with stride C.
-        last = torch.randn(3, *s, 12, dtype=dtype).movedim(-1, 1)
-        return [Sample(args=(torch.randn(3, 12, *s, dtype=dtype),)), Sample(args=(last,), note="channels-last")]
+        last = torch.randn(3, *s, MODULE_CHANNELS, dtype=dtype).movedim(-1, 1)
+        return [Sample(args=(torch.randn(3, MODULE_CHANNELS, *s, dtype=dtype),)),
+                Sample(args=(last,), note="channels-last")]
     return samples
 
 
+#: Input channels of the module samples: 5 x 27 taps of a 3x3x3 kernel stay within the
+#: implicit-GEMM strategy's MAX_REDUCTION, so its 3-d kernel is checked too.
+MODULE_CHANNELS = 5
+
+
 def _conv_module(rank, bias, **geometry):
-    layer = MODULES[rank](12, 21, bias=bias, **{"kernel_size": 1, **geometry})
+    layer = MODULES[rank](MODULE_CHANNELS, 21, bias=bias, **{"kernel_size": 1, **geometry})
     if bias:
         torch.nn.init.normal_(layer.bias)
     return layer
