@@ -30,7 +30,7 @@ from .capture import frozen_state
 from .cache import cache_dir, load_kernel_module, read_tuning, tuning_lock, write_tuning
 from .group import GroupProgram, attr_tensor, collect_values
 from .ir import AttrRef
-from .launch import FusedKernel
+from .launch import FusedKernel, cast_inputs, input_casts
 from .planner import Candidate, Plan, barrier_reason, plan_fusion_groups
 from .precompile import CompileJob, launch_items, precompile, shutdown, start_workers
 from .registry import describe_target
@@ -374,6 +374,7 @@ def _tune(candidate: Candidate, source, kernel, inputs, device, options, progres
     timings = []
     best, best_ms = default, float("inf")
     outputs = [torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device=device) for t in program.outputs]
+    inputs = cast_inputs(inputs, input_casts(program))
     for config in configs:
         if time.perf_counter() - start > options.tune_budget_s and timings:
             break

@@ -60,6 +60,10 @@ class KernelTensor:
     stride: tuple[int, ...]  # the tensor's own strides
     domain_stride: tuple[int, ...] = ()  # one per dim of S; 0 where it broadcasts
     read: bool = True  # False: an argument the ops need only for its metadata (x.to(y))
+    # Set where the launcher converts the tensor to ``dtype`` before every launch (from
+    # ``cast_from``): an fp32 weight that a 16-bit product reads, converted once per call
+    # instead of once per program that reads it.
+    cast_from: Optional[torch.dtype] = None
 
     @property
     def name(self) -> str:

@@ -37,6 +37,7 @@ class FusedKernel:
         self.input_layout = [(torch.Size(t.shape), tuple(t.stride) if math.prod(t.shape) > 1 else None)
                              for t in program.inputs]
         self.input_dtypes = [t.dtype for t in program.inputs]  # what the kernel was compiled for
+        self.casts = input_casts(program)
         self.output_layout = [(t.shape, t.stride, t.dtype) for t in program.outputs]
         self.single_output = len(program.outputs) == 1
         # Parameters and buffers are fetched from their live module on every call,
@@ -63,7 +64,7 @@ class FusedKernel:
         device = inputs[0].device
         outputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                    for shape, stride, dtype in self.output_layout]
-        self.launcher(*inputs, *outputs, **self.launch_args)
+        self.launcher(*cast_inputs(inputs, self.casts), *outputs, **self.launch_args)
         return outputs
 
     def with_live_attrs(self, graph_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -85,6 +86,21 @@ class FusedKernel:
         else:
             outputs = self.launch(*inputs)
         return outputs[0] if self.single_output else tuple(outputs)
+
+
+def input_casts(program: GroupProgram) -> list[tuple[int, torch.dtype]]:
+    """(slot, dtype) of each input the launcher converts before a launch (``KernelTensor.cast_from``)."""
+    return [(slot, t.dtype) for slot, t in enumerate(program.inputs) if t.cast_from is not None]
+
+
+def cast_inputs(inputs: Sequence[torch.Tensor], casts: list[tuple[int, torch.dtype]]) -> Sequence[torch.Tensor]:
+    """``inputs`` with those of ``casts`` converted to the dtype the kernel reads."""
+    if not casts:
+        return inputs
+    inputs = list(inputs)
+    for slot, dtype in casts:
+        inputs[slot] = inputs[slot].to(dtype)
+    return inputs
 
 
 class RecomputeForBackward(torch.autograd.Function):

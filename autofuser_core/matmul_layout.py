@@ -23,6 +23,7 @@ grid axis. Each load gets strides for the domain it is read in, so one input
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -30,7 +31,7 @@ from typing import Optional
 import torch
 
 from .group import GroupProgram, GroupRefused, _domain_strides, read_view
-from .ir import Value
+from .ir import AttrRef, Value
 
 
 @dataclass
@@ -392,6 +393,25 @@ def lay_out_mlp(program: GroupProgram, values: dict[int, Value], dots: list[Valu
     layout.w1_strides, layout.w1_packed = _mlp_weight(program, first, (k, h))
     layout.w2_strides, layout.w2_packed = _mlp_weight(program, second, (h, out_domain[-1]))
     layout.operand_dtypes = (_operand_dtype(first), _operand_dtype(second))
+    for dot, operand in zip((first, second), layout.operand_dtypes):
+        convert_weight_once(program, dot.args[1], operand)
     layout.precision = fp32_precision()
     layout.epilogue_reduces = any(v.op == "reduce" and v.uid in after_second for v in values.values())
     _install(program, layout, out_domain)
+
+
+def convert_weight_once(program: GroupProgram, load: Value, operand: Optional[torch.dtype]) -> None:
+    """An fp32 parameter that a 16-bit product reads (autocast) is converted by the
+    launcher, once per call, rather than by each program of the kernel: every program
+    reads the whole weight, so a kernel of 2000 programs reads it 2000 times from L2,
+    and in fp32 that is twice the bytes. Rounding is the same (to nearest even, as
+    autocast's own cast)."""
+    slot = program.input_of_load[load.uid]
+    tensor = program.inputs[slot]
+    if operand is None or load.packed is not None or tensor.dtype != torch.float32 or tensor.cast_from is not None:
+        return
+    if not isinstance(tensor.source, AttrRef):
+        return  # an activation: converting it would be a pass over memory of its own
+    if sum(1 for k in program.input_of_load.values() if k == slot) != 1:
+        return  # read elsewhere in the group too, in fp32
+    program.inputs[slot] = dataclasses.replace(tensor, dtype=operand, cast_from=torch.float32)

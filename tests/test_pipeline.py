@@ -851,3 +851,32 @@ def test_half_precision_checks_allow_roundings_of_the_tensor_scale_only(dtype):
     off32 = eager32.clone()
     off32[-1] += 1e-3
     assert not _max_error(off32, eager32, fp32_tol)[0]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_autocast_mlp_weights_are_converted_once_by_the_launcher(grad):
+    """Under bf16 autocast an MLP's fp32 weights reach the kernel already in bf16 (one
+    conversion per call, rounding as autocast's own), not converted by every program;
+    the result matches eager, gradients included (they come from the eager recompute)."""
+    from autofuser_core.launch import FusedKernel
+
+    torch.manual_seed(11)
+    model = _FeedForward(width=24, hidden=40)
+    x = torch.randn(3, 19, 24, requires_grad=grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(grad):
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        got, expected = fused(x), model(x)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=4e-2)
+    (mlp,) = [g for g in fused.report().fused if g.strategy == "mlp"]
+    (gm, _), = fused._compiled.values()
+    (kernel,) = [n.target for n in gm.graph.nodes if isinstance(n.target, FusedKernel) and n.target.source.name == mlp.kernel]
+    weights = {"fc1.weight", "fc2.weight"}
+    cast = {kernel.attr_inputs[slot] for slot, dtype in kernel.casts if dtype == torch.bfloat16}
+    assert cast == weights, (cast, kernel.attr_inputs)
+    assert model.fc1.weight.dtype == torch.float32  # the parameters themselves are untouched
+    if grad:
+        (got.float().square().sum()).backward()
+        ref_x = x.detach().clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(ref_x).float().square().sum().backward()
+        torch.testing.assert_close(x.grad, ref_x.grad, atol=5e-2, rtol=5e-2)
