@@ -129,11 +129,20 @@ class GroupProgram:
         return sum(t.nbytes for t in self.inputs if t.read) + sum(t.nbytes for t in self.outputs)
 
 
-def _dtype_of(source: Any, root: torch.nn.Module) -> tuple[tuple[int, ...], torch.dtype, tuple[int, ...]]:
+TensorDescription = tuple[tuple[int, ...], torch.dtype, tuple[int, ...]]
+
+
+def _dtype_of(source: Any, root: torch.nn.Module,
+              attr_cache: Optional[dict[str, TensorDescription]] = None) -> TensorDescription:
     if isinstance(source, AttrRef):
+        if attr_cache is not None and source.path in attr_cache:
+            return attr_cache[source.path]
         # getattr, not get_parameter: a parametrised weight (weight_norm) is computed on access.
         tensor = attr_tensor(root, source.path)
-        return tuple(tensor.shape), tensor.dtype, tuple(tensor.stride())
+        described = tuple(tensor.shape), tensor.dtype, tuple(tensor.stride())
+        if attr_cache is not None:
+            attr_cache[source.path] = described
+        return described
     meta = tensor_meta(source)
     return tuple(meta.shape), meta.dtype, tuple(meta.stride)
 
@@ -150,13 +159,17 @@ def compose_group(
     root: torch.nn.Module,
     op_names: Optional[dict[torch.fx.Node, str]] = None,
     lay_out: Optional[Callable[[GroupProgram, dict[int, Value]], None]] = None,
+    attr_cache: Optional[dict[str, TensorDescription]] = None,
 ) -> GroupProgram:
     """Compose ``nodes`` (in graph order) into a ``GroupProgram``; see module doc.
 
     ``lay_out(program, values)`` replaces steps 3-4 (``values``: every IR value
     of the group by uid): a strategy that tiles the composed DAG its own way
     (a chain of several products) sets the domain and strides itself, or
-    raises ``GroupRefused``."""
+    raises ``GroupRefused``. ``attr_cache``: shape, dtype and strides of the
+    parameters already read, by path, shared by calls on the same ``root``
+    while its parameters stay as they are (a parametrised weight is computed
+    each time it is read)."""
     members = set(nodes)
     composed: dict[torch.fx.Node, Value] = {}
     memo: dict[int, Value] = {}
@@ -169,7 +182,7 @@ def compose_group(
     def input_for(source: Any) -> int:
         key = source if isinstance(source, AttrRef) else ("node", source)
         if key not in input_index:
-            shape, dtype, stride = _dtype_of(source, root)
+            shape, dtype, stride = _dtype_of(source, root, attr_cache)
             input_index[key] = len(inputs)
             inputs.append(KernelTensor(source, shape, dtype, stride))
         return input_index[key]

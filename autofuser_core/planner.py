@@ -145,6 +145,12 @@ class PlanningView:
         self.skipped: list[SkippedNode] = []
         self.helpers: dict[str, str] = {}
         self._space_groups: Optional[list[list[torch.fx.Node]]] = None
+        # compose() results (a program, or the exception it raised) by (nodes, lay_out):
+        # strategies ask about the same groups again and again while proposing, and the
+        # planner once more for each candidate. Valid while the lowerings, the graph and
+        # the layout settings (MAX_PRODUCTS, STRICT_FP32) stay as they are: one view's life.
+        self._composed: dict[tuple, Any] = {}
+        self._attr_cache: dict[str, tuple] = {}  # compose_group's parameter descriptions
         self._lower_all()
         self._barrier_positions = sorted(self.order[n] for n in self.barriers)
 
@@ -245,10 +251,26 @@ class PlanningView:
 
     def compose(self, nodes: list[torch.fx.Node], lay_out=None) -> GroupProgram:
         """``nodes`` composed into one program (``compose_group``; ``lay_out``: a
-        strategy's own layout of the composed values instead of the generic one)."""
-        ordered = sorted(nodes, key=self.order.__getitem__)
-        names = {n: self.lowering_of[n].name for n in ordered}
-        return compose_group(ordered, self.lowered, self.gm, names, lay_out)
+        strategy's own layout of the composed values instead of the generic one).
+
+        Composed once per view: asked again, it returns the same program (don't
+        change it) or raises the same refusal."""
+        ordered = tuple(sorted(nodes, key=self.order.__getitem__))
+        key = (ordered, lay_out)
+        known = self._composed.get(key)
+        if known is None:
+            try:
+                known = compose_group(ordered, self.lowered, self.gm, {n: self.lowering_of[n].name for n in ordered},
+                                      lay_out, self._attr_cache)
+            except Exception as err:
+                known = err
+            self._composed[key] = known
+        if isinstance(known, Exception):
+            try:
+                raise known.with_traceback(None)  # not with the tracebacks of earlier raises
+            finally:
+                known = None  # no reference cycle through this frame
+        return known
 
     def compose_for(self, strategy: StrategySpec, nodes: list[torch.fx.Node]) -> GroupProgram:
         """``nodes`` composed for ``strategy``: by its own ``compose`` if it has one."""
