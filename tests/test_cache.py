@@ -214,6 +214,25 @@ def test_identical_kernel_file_is_reused(tmp_path, kernel_name):
     assert second is not first and second.VALUE == 42
 
 
+def test_a_loaded_kernel_is_not_written_again_for_each_copy_of_a_layer(tmp_path, kernel_name):
+    """Repeated layers generate one kernel whose header names each copy's nodes: the
+    module loaded for the first copy serves the others, its file written once."""
+    first = load_kernel_module(kernel_name, "# nodes: fc1, gelu\n" + GENERATED, tmp_path)
+    path = tmp_path / "kernels" / f"{kernel_name}.py"
+    inode = path.stat().st_ino
+    second = load_kernel_module(kernel_name, "# nodes: fc1_1, gelu_1\n" + GENERATED, tmp_path)
+    assert second is first and path.stat().st_ino == inode
+    assert path.read_text().startswith("# nodes: fc1, gelu\n")
+
+    # Another cache folder gets its own file; a file removed meanwhile is written again.
+    other = load_kernel_module(kernel_name, GENERATED, tmp_path / "other")
+    assert (tmp_path / "other" / "kernels" / f"{kernel_name}.py").read_text() == GENERATED
+    assert other is first  # the module itself is the one this process imported
+    path.unlink()
+    load_kernel_module(kernel_name, GENERATED, tmp_path)
+    assert path.read_text() == GENERATED
+
+
 # ---------------------------------------------------------------------------
 # Tuning across processes
 # ---------------------------------------------------------------------------
