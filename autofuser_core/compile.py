@@ -28,7 +28,7 @@ import torch
 import torch.fx
 
 from .capture import frozen_state
-from .cache import cache_dir, load_kernel_module, read_tuning, tuning_lock, write_tuning
+from .cache import cache_dir, has_tuning_entries, load_kernel_module, read_tuning, tuning_lock, write_tuning
 from .group import GroupProgram, attr_tensor, collect_values
 from .ir import AttrRef
 from .launch import FusedKernel
@@ -438,8 +438,11 @@ def _compile_rounds(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options
     report.graph = describe_graph(gm)
 
     device = _device_of(inputs)
-    if _can_tune(device, options):
-        start_workers()  # warms up while the graph is planned and the kernels written
+    if _can_tune(device, options) and not has_tuning_entries(cache_dir(options.cache_dir)):
+        # A cache without any tuning result: every kernel will compile, so the workers
+        # warm up while the graph is planned. Otherwise they start only if some kernel
+        # turns out untuned (precompile): on a warm cache, none.
+        start_workers()
     taken: set[torch.fx.Node] = set()
     retry: Optional[set[torch.fx.Node]] = None  # later rounds: only the nodes of groups that stayed eager
     lost: set[tuple[str, frozenset]] = set()  # (strategy, nodes) of the groups that stayed eager

@@ -704,3 +704,83 @@ def test_compile_workers_serve_every_round_and_stop_with_the_compile(tmp_path):
     assert "stopped True 0" in done.stdout, done.stdout
 
 
+# ---------------------------------------------------------------------------
+# Compile workers start only where there is something to compile
+# ---------------------------------------------------------------------------
+
+
+def test_a_warm_cache_starts_no_compile_worker(tmp_path, monkeypatch, gpu_tuning):
+    """Workers start with the compile on a cache without tuning results (everything will
+    compile), only once a kernel is found untuned on a cache with some, and never on a
+    cache that already holds every kernel this model needs."""
+    import autofuser_core.compile as compile_module
+
+    started, asked = [], []
+    monkeypatch.setattr(compile_module, "start_workers", lambda *a: started.append(a))
+    monkeypatch.setattr(compile_module, "precompile", lambda jobs, progress: asked.append(jobs) or 0)
+
+    cold, _, _ = fuse_norm_gelu(tmp_path, torch.randn(2, 5, 37))
+    assert started == [()] and len(asked) == 1 and len(asked[0]) == len(cold.fused) > 1
+    started.clear(), asked.clear()
+
+    warm, got, expected = fuse_norm_gelu(tmp_path, torch.randn(2, 5, 37))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert all(g.cache_hit for g in warm.fused)
+    assert started == [] and asked == [[]]
+    asked.clear()
+
+    other, _, _ = fuse_norm_gelu(tmp_path, torch.randn(3, 7, 37))  # other shapes: other kernels
+    assert started == [] and len(asked) == 1 and len(asked[0]) == len(other.fused)
+
+
+class _FakeWorker:
+    """A compile worker that answers each line of tasks at once: all compiled."""
+
+    started: list = []
+
+    def __init__(self, *args, **kwargs):
+        _FakeWorker.started.append(self)
+        self.stdin, self.stdout, self.lines = self, self, []
+
+    def write(self, text):
+        self.lines.append(text)
+
+    def flush(self):
+        pass
+
+    def readline(self):
+        tasks = json.loads(self.lines.pop(0))
+        return json.dumps({"compiled": len(tasks), "tried": len(tasks)}) + "\n"
+
+    def poll(self):
+        return None
+
+    def kill(self):
+        pass
+
+    def communicate(self, *args, **kwargs):
+        return "", None
+
+
+def test_compile_workers_start_as_many_as_there_are_configs(monkeypatch):
+    from autofuser_core import precompile
+
+    monkeypatch.setattr(precompile, "_enabled", lambda: True)
+    monkeypatch.setattr(precompile.subprocess, "Popen", _FakeWorker)
+    monkeypatch.setenv("AUTOFUSER_COMPILE_WORKERS", "8")
+    monkeypatch.setattr(_FakeWorker, "started", [])
+
+    def job(configs: int):
+        return precompile.CompileJob("k.py", "k", ("float32",),
+                                     tuple(precompile.launch_items({"BLOCK": 16 << b}) for b in range(configs)))
+
+    try:
+        assert precompile.precompile([], lambda m: None) == 0 and _FakeWorker.started == []
+        assert precompile.precompile([job(3)], lambda m: None) == 3
+        assert len(_FakeWorker.started) == 3 and precompile.last_answered == 3
+        assert precompile.precompile([job(2)], lambda m: None) == 2 and len(_FakeWorker.started) == 3  # served
+        assert precompile.precompile([job(5)] * 4, lambda m: None) == 20
+        assert len(_FakeWorker.started) == 8 and len(precompile._workers) == 8  # topped up to the limit
+    finally:
+        precompile.shutdown()
+    assert precompile._workers == []
