@@ -187,9 +187,16 @@ def compose_group(
             inputs.append(KernelTensor(source, shape, dtype, stride))
         return input_index[key]
 
-    def rebuild(v: Value) -> Value:
+    def rebuild(v: Value, node: torch.fx.Node) -> Value:
+        """``v`` (of ``node``'s lowered value) with in-group loads substituted."""
         if v.uid in memo:
-            return memo[v.uid]
+            return memo[v.uid]  # no extern below: it would have been refused when first seen
+        if v.op == "extern":
+            raise GroupRefused(
+                "extern_op",
+                f"{node.name} ({(op_names or {}).get(node, node.target)}) is lowered as an extern op: only a "
+                "strategy with its own compose generates it",
+            )
         if v.op == "load" and isinstance(v.source, torch.fx.Node) and v.source in members:
             out = composed[v.source]
         elif v.op == "load":
@@ -199,7 +206,7 @@ def compose_group(
                 scales_of_load[out.uid] = input_for(v.packed.scales)
         elif v.args:
             out = Value(
-                v.op, v.shape, is_bool=v.is_bool, args=tuple(rebuild(a) for a in v.args), template=v.template,
+                v.op, v.shape, is_bool=v.is_bool, args=tuple(rebuild(a, node) for a in v.args), template=v.template,
                 constant=v.constant, reduce_op=v.reduce_op, dims=v.dims, keepdim=v.keepdim,
                 transpose_b=v.transpose_b, column_dims=v.column_dims, fp32_precision=v.fp32_precision,
                 dtype=v.dtype,
@@ -209,14 +216,9 @@ def compose_group(
         memo[v.uid] = out
         return out
 
+    stamped: set[int] = set()
     for node in nodes:
-        if any(v.op == "extern" for v in collect_values([lowered[node]]).values()):
-            raise GroupRefused(
-                "extern_op",
-                f"{node.name} ({(op_names or {}).get(node, node.target)}) is lowered as an extern op: only a "
-                "strategy with its own compose generates it",
-            )
-        value = rebuild(lowered[node])
+        value = rebuild(lowered[node], node)
         meta = tensor_meta(node)
         if _is_no_op(lowered[node], meta) and any(user not in members for user in node.users):
             # A no-op (x.float() on fp32, eval dropout, Identity) returns its input itself in
@@ -224,7 +226,7 @@ def compose_group(
             # longer reach the other.
             raise GroupRefused("alias_output", f"{node.name} is its input itself in eager; "
                                                 "a copy made by a kernel would break that alias")
-        _stamp_dot_dtype(value, meta.dtype)
+        _stamp_dot_dtype(value, meta.dtype, stamped)
         # A packed weight is only ever a product's operand, which rounds to its dtype itself.
         if meta.dtype in ROUNDED_DTYPES and not value.is_bool and value.packed is None:
             value = Value("pointwise", value.shape, args=(value,), template=rounded("{0}", meta.dtype))
@@ -324,10 +326,12 @@ def _is_no_op(value: Value, meta) -> bool:
     return source is None or source.dtype == meta.dtype
 
 
-def _stamp_dot_dtype(value: Value, dtype: torch.dtype) -> None:
-    """A product's operands round to the dtype its node produced in eager."""
+def _stamp_dot_dtype(value: Value, dtype: torch.dtype, seen: set[int]) -> None:
+    """A product's operands round to the dtype its node produced in eager.
+
+    ``seen``: values stamped already, with every product below them (shared by
+    the nodes of one group, so each value is walked once)."""
     stack = [value]
-    seen: set[int] = set()
     while stack:
         v = stack.pop()
         if v.uid in seen:
