@@ -197,3 +197,41 @@ def test_a_zoo_plan_is_the_same_as_with_every_group_composed_anew(monkeypatch, n
     for candidate in memoised.kept:
         assert candidate.program.nodes == candidate.nodes  # composed from its own nodes, in graph order
         assert not memoised.view.straddles_barrier(candidate.nodes)
+
+
+# ---------------------------------------------------------------------------
+# The cyclic garbage collector is paused while planning, and restored
+# ---------------------------------------------------------------------------
+
+
+def test_planning_runs_with_the_cyclic_collector_paused_and_restores_it(monkeypatch):
+    import gc
+
+    import autofuser_core.compile as compile_module
+
+    seen = []
+    real_plan = compile_module.plan_fusion_groups
+
+    def plan(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(compile_module, "plan_fusion_groups", plan)
+    model, x = FeedForward().eval(), torch.randn(2, 7, 24)
+    assert gc.isenabled()
+    with torch.no_grad():
+        torch.testing.assert_close(autofuser.fuse(model, progress=False)(x), model(x), atol=1e-4, rtol=1e-4)
+    assert seen == [False] and gc.isenabled()
+
+    gc.disable()  # a caller that turned it off keeps it off
+    try:
+        with torch.no_grad():
+            autofuser.fuse(model, progress=False)(x)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+    with pytest.raises(RuntimeError), compile_module.gc_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("a planning error")
+    assert gc.isenabled()
