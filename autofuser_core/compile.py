@@ -455,6 +455,7 @@ def _compile_rounds(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options
     # cuDNN leaves its epilogue to fuse on its own.
     max_products = MAX_PRODUCTS.get()
     round_number = 0
+    plan: Optional[Plan] = None
     while True:
         round_number += 1
 
@@ -469,7 +470,7 @@ def _compile_rounds(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options
         step = time.perf_counter()
         try:
             with gc_paused():
-                plan = plan_fusion_groups(gm, plugin_set.registry, veto=veto, options=options)
+                plan = plan_fusion_groups(gm, plugin_set.registry, veto=veto, options=options, earlier=plan)
         finally:
             MAX_PRODUCTS.reset(tokens[1])
             STRICT_FP32.reset(tokens[0])

@@ -1,7 +1,8 @@
 """The planner's memo of composed groups (``PlanningView.compose``): each group is
-composed once per view, a refusal is raised again as it was, a new view (a new
-planning round, other layout settings, other parameters) composes afresh, and a
-zoo model's plan is the same as with every group composed anew."""
+composed once per planning, a refusal is raised again as it was, other layout
+settings compose afresh, a later round reuses the first round's lowering, and a
+zoo model's plans, round after round, are the same as with everything lowered and
+composed anew. Planning runs with the cyclic garbage collector paused."""
 
 from __future__ import annotations
 
@@ -98,8 +99,8 @@ def test_another_layout_of_the_same_nodes_is_composed_on_its_own(compose_calls):
 
 
 def test_a_new_view_composes_again_under_the_current_settings(compose_calls):
-    """A later planning round runs with fewer products per group: its view must
-    not reuse what an earlier round's view composed."""
+    """A later planning round runs with fewer products per group: what an earlier
+    round composed under other settings is not reused."""
     gm = autofuser.capture(FeedForward().eval(), torch.randn(2, 7, 24))
     registry = autofuser.load_plugins().registry
     mlp_nodes = ["fc1", "gelu", "fc2"]
@@ -107,13 +108,29 @@ def test_a_new_view_composes_again_under_the_current_settings(compose_calls):
     assert isinstance(first.compose(_nodes(first, *mlp_nodes)).matmul, MlpLayout)
     token = MAX_PRODUCTS.set(1)
     try:
-        second = PlanningView(gm, registry)
-        with pytest.raises(GroupRefused) as refused:
-            second.compose(_nodes(second, *mlp_nodes))
+        for second in (PlanningView(gm, registry), PlanningView(gm, registry, earlier=first)):
+            with pytest.raises(GroupRefused) as refused:
+                second.compose(_nodes(second, *mlp_nodes))
+            assert refused.value.code == "several_products"
     finally:
         MAX_PRODUCTS.reset(token)
-    assert refused.value.code == "several_products"
-    assert [names for names, _ in compose_calls] == [mlp_nodes, mlp_nodes]
+    assert [names for names, _ in compose_calls] == [mlp_nodes, mlp_nodes, mlp_nodes]
+
+
+def test_a_later_round_reuses_the_lowering_and_the_groups_composed_under_the_same_settings(compose_calls):
+    gm = autofuser.capture(FeedForward().eval(), torch.randn(2, 7, 24))
+    registry = autofuser.load_plugins().registry
+    first = PlanningView(gm, registry)
+    program = first.compose(_nodes(first, "fc1", "gelu", "fc2"))
+    later = PlanningView(gm, registry, earlier=first)
+    assert later.lowered is first.lowered and later.skipped is first.skipped and later.helpers is first.helpers
+    assert later.compose(_nodes(later, "fc1", "gelu", "fc2")) is program
+    later.compose(_nodes(later, "fc2"))
+    assert [names for names, _ in compose_calls] == [["fc1", "gelu", "fc2"], ["fc2"]]
+
+    other = autofuser.capture(FeedForward().eval(), torch.randn(2, 7, 24))
+    with pytest.raises(ValueError, match="same graph"):
+        PlanningView(other, registry, earlier=first)
 
 
 class WeightNormLinear(nn.Module):
@@ -154,6 +171,15 @@ def test_a_parametrised_weight_is_described_once_per_view(monkeypatch):
 # ---------------------------------------------------------------------------
 
 
+def _zoo_graph(name: str, dtype: str):
+    coords, _ = airfoil.make_dataset(TINY_BATCH, 0, MESHES["tiny"])
+    torch.manual_seed(0)
+    model = MODELS[name].make("tiny").eval()
+    x = MODELS[name].inputs(coords)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        return autofuser.capture(model, x), x
+
+
 def _plan_signature(plan) -> list:
     """Everything the plan decided, by value: kept groups with their programs'
     layout, refusals with their reasons, and the nodes that stay eager."""
@@ -172,14 +198,9 @@ def _plan_signature(plan) -> list:
 
 @pytest.mark.parametrize("name,dtype", [("gnot", "bf16"), ("factformer", "fp32"), ("transolver", "bf16")])
 def test_a_zoo_plan_is_the_same_as_with_every_group_composed_anew(monkeypatch, name, dtype):
-    coords, _ = airfoil.make_dataset(TINY_BATCH, 0, MESHES["tiny"])
-    torch.manual_seed(0)
-    model = MODELS[name].make("tiny").eval()
-    x = MODELS[name].inputs(coords)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+    gm, _ = _zoo_graph(name, dtype)
     registry = autofuser.load_plugins().registry
-    with torch.no_grad(), autocast:
-        gm = autofuser.capture(model, x)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
         memoised = plan_fusion_groups(gm, registry)
 
         def compose_anew(self, nodes, lay_out=None):
@@ -197,6 +218,46 @@ def test_a_zoo_plan_is_the_same_as_with_every_group_composed_anew(monkeypatch, n
     for candidate in memoised.kept:
         assert candidate.program.nodes == candidate.nodes  # composed from its own nodes, in graph order
         assert not memoised.view.straddles_barrier(candidate.nodes)
+
+
+def test_replanning_rounds_decide_as_with_every_round_planned_anew(monkeypatch):
+    """Later rounds reuse the first round's lowering and composed groups: with groups
+    made to lose verification, every round decides exactly as when each round
+    lowers and composes everything again."""
+    import autofuser_core.compile as compile_module
+
+    gm, x = _zoo_graph("gnot", "bf16")
+    fused = autofuser.fuse(nn.Identity(), progress=False)
+    rounds = []
+
+    def verify_round(gm, plan, inputs, device, options, progress, report, backward=False):
+        rounds.append(len(plan.kept))
+        jobs = []
+        for k, candidate in enumerate(plan.kept):
+            entry = compile_module._entry(candidate.strategy.name, candidate.nodes, plan.view, True, "fused", "",
+                                          candidate.program)
+            if len(candidate.nodes) > 1 and (compile_module.product_count(candidate.program) > 1 or k % 3 == 0):
+                entry.fused, entry.reason_code, entry.reason = False, "slower", "made to lose"
+            report.groups.append(entry)
+            jobs.append(compile_module._Job(candidate, entry))
+        return jobs
+
+    monkeypatch.setattr(compile_module, "_verify_round", verify_round)
+    monkeypatch.setattr(compile_module, "rewrite_graph", lambda gm, groups: gm)
+
+    def decisions():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            _, report = compile_module.compile_graph(gm, (x,), fused._plugin_set, fused._options, lambda m: None)
+        return ([(g.strategy, g.nodes, g.fused, g.reason_code, g.reason, g.bytes_after) for g in report.groups],
+                [(n.node, n.reason_code, n.reason) for n in report.unfused_nodes])
+
+    reused = decisions()
+    assert len(rounds) >= 3
+    real_view = PlanningView.__init__
+    monkeypatch.setattr(PlanningView, "__init__", lambda self, gm, registry, options=None, earlier=None:
+                        real_view(self, gm, registry, options))
+    rounds.clear()
+    assert decisions() == reused and len(rounds) >= 3
 
 
 # ---------------------------------------------------------------------------
