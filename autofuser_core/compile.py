@@ -331,9 +331,12 @@ def _precompile_untuned(jobs: list, device: torch.device, options, progress, rep
         return
     root = cache_dir(options.cache_dir)
     work: dict[str, CompileJob] = {}
+    tuned: set[str] = set()  # kernels with a cached config (repeated layers share one: read it once)
     for job in jobs:
-        cached = _valid_entry(job.candidate, read_tuning(root, _tuning_key(job.source, device)), warn=False)
-        if job.source.name in work or cached:
+        if job.source.name in work or job.source.name in tuned:
+            continue
+        if _valid_entry(job.candidate, read_tuning(root, _tuning_key(job.source, device)), warn=False):
+            tuned.add(job.source.name)
             continue
         program = job.candidate.program
         work[job.source.name] = CompileJob(

@@ -733,6 +733,34 @@ def test_a_warm_cache_starts_no_compile_worker(tmp_path, monkeypatch, gpu_tuning
     assert started == [] and len(asked) == 1 and len(asked[0]) == len(other.fused)
 
 
+class RepeatedBlocks(torch.nn.Module):
+    """Three copies of one pointwise block, kept apart by in-place ops: one kernel, three groups."""
+
+    def forward(self, x):
+        for _ in range(3):
+            x = torch.nn.functional.gelu(x * 2 + 1)
+            x.mul_(0.5)
+        return x
+
+
+def test_a_warm_compile_reads_each_tuning_entry_once_per_group(tmp_path, monkeypatch, gpu_tuning):
+    """Repeated layers share one kernel and one entry: deciding what to compile reads it
+    once, and each group reads it when it picks its config."""
+    import autofuser_core.compile as compile_module
+
+    x = torch.randn(4, 33)
+    for _ in range(2):
+        reads = []
+        monkeypatch.setattr(compile_module, "read_tuning", lambda root, key: reads.append(key["kernel"]) or
+                            cache.read_tuning(root, key))
+        with torch.no_grad():
+            fused = autofuser.fuse(RepeatedBlocks(), progress=False, cache_dir=str(tmp_path))
+            torch.testing.assert_close(fused(x.clone()), RepeatedBlocks()(x.clone()))
+    groups = fused.report().fused
+    assert len(groups) == 3 and len({g.kernel for g in groups}) == 1 and all(g.cache_hit for g in groups)
+    assert reads == [groups[0].kernel] * 4
+
+
 class _FakeWorker:
     """A compile worker that answers each line of tasks at once: all compiled."""
 
