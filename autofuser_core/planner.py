@@ -276,11 +276,11 @@ class PlanningView:
                 known = compose_group(ordered, self.lowered, self.gm, {n: self.lowering_of[n].name for n in ordered},
                                       lay_out, self._attr_cache)
             except Exception as err:
-                known = err
+                known = err.with_traceback(None)  # kept without the frames of the compose that raised
             self._composed[key] = known
         if isinstance(known, Exception):
             try:
-                raise known.with_traceback(None)  # not with the tracebacks of earlier raises
+                raise known.with_traceback(None)  # without the tracebacks of earlier raises
             finally:
                 known = None  # no reference cycle through this frame
         return known
