@@ -111,8 +111,17 @@ def atomic_write(path: Path, text: str) -> None:
 
 def load_kernel_module(name: str, source: str, root: Path):
     """Write ``source`` to ``kernels/<name>.py`` (unless an identical file is
-    there) and import it; returns the module."""
+    there) and import it; returns the module.
+
+    A module this process already imported under ``name`` is returned as it is:
+    the name hashes the code, so it differs from ``source`` at most in the
+    header comment naming the fx nodes (another copy of a repeated layer), and
+    its file in this folder, still in place, is left alone rather than written
+    again for every copy."""
     path = root / "kernels" / f"{name}.py"
+    module = sys.modules.get(f"autofuser_kernels.{name}")
+    if module is not None and module.__file__ == str(path) and path.is_file():
+        return module
     digest = hashlib.sha256(source.encode()).hexdigest()
     try:
         on_disk = path.read_bytes()
@@ -164,6 +173,17 @@ def read_tuning(root: Path, key: dict[str, Any]) -> Optional[dict[str, Any]]:
     if entry is None:
         entry = _unwritten.get((str(root), key_digest(key)))
     return entry
+
+
+def has_tuning_entries(root: Path) -> bool:
+    """Whether ``root`` holds any tuning result (written, or kept in memory by this process)."""
+    if any(folder == str(root) for folder, _ in _unwritten):
+        return True
+    try:
+        with os.scandir(root / "tuning") as entries:
+            return any(entry.name.endswith(".json") for entry in entries)
+    except OSError:
+        return False
 
 
 def _check_tuning(entry: dict[str, Any]) -> None:

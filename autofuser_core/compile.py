@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass, field
+import gc
 import logging
 import time
 from typing import Any, Optional
@@ -27,7 +28,7 @@ import torch
 import torch.fx
 
 from .capture import frozen_state
-from .cache import cache_dir, load_kernel_module, read_tuning, tuning_lock, write_tuning
+from .cache import cache_dir, has_tuning_entries, load_kernel_module, read_tuning, tuning_lock, write_tuning
 from .group import GroupProgram, attr_tensor, collect_values
 from .ir import AttrRef
 from .launch import FusedKernel, cast_inputs, input_casts
@@ -61,6 +62,25 @@ def preserved_state(module: torch.nn.Module):
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off for a stretch of pure-Python work.
+
+    Planning and writing kernels allocate hundreds of thousands of small objects
+    that outlive the youngest generation (IR values, composed programs), and that
+    sets off full collections, each a walk over every object the process holds
+    (torch, the model, its graph): measured, up to half of a planning round.
+    What these steps allocate is freed by reference counting; the collector
+    runs as before afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _snapshot(value: Any) -> Any:
@@ -311,9 +331,12 @@ def _precompile_untuned(jobs: list, device: torch.device, options, progress, rep
         return
     root = cache_dir(options.cache_dir)
     work: dict[str, CompileJob] = {}
+    tuned: set[str] = set()  # kernels with a cached config (repeated layers share one: read it once)
     for job in jobs:
-        cached = _valid_entry(job.candidate, read_tuning(root, _tuning_key(job.source, device)), warn=False)
-        if job.source.name in work or cached:
+        if job.source.name in work or job.source.name in tuned:
+            continue
+        if _valid_entry(job.candidate, read_tuning(root, _tuning_key(job.source, device)), warn=False):
+            tuned.add(job.source.name)
             continue
         program = job.candidate.program
         work[job.source.name] = CompileJob(
@@ -419,8 +442,11 @@ def _compile_rounds(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options
     report.graph = describe_graph(gm)
 
     device = _device_of(inputs)
-    if _can_tune(device, options):
-        start_workers()  # warms up while the graph is planned and the kernels written
+    if _can_tune(device, options) and not has_tuning_entries(cache_dir(options.cache_dir)):
+        # A cache without any tuning result: every kernel will compile, so the workers
+        # warm up while the graph is planned. Otherwise they start only if some kernel
+        # turns out untuned (precompile): on a warm cache, none.
+        start_workers()
     taken: set[torch.fx.Node] = set()
     retry: Optional[set[torch.fx.Node]] = None  # later rounds: only the nodes of groups that stayed eager
     lost: set[tuple[str, frozenset]] = set()  # (strategy, nodes) of the groups that stayed eager
@@ -433,6 +459,7 @@ def _compile_rounds(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options
     # cuDNN leaves its epilogue to fuse on its own.
     max_products = MAX_PRODUCTS.get()
     round_number = 0
+    plan: Optional[Plan] = None
     while True:
         round_number += 1
 
@@ -446,7 +473,8 @@ def _compile_rounds(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options
         tokens = (STRICT_FP32.set(options.strict_fp32_products), MAX_PRODUCTS.set(max_products))
         step = time.perf_counter()
         try:
-            plan = plan_fusion_groups(gm, plugin_set.registry, veto=veto, options=options)
+            with gc_paused():
+                plan = plan_fusion_groups(gm, plugin_set.registry, veto=veto, options=options, earlier=plan)
         finally:
             MAX_PRODUCTS.reset(tokens[1])
             STRICT_FP32.reset(tokens[0])
@@ -509,22 +537,23 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
     jobs: list[_Job] = []
     not_generated: list[_Job] = []
     step = time.perf_counter()
-    for candidate in plan.kept:
-        program: GroupProgram = candidate.program
-        job = _Job(candidate, _entry(candidate.strategy.name, candidate.nodes, view, True, "fused", "", program))
-        try:
-            job.source = candidate.strategy.generate(program, view.helpers)
-            job.entry.kernel_source = job.source.source
-            module = load_kernel_module(job.source.name, job.source.source, cache_dir(options.cache_dir))
-            job.kernel_path = module.__file__  # not in the cache folder where that can't be written
-            job.kernel = getattr(module, job.source.name)
-            job.eager = extract_group_module(gm, program)
-        except Exception as err:
-            _refuse_job(job, "codegen_failed", err)
-            report.groups.append(job.entry)
-            not_generated.append(job)
-            continue
-        jobs.append(job)
+    with gc_paused():
+        for candidate in plan.kept:
+            program: GroupProgram = candidate.program
+            job = _Job(candidate, _entry(candidate.strategy.name, candidate.nodes, view, True, "fused", "", program))
+            try:
+                job.source = candidate.strategy.generate(program, view.helpers)
+                job.entry.kernel_source = job.source.source
+                module = load_kernel_module(job.source.name, job.source.source, cache_dir(options.cache_dir))
+                job.kernel_path = module.__file__  # not in the cache folder where that can't be written
+                job.kernel = getattr(module, job.source.name)
+                job.eager = extract_group_module(gm, program)
+            except Exception as err:
+                _refuse_job(job, "codegen_failed", err)
+                report.groups.append(job.entry)
+                not_generated.append(job)
+                continue
+            jobs.append(job)
 
     total = len(jobs)
     report.add_phase("generate", time.perf_counter() - step)

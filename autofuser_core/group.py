@@ -133,11 +133,20 @@ class GroupProgram:
         return sum(t.nbytes for t in self.inputs if t.read) + sum(t.nbytes for t in self.outputs)
 
 
-def _dtype_of(source: Any, root: torch.nn.Module) -> tuple[tuple[int, ...], torch.dtype, tuple[int, ...]]:
+TensorDescription = tuple[tuple[int, ...], torch.dtype, tuple[int, ...]]
+
+
+def _dtype_of(source: Any, root: torch.nn.Module,
+              attr_cache: Optional[dict[str, TensorDescription]] = None) -> TensorDescription:
     if isinstance(source, AttrRef):
+        if attr_cache is not None and source.path in attr_cache:
+            return attr_cache[source.path]
         # getattr, not get_parameter: a parametrised weight (weight_norm) is computed on access.
         tensor = attr_tensor(root, source.path)
-        return tuple(tensor.shape), tensor.dtype, tuple(tensor.stride())
+        described = tuple(tensor.shape), tensor.dtype, tuple(tensor.stride())
+        if attr_cache is not None:
+            attr_cache[source.path] = described
+        return described
     meta = tensor_meta(source)
     return tuple(meta.shape), meta.dtype, tuple(meta.stride)
 
@@ -154,13 +163,17 @@ def compose_group(
     root: torch.nn.Module,
     op_names: Optional[dict[torch.fx.Node, str]] = None,
     lay_out: Optional[Callable[[GroupProgram, dict[int, Value]], None]] = None,
+    attr_cache: Optional[dict[str, TensorDescription]] = None,
 ) -> GroupProgram:
     """Compose ``nodes`` (in graph order) into a ``GroupProgram``; see module doc.
 
     ``lay_out(program, values)`` replaces steps 3-4 (``values``: every IR value
     of the group by uid): a strategy that tiles the composed DAG its own way
     (a chain of several products) sets the domain and strides itself, or
-    raises ``GroupRefused``."""
+    raises ``GroupRefused``. ``attr_cache``: shape, dtype and strides of the
+    parameters already read, by path, shared by calls on the same ``root``
+    while its parameters stay as they are (a parametrised weight is computed
+    each time it is read)."""
     members = set(nodes)
     composed: dict[torch.fx.Node, Value] = {}
     memo: dict[int, Value] = {}
@@ -173,14 +186,21 @@ def compose_group(
     def input_for(source: Any) -> int:
         key = source if isinstance(source, AttrRef) else ("node", source)
         if key not in input_index:
-            shape, dtype, stride = _dtype_of(source, root)
+            shape, dtype, stride = _dtype_of(source, root, attr_cache)
             input_index[key] = len(inputs)
             inputs.append(KernelTensor(source, shape, dtype, stride))
         return input_index[key]
 
-    def rebuild(v: Value) -> Value:
+    def rebuild(v: Value, node: torch.fx.Node) -> Value:
+        """``v`` (of ``node``'s lowered value) with in-group loads substituted."""
         if v.uid in memo:
-            return memo[v.uid]
+            return memo[v.uid]  # no extern below: it would have been refused when first seen
+        if v.op == "extern":
+            raise GroupRefused(
+                "extern_op",
+                f"{node.name} ({(op_names or {}).get(node, node.target)}) is lowered as an extern op: only a "
+                "strategy with its own compose generates it",
+            )
         if v.op == "load" and isinstance(v.source, torch.fx.Node) and v.source in members:
             out = composed[v.source]
         elif v.op == "load":
@@ -190,7 +210,7 @@ def compose_group(
                 scales_of_load[out.uid] = input_for(v.packed.scales)
         elif v.args:
             out = Value(
-                v.op, v.shape, is_bool=v.is_bool, args=tuple(rebuild(a) for a in v.args), template=v.template,
+                v.op, v.shape, is_bool=v.is_bool, args=tuple(rebuild(a, node) for a in v.args), template=v.template,
                 constant=v.constant, reduce_op=v.reduce_op, dims=v.dims, keepdim=v.keepdim,
                 transpose_b=v.transpose_b, column_dims=v.column_dims, fp32_precision=v.fp32_precision,
                 dtype=v.dtype,
@@ -200,14 +220,9 @@ def compose_group(
         memo[v.uid] = out
         return out
 
+    stamped: set[int] = set()
     for node in nodes:
-        if any(v.op == "extern" for v in collect_values([lowered[node]]).values()):
-            raise GroupRefused(
-                "extern_op",
-                f"{node.name} ({(op_names or {}).get(node, node.target)}) is lowered as an extern op: only a "
-                "strategy with its own compose generates it",
-            )
-        value = rebuild(lowered[node])
+        value = rebuild(lowered[node], node)
         meta = tensor_meta(node)
         if _is_no_op(lowered[node], meta) and any(user not in members for user in node.users):
             # A no-op (x.float() on fp32, eval dropout, Identity) returns its input itself in
@@ -215,7 +230,7 @@ def compose_group(
             # longer reach the other.
             raise GroupRefused("alias_output", f"{node.name} is its input itself in eager; "
                                                 "a copy made by a kernel would break that alias")
-        _stamp_dot_dtype(value, meta.dtype)
+        _stamp_dot_dtype(value, meta.dtype, stamped)
         # A packed weight is only ever a product's operand, which rounds to its dtype itself.
         if meta.dtype in ROUNDED_DTYPES and not value.is_bool and value.packed is None:
             value = Value("pointwise", value.shape, args=(value,), template=rounded("{0}", meta.dtype))
@@ -315,10 +330,12 @@ def _is_no_op(value: Value, meta) -> bool:
     return source is None or source.dtype == meta.dtype
 
 
-def _stamp_dot_dtype(value: Value, dtype: torch.dtype) -> None:
-    """A product's operands round to the dtype its node produced in eager."""
+def _stamp_dot_dtype(value: Value, dtype: torch.dtype, seen: set[int]) -> None:
+    """A product's operands round to the dtype its node produced in eager.
+
+    ``seen``: values stamped already, with every product below them (shared by
+    the nodes of one group, so each value is walked once)."""
     stack = [value]
-    seen: set[int] = set()
     while stack:
         v = stack.pop()
         if v.uid in seen:

@@ -95,6 +95,12 @@ STRICT_FP32 = contextvars.ContextVar("autofuser_strict_fp32", default="tf32x3")
 MAX_PRODUCTS = contextvars.ContextVar("autofuser_max_products", default=8)
 
 
+def layout_settings() -> tuple:
+    """What laying out a group's products depends on besides its IR (products per
+    group, how fp32 products run): composed groups stay valid while it stays."""
+    return MAX_PRODUCTS.get(), fp32_precision()
+
+
 def fp32_precision() -> str:
     """Torch's own rule for fp32 matrix products: TF32 only where it is allowed."""
     allowed = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"

@@ -35,6 +35,7 @@ import torch.fx
 
 from .group import GroupProgram, GroupRefused, compose_group
 from .ir import LoweringContext, LoweringRefused, Value, tensor_meta
+from .matmul_layout import layout_settings
 from .registry import Registry, describe_target
 from .specs import LoweringSpec, StrategySpec, dtype_name
 
@@ -133,19 +134,37 @@ class SkippedNode:
 class PlanningView:
     """What strategies see: the graph, each node's lowering, and the barriers."""
 
-    def __init__(self, gm: torch.fx.GraphModule, registry: Registry, options=None):
+    def __init__(self, gm: torch.fx.GraphModule, registry: Registry, options=None,
+                 earlier: Optional["PlanningView"] = None):
+        """``earlier``: the view of an earlier planning round of the same graph and
+        plugins; its lowering and the groups it composed are reused."""
         self.gm = gm
         self.registry = registry
         self.options = options  # the ``FuseOptions`` of this ``fuse()`` call (``None`` outside one)
         self.nodes: list[torch.fx.Node] = list(gm.graph.nodes)
         self.order = {n: i for i, n in enumerate(self.nodes)}
-        self.lowered: dict[torch.fx.Node, Value] = {}
-        self.lowering_of: dict[torch.fx.Node, LoweringSpec] = {}
-        self.barriers: dict[torch.fx.Node, tuple[str, str]] = {}
-        self.skipped: list[SkippedNode] = []
-        self.helpers: dict[str, str] = {}
         self._space_groups: Optional[list[list[torch.fx.Node]]] = None
-        self._lower_all()
+        if earlier is not None and (earlier.gm is not gm or earlier.registry is not registry
+                                    or earlier.nodes != self.nodes):
+            raise ValueError("a planning view can reuse only the view of the same graph and plugins")
+        if earlier is not None:
+            # Everything below depends on the graph, the plugins and the parameters alone,
+            # none of which change between the planning rounds of one compile.
+            self.lowered, self.lowering_of, self.barriers = earlier.lowered, earlier.lowering_of, earlier.barriers
+            self.skipped, self.helpers = earlier.skipped, earlier.helpers
+            self._composed, self._attr_cache = earlier._composed, earlier._attr_cache
+        else:
+            self.lowered: dict[torch.fx.Node, Value] = {}
+            self.lowering_of: dict[torch.fx.Node, LoweringSpec] = {}
+            self.barriers: dict[torch.fx.Node, tuple[str, str]] = {}
+            self.skipped: list[SkippedNode] = []
+            self.helpers: dict[str, str] = {}
+            # compose() results (a program, or the exception it raised) by nodes, lay_out and
+            # layout settings: strategies ask about the same groups again and again while
+            # proposing, the planner once more for each candidate, and a later round again.
+            self._composed: dict[tuple, Any] = {}
+            self._attr_cache: dict[str, tuple] = {}  # compose_group's parameter descriptions
+            self._lower_all()
         self._barrier_positions = sorted(self.order[n] for n in self.barriers)
 
     # -- step 1 ---------------------------------------------------------------
@@ -245,10 +264,26 @@ class PlanningView:
 
     def compose(self, nodes: list[torch.fx.Node], lay_out=None) -> GroupProgram:
         """``nodes`` composed into one program (``compose_group``; ``lay_out``: a
-        strategy's own layout of the composed values instead of the generic one)."""
-        ordered = sorted(nodes, key=self.order.__getitem__)
-        names = {n: self.lowering_of[n].name for n in ordered}
-        return compose_group(ordered, self.lowered, self.gm, names, lay_out)
+        strategy's own layout of the composed values instead of the generic one).
+
+        Composed once per planning (and ``layout_settings()``): asked again, it
+        returns the same program (don't change it) or raises the same refusal."""
+        ordered = tuple(sorted(nodes, key=self.order.__getitem__))
+        key = (ordered, lay_out, layout_settings())
+        known = self._composed.get(key)
+        if known is None:
+            try:
+                known = compose_group(ordered, self.lowered, self.gm, {n: self.lowering_of[n].name for n in ordered},
+                                      lay_out, self._attr_cache)
+            except Exception as err:
+                known = err.with_traceback(None)  # kept without the frames of the compose that raised
+            self._composed[key] = known
+        if isinstance(known, Exception):
+            try:
+                raise known.with_traceback(None)  # without the tracebacks of earlier raises
+            finally:
+                known = None  # no reference cycle through this frame
+        return known
 
     def compose_for(self, strategy: StrategySpec, nodes: list[torch.fx.Node]) -> GroupProgram:
         """``nodes`` composed for ``strategy``: by its own ``compose`` if it has one."""
@@ -320,9 +355,12 @@ class Plan:
     decisions: list[Decision] = field(default_factory=list)
 
 
-def plan_fusion_groups(gm: torch.fx.GraphModule, registry: Registry, veto=None, options=None) -> Plan:
-    """Steps 1-3 of the module doc. ``veto(candidate)`` returns a reason or ``None``."""
-    view = PlanningView(gm, registry, options)
+def plan_fusion_groups(gm: torch.fx.GraphModule, registry: Registry, veto=None, options=None,
+                       earlier: Optional[Plan] = None) -> Plan:
+    """Steps 1-3 of the module doc. ``veto(candidate)`` returns a reason or ``None``;
+    ``earlier``: the plan of an earlier round on the same graph, whose lowering and
+    composed groups are reused (``PlanningView``)."""
+    view = PlanningView(gm, registry, options, earlier.view if earlier is not None else None)
     plan = Plan(view)
     candidates: list[Candidate] = []
     for strategy in registry.strategies_by_priority():

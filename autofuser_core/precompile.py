@@ -16,15 +16,19 @@ The workers are plain subprocesses running this module (``python -m
 autofuser_core.precompile``), never ``multiprocessing`` children: those
 re-import the user's main script, which without an ``if __name__ ==
 "__main__":`` guard would run the user's whole program again in every worker.
-Each worker is started when a compile begins (it imports torch and Triton
-while the graph is planned, without touching the GPU) and serves every
-planning round of that compile: it reads one line of tasks per round on
-stdin and answers with how many compiled, so a later round pays neither the
-imports nor Triton's first-compile set-up again. The compile stops its
-workers when it ends (``shutdown``); a worker a warm cache leaves without work
-never touches the GPU. A worker that fails or hangs costs speed, never
-correctness: a config it did not compile is compiled when it is timed, and the
-worker is dropped from the pool.
+On a cache with no tuning result yet, where every kernel will compile, the
+workers start when a compile begins (they import torch and Triton while the
+graph is planned, without touching the GPU); otherwise only once some kernel
+is found untuned, no more of them than there are configs to compile, so a
+warm cache starts none. They serve every planning round of that compile: each
+reads one line of tasks per round on stdin and answers with how many
+compiled, so a later round pays neither the imports nor Triton's
+first-compile set-up again (a round with more configs than workers starts
+more, up to the limit). The compile stops its workers when it ends
+(``shutdown``); a worker left without work never touches the GPU. A worker
+that fails or hangs costs speed, never correctness: a config it did not
+compile is compiled when it is timed, and the worker is dropped from the
+pool.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 logger = logging.getLogger("autofuser")
 
@@ -86,9 +90,12 @@ def _enabled() -> bool:
     return workers() > 0 and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def start_workers() -> None:
-    """Start the workers in the background, so their imports overlap planning."""
-    if not _enabled() or _workers:
+def start_workers(at_most: Optional[int] = None) -> None:
+    """Start workers in the background, so that their imports overlap what runs
+    meanwhile: ``workers()`` of them, or ``at_most`` (one per task), counting those
+    already running."""
+    wanted = workers() if at_most is None else min(workers(), at_most)
+    if not _enabled() or len(_workers) >= wanted:
         return
     import autofuser_core
 
@@ -103,7 +110,7 @@ def start_workers() -> None:
     except Exception:
         pass
     try:
-        for _ in range(workers()):
+        for _ in range(wanted - len(_workers)):
             _workers.append(subprocess.Popen(
                 [sys.executable, "-m", "autofuser_core.precompile"], env=env, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
@@ -125,7 +132,7 @@ def precompile(jobs: list[CompileJob], progress) -> int:
     last_answered = 0
     if not _enabled() or not tasks:
         return 0
-    start_workers()
+    start_workers(len(tasks))
     pool = list(_workers)
     if not pool:
         return 0

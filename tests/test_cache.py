@@ -214,6 +214,25 @@ def test_identical_kernel_file_is_reused(tmp_path, kernel_name):
     assert second is not first and second.VALUE == 42
 
 
+def test_a_loaded_kernel_is_not_written_again_for_each_copy_of_a_layer(tmp_path, kernel_name):
+    """Repeated layers generate one kernel whose header names each copy's nodes: the
+    module loaded for the first copy serves the others, its file written once."""
+    first = load_kernel_module(kernel_name, "# nodes: fc1, gelu\n" + GENERATED, tmp_path)
+    path = tmp_path / "kernels" / f"{kernel_name}.py"
+    inode = path.stat().st_ino
+    second = load_kernel_module(kernel_name, "# nodes: fc1_1, gelu_1\n" + GENERATED, tmp_path)
+    assert second is first and path.stat().st_ino == inode
+    assert path.read_text().startswith("# nodes: fc1, gelu\n")
+
+    # Another cache folder gets its own file; a file removed meanwhile is written again.
+    other = load_kernel_module(kernel_name, GENERATED, tmp_path / "other")
+    assert (tmp_path / "other" / "kernels" / f"{kernel_name}.py").read_text() == GENERATED
+    assert other is first  # the module itself is the one this process imported
+    path.unlink()
+    load_kernel_module(kernel_name, GENERATED, tmp_path)
+    assert path.read_text() == GENERATED
+
+
 # ---------------------------------------------------------------------------
 # Tuning across processes
 # ---------------------------------------------------------------------------
@@ -685,3 +704,111 @@ def test_compile_workers_serve_every_round_and_stop_with_the_compile(tmp_path):
     assert "stopped True 0" in done.stdout, done.stdout
 
 
+# ---------------------------------------------------------------------------
+# Compile workers start only where there is something to compile
+# ---------------------------------------------------------------------------
+
+
+def test_a_warm_cache_starts_no_compile_worker(tmp_path, monkeypatch, gpu_tuning):
+    """Workers start with the compile on a cache without tuning results (everything will
+    compile), only once a kernel is found untuned on a cache with some, and never on a
+    cache that already holds every kernel this model needs."""
+    import autofuser_core.compile as compile_module
+
+    started, asked = [], []
+    monkeypatch.setattr(compile_module, "start_workers", lambda *a: started.append(a))
+    monkeypatch.setattr(compile_module, "precompile", lambda jobs, progress: asked.append(jobs) or 0)
+
+    cold, _, _ = fuse_norm_gelu(tmp_path, torch.randn(2, 5, 37))
+    assert started == [()] and len(asked) == 1 and len(asked[0]) == len(cold.fused) > 1
+    started.clear(), asked.clear()
+
+    warm, got, expected = fuse_norm_gelu(tmp_path, torch.randn(2, 5, 37))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert all(g.cache_hit for g in warm.fused)
+    assert started == [] and asked == [[]]
+    asked.clear()
+
+    other, _, _ = fuse_norm_gelu(tmp_path, torch.randn(3, 7, 37))  # other shapes: other kernels
+    assert started == [] and len(asked) == 1 and len(asked[0]) == len(other.fused)
+
+
+class RepeatedBlocks(torch.nn.Module):
+    """Three copies of one pointwise block, kept apart by in-place ops: one kernel, three groups."""
+
+    def forward(self, x):
+        for _ in range(3):
+            x = torch.nn.functional.gelu(x * 2 + 1)
+            x.mul_(0.5)
+        return x
+
+
+def test_a_warm_compile_reads_each_tuning_entry_once_per_group(tmp_path, monkeypatch, gpu_tuning):
+    """Repeated layers share one kernel and one entry: deciding what to compile reads it
+    once, and each group reads it when it picks its config."""
+    import autofuser_core.compile as compile_module
+
+    x = torch.randn(4, 33)
+    for _ in range(2):
+        reads = []
+        monkeypatch.setattr(compile_module, "read_tuning", lambda root, key: reads.append(key["kernel"]) or
+                            cache.read_tuning(root, key))
+        with torch.no_grad():
+            fused = autofuser.fuse(RepeatedBlocks(), progress=False, cache_dir=str(tmp_path))
+            torch.testing.assert_close(fused(x.clone()), RepeatedBlocks()(x.clone()))
+    groups = fused.report().fused
+    assert len(groups) == 3 and len({g.kernel for g in groups}) == 1 and all(g.cache_hit for g in groups)
+    assert reads == [groups[0].kernel] * 4
+
+
+class _FakeWorker:
+    """A compile worker that answers each line of tasks at once: all compiled."""
+
+    started: list = []
+
+    def __init__(self, *args, **kwargs):
+        _FakeWorker.started.append(self)
+        self.stdin, self.stdout, self.lines = self, self, []
+
+    def write(self, text):
+        self.lines.append(text)
+
+    def flush(self):
+        pass
+
+    def readline(self):
+        tasks = json.loads(self.lines.pop(0))
+        return json.dumps({"compiled": len(tasks), "tried": len(tasks)}) + "\n"
+
+    def poll(self):
+        return None
+
+    def kill(self):
+        pass
+
+    def communicate(self, *args, **kwargs):
+        return "", None
+
+
+def test_compile_workers_start_as_many_as_there_are_configs(monkeypatch):
+    from autofuser_core import precompile
+
+    monkeypatch.setattr(precompile, "_enabled", lambda: True)
+    monkeypatch.setattr(precompile.subprocess, "Popen", _FakeWorker)
+    monkeypatch.setenv("AUTOFUSER_COMPILE_WORKERS", "8")
+    monkeypatch.setattr(_FakeWorker, "started", [])
+
+    def job(configs: int):
+        return precompile.CompileJob("k.py", "k", ("float32",),
+                                     tuple(precompile.launch_items({"BLOCK": 16 << b}) for b in range(configs)))
+
+    try:
+        assert precompile.precompile([], lambda m: None) == 0 and _FakeWorker.started == []
+        assert precompile.precompile([job(3)], lambda m: None) == 3
+        assert len(_FakeWorker.started) == 3 and precompile.last_answered == 3
+        assert precompile.precompile([job(2)], lambda m: None) == 2 and len(_FakeWorker.started) == 3  # served
+        assert precompile.precompile([job(5)] * 4, lambda m: None) == 20
+        assert len(_FakeWorker.started) == 8 and len(precompile._workers) == 8  # topped up to the limit
+    finally:
+        precompile.shutdown()
+    assert precompile._workers == []

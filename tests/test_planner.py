@@ -1,0 +1,298 @@
+"""The planner's memo of composed groups (``PlanningView.compose``): each group is
+composed once per planning, a refusal is raised again as it was, other layout
+settings compose afresh, a later round reuses the first round's lowering, and a
+zoo model's plans, round after round, are the same as with everything lowered and
+composed anew. Planning runs with the cyclic garbage collector paused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autofuser
+import autofuser_core.planner as planner
+from autofuser_core.group import GroupRefused, compose_group
+from autofuser_core.matmul_layout import MAX_PRODUCTS, MatmulLayout, MlpLayout
+from autofuser_core.planner import PlanningView, plan_fusion_groups
+from autofuser_zoo import airfoil
+from autofuser_zoo.models import MESHES, MODELS, TINY_BATCH
+
+
+class FeedForward(nn.Module):
+    def __init__(self, width=24, hidden=40):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+def _view(model: nn.Module, x: torch.Tensor) -> PlanningView:
+    return PlanningView(autofuser.capture(model, x), autofuser.load_plugins().registry)
+
+
+def _nodes(view: PlanningView, *names: str) -> list[torch.fx.Node]:
+    by_name = {n.name: n for n in view.nodes}
+    return [by_name[name] for name in names]
+
+
+def _depth(traceback) -> int:
+    depth = 0
+    while traceback is not None:
+        depth, traceback = depth + 1, traceback.tb_next
+    return depth
+
+
+@pytest.fixture
+def compose_calls(monkeypatch):
+    """Every ``compose_group`` call the planner makes, as (node names, lay_out)."""
+    calls = []
+
+    def counted(nodes, *args, **kwargs):
+        calls.append(([n.name for n in nodes], args[3] if len(args) > 3 else kwargs.get("lay_out")))
+        return compose_group(nodes, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "compose_group", counted)
+    return calls
+
+
+def test_a_group_is_composed_once_per_view_in_any_node_order(compose_calls):
+    view = _view(FeedForward().eval(), torch.randn(2, 7, 24))
+    fc1, gelu = _nodes(view, "fc1", "gelu")
+    program = view.compose([fc1, gelu])
+    assert isinstance(program.matmul, MatmulLayout) and [n.name for n in program.nodes] == ["fc1", "gelu"]
+    assert view.compose([gelu, fc1]) is program
+    assert compose_calls == [(["fc1", "gelu"], None)]
+
+
+def test_a_refusal_is_raised_again_without_composing_again(compose_calls):
+    view = _view(FeedForward().eval(), torch.randn(2, 7, 24))
+    norm, fc2 = _nodes(view, "norm", "fc2")  # not connected: nothing of the group is computed from the other
+    codes = []
+    for _ in range(3):
+        with pytest.raises(GroupRefused) as refused:
+            view.compose([norm, fc2])
+        codes.append((refused.value.code, refused.value.reason))
+        assert _depth(refused.value.__traceback__) <= 2  # this frame and compose's: none piled up from earlier raises
+    assert len(set(codes)) == 1
+    assert len(compose_calls) == 1
+
+
+def test_another_layout_of_the_same_nodes_is_composed_on_its_own(compose_calls):
+    view = _view(FeedForward().eval(), torch.randn(2, 7, 24))
+    nodes = _nodes(view, "fc1", "gelu")
+    seen = []
+
+    def lay_out(program, values):
+        seen.append(sorted(v.op for v in values.values() if v.op == "dot"))
+        program.domain = (1,)
+
+    generic = view.compose(nodes)
+    own = view.compose(nodes, lay_out=lay_out)
+    assert own is not generic and own.domain == (1,) and generic.domain != (1,)
+    assert view.compose(nodes, lay_out=lay_out) is own
+    assert seen == [["dot"]] and len(compose_calls) == 2
+
+
+def test_a_new_view_composes_again_under_the_current_settings(compose_calls):
+    """A later planning round runs with fewer products per group: what an earlier
+    round composed under other settings is not reused."""
+    gm = autofuser.capture(FeedForward().eval(), torch.randn(2, 7, 24))
+    registry = autofuser.load_plugins().registry
+    mlp_nodes = ["fc1", "gelu", "fc2"]
+    first = PlanningView(gm, registry)
+    assert isinstance(first.compose(_nodes(first, *mlp_nodes)).matmul, MlpLayout)
+    token = MAX_PRODUCTS.set(1)
+    try:
+        for second in (PlanningView(gm, registry), PlanningView(gm, registry, earlier=first)):
+            with pytest.raises(GroupRefused) as refused:
+                second.compose(_nodes(second, *mlp_nodes))
+            assert refused.value.code == "several_products"
+    finally:
+        MAX_PRODUCTS.reset(token)
+    assert [names for names, _ in compose_calls] == [mlp_nodes, mlp_nodes, mlp_nodes]
+
+
+def test_a_later_round_reuses_the_lowering_and_the_groups_composed_under_the_same_settings(compose_calls):
+    gm = autofuser.capture(FeedForward().eval(), torch.randn(2, 7, 24))
+    registry = autofuser.load_plugins().registry
+    first = PlanningView(gm, registry)
+    program = first.compose(_nodes(first, "fc1", "gelu", "fc2"))
+    later = PlanningView(gm, registry, earlier=first)
+    assert later.lowered is first.lowered and later.skipped is first.skipped and later.helpers is first.helpers
+    assert later.compose(_nodes(later, "fc1", "gelu", "fc2")) is program
+    later.compose(_nodes(later, "fc2"))
+    assert [names for names, _ in compose_calls] == [["fc1", "gelu", "fc2"], ["fc2"]]
+
+    other = autofuser.capture(FeedForward().eval(), torch.randn(2, 7, 24))
+    with pytest.raises(ValueError, match="same graph"):
+        PlanningView(other, registry, earlier=first)
+
+
+class WeightNormLinear(nn.Module):
+    """A linear layer whose weight is computed each time it is read (a parametrisation)."""
+
+    def __init__(self, width=20):
+        super().__init__()
+        self.fc = nn.utils.parametrizations.weight_norm(nn.Linear(width, width))
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) * 2.0 + 1.0
+
+
+def test_a_parametrised_weight_is_described_once_per_view(monkeypatch):
+    model = WeightNormLinear().eval()
+    view = _view(model, torch.randn(3, 20))
+    computed = []
+    real = torch._weight_norm
+    monkeypatch.setattr(torch, "_weight_norm", lambda *a, **k: computed.append(1) or real(*a, **k))
+    fc, relu, mul, add = _nodes(view, "fc", "relu", "mul", "add")
+    for group in ([fc], [fc, relu], [fc, relu, mul], [fc, relu, mul, add]):
+        program = view.compose(group)
+        weight = next(t for t in program.inputs if t.name == "fc.weight")
+        assert weight.shape == (20, 20) and weight.dtype == torch.float32
+    assert len(computed) == 1
+
+    # A new view (the next planning round, or the next compile after a parameter was
+    # replaced) reads the parameters again.
+    fresh = PlanningView(view.gm, view.registry)
+    computed.clear()
+    fresh.compose(_nodes(fresh, "fc", "relu"))
+    fresh.compose(_nodes(fresh, "fc"))
+    assert len(computed) == 1
+
+
+# ---------------------------------------------------------------------------
+# Zoo models: the same plan with and without the memo
+# ---------------------------------------------------------------------------
+
+
+def _zoo_graph(name: str, dtype: str):
+    coords, _ = airfoil.make_dataset(TINY_BATCH, 0, MESHES["tiny"])
+    torch.manual_seed(0)
+    model = MODELS[name].make("tiny").eval()
+    x = MODELS[name].inputs(coords)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        return autofuser.capture(model, x), x
+
+
+def _plan_signature(plan) -> list:
+    """Everything the plan decided, by value: kept groups with their programs'
+    layout, refusals with their reasons, and the nodes that stay eager."""
+
+    def program(p):
+        if p is None:
+            return None
+        tensors = [(t.name, t.shape, str(t.dtype), t.stride, t.domain_stride, t.read) for t in (*p.inputs, *p.outputs)]
+        return (p.domain, p.reduced_dims, tensors, type(p.matmul).__name__, p.summary, p.precision)
+
+    kept = [(c.strategy.name, [n.name for n in c.nodes], program(c.program)) for c in plan.kept]
+    refused = [(d.strategy, [n.name for n in d.nodes], d.reason_code, d.reason) for d in plan.decisions]
+    eager = [(s.node, s.reason_code, s.reason) for s in plan.view.skipped]
+    return [kept, refused, eager]
+
+
+@pytest.mark.parametrize("name,dtype", [("gnot", "bf16"), ("factformer", "fp32"), ("transolver", "bf16")])
+def test_a_zoo_plan_is_the_same_as_with_every_group_composed_anew(monkeypatch, name, dtype):
+    gm, _ = _zoo_graph(name, dtype)
+    registry = autofuser.load_plugins().registry
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        memoised = plan_fusion_groups(gm, registry)
+
+        def compose_anew(self, nodes, lay_out=None):
+            ordered = sorted(nodes, key=self.order.__getitem__)
+            return compose_group(ordered, self.lowered, self.gm, {n: self.lowering_of[n].name for n in ordered}, lay_out)
+
+        monkeypatch.setattr(PlanningView, "compose", compose_anew)
+        anew = plan_fusion_groups(gm, registry)
+
+    assert _plan_signature(memoised) == _plan_signature(anew)
+    # The invariants the planner promises, on the memoised plan.
+    assert len(memoised.kept) >= 5 and memoised.decisions and any(len(c.nodes) > 3 for c in memoised.kept)
+    covered = [n for c in memoised.kept for n in c.nodes]
+    assert len(covered) == len(set(covered))  # no overlap
+    for candidate in memoised.kept:
+        assert candidate.program.nodes == candidate.nodes  # composed from its own nodes, in graph order
+        assert not memoised.view.straddles_barrier(candidate.nodes)
+
+
+def test_replanning_rounds_decide_as_with_every_round_planned_anew(monkeypatch):
+    """Later rounds reuse the first round's lowering and composed groups: with groups
+    made to lose verification, every round decides exactly as when each round
+    lowers and composes everything again."""
+    import autofuser_core.compile as compile_module
+
+    gm, x = _zoo_graph("gnot", "bf16")
+    fused = autofuser.fuse(nn.Identity(), progress=False)
+    rounds = []
+
+    def verify_round(gm, plan, inputs, device, options, progress, report, backward=False):
+        rounds.append(len(plan.kept))
+        jobs = []
+        for k, candidate in enumerate(plan.kept):
+            entry = compile_module._entry(candidate.strategy.name, candidate.nodes, plan.view, True, "fused", "",
+                                          candidate.program)
+            if len(candidate.nodes) > 1 and (compile_module.product_count(candidate.program) > 1 or k % 3 == 0):
+                entry.fused, entry.reason_code, entry.reason = False, "slower", "made to lose"
+            report.groups.append(entry)
+            jobs.append(compile_module._Job(candidate, entry))
+        return jobs
+
+    monkeypatch.setattr(compile_module, "_verify_round", verify_round)
+    monkeypatch.setattr(compile_module, "rewrite_graph", lambda gm, groups: gm)
+
+    def decisions():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            _, report = compile_module.compile_graph(gm, (x,), fused._plugin_set, fused._options, lambda m: None)
+        return ([(g.strategy, g.nodes, g.fused, g.reason_code, g.reason, g.bytes_after) for g in report.groups],
+                [(n.node, n.reason_code, n.reason) for n in report.unfused_nodes])
+
+    reused = decisions()
+    assert len(rounds) >= 3
+    real_view = PlanningView.__init__
+    monkeypatch.setattr(PlanningView, "__init__", lambda self, gm, registry, options=None, earlier=None:
+                        real_view(self, gm, registry, options))
+    rounds.clear()
+    assert decisions() == reused and len(rounds) >= 3
+
+
+# ---------------------------------------------------------------------------
+# The cyclic garbage collector is paused while planning, and restored
+# ---------------------------------------------------------------------------
+
+
+def test_planning_runs_with_the_cyclic_collector_paused_and_restores_it(monkeypatch):
+    import gc
+
+    import autofuser_core.compile as compile_module
+
+    seen = []
+    real_plan = compile_module.plan_fusion_groups
+
+    def plan(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(compile_module, "plan_fusion_groups", plan)
+    model, x = FeedForward().eval(), torch.randn(2, 7, 24)
+    assert gc.isenabled()
+    with torch.no_grad():
+        torch.testing.assert_close(autofuser.fuse(model, progress=False)(x), model(x), atol=1e-4, rtol=1e-4)
+    assert seen == [False] and gc.isenabled()
+
+    gc.disable()  # a caller that turned it off keeps it off
+    try:
+        with torch.no_grad():
+            autofuser.fuse(model, progress=False)(x)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+    with pytest.raises(RuntimeError), compile_module.gc_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("a planning error")
+    assert gc.isenabled()
