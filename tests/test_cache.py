@@ -658,14 +658,21 @@ print("answered", precompile.last_answered, "compiled", compiled, flush=True)
 def test_compile_workers_never_run_the_users_script(tmp_path):
     """Workers are fresh interpreters running autofuser's own module: a script without an
     ``if __name__ == "__main__"`` guard runs once, and every task gets an answer."""
-    script = tmp_path / "train.py"
-    script.write_text(UNGUARDED_SCRIPT)
+    out = _run_script(tmp_path, "train.py", UNGUARDED_SCRIPT)
+    assert out.count("top level ran") == 1, out
+    assert "answered 3 compiled" in out, out  # on a CPU the compiles fail, but are answered
+
+
+def _run_script(tmp_path, name: str, text: str) -> str:
+    """Run ``text`` as the script ``name`` outside the interpreter mode (workers compile
+    for real); returns its output after checking it exited cleanly."""
+    script = tmp_path / name
+    script.write_text(text)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "kernel.py")], capture_output=True,
                           text=True, env=env, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.count("top level ran") == 1, done.stdout
-    assert "answered 3 compiled" in done.stdout, done.stdout  # on a CPU the compiles fail, but are answered
+    return done.stdout
 
 
 ROUNDS_SCRIPT = r'''
@@ -692,16 +699,11 @@ print("stopped", all(p.poll() is not None for p in procs), len(precompile._worke
 def test_compile_workers_serve_every_round_and_stop_with_the_compile(tmp_path):
     """One pool of workers answers each planning round's tasks; a worker that died is
     dropped (its share is not answered, never waited for); ``shutdown`` stops the rest."""
-    script = tmp_path / "rounds.py"
-    script.write_text(ROUNDS_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "kernel.py")], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "round 1 answered 5" in done.stdout, done.stdout
-    assert "round 2 answered 3 same workers True" in done.stdout, done.stdout
-    assert "round 3 answered 2 workers left 2" in done.stdout, done.stdout
-    assert "stopped True 0" in done.stdout, done.stdout
+    out = _run_script(tmp_path, "rounds.py", ROUNDS_SCRIPT)
+    assert "round 1 answered 5" in out, out
+    assert "round 2 answered 3 same workers True" in out, out
+    assert "round 3 answered 2 workers left 2" in out, out
+    assert "stopped True 0" in out, out
 
 
 # ---------------------------------------------------------------------------
