@@ -227,12 +227,14 @@ def _read_entry_file(path: Path, key: dict[str, Any], check: Callable[[dict[str,
 
 
 def write_tuning(root: Path, key: dict[str, Any], config: dict[str, int], timings: list[dict[str, Any]],
-                 speed: Optional[dict[str, float]] = None) -> None:
+                 speed: Optional[dict[str, float]] = None, config_limit: Optional[int] = None) -> None:
     """Store a tuning result; ``speed`` is the group's measured fused and eager times, so a
-    warm cache skips re-timing them."""
+    warm cache skips re-timing them; ``config_limit``: only that many configs were tried."""
     entry = {"version": ENTRY_VERSION, "key": key, "config": config, "timings": timings}
     if speed is not None:
         entry["speed"] = speed
+    if config_limit is not None:
+        entry["config_limit"] = config_limit
     path = root / "tuning" / f"{key_digest(key)}.json"
     try:
         atomic_write(path, json.dumps(entry, indent=1, sort_keys=True))

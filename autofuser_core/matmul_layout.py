@@ -406,6 +406,14 @@ def lay_out_mlp(program: GroupProgram, values: dict[int, Value], dots: list[Valu
     _install(program, layout, out_domain)
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def convert_weight_once(program: GroupProgram, load: Value, operand: Optional[torch.dtype]) -> None:
     """An fp32 parameter that a 16-bit product reads (autocast) is converted by the
     launcher, once per call, rather than by each program of the kernel: every program
@@ -418,6 +426,8 @@ def convert_weight_once(program: GroupProgram, load: Value, operand: Optional[to
         return
     if not isinstance(tensor.source, AttrRef):
         return  # an activation: converting it would be a pass over memory of its own
+    if tuple(tensor.stride) != _contiguous_strides(tensor.shape):
+        return  # .to() would hand the kernel a contiguous copy, not the strides it was written for
     if sum(1 for k in program.input_of_load.values() if k == slot) != 1:
         return  # read elsewhere in the group too, in fp32
     program.inputs[slot] = dataclasses.replace(tensor, dtype=operand, cast_from=torch.float32)

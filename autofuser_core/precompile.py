@@ -144,9 +144,7 @@ def precompile(jobs: list[CompileJob], progress) -> int:
         if not share:
             return 0, 0
         try:
-            proc.stdin.write(json.dumps(share) + "\n")
-            proc.stdin.flush()
-            answer = json.loads(_read_line(proc, deadline))
+            answer = _exchange(proc, json.dumps(share) + "\n", deadline)
             return int(answer["compiled"]), int(answer["tried"])
         except TimeoutError:
             logger.warning("a compile worker did not answer within %d s; its configs compile when timed", WAIT_S)
@@ -163,19 +161,34 @@ def precompile(jobs: list[CompileJob], progress) -> int:
     return sum(done for done, _ in answers)
 
 
-def _read_line(proc: subprocess.Popen, deadline: float) -> str:
-    """The worker's next line of output; ``TimeoutError`` past ``deadline``, ``OSError`` if it exited."""
-    reader = ThreadPoolExecutor(max_workers=1)
+def _exchange(proc: subprocess.Popen, tasks: str, deadline: float) -> dict:
+    """Send a worker its line of tasks and return its answer; ``TimeoutError`` past
+    ``deadline`` (the write counts too: a worker stuck before reading would block a
+    long line), ``OSError`` if it exited. Lines that are not an answer (something the
+    compiler printed) are skipped."""
+
+    def talk() -> dict:
+        proc.stdin.write(tasks)
+        proc.stdin.flush()
+        while True:
+            line = proc.stdout.readline()
+            if not line:
+                raise OSError("the worker exited")
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(answer, dict) and "compiled" in answer:
+                return answer
+
+    talker = ThreadPoolExecutor(max_workers=1)
     try:
-        text = reader.submit(proc.stdout.readline).result(timeout=max(1.0, deadline - time.monotonic()))
+        return talker.submit(talk).result(timeout=max(1.0, deadline - time.monotonic()))
     except FutureTimeout:
-        _stop(proc)  # ends the blocked read
+        _stop(proc)  # ends the blocked write or read
         raise TimeoutError from None
     finally:
-        reader.shutdown(wait=False)
-    if not text:
-        raise OSError("the worker exited")
-    return text
+        talker.shutdown(wait=False)
 
 
 def _stop(proc: subprocess.Popen) -> None:

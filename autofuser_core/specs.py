@@ -36,7 +36,8 @@ class Spec(BaseModel):
 
 class Tolerance(BaseModel):
     """``|fused - eager| <= atol + rtol * |eager|`` element by element (for fp16/bf16
-    outputs, ``atol`` times the output's largest magnitude above 1; docs/architecture.md)."""
+    outputs, ``atol`` times the row's largest magnitude above 1, and the mean error held
+    to the plain bound; docs/architecture.md, Tolerances)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     atol: float = Field(ge=0)

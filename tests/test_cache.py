@@ -635,7 +635,8 @@ WORKER_KERNEL = r'''
 from autofuser_core import precompile
 path = sys.argv[1]
 with open(path, "w") as f:
-    f.write("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+    # The print stands for compiler chatter on a worker's stdout, which must not be taken for its answer.
+    f.write("import triton\nimport triton.language as tl\nprint('chatter', flush=True)\n\n\n@triton.jit\n"
             "def k(x, y, BLOCK: tl.constexpr):\n    i = tl.arange(0, BLOCK)\n"
             "    tl.store(y + i, tl.load(x + i) * 2)\n")
 def jobs(blocks):

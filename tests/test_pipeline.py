@@ -677,6 +677,27 @@ def test_tuning_configs_are_the_valid_ones_first_few_under_a_limit():
         compile_module._CONFIG_LIMIT.reset(token)
 
 
+def test_an_entry_tuned_over_a_few_configs_is_tuned_again_by_a_first_round():
+    """A re-planning round tunes only a few configs and records that; a later first round
+    (another compile meeting the same kernel) tunes it over every config instead of
+    keeping the capped result for good."""
+    import autofuser_core.compile as compile_module
+
+    strategy = types.SimpleNamespace(configs=lambda program: [{"BLOCK": b} for b in (8, 16, 32, 64, 128)],
+                                     is_valid=lambda program, config: None,
+                                     default_config=lambda program: {"BLOCK": 4})
+    candidate = types.SimpleNamespace(strategy=strategy, program=None)
+    capped = {"config": {"BLOCK": 16}, "timings": [], "config_limit": compile_module.LATER_ROUND_CONFIGS}
+    full = {"config": {"BLOCK": 16}, "timings": []}
+    assert compile_module._valid_entry(candidate, capped) is None
+    assert compile_module._valid_entry(candidate, full) is full
+    token = compile_module._CONFIG_LIMIT.set(compile_module.LATER_ROUND_CONFIGS)
+    try:
+        assert compile_module._valid_entry(candidate, capped) is capped
+    finally:
+        compile_module._CONFIG_LIMIT.reset(token)
+
+
 def test_repeated_layers_share_one_kernel_and_one_tuning_key():
     """Layers that generate the same code tune once: the tuning key ignores the
     comment block naming each copy's fx nodes."""
@@ -845,6 +866,18 @@ def test_half_precision_checks_allow_roundings_of_the_tensor_scale_only(dtype):
     assert _max_error(with_inf, torch.cat([eager, torch.tensor([float("inf")], dtype=dtype)]), tol)[0]
     wrong_inf = torch.cat([wrong, torch.tensor([float("inf")], dtype=dtype)])  # inf does not widen the scale
     assert not _max_error(wrong_inf, torch.cat([eager, torch.tensor([float("inf")], dtype=dtype)]), tol)[0]
+    # One large value (or a masking sentinel) does not loosen the check for the rest.
+    ones = torch.ones(1000, dtype=dtype)
+    ones[0] = 1e4
+    half_wrong = ones.clone()
+    half_wrong[1::2] = 2.0  # every other element wrong by 1: the mean error gives it away
+    assert not _max_error(half_wrong, ones, tol)[0]
+    scores = torch.randn(64, 64).to(dtype)
+    scores[:, 5] = torch.finfo(dtype).min  # masked out
+    garbage = scores.clone()
+    garbage[:, 6:] = garbage[:, 6:] * 100
+    assert not _max_error(garbage, scores, tol)[0]
+    assert _max_error(scores.clone(), scores, tol)[0]
     # fp32 outputs: atol is absolute.
     fp32_tol = DEFAULT_TOLERANCES["float32"]
     eager32 = eager.float()
@@ -873,6 +906,8 @@ def test_autocast_mlp_weights_are_converted_once_by_the_launcher(grad):
     weights = {"fc1.weight", "fc2.weight"}
     cast = {kernel.attr_inputs[slot] for slot, dtype in kernel.casts if dtype == torch.bfloat16}
     assert cast == weights, (cast, kernel.attr_inputs)
+    kernel_inputs = kernel.with_live_attrs([x])
+    assert all(kernel_inputs[slot].to(dtype).stride() == kernel.input_layout[slot][1] for slot, dtype in kernel.casts)
     assert model.fc1.weight.dtype == torch.float32  # the parameters themselves are untouched
     if grad:
         (got.float().square().sum()).backward()
@@ -880,3 +915,24 @@ def test_autocast_mlp_weights_are_converted_once_by_the_launcher(grad):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(ref_x).float().square().sum().backward()
         torch.testing.assert_close(x.grad, ref_x.grad, atol=5e-2, rtol=5e-2)
+
+
+def test_a_strided_weight_is_read_as_it_is_under_autocast():
+    """A weight that is a strided view (every other column of a larger matrix): a bf16
+    copy would be contiguous, not what the kernel indexes, so it is not converted."""
+    from autofuser_core.launch import FusedKernel
+
+    torch.manual_seed(5)
+    model = _FeedForward(width=24, hidden=40).eval()
+    wide = torch.randn(40, 48) * 0.2
+    model.fc1.weight = torch.nn.Parameter(wide[:, ::2])
+    assert model.fc1.weight.stride() == (48, 2)
+    x = torch.randn(2, 13, 24)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        got, expected = fused(x), model(x)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=4e-2)
+    (mlp,) = [g for g in fused.report().fused if g.strategy == "mlp"]
+    (gm, _), = fused._compiled.values()
+    (kernel,) = [n.target for n in gm.graph.nodes if isinstance(n.target, FusedKernel) and n.target.source.name == mlp.kernel]
+    assert {kernel.attr_inputs[slot] for slot, _ in kernel.casts} == {"fc2.weight"}
