@@ -886,13 +886,21 @@ def test_half_precision_checks_allow_roundings_of_the_tensor_scale_only(dtype):
     assert not _max_error(off32, eager32, fp32_tol)[0]
 
 
+def _mlp_kernel(fused):
+    """The FusedKernel of the fused model's one MLP group."""
+    from autofuser_core.launch import FusedKernel
+
+    (mlp,) = [g for g in fused.report().fused if g.strategy == "mlp"]
+    (gm, _), = fused._compiled.values()
+    (kernel,) = [n.target for n in gm.graph.nodes if isinstance(n.target, FusedKernel) and n.target.source.name == mlp.kernel]
+    return kernel
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_autocast_mlp_weights_are_converted_once_by_the_launcher(grad):
     """Under bf16 autocast an MLP's fp32 weights reach the kernel already in bf16 (one
     conversion per call, rounding as autocast's own), not converted by every program;
     the result matches eager, gradients included (they come from the eager recompute)."""
-    from autofuser_core.launch import FusedKernel
-
     torch.manual_seed(11)
     model = _FeedForward(width=24, hidden=40)
     x = torch.randn(3, 19, 24, requires_grad=grad)
@@ -900,9 +908,7 @@ def test_autocast_mlp_weights_are_converted_once_by_the_launcher(grad):
         fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
         got, expected = fused(x), model(x)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=4e-2)
-    (mlp,) = [g for g in fused.report().fused if g.strategy == "mlp"]
-    (gm, _), = fused._compiled.values()
-    (kernel,) = [n.target for n in gm.graph.nodes if isinstance(n.target, FusedKernel) and n.target.source.name == mlp.kernel]
+    kernel = _mlp_kernel(fused)
     weights = {"fc1.weight", "fc2.weight"}
     cast = {kernel.attr_inputs[slot] for slot, dtype in kernel.casts if dtype == torch.bfloat16}
     assert cast == weights, (cast, kernel.attr_inputs)
@@ -920,8 +926,6 @@ def test_autocast_mlp_weights_are_converted_once_by_the_launcher(grad):
 def test_a_strided_weight_is_read_as_it_is_under_autocast():
     """A weight that is a strided view (every other column of a larger matrix): a bf16
     copy would be contiguous, not what the kernel indexes, so it is not converted."""
-    from autofuser_core.launch import FusedKernel
-
     torch.manual_seed(5)
     model = _FeedForward(width=24, hidden=40).eval()
     wide = torch.randn(40, 48) * 0.2
@@ -932,7 +936,5 @@ def test_a_strided_weight_is_read_as_it_is_under_autocast():
         fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
         got, expected = fused(x), model(x)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=4e-2)
-    (mlp,) = [g for g in fused.report().fused if g.strategy == "mlp"]
-    (gm, _), = fused._compiled.values()
-    (kernel,) = [n.target for n in gm.graph.nodes if isinstance(n.target, FusedKernel) and n.target.source.name == mlp.kernel]
+    kernel = _mlp_kernel(fused)
     assert {kernel.attr_inputs[slot] for slot, _ in kernel.casts} == {"fc2.weight"}
