@@ -424,9 +424,9 @@ def test_zoo_models_fuse_their_convolutional_parts(name):
     if name == "unet":
         # 5 DoubleConvs (depth 2), each two 3x3 convolutions with their BN + GELU; the 1x1 head.
         # A 3x3 convolution with a reduction past MAX_REDUCTION is cuDNN's, its BN + GELU fused alone.
-        from autofuser_plugins.conv.convolution import MAX_REDUCTION
+        from autofuser_plugins.conv.convolution import MAX_REDUCTION, reduction
 
-        short = sum(m.in_channels * 9 <= MAX_REDUCTION for m in model.modules()
+        short = sum(reduction(m.in_channels, m.kernel_size) <= MAX_REDUCTION for m in model.modules()
                     if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3))
         assert 0 < short < 10
         conv_bn_gelu = ["conv.conv2d_module", "conv.batch_norm_module", "elementwise.gelu"]

@@ -185,9 +185,9 @@ def test_lsm_fused_matches_eager_with_convolutions_attention_and_upsampling_fuse
     strategies = [g.strategy for g in report.fused]
     # Tiny LSM (depth 2): stem, 2 encoder and 2 decoder double convs, each two 3x3 conv-BN-ReLU;
     # those with a reduction past MAX_REDUCTION are cuDNN's, their BN + ReLU fused alone.
-    from autofuser_plugins.conv.convolution import MAX_REDUCTION
+    from autofuser_plugins.conv.convolution import MAX_REDUCTION, reduction
 
-    short = sum(m.in_channels * 9 <= MAX_REDUCTION for m in model.modules()
+    short = sum(reduction(m.in_channels, m.kernel_size) <= MAX_REDUCTION for m in model.modules()
                 if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3))
     assert 0 < short < 10
     conv_bn_relu = ["conv.conv2d_module", "conv.batch_norm_module", "elementwise.relu"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,16 @@ class Conv:
     out_spatial: tuple[int, ...]
     in_channels: int
     out_channels: int
+
+    @property
+    def reduction(self) -> int:
+        """The product's K: input channels (of a group) times kernel taps."""
+        return reduction(self.in_channels, self.kernel)
+
+
+def reduction(in_channels: int, kernel: Sequence[int]) -> int:
+    """A convolution's reduction length, the figure ``MAX_REDUCTION`` bounds."""
+    return in_channels * math.prod(kernel)
 
 
 def _ints(value: Any, rank: int) -> Optional[tuple[int, ...]]:
@@ -198,10 +208,10 @@ def accepts(program):
     if reason is not None:
         return ("unsupported_kernel", reason)
     conv = program.conv
-    reduction = conv.in_channels * math.prod(conv.kernel)
-    if reduction > MAX_REDUCTION:
-        return ("cudnn_faster", f"a reduction of {reduction} ({conv.in_channels} channels x {math.prod(conv.kernel)} "
-                                f"taps): past {MAX_REDUCTION} cuDNN's product with a fused epilogue is faster")
+    if conv.reduction > MAX_REDUCTION:
+        return ("cudnn_faster", f"a reduction of {conv.reduction} ({conv.in_channels} channels x "
+                                f"{math.prod(conv.kernel)} taps): past {MAX_REDUCTION} cuDNN's product with a "
+                                "fused epilogue is faster")
     batch = tensor_meta(program.conv.x).shape[0]
     if batch > MAX_GRID_Y:
         return ("batch_too_large", f"{batch} samples exceed the grid's second axis ({MAX_GRID_Y})")
@@ -226,13 +236,12 @@ def configs(program):
 
 def default_config(program):
     conv = program.conv
-    reduction = conv.in_channels * math.prod(conv.kernel)
     return {"BLOCK_M": min(64, dot_block(conv.out_channels)), "BLOCK_N": min(128, dot_block(math.prod(conv.out_spatial))),
-            "BLOCK_K": min(64, dot_block(reduction)), "num_warps": 4}
+            "BLOCK_K": min(64, dot_block(conv.reduction)), "num_warps": 4}
 
 
 def is_valid(program, config):
-    if config["BLOCK_K"] > dot_block(program.conv.in_channels * math.prod(program.conv.kernel)):
+    if config["BLOCK_K"] > dot_block(program.conv.reduction):
         return "BLOCK_K larger than the reduction"
     if config["BLOCK_M"] * config["BLOCK_N"] / (32 * config["num_warps"]) > 128:
         return "too many accumulators per thread"
@@ -263,7 +272,7 @@ def write_conv_kernel(program: ConvProgram, strategy: str, helpers=None) -> Kern
     x_t, w_t = program.inputs[x_index], program.inputs[w_index]
     batch = x_t.shape[0]
     taps = math.prod(conv.kernel)
-    k_total = conv.in_channels * taps
+    k_total = conv.reduction
     pixels = math.prod(conv.out_spatial)
     w = ChainWriter(program, known={program.conv_node: "acc"})
     emit = w.emit
