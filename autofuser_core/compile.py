@@ -234,6 +234,9 @@ def _tolerance(candidate: Candidate, view) -> Tolerance:
     return Tolerance(atol=max(t.atol for t in tols), rtol=max(t.rtol for t in tols))
 
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def _max_error(fused: torch.Tensor, eager: torch.Tensor, tol: Tolerance) -> tuple[bool, float]:
     if fused.dtype == torch.bool or eager.dtype == torch.bool:
         ok = torch.equal(fused, eager)
@@ -252,9 +255,6 @@ def _max_error(fused: torch.Tensor, eager: torch.Tensor, tol: Tolerance) -> tupl
         # plain one, which a kernel that is wrong across the board does not.
         ok = float(diff.mean()) <= tol.atol + tol.rtol * float(b.abs().mean())
     return ok, float(diff.max()) if diff.numel() else 0.0
-
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _half_scale(eager: torch.Tensor, values: torch.Tensor):
@@ -427,8 +427,9 @@ def _tune(candidate: Candidate, source, kernel, inputs, device, options, progres
         timings.append({"config": config, "ms": ms})
         if ms < best_ms:
             best, best_ms = config, ms
-    write_tuning(root, key, best, timings, config_limit=_CONFIG_LIMIT.get())
-    return _Tuned(best, False, time.perf_counter() - start, timings, key, config_limit=_CONFIG_LIMIT.get())
+    limit = _CONFIG_LIMIT.get()
+    write_tuning(root, key, best, timings, config_limit=limit)
+    return _Tuned(best, False, time.perf_counter() - start, timings, key, config_limit=limit)
 
 
 #: Planning rounds at most: each later one re-plans what the groups that lost covered.
