@@ -140,55 +140,40 @@ def precompile(jobs: list[CompileJob], progress) -> int:
     shares = [tasks[k::len(pool)] for k in range(len(pool))]  # one config per task, spread round robin
     deadline = time.monotonic() + WAIT_S
 
-    def ask(proc: subprocess.Popen, share: list) -> tuple[int, int]:
-        if not share:
-            return 0, 0
-        try:
-            answer = _exchange(proc, json.dumps(share) + "\n", deadline)
-            return int(answer["compiled"]), int(answer["tried"])
-        except TimeoutError:
-            logger.warning("a compile worker did not answer within %d s; its configs compile when timed", WAIT_S)
-        except (ValueError, KeyError, TypeError, OSError):
-            logger.debug("a compile worker exited without an answer (code %s)", proc.poll())
-        _stop(proc)
-        if proc in _workers:
+    answers: list[tuple[int, int]] = []
+    with ThreadPoolExecutor(max_workers=len(pool)) as talkers:  # each worker fed and read at once
+        talks = [(proc, talkers.submit(_talk, proc, json.dumps(share) + "\n"))
+                 for proc, share in zip(pool, shares) if share]
+        for proc, talk in talks:
+            try:
+                answer = talk.result(timeout=max(1.0, deadline - time.monotonic()))
+                answers.append((int(answer["compiled"]), int(answer["tried"])))
+                continue
+            except FutureTimeout:
+                logger.warning("a compile worker did not answer within %d s; its configs compile when timed", WAIT_S)
+            except (ValueError, KeyError, TypeError, OSError):
+                logger.debug("a compile worker exited without an answer (code %s)", proc.poll())
+            _stop(proc)  # also ends a write or read still blocked in its thread
             _workers.remove(proc)
-        return 0, 0
-
-    with ThreadPoolExecutor(max_workers=len(pool)) as waiters:  # each worker fed and read at once
-        answers = list(waiters.map(ask, pool, shares))
     last_answered = sum(tried for _, tried in answers)
     return sum(done for done, _ in answers)
 
 
-def _exchange(proc: subprocess.Popen, tasks: str, deadline: float) -> dict:
-    """Send a worker its line of tasks and return its answer; ``TimeoutError`` past
-    ``deadline`` (the write counts too: a worker stuck before reading would block a
-    long line), ``OSError`` if it exited. Lines that are not an answer (something the
-    compiler printed) are skipped."""
-
-    def talk() -> dict:
-        proc.stdin.write(tasks)
-        proc.stdin.flush()
-        while True:
-            line = proc.stdout.readline()
-            if not line:
-                raise OSError("the worker exited")
-            try:
-                answer = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(answer, dict) and "compiled" in answer:
-                return answer
-
-    talker = ThreadPoolExecutor(max_workers=1)
-    try:
-        return talker.submit(talk).result(timeout=max(1.0, deadline - time.monotonic()))
-    except FutureTimeout:
-        _stop(proc)  # ends the blocked write or read
-        raise TimeoutError from None
-    finally:
-        talker.shutdown(wait=False)
+def _talk(proc: subprocess.Popen, tasks: str) -> dict:
+    """Send a worker its line of tasks and return its answer (``OSError`` if it exited).
+    Lines that are not an answer (something the compiler printed) are skipped."""
+    proc.stdin.write(tasks)
+    proc.stdin.flush()
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise OSError("the worker exited")
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(answer, dict) and "compiled" in answer:
+            return answer
 
 
 def _stop(proc: subprocess.Popen) -> None:
