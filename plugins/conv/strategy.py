@@ -40,9 +40,10 @@ from .resampling import Resample, TransposedConv, parse_upsampling
 
 RESAMPLE_OPS = ("conv.interpolate", "conv.upsample_module", "conv.conv_transpose", "conv.conv_transpose_module")
 CAT_OPS = ("conv.cat",)
-#: (BLOCK, num_warps) pairs tuned for an upsampling kernel: the most frequent winners
-#: among all twelve pairs of 256-2048 x 2/4/8 warps in the zoo's U-Net and LSM on an
-#: H200 (each pair tuned is a Triton compile; the others rarely won).
+#: (BLOCK, num_warps) pairs tuned for an upsampling kernel, of the twelve of 256-2048 x
+#: 2/4/8 warps tuned before: the pairs that won in the zoo's LSM on an H200 ((1024, 2)
+#: most often, then (512, 2) and (1024, 4)), the U-Net's picks (512 and 1024 with 8
+#: warps), and (2048, 4) for larger outputs. Each pair tuned is a Triton compile.
 CONFIGS = ((512, 2), (1024, 2), (1024, 4), (2048, 4), (512, 8), (1024, 8))
 ROUNDED = (torch.float16, torch.bfloat16)
 
