@@ -19,6 +19,8 @@ import autofuser
 from autofuser_core.group import GroupRefused
 from autofuser_core.planner import PlanningView, plan_fusion_groups
 
+from _conv_checks import assert_3x3_convs_split_at_max_reduction
+
 TOLERANCES = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),
     # A bf16 rounding step that differs by one unit passes through the next convolution.
@@ -424,16 +426,7 @@ def test_zoo_models_fuse_their_convolutional_parts(name):
     if name == "unet":
         # 5 DoubleConvs (depth 2), each two 3x3 convolutions with their BN + GELU; the 1x1 head.
         # A 3x3 convolution with a reduction past MAX_REDUCTION is cuDNN's, its BN + GELU fused alone.
-        from autofuser_plugins.conv.convolution import MAX_REDUCTION, reduction
-
-        short = sum(reduction(m.in_channels, m.kernel_size) <= MAX_REDUCTION for m in model.modules()
-                    if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3))
-        assert 0 < short < 10
-        conv_bn_gelu = ["conv.conv2d_module", "conv.batch_norm_module", "elementwise.gelu"]
-        assert sum(g.ops == conv_bn_gelu and g.strategy == "implicit_gemm" for g in report.fused) == short, str(report)
-        refused = [g for g in report.groups if g.strategy == "implicit_gemm" and not g.fused]
-        assert len(refused) == 10 - short and {g.reason_code for g in refused} == {"cudnn_faster"}, str(report)
-        assert sum(g.ops == conv_bn_gelu[1:] for g in report.fused) == 10 - short, str(report)
+        assert_3x3_convs_split_at_max_reduction(model, report, "elementwise.gelu", count=10)
         assert len(convs) == 1, str(report)
         # Each decoder step's bilinear upsampling with the concatenation of its skip.
         assert sum(g.ops == ["conv.interpolate", "conv.cat"] for g in report.fused) == 2, str(report)

@@ -20,6 +20,8 @@ import autofuser
 from autofuser_zoo import airfoil
 from autofuser_zoo.models import MESHES, MODELS, TINY_BATCH, parameter_count
 
+from _conv_checks import assert_3x3_convs_split_at_max_reduction
+
 TINY_MESH = MESHES["tiny"]
 
 
@@ -185,16 +187,7 @@ def test_lsm_fused_matches_eager_with_convolutions_attention_and_upsampling_fuse
     strategies = [g.strategy for g in report.fused]
     # Tiny LSM (depth 2): stem, 2 encoder and 2 decoder double convs, each two 3x3 conv-BN-ReLU;
     # those with a reduction past MAX_REDUCTION are cuDNN's, their BN + ReLU fused alone.
-    from autofuser_plugins.conv.convolution import MAX_REDUCTION, reduction
-
-    short = sum(reduction(m.in_channels, m.kernel_size) <= MAX_REDUCTION for m in model.modules()
-                if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3))
-    assert 0 < short < 10
-    conv_bn_relu = ["conv.conv2d_module", "conv.batch_norm_module", "elementwise.relu"]
-    assert sum(g.ops == conv_bn_relu and g.strategy == "implicit_gemm" for g in report.fused) == short, str(report)
-    refused = [g for g in report.groups if g.strategy == "implicit_gemm" and not g.fused]
-    assert len(refused) == 10 - short and {g.reason_code for g in refused} == {"cudnn_faster"}, str(report)
-    assert sum(g.ops == conv_bn_relu[1:] for g in report.fused) == 10 - short, str(report)
+    assert_3x3_convs_split_at_max_reduction(model, report, "elementwise.relu", count=10)
     # Each decoder step's upsampling with the concatenation of its processed skip.
     assert sum(g.ops == ["conv.interpolate", "conv.cat"] for g in report.fused) == 2, str(report)
     # Per scale (3), latent queries -> points and points -> latent tokens, scores never in memory.
