@@ -175,17 +175,6 @@ def read_tuning(root: Path, key: dict[str, Any]) -> Optional[dict[str, Any]]:
     return entry
 
 
-def has_tuning_entries(root: Path) -> bool:
-    """Whether ``root`` holds any tuning result (written, or kept in memory by this process)."""
-    if any(folder == str(root) for folder, _ in _unwritten):
-        return True
-    try:
-        with os.scandir(root / "tuning") as entries:
-            return any(entry.name.endswith(".json") for entry in entries)
-    except OSError:
-        return False
-
-
 def _check_tuning(entry: dict[str, Any]) -> None:
     config = entry.get("config")
     if not isinstance(config, dict) or not all(isinstance(v, int) for v in config.values()):

@@ -28,12 +28,12 @@ import torch
 import torch.fx
 
 from .capture import frozen_state
-from .cache import cache_dir, has_tuning_entries, load_kernel_module, read_tuning, tuning_lock, write_tuning
+from .cache import cache_dir, load_kernel_module, read_tuning, tuning_lock, write_tuning
 from .group import GroupProgram, attr_tensor, collect_values
 from .ir import AttrRef
 from .launch import FusedKernel, cast_inputs, input_casts
 from .planner import Candidate, Plan, barrier_reason, plan_fusion_groups
-from .precompile import CompileJob, launch_items, precompile, shutdown, start_workers
+from .precompile import CompileJob, launch_items, precompile
 from .registry import describe_target
 from .report import FusionReport, GroupEntry, NodeEntry, describe_graph
 from .matmul_layout import MAX_PRODUCTS, STRICT_FP32
@@ -443,10 +443,7 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
     ``backward``: the graph will run with gradients on, so every group must be
     able to recompute its ops for backward from its saved inputs.
     """
-    try:
-        return _compile_rounds(gm, inputs, plugin_set, options, progress, backward)
-    finally:
-        shutdown()  # the compile workers served every round; nothing is left for them
+    return _compile_rounds(gm, inputs, plugin_set, options, progress, backward)
 
 
 def _compile_rounds(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, progress,
@@ -459,11 +456,6 @@ def _compile_rounds(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options
     report.graph = describe_graph(gm)
 
     device = _device_of(inputs)
-    if _can_tune(device, options) and not has_tuning_entries(cache_dir(options.cache_dir)):
-        # A cache without any tuning result: every kernel will compile, so the workers
-        # warm up while the graph is planned. Otherwise they start only if some kernel
-        # turns out untuned (precompile): on a warm cache, none.
-        start_workers()
     taken: set[torch.fx.Node] = set()
     retry: Optional[set[torch.fx.Node]] = None  # later rounds: only the nodes of groups that stayed eager
     lost: set[tuple[str, frozenset]] = set()  # (strategy, nodes) of the groups that stayed eager

@@ -630,110 +630,141 @@ def test_a_cached_config_the_strategy_now_refuses_is_tuned_again(tmp_path, gpu_t
     assert json.loads(rows[0].read_text())["config"]["BLOCK_M"] < 1 << 20  # the entry was replaced
 
 
-#: Writes a one-kernel file at argv[1] and defines ``jobs(blocks)``: its launches, one per BLOCK.
-WORKER_KERNEL = r'''
-from autofuser_core import precompile
-path = sys.argv[1]
-with open(path, "w") as f:
-    # The print stands for compiler chatter on a worker's stdout, which must not be taken for its answer.
-    f.write("import triton\nimport triton.language as tl\nprint('chatter', flush=True)\n\n\n@triton.jit\n"
-            "def k(x, y, BLOCK: tl.constexpr):\n    i = tl.arange(0, BLOCK)\n"
-            "    tl.store(y + i, tl.load(x + i) * 2)\n")
-def jobs(blocks):
-    return [precompile.CompileJob(path, "k", ("float32", "float32"), tuple(
-        precompile.launch_items({"BLOCK": b, "num_warps": 4}) for b in blocks))]
-'''
-
-UNGUARDED_SCRIPT = r'''
-import os, sys
-print("top level ran", flush=True)  # no __main__ guard, as in many training scripts
+#: A script without a ``__main__`` guard that writes two kernel files into argv[1] and
+#: compiles their configs ahead for sm_90 (no GPU is needed to compile), then checks that
+#: Triton's own launch path finds every one of them in its cache.
+COMPILE_SCRIPT = r"""
+import contextlib, io, os, sys, time
+from pathlib import Path
+print("top level ran", flush=True)  # as in many training scripts: no __main__ guard
 os.environ.pop("TRITON_INTERPRET", None)
-os.environ["AUTOFUSER_COMPILE_WORKERS"] = "2"
-''' + WORKER_KERNEL + r'''
-precompile.start_workers()
-compiled = precompile.precompile(jobs((16, 32, 64)), lambda m: None)
-print("answered", precompile.last_answered, "compiled", compiled, flush=True)
-'''
+os.environ["AUTOFUSER_COMPILE_WORKERS"] = "3"
+folder = Path(sys.argv[1])
+os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
+import torch
+from triton.backends.compiler import GPUTarget
+from autofuser_core import precompile
+from autofuser_core.cache import module_from_source
+
+KERNEL = ("import triton\nimport triton.language as tl\n{extra}\n\n@triton.jit\n"
+          "def k(x, y, BLOCK: tl.constexpr):\n    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\n"
+          "    tl.store(y + i, tl.exp(tl.load(x + i)) * {scale})\n")
+# The print stands for compiler chatter, which must not reach the user's output.
+good = folder / "good.py"
+good.write_text(KERNEL.format(extra="print('chatter', flush=True)", scale=2))
+bad = folder / "bad.py"
+bad.write_text(KERNEL.format(extra=sys.argv[2], scale=3))
+
+def job(path, blocks):
+    return precompile.CompileJob(str(path), "k", ("float32", "float32"), tuple(
+        precompile.launch_items({"BLOCK": b, "num_warps": 4}) for b in blocks))
+
+def entries():
+    root = folder / "triton"
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+target = GPUTarget("cuda", 90, 32)
+said = []
+start = time.monotonic()
+compiled = precompile.precompile([job(good, (64, 128, 256, 512)), job(bad, (64,))], said.append, target=target)
+print("compiled", compiled, "answered", precompile.last_answered, "in", round(time.monotonic() - start), "s",
+      flush=True)
+print("said", said[0], flush=True)
+print("slowest", sorted(precompile.last_slowest), flush=True)
+before = entries()
+precompile.use_target(target)
+with contextlib.redirect_stdout(io.StringIO()):  # this process's own import prints the chatter
+    module = module_from_source("autofuser_kernels.k", good.read_text(), good)
+for block in (64, 128, 256, 512):
+    module.k.warmup(torch.float32, torch.float32, grid=(1,), BLOCK=block, num_warps=4)
+print("launch path compiled anew", len(set(entries()) - set(before)), flush=True)
+module.k.warmup(torch.float32, torch.float32, grid=(1,), BLOCK=32, num_warps=4)
+print("a new config compiled anew", len(set(entries()) - set(before)), flush=True)
+"""
 
 
-def test_compile_workers_never_run_the_users_script(tmp_path):
-    """Workers are fresh interpreters running autofuser's own module: a script without an
-    ``if __name__ == "__main__"`` guard runs once, and every task gets an answer."""
-    out = _run_script(tmp_path, "train.py", UNGUARDED_SCRIPT)
-    assert out.count("top level ran") == 1, out
-    assert "answered 3 compiled" in out, out  # on a CPU the compiles fail, but are answered
-
-
-def _run_script(tmp_path, name: str, text: str) -> str:
-    """Run ``text`` as the script ``name`` outside the interpreter mode (workers compile
-    for real); returns its output after checking it exited cleanly."""
-    script = tmp_path / name
-    script.write_text(text)
+def _run_compile_script(tmp_path, bad_kernel_line: str) -> str:
+    script = tmp_path / "train.py"
+    script.write_text(COMPILE_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "kernel.py")], capture_output=True,
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), bad_kernel_line], capture_output=True,
                           text=True, env=env, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
 
-ROUNDS_SCRIPT = r'''
-import os, sys
-os.environ.pop("TRITON_INTERPRET", None)
-os.environ["AUTOFUSER_COMPILE_WORKERS"] = "3"
-''' + WORKER_KERNEL + r'''
-precompile.start_workers()
-pids = [p.pid for p in precompile._workers]
-precompile.precompile(jobs((16, 32, 64, 128, 256)), lambda m: None)
-print("round 1 answered", precompile.last_answered, flush=True)
-precompile.precompile(jobs((16, 32, 64)), lambda m: None)
-print("round 2 answered", precompile.last_answered, "same workers", [p.pid for p in precompile._workers] == pids, flush=True)
-precompile._workers[0].kill()
-precompile._workers[0].wait()
-precompile.precompile(jobs((16, 32, 64)), lambda m: None)  # the dead worker's one config is not answered
-print("round 3 answered", precompile.last_answered, "workers left", len(precompile._workers), flush=True)
-procs = list(precompile._workers)
-precompile.shutdown()
-print("stopped", all(p.poll() is not None for p in procs), len(precompile._workers), flush=True)
-'''
+def test_configs_compiled_ahead_are_what_a_launch_finds(tmp_path):
+    """Forked children compile every config for the given target into Triton's cache
+    under the key Triton's own launch path computes: launching those configs compiles
+    nothing more. A config a child can't compile is answered, not waited for; the user's
+    script runs once, and what the compiler prints stays out of its output."""
+    out = _run_compile_script(tmp_path, "raise ImportError('this kernel file is broken')")
+    assert out.count("top level ran") == 1 and "chatter" not in out, out
+    assert "compiled 4 answered 5" in out, out
+    assert "said compiling 5 config(s) of 2 kernel(s) in 3 child process(es)" in out, out
+    assert "slowest ['compile', 'setup']" in out, out
+    assert "launch path compiled anew 0" in out, out
+    assert "a new config compiled anew 1" in out, out  # the check above can see a compile
 
 
-def test_compile_workers_serve_every_round_and_stop_with_the_compile(tmp_path):
-    """One pool of workers answers each planning round's tasks; a worker that died is
-    dropped (its share is not answered, never waited for); ``shutdown`` stops the rest."""
-    out = _run_script(tmp_path, "rounds.py", ROUNDS_SCRIPT)
-    assert "round 1 answered 5" in out, out
-    assert "round 2 answered 3 same workers True" in out, out
-    assert "round 3 answered 2 workers left 2" in out, out
-    assert "stopped True 0" in out, out
+def test_a_child_that_dies_is_not_waited_for(tmp_path):
+    """A child killed while compiling (here: by the kernel file it imports) leaves its
+    config uncompiled; the others finish, and the call returns."""
+    out = _run_compile_script(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    counts = out.split("compiled ", 1)[1].split()
+    compiled, answered = int(counts[0]), int(counts[2])
+    assert compiled <= 4 and answered < 5, out  # the killed child never answered for its task
+
+
+def test_compile_children_are_as_many_as_there_are_configs(monkeypatch):
+    """No more children than configs, at most ``workers()``; none without a target or tasks."""
+    from autofuser_core import precompile
+
+    forked = []
+    monkeypatch.setattr(precompile, "_enabled", lambda: True)
+    monkeypatch.setenv("AUTOFUSER_COMPILE_WORKERS", "8")
+    monkeypatch.setattr(precompile, "_collect", lambda fd, expected: [
+        {"compiled": 1, "tried": 1}] * expected)
+    monkeypatch.setattr(precompile, "_reap", lambda pid: None)
+    monkeypatch.setattr(precompile.os, "fork", lambda: forked.append(1) or 12345)
+
+    def job(configs: int):
+        return precompile.CompileJob("k.py", "k", ("float32",),
+                                     tuple(precompile.launch_items({"BLOCK": 16 << b}) for b in range(configs)))
+
+    assert precompile.precompile([], lambda m: None, target="sm90") == 0 and forked == []
+    monkeypatch.setattr(precompile, "current_target", lambda: None)
+    assert precompile.precompile([job(3)], lambda m: None) == 0 and forked == []
+    assert precompile.precompile([job(3)], lambda m: None, target="sm90") == 3 and len(forked) == 3
+    forked.clear()
+    assert precompile.precompile([job(5)] * 4, lambda m: None, target="sm90") == 8 and len(forked) == 8
 
 
 # ---------------------------------------------------------------------------
-# Compile workers start only where there is something to compile
+# Configs compile ahead only where there is something to compile
 # ---------------------------------------------------------------------------
 
 
-def test_a_warm_cache_starts_no_compile_worker(tmp_path, monkeypatch, gpu_tuning):
-    """Workers start with the compile on a cache without tuning results (everything will
-    compile), only once a kernel is found untuned on a cache with some, and never on a
-    cache that already holds every kernel this model needs."""
+def test_a_warm_cache_compiles_nothing_ahead(tmp_path, monkeypatch, gpu_tuning):
+    """Every kernel of a cold cache is handed over to compile ahead; on a cache that holds
+    every kernel this model needs, none; with new shapes, only the new kernels."""
     import autofuser_core.compile as compile_module
 
-    started, asked = [], []
-    monkeypatch.setattr(compile_module, "start_workers", lambda *a: started.append(a))
+    asked = []
     monkeypatch.setattr(compile_module, "precompile", lambda jobs, progress: asked.append(jobs) or 0)
 
     cold, _, _ = fuse_norm_gelu(tmp_path, torch.randn(2, 5, 37))
-    assert started == [()] and len(asked) == 1 and len(asked[0]) == len(cold.fused) > 1
-    started.clear(), asked.clear()
+    assert len(asked) == 1 and len(asked[0]) == len(cold.fused) > 1
+    asked.clear()
 
     warm, got, expected = fuse_norm_gelu(tmp_path, torch.randn(2, 5, 37))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     assert all(g.cache_hit for g in warm.fused)
-    assert started == [] and asked == [[]]
+    assert asked == [[]]
     asked.clear()
 
     other, _, _ = fuse_norm_gelu(tmp_path, torch.randn(3, 7, 37))  # other shapes: other kernels
-    assert started == [] and len(asked) == 1 and len(asked[0]) == len(other.fused)
+    assert len(asked) == 1 and len(asked[0]) == len(other.fused)
 
 
 class RepeatedBlocks(torch.nn.Module):
@@ -764,54 +795,3 @@ def test_a_warm_compile_reads_each_tuning_entry_once_per_group(tmp_path, monkeyp
     assert reads == [groups[0].kernel] * 4
 
 
-class _FakeWorker:
-    """A compile worker that answers each line of tasks at once: all compiled."""
-
-    started: list = []
-
-    def __init__(self, *args, **kwargs):
-        _FakeWorker.started.append(self)
-        self.stdin, self.stdout, self.lines = self, self, []
-
-    def write(self, text):
-        self.lines.append(text)
-
-    def flush(self):
-        pass
-
-    def readline(self):
-        tasks = json.loads(self.lines.pop(0))
-        return json.dumps({"compiled": len(tasks), "tried": len(tasks)}) + "\n"
-
-    def poll(self):
-        return None
-
-    def kill(self):
-        pass
-
-    def communicate(self, *args, **kwargs):
-        return "", None
-
-
-def test_compile_workers_start_as_many_as_there_are_configs(monkeypatch):
-    from autofuser_core import precompile
-
-    monkeypatch.setattr(precompile, "_enabled", lambda: True)
-    monkeypatch.setattr(precompile.subprocess, "Popen", _FakeWorker)
-    monkeypatch.setenv("AUTOFUSER_COMPILE_WORKERS", "8")
-    monkeypatch.setattr(_FakeWorker, "started", [])
-
-    def job(configs: int):
-        return precompile.CompileJob("k.py", "k", ("float32",),
-                                     tuple(precompile.launch_items({"BLOCK": 16 << b}) for b in range(configs)))
-
-    try:
-        assert precompile.precompile([], lambda m: None) == 0 and _FakeWorker.started == []
-        assert precompile.precompile([job(3)], lambda m: None) == 3
-        assert len(_FakeWorker.started) == 3 and precompile.last_answered == 3
-        assert precompile.precompile([job(2)], lambda m: None) == 2 and len(_FakeWorker.started) == 3  # served
-        assert precompile.precompile([job(5)] * 4, lambda m: None) == 20
-        assert len(_FakeWorker.started) == 8 and len(precompile._workers) == 8  # topped up to the limit
-    finally:
-        precompile.shutdown()
-    assert precompile._workers == []
