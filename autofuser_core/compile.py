@@ -21,6 +21,7 @@ import contextvars
 from dataclasses import dataclass, field
 import gc
 import logging
+import statistics
 import time
 from typing import Any, Optional
 
@@ -273,11 +274,36 @@ def _half_scale(eager: torch.Tensor, values: torch.Tensor):
     return scale.expand_as(rows).reshape(values.shape)
 
 
-def _bench(fn, *args, rep_ms: float = 20) -> float:
-    import triton.testing
+#: Most timed calls per measurement. On the GPU side a call is tens of microseconds; on the
+#: host, launching it and its two events takes about 0.2 ms (Triton 3.6's launcher), so the
+#: number of calls, not ``rep_ms``, sets how long tuning takes. 30 calls give a stable median.
+BENCH_MAX_CALLS = 30
 
-    return float(triton.testing.do_bench(lambda: fn(*args), warmup=max(1, rep_ms // 4), rep=rep_ms,
-                                         return_mode="median"))
+
+def _bench(fn, *args, rep_ms: float = 20) -> float:
+    """Median ms of one call of ``fn(*args)`` on the current CUDA device, L2 flushed before
+    each call (as Triton's ``do_bench``): about ``rep_ms`` of calls, at least 5 and at most
+    ``BENCH_MAX_CALLS``, after one untimed call (which also loads the kernel)."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    fn(*args)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        flush.zero_()
+        fn(*args)
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = start.elapsed_time(end) / 3
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(max(5, min(BENCH_MAX_CALLS, int(rep_ms / max(estimate_ms, 1e-3)))))]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn(*args)
+        end.record()
+    torch.cuda.synchronize()
+    return float(statistics.median(start.elapsed_time(end) for start, end in events))
 
 
 #: Milliseconds of repeats per tuning config: a median over hundreds of launches of a
