@@ -17,7 +17,7 @@ from autofuser_core.codegen import KernelSource
 from autofuser_core.errors import AutoFuserError, CacheError, CaptureError, PluginError, SpecError
 from autofuser_core.group import GroupProgram, GroupRefused, KernelTensor, program_from_nodes
 from autofuser_core.hookspecs import hookimpl
-from autofuser_core.ir import LoweringContext, Value
+from autofuser_core.ir import LoweringContext, Value, broadcast_shapes, describe_tensor
 from autofuser_core.plugins import load_plugins
 from autofuser_core.specs import LoweringSpec, QuantizerSpec, Sample, StrategySpec, Tolerance
 
@@ -40,7 +40,9 @@ __all__ = [
     "StrategySpec",
     "Tolerance",
     "Value",
+    "broadcast_shapes",
     "capture",
+    "describe_tensor",
     "fuse",
     "hookimpl",
     "load_plugins",

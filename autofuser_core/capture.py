@@ -25,7 +25,7 @@ on it.  Capture traces with *concrete* proxies instead:
    opaque (a ``call_module`` leaf, run eagerly) and the trace is retried.  If
    the culprit is the root itself, the result is one ``call_module`` of the
    unchanged model and a ``UserWarning`` says so.
-5. Tracing and the final ``ShapeProp`` pass run with the RNG state and all
+5. Tracing and the final shape pass run with the RNG state and all
    buffers saved and restored, so capture leaves the model and inputs as they
    were; real values are dropped from ``node.meta`` to bound memory.
 
@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import io
 import logging
 import operator
 import sys
@@ -57,11 +56,12 @@ import torch
 import torch.fx
 from torch.fx import _symbolic_trace as _fx_trace
 from torch.fx.node import map_arg
-from torch.fx.passes.shape_prop import ShapeProp
+from torch.fx.node import map_aggregate
 from torch.fx.proxy import TraceError
 from torch.utils import _pytree as pytree
 
 from autofuser_core.errors import CaptureError
+from autofuser_core.ir import describe_tensor
 
 try:  # einops is optional: without it there is simply nothing to lower.
     from einops import _backends as _einops_backends
@@ -113,7 +113,7 @@ def _reason(exc: BaseException) -> str:
 
 
 def _clone_tree(values: Any) -> Any:
-    """Fresh copies of every tensor, so neither tracing nor ShapeProp touches user inputs."""
+    """Fresh copies of every tensor, so neither tracing nor the shape pass touches user inputs."""
     def clone(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             return v.detach().clone().requires_grad_(v.requires_grad)
@@ -547,16 +547,34 @@ def _trace_once(model, arguments, opaque) -> tuple[torch.fx.GraphModule | None, 
                 delattr(model, name)
 
 
+class _ShapeRecorder(torch.fx.Interpreter):
+    """Runs the graph on real values and files each node's tensor metadata under
+    ``node.meta["tensor_meta"]``, as ``torch.fx.passes.shape_prop.ShapeProp`` does without
+    its fake-tensor support and memory-format probes (which import sympy: seconds of a
+    cold first call; see ``describe_tensor``)."""
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        found = False
+
+        def meta(value: Any) -> Any:
+            nonlocal found
+            if isinstance(value, torch.Tensor):
+                found = True
+                return describe_tensor(value)
+            return value
+
+        described = map_aggregate(result, meta)
+        if found:
+            n.meta["tensor_meta"] = described
+        n.meta["type"] = type(result)
+        return result
+
+
 def _propagate_shapes(gm: torch.fx.GraphModule, model: torch.nn.Module, inputs: list) -> None:
     """node.meta["tensor_meta"] everywhere, on input clones, leaving RNG and buffers as they were."""
-    # ShapeProp prints a traceback before re-raising: keep stderr for the success case only.
-    err = io.StringIO()
-    try:
-        with _preserved_state(model), contextlib.redirect_stderr(err):
-            ShapeProp(gm).propagate(*_clone_tree(inputs))
-    except RuntimeError as exc:
-        raise (exc.__cause__ or exc) from None
-    sys.stderr.write(err.getvalue())
+    with _preserved_state(model):
+        _ShapeRecorder(gm).run(*_clone_tree(inputs))
 
 
 def capture(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any) -> torch.fx.GraphModule:

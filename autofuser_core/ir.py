@@ -115,6 +115,31 @@ class LoweringRefused(Exception):
         self.reason = reason
 
 
+def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
+    """The shape ``shapes`` broadcast to, as ``torch.broadcast_shapes`` gives (which imports
+    sympy on first use: seconds of a cold first call); ``RuntimeError`` if they don't."""
+    out: list[int] = []
+    for shape in shapes:
+        shape = tuple(int(d) for d in shape)
+        out = [1] * (len(shape) - len(out)) + out
+        for i, size in enumerate(shape, start=len(out) - len(shape)):
+            if size != out[i] and out[i] != 1 and size != 1:
+                raise RuntimeError(f"shapes {tuple(shapes[0])} and {shape} cannot be broadcast together "
+                                   f"(size {out[i]} against {size} in dimension {i})")
+            out[i] = out[i] if size == 1 else size
+    return tuple(out)
+
+
+def describe_tensor(value: torch.Tensor):
+    """The ``TensorMetadata`` (as ``ShapeProp`` files under ``node.meta["tensor_meta"]``) of a
+    tensor, without probing memory formats: torch's probe imports sympy, seconds of a cold
+    first call. ``memory_format`` is ``None``; the strides say it all."""
+    from torch.fx.passes.shape_prop import TensorMetadata
+
+    stride = value.stride() if value.layout == torch.strided else ()
+    return TensorMetadata(value.shape, value.dtype, value.requires_grad, stride, None, value.is_quantized, {})
+
+
 def tensor_meta(node: Any):
     """The ``TensorMetadata`` recorded for an fx node, or ``None`` for non-tensors."""
     if isinstance(node, torch.fx.Node):
@@ -194,7 +219,7 @@ class LoweringContext:
         """``template`` over ``operands`` (Values or numbers), broadcast as torch does."""
         args = tuple(self.tensor(v) for v in operands)
         try:
-            shape = tuple(torch.broadcast_shapes(*(a.shape for a in args))) if args else ()
+            shape = broadcast_shapes(*(a.shape for a in args))
         except RuntimeError as err:
             self.refuse("shape_mismatch", str(err))
         return Value("pointwise", shape, is_bool=is_bool, args=args, template=template)
@@ -240,7 +265,7 @@ class LoweringContext:
         if k != kb:
             self.refuse("shape_mismatch", f"inner dims {k} and {kb} differ")
         try:
-            batch = tuple(torch.broadcast_shapes(a.shape[:-2], b_batch))
+            batch = broadcast_shapes(a.shape[:-2], b_batch)
         except RuntimeError as err:
             self.refuse("shape_mismatch", str(err))
         return Value("dot", batch + (m,) + tuple(columns), args=(a, b), transpose_b=transpose_b,

@@ -3,6 +3,9 @@
 import logging
 import math
 import operator
+import os
+import subprocess
+import sys
 
 import einops
 import numpy as np
@@ -476,3 +479,50 @@ def test_tracing_frees_values_the_model_no_longer_holds():
     assert live_counts and live_counts[0] <= 6, live_counts
     x = torch.randn(*shape)
     torch.testing.assert_close(gm(x), Deep()(x))
+
+
+def test_broadcast_shapes_agrees_with_torch():
+    """``autofuser.broadcast_shapes`` (used while lowering, instead of torch's, which imports
+    sympy) gives torch's shape, or raises where torch raises."""
+    import random
+
+    from autofuser import broadcast_shapes
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        shapes = [tuple(rng.choice((1, 2, 3, 5)) for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 3))]
+        try:
+            expected = tuple(torch.broadcast_shapes(*shapes))
+        except RuntimeError:
+            with pytest.raises(RuntimeError, match="cannot be broadcast"):
+                broadcast_shapes(*shapes)
+        else:
+            assert broadcast_shapes(*shapes) == expected, shapes
+
+
+COLD_COMPILE_SCRIPT = r"""
+import sys
+import torch
+import autofuser
+from autofuser_zoo.models import MODELS
+
+for name in ("fno", "lsm", "transolver"):
+    entry = MODELS[name]
+    model = entry.make("tiny").eval()
+    x = entry.inputs(torch.randn(2, 17, 9, 2))
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False)
+        error = (fused(x) - model(x)).abs().max().item()  # (torch.testing imports sympy itself)
+    assert error < 1e-4 and fused.report().fused, (name, error)
+print("sympy imported:", "sympy" in sys.modules)
+"""
+
+
+def test_a_compile_leaves_sympy_unimported(tmp_path):
+    """torch imports sympy (seconds, on a cold machine) for its symbolic shapes; capture,
+    planning and compiling need none of it, so a first call does not pay for it."""
+    env = dict(os.environ, AUTOFUSER_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", COLD_COMPILE_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "sympy imported: False" in done.stdout, done.stdout

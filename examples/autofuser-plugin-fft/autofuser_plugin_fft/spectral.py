@@ -38,7 +38,8 @@ from typing import Any, Optional
 
 import torch
 import torch.fx
-from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+from autofuser import describe_tensor
 
 #: One region of the output spectrum: the weight it uses (index into ``weights``),
 #: its range per spatial dim, and the spatial dims the weight has (in the weight's order).
@@ -224,7 +225,7 @@ def find_spectral_mixes(gm: torch.fx.GraphModule) -> list[SpectralMix]:
 
 
 def _annotate(node: torch.fx.Node, value: torch.Tensor) -> None:
-    node.meta["tensor_meta"] = _extract_tensor_metadata(value)
+    node.meta["tensor_meta"] = describe_tensor(value)
 
 
 def _meta_tensor(node: torch.fx.Node) -> torch.Tensor:

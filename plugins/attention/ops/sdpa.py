@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from autofuser import LoweringSpec, Sample, Tolerance
+from autofuser import LoweringSpec, Sample, Tolerance, broadcast_shapes
 
 #: Widest head the kernel keeps in registers (q's rows and the accumulator).
 MAX_HEAD_WIDTH = 256
@@ -70,7 +70,7 @@ def lower_sdpa(ctx, *args, **kwargs):
             ctx.refuse("unsupported_dtype", f"attn_mask of dtype {ctx.dtype(mask)} with {ctx.dtype(q)} queries")
         scores = tuple(ctx.out_shape[:-2]) + (q_shape[-2], k_shape[-2])
         try:
-            fits = tuple(torch.broadcast_shapes(ctx.shape(mask), scores)) == scores
+            fits = tuple(broadcast_shapes(ctx.shape(mask), scores)) == scores
         except RuntimeError:
             fits = False
         if not fits:

@@ -6,7 +6,7 @@ Python number or a 0-d tensor; like eager, it is rounded to ``x``'s dtype
 
 import torch
 
-from autofuser import LoweringSpec, Sample
+from autofuser import LoweringSpec, Sample, broadcast_shapes
 
 from ._common import lowering, randn, require_float_output
 
@@ -19,7 +19,7 @@ def lower_masked_fill(ctx, input, mask, value):
         ctx.refuse("unsupported_dtype", "masked_fill's mask must be a bool tensor")
     if ctx.is_tensor(value) and ctx.shape(value) != ():
         ctx.refuse("unsupported_argument", "masked_fill with a value that is not a number or a 0-d tensor")
-    if tuple(torch.broadcast_shapes(ctx.shape(input), ctx.shape(mask))) != ctx.shape(input):
+    if tuple(broadcast_shapes(ctx.shape(input), ctx.shape(mask))) != ctx.shape(input):
         ctx.refuse("shape_mismatch", "masked_fill's mask would broadcast its input to a larger shape")
     return ctx.pointwise("tl.where({0}, {1}, {2})", condition, value, input)
 
