@@ -12,9 +12,14 @@ export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 for model in "$@"; do
   dir="$out/$model-$dtype"
+  # Cold means cold for both compilers: Triton's and Inductor's on-disk caches start
+  # empty for each model, so no model reuses binaries another step left behind.
+  caches=$(mktemp -d)
   # shellcheck disable=SC2086
+  TRITON_CACHE_DIR="$caches/triton" TORCHINDUCTOR_CACHE_DIR="$caches/inductor" \
   timeout "$limit" python3 -m autofuser.cli bench --models "$model" --device cuda --dtype "$dtype" \
     --out "$dir" --cache-dir "/tmp/autofuser-zoo-cache" $flags > "$dir.log" 2>&1
   echo "$model $dtype rc=$?" | tee -a "$out/summary.txt"
+  rm -rf "$caches"
   tail -n 3 "$dir.log"
 done
