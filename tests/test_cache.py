@@ -372,12 +372,12 @@ def test_whole_forward_timings_are_cached_and_a_corrupt_entry_is_retimed(tmp_pat
     """A warm cache decides fused-vs-original without timing the forward again."""
     from autofuser_core.fuse import FORWARD_ROUNDS
 
-    calls, model, x = _fake_forward_times(monkeypatch, lambda: 1.0, 2.0)
+    calls, model, x = _fake_forward_times(monkeypatch, lambda: 1.0, 1.1)  # too close to stop after one round
     with torch.no_grad():
         first = autofuser.fuse(model, cache_dir=str(tmp_path), cuda_graphs=False, progress=False)
         torch.testing.assert_close(first(x), model(x))
         rounds = 2 * FORWARD_ROUNDS  # eager and fused alternate
-        assert len(calls) == rounds and "forward: 1.000 ms fused vs 2.000 ms eager" in first.report().notes
+        assert len(calls) == rounds and "forward: 1.000 ms fused vs 1.100 ms eager" in first.report().notes
         second = autofuser.fuse(model, cache_dir=str(tmp_path), cuda_graphs=False, progress=False)
         torch.testing.assert_close(second(x), model(x))
         assert len(calls) == rounds, "a warm cache must not time the forward again"
@@ -388,6 +388,17 @@ def test_whole_forward_timings_are_cached_and_a_corrupt_entry_is_retimed(tmp_pat
         with pytest.warns(UserWarning, match="corrupt or foreign cache entry"):
             torch.testing.assert_close(third(x), model(x))
         assert len(calls) == 2 * rounds
+
+
+def test_a_clear_win_is_decided_in_one_round(tmp_path, monkeypatch):
+    """A fused forward more than ``CLEAR_GAP`` ahead after the first round is not timed again."""
+    from autofuser_core.fuse import CLEAR_GAP
+
+    calls, model, x = _fake_forward_times(monkeypatch, lambda: 1.0, 1.0 / (1.0 - CLEAR_GAP) + 0.01)
+    with torch.no_grad():
+        fused = autofuser.fuse(model, cache_dir=str(tmp_path), cuda_graphs=False, progress=False)
+        torch.testing.assert_close(fused(x), model(x))
+    assert len(calls) == 2 and any(n.startswith("forward: 1.000 ms fused") for n in fused.report().notes)
 
 
 def test_a_fused_forward_within_the_margin_of_eager_leaves_the_original_running(tmp_path, monkeypatch):
