@@ -34,7 +34,7 @@ from .group import GroupProgram, attr_tensor, collect_values
 from .ir import AttrRef
 from .launch import FusedKernel, cast_inputs, input_casts
 from .planner import Candidate, Plan, barrier_reason, plan_fusion_groups
-from .precompile import CompileJob, launch_items, precompile
+from .precompile import CompileJob, Compiling, launch_items, start as start_compiling
 from .registry import describe_target
 from .report import FusionReport, GroupEntry, NodeEntry, describe_graph
 from .matmul_layout import MAX_PRODUCTS, STRICT_FP32
@@ -364,10 +364,11 @@ def _tuning_key(source, device: torch.device) -> dict[str, Any]:
     return {"kernel": source.name, "source_sha256": source.source_hash, **device_key(device)}
 
 
-def _precompile_untuned(jobs: list, device: torch.device, options, progress, report) -> None:
-    """Compile, in parallel, every config that tuning is about to time (see precompile.py)."""
+def _precompile_untuned(jobs: list, device: torch.device, options, progress, report) -> Optional[Compiling]:
+    """Start compiling, in parallel, every config that tuning is about to time, kernels in
+    the order they will be timed (see precompile.py); ``None`` where nothing is tuned."""
     if not _can_tune(device, options):
-        return
+        return None
     root = cache_dir(options.cache_dir)
     work: dict[str, CompileJob] = {}
     tuned: set[str] = set()  # kernels with a cached config (repeated layers share one: read it once)
@@ -382,11 +383,16 @@ def _precompile_untuned(jobs: list, device: torch.device, options, progress, rep
             path=job.kernel_path, name=job.source.name,
             dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in (*program.inputs, *program.outputs)),
             launches=tuple(launch_items(job.source.launch_args(c)) for c in _tuning_configs(job.candidate)))
-    work_list = list(work.values())
-    compiled = precompile(work_list, progress)
-    wanted = sum(len(j.launches) for j in work_list)
+    return start_compiling(list(work.values()), progress)
+
+
+def _finish_compiling(compiling: Optional[Compiling], report) -> None:
+    if compiling is None:
+        return
+    compiled = compiling.finish()
     if compiled:
-        report.notes.append(f"compiled {compiled} of {wanted} tuning config(s) in parallel before timing")
+        report.notes.append(f"compiled {compiled} of {len(compiling.names)} tuning config(s) in parallel "
+                            "before timing")
 
 
 def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, progress) -> _Tuned:
@@ -593,13 +599,19 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
     total = len(jobs)
     report.add_phase("generate", time.perf_counter() - step)
     step = time.perf_counter()
-    _precompile_untuned(jobs, device, options, progress, report)
-    report.add_phase("parallel_compile", time.perf_counter() - step)
+    # Kernels are checked (and tuned) as the graph reaches their groups' last nodes:
+    # compiled in that order, the first ones are timed while the rest still compile.
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    by_use = sorted(jobs, key=lambda job: position.get(job.candidate.program.nodes[-1], 0))
+    compiling = _precompile_untuned(by_use, device, options, progress, report)
+    started_s = time.perf_counter() - step
     step = time.perf_counter()
 
     def check(job: _Job) -> None:
         index = jobs.index(job) + 1
         program, entry = job.candidate.program, job.entry
+        if compiling is not None:
+            compiling.wait_for(job.source.name)
         try:
             kernel_inputs = [attr_tensor(gm, t.source.path) if isinstance(t.source, AttrRef) else job.inputs[t.source]
                              for t in program.inputs]
@@ -639,13 +651,19 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
                                 "kept eager for speed")
 
     verifier = _Verifier(gm, jobs, check, track_writes=backward)
-    with preserved_state(gm), torch.no_grad():
-        # On copies: the graph may write into its inputs, and the caller's tensors
-        # must be changed once, by the real forward, not also by this run.
-        verifier.run(*[_snapshot(x) for x in inputs])
+    try:
+        with preserved_state(gm), torch.no_grad():
+            # On copies: the graph may write into its inputs, and the caller's tensors
+            # must be changed once, by the real forward, not also by this run.
+            verifier.run(*[_snapshot(x) for x in inputs])
+    finally:
+        _finish_compiling(compiling, report)
     del verifier
     tuning = sum(job.entry.tuning_s for job in jobs)
-    report.add_phase("verify", time.perf_counter() - step - tuning)
+    waited = compiling.waited_s if compiling is not None else 0.0
+    # parallel_compile: starting the children and waiting for them (compiling overlaps timing).
+    report.add_phase("parallel_compile", started_s + waited)
+    report.add_phase("verify", time.perf_counter() - step - tuning - waited)
     report.add_phase("tune", tuning)
     for job in jobs:
         job.storages, job.watched = {}, []

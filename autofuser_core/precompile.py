@@ -17,8 +17,10 @@ needs only the GPU's target (architecture and warp size), which this process
 reads before forking and hands to Triton in each child through a driver that
 answers with it and never calls into CUDA. Forks also never run the user's
 script again, which ``multiprocessing``'s spawned children would. The children
-take configs from one shared queue, the slowest-to-compile kinds first, so no
-child is left with a long tail while others idle.
+take configs from one shared queue in the order the kernels will be timed, and
+report each config as it is done: while they compile the later kernels, this
+process already times the earlier ones (``Compiling.wait_for``), so tuning
+overlaps compiling instead of following it.
 
 Only tensors of the kernel's dtypes are described to the compiler (generated
 kernels take tensors and compile-time constants only), as 16-byte-aligned
@@ -41,7 +43,7 @@ import struct
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional, Sequence
 
 logger = logging.getLogger("autofuser")
 
@@ -113,35 +115,30 @@ def launch_items(launch_args: dict) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(launch_args.items()))
 
 
-def _cost(task: dict) -> float:
-    """A rough compile-time rank: longer kernels and larger tiles take longer."""
-    size = os.path.getsize(task["path"]) if os.path.exists(task["path"]) else 0
-    tile = 1
-    for key, value in task["launch"].items():
-        if key.startswith("BLOCK") and isinstance(value, int):
-            tile *= max(1, value)
-    return size * (1 + 0.1 * task["launch"].get("num_stages", 1)) + tile ** 0.5
-
-
 def precompile(jobs: list[CompileJob], progress, target=None) -> int:
-    """Compile every job's launches in forked children; returns the number compiled.
+    """Compile every job's launches in forked children and wait for them; returns the
+    number compiled (``start`` then ``Compiling.finish``)."""
+    return start(jobs, progress, target).finish()
+
+
+def start(jobs: list[CompileJob], progress, target=None) -> "Compiling":
+    """Start compiling every job's launches, in job order, in forked children.
 
     ``target`` is the Triton ``GPUTarget`` to compile for (default: this process's
-    current device). Blocks until the children answer (at most ``WAIT_S``). Returns 0
-    without doing anything where parallel compilation is off
-    (``AUTOFUSER_COMPILE_WORKERS=0``), under Triton's interpreter, or without a target.
+    current device). Returns at once; ``wait_for(name)`` blocks until one kernel's
+    configs are done, ``finish()`` until all are. Nothing is compiled ahead where
+    parallel compilation is off (``AUTOFUSER_COMPILE_WORKERS=0``), under Triton's
+    interpreter, or without a target.
     """
     global last_answered, last_slowest
     last_answered, last_slowest = 0, {}
     tasks = [{"path": j.path, "name": j.name, "dtypes": list(j.dtypes), "launch": dict(launch)}
-             for j in jobs for launch in j.launches]
+             for j in jobs for launch in j.launches][:MAX_TASKS]
     if not _enabled() or not tasks:
-        return 0
+        return Compiling([], progress)
     target = target if target is not None else current_target()
     if target is None:
-        return 0
-    tasks.sort(key=_cost, reverse=True)
-    tasks = tasks[:MAX_TASKS]
+        return Compiling([], progress)
     count = min(workers(), len(tasks))
     progress(f"compiling {len(tasks)} config(s) of {len(jobs)} kernel(s) in {count} child process(es)")
     _warm_compiler()  # once here instead of once in every child
@@ -170,49 +167,97 @@ def precompile(jobs: list[CompileJob], progress, target=None) -> int:
         os.close(queue_write)
         os.close(queue_read)
         os.close(answer_write)
-    try:
-        answers = _collect(answer_read, len(children))
-    finally:
-        os.close(answer_read)
-        for pid in children:
-            _reap(pid)
-    last_answered = sum(a.get("tried", 0) for a in answers)
-    last_slowest = max(({k: float(a.get(f"{k}_s", 0.0)) for k in ("setup", "compile")} for a in answers),
-                       key=lambda t: t["setup"] + t["compile"], default={})
-    if last_slowest:
-        progress(f"compile processes done; the slowest spent {last_slowest['setup']:.1f} s starting "
-                 f"and {last_slowest['compile']:.1f} s compiling")
-    return sum(a.get("compiled", 0) for a in answers)
+    return Compiling(tasks, progress, children, answer_read)
 
 
-def _collect(fd: int, expected: int) -> list[dict]:
-    """Read one answer line per child until each answered, every child's end of the pipe
-    is closed, or ``WAIT_S`` passes."""
-    answers: list[dict] = []
-    buffer = b""
-    deadline = time.monotonic() + WAIT_S
-    while len(answers) < expected:
-        left = deadline - time.monotonic()
+class Compiling:
+    """Configs being compiled by forked children: wait for one kernel's, or for all."""
+
+    def __init__(self, tasks: list[dict], progress, children: Sequence[int] = (), answers: Optional[int] = None):
+        self.progress = progress
+        self.children = list(children)
+        self.left: dict[str, int] = {}  # configs per kernel not answered yet
+        self.names = [t["name"] for t in tasks]
+        for name in self.names:
+            self.left[name] = self.left.get(name, 0) + 1
+        self.summaries: list[dict] = []
+        self.waited_s = 0.0  # spent blocked in wait_for and finish
+        self._fd = answers if self.children else None
+        if answers is not None and not self.children:
+            os.close(answers)
+        self._buffer = b""
+        self._deadline = time.monotonic() + WAIT_S
+        self._finished = False
+
+    def wait_for(self, name: str) -> None:
+        """Block until every config of kernel ``name`` is answered (compiled or refused),
+        the children are gone, or the deadline passes."""
+        begin = time.monotonic()
+        while self.left.get(name, 0) > 0 and self._read():
+            pass
+        self.waited_s += time.monotonic() - begin
+
+    def finish(self) -> int:
+        """Wait for every child's summary, reap them; returns the number of configs compiled."""
+        global last_answered, last_slowest
+        if self._finished:
+            return sum(a.get("compiled", 0) for a in self.summaries)
+        self._finished = True
+        begin = time.monotonic()
+        try:
+            while len(self.summaries) < len(self.children) and self._read():
+                pass
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            for pid in self.children:
+                _reap(pid)
+        self.waited_s += time.monotonic() - begin
+        last_answered = sum(a.get("tried", 0) for a in self.summaries)
+        last_slowest = max(({k: float(a.get(f"{k}_s", 0.0)) for k in ("setup", "compile")} for a in self.summaries),
+                           key=lambda t: t["setup"] + t["compile"], default={})
+        if last_slowest:
+            self.progress(f"compile processes done; the slowest spent {last_slowest['setup']:.1f} s starting "
+                          f"and {last_slowest['compile']:.1f} s compiling")
+        return sum(a.get("compiled", 0) for a in self.summaries)
+
+    def _read(self) -> bool:
+        """Take in the answers available (waiting for some); False once there is nothing
+        more to wait for: every child's end of the pipe closed, or the deadline passed."""
+        if self._fd is None:
+            return False
+        left = self._deadline - time.monotonic()
         if left <= 0:
             logger.warning("compile processes did not answer within %d s; their configs compile when timed",
                            WAIT_S)
-            break
-        ready, _, _ = select.select([fd], [], [], left)
+            self._close()
+            return False
+        ready, _, _ = select.select([self._fd], [], [], left)
         if not ready:
-            continue
-        chunk = os.read(fd, 65536)
-        if not chunk:  # every child exited (some without an answer)
-            break
-        buffer += chunk
-        *lines, buffer = buffer.split(b"\n")
+            return True
+        chunk = os.read(self._fd, 65536)
+        if not chunk:  # every child exited (some maybe without a summary)
+            self._close()
+            return False
+        self._buffer += chunk
+        *lines, self._buffer = self._buffer.split(b"\n")
         for line in lines:
             try:
                 answer = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(answer, dict) and "compiled" in answer:
-                answers.append(answer)
-    return answers
+            if isinstance(answer, dict) and isinstance(answer.get("task"), int) and answer["task"] < len(self.names):
+                self.left[self.names[answer["task"]]] -= 1
+            elif isinstance(answer, dict) and "compiled" in answer:
+                self.summaries.append(answer)
+        return True
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self.left = {}
 
 
 def _reap(pid: int) -> None:
@@ -296,7 +341,8 @@ def _child(tasks: list[dict], target, queue: int, answers: int) -> None:
             record = os.read(queue, _RECORD.size)
             if len(record) < _RECORD.size:
                 break
-            task = tasks[_RECORD.unpack(record)[0]]
+            index = _RECORD.unpack(record)[0]
+            task = tasks[index]
             tried += 1
             try:
                 if task["path"] not in modules:
@@ -308,6 +354,7 @@ def _child(tasks: list[dict], target, queue: int, answers: int) -> None:
                 compiled += 1
             except Exception:  # refused configs are refused again, with the error, when timed
                 pass
+            os.write(answers, (json.dumps({"task": index}) + "\n").encode())
     finally:
         line = json.dumps({"compiled": compiled, "tried": tried, "setup_s": round(setup_s, 4),
                            "compile_s": round(time.perf_counter() - start - setup_s, 4)}) + "\n"

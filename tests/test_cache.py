@@ -658,16 +658,16 @@ from autofuser_core import precompile
 from autofuser_core.cache import module_from_source
 
 KERNEL = ("import triton\nimport triton.language as tl\n{extra}\n\n@triton.jit\n"
-          "def k(x, y, BLOCK: tl.constexpr):\n    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\n"
+          "def {name}(x, y, BLOCK: tl.constexpr):\n    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\n"
           "    tl.store(y + i, tl.exp(tl.load(x + i)) * {scale})\n")
 # The print stands for compiler chatter, which must not reach the user's output.
 good = folder / "good.py"
-good.write_text(KERNEL.format(extra="print('chatter', flush=True)", scale=2))
+good.write_text(KERNEL.format(name="k", extra="print('chatter', flush=True)", scale=2))
 bad = folder / "bad.py"
-bad.write_text(KERNEL.format(extra=sys.argv[2], scale=3))
+bad.write_text(KERNEL.format(name="b", extra=sys.argv[2], scale=3))
 
-def job(path, blocks):
-    return precompile.CompileJob(str(path), "k", ("float32", "float32"), tuple(
+def job(path, name, blocks):
+    return precompile.CompileJob(str(path), name, ("float32", "float32"), tuple(
         precompile.launch_items({"BLOCK": b, "num_warps": 4}) for b in blocks))
 
 def entries():
@@ -677,7 +677,11 @@ def entries():
 target = GPUTarget("cuda", 90, 32)
 said = []
 start = time.monotonic()
-compiled = precompile.precompile([job(good, (64, 128, 256, 512)), job(bad, (64,))], said.append, target=target)
+compiling = precompile.start([job(good, "k", (64, 128, 256, 512)), job(bad, "b", (64,))], said.append,
+                             target=target)
+compiling.wait_for("k")  # the first kernel's configs are done before the children finish
+print("first kernel waited for", compiling.left["k"], "left", flush=True)
+compiled = compiling.finish()
 print("compiled", compiled, "answered", precompile.last_answered, "in", round(time.monotonic() - start), "s",
       flush=True)
 print("said", said[0], flush=True)
@@ -711,7 +715,7 @@ def test_configs_compiled_ahead_are_what_a_launch_finds(tmp_path):
     script runs once, and what the compiler prints stays out of its output."""
     out = _run_compile_script(tmp_path, "raise ImportError('this kernel file is broken')")
     assert out.count("top level ran") == 1 and "chatter" not in out, out
-    assert "compiled 4 answered 5" in out, out
+    assert "compiled 4 answered 5" in out and "first kernel waited for 0 left" in out, out
     assert "said compiling 5 config(s) of 2 kernel(s) in 3 child process(es)" in out, out
     assert "slowest ['compile', 'setup']" in out, out
     assert "launch path compiled anew 0" in out, out
@@ -734,21 +738,20 @@ def test_compile_children_are_as_many_as_there_are_configs(monkeypatch):
     forked = []
     monkeypatch.setattr(precompile, "_enabled", lambda: True)
     monkeypatch.setenv("AUTOFUSER_COMPILE_WORKERS", "8")
-    monkeypatch.setattr(precompile, "_collect", lambda fd, expected: [
-        {"compiled": 1, "tried": 1}] * expected)
-    monkeypatch.setattr(precompile, "_reap", lambda pid: None)
+    monkeypatch.setattr(precompile.Compiling, "finish", lambda self: len(self.children))
     monkeypatch.setattr(precompile.os, "fork", lambda: forked.append(1) or 12345)
 
-    def job(configs: int):
-        return precompile.CompileJob("k.py", "k", ("float32",),
+    def job(name: str, configs: int):
+        return precompile.CompileJob("k.py", name, ("float32",),
                                      tuple(precompile.launch_items({"BLOCK": 16 << b}) for b in range(configs)))
 
     assert precompile.precompile([], lambda m: None, target="sm90") == 0 and forked == []
     monkeypatch.setattr(precompile, "current_target", lambda: None)
-    assert precompile.precompile([job(3)], lambda m: None) == 0 and forked == []
-    assert precompile.precompile([job(3)], lambda m: None, target="sm90") == 3 and len(forked) == 3
+    assert precompile.precompile([job("a", 3)], lambda m: None) == 0 and forked == []
+    assert precompile.precompile([job("a", 3)], lambda m: None, target="sm90") == 3 and len(forked) == 3
     forked.clear()
-    assert precompile.precompile([job(5)] * 4, lambda m: None, target="sm90") == 8 and len(forked) == 8
+    compiling = precompile.start([job(n, 5) for n in "abcd"], lambda m: None, target="sm90")
+    assert len(forked) == 8 and compiling.left == {n: 5 for n in "abcd"}
 
 
 # ---------------------------------------------------------------------------
@@ -762,7 +765,7 @@ def test_a_warm_cache_compiles_nothing_ahead(tmp_path, monkeypatch, gpu_tuning):
     import autofuser_core.compile as compile_module
 
     asked = []
-    monkeypatch.setattr(compile_module, "precompile", lambda jobs, progress: asked.append(jobs) or 0)
+    monkeypatch.setattr(compile_module, "start_compiling", lambda jobs, progress: asked.append(jobs) or None)
 
     cold, _, _ = fuse_norm_gelu(tmp_path, torch.randn(2, 5, 37))
     assert len(asked) == 1 and len(asked[0]) == len(cold.fused) > 1
