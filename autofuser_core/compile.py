@@ -656,6 +656,10 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
             # On copies: the graph may write into its inputs, and the caller's tensors
             # must be changed once, by the real forward, not also by this run.
             verifier.run(*[_snapshot(x) for x in inputs])
+    except BaseException:
+        if compiling is not None:
+            compiling.abort()  # the compile fails (or is interrupted): its children are no use
+        raise
     finally:
         _finish_compiling(compiling, report)
     del verifier

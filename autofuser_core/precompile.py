@@ -28,7 +28,8 @@ pointers, which is what freshly allocated tensors are. A launch whose tensor
 is not so aligned just compiles its own variant, as it would have anyway.
 
 A child that fails or hangs costs speed, never correctness: a config it did
-not compile is compiled when it is timed. Where ``os.fork`` does not exist, or
+not compile is compiled when it is timed, and children silent for ``STALL_S``
+seconds are stopped. Where ``os.fork`` does not exist, or
 the target can't be read, nothing is compiled ahead.
 """
 
@@ -40,6 +41,7 @@ import os
 import select
 import signal
 import struct
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -47,8 +49,10 @@ from typing import Any, Optional, Sequence
 
 logger = logging.getLogger("autofuser")
 
-#: Seconds a compile waits for its children before giving up on them.
-WAIT_S = 900
+#: Seconds without any answer from the children, while waiting for them, after which
+#: they are given up on (killed; their configs compile when timed). One config takes
+#: seconds at most to compile; a child silent this long is stuck.
+STALL_S = 120
 
 #: Tasks the children of the last ``precompile`` call answered for (compiled or refused).
 last_answered = 0
@@ -186,7 +190,6 @@ class Compiling:
         if answers is not None and not self.children:
             os.close(answers)
         self._buffer = b""
-        self._deadline = time.monotonic() + WAIT_S
         self._finished = False
 
     def wait_for(self, name: str) -> None:
@@ -224,18 +227,16 @@ class Compiling:
 
     def _read(self) -> bool:
         """Take in the answers available (waiting for some); False once there is nothing
-        more to wait for: every child's end of the pipe closed, or the deadline passed."""
+        more to wait for: every child's end of the pipe is closed, or none answered for
+        ``STALL_S`` seconds (then they are stopped)."""
         if self._fd is None:
             return False
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            logger.warning("compile processes did not answer within %d s; their configs compile when timed",
-                           WAIT_S)
-            self._close()
-            return False
-        ready, _, _ = select.select([self._fd], [], [], left)
+        ready, _, _ = select.select([self._fd], [], [], STALL_S)
         if not ready:
-            return True
+            logger.warning("compile processes answered nothing for %d s; stopping them (their configs "
+                           "compile when timed)", STALL_S)
+            self.abort()
+            return False
         chunk = os.read(self._fd, 65536)
         if not chunk:  # every child exited (some maybe without a summary)
             self._close()
@@ -252,6 +253,15 @@ class Compiling:
             elif isinstance(answer, dict) and "compiled" in answer:
                 self.summaries.append(answer)
         return True
+
+    def abort(self) -> None:
+        """Stop the children now (the compile failed, or they are stuck)."""
+        for pid in self.children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._close()
 
     def _close(self) -> None:
         if self._fd is not None:
@@ -327,9 +337,13 @@ def _child(tasks: list[dict], target, queue: int, answers: int) -> None:
     compiled = tried = 0
     setup_s = 0.0
     try:
-        devnull = os.open(os.devnull, os.O_WRONLY)  # the compiler's chatter is not the user's output
+        # The compiler's chatter is not the user's output. New stream objects as well: another
+        # thread of the parent may have held the old ones' locks at the fork, forever here.
+        devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
+        sys.stdout = sys.stderr = open(devnull, "w", closefd=False)
+        logging.disable(logging.CRITICAL)  # nothing from here reaches the user's log handlers
         import torch
 
         from .cache import module_from_source

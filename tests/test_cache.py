@@ -656,6 +656,7 @@ import torch
 from triton.backends.compiler import GPUTarget
 from autofuser_core import precompile
 from autofuser_core.cache import module_from_source
+precompile.STALL_S = 20  # a stuck child is given up on sooner than in real use
 
 KERNEL = ("import triton\nimport triton.language as tl\n{extra}\n\n@triton.jit\n"
           "def {name}(x, y, BLOCK: tl.constexpr):\n    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\n"
@@ -729,6 +730,19 @@ def test_a_child_that_dies_is_not_waited_for(tmp_path):
     counts = out.split("compiled ", 1)[1].split()
     compiled, answered = int(counts[0]), int(counts[2])
     assert compiled <= 4 and answered < 5, out  # the killed child never answered for its task
+
+
+def test_a_stuck_child_is_stopped(tmp_path):
+    """A child that stops answering (here: stuck importing its kernel file) is killed after
+    ``STALL_S`` seconds without answers; the others' configs are compiled and found."""
+    start = time.monotonic()
+    out = _run_compile_script(tmp_path, "import time; time.sleep(600)")
+    assert time.monotonic() - start < 200, out
+    waited = int(out.split(" s\n", 1)[0].rsplit(" ", 1)[1])
+    assert 20 <= waited < 100, out  # given up on after STALL_S, not after the sleep
+    # The stuck child's summary never came (what it compiled first is not counted), but
+    # every good config is in the cache all the same.
+    assert "launch path compiled anew 0" in out, out
 
 
 def test_compile_children_are_as_many_as_there_are_configs(monkeypatch):
@@ -809,3 +823,33 @@ def test_a_warm_compile_reads_each_tuning_entry_once_per_group(tmp_path, monkeyp
     assert reads == [groups[0].kernel] * 4
 
 
+
+
+def test_a_failed_compile_stops_its_compile_children(tmp_path, monkeypatch, gpu_tuning):
+    """An error (or Ctrl-C) while the kernels are checked stops the children at once
+    instead of waiting for configs nobody will time."""
+    import autofuser_core.compile as compile_module
+
+    calls = []
+
+    class FakeCompiling:
+        names, waited_s = [], 0.0
+
+        def wait_for(self, name):
+            calls.append("wait")
+
+        def abort(self):
+            calls.append("abort")
+
+        def finish(self):
+            calls.append("finish")
+            return 0
+
+    def interrupted(self, *args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compile_module, "start_compiling", lambda jobs, progress: FakeCompiling())
+    monkeypatch.setattr(compile_module._Verifier, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fuse_norm_gelu(tmp_path, torch.randn(2, 5, 37))
+    assert calls == ["abort", "finish"]
