@@ -36,7 +36,8 @@ class FusedKernel:
         # (shape, strides or None where a single element makes strides meaningless)
         self.input_layout = [(torch.Size(t.shape), tuple(t.stride) if math.prod(t.shape) > 1 else None)
                              for t in program.inputs]
-        self.input_dtypes = [t.dtype for t in program.inputs]  # what the kernel was compiled for
+        # What each input must be: the kernel's dtype, or the dtype the launcher converts from.
+        self.input_dtypes = [t.cast_from or t.dtype for t in program.inputs]
         self.casts = input_casts(program)
         self.output_layout = [(t.shape, t.stride, t.dtype) for t in program.outputs]
         self.single_output = len(program.outputs) == 1
@@ -55,8 +56,10 @@ class FusedKernel:
         self.__qualname__ = source.name
 
     def matches(self, inputs: Sequence[torch.Tensor]) -> bool:
-        for tensor, (shape, stride) in zip(inputs, self.input_layout):
-            if tensor.shape != shape or (stride is not None and tensor.stride() != stride):
+        """Whether ``inputs`` are what the kernel was made for: shapes, strides and dtypes
+        (a parameter converted since, ``model.half()``, must not reach it)."""
+        for tensor, (shape, stride), dtype in zip(inputs, self.input_layout, self.input_dtypes):
+            if tensor.shape != shape or tensor.dtype != dtype or (stride is not None and tensor.stride() != stride):
                 return False
         return True
 

@@ -276,3 +276,30 @@ def test_arguments_a_guard_cannot_compare_run_the_original():
         table = (2.0,)
         torch.testing.assert_close(fused(x, table, True), model(x, table, True))
         torch.testing.assert_close(fused(x, table, 1), model(x, table, 1))  # 1 == True, but not `is True`
+
+
+class _ScaledGelu(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.randn(37))
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(x * self.scale + 1)
+
+
+def test_a_parameter_converted_after_compiling_never_reaches_the_kernel():
+    """``model.double()`` after the first call converts the parameter in place: the inputs
+    are unchanged (no new compile), but the parameter's dtype is not what the kernel was
+    made for. The group runs eager and gives eager's float64 result, not a float32 one."""
+    torch.manual_seed(0)
+    model = _ScaledGelu()
+    fused = autofuser.fuse(model, progress=False)
+    x = torch.randn(3, 37)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x))
+        assert fused.report().fused
+        model.double()
+        got, expected = fused(x), model(x)
+    assert expected.dtype == torch.float64
+    assert got.dtype == expected.dtype
+    torch.testing.assert_close(got, expected)
