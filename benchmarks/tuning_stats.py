@@ -5,8 +5,9 @@ order) under the given cache folders, per kernel family (the kernel name's
 prefix: ``af_mm``, ``af_chain``, ``af_attention``, ...): how many configs were
 timed, where the winner was in the list, and what capping the list at its first
 ``k`` configs would have cost (the best of the first ``k`` against the best of
-all, as a slowdown of the kernel). The data behind how many configs a strategy
-lists, and in which order.
+all, as a slowdown of the kernel); then each family's winning configs, most
+frequent first, with their places in the list. The data behind how many configs
+a strategy lists, and in which order.
 
     python benchmarks/tuning_stats.py /tmp/autofuser-zoo-cache/*
 """
@@ -17,7 +18,7 @@ import argparse
 import json
 import statistics
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 CAPS = (1, 2, 3, 4, 6, 8, 10, 12)
@@ -33,6 +34,7 @@ def main(argv=None) -> int:
     parser.add_argument("folders", nargs="+", type=Path)
     args = parser.parse_args(argv)
     rows: dict[str, list[tuple[int, int, list[float]]]] = defaultdict(list)
+    won: dict[str, Counter] = defaultdict(Counter)
     for folder in args.folders:
         for path in sorted((folder / "tuning").glob("*.json")):
             try:
@@ -43,7 +45,10 @@ def main(argv=None) -> int:
             if entry.get("config_limit") is not None or len(timings) < 2:
                 continue
             best = min(timings)
-            rows[family(entry["key"]["kernel"])].append((len(timings), timings.index(best), timings))
+            place = timings.index(best)
+            rows[family(entry["key"]["kernel"])].append((len(timings), place, timings))
+            config = json.dumps(entry.get("config", {}), sort_keys=True)
+            won[family(entry["key"]["kernel"])][(config, place)] += 1
     print(f"{'family':16s} {'kernels':>7s} {'configs':>7s} {'winner index (sorted)':40s} "
           + " ".join(f"{'cap ' + str(k):>9s}" for k in CAPS))
     for name, entries in sorted(rows.items()):
@@ -55,6 +60,11 @@ def main(argv=None) -> int:
         print(f"{name:16s} {len(entries):7d} {statistics.mean(n for n, _, _ in entries):7.1f} "
               f"{str(winners)[:40]:40s} " + " ".join(f"{r:>9s}" for r in regrets))
     print("cap k: mean/max slowdown of the kernel had only its first k configs been tuned")
+    print("\nwinning configs (count, place in the list, config):")
+    for name, counts in sorted(won.items()):
+        print(f"{name}:")
+        for (config, place), count in counts.most_common():
+            print(f"  {count:3d}  #{place:<3d} {config}")
     return 0
 
 
