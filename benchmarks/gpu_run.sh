@@ -7,7 +7,8 @@
 #   conv        benchmarks/conv.py             (U-Net / FNO convolutional blocks)
 #   mxint8      benchmarks/mxint8.py           (MXINT8 weights vs fp32)
 #   fft         benchmarks/fft_plugin.py       (FNO / F-FNO with and without examples/autofuser-plugin-fft)
-#   zoo:DTYPE:MODEL,MODEL   the zoo models through `autofuser bench` (benchmarks/zoo_run.sh)
+#   zoo:DTYPE:MODEL,MODEL   the zoo models through `autofuser bench` (benchmarks/zoo_run.sh), then
+#               benchmarks/tuning_stats.py over their caches
 # Results (logs, JSON, markdown tables) go to ${OUT:-bench-results}/<step>.
 # Extra flags for a benchmark script: ${STEP}_FLAGS, e.g. MATMUL_FLAGS="--widths 128".
 # After every step, everything under the results folder is packed into one
@@ -45,7 +46,9 @@ for step in "${steps[@]}"; do
       IFS=: read -r _ dtype models <<< "$step"
       [ "$models" = "all" ] && models=galerkin,transformer,transolver,gnot,factformer,fno,ffno,unet,lsm
       # shellcheck disable=SC2046
-      OUT="$out/zoo" bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models") ;;
+      OUT="$out/zoo" bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models")
+      # Where each kernel's tuning winner sat in its config list (the caches zoo_run.sh filled).
+      python3 benchmarks/tuning_stats.py /tmp/autofuser-zoo-cache/* > "$out/zoo/tuning-stats-$dtype.txt" 2>&1 ;;
     *) echo "unknown step $step" ;;
   esac
   echo "step $step took $(( $(date +%s) - start )) s" | tee -a "$out/steps.txt"
