@@ -553,6 +553,10 @@ class _ShapeRecorder(torch.fx.Interpreter):
     its fake-tensor support and memory-format probes (which import sympy: seconds of a
     cold first call; see ``describe_tensor``)."""
 
+    def __init__(self, gm: torch.fx.GraphModule):
+        super().__init__(gm)
+        self.extra_traceback = False  # the model's own error, as ShapeProp's cause was (KeyError stays KeyError)
+
     def run_node(self, n: torch.fx.Node) -> Any:
         result = super().run_node(n)
         found = False

@@ -35,6 +35,7 @@ the target can't be read, nothing is compiled ahead.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -63,9 +64,11 @@ last_slowest: dict[str, float] = {}
 #: Queue records: unsigned 32-bit task indices. Pipe writes this small are atomic, so
 #: children reading one record at a time each get whole, distinct indices.
 _RECORD = struct.Struct("=I")
-#: Tasks at most per precompile call: the whole queue must fit in a pipe's buffer
-#: (16 KiB at least) before the children start. Larger rounds compile the rest when timed.
+#: Tasks at most per precompile call; the whole queue is written into a pipe before the
+#: children start, so fewer where the pipe holds less (``start``). The rest compile when timed.
 MAX_TASKS = 4096
+#: Signals whose handlers a child resets to the default (it inherits the parent's Python handlers).
+_CHILD_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2}
 
 
 @dataclass(frozen=True)
@@ -148,25 +151,54 @@ def start(jobs: list[CompileJob], progress, target=None) -> "Compiling":
     _warm_compiler()  # once here instead of once in every child
     queue_read, queue_write = os.pipe()
     answer_read, answer_write = os.pipe()
-    os.write(queue_write, b"".join(_RECORD.pack(i) for i in range(len(tasks))))
     children: list[int] = []
     try:
-        for _ in range(count):
-            with warnings.catch_warnings():  # "fork() may deadlock in a multi-threaded process": the
-                warnings.simplefilter("ignore", DeprecationWarning)  # children use no lock another thread holds
-                pid = os.fork()
-            if pid == 0:  # the child: compile from the queue, answer, and leave without cleaning up
-                status = 1
-                try:
-                    os.close(queue_write)
-                    os.close(answer_read)
-                    _child(tasks, target, queue_read, answer_write)
-                    status = 0
-                finally:
-                    os._exit(status)
-            children.append(pid)
+        # The whole queue is written before any child reads it, so it must fit the pipe's
+        # buffer: a pipe can hold as little as 4-8 KiB (past the user's pipe-user-pages-soft).
+        # A write that does not fit would block this process forever; what doesn't fit
+        # compiles when timed.
+        os.set_blocking(queue_write, False)
+        records = b"".join(_RECORD.pack(i) for i in range(len(tasks)))
+        try:
+            written = os.write(queue_write, records)
+        except BlockingIOError:
+            written = 0
+        tasks = tasks[:written // _RECORD.size]
+        # The children must not collect this process's garbage: a finaliser there (a CUDA
+        # tensor's, a loaded kernel's) would call CUDA in a fork. Frozen objects are not collected.
+        gc.freeze()
+        # Signals arriving between the fork and the child's own handlers must not run the
+        # parent's handlers (the user's SIGTERM checkpoint, KeyboardInterrupt) in a child.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _CHILD_SIGNALS)
+        try:
+            for _ in range(count):
+                with warnings.catch_warnings():  # "fork() may deadlock in a multi-threaded process": the
+                    warnings.simplefilter("ignore", DeprecationWarning)  # children use no lock another thread holds
+                    pid = os.fork()
+                    if pid == 0:  # the child: compile from the queue, answer, and leave without cleaning up
+                        status = 1
+                        try:
+                            for number in _CHILD_SIGNALS:
+                                signal.signal(number, signal.SIG_DFL)
+                            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+                            os.close(queue_write)
+                            os.close(answer_read)
+                            _child(tasks, target, queue_read, answer_write)
+                            status = 0
+                        finally:
+                            os._exit(status)
+                children.append(pid)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            gc.unfreeze()
     except OSError as err:
-        logger.warning("could not fork compile processes (%s); configs compile one by one when timed", err)
+        logger.warning("could not fork compile processes (%s); %d started", err, len(children))
+    except BaseException:
+        for pid in children:  # interrupted while forking: no one would ever wait for these
+            os.kill(pid, signal.SIGKILL)
+            _reap(pid)
+        os.close(answer_read)
+        raise
     finally:
         os.close(queue_write)
         os.close(queue_read)
@@ -194,7 +226,7 @@ class Compiling:
 
     def wait_for(self, name: str) -> None:
         """Block until every config of kernel ``name`` is answered (compiled or refused),
-        the children are gone, or the deadline passes."""
+        or the children are gone or silent for ``STALL_S`` seconds."""
         begin = time.monotonic()
         while self.left.get(name, 0) > 0 and self._read():
             pass
@@ -231,8 +263,9 @@ class Compiling:
         ``STALL_S`` seconds (then they are stopped)."""
         if self._fd is None:
             return False
-        ready, _, _ = select.select([self._fd], [], [], STALL_S)
-        if not ready:
+        poller = select.poll()  # not select(): it refuses descriptors past 1023
+        poller.register(self._fd, select.POLLIN)
+        if not poller.poll(STALL_S * 1000):
             logger.warning("compile processes answered nothing for %d s; stopping them (their configs "
                            "compile when timed)", STALL_S)
             self.abort()
@@ -331,6 +364,9 @@ def use_target(target) -> None:
     driver.set_active(_TargetDriver(real, target))
 
 
+_kept_streams: list = []
+
+
 def _child(tasks: list[dict], target, queue: int, answers: int) -> None:
     """In a child: compile queued tasks until the queue is empty, then write one answer line."""
     start = time.perf_counter()
@@ -342,6 +378,9 @@ def _child(tasks: list[dict], target, queue: int, answers: int) -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
+        # The old objects are kept: dropping the last reference to one (a user's
+        # ``sys.stdout = open(...)``) would flush its buffer a second time, from here.
+        _kept_streams.extend((sys.stdout, sys.stderr))
         sys.stdout = sys.stderr = open(devnull, "w", closefd=False)
         logging.disable(logging.CRITICAL)  # nothing from here reaches the user's log handlers
         import torch
