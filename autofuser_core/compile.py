@@ -573,7 +573,15 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
     """Generate, load, tune and check every kept group of ``plan`` in one recording pass.
 
     Returns every job, those whose code could not be generated included (not fused),
-    so a group that failed either way is re-planned."""
+    so a group that failed either way is re-planned. On a GPU, with the inputs' device
+    current: the timer's events and buffers, and the target configs compile for, are
+    the current device's."""
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        return _verify_round_on(gm, plan, inputs, device, options, progress, report, backward)
+
+
+def _verify_round_on(gm, plan: Plan, inputs: tuple, device: torch.device, options, progress, report,
+                     backward: bool) -> list[_Job]:
     view = plan.view
     jobs: list[_Job] = []
     not_generated: list[_Job] = []
@@ -650,8 +658,8 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
                 entry.reason = (f"fused {entry.time_fused_ms:.4f} ms vs eager {entry.time_eager_ms:.4f} ms: "
                                 "kept eager for speed")
 
-    verifier = _Verifier(gm, jobs, check, track_writes=backward)
     try:
+        verifier = _Verifier(gm, jobs, check, track_writes=backward)
         with preserved_state(gm), torch.no_grad():
             # On copies: the graph may write into its inputs, and the caller's tensors
             # must be changed once, by the real forward, not also by this run.

@@ -146,8 +146,6 @@ def start(jobs: list[CompileJob], progress, target=None) -> "Compiling":
     target = target if target is not None else current_target()
     if target is None:
         return Compiling([], progress)
-    count = min(workers(), len(tasks))
-    progress(f"compiling {len(tasks)} config(s) of {len(jobs)} kernel(s) in {count} child process(es)")
     _warm_compiler()  # once here instead of once in every child
     queue_read, queue_write = os.pipe()
     answer_read, answer_write = os.pipe()
@@ -164,6 +162,10 @@ def start(jobs: list[CompileJob], progress, target=None) -> "Compiling":
         except BlockingIOError:
             written = 0
         tasks = tasks[:written // _RECORD.size]
+        count = min(workers(), len(tasks))
+        if tasks:
+            progress(f"compiling {len(tasks)} config(s) of {len({t['name'] for t in tasks})} kernel(s) "
+                     f"in {count} child process(es)")
         # The children must not collect this process's garbage: a finaliser there (a CUDA
         # tensor's, a loaded kernel's) would call CUDA in a fork. Frozen objects are not collected.
         gc.freeze()
@@ -178,6 +180,7 @@ def start(jobs: list[CompileJob], progress, target=None) -> "Compiling":
                     if pid == 0:  # the child: compile from the queue, answer, and leave without cleaning up
                         status = 1
                         try:
+                            os.setpgid(0, 0)  # its own group, so that stopping it also stops its ptxas
                             for number in _CHILD_SIGNALS:
                                 signal.signal(number, signal.SIG_DFL)
                             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
@@ -187,6 +190,10 @@ def start(jobs: list[CompileJob], progress, target=None) -> "Compiling":
                             status = 0
                         finally:
                             os._exit(status)
+                    try:
+                        os.setpgid(pid, pid)  # (both sides set it: whichever runs first)
+                    except OSError:
+                        pass
                 children.append(pid)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
@@ -195,7 +202,7 @@ def start(jobs: list[CompileJob], progress, target=None) -> "Compiling":
         logger.warning("could not fork compile processes (%s); %d started", err, len(children))
     except BaseException:
         for pid in children:  # interrupted while forking: no one would ever wait for these
-            os.kill(pid, signal.SIGKILL)
+            _kill(pid)
             _reap(pid)
         os.close(answer_read)
         raise
@@ -290,10 +297,7 @@ class Compiling:
     def abort(self) -> None:
         """Stop the children now (the compile failed, or they are stuck)."""
         for pid in self.children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill(pid)
         self._close()
 
     def _close(self) -> None:
@@ -301,6 +305,17 @@ class Compiling:
             os.close(self._fd)
             self._fd = None
         self.left = {}
+
+
+def _kill(pid: int) -> None:
+    """Kill a child and whatever it started (its ``ptxas``): its process group."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _reap(pid: int) -> None:
@@ -313,10 +328,10 @@ def _reap(pid: int) -> None:
         if done:
             return
         time.sleep(0.01)
+    _kill(pid)
     try:
-        os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
+    except ChildProcessError:
         pass
 
 
@@ -383,6 +398,10 @@ def _child(tasks: list[dict], target, queue: int, answers: int) -> None:
         _kept_streams.extend((sys.stdout, sys.stderr))
         sys.stdout = sys.stderr = open(devnull, "w", closefd=False)
         logging.disable(logging.CRITICAL)  # nothing from here reaches the user's log handlers
+        try:
+            os.nice(10)  # the parent times kernels meanwhile: its timing loop goes first
+        except OSError:
+            pass
         import torch
 
         from .cache import module_from_source

@@ -675,6 +675,12 @@ def entries():
     root = folder / "triton"
     return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
+if os.environ.get("HOLD_FDS"):  # a process with many files open: the answer pipe's descriptor is past 1023
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048 <= hard or hard == resource.RLIM_INFINITY:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
 target = GPUTarget("cuda", 90, 32)
 said = []
 start = time.monotonic()
@@ -699,10 +705,10 @@ print("a new config compiled anew", len(set(entries()) - set(before)), flush=Tru
 """
 
 
-def _run_compile_script(tmp_path, bad_kernel_line: str) -> str:
+def _run_compile_script(tmp_path, bad_kernel_line: str, **extra_env: str) -> str:
     script = tmp_path / "train.py"
     script.write_text(COMPILE_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | extra_env
     done = subprocess.run([sys.executable, str(script), str(tmp_path), bad_kernel_line], capture_output=True,
                           text=True, env=env, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -728,8 +734,20 @@ def test_a_child_that_dies_is_not_waited_for(tmp_path):
     config uncompiled; the others finish, and the call returns."""
     out = _run_compile_script(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
     counts = out.split("compiled ", 1)[1].split()
-    compiled, answered = int(counts[0]), int(counts[2])
+    compiled, answered, waited = int(counts[0]), int(counts[2]), int(counts[4])
     assert compiled <= 4 and answered < 5, out  # the killed child never answered for its task
+    assert waited < 20, out  # its death was noticed, not sat out until STALL_S
+
+
+def test_compiling_ahead_works_with_more_than_1023_files_open(tmp_path):
+    """``select`` refuses descriptors past 1023; a training process often holds that many."""
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] not in range(0, 2048):
+        out = _run_compile_script(tmp_path, "raise ImportError('this kernel file is broken')", HOLD_FDS="1")
+        assert "compiled 4 answered 5" in out and "launch path compiled anew 0" in out, out
+    else:
+        pytest.skip("this machine allows fewer than 2048 open files")
 
 
 def test_a_stuck_child_is_stopped(tmp_path):
@@ -752,7 +770,7 @@ def test_compile_children_are_as_many_as_there_are_configs(monkeypatch):
     forked = []
     monkeypatch.setattr(precompile, "_enabled", lambda: True)
     monkeypatch.setenv("AUTOFUSER_COMPILE_WORKERS", "8")
-    monkeypatch.setattr(precompile.Compiling, "finish", lambda self: len(self.children))
+    monkeypatch.setattr(precompile.Compiling, "finish", lambda self: self._close() or len(self.children))
     monkeypatch.setattr(precompile.os, "fork", lambda: forked.append(1) or 12345)
 
     def job(name: str, configs: int):
@@ -766,6 +784,7 @@ def test_compile_children_are_as_many_as_there_are_configs(monkeypatch):
     forked.clear()
     compiling = precompile.start([job(n, 5) for n in "abcd"], lambda m: None, target="sm90")
     assert len(forked) == 8 and compiling.left == {n: 5 for n in "abcd"}
+    compiling._close()
 
 
 # ---------------------------------------------------------------------------
