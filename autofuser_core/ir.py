@@ -115,17 +115,19 @@ class LoweringRefused(Exception):
         self.reason = reason
 
 
-def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
+def broadcast_shapes(*shapes: Sequence[int] | int) -> tuple[int, ...]:
     """The shape ``shapes`` broadcast to, as ``torch.broadcast_shapes`` gives (which imports
     sympy on first use: seconds of a cold first call); ``RuntimeError`` if they don't."""
     out: list[int] = []
     for shape in shapes:
-        shape = tuple(int(d) for d in shape)
+        shape = (int(shape),) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        so_far = tuple(out)
         out = [1] * (len(shape) - len(out)) + out
         for i, size in enumerate(shape, start=len(out) - len(shape)):
             if size != out[i] and out[i] != 1 and size != 1:
-                raise RuntimeError(f"shapes {tuple(shapes[0])} and {shape} cannot be broadcast together "
-                                   f"(size {out[i]} against {size} in dimension {i})")
+                raise RuntimeError(f"shape {shape} cannot be broadcast with {so_far} (the shapes before it "
+                                   f"broadcast together): size {size} against {out[i]}, "
+                                   f"{len(out) - i} dimension(s) from the end")
             out[i] = out[i] if size == 1 else size
     return tuple(out)
 
