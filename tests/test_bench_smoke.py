@@ -147,3 +147,27 @@ def test_train_steps_train_first_and_a_failed_training_still_measures(tmp_path, 
     assert row["train_error"] == "RuntimeError: CUDA out of memory (pretend)"
     assert row["systems"]["eager"]["status"] == "ok" and row["systems"]["eager"]["test_loss"] > 0
     assert "training (measured untrained): RuntimeError" in result["markdown"]
+
+
+def test_fresh_first_calls_run_in_their_own_processes_and_errors_are_cells(tmp_path, monkeypatch):
+    """``--fresh-first-calls``: AutoFuser's cold first call is timed again in a new process
+    (its own empty caches; the harness's own cache folder stays untouched), and a fresh
+    process that fails becomes an error in the table, not a crash."""
+    from autofuser_zoo import first_call
+
+    cpu = harness.torch.device("cpu")
+    result = harness.run_bench(["fno"], device=cpu, config="tiny", iters=1, warmup=0, out=tmp_path / "a",
+                               no_compile=True, fresh_first_calls=True)
+    (row,) = result["rows"]
+    fused = row["systems"]["autofuser"]
+    assert fused["first_call_fresh_s"] > 0 and fused["first_call_fresh_error"] is None
+    assert "first_call_fresh_s" not in row["systems"]["torch.compile"]  # --no-compile: not run
+    assert f"| fno | {harness.NO_COMPILE} | {fused['first_call_fresh_s']:.2f} |" in result["markdown"]
+
+    answer = first_call.measure_in_fresh_process("fno", "autofuser", device="cpu", dtype="fp32", config="tiny",
+                                                 batch=0)  # a batch of 0 fails in the model
+    assert set(answer) == {"error"} and answer["error"], answer
+    monkeypatch.setattr(harness, "measure_in_fresh_process", lambda *a, **k: answer)
+    result = harness.run_bench(["fno"], device=cpu, config="tiny", iters=1, warmup=0, out=tmp_path / "b",
+                               no_compile=True, fresh_first_calls=True)
+    assert "fno / autofuser (fresh process): " + answer["error"] in result["markdown"]

@@ -49,6 +49,7 @@ import torch
 import autofuser
 from autofuser_core.fuse import median_call_ms
 from autofuser_zoo.airfoil import TRAIN_SEED, make_dataset, relative_l2, test_set
+from autofuser_zoo.first_call import measure_in_fresh_process
 from autofuser_zoo.models import MESHES, MODELS, ModelEntry, parameter_count
 
 SYSTEMS = ("eager", "torch.compile", "autofuser")
@@ -88,6 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override every model's batch size (default: the paper's, or 2 for --config tiny)")
     parser.add_argument("--tune-budget", type=float, default=None,
                         help="AutoFuser tuning seconds per group (default: fuse()'s own)")
+    parser.add_argument("--fresh-first-calls", action="store_true",
+                        help="also time AutoFuser's cold first call and torch.compile's first call each in a new "
+                             "process with empty caches (autofuser_zoo.first_call), as a user's first run of a "
+                             "script pays them")
     parser.add_argument("--cache-dir", default=None,
                         help="parent of the per-model AutoFuser cache folders (default: OUT/autofuser-cache); "
                              "each model's folder is emptied first")
@@ -110,7 +115,8 @@ def run_from_args(args: argparse.Namespace) -> int:
                        out=Path(args.out), config=args.config, compile_mode=args.compile_mode,
                        no_compile=args.no_compile, train_steps=args.train_steps, batch_size=args.batch_size,
                        cache_root=Path(args.cache_dir) if args.cache_dir else None,
-                       fuse_options={} if args.tune_budget is None else {"tune_budget_s": args.tune_budget})
+                       fuse_options={} if args.tune_budget is None else {"tune_budget_s": args.tune_budget},
+                       fresh_first_calls=args.fresh_first_calls)
     print(result["markdown"])
     return 0
 
@@ -215,7 +221,8 @@ def _empty_cell(status: str = "not run", error: Optional[str] = None) -> dict[st
 
 def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warmup: int, config: str,
                 compile_mode: str, no_compile: bool, train_steps: int, batch_size: Optional[int],
-                cache_dir: Path, fuse_options: Optional[dict] = None) -> dict[str, Any]:
+                cache_dir: Path, fuse_options: Optional[dict] = None, fresh_first_calls: bool = False
+                ) -> dict[str, Any]:
     """One row: every system on model ``name``; errors are recorded, not raised."""
     entry = MODELS[name]
     mesh = MESHES[config]
@@ -330,6 +337,16 @@ def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warm
             torch._dynamo.reset()
         _release(device)
 
+    if fresh_first_calls:
+        for system in ("autofuser",) + (() if no_compile else ("torch.compile",)):
+            progress(f"{name}: {system} first call in a fresh process")
+            answer = measure_in_fresh_process(
+                name, system, device=str(device), dtype=dtype, config=config, batch=batch, compile_mode=compile_mode,
+                tune_budget=(fuse_options or {}).get("tune_budget_s"))
+            row["systems"][system]["first_call_fresh_s"] = answer.get("first_call_s")
+            row["systems"][system]["first_call_fresh_error"] = answer.get("error")
+            if answer.get("error"):
+                progress(f"{name}: {system} fresh-process first call failed: {answer['error']}")
     for system in ("torch.compile", "autofuser"):
         cell = row["systems"][system]
         if cell["ms"] and eager_cell["ms"]:
@@ -359,7 +376,8 @@ def geometric_mean(values: list[float]) -> Optional[float]:
 def run_bench(names: list[str], *, device: torch.device, dtype: str = "fp32", iters: int = 100, warmup: int = 10,
               out: Path = Path("bench-results"), config: str = "airfoil", compile_mode: str = "default",
               no_compile: bool = False, train_steps: int = 0, batch_size: Optional[int] = None,
-              cache_root: Optional[Path] = None, fuse_options: Optional[dict] = None) -> dict[str, Any]:
+              cache_root: Optional[Path] = None, fuse_options: Optional[dict] = None,
+              fresh_first_calls: bool = False) -> dict[str, Any]:
     """Benchmark ``names``; write bench.json, bench.md, bench.png to ``out``; return the JSON data
     (plus the table under ``"markdown"``)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -374,7 +392,8 @@ def run_bench(names: list[str], *, device: torch.device, dtype: str = "fp32", it
         progress(f"[{index}/{len(names)}] {name} ({config}, {dtype}, {device})")
         rows.append(bench_model(name, device=device, dtype=dtype, iters=iters, warmup=warmup, config=config,
                                 compile_mode=compile_mode, no_compile=no_compile, train_steps=train_steps,
-                                batch_size=batch_size, cache_dir=cache_root / name, fuse_options=fuse_options))
+                                batch_size=batch_size, cache_dir=cache_root / name, fuse_options=fuse_options,
+                                fresh_first_calls=fresh_first_calls))
     import triton
 
     result: dict[str, Any] = {
@@ -390,8 +409,8 @@ def run_bench(names: list[str], *, device: torch.device, dtype: str = "fp32", it
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
         "settings": {"models": names, "dtype": dtype, "iters": iters, "warmup": warmup, "config": config,
                      "compile_mode": compile_mode, "no_compile": no_compile, "train_steps": train_steps,
-                     "batch_size": batch_size, "timing": "CUDA events, median" if device.type == "cuda"
-                     else "time.perf_counter, median"},
+                     "batch_size": batch_size, "fresh_first_calls": fresh_first_calls,
+                     "timing": "CUDA events, median" if device.type == "cuda" else "time.perf_counter, median"},
         "rows": rows,
         "geomean_speedup": {s: geometric_mean([r["systems"][s]["speedup"] for r in rows
                                                if r["systems"][s]["status"] == "ok"]) for s in SYSTEMS[1:]},
@@ -473,6 +492,22 @@ def render_markdown(result: dict[str, Any]) -> str:
                                                      else (NO_COMPILE if settings["no_compile"] else "-"))
     blank[COLUMNS.index("AutoFuser speedup")] = f"{geomean['autofuser']:.2f}" if geomean["autofuser"] else "-"
     lines.append("| " + " | ".join(blank) + " |")
+    if settings.get("fresh_first_calls"):
+        lines += ["", "First calls in fresh processes, each with empty AutoFuser, Triton and Inductor caches "
+                  "(--fresh-first-calls), seconds:", "",
+                  "| model | torch.compile first call | AutoFuser first call (cold) |", "|---|---|---|"]
+        for row in result["rows"]:
+            fresh = []
+            for system in ("torch.compile", "autofuser"):
+                cell = row["systems"][system]
+                if cell.get("first_call_fresh_s") is not None:
+                    fresh.append(f"{cell['first_call_fresh_s']:.2f}")
+                elif cell.get("first_call_fresh_error"):
+                    fresh.append(f"error: {cell['first_call_fresh_error'].split(':')[0]}")
+                    errors.append(f"- {row['model']} / {system} (fresh process): {cell['first_call_fresh_error']}")
+                else:
+                    fresh.append(cell["error"] if cell["status"] == "skipped" and cell["error"] else "-")
+            lines.append(f"| {row['model']} | {fresh[0]} | {fresh[1]} |")
     if errors:
         lines += ["", "Errors (type: message; tracebacks in bench.json):", *errors]
     lines += ["", "bench.png: speedups over eager." if result["plot"] == "bench.png" else f"bench.png: {result['plot']}"]

@@ -1,0 +1,116 @@
+"""One system's first call on one zoo model, in a process of its own.
+
+``autofuser bench --fresh-first-calls`` runs this once for AutoFuser (cold cache)
+and once for torch.compile, each as a new Python process with its own empty
+AutoFuser, Triton and Inductor caches: what a user's first run of a script
+costs. In the harness's own process the systems run one after another, so the
+first to compile also pays for what the second then finds loaded (Triton's
+runtime, its launcher stubs, shared imports).
+
+The process builds the model (seed 0, untrained: weights don't change what is
+compiled), runs eager once (as the harness does before either system: cuDNN,
+cuBLAS and the CUDA context are warm), then times the system's first call, and
+prints one JSON line: ``{"first_call_s": ...}`` or ``{"error": ...}``.
+
+    python -m autofuser_zoo.first_call --model fno --system autofuser --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+SYSTEMS = ("autofuser", "torch.compile")
+
+
+def measure_in_fresh_process(name: str, system: str, *, device: str, dtype: str, config: str, batch: int,
+                             compile_mode: str = "default", tune_budget: Optional[float] = None,
+                             timeout_s: float = 900) -> dict:
+    """Run this module for one (model, system) in a new process with empty caches; its
+    answer (``first_call_s``, or ``error``)."""
+    with tempfile.TemporaryDirectory(prefix="autofuser-first-call-") as scratch:
+        env = dict(os.environ, TRITON_CACHE_DIR=str(Path(scratch) / "triton"),
+                   TORCHINDUCTOR_CACHE_DIR=str(Path(scratch) / "inductor"),
+                   AUTOFUSER_CACHE_DIR=str(Path(scratch) / "autofuser"))
+        command = [sys.executable, "-m", "autofuser_zoo.first_call", "--model", name, "--system", system,
+                   "--device", device, "--dtype", dtype, "--config", config, "--batch", str(batch),
+                   "--compile-mode", compile_mode]
+        if tune_budget is not None:
+            command += ["--tune-budget", str(tune_budget)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"error": f"TimeoutExpired: no first call within {timeout_s:g} s"}
+    for line in reversed(done.stdout.strip().splitlines()):
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(answer, dict) and ("first_call_s" in answer or "error" in answer):
+            return answer
+    tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"the process exited with code {done.returncode}: {tail}"}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--system", choices=SYSTEMS, required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--config", default="airfoil")
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--compile-mode", default="default")
+    parser.add_argument("--tune-budget", type=float, default=None)
+    args = parser.parse_args(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is decorated
+    try:
+        print(json.dumps({"first_call_s": _first_call(args)}), flush=True)
+    except Exception as err:  # the harness records it as the cell's error
+        lines = str(err).strip().splitlines()
+        print(json.dumps({"error": f"{type(err).__name__}: {lines[0] if lines else ''}"}), flush=True)
+    return 0
+
+
+def _first_call(args: argparse.Namespace) -> float:
+    import torch
+
+    from autofuser_zoo.airfoil import test_set
+    from autofuser_zoo.models import MESHES, MODELS
+
+    from .harness import _autocast, first_call_s
+
+    device = torch.device(args.device)
+    entry = MODELS[args.model]
+    torch.manual_seed(0)
+    model = entry.make(args.config).to(device).eval()
+    coords, _ = test_set(args.batch, MESHES[args.config])
+    x = entry.inputs(coords).to(device)
+
+    def forward(fn):
+        def call():
+            with torch.no_grad(), _autocast(device, args.dtype):
+                return fn(x)
+        return call
+
+    first_call_s(forward(model), device)  # eager once, as in the harness
+    if args.system == "autofuser":
+        import autofuser
+
+        options = {} if args.tune_budget is None else {"tune_budget_s": args.tune_budget}
+        system = autofuser.fuse(model, cache_dir=os.environ.get("AUTOFUSER_CACHE_DIR"), progress=False, **options)
+    else:
+        system = torch.compile(model, mode=args.compile_mode)
+    _, seconds = first_call_s(forward(system), device)
+    return seconds
+
+
+if __name__ == "__main__":
+    sys.exit(main())
