@@ -395,7 +395,7 @@ def _finish_compiling(compiling: Optional[Compiling], report) -> None:
                             "before timing")
 
 
-def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, progress) -> _Tuned:
+def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, progress, ready=None) -> _Tuned:
     if not _can_tune(device, options):
         return _Tuned(candidate.strategy.default_config(candidate.program))
     key = _tuning_key(source, device)
@@ -407,7 +407,7 @@ def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, 
         with tuning_lock(root, key, on_wait=lambda: progress(f"waiting for another process tuning {source.name}")):
             entry = _valid_entry(candidate, read_tuning(root, key))
             if entry is None:
-                return _tune(candidate, source, kernel, inputs, device, options, progress, root, key)
+                return _tune(candidate, source, kernel, inputs, device, options, progress, root, key, ready)
     return _Tuned(entry["config"], True, 0.0, entry.get("timings", []), key, entry.get("speed"),
                   entry.get("config_limit"))
 
@@ -435,8 +435,10 @@ def _valid_entry(candidate: Candidate, entry: Optional[dict], warn: bool = True)
     return entry
 
 
-def _tune(candidate: Candidate, source, kernel, inputs, device, options, progress, root, key) -> _Tuned:
-    """Time the strategy's valid configs within the budget; store and return the fastest."""
+def _tune(candidate: Candidate, source, kernel, inputs, device, options, progress, root, key,
+          ready=None) -> _Tuned:
+    """Time the strategy's valid configs within the budget; store and return the fastest.
+    ``ready(launch_args)``: wait until that config is compiled ahead (not counted as tuning)."""
     program = candidate.program
     default = candidate.strategy.default_config(program)
     configs = _tuning_configs(candidate)
@@ -446,10 +448,15 @@ def _tune(candidate: Candidate, source, kernel, inputs, device, options, progres
     best, best_ms = default, float("inf")
     outputs = [torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device=device) for t in program.outputs]
     inputs = cast_inputs(inputs, input_casts(program))
+    waited = 0.0
     for config in configs:
-        if time.perf_counter() - start > options.tune_budget_s and timings:
+        if time.perf_counter() - start - waited > options.tune_budget_s and timings:
             break
         launch = source.launch_args(config)
+        if ready is not None:
+            begin = time.perf_counter()
+            ready(launch)
+            waited += time.perf_counter() - begin
         grid = source.grid(config)
         try:
             ms = _bench(lambda: kernel[grid](*inputs, *outputs, **launch), rep_ms=TUNING_REP_MS)
@@ -461,7 +468,7 @@ def _tune(candidate: Candidate, source, kernel, inputs, device, options, progres
             best, best_ms = config, ms
     limit = _CONFIG_LIMIT.get()
     write_tuning(root, key, best, timings, config_limit=limit)
-    return _Tuned(best, False, time.perf_counter() - start, timings, key, config_limit=limit)
+    return _Tuned(best, False, time.perf_counter() - start - waited, timings, key, config_limit=limit)
 
 
 #: Planning rounds at most: each later one re-plans what the groups that lost covered.
@@ -618,13 +625,14 @@ def _verify_round_on(gm, plan: Plan, inputs: tuple, device: torch.device, option
     def check(job: _Job) -> None:
         index = jobs.index(job) + 1
         program, entry = job.candidate.program, job.entry
-        if compiling is not None:
-            compiling.wait_for(job.source.name)
+        # Each config is timed as soon as it is compiled ahead, while the children go on.
+        ready = None if compiling is None else (
+            lambda launch: compiling.wait_for(job.source.name, launch_items(launch)))
         try:
             kernel_inputs = [attr_tensor(gm, t.source.path) if isinstance(t.source, AttrRef) else job.inputs[t.source]
                              for t in program.inputs]
             tuned = _pick_config(job.candidate, job.source, job.kernel, kernel_inputs, device, options,
-                                 lambda msg: progress(f"[{index}/{total}] {msg}"))
+                                 lambda msg: progress(f"[{index}/{total}] {msg}"), ready)
             config = tuned.config
             job.fused = FusedKernel(job.kernel, job.source, config, program, job.eager, gm)
             outputs = job.fused.launch(*kernel_inputs)

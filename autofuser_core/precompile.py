@@ -17,10 +17,10 @@ needs only the GPU's target (architecture and warp size), which this process
 reads before forking and hands to Triton in each child through a driver that
 answers with it and never calls into CUDA. Forks also never run the user's
 script again, which ``multiprocessing``'s spawned children would. The children
-take configs from one shared queue in the order the kernels will be timed, and
-report each config as it is done: while they compile the later kernels, this
-process already times the earlier ones (``Compiling.wait_for``), so tuning
-overlaps compiling instead of following it.
+take configs from one shared queue in the order they will be timed, and
+report each config as it is done: this process times each config as soon as it
+is compiled (``Compiling.wait_for``) while the children go on with the rest, so
+tuning overlaps compiling instead of following it.
 
 Only tensors of the kernel's dtypes are described to the compiler (generated
 kernels take tensors and compile-time constants only), as 16-byte-aligned
@@ -220,9 +220,12 @@ class Compiling:
         self.progress = progress
         self.children = list(children)
         self.left: dict[str, int] = {}  # configs per kernel not answered yet
+        self.left_launch: dict[tuple, int] = {}  # the same per (kernel, launch_items of a config)
         self.names = [t["name"] for t in tasks]
-        for name in self.names:
+        self.launches = [(t["name"], launch_items(t["launch"])) for t in tasks]
+        for name, launch in zip(self.names, self.launches):
             self.left[name] = self.left.get(name, 0) + 1
+            self.left_launch[launch] = self.left_launch.get(launch, 0) + 1
         self.summaries: list[dict] = []
         self.waited_s = 0.0  # spent blocked in wait_for and finish
         self._fd = answers if self.children else None
@@ -231,12 +234,17 @@ class Compiling:
         self._buffer = b""
         self._finished = False
 
-    def wait_for(self, name: str) -> None:
+    def wait_for(self, name: str, launch: Optional[tuple] = None) -> None:
         """Block until every config of kernel ``name`` is answered (compiled or refused),
-        or the children are gone or silent for ``STALL_S`` seconds."""
+        or only the one launched with ``launch`` (``launch_items``), or the children are
+        gone or silent for ``STALL_S`` seconds."""
         begin = time.monotonic()
-        while self.left.get(name, 0) > 0 and self._read():
-            pass
+        if launch is None:
+            while self.left.get(name, 0) > 0 and self._read():
+                pass
+        else:
+            while self.left_launch.get((name, launch), 0) > 0 and self._read():
+                pass
         self.waited_s += time.monotonic() - begin
 
     def finish(self) -> int:
@@ -290,6 +298,7 @@ class Compiling:
                 continue
             if isinstance(answer, dict) and isinstance(answer.get("task"), int) and answer["task"] < len(self.names):
                 self.left[self.names[answer["task"]]] -= 1
+                self.left_launch[self.launches[answer["task"]]] -= 1
             elif isinstance(answer, dict) and "compiled" in answer:
                 self.summaries.append(answer)
         return True
@@ -304,7 +313,7 @@ class Compiling:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self.left = {}
+        self.left, self.left_launch = {}, {}
 
 
 def _kill(pid: int) -> None:

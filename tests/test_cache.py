@@ -686,6 +686,9 @@ said = []
 start = time.monotonic()
 compiling = precompile.start([job(good, "k", (64, 128, 256, 512)), job(bad, "b", (64,))], said.append,
                              target=target)
+compiling.wait_for("k", precompile.launch_items({"BLOCK": 64, "num_warps": 4}))  # one config
+print("one config waited for", compiling.left_launch[("k", precompile.launch_items({"BLOCK": 64, "num_warps": 4}))],
+      "left", flush=True)
 compiling.wait_for("k")  # the first kernel's configs are done before the children finish
 print("first kernel waited for", compiling.left["k"], "left", flush=True)
 compiled = compiling.finish()
@@ -723,6 +726,7 @@ def test_configs_compiled_ahead_are_what_a_launch_finds(tmp_path):
     out = _run_compile_script(tmp_path, "raise ImportError('this kernel file is broken')")
     assert out.count("top level ran") == 1 and "chatter" not in out, out
     assert "compiled 4 answered 5" in out and "first kernel waited for 0 left" in out, out
+    assert "one config waited for 0 left" in out, out
     assert "said compiling 5 config(s) of 2 kernel(s) in 3 child process(es)" in out, out
     assert "slowest ['compile', 'setup']" in out, out
     assert "launch path compiled anew 0" in out, out
@@ -872,3 +876,28 @@ def test_a_failed_compile_stops_its_compile_children(tmp_path, monkeypatch, gpu_
     with pytest.raises(KeyboardInterrupt):
         fuse_norm_gelu(tmp_path, torch.randn(2, 5, 37))
     assert calls == ["abort", "finish"]
+
+
+def test_each_config_is_timed_once_it_is_compiled_ahead(tmp_path, monkeypatch, gpu_tuning):
+    """Tuning waits for each config it times, by its launch arguments, not for the whole
+    kernel; the waits count as compiling, not as tuning."""
+    import autofuser_core.compile as compile_module
+    from autofuser_core import precompile
+
+    waits = []
+
+    class SlowCompiling(precompile.Compiling):
+        def wait_for(self, name, launch=None):
+            waits.append((name, launch))
+            time.sleep(0.05)
+            self.waited_s += 0.05
+
+    monkeypatch.setattr(compile_module, "start_compiling", lambda jobs, progress: SlowCompiling([], progress))
+    report, got, expected = fuse_norm_gelu(tmp_path, torch.randn(2, 5, 37))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    kernels = {name for name, _ in waits}
+    assert kernels >= {g.kernel for g in report.fused} and len(waits) > len(kernels)  # config by config
+    assert all(launch is not None and dict(launch).get("num_warps") for _, launch in waits)
+    assert len(set(waits)) == len(waits)  # each config waited for once
+    assert report.phases["parallel_compile"] >= 0.05 * len(waits) - 1e-6
+    assert all(g.tuning_s < 0.05 * len(waits) for g in report.fused)
