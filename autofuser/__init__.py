@@ -19,7 +19,7 @@ from autofuser_core.group import GroupProgram, GroupRefused, KernelTensor, progr
 from autofuser_core.hookspecs import hookimpl
 from autofuser_core.ir import LoweringContext, Value, broadcast_shapes, describe_tensor
 from autofuser_core.plugins import load_plugins
-from autofuser_core.specs import LoweringSpec, QuantizerSpec, Sample, StrategySpec, Tolerance
+from autofuser_core.specs import LoweringSpec, ProductLayoutSpec, QuantizerSpec, Sample, StrategySpec, Tolerance
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,7 @@ __all__ = [
     "LoweringContext",
     "LoweringSpec",
     "PluginError",
+    "ProductLayoutSpec",
     "QuantizerSpec",
     "Sample",
     "SpecError",

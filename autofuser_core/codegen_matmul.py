@@ -266,21 +266,6 @@ def _all_values(program: GroupProgram) -> list[Value]:
     return sorted(collect_values(program.output_values).values(), key=lambda v: v.uid)
 
 
-def _emit_rows(w: _MatmulWriter, out_domain, rows: int, sites: list, strides: list, wide: bool, grouped_n: Optional[int]) -> None:
-    """Program ids -> ``rows``/``cols`` tiles, masks, and each site's row offset."""
-    cast = ".to(tl.int64)" if wide else ""
-    if grouped_n is None:
-        w.emit(f"pid_m = tl.program_id(0){cast}")
-        w.emit("cols = tl.arange(0, BLOCK_N)[None, :]")
-    w.emit("rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]")
-    w.emit(f"row_mask = rows < {rows}")
-    w.emit(f"col_mask = cols < {out_domain[-1]}")
-    row_dims = list(range(len(out_domain) - 1))
-    offsets = emit_offsets(w.emit, [out_domain[d] for d in row_dims], [[st[d] for d in row_dims] for st in strides], "rows", "r")
-    for site, ro in zip(sites, offsets):
-        w.site_offsets[site] = (ro, None)
-
-
 def _emit_prepasses(w: _MatmulWriter, prologue_values: list[Value], k: int, indent: int = 1) -> dict[int, str]:
     """Step 2 of the module doc: each level of prologue reductions is one pass over K."""
     known: dict[int, str] = {}
@@ -346,88 +331,6 @@ def _dot_line(a: str, b: str, dtype, precision: str, packed: Optional[PackedOper
         # The interpreter's bf16 dot is broken; round the operands and multiply in fp32 instead.
         return f"tl.dot({rounded(a, dtype)}, {rounded(b, dtype)}, input_precision=\"ieee\")"
     return f"tl.dot({a}.to({tl_dtype}), {b}.to({tl_dtype}))"
-
-
-def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dict[str, str]] = None) -> KernelSource:
-    """Two products with the hidden activation made and consumed ``BLOCK_H`` columns at a time:
-
-    for each block of rows: prologue statistics (passes over K); then for each
-    ``BLOCK_H`` slice of the hidden width, ``acc1 = A @ W1[:, slice]`` over K,
-    the pointwise middle (bias, activation) on ``acc1``, and ``acc2 +=
-    middle @ W2[slice, :]``; finally the epilogue on ``acc2`` (all N columns
-    are in the program) and the stores.
-    """
-    L = program.matmul
-    w = _MatmulWriter(program)
-    values = _all_values(program)
-    weights = {L.dot1.args[1].uid, L.dot2.args[1].uid}
-    loads = [v for v in values if v.op == "load" and v.uid not in weights]
-    sites = [("load", v.uid) for v in loads] + [("out", k) for k in range(len(program.outputs))]
-    strides = [L.load_strides[v.uid] for v in loads] + [t.domain_stride for t in program.outputs]
-    wide = needs_int64(program)
-    constexprs = {"BLOCK_N": dot_block(L.n)}
-    _emit_rows(w, L.out_domain, L.rows, sites, strides, wide, None)
-
-    w1 = program.input_of_load[L.dot1.args[1].uid]
-    w2 = program.input_of_load[L.dot2.args[1].uid]
-    (w1k, w1h), (w2h, w2n) = L.w1_strides, L.w2_strides
-    w1_off = " + ".join(t for t in (_term("kk", w1k), _term("hs", w1h)) if t) or "0"
-    w1_dtype, w2_dtype = program.inputs[w1].dtype, program.inputs[w2].dtype
-    resident = keeps_rows(L.k, L.operand_dtypes[0])
-    if resident:
-        # The rows of A fit on chip: compute them (with their norm) once and reuse them
-        # for every slice of the hidden width.
-        constexprs["BLOCK_K"] = dot_block(L.k, L.w1_packed)
-        w.emit("ks = tl.arange(0, BLOCK_K)[None, :]")
-        w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
-        w.emit(f"k_mask = ks < {L.k}")
-        a_name = _Block(w, 1, "k", {}).value(L.dot1.args[0])
-        w.emit(f"a_op = {_operand(f'tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))', L.operand_dtypes[0])}")
-    else:
-        known = _emit_prepasses(w, [v for v in values if v.uid in L.prologue], L.k)
-    w.emit("acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)")
-    w.emit(f"for h0 in range(0, {L.h}, BLOCK_H):")
-    w.emit("hs = h0 + tl.arange(0, BLOCK_H)[None, :]", 2)
-    w.emit("hh = h0 + tl.arange(0, BLOCK_H)[:, None]", 2)
-    w.emit(f"h_mask = hs < {L.h}", 2)
-    if resident:
-        for line in weight_tile("w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "0",
-                                "BLOCK_K", "hs", "h_mask"):
-            w.emit(line, 2)
-        w.emit(f"acc1 = {_dot_line('a_op', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 2)
-    else:
-        w.emit("acc1 = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)", 2)
-        w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):", 2)
-        w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", 3)
-        w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 3)
-        w.emit(f"k_mask = ks < {L.k}", 3)
-        a_name = _Block(w, 3, "k", known).value(L.dot1.args[0])
-        for line in weight_tile("w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "k0",
-                                "BLOCK_K", "hs", "h_mask"):
-            w.emit(line, 3)
-        w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 3)
-        w.emit(f"acc1 += {_dot_line('a_tile', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 3)
-    block = _Block(w, 2, "h", {L.dot1.uid: "acc1"})
-    hidden = block.value(L.dot2.args[0])
-    w2_off = " + ".join(t for t in (_term("hh", w2h), _term("cols", w2n)) if t) or "0"
-    for line in weight_tile("w2_tile", w2, w2_dtype, w2_off, f"(hh < {L.h}) & col_mask", L.w2_packed, "h0",
-                            "BLOCK_H", "cols", "col_mask"):
-        w.emit(line, 2)
-    # Hidden columns past H hold act(0) but meet zero rows of W2: they add nothing.
-    w.emit(f"hidden_tile = tl.broadcast_to({hidden}, (BLOCK_M, BLOCK_H))", 2)
-    w.emit(f"acc2 += {_dot_line('hidden_tile', 'w2_tile', L.operand_dtypes[1], L.precision, L.w2_packed)}", 2)
-
-    block = _Block(w, 1, "n", {L.dot2.uid: "acc2"})
-    _emit_stores(w, program, block)
-    blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr", "BLOCK_H: tl.constexpr"]
-    source, name = _assemble(program, w, blocks, helpers, "mlp", strategy,
-                             f"# MLP: rows {L.rows} x K {L.k} -> hidden {L.h} -> N {L.n}, operands "
-                             f"{[str(d).removeprefix('torch.') if d else L.precision for d in L.operand_dtypes]}")
-
-    def grid(config, rows=L.rows):
-        return (triton_cdiv(rows, config["BLOCK_M"]),)
-
-    return KernelSource(name=name, source=source, layout="mlp", grid=grid, constexprs=constexprs)
 
 
 def _emit_stores(w: _MatmulWriter, program: GroupProgram, block: _Block) -> None:

@@ -502,7 +502,7 @@ def _compile_rounds(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options
     # Round 1 plans freely. A group of several ops that turns out wrong or slower
     # would leave all its nodes eager, so each later round re-plans the nodes no
     # kept group covers, without the groups that lost, and with fewer products per
-    # group than the largest that lost (down to one): a row-tiled chain or an MLP
+    # group than the largest that lost (down to one): a group of several products
     # falls back to shorter chains and single products; a convolution that lost to
     # cuDNN leaves its epilogue to fuse on its own.
     max_products = MAX_PRODUCTS.get()

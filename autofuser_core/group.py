@@ -29,7 +29,7 @@ group's external inputs and outputs, without IR values.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.fx
@@ -164,6 +164,7 @@ def compose_group(
     op_names: Optional[dict[torch.fx.Node, str]] = None,
     lay_out: Optional[Callable[[GroupProgram, dict[int, Value]], None]] = None,
     attr_cache: Optional[dict[str, TensorDescription]] = None,
+    product_layouts: Optional[Mapping[int, Callable[[GroupProgram, dict[int, Value]], None]]] = None,
 ) -> GroupProgram:
     """Compose ``nodes`` (in graph order) into a ``GroupProgram``; see module doc.
 
@@ -173,7 +174,10 @@ def compose_group(
     raises ``GroupRefused``. ``attr_cache``: shape, dtype and strides of the
     parameters already read, by path, shared by calls on the same ``root``
     while its parameters stay as they are (a parametrised weight is computed
-    each time it is read)."""
+    each time it is read). ``product_layouts``: the generic layout of a group
+    with ``n >= 2`` matrix products is ``product_layouts[n]`` (the plugins'
+    ``ProductLayoutSpec``s, ``Registry.product_layouts()``); without one for
+    ``n`` such a group is refused (``several_products``)."""
     members = set(nodes)
     composed: dict[torch.fx.Node, Value] = {}
     memo: dict[int, Value] = {}
@@ -264,7 +268,7 @@ def compose_group(
         op_names=[(op_names or {}).get(n, n.name) for n in nodes],
     )
     if lay_out is None:
-        _lay_out(program)
+        _lay_out(program, product_layouts)
     else:
         lay_out(program, collect_values(program.output_values))
     return program
@@ -358,8 +362,9 @@ def collect_values(roots: Sequence[Value]) -> dict[int, Value]:
     return values
 
 
-def _lay_out(program: GroupProgram) -> None:
-    """Steps 3 and 4 of the module doc: the domain, the reduced dims, strides."""
+def _lay_out(program: GroupProgram, product_layouts=None) -> None:
+    """Steps 3 and 4 of the module doc: the domain, the reduced dims, strides
+    (groups with products: ``matmul_layout.lay_out_matmul``)."""
     values = collect_values(program.output_values)
     if any(v.op == "extern" for v in values.values()):
         raise GroupRefused("extern_op", "the group contains an extern op, which only a strategy with its own "
@@ -369,7 +374,7 @@ def _lay_out(program: GroupProgram) -> None:
     if any(v.op == "dot" for v in values.values()):
         from .matmul_layout import lay_out_matmul
 
-        lay_out_matmul(program, values)
+        lay_out_matmul(program, values, product_layouts)
         return
 
     # A reduction without keepdim drops its dims: it and pointwise ops over only

@@ -144,6 +144,7 @@ class PlanningView:
         self.nodes: list[torch.fx.Node] = list(gm.graph.nodes)
         self.order = {n: i for i, n in enumerate(self.nodes)}
         self._space_groups: Optional[list[list[torch.fx.Node]]] = None
+        self.product_layouts = registry.product_layouts()  # compose_group's layouts for several products
         if earlier is not None and (earlier.gm is not gm or earlier.registry is not registry
                                     or earlier.nodes != self.nodes):
             raise ValueError("a planning view can reuse only the view of the same graph and plugins")
@@ -264,7 +265,8 @@ class PlanningView:
 
     def compose(self, nodes: list[torch.fx.Node], lay_out=None) -> GroupProgram:
         """``nodes`` composed into one program (``compose_group``; ``lay_out``: a
-        strategy's own layout of the composed values instead of the generic one).
+        strategy's own layout of the composed values instead of the generic one,
+        which lays out several products by the plugins' ``ProductLayoutSpec``s).
 
         Composed once per planning (and ``layout_settings()``): asked again, it
         returns the same program (don't change it) or raises the same refusal."""
@@ -274,7 +276,7 @@ class PlanningView:
         if known is None:
             try:
                 known = compose_group(ordered, self.lowered, self.gm, {n: self.lowering_of[n].name for n in ordered},
-                                      lay_out, self._attr_cache)
+                                      lay_out, self._attr_cache, self.product_layouts)
             except Exception as err:
                 known = err.with_traceback(None)  # kept without the frames of the compose that raised
             self._composed[key] = known

@@ -10,7 +10,8 @@ Rules, each enforced when a spec is registered:
 4. Two lowerings claiming the same target at its highest priority are a tie,
    refused (once all plugins have registered) naming both plugins. A plugin
    that means to replace a bundled lowering registers with a higher
-   ``priority``.
+   ``priority``. The same holds for two product layouts for one number of
+   products.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from pydantic import ValidationError
 
 from .errors import SpecError
-from .specs import LoweringSpec, QuantizerSpec, Spec, StrategySpec
+from .specs import LoweringSpec, ProductLayoutSpec, QuantizerSpec, Spec, StrategySpec
 
 SpecT = TypeVar("SpecT", bound=Spec)
 
@@ -50,6 +51,7 @@ class Registry:
         self.lowerings: dict[str, LoweringSpec] = {}
         self.strategies: dict[str, StrategySpec] = {}
         self.quantizers: dict[str, QuantizerSpec] = {}
+        self.product_layout_specs: dict[str, ProductLayoutSpec] = {}
         self._by_target: dict[tuple[str, Any], LoweringSpec] = {}
         self._claims: dict[tuple[str, Any], list[LoweringSpec]] = {}
 
@@ -112,20 +114,20 @@ class Registry:
         the order plugins load in (a low-priority tie under a clear winner is fine).
         """
         for (_, target), claims in self._claims.items():
-            top = max(s.priority for s in claims)
-            tied = [s for s in claims if s.priority == top]
-            if len(tied) > 1:
-                a, b = tied[0], tied[1]
-                raise SpecError(
-                    f"tie on target {describe_target(target)}: lowering {b.name!r} of plugin {b.plugin!r} and "
-                    f"lowering {a.name!r} of plugin {a.plugin!r} both claim it at priority {top}. Give the one "
-                    "that should win a higher `priority`, or load only one of the two plugins."
-                )
+            _check_tie(claims, "lowering", f"target {describe_target(target)}")
+        for count in sorted({s.products for s in self.product_layout_specs.values()}):
+            _check_tie([s for s in self.product_layout_specs.values() if s.products == count], "product layout",
+                       f"groups of {count} products")
 
     def register_strategy(self, plugin: str, /, spec: Any = None, **fields: Any) -> StrategySpec:
         strategy = self._validate(StrategySpec, plugin, "autofuser_register_strategies", spec, fields)
         self._add_unique(self.strategies, strategy, "strategy")
         return strategy
+
+    def register_product_layout(self, plugin: str, /, spec: Any = None, **fields: Any) -> ProductLayoutSpec:
+        layout = self._validate(ProductLayoutSpec, plugin, "autofuser_register_product_layouts", spec, fields)
+        self._add_unique(self.product_layout_specs, layout, "product layout")
+        return layout
 
     def register_quantizer(self, plugin: str, /, spec: Any = None, **fields: Any) -> QuantizerSpec:
         quantizer = self._validate(QuantizerSpec, plugin, "autofuser_register_quantizers", spec, fields)
@@ -151,3 +153,25 @@ class Registry:
 
     def strategies_by_priority(self) -> list[StrategySpec]:
         return sorted(self.strategies.values(), key=lambda s: (-s.priority, s.name))
+
+    def product_layouts(self) -> dict[int, Any]:
+        """The layout function for each number of products some plugin lays out
+        (``compose_group``'s ``product_layouts``): the highest priority wins."""
+        best: dict[int, ProductLayoutSpec] = {}
+        for spec in self.product_layout_specs.values():
+            if spec.products not in best or spec.priority > best[spec.products].priority:
+                best[spec.products] = spec
+        return {count: spec.lay_out for count, spec in best.items()}
+
+
+def _check_tie(claims: list, what: str, claimed: str) -> None:
+    """Refuse two specs claiming one thing at its highest priority."""
+    top = max(s.priority for s in claims)
+    tied = [s for s in claims if s.priority == top]
+    if len(tied) > 1:
+        a, b = tied[0], tied[1]
+        raise SpecError(
+            f"tie on {claimed}: {what} {b.name!r} of plugin {b.plugin!r} and "
+            f"{what} {a.name!r} of plugin {a.plugin!r} both claim it at priority {top}. Give the one "
+            "that should win a higher `priority`, or load only one of the two plugins."
+        )

@@ -1,4 +1,4 @@
-"""The spec types plugins register: lowerings, strategies, quantisers.
+"""The spec types plugins register: lowerings, strategies, quantisers, product layouts.
 
 Specs are pydantic models, frozen and refusing unknown fields, so a typo in a
 plugin (``tolerance=`` for ``tolerances=``) fails when the plugin registers,
@@ -200,3 +200,22 @@ class QuantizerSpec(Spec):
     dequantize: Callable[..., torch.Tensor]
     module_types: tuple[type, ...] = (torch.nn.Linear,)
     replace: Callable[..., torch.nn.Module]
+
+
+class ProductLayoutSpec(Spec):
+    """How the generic composition lays out a group with ``products`` matrix products.
+
+    ``compose_group`` lays out a group with one product itself; for a group
+    with ``products`` (2 or more, at most ``MAX_PRODUCTS``) it calls
+    ``lay_out(program, values)`` of the layout registered for that count
+    (``values``: every IR value of the group, by uid), which sets the
+    program's ``domain``, output strides and ``matmul`` (the layout object its
+    strategy's ``accepts``/``generate`` read), or raises
+    ``autofuser_core.group.GroupRefused``. Groups grown by
+    ``PlanningView.space_groups()`` take such unions in through it. With no
+    layout for the count, the group is refused (``several_products``). The
+    highest ``priority`` for a count wins; equal is a tie and an error.
+    """
+
+    products: int = Field(ge=2, description="The number of matrix products in the groups it lays out.")
+    lay_out: Callable[..., None]

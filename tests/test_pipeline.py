@@ -630,7 +630,7 @@ def _fused_feedforward(seed: int):
 
 def test_an_mlp_that_fails_verification_is_replanned_one_product_per_group(monkeypatch):
     import autofuser_core.compile as compile_module
-    from autofuser_core.matmul_layout import MlpLayout
+    from autofuser_plugins.mlp.mlp_layout import MlpLayout
     from autofuser_core.specs import Tolerance
 
     real_tolerance = compile_module._tolerance

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 import autofuser
 import autofuser_core.planner as planner
 from autofuser_core.group import GroupRefused, compose_group
-from autofuser_core.matmul_layout import MAX_PRODUCTS, MatmulLayout, MlpLayout
+from autofuser_core.matmul_layout import MAX_PRODUCTS, MatmulLayout
 from autofuser_core.planner import PlanningView, plan_fusion_groups
+from autofuser_plugins.mlp.mlp_layout import MlpLayout
 from autofuser_zoo import airfoil
 from autofuser_zoo.models import MESHES, MODELS, TINY_BATCH
 
@@ -205,7 +206,8 @@ def test_a_zoo_plan_is_the_same_as_with_every_group_composed_anew(monkeypatch, n
 
         def compose_anew(self, nodes, lay_out=None):
             ordered = sorted(nodes, key=self.order.__getitem__)
-            return compose_group(ordered, self.lowered, self.gm, {n: self.lowering_of[n].name for n in ordered}, lay_out)
+            return compose_group(ordered, self.lowered, self.gm, {n: self.lowering_of[n].name for n in ordered}, lay_out,
+                                 product_layouts=self.product_layouts)
 
         monkeypatch.setattr(PlanningView, "compose", compose_anew)
         anew = plan_fusion_groups(gm, registry)

@@ -6,7 +6,13 @@ softmaxes (``chain.py``) at the narrow widths PDE transformers use."""
 from autofuser import hookimpl
 
 from .chain import CHAIN_STRATEGY
+from .mlp_layout import MLP_LAYOUT
 from .strategy import MLP_STRATEGY
+
+
+@hookimpl
+def autofuser_register_product_layouts(register):
+    register(MLP_LAYOUT)
 
 
 @hookimpl

@@ -39,8 +39,9 @@ import torch
 from autofuser_core.codegen_matmul import dot_block
 from autofuser_core.group import GroupProgram, GroupRefused, _domain_strides, collect_values
 from autofuser_core.ir import Value
-from autofuser_core.matmul_layout import (_check_fits, _operand_dtype, _weight_strides, convert_weight_once,
-                                          fp32_precision)
+from autofuser_core.matmul_layout import _check_fits, _operand_dtype, convert_weight_once, fp32_precision
+
+from .mlp_layout import weight_strides
 
 
 @dataclass
@@ -150,7 +151,7 @@ def lay_out_chain(program: GroupProgram, values: dict[int, Value]) -> None:
             raise GroupRefused("degenerate_product", "a product with one input or output column (a chain keeps "
                                                      "those outside: they are reductions, not steps)")
         step = ChainStep(index=index, dot=d, k=k, n=n, mode="whole",
-                         weight_strides=_weight_strides(program, d.args[1], d.transpose_b, (k, n)),
+                         weight_strides=weight_strides(program, d.args[1], d.transpose_b, (k, n)),
                          operand_dtype=_operand_dtype(d))
         convert_weight_once(program, d.args[1], step.operand_dtype)
         if d.uid in fed:

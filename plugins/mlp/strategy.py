@@ -1,14 +1,18 @@
 """The MLP strategy: ``linear -> pointwise -> linear`` (with a layer norm before,
 bias/residual/norm after) as one kernel in which the hidden activation is made
 ``BLOCK_H`` columns at a time and consumed by the second product at once, so
-it never reaches memory (``autofuser_core.codegen_matmul.write_mlp_kernel``)."""
+it never reaches memory. Its groups are those the generic composition lays out
+as MLPs (``mlp_layout``, registered as the layout of two-product groups); the
+kernel is ``mlp_kernel.write_mlp_kernel``."""
 
 from __future__ import annotations
 
 from autofuser import StrategySpec
-from autofuser_core.codegen_matmul import dot_block, keeps_rows, write_mlp_kernel
+from autofuser_core.codegen_matmul import dot_block, keeps_rows
 from autofuser_core.group import GroupRefused
-from autofuser_core.matmul_layout import MlpLayout
+
+from .mlp_kernel import write_mlp_kernel
+from .mlp_layout import MlpLayout
 
 #: One program holds a whole row of the second product: its width is bounded.
 MAX_OUT_WIDTH = 256

@@ -1,0 +1,145 @@
+"""Laying out an MLP: a group with two matrix products and only pointwise ops
+between them (``lin2(act(lin1(x)))``), with a prologue before the first
+product (a layer norm over ``K``) and an epilogue after the second (bias,
+residual, a norm over ``N``).
+
+The layout is the generic composition's for groups of two products: the
+plugin registers ``lay_out_mlp`` as a ``ProductLayoutSpec``, and
+``compose_group`` calls it for every such group (a planning view's
+``space_groups`` grow MLPs through it). Each load gets strides for the domain
+it is read in: ``[..., M, K]`` before the first product, ``[..., M, H]``
+between the two, ``[..., M, N]`` after the second. The kernel is
+``mlp_kernel.write_mlp_kernel``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from autofuser import ProductLayoutSpec
+from autofuser_core.group import GroupProgram, GroupRefused, _domain_strides, read_view
+from autofuser_core.ir import Value
+from autofuser_core.matmul_layout import (PackedOperand, _check_fits, _collect_uids, _depending_on, _install,
+                                          _operand_dtype, _outputs_from, _packed_only_as_weights, _weight_operand,
+                                          convert_weight_once, fp32_precision)
+
+
+@dataclass
+class MlpLayout:
+    """Two products with only pointwise ops between them (``lin2(act(lin1(x)))``):
+    the hidden activation, ``[..., M, H]``, is made ``BLOCK_H`` columns at a
+    time and consumed by the second product at once - it never reaches memory."""
+
+    dot1: Value
+    dot2: Value
+    out_domain: tuple[int, ...]  # [..., M, N]
+    k: int
+    h: int
+    prologue: set[int]
+    middle: set[int]
+    load_strides: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    w1_strides: tuple[int, int] = (0, 0)  # over (K, H)
+    w2_strides: tuple[int, int] = (0, 0)  # over (H, N)
+    w1_packed: Optional[PackedOperand] = None  # a weight stored quantised
+    w2_packed: Optional[PackedOperand] = None
+    operand_dtypes: tuple[Optional[torch.dtype], Optional[torch.dtype]] = (None, None)
+    precision: str = "ieee"
+    epilogue_reduces: bool = False
+
+    @property
+    def n(self) -> int:
+        return self.out_domain[-1]
+
+    @property
+    def rows(self) -> int:
+        n = 1
+        for s in self.out_domain[:-1]:
+            n *= s
+        return n
+
+
+def weight_strides(program: GroupProgram, load: Value, transpose: bool, domain: tuple[int, int]) -> tuple[int, int]:
+    """A float weight matrix's strides over ``domain`` (``(K, N)``), read transposed
+    when ``transpose`` (as ``nn.Linear`` keeps it)."""
+    if load.packed is not None:
+        raise GroupRefused("packed_weight", "this kernel does not decode quantised weights")
+    shape, stride = map(list, read_view(program.inputs[program.input_of_load[load.uid]], load.shape))
+    if len(shape) != 2:
+        raise GroupRefused("batched_weight", "an MLP's weights must be matrices")
+    if transpose:
+        shape, stride = shape[::-1], stride[::-1]
+    _check_fits(tuple(shape), domain)
+    return tuple(_domain_strides(shape, stride, domain))
+
+
+def _mlp_weight(program: GroupProgram, dot: Value,
+                domain: tuple[int, int]) -> tuple[tuple[int, int], Optional[PackedOperand]]:
+    """An MLP weight's strides over ``domain``, and its scales when it is stored quantised."""
+    load = dot.args[1]
+    if load.packed is None:
+        return weight_strides(program, load, dot.transpose_b, domain), None
+    strides, packed = _weight_operand(program, load, dot, domain)
+    return tuple(strides), packed
+
+
+def lay_out_mlp(program: GroupProgram, values: dict[int, Value]) -> None:
+    """The generic composition's layout for a group with two products (registered
+    as a ``ProductLayoutSpec``); raises ``GroupRefused`` for anything but an MLP."""
+    first, second = sorted((v for v in values.values() if v.op == "dot"), key=lambda d: d.uid)
+    if first.column_dims != 1 or second.column_dims != 1:
+        raise GroupRefused("several_products", "an MLP's products must have one column dim each")
+    depends_first = _depending_on(values, first)
+    if second.args[0].uid not in depends_first:
+        raise GroupRefused("several_products", "two products that don't feed each other")
+    for d in (first, second):
+        if d.args[1].op != "load":
+            raise GroupRefused("computed_weight", "a product's second operand must be read from memory")
+    prologue = set(_collect_uids(first.args[0]))
+    # Everything under the second product's input that isn't the first product's
+    # own input: the first product, and the bias and activation on it.
+    middle = set(_collect_uids(second.args[0])) - prologue - {first.args[1].uid}
+    if any(values[u].op in ("reduce", "dot") for u in middle - {first.uid}):
+        raise GroupRefused("hidden_reduction", "only pointwise ops may sit between the two products")
+    after_second = _depending_on(values, second)
+    _outputs_from(program, values, after_second, second, middle | prologue, "the second product")
+    for v in values.values():
+        if v.op == "reduce":
+            last = len(v.args[0].shape) - 1
+            if v.dims != (last,) or not v.keepdim or v.args[0].shape[-1] == 1:
+                raise GroupRefused("unsupported_reduction", "reductions must run over the last dim with keepdim")
+
+    out_domain = tuple(second.shape)
+    a = first.args[0]
+    k, h = a.shape[-1], first.shape[-1]
+    if tuple(first.shape[:-1]) != out_domain[:-1]:
+        raise GroupRefused("shape_mismatch", "the two products have different rows")
+    layout = MlpLayout(dot1=first, dot2=second, out_domain=out_domain, k=k, h=h, prologue=prologue,
+                       middle=middle - {first.uid})
+    domains = {"prologue": out_domain[:-1] + (k,), "middle": out_domain[:-1] + (h,), "epilogue": out_domain}
+    for v in values.values():
+        if v.op != "load" or v is first.args[1] or v is second.args[1]:
+            continue
+        where = "prologue" if v.uid in prologue else "middle" if v.uid in layout.middle else "epilogue"
+        shape, stride = read_view(program.inputs[program.input_of_load[v.uid]], v.shape)
+        _check_fits(shape, domains[where])
+        layout.load_strides[v.uid] = _domain_strides(shape, stride, domains[where])
+    _packed_only_as_weights(values, (first.args[1], second.args[1]))
+    layout.w1_strides, layout.w1_packed = _mlp_weight(program, first, (k, h))
+    layout.w2_strides, layout.w2_packed = _mlp_weight(program, second, (h, out_domain[-1]))
+    layout.operand_dtypes = (_operand_dtype(first), _operand_dtype(second))
+    for dot, operand in zip((first, second), layout.operand_dtypes):
+        convert_weight_once(program, dot.args[1], operand)
+    layout.precision = fp32_precision()
+    layout.epilogue_reduces = any(v.op == "reduce" and v.uid in after_second for v in values.values())
+    _install(program, layout, out_domain)
+
+
+MLP_LAYOUT = ProductLayoutSpec(
+    name="mlp",
+    description="two products with only pointwise ops between them, the hidden activation made slice by slice.",
+    products=2,
+    lay_out=lay_out_mlp,
+)
