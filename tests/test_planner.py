@@ -2,9 +2,12 @@
 composed once per planning, a refusal is raised again as it was, other layout
 settings compose afresh, a later round reuses the first round's lowering, and a
 zoo model's plans, round after round, are the same as with everything lowered and
-composed anew. Planning runs with the cyclic garbage collector paused."""
+composed anew. Planning runs with the cyclic garbage collector paused. Groups of
+several products are laid out only by a loaded plugin's ``ProductLayoutSpec``."""
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 
 import autofuser
 import autofuser_core.planner as planner
+from autofuser import SpecError
 from autofuser_core.group import GroupRefused, compose_group
 from autofuser_core.matmul_layout import MAX_PRODUCTS, MatmulLayout
 from autofuser_core.planner import PlanningView, plan_fusion_groups
@@ -116,6 +120,76 @@ def test_a_new_view_composes_again_under_the_current_settings(compose_calls):
     finally:
         MAX_PRODUCTS.reset(token)
     assert [names for names, _ in compose_calls] == [mlp_nodes, mlp_nodes, mlp_nodes]
+
+
+WITHOUT_MLP = ["elementwise", "reduction", "matmul"]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_without_the_mlp_plugin_two_products_are_refused_and_fuse_one_at_a_time(batch):
+    """Two products in one group are laid out only by a plugin's ``ProductLayoutSpec``
+    (the mlp plugin's): without it, the group is refused as with ``MAX_PRODUCTS`` 1,
+    and the model still fuses, one product per kernel, and computes as eager does."""
+    model = FeedForward(width=24, hidden=37).eval()
+    x = torch.randn(batch, 11, 24)
+    gm = autofuser.capture(model, x)
+    plugin_set = autofuser.load_plugins(WITHOUT_MLP)
+    assert plugin_set.registry.product_layouts() == {}
+    view = PlanningView(gm, plugin_set.registry)
+    with pytest.raises(GroupRefused) as refused:
+        view.compose(_nodes(view, "fc1", "gelu", "fc2"))
+    assert refused.value.code == "several_products" and "2 matrix products in one group" in refused.value.reason
+    assert isinstance(view.compose(_nodes(view, "fc1", "gelu")).matmul, MatmulLayout)
+    # With the mlp plugin the same group is an MLP.
+    with_mlp = PlanningView(gm, autofuser.load_plugins(WITHOUT_MLP + ["mlp"]).registry)
+    assert isinstance(with_mlp.compose(_nodes(with_mlp, "fc1", "gelu", "fc2")).matmul, MlpLayout)
+
+    with torch.no_grad():
+        fused = autofuser.fuse(model, plugins=WITHOUT_MLP, progress=False)
+        torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
+    report = fused.report()
+    assert report.fused and all(g.strategy not in ("mlp", "row_chain") for g in report.groups), str(report)
+    for group in report.fused:
+        assert sum(node in ("fc1", "fc2") for node in group.nodes) <= 1, str(report)
+    assert {"fc1", "fc2"} <= {n for g in report.fused for n in g.nodes}, str(report)
+
+
+def test_a_plugins_product_layout_lays_out_groups_of_its_count_only():
+    """A third-party ``ProductLayoutSpec`` takes the groups with its number of products:
+    it is called with the composed values, its refusal is the group's, and a higher
+    priority wins over the bundled MLP layout."""
+    seen = []
+
+    def refuse_all(program, values):
+        seen.append(sorted(v.op for v in values.values() if v.op == "dot"))
+        raise GroupRefused("mine", "my layout takes no group")
+
+    mine = types.ModuleType("mylayout")
+    mine.autofuser_register_product_layouts = lambda register: register(
+        name="mine.two", products=2, lay_out=refuse_all, priority=1)
+    gm = autofuser.capture(FeedForward().eval(), torch.randn(2, 5, 24))
+    view = PlanningView(gm, autofuser.load_plugins(WITHOUT_MLP + ["mlp", mine]).registry)
+    with pytest.raises(GroupRefused) as refused:
+        view.compose(_nodes(view, "fc1", "gelu", "fc2"))
+    assert refused.value.code == "mine" and seen == [["dot", "dot"]]
+    view.compose(_nodes(view, "fc1", "gelu"))  # one product: the core's own layout
+    assert seen == [["dot", "dot"]]
+
+
+def test_product_layout_specs_are_validated_and_ties_refused():
+    def lay_out(program, values):
+        raise GroupRefused("unused", "never called")
+
+    one = types.ModuleType("oneproduct")
+    one.autofuser_register_product_layouts = lambda register: register(name="one", products=1, lay_out=lay_out)
+    with pytest.raises(SpecError, match="products"):
+        autofuser.load_plugins([one])
+    tied = types.ModuleType("tied")
+    tied.autofuser_register_product_layouts = lambda register: register(name="tied.two", products=2, lay_out=lay_out)
+    with pytest.raises(SpecError) as caught:
+        autofuser.load_plugins(["mlp", tied])
+    message = str(caught.value)
+    assert "groups of 2 products" in message and "'mlp'" in message and "'tied'" in message and "priority" in message
 
 
 def test_a_later_round_reuses_the_lowering_and_the_groups_composed_under_the_same_settings(compose_calls):

@@ -27,6 +27,7 @@ KNOWN_HOOKS = (
     "autofuser_register_lowerings",
     "autofuser_register_strategies",
     "autofuser_register_quantizers",
+    "autofuser_register_product_layouts",
     "autofuser_transform_graph",
     "autofuser_veto_fusion",
 )
