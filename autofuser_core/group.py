@@ -362,7 +362,7 @@ def collect_values(roots: Sequence[Value]) -> dict[int, Value]:
     return values
 
 
-def _lay_out(program: GroupProgram, product_layouts=None) -> None:
+def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Callable]] = None) -> None:
     """Steps 3 and 4 of the module doc: the domain, the reduced dims, strides
     (groups with products: ``matmul_layout.lay_out_matmul``)."""
     values = collect_values(program.output_values)

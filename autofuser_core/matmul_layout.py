@@ -89,7 +89,7 @@ class MatmulLayout:
 #: into two TF32 parts, three tensor-core products, fp32 accumulation: error at fp32
 #: level, checked against eager at fp32 tolerance) or "ieee" (plain fp32 FMAs, slow).
 STRICT_FP32 = contextvars.ContextVar("autofuser_strict_fp32", default="tf32x3")
-#: Products one group may hold (a chain of them, laid out by a plugin). Lowered when
+#: Products one group may hold (several only where a plugin lays them out). Lowered when
 #: re-planning the nodes of a multi-product group that stayed eager, so they still
 #: fuse in smaller groups (``autofuser_core.compile``).
 MAX_PRODUCTS = contextvars.ContextVar("autofuser_max_products", default=8)
