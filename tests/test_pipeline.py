@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import autofuser
 from autofuser_core.report import FusionReport
+from _models import FeedForward
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOLERANCES = {
@@ -605,21 +606,10 @@ def test_kernel_source_is_in_the_cache_and_names_the_nodes_it_replaces(tmp_path)
     assert group.kernel.startswith("af_flat_mul_add_gelu_sigmoid_clamp_sub")
 
 
-class _FeedForward(torch.nn.Module):
-    def __init__(self, width=24, hidden=40):
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(width)
-        self.fc1 = torch.nn.Linear(width, hidden)
-        self.fc2 = torch.nn.Linear(hidden, width)
-
-    def forward(self, x):
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
-
-
 def _fused_feedforward(seed: int):
-    """Fuse and run ``_FeedForward`` (checked against eager); its report and MLP groups."""
+    """Fuse and run ``FeedForward`` (checked against eager); its report and MLP groups."""
     torch.manual_seed(seed)
-    model = _FeedForward().eval()
+    model = FeedForward().eval()
     x = torch.randn(3, 19, 24)
     with torch.no_grad():
         fused = autofuser.fuse(model, progress=False)
@@ -902,7 +892,7 @@ def test_autocast_mlp_weights_are_converted_once_by_the_launcher(grad):
     conversion per call, rounding as autocast's own), not converted by every program;
     the result matches eager, gradients included (they come from the eager recompute)."""
     torch.manual_seed(11)
-    model = _FeedForward(width=24, hidden=40)
+    model = FeedForward(width=24, hidden=40)
     x = torch.randn(3, 19, 24, requires_grad=grad)
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(grad):
         fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
@@ -927,7 +917,7 @@ def test_a_strided_weight_is_read_as_it_is_under_autocast():
     """A weight that is a strided view (every other column of a larger matrix): a bf16
     copy would be contiguous, not what the kernel indexes, so it is not converted."""
     torch.manual_seed(5)
-    model = _FeedForward(width=24, hidden=40).eval()
+    model = FeedForward(width=24, hidden=40).eval()
     wide = torch.randn(40, 48) * 0.2
     model.fc1.weight = torch.nn.Parameter(wide[:, ::2])
     assert model.fc1.weight.stride() == (48, 2)

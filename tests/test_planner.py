@@ -12,7 +12,6 @@ import types
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import autofuser
 import autofuser_core.planner as planner
@@ -24,16 +23,7 @@ from autofuser_plugins.mlp.mlp_layout import MlpLayout
 from autofuser_zoo import airfoil
 from autofuser_zoo.models import MESHES, MODELS, TINY_BATCH
 
-
-class FeedForward(nn.Module):
-    def __init__(self, width=24, hidden=40):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc1 = nn.Linear(width, hidden)
-        self.fc2 = nn.Linear(hidden, width)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+from _models import FeedForward
 
 
 def _view(model: nn.Module, x: torch.Tensor) -> PlanningView:

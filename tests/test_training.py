@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import autofuser
 from autofuser_zoo import airfoil
 from autofuser_zoo.models import MESHES, MODELS
+from _models import FeedForward
 
 FP32 = dict(atol=1e-5, rtol=1e-4)
 BF16 = dict(atol=2e-2, rtol=4e-2)
@@ -68,7 +69,7 @@ class DrawsWhenRegistering:
 
 
 def test_fusing_does_not_move_the_random_stream():
-    model = MLPBlock()
+    model = FeedForward(width=29, hidden=45)
     torch.manual_seed(7)
     expected = torch.rand(4)
     torch.manual_seed(7)
@@ -125,20 +126,9 @@ def test_zoo_model_trains_like_eager(name):
 # ---------------------------------------------------------------------------
 
 
-class MLPBlock(nn.Module):
-    def __init__(self, width: int = 29, hidden: int = 45):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, hidden)
-        self.down = nn.Linear(hidden, width)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
 @pytest.mark.parametrize("optimise", ["fused", "model"])
 def test_an_optimiser_on_either_updates_both_without_recompiling(optimise):
-    model = MLPBlock()
+    model = FeedForward(width=29, hidden=45)
     fused = autofuser.fuse(model, progress=False)
     assert [id(p) for p in fused.parameters()] == [id(p) for p in model.parameters()]
     assert [n for n, _ in fused.named_parameters()] == [n for n, _ in model.named_parameters()]
