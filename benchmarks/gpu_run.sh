@@ -19,6 +19,7 @@ out=${OUT:-bench-results}
 mkdir -p "$out"
 export AUTOFUSER_CACHE_DIR=${AUTOFUSER_CACHE_DIR:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
+export ZOO_CACHE=${ZOO_CACHE:-/tmp/autofuser-zoo-cache}  # zoo_run.sh's per-model caches
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests bandwidth matmul attention conv mxint8 fft "zoo:fp32:all")
@@ -48,7 +49,7 @@ for step in "${steps[@]}"; do
       # shellcheck disable=SC2046
       OUT="$out/zoo" bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models")
       # Where each kernel's tuning winner sat in its config list (the caches zoo_run.sh filled).
-      python3 benchmarks/tuning_stats.py /tmp/autofuser-zoo-cache/* > "$out/zoo/tuning-stats-$dtype.txt" 2>&1 ;;
+      python3 benchmarks/tuning_stats.py "$ZOO_CACHE"/* > "$out/zoo/tuning-stats-$dtype.txt" 2>&1 ;;
     *) echo "unknown step $step" ;;
   esac
   echo "step $step took $(( $(date +%s) - start )) s" | tee -a "$out/steps.txt"

@@ -113,18 +113,14 @@ def cold_fuse(name: str, dtype: str) -> None:
     import torch
 
     import autofuser
-    from autofuser_zoo.models import MESHES, MODELS
+    from autofuser_zoo.harness import build, first_call_s, forward_call
+    from autofuser_zoo.models import MODELS
 
     entry = MODELS[name]
-    torch.manual_seed(0)
     device = torch.device("cuda")
-    model = entry.make("airfoil").to(device).eval()
-    h, w = MESHES["airfoil"]
-    x = entry.inputs(torch.rand(entry.batch("airfoil"), h, w, 2, device=device))
-    autocast = torch.autocast("cuda", torch.bfloat16, enabled=dtype == "bf16")
-    with torch.no_grad(), autocast:
-        model(x)
-        torch.cuda.synchronize()
+    model, x, _ = build(entry, "airfoil", entry.batch("airfoil"), device)
+    model.eval()
+    first_call_s(forward_call(model, x, device, dtype), device)  # eager once, as the harness does
     print(f"\n## cold first call: {name} {dtype}")
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("  %(relativeCreated)8.0f ms  %(message)s"))
@@ -133,13 +129,8 @@ def cold_fuse(name: str, dtype: str) -> None:
     logger.setLevel(logging.INFO)
     fused = autofuser.fuse(model, cache_dir=tempfile.mkdtemp(prefix="af-cold-"))
     profile = cProfile.Profile()
-    start = time.perf_counter()
-    with torch.no_grad(), autocast:
-        profile.enable()
-        fused(x)
-        torch.cuda.synchronize()
-        profile.disable()
-    print(f"  first call {time.perf_counter() - start:.2f} s")
+    _, seconds = first_call_s(forward_call(lambda inputs: profile.runcall(fused, inputs), x, device, dtype), device)
+    print(f"  first call {seconds:.2f} s")
     logger.removeHandler(handler)
     report = fused.report()
     print("  phases: " + ", ".join(f"{k} {v:.2f}" for k, v in report.phases.items()))

@@ -2,12 +2,14 @@
 # Zoo models one by one on the GPU, each in its own process with a time limit, so
 # one slow or failing model still leaves the others' results.
 # Usage: OUT=dir bash benchmarks/zoo_run.sh DTYPE MODEL [MODEL...]
-# Extra `autofuser bench` flags go in $BENCH_FLAGS (default: --iters 30 --warmup 5 --tune-budget 1).
+# Extra `autofuser bench` flags go in $BENCH_FLAGS (default: --iters 30 --warmup 5 --tune-budget 1);
+# AutoFuser's per-model caches in $ZOO_CACHE (default /tmp/autofuser-zoo-cache).
 set -uo pipefail
 out=${OUT:-bench-results}
 dtype=$1; shift
 flags=${BENCH_FLAGS:---iters 30 --warmup 5 --tune-budget 1}
 limit=${MODEL_LIMIT_S:-200}
+cache=${ZOO_CACHE:-/tmp/autofuser-zoo-cache}  # AutoFuser's cache folders, one per model
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 for model in "$@"; do
@@ -18,7 +20,7 @@ for model in "$@"; do
   # shellcheck disable=SC2086
   TRITON_CACHE_DIR="$caches/triton" TORCHINDUCTOR_CACHE_DIR="$caches/inductor" \
   timeout "$limit" python3 -m autofuser.cli bench --models "$model" --device cuda --dtype "$dtype" \
-    --out "$dir" --cache-dir "/tmp/autofuser-zoo-cache" $flags > "$dir.log" 2>&1
+    --out "$dir" --cache-dir "$cache" $flags > "$dir.log" 2>&1
   echo "$model $dtype rc=$?" | tee -a "$out/summary.txt"
   rm -rf "$caches"
   tail -n 3 "$dir.log"

@@ -74,42 +74,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         print(json.dumps({"first_call_s": _first_call(args)}), flush=True)
     except Exception as err:  # the harness records it as the cell's error
-        lines = str(err).strip().splitlines()
-        print(json.dumps({"error": f"{type(err).__name__}: {lines[0] if lines else ''}"}), flush=True)
+        from .harness import describe_error
+
+        print(json.dumps({"error": describe_error(err)}), flush=True)
     return 0
 
 
 def _first_call(args: argparse.Namespace) -> float:
     import torch
 
-    from autofuser_zoo.airfoil import test_set
-    from autofuser_zoo.models import MESHES, MODELS
+    from autofuser_zoo.models import MODELS
 
-    from .harness import _autocast, first_call_s
+    from .harness import build, first_call_s, forward_call
 
     device = torch.device(args.device)
-    entry = MODELS[args.model]
-    torch.manual_seed(0)
-    model = entry.make(args.config).to(device).eval()
-    coords, _ = test_set(args.batch, MESHES[args.config])
-    x = entry.inputs(coords).to(device)
-
-    def forward(fn):
-        def call():
-            with torch.no_grad(), _autocast(device, args.dtype):
-                return fn(x)
-        return call
-
-    first_call_s(forward(model), device)  # eager once, as in the harness
+    model, x, _ = build(MODELS[args.model], args.config, args.batch, device)
+    model.eval()
+    first_call_s(forward_call(model, x, device, args.dtype), device)  # eager once, as in the harness
     if args.system == "autofuser":
         import autofuser
 
         options = {} if args.tune_budget is None else {"tune_budget_s": args.tune_budget}
-        system = autofuser.fuse(model, cache_dir=os.environ.get("AUTOFUSER_CACHE_DIR"), progress=False, **options)
+        system = autofuser.fuse(model, progress=False, **options)  # its cache: AUTOFUSER_CACHE_DIR, empty
     else:
         system = torch.compile(model, mode=args.compile_mode)
-    _, seconds = first_call_s(forward(system), device)
-    return seconds
+    return first_call_s(forward_call(system, x, device, args.dtype), device)[1]
 
 
 if __name__ == "__main__":

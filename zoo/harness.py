@@ -159,6 +159,22 @@ def median_ms(fn: Callable[[], Any], iters: int, warmup: int, device: torch.devi
     return float(statistics.median(times))
 
 
+def build(entry: ModelEntry, config: str, batch: int, device: torch.device):
+    """(model, input, target) of one zoo model: seed 0, the test set's first ``batch`` airfoils."""
+    torch.manual_seed(0)
+    model = entry.make(config).to(device)
+    coords, target = test_set(batch, MESHES[config])
+    return model, entry.inputs(coords).to(device), target.to(device)
+
+
+def forward_call(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, device: torch.device, dtype: str):
+    """``fn(x)`` as every system is called: no_grad, and under bf16 autocast for ``--dtype bf16``."""
+    def call():
+        with torch.no_grad(), _autocast(device, dtype):
+            return fn(x)
+    return call
+
+
 def first_call_s(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     """(output, seconds) of one call, synchronised on both sides."""
     _synchronize(device)
@@ -243,11 +259,8 @@ def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warm
 
     # -- build, data, training ------------------------------------------------
     try:
-        torch.manual_seed(0)
-        model = entry.make(config).to(device)
+        model, x, target = build(entry, config, batch, device)
         row["params"] = parameter_count(model)
-        coords, target = test_set(batch, mesh)
-        x, target = entry.inputs(coords).to(device), target.to(device)
     except Exception as err:
         message = describe_error(err)
         progress(f"{name}: could not be built: {message}")
@@ -267,10 +280,7 @@ def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warm
     model.eval()
 
     def forward(fn):
-        def call():
-            with torch.no_grad(), _autocast(device, dtype):
-                return fn(x)
-        return call
+        return forward_call(fn, x, device, dtype)
 
     def finish(cell: dict[str, Any], out: torch.Tensor, reference: Optional[torch.Tensor]) -> None:
         cell["test_loss"] = float(relative_l2(entry.as_grid(out, mesh), target))
