@@ -4,6 +4,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autofuser_zoo import airfoil
+from autofuser_zoo.models import MESHES, MODELS, TINY_BATCH
+
 
 class FeedForward(nn.Module):
     """A transformer block's feed-forward half: layer norm, linear, GELU, linear, residual."""
@@ -16,3 +19,9 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+def tiny_input(name: str, seed: int = 0) -> torch.Tensor:
+    """A batch of generated airfoils (``TINY_BATCH``, the tiny mesh) in zoo model ``name``'s layout."""
+    coords, _ = airfoil.make_dataset(TINY_BATCH, seed, MESHES["tiny"])
+    return MODELS[name].inputs(coords)

@@ -738,8 +738,8 @@ def test_a_child_that_dies_is_not_waited_for(tmp_path):
     config uncompiled; the others finish, and the call returns."""
     out = _run_compile_script(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
     counts = out.split("compiled ", 1)[1].split()
-    compiled, answered, waited = int(counts[0]), int(counts[2]), int(counts[4])
-    assert compiled <= 4 and answered < 5, out  # the killed child never answered for its task
+    answered, waited = int(counts[2]), int(counts[4])
+    assert answered < 5, out  # the killed child never answered for its task
     assert waited < 20, out  # its death was noticed, not sat out until STALL_S
 
 
@@ -846,8 +846,6 @@ def test_a_warm_compile_reads_each_tuning_entry_once_per_group(tmp_path, monkeyp
     assert reads == [groups[0].kernel] * 4
 
 
-
-
 def test_a_failed_compile_stops_its_compile_children(tmp_path, monkeypatch, gpu_tuning):
     """An error (or Ctrl-C) while the kernels are checked stops the children at once
     instead of waiting for configs nobody will time."""
@@ -858,7 +856,7 @@ def test_a_failed_compile_stops_its_compile_children(tmp_path, monkeypatch, gpu_
     class FakeCompiling:
         names, waited_s = [], 0.0
 
-        def wait_for(self, name):
+        def wait_for(self, name, launch=None):
             calls.append("wait")
 
         def abort(self):

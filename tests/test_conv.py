@@ -20,6 +20,7 @@ from autofuser_core.group import GroupRefused
 from autofuser_core.planner import PlanningView, plan_fusion_groups
 
 from _conv_checks import assert_3x3_convs_split_at_max_reduction
+from _models import tiny_input
 
 TOLERANCES = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),
@@ -415,12 +416,10 @@ def test_fno_layer_1x1_path_is_one_product_with_residual_and_gelu(dtype):
 
 @pytest.mark.parametrize("name", ["unet", "fno"])
 def test_zoo_models_fuse_their_convolutional_parts(name):
-    from autofuser_zoo import airfoil
-    from autofuser_zoo.models import MESHES, MODELS, TINY_BATCH
+    from autofuser_zoo.models import MODELS
 
     model = MODELS[name].make("tiny").eval()
-    coords, _ = airfoil.make_dataset(TINY_BATCH, 0, MESHES["tiny"])
-    fused = fuse_and_run(model, MODELS[name].inputs(coords))
+    fused = fuse_and_run(model, tiny_input(name))
     report = fused.report()
     convs = [g for g in report.fused if "conv.conv2d_module" in g.ops and g.strategy != "implicit_gemm"]
     if name == "unet":

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import autofuser
 from autofuser_plugins.mxint8 import MXInt8Linear, dequantize_mxint8, quantize_mxint8
 from autofuser_plugins.mxint8 import layer as mxint8_layer
+from _models import FeedForward
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=4e-2)}
 
@@ -217,17 +218,15 @@ def test_a_packed_weight_read_otherwise_is_dequantised_eagerly(form):
 # -- fuse(model, quantize=...) -------------------------------------------------------
 
 
-class Block(nn.Module):
+class Block(FeedForward):
+    """The shared feed-forward block with a linear head after it."""
+
     def __init__(self, width=40, hidden=96):
-        super().__init__()
-        self.ln = nn.LayerNorm(width)
-        self.fc1 = nn.Linear(width, hidden)
-        self.fc2 = nn.Linear(hidden, width)
+        super().__init__(width, hidden)
         self.head = nn.Linear(width, 3)
 
     def forward(self, x):
-        x = x + self.fc2(F.gelu(self.fc1(self.ln(x))))
-        return self.head(x)
+        return self.head(super().forward(x))
 
 
 def test_quantised_model_stays_within_the_documented_bound_of_fp32():

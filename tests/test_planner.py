@@ -20,10 +20,9 @@ from autofuser_core.group import GroupRefused, compose_group
 from autofuser_core.matmul_layout import MAX_PRODUCTS, MatmulLayout
 from autofuser_core.planner import PlanningView, plan_fusion_groups
 from autofuser_plugins.mlp.mlp_layout import MlpLayout
-from autofuser_zoo import airfoil
-from autofuser_zoo.models import MESHES, MODELS, TINY_BATCH
+from autofuser_zoo.models import MODELS
 
-from _models import FeedForward
+from _models import FeedForward, tiny_input
 
 
 def _view(model: nn.Module, x: torch.Tensor) -> PlanningView:
@@ -237,10 +236,9 @@ def test_a_parametrised_weight_is_described_once_per_view(monkeypatch):
 
 
 def _zoo_graph(name: str, dtype: str):
-    coords, _ = airfoil.make_dataset(TINY_BATCH, 0, MESHES["tiny"])
+    x = tiny_input(name)
     torch.manual_seed(0)
     model = MODELS[name].make("tiny").eval()
-    x = MODELS[name].inputs(coords)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
         return autofuser.capture(model, x), x
 

@@ -21,13 +21,9 @@ from autofuser_zoo import airfoil
 from autofuser_zoo.models import MESHES, MODELS, TINY_BATCH, parameter_count
 
 from _conv_checks import assert_3x3_convs_split_at_max_reduction
+from _models import tiny_input
 
 TINY_MESH = MESHES["tiny"]
-
-
-def tiny_input(name: str, seed: int = 0) -> torch.Tensor:
-    coords, _ = airfoil.make_dataset(TINY_BATCH, seed, TINY_MESH)
-    return MODELS[name].inputs(coords)
 
 
 def expected_shape(name: str) -> tuple[int, ...]:
