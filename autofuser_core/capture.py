@@ -47,7 +47,6 @@ import functools
 import inspect
 import logging
 import operator
-import sys
 import warnings
 import weakref
 from typing import Any, Optional
@@ -55,8 +54,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 from torch.fx import _symbolic_trace as _fx_trace
-from torch.fx.node import map_arg
-from torch.fx.node import map_aggregate
+from torch.fx.node import map_aggregate, map_arg
 from torch.fx.proxy import TraceError
 from torch.utils import _pytree as pytree
 

@@ -30,7 +30,7 @@ import torch.fx
 
 from .capture import frozen_state
 from .cache import cache_dir, load_kernel_module, read_tuning, tuning_lock, write_tuning
-from .group import GroupProgram, attr_tensor, collect_values
+from .group import ROUNDED_DTYPES, GroupProgram, attr_tensor, collect_values
 from .ir import AttrRef
 from .launch import FusedKernel, cast_inputs, input_casts
 from .planner import Candidate, Plan, barrier_reason, plan_fusion_groups
@@ -235,7 +235,7 @@ def _tolerance(candidate: Candidate, view) -> Tolerance:
     return Tolerance(atol=max(t.atol for t in tols), rtol=max(t.rtol for t in tols))
 
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
+HALF_DTYPES = ROUNDED_DTYPES
 
 
 def _max_error(fused: torch.Tensor, eager: torch.Tensor, tol: Tolerance) -> tuple[bool, float]:
@@ -280,10 +280,29 @@ def _half_scale(eager: torch.Tensor, values: torch.Tensor):
 BENCH_MAX_CALLS = 30
 
 
+def median_call_ms(fn, calls: int, warmup: int, before=None) -> float:
+    """Median ms of one call of ``fn()`` on the current CUDA device: ``warmup`` untimed
+    calls, then ``calls`` calls back to back, each between two CUDA events (and each
+    after ``before()``, outside the events, where given)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+    for start, end in events:
+        if before is not None:
+            before()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return float(statistics.median(start.elapsed_time(end) for start, end in events))
+
+
 def _bench(fn, *args, rep_ms: float = 20) -> float:
     """Median ms of one call of ``fn(*args)`` on the current CUDA device, L2 flushed before
     each call (as Triton's ``do_bench``): about ``rep_ms`` of calls, at least 5 and at most
-    ``BENCH_MAX_CALLS``, after one untimed call (which also loads the kernel)."""
+    ``BENCH_MAX_CALLS``, after four untimed calls (the first loads the kernel; three more
+    estimate its time)."""
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     fn(*args)
     torch.cuda.synchronize()
@@ -295,19 +314,12 @@ def _bench(fn, *args, rep_ms: float = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     estimate_ms = start.elapsed_time(end) / 3
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(max(5, min(BENCH_MAX_CALLS, int(rep_ms / max(estimate_ms, 1e-3)))))]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        fn(*args)
-        end.record()
-    torch.cuda.synchronize()
-    return float(statistics.median(start.elapsed_time(end) for start, end in events))
+    calls = max(5, min(BENCH_MAX_CALLS, int(rep_ms / max(estimate_ms, 1e-3))))
+    return median_call_ms(lambda: fn(*args), calls, warmup=0, before=flush.zero_)
 
 
-#: Milliseconds of repeats per tuning config: a median over hundreds of launches of a
-#: typical fused kernel (tens of microseconds) while keeping a cold compile short.
+#: Milliseconds of repeats per tuning config (``_bench``'s ``rep_ms``): for a typical fused
+#: kernel of tens of microseconds, the cap of ``BENCH_MAX_CALLS`` calls is what applies.
 TUNING_REP_MS = 6
 
 
@@ -391,7 +403,7 @@ def _finish_compiling(compiling: Optional[Compiling], report) -> None:
         return
     compiled = compiling.finish()
     if compiled:
-        report.notes.append(f"compiled {compiled} of {len(compiling.names)} tuning config(s) in parallel "
+        report.notes.append(f"compiled {compiled} of {len(compiling.launches)} tuning config(s) in parallel "
                             "before timing")
 
 
@@ -482,11 +494,6 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
     ``backward``: the graph will run with gradients on, so every group must be
     able to recompute its ops for backward from its saved inputs.
     """
-    return _compile_rounds(gm, inputs, plugin_set, options, progress, backward)
-
-
-def _compile_rounds(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, progress,
-                    backward: bool) -> tuple[torch.fx.GraphModule, FusionReport]:
     started = time.perf_counter()
     report = FusionReport(plugins=list(plugin_set.names), opaque=dict(gm.meta.get("autofuser_opaque", {})))
     for impl in plugin_set.manager.hook.autofuser_transform_graph.get_hookimpls():
@@ -616,8 +623,7 @@ def _verify_round_on(gm, plan: Plan, inputs: tuple, device: torch.device, option
     step = time.perf_counter()
     # Kernels are checked (and tuned) as the graph reaches their groups' last nodes:
     # compiled in that order, the first ones are timed while the rest still compile.
-    position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    by_use = sorted(jobs, key=lambda job: position.get(job.candidate.program.nodes[-1], 0))
+    by_use = sorted(jobs, key=lambda job: view.order.get(job.candidate.program.nodes[-1], 0))
     compiling = _precompile_untuned(by_use, device, options, progress, report)
     started_s = time.perf_counter() - step
     step = time.perf_counter()

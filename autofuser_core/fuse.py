@@ -20,7 +20,6 @@ import hashlib
 import inspect
 import json
 import logging
-import statistics
 import sys
 import time
 import warnings
@@ -32,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .capture import bind_inputs, capture
 from .cache import cache_dir, read_verdict, write_verdict
-from .compile import _snapshot, compile_graph, device_key, preserved_state
+from .compile import _snapshot, compile_graph, device_key, median_call_ms, preserved_state
 from .cudagraphs import try_cuda_graph
 from .errors import AutoFuserError, CaptureError
 from .launch import FusedKernel
@@ -428,21 +427,6 @@ def _time_on_device(fn, args: tuple) -> float:
     slow = once_ms > FORWARD_BUDGET_MS
     calls = 3 if slow else max(5, min(100, int(FORWARD_BUDGET_MS / max(once_ms, 1e-3))))
     return median_call_ms(lambda: fn(*args), calls, warmup=1 if slow else 2)
-
-
-def median_call_ms(fn, calls: int, warmup: int) -> float:
-    """Median ms of one call of ``fn()`` on the current CUDA device: ``warmup`` untimed
-    calls, then ``calls`` calls back to back, each between two CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return float(statistics.median(start.elapsed_time(end) for start, end in events))
 
 
 def _can_time_forward(device: torch.device) -> bool:

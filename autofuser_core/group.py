@@ -365,10 +365,7 @@ def collect_values(roots: Sequence[Value]) -> dict[int, Value]:
 def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Callable]] = None) -> None:
     """Steps 3 and 4 of the module doc: the domain, the reduced dims, strides
     (groups with products: ``matmul_layout.lay_out_matmul``)."""
-    values = collect_values(program.output_values)
-    if any(v.op == "extern" for v in values.values()):
-        raise GroupRefused("extern_op", "the group contains an extern op, which only a strategy with its own "
-                                        "compose generates")
+    values = collect_values(program.output_values)  # no extern op: compose_group refused those
     if not any(v.op == "dot" for v in values.values()) and any(v.packed is not None for v in values.values()):
         raise GroupRefused("packed_weight", "a quantised weight is decoded only inside a matrix product's kernel")
     if any(v.op == "dot" for v in values.values()):

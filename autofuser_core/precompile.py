@@ -221,11 +221,10 @@ class Compiling:
         self.children = list(children)
         self.left: dict[str, int] = {}  # configs per kernel not answered yet
         self.left_launch: dict[tuple, int] = {}  # the same per (kernel, launch_items of a config)
-        self.names = [t["name"] for t in tasks]
-        self.launches = [(t["name"], launch_items(t["launch"])) for t in tasks]
-        for name, launch in zip(self.names, self.launches):
+        self.launches = [(t["name"], launch_items(t["launch"])) for t in tasks]  # (kernel, launch) per task
+        for name, launch in self.launches:
             self.left[name] = self.left.get(name, 0) + 1
-            self.left_launch[launch] = self.left_launch.get(launch, 0) + 1
+            self.left_launch[(name, launch)] = self.left_launch.get((name, launch), 0) + 1
         self.summaries: list[dict] = []
         self.waited_s = 0.0  # spent blocked in wait_for and finish
         self._fd = answers if self.children else None
@@ -296,9 +295,10 @@ class Compiling:
                 answer = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(answer, dict) and isinstance(answer.get("task"), int) and answer["task"] < len(self.names):
-                self.left[self.names[answer["task"]]] -= 1
-                self.left_launch[self.launches[answer["task"]]] -= 1
+            if isinstance(answer, dict) and isinstance(answer.get("task"), int) and answer["task"] < len(self.launches):
+                name, launch = self.launches[answer["task"]]
+                self.left[name] -= 1
+                self.left_launch[(name, launch)] -= 1
             elif isinstance(answer, dict) and "compiled" in answer:
                 self.summaries.append(answer)
         return True

@@ -854,7 +854,7 @@ def test_a_failed_compile_stops_its_compile_children(tmp_path, monkeypatch, gpu_
     calls = []
 
     class FakeCompiling:
-        names, waited_s = [], 0.0
+        launches, waited_s = [], 0.0
 
         def wait_for(self, name, launch=None):
             calls.append("wait")

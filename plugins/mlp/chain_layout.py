@@ -130,8 +130,6 @@ def lay_out_chain(program: GroupProgram, values: dict[int, Value]) -> None:
             if v.dims != (last,) or not v.keepdim or v.args[0].shape[-1] == 1:
                 raise GroupRefused("unsupported_reduction", "a chain's reductions must run over the last dim with keepdim")
             reductions += 1
-        elif v.op == "extern":
-            raise GroupRefused("extern_op", "the group contains an extern op")
 
     layout = ChainLayout(lead=lead_t, steps=[], width=width, reductions=reductions)
     for v in ordered:
