@@ -43,12 +43,14 @@ _COMBINE = {"sum": "{0} + {1}", "max": "tl.maximum({0}, {1}, propagate_nan=tl.Pr
 class _Block:
     """Emits one straight-line block of the DAG (its own memo: loads differ per loop step)."""
 
-    def __init__(self, writer: "_MatmulWriter", indent: int, site: str, known: dict[int, str]):
+    def __init__(self, writer: "_MatmulWriter", indent: int, site, known: dict[int, str]):
         self.w = writer
         self.indent = indent
-        # The inner axis of this block's tiles: "k" loads at (rows, ks), "h" at (rows, hs), "n" at (rows, cols).
-        self.axis, self.axis_mask, self.width = {"k": ("ks", "k_mask", "BLOCK_K"), "h": ("hs", "h_mask", "BLOCK_H"),
-                                                 "n": ("cols", "col_mask", "BLOCK_N")}[site]
+        # The inner axis of this block's tiles: "k" loads at (rows, ks), "n" at (rows, cols); a
+        # strategy with another axis passes its own (offsets name, mask name, block constexpr).
+        self.axis, self.axis_mask, self.width = ({"k": ("ks", "k_mask", "BLOCK_K"),
+                                                  "n": ("cols", "col_mask", "BLOCK_N")}[site]
+                                                 if isinstance(site, str) else site)
         self.names = dict(known)
         self.loads: dict[tuple, str] = {}
 

@@ -20,6 +20,8 @@ from autofuser_core.codegen_matmul import (_all_values, _assemble, _Block, _dot_
                                            weight_tile)
 from autofuser_core.group import GroupProgram
 
+#: The hidden axis of the second product's A tiles: (offsets, mask, block constexpr).
+HIDDEN_AXIS = ("hs", "h_mask", "BLOCK_H")
 
 def _emit_rows(w: _MatmulWriter, out_domain, rows: int, sites: list, strides: list, wide: bool) -> None:
     """Program ids -> ``rows`` tiles (all ``BLOCK_N`` columns), masks, and each site's row offset."""
@@ -94,7 +96,7 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
             w.emit(line, 3)
         w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 3)
         w.emit(f"acc1 += {_dot_line('a_tile', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 3)
-    block = _Block(w, 2, "h", {L.dot1.uid: "acc1"})
+    block = _Block(w, 2, HIDDEN_AXIS, {L.dot1.uid: "acc1"})
     hidden = block.value(L.dot2.args[0])
     w2_off = " + ".join(t for t in (_term("hh", w2h), _term("cols", w2n)) if t) or "0"
     for line in weight_tile("w2_tile", w2, w2_dtype, w2_off, f"(hh < {L.h}) & col_mask", L.w2_packed, "h0",
