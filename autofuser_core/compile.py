@@ -369,7 +369,8 @@ _CONFIG_LIMIT: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("a
 def _tuning_configs(candidate: Candidate) -> list[dict]:
     strategy, program = candidate.strategy, candidate.program
     valid = [c for c in strategy.configs(program) if strategy.is_valid(program, c) is None]
-    return valid[:_CONFIG_LIMIT.get()] or [strategy.default_config(program)]
+    limits = [n for n in (strategy.max_tuned_configs, _CONFIG_LIMIT.get()) if n is not None]
+    return valid[:min(limits, default=None)] or [strategy.default_config(program)]
 
 
 def _tuning_key(source, device: torch.device) -> dict[str, Any]:

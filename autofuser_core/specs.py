@@ -162,7 +162,11 @@ class StrategySpec(Spec):
        ``block_params`` plus ``num_warps``/``num_stages``); ``is_valid(program,
        config)`` -> ``None`` or a reason, filters them (registers, shared memory,
        divisibility). ``default_config(program)`` is used when there is no
-       tuning (the Triton interpreter) and must be valid.
+       tuning (the Triton interpreter) and must be valid. Tuning compiles and
+       times the valid configs in the listed order, at most
+       ``max_tuned_configs`` of them (``None``: all): each config is a Triton
+       compile on the first call, so a strategy with a long list and large
+       kernels lists its usual winners first and caps the list.
     4. ``generate(program, helpers)`` -> ``autofuser_core.codegen.KernelSource``
        (``helpers``: the ``@triton.jit`` helper functions lowerings asked for,
        by name).
@@ -175,6 +179,7 @@ class StrategySpec(Spec):
     configs: Callable[..., list[dict]]
     default_config: Callable[..., dict]
     is_valid: Callable[..., Optional[str]] = Field(default=lambda program, config: None)
+    max_tuned_configs: Optional[int] = Field(default=None, ge=1)
     generate: Callable[..., Any]
 
 

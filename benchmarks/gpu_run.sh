@@ -47,9 +47,10 @@ for step in "${steps[@]}"; do
       IFS=: read -r _ dtype models <<< "$step"
       [ "$models" = "all" ] && models=galerkin,transformer,transolver,gnot,factformer,fno,ffno,unet,lsm
       # shellcheck disable=SC2046
-      OUT="$out/zoo" bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models")
+      OUT="$out/zoo" ZOO_CACHE="$ZOO_CACHE/$dtype" bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models")
       # Where each kernel's tuning winner sat in its config list (the caches zoo_run.sh filled).
-      python3 benchmarks/tuning_stats.py "$ZOO_CACHE"/* > "$out/zoo/tuning-stats-$dtype.txt" 2>&1 ;;
+      python3 benchmarks/tuning_stats.py "$ZOO_CACHE/$dtype"/* --json "$out/zoo/tuning-$dtype.json" \
+        > "$out/zoo/tuning-stats-$dtype.txt" 2>&1 ;;
     *) echo "unknown step $step" ;;
   esac
   echo "step $step took $(( $(date +%s) - start )) s" | tee -a "$out/steps.txt"

@@ -7,9 +7,10 @@ timed, where the winner was in the list, and what capping the list at its first
 ``k`` configs would have cost (the best of the first ``k`` against the best of
 all, as a slowdown of the kernel); then each family's winning configs, most
 frequent first, with their places in the list. The data behind how many configs
-a strategy lists, and in which order.
+a strategy lists, and in which order. ``--json FILE`` also writes every entry's
+timings (kernel, config, ms), to try another order or cap offline.
 
-    python benchmarks/tuning_stats.py /tmp/autofuser-zoo-cache/*
+    python benchmarks/tuning_stats.py /tmp/autofuser-zoo-cache/* --json tuning.json
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ def family(kernel: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", type=Path)
+    parser.add_argument("--json", type=Path, default=None, help="write every entry's timings here")
     args = parser.parse_args(argv)
+    entries = []
     rows: dict[str, list[tuple[int, int, list[float]]]] = defaultdict(list)
     won: dict[str, Counter] = defaultdict(Counter)
     for folder in args.folders:
@@ -44,6 +47,7 @@ def main(argv=None) -> int:
             timings = [t["ms"] for t in entry.get("timings", []) if isinstance(t.get("ms"), (int, float))]
             if entry.get("config_limit") is not None or len(timings) < 2:
                 continue
+            entries.append({"folder": folder.name, "kernel": entry["key"]["kernel"], "timings": entry["timings"]})
             best = min(timings)
             place = timings.index(best)
             rows[family(entry["key"]["kernel"])].append((len(timings), place, timings))
@@ -65,6 +69,8 @@ def main(argv=None) -> int:
         print(f"{name}:")
         for (config, place), count in counts.most_common():
             print(f"  {count:3d}  #{place:<3d} {config}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(entries, indent=1))
     return 0
 
 

@@ -654,13 +654,17 @@ def test_tuning_configs_are_the_valid_ones_first_few_under_a_limit():
 
     strategy = types.SimpleNamespace(
         configs=lambda program: [{"BLOCK": b} for b in (8, 16, 32, 64, 128, 256)],
-        is_valid=lambda program, config: "too big" if config["BLOCK"] > 100 else None,
-        default_config=lambda program: {"BLOCK": 4})
+        is_valid=lambda program, config: "too big" if config["BLOCK"] in (16, 128) else None,
+        default_config=lambda program: {"BLOCK": 4}, max_tuned_configs=None)
     candidate = types.SimpleNamespace(strategy=strategy, program=None)
-    assert [c["BLOCK"] for c in compile_module._tuning_configs(candidate)] == [8, 16, 32, 64]
-    token = compile_module._CONFIG_LIMIT.set(3)
+    assert [c["BLOCK"] for c in compile_module._tuning_configs(candidate)] == [8, 32, 64, 256]
+    strategy.max_tuned_configs = 3  # the strategy's own cap counts valid configs only
+    assert [c["BLOCK"] for c in compile_module._tuning_configs(candidate)] == [8, 32, 64]
+    token = compile_module._CONFIG_LIMIT.set(2)  # a re-planning round's, when smaller
     try:
-        assert [c["BLOCK"] for c in compile_module._tuning_configs(candidate)] == [8, 16, 32]
+        assert [c["BLOCK"] for c in compile_module._tuning_configs(candidate)] == [8, 32]
+        strategy.max_tuned_configs = 1  # the strategy's, when smaller
+        assert [c["BLOCK"] for c in compile_module._tuning_configs(candidate)] == [8]
         strategy.is_valid = lambda program, config: "none fits"
         assert compile_module._tuning_configs(candidate) == [{"BLOCK": 4}]  # the default, as without a limit
     finally:
@@ -675,7 +679,7 @@ def test_an_entry_tuned_over_a_few_configs_is_tuned_again_by_a_first_round():
 
     strategy = types.SimpleNamespace(configs=lambda program: [{"BLOCK": b} for b in (8, 16, 32, 64, 128)],
                                      is_valid=lambda program, config: None,
-                                     default_config=lambda program: {"BLOCK": 4})
+                                     default_config=lambda program: {"BLOCK": 4}, max_tuned_configs=None)
     candidate = types.SimpleNamespace(strategy=strategy, program=None)
     capped = {"config": {"BLOCK": 16}, "timings": [], "config_limit": compile_module.LATER_ROUND_CONFIGS}
     full = {"config": {"BLOCK": 16}, "timings": []}
