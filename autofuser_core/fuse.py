@@ -289,8 +289,12 @@ class FusedModule(torch.nn.Module):
             if self._options.cuda_graphs and inference and not writes and cuda:
                 graph, why = None, "its replay was measured slower before"
                 if not ("graph_ms" in known and known["graph_ms"] >= known.get("plain_ms", 0.0)):
-                    with preserved_state(self._model):
-                        graph, why = try_cuda_graph(fused_gm, flat, self._model)
+                    with torch.no_grad(), preserved_state(self._model):
+                        bound = None if "graph_ms" in known else _gpu_bound(fused_gm, flat)
+                        if bound is not None:
+                            why = bound
+                        else:
+                            graph, why = try_cuda_graph(fused_gm, flat, self._model)
                 if graph is not None:
                     # Replays copy the inputs in and clone the outputs: worth it when launches, not
                     # bytes, dominate. Measured, not guessed.
@@ -316,19 +320,9 @@ class FusedModule(torch.nn.Module):
                 # The last word on "never slower than eager": the whole forward, as the user calls it.
                 use = "graph" if runner is not fused_gm else "plain"
                 if f"{use}_fused_ms" not in times or "eager_ms" not in times:
-                    # Alternating rounds, the best of each side: a slow moment of the GPU (clocks,
-                    # another process) then can't decide the verdict by landing on one side only.
-                    # The fused side goes first in each round: a GPU still ramping its clocks
-                    # after the compile slows it, not eager, so any bias favours the original.
-                    # A fused forward more than CLEAR_GAP ahead after one round needs no second.
-                    eager_runs, fused_runs = [], []
                     with torch.no_grad(), preserved_state(self._model):
-                        for _ in range(FORWARD_ROUNDS):
-                            fused_runs.append(_time(runner, flat))
-                            eager_runs.append(_time(lambda *a: self._model(*args, **kwargs), flat))
-                            if min(fused_runs) < min(eager_runs) * (1.0 - CLEAR_GAP):
-                                break
-                    times["eager_ms"], times[f"{use}_fused_ms"] = min(eager_runs), min(fused_runs)
+                        times[f"{use}_fused_ms"], times["eager_ms"] = _forward_times(
+                            runner, lambda *a: self._model(*args, **kwargs), flat)
                 eager_ms, fused_ms = times["eager_ms"], times[f"{use}_fused_ms"]
                 if fused_ms >= eager_ms * (1.0 - FORWARD_MARGIN):
                     report.notes.append(f"the fused forward ({fused_ms:.3f} ms) was not at least "
@@ -390,8 +384,14 @@ FORWARD_BUDGET_MS = 25.0
 #: A fused forward this much faster than eager in the first round needs no second one: a
 #: slow moment of the GPU moves a median of several calls by a few percent, not by this.
 CLEAR_GAP = 0.2
+#: A fused forward over FORWARD_BUDGET_MS that is more than this share faster than one
+#: eager call is kept without timing eager further: the eager calls of a long forward cost
+#: seconds (a transformer over every mesh point runs 0.3 s), and no slow moment of the GPU
+#: doubles a forward that long.
+WIDE_GAP = 0.5
 FORWARD_TIMING = (f"back-to-back events, fused first, best of {FORWARD_ROUNDS} rounds "
-                  f"(one past a {CLEAR_GAP:.0%} gap), 3 calls for a forward over {FORWARD_BUDGET_MS:g} ms")
+                  f"(one past a {CLEAR_GAP:.0%} gap), 3 calls for a forward over {FORWARD_BUDGET_MS:g} ms, "
+                  f"one eager call past a {WIDE_GAP:.0%} gap there")
 
 
 def writes_into_inputs(forward, flat: Sequence[Any]) -> bool:
@@ -403,6 +403,55 @@ def writes_into_inputs(forward, flat: Sequence[Any]) -> bool:
     with torch.no_grad():
         forward(*copies)
     return any(c._version != version for c, version in before)
+
+
+#: GPU time per call in the forward above which its kernels outrun their launches: the
+#: host queues the next launch (microseconds) while the GPU still runs this one, so a
+#: CUDA graph replay has no launch time left to save.
+GPU_BOUND_MS_PER_CALL = 0.2
+
+
+def _forward_times(fused, eager, flat: Sequence[Any]) -> tuple[float, float]:
+    """(fused ms, eager ms) for the whole-forward check. Alternating rounds, the best of
+    each side: a slow moment of the GPU (clocks, another process) then can't decide the
+    verdict by landing on one side only. The fused side goes first in each round: a GPU
+    still ramping its clocks after the compile slows it, not eager, so any bias favours the
+    original. A fused forward more than CLEAR_GAP ahead after one round needs no second;
+    a long one past WIDE_GAP against one eager call needs no more eager calls."""
+    fused_runs, eager_runs = [], []
+    for round_ in range(FORWARD_ROUNDS):
+        fused_runs.append(_time(fused, flat))
+        if round_ == 0 and fused_runs[0] > FORWARD_BUDGET_MS:
+            once = _once(eager, flat)
+            if fused_runs[0] < once * (1.0 - WIDE_GAP):
+                return fused_runs[0], once
+        eager_runs.append(_time(eager, flat))
+        if min(fused_runs) < min(eager_runs) * (1.0 - CLEAR_GAP):
+            break
+    return min(fused_runs), min(eager_runs)
+
+
+def _gpu_bound(forward: torch.fx.GraphModule, flat: Sequence[Any]) -> Optional[str]:
+    """Why a CUDA graph can't pay for this forward, or ``None`` (try one): a forward over
+    FORWARD_BUDGET_MS whose calls average more than GPU_BOUND_MS_PER_CALL each."""
+    calls = sum(1 for n in forward.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
+    ms = _once(forward, flat)
+    if ms > FORWARD_BUDGET_MS and ms > GPU_BOUND_MS_PER_CALL * max(calls, 1):
+        return (f"the forward is GPU-bound, {ms:.1f} ms over {calls} calls: a replay would save only "
+                "launches the GPU already hides")
+    return None
+
+
+def _once(fn, args: Sequence[Any]) -> float:
+    """Wall ms of one call of ``fn(*args)`` after one untimed call, synchronised."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+    with torch.cuda.device(device):
+        fn(*args)
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        fn(*args)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - begin) * 1e3
 
 
 def _time(fn, args: tuple) -> float:
