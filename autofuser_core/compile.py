@@ -300,20 +300,16 @@ def median_call_ms(fn, calls: int, warmup: int, before=None) -> float:
 
 def _bench(fn, *args, rep_ms: float = 20) -> float:
     """Median ms of one call of ``fn(*args)`` on the current CUDA device, L2 flushed before
-    each call (as Triton's ``do_bench``): about ``rep_ms`` of calls, at least 5 and at most
-    ``BENCH_MAX_CALLS``, after four untimed calls (the first loads the kernel; three more
-    estimate its time)."""
+    each call (as Triton's ``do_bench``): after an untimed call (it loads the kernel), three
+    timed calls; a call of ``rep_ms`` or more is measured by those three (an eager attention
+    of 40 ms would otherwise cost nine calls), a shorter one by about ``rep_ms`` of further
+    calls, at least 5 and at most ``BENCH_MAX_CALLS``."""
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     fn(*args)
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        flush.zero_()
-        fn(*args)
-    end.record()
-    torch.cuda.synchronize()
-    estimate_ms = start.elapsed_time(end) / 3
+    estimate_ms = median_call_ms(lambda: fn(*args), 3, warmup=0, before=flush.zero_)
+    if estimate_ms >= rep_ms:
+        return estimate_ms
     calls = max(5, min(BENCH_MAX_CALLS, int(rep_ms / max(estimate_ms, 1e-3))))
     return median_call_ms(lambda: fn(*args), calls, warmup=0, before=flush.zero_)
 

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     parser.add_argument("folders", nargs="+", type=Path)
     parser.add_argument("--json", type=Path, default=None, help="write every entry's timings here")
     args = parser.parse_args(argv)
-    entries = []
+    dumped = []  # every first-round entry, for --json
     rows: dict[str, list[tuple[int, int, list[float]]]] = defaultdict(list)
     won: dict[str, Counter] = defaultdict(Counter)
     for folder in args.folders:
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
             timings = [t["ms"] for t in entry.get("timings", []) if isinstance(t.get("ms"), (int, float))]
             if entry.get("config_limit") is not None or len(timings) < 2:
                 continue
-            entries.append({"folder": folder.name, "kernel": entry["key"]["kernel"], "timings": entry["timings"]})
+            dumped.append({"folder": folder.name, "kernel": entry["key"]["kernel"], "timings": entry["timings"]})
             best = min(timings)
             place = timings.index(best)
             rows[family(entry["key"]["kernel"])].append((len(timings), place, timings))
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         for (config, place), count in counts.most_common():
             print(f"  {count:3d}  #{place:<3d} {config}")
     if args.json is not None:
-        args.json.write_text(json.dumps(entries, indent=1))
+        args.json.write_text(json.dumps(dumped, indent=1))
     return 0
 
 

@@ -364,7 +364,7 @@ def _fake_forward_times(monkeypatch, fused_ms, eager_ms: float):
 
     monkeypatch.setattr(fuse_module, "_can_time_forward", lambda device: True)
     monkeypatch.setattr(fuse_module, "_time", fake_time)
-    monkeypatch.setattr(fuse_module, "_once", fake_time)  # one call: the same stand-in times
+    monkeypatch.setattr(fuse_module, "_once", lambda fn, args, warm=True: fake_time(fn, args))  # one call
     model = torch.nn.Sequential(torch.nn.LayerNorm(19), torch.nn.GELU()).eval()
     return calls, model, torch.randn(3, 7, 19)
 
@@ -429,13 +429,13 @@ def test_a_gpu_bound_forward_is_not_tried_as_a_cuda_graph(monkeypatch):
     calls = sum(1 for n in gm.graph.nodes if n.op.startswith("call_"))
     long_ms = fuse_module.FORWARD_BUDGET_MS + 1.0
     for ms, bound in ((long_ms, True), (fuse_module.FORWARD_BUDGET_MS - 1.0, False)):
-        monkeypatch.setattr(fuse_module, "_once", lambda fn, args, ms=ms: ms)
+        monkeypatch.setattr(fuse_module, "_once", lambda fn, args, ms=ms, warm=True: ms)
         why = fuse_module._gpu_bound(gm, (x,))
         assert (why is not None) == bound, why
         if bound:
             assert f"{ms:.1f} ms over {calls} calls" in why
     monkeypatch.setattr(fuse_module, "GPU_BOUND_MS_PER_CALL", long_ms / calls + 0.1)  # many short calls
-    monkeypatch.setattr(fuse_module, "_once", lambda fn, args: long_ms)
+    monkeypatch.setattr(fuse_module, "_once", lambda fn, args, warm=True: long_ms)
     assert fuse_module._gpu_bound(gm, (x,)) is None
 
 

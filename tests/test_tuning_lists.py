@@ -90,5 +90,39 @@ def test_the_bundled_caps():
     caps = {name: s.max_tuned_configs for name, s in registry.strategies.items()}
     assert caps["row_chain"] == chain.MAX_TUNED_CONFIGS == 8
     assert caps["matmul"] == caps["linear_epilogue"] == caps["layernorm_linear"] == products.MAX_TUNED_CONFIGS
-    assert caps["softmax_attention"] == 6
+    assert caps["softmax_attention"] == 3
     assert caps["row_reduction"] is None  # small kernels: their whole list is tuned
+
+
+def test_tuning_stats_reports_winners_caps_and_writes_every_timing(tmp_path, capsys):
+    """benchmarks/tuning_stats.py over cache folders as AutoFuser writes them: the winner's
+    place, what a cap would cost, and (``--json``) every first-round entry's timings."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from autofuser_core.cache import write_tuning
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tuning_stats.py"
+    spec = importlib.util.spec_from_file_location("tuning_stats", path)
+    stats = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stats)
+
+    def entry(folder, kernel, times, limit=None):
+        timings = [{"config": {"BLOCK_M": 16 * (i + 1)}, "ms": ms} for i, ms in enumerate(times)]
+        best = min(range(len(times)), key=times.__getitem__)
+        write_tuning(tmp_path / folder, {"kernel": kernel}, timings[best]["config"], timings, config_limit=limit)
+
+    entry("a", "af_mm_linear_1", [2.0, 1.0, 1.5])
+    entry("a", "af_chain_linear_gelu_2", [1.0, 3.0])
+    entry("b", "af_mm_linear_3", [4.0, 3.0, 2.0])
+    entry("b", "af_mm_linear_4", [9.0, 1.0], limit=4)  # a re-planning round's: not a full list
+    out = tmp_path / "all.json"
+    assert stats.main([str(tmp_path / "a"), str(tmp_path / "b"), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    mm = next(line for line in text.splitlines() if line.startswith("af_mm "))
+    assert mm.split()[1:3] == ["2", "3.0"] and "[1, 2]" in mm, mm  # two kernels, winners 2nd and 3rd
+    assert "100.0/ 100%" in mm  # cap 1: 2.0 vs 1.0 and 4.0 vs 2.0, both twice as slow
+    dumped = json.loads(out.read_text())
+    assert sorted(e["kernel"] for e in dumped) == ["af_chain_linear_gelu_2", "af_mm_linear_1", "af_mm_linear_3"]
+    assert [t["ms"] for t in next(e for e in dumped if e["kernel"] == "af_mm_linear_3")["timings"]] == [4.0, 3.0, 2.0]
