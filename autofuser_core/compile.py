@@ -362,15 +362,26 @@ LATER_ROUND_CONFIGS = 4
 _CONFIG_LIMIT: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("autofuser_config_limit", default=None)
 
 
-def _tuning_configs(candidate: Candidate) -> list[dict]:
+def _tuning_configs(candidate: Candidate, every: bool = False) -> tuple[list[dict], Optional[int]]:
+    """The configs tuning times: the strategy's valid ones in its order, the first
+    ``max_tuned_configs`` of them (all with ``every``: ``tune_all_configs``), and in a
+    re-planning round the first
+    ``LATER_ROUND_CONFIGS``; the default where none is valid. Also the round's limit where
+    it shortened the list (else ``None``): an entry tuned over fewer configs than a first
+    round would try is tuned again by one (``_valid_entry``)."""
     strategy, program = candidate.strategy, candidate.program
     valid = [c for c in strategy.configs(program) if strategy.is_valid(program, c) is None]
-    limits = [n for n in (strategy.max_tuned_configs, _CONFIG_LIMIT.get()) if n is not None]
-    return valid[:min(limits, default=None)] or [strategy.default_config(program)]
+    valid = valid if every else valid[:strategy.max_tuned_configs]
+    limit = _CONFIG_LIMIT.get()
+    cut = limit if limit is not None and len(valid) > limit else None
+    return valid[:limit] or [strategy.default_config(program)], cut
 
 
-def _tuning_key(source, device: torch.device) -> dict[str, Any]:
-    return {"kernel": source.name, "source_sha256": source.source_hash, **device_key(device)}
+def _tuning_key(source, device: torch.device, options) -> dict[str, Any]:
+    key = {"kernel": source.name, "source_sha256": source.source_hash, **device_key(device)}
+    if options.tune_all_configs:
+        key["all_configs"] = True  # kept apart: a capped entry is not a whole list's
+    return key
 
 
 def _precompile_untuned(jobs: list, device: torch.device, options, progress, report) -> Optional[Compiling]:
@@ -384,14 +395,14 @@ def _precompile_untuned(jobs: list, device: torch.device, options, progress, rep
     for job in jobs:
         if job.source.name in work or job.source.name in tuned:
             continue
-        if _valid_entry(job.candidate, read_tuning(root, _tuning_key(job.source, device)), warn=False):
+        if _valid_entry(job.candidate, read_tuning(root, _tuning_key(job.source, device, options)), warn=False):
             tuned.add(job.source.name)
             continue
         program = job.candidate.program
         work[job.source.name] = CompileJob(
             path=job.kernel_path, name=job.source.name,
             dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in (*program.inputs, *program.outputs)),
-            launches=tuple(launch_items(job.source.launch_args(c)) for c in _tuning_configs(job.candidate)))
+            launches=tuple(launch_items(job.source.launch_args(c)) for c in _tuning_configs(job.candidate, options.tune_all_configs)[0]))
     return start_compiling(list(work.values()), progress)
 
 
@@ -407,7 +418,7 @@ def _finish_compiling(compiling: Optional[Compiling], report) -> None:
 def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, progress, ready=None) -> _Tuned:
     if not _can_tune(device, options):
         return _Tuned(candidate.strategy.default_config(candidate.program))
-    key = _tuning_key(source, device)
+    key = _tuning_key(source, device, options)
     root = cache_dir(options.cache_dir)
     entry = _valid_entry(candidate, read_tuning(root, key))
     if entry is None:
@@ -450,7 +461,7 @@ def _tune(candidate: Candidate, source, kernel, inputs, device, options, progres
     ``ready(launch_args)``: wait until that config is compiled ahead (not counted as tuning)."""
     program = candidate.program
     default = candidate.strategy.default_config(program)
-    configs = _tuning_configs(candidate)
+    configs, limit = _tuning_configs(candidate, options.tune_all_configs)
     progress(f"tuning {source.name}: {len(configs)} configs")
     start = time.perf_counter()
     timings = []
@@ -475,7 +486,6 @@ def _tune(candidate: Candidate, source, kernel, inputs, device, options, progres
         timings.append({"config": config, "ms": ms})
         if ms < best_ms:
             best, best_ms = config, ms
-    limit = _CONFIG_LIMIT.get()
     write_tuning(root, key, best, timings, config_limit=limit)
     return _Tuned(best, False, time.perf_counter() - start - waited, timings, key, config_limit=limit)
 

@@ -15,6 +15,7 @@ act on the model itself, and updated weights take effect without recompiling.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import inspect
@@ -50,6 +51,10 @@ class FuseOptions(BaseModel):
     max_signatures: int = Field(8, ge=1, description="Compiled signatures kept; later new ones run eager.")
     tune: bool = Field(True, description="Benchmark each kernel's configs on a GPU (cached).")
     tune_budget_s: float = Field(20.0, gt=0, description="Tuning time per group, seconds.")
+    tune_all_configs: bool = Field(
+        False, description="Tune every valid config, also past the few that strategies with large kernels tune "
+                           "(their max_tuned_configs): longer cold compiles, for gathering tuning statistics "
+                           "(benchmarks/tuning_stats.py). Cached apart from capped tuning.")
     verify_speed: bool = Field(True, description="On a GPU, time each group fused vs eager and keep the faster; "
                                                  "run the original model unless the whole fused forward is at "
                                                  "least FORWARD_MARGIN (2%) faster.")
@@ -391,7 +396,7 @@ CLEAR_GAP = 0.2
 WIDE_GAP = 0.5
 FORWARD_TIMING = (f"back-to-back events, fused first, best of {FORWARD_ROUNDS} rounds "
                   f"(one past a {CLEAR_GAP:.0%} gap), 3 calls for a forward over {FORWARD_BUDGET_MS:g} ms, "
-                  f"one eager call past a {WIDE_GAP:.0%} gap there")
+                  f"one eager call over that past a {WIDE_GAP:.0%} gap")
 
 
 def writes_into_inputs(forward, flat: Sequence[Any]) -> bool:
@@ -405,10 +410,10 @@ def writes_into_inputs(forward, flat: Sequence[Any]) -> bool:
     return any(c._version != version for c, version in before)
 
 
-#: GPU time per call in the forward above which its kernels outrun their launches: the
-#: host queues the next launch (microseconds) while the GPU still runs this one, so a
-#: CUDA graph replay has no launch time left to save.
-GPU_BOUND_MS_PER_CALL = 0.2
+#: A forward over FORWARD_BUDGET_MS that the host queues in under this share of its time
+#: is GPU-bound: every launch is queued while the GPU still runs earlier work, so a CUDA
+#: graph replay has no launch time left to save.
+HOST_SHARE_GPU_BOUND = 0.5
 
 
 def _forward_times(fused, eager, flat: Sequence[Any]) -> tuple[float, float]:
@@ -417,13 +422,14 @@ def _forward_times(fused, eager, flat: Sequence[Any]) -> tuple[float, float]:
     verdict by landing on one side only. The fused side goes first in each round: a GPU
     still ramping its clocks after the compile slows it, not eager, so any bias favours the
     original. A fused forward more than CLEAR_GAP ahead after one round needs no second;
-    a long one past WIDE_GAP against one eager call needs no more eager calls."""
+    one more than WIDE_GAP ahead of a single eager call over FORWARD_BUDGET_MS needs no
+    more eager calls."""
     fused_runs, eager_runs = [], []
     for round_ in range(FORWARD_ROUNDS):
         fused_runs.append(_time(fused, flat))
-        if round_ == 0 and fused_runs[0] > FORWARD_BUDGET_MS:
-            once = _once(eager, flat, warm=False)  # eager ran in capture and verification
-            if fused_runs[0] < once * (1.0 - WIDE_GAP):
+        if round_ == 0:
+            _, once = _once(eager, flat)  # eager ran in capture and verification: no warm-up
+            if once > FORWARD_BUDGET_MS and fused_runs[0] < once * (1.0 - WIDE_GAP):
                 return fused_runs[0], once
         eager_runs.append(_time(eager, flat))
         if min(fused_runs) < min(eager_runs) * (1.0 - CLEAR_GAP):
@@ -433,27 +439,33 @@ def _forward_times(fused, eager, flat: Sequence[Any]) -> tuple[float, float]:
 
 def _gpu_bound(forward: torch.fx.GraphModule, flat: Sequence[Any]) -> Optional[str]:
     """Why a CUDA graph can't pay for this forward, or ``None`` (try one): a forward over
-    FORWARD_BUDGET_MS whose calls average more than GPU_BOUND_MS_PER_CALL each."""
-    calls = sum(1 for n in forward.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
-    ms = _once(forward, flat)
-    if ms > FORWARD_BUDGET_MS and ms > GPU_BOUND_MS_PER_CALL * max(calls, 1):
-        return (f"the forward is GPU-bound, {ms:.1f} ms over {calls} calls: a replay would save only "
-                "launches the GPU already hides")
+    FORWARD_BUDGET_MS that the host queues in under HOST_SHARE_GPU_BOUND of its time."""
+    with _on_device(flat):
+        forward(*flat)  # warm: the first call after compiling may still load kernels
+        queued_ms, total_ms = _once(forward, flat)
+    if total_ms > FORWARD_BUDGET_MS and queued_ms < HOST_SHARE_GPU_BOUND * total_ms:
+        return (f"the forward is GPU-bound: the host queues it in {queued_ms:.1f} of its {total_ms:.1f} ms, "
+                "so a replay would save no launch time")
     return None
 
 
-def _once(fn, args: Sequence[Any], warm: bool = True) -> float:
-    """Wall ms of one call of ``fn(*args)``, synchronised; after one untimed call unless
-    ``warm`` is false (the forward has run already)."""
+def _on_device(args: Sequence[Any]):
+    """A context making the device of the first CUDA tensor in ``args`` current (none: the
+    current device stays)."""
     device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
-    with torch.cuda.device(device):
-        if warm:
-            fn(*args)
+    return torch.cuda.device(device) if device is not None else contextlib.nullcontext()
+
+
+def _once(fn, args: Sequence[Any]) -> tuple[float, float]:
+    """One call of ``fn(*args)`` on the device of ``args``: (ms until the host returned from
+    it, ms until the GPU finished it), wall clock from a synchronised start."""
+    with _on_device(args):
         torch.cuda.synchronize()
         begin = time.perf_counter()
         fn(*args)
+        queued = time.perf_counter()
         torch.cuda.synchronize()
-        return (time.perf_counter() - begin) * 1e3
+        return (queued - begin) * 1e3, (time.perf_counter() - begin) * 1e3
 
 
 def _time(fn, args: tuple) -> float:
@@ -462,22 +474,13 @@ def _time(fn, args: tuple) -> float:
     give the host a head start, hiding launch overhead), about ``FORWARD_BUDGET_MS`` of calls
     after two warm-up calls. On the device of the first tensor argument (``args`` or, for
     a closure over the call's arguments, the current device)."""
-    device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
-    with torch.cuda.device(device):
-        return _time_on_device(fn, args)
-
-
-def _time_on_device(fn, args: tuple) -> float:
-    torch.cuda.synchronize()
-    begin = time.perf_counter()
-    fn(*args)
-    torch.cuda.synchronize()
-    once_ms = (time.perf_counter() - begin) * 1e3
-    # A forward longer than the budget on its own: 3 calls after 1 warm-up (a transformer
-    # over every mesh point runs 0.3 s eager; 5 calls and 2 warm-ups cost seconds).
-    slow = once_ms > FORWARD_BUDGET_MS
-    calls = 3 if slow else max(5, min(100, int(FORWARD_BUDGET_MS / max(once_ms, 1e-3))))
-    return median_call_ms(lambda: fn(*args), calls, warmup=1 if slow else 2)
+    with _on_device(args):
+        _, once_ms = _once(fn, args)
+        # A forward longer than the budget on its own: 3 calls after 1 warm-up (a transformer
+        # over every mesh point runs 0.3 s eager; 5 calls and 2 warm-ups cost seconds).
+        slow = once_ms > FORWARD_BUDGET_MS
+        calls = 3 if slow else max(5, min(100, int(FORWARD_BUDGET_MS / max(once_ms, 1e-3))))
+        return median_call_ms(lambda: fn(*args), calls, warmup=1 if slow else 2)
 
 
 def _can_time_forward(device: torch.device) -> bool:

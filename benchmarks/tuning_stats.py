@@ -7,8 +7,12 @@ timed, where the winner was in the list, and what capping the list at its first
 ``k`` configs would have cost (the best of the first ``k`` against the best of
 all, as a slowdown of the kernel); then each family's winning configs, most
 frequent first, with their places in the list. The data behind how many configs
-a strategy lists, and in which order. ``--json FILE`` also writes every entry's
-timings (kernel, config, ms), to try another order or cap offline.
+a strategy lists, and in which order. ``--json FILE`` also writes every
+first-round entry's timings (kernel, config, ms), to try another order or cap
+offline. Strategies with large kernels tune only their first few configs
+(``max_tuned_configs``): their entries then show where the winner sat among
+those. For whole lists, fill the caches with ``autofuser bench
+--tune-all-configs`` (``fuse(..., tune_all_configs=True)``).
 
     python benchmarks/tuning_stats.py /tmp/autofuser-zoo-cache/* --json tuning.json
 """
@@ -33,7 +37,7 @@ def family(kernel: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", type=Path)
-    parser.add_argument("--json", type=Path, default=None, help="write every entry's timings here")
+    parser.add_argument("--json", type=Path, default=None, help="write every first-round entry's timings here")
     args = parser.parse_args(argv)
     dumped = []  # every first-round entry, for --json
     rows: dict[str, list[tuple[int, int, list[float]]]] = defaultdict(list)

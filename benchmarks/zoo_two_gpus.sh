@@ -23,7 +23,7 @@ print(",".join(lower), ",".join(upper))
 PY
 )
 echo "fp32 on GPU 0, CPUs $lower; bf16 on GPU 1, CPUs $upper" | tee "$out/split.txt"
-# Three steps per dtype, so each step's archive holds what finished if a time limit stops the run.
+# Up to three steps per dtype, so each step's archive holds what finished if a time limit stops the run.
 steps() { IFS=, read -r -a m <<< "$models"; local n=${#m[@]} a=$(( (${#m[@]} + 2) / 3 ));
   for ((i = 0; i < n; i += a)); do echo "zoo:$1:$(IFS=,; echo "${m[*]:i:a}")"; done; }
 # shellcheck disable=SC2046

@@ -657,16 +657,21 @@ def test_tuning_configs_are_the_valid_ones_first_few_under_a_limit():
         is_valid=lambda program, config: "too big" if config["BLOCK"] in (16, 128) else None,
         default_config=lambda program: {"BLOCK": 4}, max_tuned_configs=None)
     candidate = types.SimpleNamespace(strategy=strategy, program=None)
-    assert [c["BLOCK"] for c in compile_module._tuning_configs(candidate)] == [8, 32, 64, 256]
+
+    def tuned():
+        configs, cut = compile_module._tuning_configs(candidate)
+        return [c["BLOCK"] for c in configs], cut
+
+    assert tuned() == ([8, 32, 64, 256], None)
     strategy.max_tuned_configs = 3  # the strategy's own cap counts valid configs only
-    assert [c["BLOCK"] for c in compile_module._tuning_configs(candidate)] == [8, 32, 64]
-    token = compile_module._CONFIG_LIMIT.set(2)  # a re-planning round's, when smaller
+    assert tuned() == ([8, 32, 64], None)
+    token = compile_module._CONFIG_LIMIT.set(2)  # a re-planning round's, when smaller: recorded as a cut
     try:
-        assert [c["BLOCK"] for c in compile_module._tuning_configs(candidate)] == [8, 32]
-        strategy.max_tuned_configs = 1  # the strategy's, when smaller
-        assert [c["BLOCK"] for c in compile_module._tuning_configs(candidate)] == [8]
+        assert tuned() == ([8, 32], 2)
+        strategy.max_tuned_configs = 1  # the strategy's, when smaller: the round cut nothing
+        assert tuned() == ([8], None)
         strategy.is_valid = lambda program, config: "none fits"
-        assert compile_module._tuning_configs(candidate) == [{"BLOCK": 4}]  # the default, as without a limit
+        assert tuned() == ([4], None)  # the default, as without a limit
     finally:
         compile_module._CONFIG_LIMIT.reset(token)
 

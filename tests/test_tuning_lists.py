@@ -13,6 +13,7 @@ import autofuser
 from autofuser import SpecError, StrategySpec
 from autofuser_core.compile import _tuning_configs
 from autofuser_core.planner import plan_fusion_groups
+from autofuser_plugins.attention import strategy as attention
 from autofuser_plugins.matmul import strategy as products
 from autofuser_plugins.mlp import chain
 
@@ -28,7 +29,7 @@ def _tiles(configs) -> list[tuple[int, int]]:
 
 def test_a_one_column_product_tries_the_narrowest_tiles_first():
     [candidate] = _kept(nn.Linear(96, 1), torch.randn(3, 221, 96), "matmul")
-    tuned = _tuning_configs(candidate)
+    tuned = _tuning_configs(candidate)[0]
     assert len(tuned) == products.MAX_TUNED_CONFIGS
     assert {n for _, n in _tiles(tuned[:2])} == {32}, _tiles(tuned)  # 31 padding columns, not 127
     assert _tiles(tuned[:2]) == [(32, 32), (64, 32)]  # then the tile count: 21 programs before 11
@@ -36,7 +37,7 @@ def test_a_one_column_product_tries_the_narrowest_tiles_first():
 
 def test_a_product_of_few_rows_tries_the_tiles_that_fill_the_chip_first():
     [candidate] = _kept(nn.Linear(64, 256), torch.randn(1, 37, 64), "matmul")
-    tiles = _tiles(_tuning_configs(candidate))
+    tiles = _tiles(_tuning_configs(candidate)[0])
     programs = [-(-37 // m) * -(-256 // n) for m, n in tiles]
     assert programs == sorted(programs, reverse=True), tiles  # all under one per SM: most first
     assert tiles[0] == (32, 32)
@@ -50,7 +51,15 @@ def test_a_large_product_keeps_the_listed_order_with_padded_tiles_last():
     tiles = _tiles(everything)
     assert [t for t in tiles if t[1] <= 128] == [t for t in listed if t[1] <= 128 and t in tiles]
     assert all(n == 256 for _, n in tiles[-2:]), tiles  # 128 padding columns each
-    assert _tuning_configs(candidate) == everything[:products.MAX_TUNED_CONFIGS]
+    assert _tuning_configs(candidate)[0] == everything[:products.MAX_TUNED_CONFIGS]
+
+
+def test_a_little_padding_does_not_push_wide_tiles_back():
+    """200 columns: 32-wide tiles compute 224, 128-wide ones 256 - within PADDING_SLACK,
+    so a large product keeps trying its 128 x 128 tiles first."""
+    [candidate] = _kept(nn.Linear(96, 200), torch.randn(8, 4000, 96), "matmul")
+    assert 256 <= products.PADDING_SLACK * 224
+    assert _tiles(_tuning_configs(candidate)[0])[:2] == [(128, 128), (128, 128)]
 
 
 class _ChainBlock(nn.Module):
@@ -69,11 +78,10 @@ def test_a_row_chain_tunes_its_usual_winners_first_and_at_most_eight():
     listed = chain.configs(program)
     valid = [c for c in listed if chain.is_valid(program, c) is None]
     assert len(valid) > chain.MAX_TUNED_CONFIGS
-    tuned = _tuning_configs(candidate)
+    tuned = _tuning_configs(candidate)[0]
     assert tuned == valid[:chain.MAX_TUNED_CONFIGS]
     first = (chain.FIRST_CONFIGS[0][0], chain.FIRST_CONFIGS[0][2])
     assert (tuned[0]["BLOCK_M"], tuned[0]["num_warps"]) == first
-    assert len({str(sorted(c.items())) for c in listed}) == len(listed)  # no config twice
 
 
 def test_max_tuned_configs_must_be_positive():
@@ -90,7 +98,7 @@ def test_the_bundled_caps():
     caps = {name: s.max_tuned_configs for name, s in registry.strategies.items()}
     assert caps["row_chain"] == chain.MAX_TUNED_CONFIGS == 8
     assert caps["matmul"] == caps["linear_epilogue"] == caps["layernorm_linear"] == products.MAX_TUNED_CONFIGS
-    assert caps["softmax_attention"] == 3
+    assert caps["softmax_attention"] == attention.MAX_TUNED_CONFIGS == 3
     assert caps["row_reduction"] is None  # small kernels: their whole list is tuned
 
 
@@ -126,3 +134,35 @@ def test_tuning_stats_reports_winners_caps_and_writes_every_timing(tmp_path, cap
     dumped = json.loads(out.read_text())
     assert sorted(e["kernel"] for e in dumped) == ["af_chain_linear_gelu_2", "af_mm_linear_1", "af_mm_linear_3"]
     assert [t["ms"] for t in next(e for e in dumped if e["kernel"] == "af_mm_linear_3")["timings"]] == [4.0, 3.0, 2.0]
+
+
+def test_tune_all_configs_tunes_past_the_cap_and_is_cached_apart():
+    import types
+
+    from autofuser_core.compile import _tuning_key
+    from autofuser_core.fuse import FuseOptions
+
+    [candidate] = _kept(_ChainBlock(), torch.randn(2, 37, 64), "row_chain")
+    capped, _ = _tuning_configs(candidate)
+    every, _ = _tuning_configs(candidate, every=True)
+    assert len(capped) == chain.MAX_TUNED_CONFIGS < len(every) and every[:len(capped)] == capped
+    source = types.SimpleNamespace(name="af_chain_x", source_hash="0" * 64)
+    plain = _tuning_key(source, torch.device("cpu"), FuseOptions())
+    whole = _tuning_key(source, torch.device("cpu"), FuseOptions(tune_all_configs=True))
+    assert "all_configs" not in plain and whole == {**plain, "all_configs": True}
+
+
+def test_bench_passes_tune_all_configs_to_fuse(monkeypatch):
+    import argparse
+
+    from autofuser_zoo import harness
+
+    seen = {}
+    monkeypatch.setattr(harness, "run_bench", lambda names, **kwargs: seen.update(kwargs) or {"markdown": ""})
+    parser = argparse.ArgumentParser()
+    harness.add_arguments(parser)
+    args = parser.parse_args(["--models", "fno", "--device", "cpu", "--tune-all-configs", "--tune-budget", "1"])
+    assert harness.run_from_args(args) == 0
+    assert seen["fuse_options"] == {"tune_budget_s": 1.0, "tune_all_configs": True}
+    assert harness.run_from_args(parser.parse_args(["--models", "fno", "--device", "cpu"])) == 0
+    assert seen["fuse_options"] == {}

@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override every model's batch size (default: the paper's, or 2 for --config tiny)")
     parser.add_argument("--tune-budget", type=float, default=None,
                         help="AutoFuser tuning seconds per group (default: fuse()'s own)")
+    parser.add_argument("--tune-all-configs", action="store_true",
+                        help="AutoFuser tunes every valid config, past the strategies' caps (fuse's "
+                             "tune_all_configs): for benchmarks/tuning_stats.py, not for timing first calls")
     parser.add_argument("--fresh-first-calls", action="store_true",
                         help="also time AutoFuser's cold first call and torch.compile's first call each in a new "
                              "process with empty caches (autofuser_zoo.first_call), as a user's first run of a "
@@ -115,7 +118,8 @@ def run_from_args(args: argparse.Namespace) -> int:
                        out=Path(args.out), config=args.config, compile_mode=args.compile_mode,
                        no_compile=args.no_compile, train_steps=args.train_steps, batch_size=args.batch_size,
                        cache_root=Path(args.cache_dir) if args.cache_dir else None,
-                       fuse_options={} if args.tune_budget is None else {"tune_budget_s": args.tune_budget},
+                       fuse_options={**({} if args.tune_budget is None else {"tune_budget_s": args.tune_budget}),
+                                     **({"tune_all_configs": True} if args.tune_all_configs else {})},
                        fresh_first_calls=args.fresh_first_calls)
     print(result["markdown"])
     return 0

@@ -76,7 +76,8 @@ def configs(program):
                 continue
         if config not in out:
             out.append(config)
-    return sorted(out, key=lambda config: _fit(program.matmul, config))
+    fewest = min(_columns(program.matmul, config)[1] for config in out)
+    return sorted(out, key=lambda config: _fit(program.matmul, config, fewest))
 
 
 #: Streaming multiprocessors on the GPUs tuned for (H100/H200: 132): a product with fewer
@@ -87,14 +88,27 @@ SMS = 132
 MAX_TUNED_CONFIGS = 6
 
 
-def _fit(layout: MatmulLayout, config: dict) -> tuple[int, int]:
-    """Sort key, smaller first: the padding columns a tile row computes for nothing (an
-    output of 1 column wants 32-wide tiles, not 128), then how far the tiles fall short
-    of one per SM (a product of 884 rows wants small tiles). Ties keep CONFIGS' order."""
+#: Tiles computing up to this many times the fewest columns any listed tile computes are
+#: equally good on that count (n=200: 224 columns in 32-wide tiles, 256 in 128-wide ones).
+PADDING_SLACK = 1.25
+
+
+def _columns(layout: MatmulLayout, config: dict) -> tuple[int, int]:
+    """Tiles across a row of the output, and the columns they compute (padding included)."""
     block_n = config.get("BLOCK_N") or dot_block(layout.n)
-    tiles_n = -(-layout.n // block_n)
-    programs = -(-layout.rows // config["BLOCK_M"]) * tiles_n * layout.batch
-    return tiles_n * block_n - layout.n, max(0, SMS - programs)
+    tiles = -(-layout.n // block_n)
+    return tiles, tiles * block_n
+
+
+def _fit(layout: MatmulLayout, config: dict, fewest: int) -> tuple[float, int]:
+    """Sort key, smaller first: the columns the tiles compute against the fewest any tile
+    computes, past PADDING_SLACK (an output of 1 column wants 32-wide tiles, not 128), then
+    how far the tiles fall short of one per SM (a product of 884 rows wants small tiles).
+    Ties keep CONFIGS' order."""
+    tiles, columns = _columns(layout, config)
+    padding = columns / fewest if columns > PADDING_SLACK * fewest else 0.0
+    programs = -(-layout.rows // config["BLOCK_M"]) * tiles * layout.batch
+    return padding, max(0, SMS - programs)
 
 
 def is_valid(program, config):
