@@ -165,7 +165,7 @@ def row_reduction(op: str, full: str, mask: str) -> str:
     return f"tl.where({has_nan}, float(\"nan\"), {reduced})"
 
 
-def _literal(value) -> str:
+def literal(value) -> str:
     if isinstance(value, bool):
         return "True" if value else "False"
     if math.isinf(value):
@@ -204,7 +204,7 @@ class _Writer:
         if v.uid in self.names:
             return self.names[v.uid]
         if v.op == "const":
-            return _literal(v.constant)
+            return literal(v.constant)
         if v.op == "load":
             name = loads[self.program.input_of_load[v.uid]]
         elif v.op == "pointwise":

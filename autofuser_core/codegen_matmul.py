@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from .codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, _header, _literal, _short, emit_offsets, next_power_of_2,
+from .codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, _header, _short, emit_offsets, literal, next_power_of_2,
                       row_reduction, triton_cdiv, used_helpers)
 from .group import GroupProgram, collect_values
 from .ir import Value
@@ -40,10 +40,10 @@ _COMBINE = {"sum": "{0} + {1}", "max": "tl.maximum({0}, {1}, propagate_nan=tl.Pr
             "min": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)"}
 
 
-class _Block:
+class DagBlock:
     """Emits one straight-line block of the DAG (its own memo: loads differ per loop step)."""
 
-    def __init__(self, writer: "_MatmulWriter", indent: int, site, known: dict[int, str]):
+    def __init__(self, writer: "MatmulWriter", indent: int, site, known: dict[int, str]):
         self.w = writer
         self.indent = indent
         # The inner axis of this block's tiles: "k" loads at (rows, ks), "n" at (rows, cols); a
@@ -61,7 +61,7 @@ class _Block:
         if v.uid in self.names:
             return self.names[v.uid]
         if v.op == "const":
-            return _literal(v.constant)
+            return literal(v.constant)
         if v.op == "load":
             name = self.load(v)
         elif v.op == "pointwise":
@@ -104,7 +104,7 @@ class _Block:
         return name
 
 
-class _MatmulWriter:
+class MatmulWriter:
     def __init__(self, program: GroupProgram):
         self.program = program
         self.layout = program.matmul
@@ -142,12 +142,12 @@ def _reduction_levels(prologue_values: list[Value]) -> list[list[Value]]:
 def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[dict[str, str]] = None) -> KernelSource:
     """Write the Triton source for a group with one product; see module doc."""
     L = program.matmul
-    w = _MatmulWriter(program)
+    w = MatmulWriter(program)
     dot = L.dot
     rank = len(L.out_domain)
     row_dims = [rank - 2] if L.batched else list(range(rank - 1))
     batch_dims = list(range(rank - 2)) if L.batched else []
-    values = _all_values(program)
+    values = all_values(program)
     loads = [v for v in values if v.op == "load" and v is not dot.args[1]]
 
     # Per site: strides over row dims and batch dims.
@@ -188,7 +188,7 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     b_index = program.input_of_load[b.uid]
     b_tensor = program.inputs[b_index]
     bk, bn = L.b_strides[-2], L.b_strides[-1]
-    b_terms = [t for t in (b_row, _term("kk", bk), _term("cols", bn)) if t]
+    b_terms = [t for t in (b_row, index_term("kk", bk), index_term("cols", bn)) if t]
 
     def b_load(start: str) -> list[str]:
         return weight_tile("b_tile", b_index, b_tensor.dtype, " + ".join(b_terms) or "0", f"(kk < {L.k}) & col_mask",
@@ -200,31 +200,31 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
         w.emit("ks = tl.arange(0, BLOCK_K)[None, :]")
         w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
         w.emit(f"k_mask = ks < {L.k}")
-        a_name = _Block(w, 1, "k", {}).value(a)
+        a_name = DagBlock(w, 1, "k", {}).value(a)
         w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))")
         for line in b_load("0"):
             w.emit(line)
-        w.emit(f"acc = {_dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision, L.b_packed)}")
+        w.emit(f"acc = {dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision, L.b_packed)}")
     else:
         # 2. prologue reductions, one pass over K per level
-        known = _emit_prepasses(w, prologue_values, L.k)
+        known = emit_prepasses(w, prologue_values, L.k)
         # 3. main loop
         w.emit("acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)")
         w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):")
         w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", 2)
         w.emit(f"k_mask = ks < {L.k}", 2)
         w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 2)
-        a_name = _Block(w, 2, "k", known).value(a)
+        a_name = DagBlock(w, 2, "k", known).value(a)
         for line in b_load("k0"):
             w.emit(line, 2)
         w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 2)
-        w.emit(f"acc += {_dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision, L.b_packed)}", 2)
+        w.emit(f"acc += {dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision, L.b_packed)}", 2)
 
     # 4. epilogue and stores
-    block = _Block(w, 1, "n", {dot.uid: "acc"})
-    _emit_stores(w, program, block)
+    block = DagBlock(w, 1, "n", {dot.uid: "acc"})
+    emit_stores(w, program, block)
     blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr", "GROUP_M: tl.constexpr"]
-    source, name = _assemble(program, w, blocks, helpers, "mm", strategy,
+    source, name = assemble_kernel(program, w, blocks, helpers, "mm", strategy,
                              f"# product: rows {L.rows} x K {L.k} x N {L.n}, batch {L.batch}, "
                              f"operands {str(L.operand_dtype).removeprefix('torch.') if L.operand_dtype else L.precision}")
 
@@ -249,7 +249,7 @@ def weight_tile(target: str, index: int, dtype: torch.dtype, offset: str, mask: 
         return [f"{target} = tl.load(in{index} + {offset}, mask={mask}, other=0){cast}"]
     blocks = f"{target}_blocks"
     # The block term always appears (times 0 for one block), so the pointers form a tile.
-    s_terms = [_term(blocks, packed.strides[-2]) or f"{blocks} * 0"] + [t for t in [_term(across, packed.strides[-1])] if t]
+    s_terms = [index_term(blocks, packed.strides[-2]) or f"{blocks} * 0"] + [t for t in [index_term(across, packed.strides[-1])] if t]
     return [
         f"{blocks} = {start} // {packed.block} + tl.arange(0, {width} // {packed.block})[:, None]",
         f"{target}_scales = tl.load(in{packed.scales} + {' + '.join(s_terms)}, "
@@ -258,17 +258,17 @@ def weight_tile(target: str, index: int, dtype: torch.dtype, offset: str, mask: 
     ]
 
 
-def _term(axis: str, stride: int) -> Optional[str]:
+def index_term(axis: str, stride: int) -> Optional[str]:
     if stride == 0:
         return None
     return axis if stride == 1 else f"{axis} * {stride}"
 
 
-def _all_values(program: GroupProgram) -> list[Value]:
+def all_values(program: GroupProgram) -> list[Value]:
     return sorted(collect_values(program.output_values).values(), key=lambda v: v.uid)
 
 
-def _emit_prepasses(w: _MatmulWriter, prologue_values: list[Value], k: int, indent: int = 1) -> dict[int, str]:
+def emit_prepasses(w: MatmulWriter, prologue_values: list[Value], k: int, indent: int = 1) -> dict[int, str]:
     """Step 2 of the module doc: each level of prologue reductions is one pass over K."""
     known: dict[int, str] = {}
     for level in _reduction_levels(prologue_values):
@@ -279,7 +279,7 @@ def _emit_prepasses(w: _MatmulWriter, prologue_values: list[Value], k: int, inde
         w.emit(f"for k0 in range(0, {k}, BLOCK_K):", indent)
         w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", indent + 1)
         w.emit(f"k_mask = ks < {k}", indent + 1)
-        block = _Block(w, indent + 1, "k", {u: n for u, n in known.items() if u not in {v.uid for v in level}})
+        block = DagBlock(w, indent + 1, "k", {u: n for u, n in known.items() if u not in {v.uid for v in level}})
         for v in level:
             arg = block.value(v.args[0])
             part = row_reduction(v.reduce_op, f"tl.broadcast_to({arg}, (BLOCK_M, BLOCK_K))", "row_mask & k_mask")
@@ -311,7 +311,7 @@ def keeps_rows(k: int, operand_dtype) -> bool:
     return dot_block(k) * (2 if operand_dtype is not None else 4) <= RESIDENT_ROW_BYTES
 
 
-def _operand(expr: str, dtype) -> str:
+def as_operand(expr: str, dtype) -> str:
     """``expr`` converted once to a product's operand dtype."""
     if dtype is None:
         return expr
@@ -320,7 +320,7 @@ def _operand(expr: str, dtype) -> str:
     return f"{expr}.to({TL_DTYPES[dtype]})"
 
 
-def _dot_line(a: str, b: str, dtype, precision: str, packed: Optional[PackedOperand] = None) -> str:
+def dot_line(a: str, b: str, dtype, precision: str, packed: Optional[PackedOperand] = None) -> str:
     if dtype is None and precision == "tf32x3" and packed is not None and packed.exact_tf32:
         # b is exact in TF32: a = a_hi + a_lo in TF32 parts, two products instead of three.
         hi = f"({a}.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)"
@@ -335,20 +335,20 @@ def _dot_line(a: str, b: str, dtype, precision: str, packed: Optional[PackedOper
     return f"tl.dot({a}.to({tl_dtype}), {b}.to({tl_dtype}))"
 
 
-def _emit_stores(w: _MatmulWriter, program: GroupProgram, block: _Block) -> None:
+def emit_stores(w: MatmulWriter, program: GroupProgram, block: DagBlock) -> None:
     """Step 4's stores: each output through its own strides, masked to the tile."""
     results = [block.value(v) for v in program.output_values]
     for k, (t, res) in enumerate(zip(program.outputs, results)):
         ro, bo = w.site_offsets[("out", k)]
         # rows and cols always appear (times 0 for one row or a width-1 output), so the
         # pointer tile is [BLOCK_M, BLOCK_N].
-        n_term = _term("cols", t.domain_stride[-1]) or "cols * 0"
+        n_term = index_term("cols", t.domain_stride[-1]) or "cols * 0"
         off = " + ".join(x for x in (ro or "rows * 0", bo, n_term) if x)
         store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
         w.emit(f"tl.store(out{k} + {off}, tl.broadcast_to({store}, (BLOCK_M, BLOCK_N)), mask=row_mask & col_mask)")
 
 
-def _assemble(program, w, blocks, helpers, layout, strategy, extra_header):
+def assemble_kernel(program, w, blocks, helpers, layout, strategy, extra_header):
     params = [f"in{k}" for k in range(len(program.inputs))] + [f"out{k}" for k in range(len(program.outputs))]
     body = "\n".join(w.lines)
     helper_text = used_helpers(helpers, body)

@@ -450,7 +450,7 @@ def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Calla
         shapes = views.get(index, {tensor.shape})
         if len(shapes) > 1:
             raise GroupRefused("mixed_views", f"{tensor.name} is read with several shapes {sorted(shapes)}")
-        tensor.domain_stride = _domain_strides(*read_view(tensor, next(iter(shapes))), program.domain)
+        tensor.domain_stride = domain_strides(*read_view(tensor, next(iter(shapes))), program.domain)
     for tensor, value in zip(program.outputs, program.output_values):
         shape_s = aligned[value.uid]
         for d in range(rank):
@@ -473,7 +473,7 @@ def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Calla
                 strides[d] = own[j] if 0 <= j < len(own) and tensor.shape[j] != 1 else 0
             tensor.domain_stride = tuple(strides)
         else:
-            tensor.domain_stride = _domain_strides(tensor.shape, tensor.stride, program.domain)
+            tensor.domain_stride = domain_strides(tensor.shape, tensor.stride, program.domain)
         reduced_full = [shape_s[d] == program.domain[d] for d in reduced if program.domain[d] != 1]
         if reduced_full and any(reduced_full) and not all(reduced_full):
             raise GroupRefused("output_broadcasts", f"output {tensor.name} is partly reduced")
@@ -489,7 +489,7 @@ def read_view(tensor: KernelTensor, shape: Sequence[int]) -> tuple[tuple[int, ..
     return shape, tuple(next(own) if s != 1 else 0 for s in shape)
 
 
-def _domain_strides(shape: Sequence[int], stride: Sequence[int], domain: Sequence[int]) -> tuple[int, ...]:
+def domain_strides(shape: Sequence[int], stride: Sequence[int], domain: Sequence[int]) -> tuple[int, ...]:
     pad = len(domain) - len(shape)
     out = []
     for d in range(len(domain)):

@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from .group import GroupProgram, GroupRefused, _domain_strides, read_view
+from .group import GroupProgram, GroupRefused, domain_strides, read_view
 from .ir import AttrRef, Value
 
 
@@ -130,11 +130,11 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value],
     if b.op != "load":
         raise GroupRefused("computed_weight", "the product's second operand must be read from memory")
 
-    prologue = set(_collect_uids(a))
+    prologue = set(collect_uids(a))
     if any(values[u].op == "dot" for u in prologue):
         raise GroupRefused("several_products", "a product feeds another product")
-    depends = _depending_on(values, dot)
-    _outputs_from(program, values, depends, dot, prologue, "the product")
+    depends = depending_on(values, dot)
+    outputs_from(program, values, depends, dot, prologue, "the product")
 
     # With column_dims = c > 1 the product's columns span c trailing dims (a 1x1
     # convolution over [B, C, H, W]); every tensor of the epilogue and B is laid out
@@ -159,19 +159,19 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value],
         if v.op in ("pointwise", "reduce", "load") and len(v.shape) > rank:
             raise GroupRefused("shape_mismatch", "a value has more dims than the product")
 
-    _packed_only_as_weights(values, (b,))
+    packed_only_as_weights(values, (b,))
     for v in values.values():
         if v.op != "load" or v is b:
             continue
         shape, stride = read_view(program.inputs[program.input_of_load[v.uid]], v.shape)
         if v.uid in prologue:
-            _check_fits(shape, a_domain)
-            layout.load_strides[v.uid] = _domain_strides(shape, stride, a_domain)
+            check_fits(shape, a_domain)
+            layout.load_strides[v.uid] = domain_strides(shape, stride, a_domain)
         else:
             layout.load_strides[v.uid] = _column_strides(shape, stride, full_domain, columns)
 
     b_domain = full_domain[:rank - 1 - columns] + (k,) + full_domain[rank - columns:]
-    layout.b_strides, layout.b_packed = _weight_operand(program, b, dot, b_domain, columns)
+    layout.b_strides, layout.b_packed = weight_operand(program, b, dot, b_domain, columns)
     layout.batched = any(layout.b_strides[:-2])
 
     dtype = dot.dtype or torch.float32
@@ -183,7 +183,7 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value],
 
     layout.epilogue_reduces = any(v.op == "reduce" and v.uid not in prologue for v in values.values())
     layout.prologue_reduces = any(v.op == "reduce" and v.uid in prologue for v in values.values())
-    _install(program, layout, full_domain, columns)
+    install_layout(program, layout, full_domain, columns)
 
 
 def _column_strides(shape, stride, domain, columns: int) -> tuple[int, ...]:
@@ -194,8 +194,8 @@ def _column_strides(shape, stride, domain, columns: int) -> tuple[int, ...]:
     merges too); a tensor that doesn't (a column slice, a broadcast over some of
     them) refuses the group.
     """
-    _check_fits(shape, domain)
-    strides = _domain_strides(shape, stride, domain)
+    check_fits(shape, domain)
+    strides = domain_strides(shape, stride, domain)
     if columns == 1:
         return strides
     head, tail = list(strides[:len(strides) - columns]), strides[len(strides) - columns:]
@@ -208,14 +208,14 @@ def _column_strides(shape, stride, domain, columns: int) -> tuple[int, ...]:
     return tuple(head + [walked[-1][1] if walked else 0])
 
 
-def _packed_only_as_weights(values: dict[int, Value], weights: tuple[Value, ...]) -> None:
+def packed_only_as_weights(values: dict[int, Value], weights: tuple[Value, ...]) -> None:
     """A quantised weight is decoded only where a product reads it as its second operand."""
     for v in values.values():
         if v.op == "load" and v.packed is not None and not any(v is w for w in weights):
             raise GroupRefused("packed_weight", "a quantised weight is read other than as a product's weight")
 
 
-def _weight_operand(program: GroupProgram, load: Value, dot: Value, domain: tuple[int, ...],
+def weight_operand(program: GroupProgram, load: Value, dot: Value, domain: tuple[int, ...],
                     columns: int = 1) -> tuple[tuple[int, ...], Optional[PackedOperand]]:
     """The weight's strides over ``domain`` (``[..., K, N]``, its last ``columns`` dims
     merged into one), and its scales if it is stored quantised."""
@@ -241,12 +241,12 @@ def _weight_operand(program: GroupProgram, load: Value, dot: Value, domain: tupl
     s_shape[-2:], s_stride[-2:] = s_shape[-2:][::-1], s_stride[-2:][::-1]
     blocks = s_shape[-2]
     s_domain = domain[:-2] + (blocks, domain[-1])
-    _check_fits(tuple(s_shape), s_domain)
-    return strides, PackedOperand(scales=index, strides=_domain_strides(s_shape, s_stride, s_domain), blocks=blocks,
+    check_fits(tuple(s_shape), s_domain)
+    return strides, PackedOperand(scales=index, strides=domain_strides(s_shape, s_stride, s_domain), blocks=blocks,
                                   block=packed.block, decode=packed.decode, exact_tf32=packed.exact_tf32)
 
 
-def _depending_on(values: dict[int, Value], root: Value) -> set[int]:
+def depending_on(values: dict[int, Value], root: Value) -> set[int]:
     """``root`` and every value computed from it (uids grow in creation order)."""
     found: set[int] = set()
     for v in sorted(values.values(), key=lambda v: v.uid):
@@ -255,7 +255,7 @@ def _depending_on(values: dict[int, Value], root: Value) -> set[int]:
     return found
 
 
-def _outputs_from(program: GroupProgram, values: dict[int, Value], after: set[int], product: Value, before: set[int],
+def outputs_from(program: GroupProgram, values: dict[int, Value], after: set[int], product: Value, before: set[int],
                   what: str) -> None:
     """Every output is computed from ``product``, and nothing after it reads a value from ``before``."""
     for out, value in zip(program.outputs, program.output_values):
@@ -267,7 +267,7 @@ def _outputs_from(program: GroupProgram, values: dict[int, Value], after: set[in
             raise GroupRefused("prologue_reused", f"a value from before {what} is also used after it")
 
 
-def _install(program: GroupProgram, layout, out_domain: tuple[int, ...], columns: int = 1) -> None:
+def install_layout(program: GroupProgram, layout, out_domain: tuple[int, ...], columns: int = 1) -> None:
     """Attach ``layout`` to ``program``; every output must cover the whole product
     (``out_domain``, whose last ``columns`` dims the layout walks as one)."""
     program.domain = layout.out_domain
@@ -275,20 +275,20 @@ def _install(program: GroupProgram, layout, out_domain: tuple[int, ...], columns
     program.matmul = layout
     rank = len(out_domain)
     for tensor in program.outputs:
-        _check_fits(tensor.shape, out_domain)
+        check_fits(tensor.shape, out_domain)
         padded = (1,) * (rank - len(tensor.shape)) + tuple(tensor.shape)
         if any(s == 1 and d != 1 for s, d in zip(padded, out_domain)):
             raise GroupRefused("output_broadcasts", f"output {tensor.name} is smaller than the product")
         tensor.domain_stride = _column_strides(tensor.shape, tensor.stride, out_domain, columns)
 
 
-def _check_fits(shape, domain) -> None:
+def check_fits(shape, domain) -> None:
     pad = len(domain) - len(shape)
     if pad < 0 or any(s not in (1, d) for s, d in zip(shape, domain[pad:])):
         raise GroupRefused("shape_mismatch", f"a tensor of shape {list(shape)} does not fit the product's {list(domain)}")
 
 
-def _collect_uids(root: Value) -> list[int]:
+def collect_uids(root: Value) -> list[int]:
     seen: list[int] = []
     stack = [root]
     found: set[int] = set()
@@ -302,7 +302,7 @@ def _collect_uids(root: Value) -> list[int]:
     return seen
 
 
-def _operand_dtype(dot: Value) -> Optional[torch.dtype]:
+def product_operand_dtype(dot: Value) -> Optional[torch.dtype]:
     dtype = dot.dtype or torch.float32
     if dtype in (torch.float16, torch.bfloat16):
         return dtype

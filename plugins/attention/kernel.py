@@ -30,10 +30,9 @@ from typing import Optional
 
 import torch
 
-from autofuser_core.codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, _literal, emit_offsets, triton_cdiv,
-                                    kernel_header as core_kernel_header,
-                                    op_label, used_helpers)
-from autofuser_core.codegen_matmul import _dot_line, _operand, dot_block
+from autofuser_core.codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, emit_offsets,
+                                    kernel_header as core_kernel_header, literal, op_label, triton_cdiv, used_helpers)
+from autofuser_core.codegen_matmul import as_operand, dot_block, dot_line, index_term
 from autofuser_core.ir import Value
 from autofuser_core.rounding import interpreting, rounded, stored
 
@@ -41,12 +40,6 @@ from .layout import AttentionLayout, Operand, Step
 
 LOG2E = 1.4426950408889634
 ROUNDED = (torch.float16, torch.bfloat16)
-
-
-def _term(axis: str, stride: int) -> Optional[str]:
-    if stride == 0:
-        return None
-    return axis if stride == 1 else f"{axis} * {stride}"
 
 
 def _all(masks) -> str:
@@ -57,7 +50,7 @@ def _all(masks) -> str:
 def load_cast(tensor_dtype: torch.dtype, operand_dtype: Optional[torch.dtype], need_fp32: bool = False) -> str:
     """How an operand tile is loaded: as stored when that already is the product's
     operand dtype (the dot reads it as is), else converted to fp32 (and rounded
-    to the operand dtype by ``_operand``/``_dot_line``). The interpreter's bf16
+    to the operand dtype by ``as_operand``/``dot_line``). The interpreter's bf16
     product works on rounded fp32 values, so there bf16 is loaded as fp32 too."""
     if tensor_dtype == torch.float32:
         return ""
@@ -84,7 +77,7 @@ class _Writer:
         the tile has both axes even where the tensor broadcasts (``tl.dot`` operands)."""
         terms, used = [], []
         for axis, stride, mask in ((rows, op.row_stride, masks[0]), (cols, op.col_stride, masks[1])):
-            term = _term(axis, stride) or (f"{axis} * 0" if full else None)
+            term = index_term(axis, stride) or (f"{axis} * 0" if full else None)
             if term:
                 terms.append(term)
                 used += [mask] if mask else []
@@ -107,7 +100,7 @@ class _Writer:
         if v.uid in memo:
             return memo[v.uid]
         if v.op == "const":
-            return _literal(v.constant)
+            return literal(v.constant)
         if v.op == "load":
             if v.source in tiles:
                 if v.source not in loaded:
@@ -163,7 +156,7 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
     if L.q_steps:
         w.steps(L.q_steps, "q", {}, 1)
     if q_cast or L.q_steps:
-        operand = _operand("q", L.qk_dtype)
+        operand = as_operand("q", L.qk_dtype)
         if operand != "q":
             w.emit(f"q = {operand}  # the product's operand dtype")
 
@@ -183,7 +176,7 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
         w.emit("out = tl.where(l_i > 0, acc / l_i, 0.0)  # a row whose keys are all masked gives 0, as torch's does")
     else:
         w.emit("out = acc / l_i  # a row whose scores are all -inf gives NaN, as eager's softmax does")
-    out_off = " + ".join([_term("rows", L.out.row_stride) or "rows * 0", _term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
+    out_off = " + ".join([index_term("rows", L.out.row_stride) or "rows * 0", index_term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
     out_mask = _all([m for m in ("row_mask", dv_mask) if m])
     w.emit(f"tl.store(out_base + {out_off}, {stored('out', L.out.dtype, TL_DTYPES[L.out.dtype])}, mask={out_mask})")
     return _finish(program, strategy, helpers, w, L, block_d, block_dv)
@@ -197,7 +190,7 @@ def _key_block(w: _Writer, L: AttentionLayout, dr_mask) -> None:
     w.emit(f"key_mask = keys < {L.m}", 2)
     k_cast = load_cast(L.k.dtype, L.qk_dtype)
     w.emit(f"kt = {w.tile_load(L.k, 'k_base', 'keys', 'd_rows', ('key_mask', dr_mask), k_cast, full=True)}", 2)
-    w.emit(f"s = {_dot_line('q', 'kt', L.qk_dtype, L.precision)}  # q @ k^T", 2)
+    w.emit(f"s = {dot_line('q', 'kt', L.qk_dtype, L.precision)}  # q @ k^T", 2)
 
 
 def _load_v(w: _Writer, L: AttentionLayout, dv_mask) -> None:
@@ -214,7 +207,7 @@ def _fourier_loop(w: _Writer, L: AttentionLayout, dr_mask, dv_mask) -> None:
     w.steps(L.score_steps, "s", L.tiles, 2)
     w.emit("s = tl.where(key_mask, s, 0.0)  # keys past M add nothing", 2)
     _load_v(w, L, dv_mask)
-    w.emit(f"acc += {_dot_line('s', 'v', L.pv_dtype, L.precision)}", 2)
+    w.emit(f"acc += {dot_line('s', 'v', L.pv_dtype, L.precision)}", 2)
 
 
 def _softmax_loop(w: _Writer, L: AttentionLayout, dr_mask, dv_mask) -> None:
@@ -247,7 +240,7 @@ def _softmax_loop(w: _Writer, L: AttentionLayout, dr_mask, dv_mask) -> None:
     w.emit("p = tl.exp2(s - m_safe)", 2)
     w.emit("l_i = l_i * alpha + tl.sum(p, axis=1)[:, None]", 2)
     _load_v(w, L, dv_mask)
-    w.emit(f"acc = acc * alpha + {_dot_line('p', 'v', L.pv_dtype, L.precision)}", 2)
+    w.emit(f"acc = acc * alpha + {dot_line('p', 'v', L.pv_dtype, L.precision)}", 2)
     w.emit("m_i = m_new", 2)
 
 

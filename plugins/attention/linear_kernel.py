@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 
 from autofuser_core.codegen import INT32_LIMIT, TL_DTYPES, KernelSource, emit_offsets, op_label, used_helpers
-from autofuser_core.codegen_matmul import _dot_line, _operand, dot_block
+from autofuser_core.codegen_matmul import as_operand, dot_block, dot_line, index_term
 from autofuser_core.rounding import rounded, stored
 
 from .chain import POINTER_TYPES, chain_module, chain_stages, digest, split_chunk
-from .kernel import ROUNDED, _all, _term, _Writer, kernel_header, load_cast
+from .kernel import ROUNDED, _all, _Writer, kernel_header, load_cast
 from .layout import LinearAttentionLayout, Operand, RowNorm
 
 
@@ -84,7 +84,7 @@ def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource
         if norm is not None:
             emit_row_norm(w, name, norm, width, block, cols)
             w.emit(f"{name} = tl.where(point_mask, {name}, 0.0)  # points past m add nothing", 2)
-    w.emit(f"acc += {_dot_line('tl.trans(k)', 'v', ctx_operand, L.precision)}", 2)
+    w.emit(f"acc += {dot_line('tl.trans(k)', 'v', ctx_operand, L.precision)}", 2)
     w.emit(f"tl.store(partial + (batch * SPLITS + split) * {ctx_size} + tl.arange(0, BLOCK_D)[:, None] * BLOCK_DV "
            "+ dv_cols, acc)")
     partial_params = inputs + ["partial"]
@@ -118,12 +118,12 @@ def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource
     a.emit(f"ctx = tl.load(context + batch * {ctx_size} + tl.arange(0, BLOCK_D)[:, None] * BLOCK_DV + dv_cols)")
     q_cast = load_cast(L.q.dtype, out_operand)
     a.emit(f"q = {a.tile_load(L.q, 'q_base', 'rows', 'd_cols', ('row_mask', d_mask), q_cast, full=True)}")
-    a.emit(f"out = {_dot_line('q', _operand('ctx', out_operand), out_operand, L.precision)}  # q @ context")
+    a.emit(f"out = {dot_line('q', as_operand('ctx', out_operand), out_operand, L.precision)}  # q @ context")
     if L.out_dtype in ROUNDED:
         a.emit(f"out = {rounded('out', L.out_dtype)}  # the product's dtype")
     a.steps(L.out_steps, "out", {}, 1)
-    out_off = " + ".join([_term("rows", L.out.row_stride) or "rows * 0",
-                          _term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
+    out_off = " + ".join([index_term("rows", L.out.row_stride) or "rows * 0",
+                          index_term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
     a.emit(f"tl.store(out_base + {out_off}, {stored('out', L.out.dtype, TL_DTYPES[L.out.dtype])}, "
            f"mask={_all([m for m in ('row_mask', dv_mask) if m])})")
     apply = (inputs + ["context", "out0"], ["BLOCK_M", "BLOCK_D", "BLOCK_DV"], a.lines)

@@ -37,7 +37,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from autofuser_core.group import GroupRefused, _domain_strides, collect_values, program_from_nodes
+from autofuser_core.group import GroupRefused, collect_values, domain_strides, program_from_nodes
 from autofuser_core.ir import AttrRef, Value, tensor_meta
 from autofuser_core.matmul_layout import fp32_precision
 
@@ -228,7 +228,7 @@ def _operand(what: str, tensor_meta_, index: int, batch, rows_dim: int, cols_dim
     shape, stride = tuple(tensor_meta_.shape), tuple(tensor_meta_.stride)
     matrix = {rows_dim: rows, cols_dim: cols}
     _check_fits(what, shape, tuple(batch) + (matrix[-2], matrix[-1]))
-    strides = _domain_strides(shape, stride, tuple(batch) + (matrix[-2], matrix[-1]))
+    strides = domain_strides(shape, stride, tuple(batch) + (matrix[-2], matrix[-1]))
     return Operand(index, tensor_meta_.dtype, tuple(strides[:-2]), strides[rows_dim], strides[cols_dim])
 
 

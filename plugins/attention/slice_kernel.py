@@ -21,17 +21,17 @@ from __future__ import annotations
 import torch
 
 from autofuser_core.codegen import INT32_LIMIT, TL_DTYPES, KernelSource, op_label, used_helpers
-from autofuser_core.codegen_matmul import _dot_line, _operand, dot_block
+from autofuser_core.codegen_matmul import as_operand, dot_block, dot_line, index_term
 from autofuser_core.rounding import rounded, stored
 
 from .chain import POINTER_TYPES, chain_module, chain_stages, digest, split_chunk
-from .kernel import ROUNDED, _all, _term, _Writer, kernel_header, load_cast
+from .kernel import ROUNDED, _all, _Writer, kernel_header, load_cast
 from .layout import LinearMap, SliceLayout
 from .linear_kernel import _offsets
 
 
 def _fp32_or(dtype: torch.dtype):
-    """A product's operand dtype: ``None`` for fp32 (``_dot_line``'s convention)."""
+    """A product's operand dtype: ``None`` for fp32 (``dot_line``'s convention)."""
     return None if dtype == torch.float32 else dtype
 
 
@@ -47,7 +47,7 @@ def _linear(w: _Writer, result: str, tile: str, linear: LinearMap, in_block: str
     in_idx, out_idx = f"tl.arange(0, {in_block})[:, None]", f"tl.arange(0, {out_block})[None, :]"
     w.emit(f"wt = tl.load(in{linear.weight} + {out_idx} * {linear.width_in} + {in_idx}, "
            f"mask=({in_idx} < {linear.width_in}) & ({out_idx} < {linear.width_out}), other=0).to(tl.float32)", indent)
-    w.emit(f"{result} = {_dot_line(_operand(tile, operand), _operand('wt', operand), operand, precision)}"
+    w.emit(f"{result} = {dot_line(as_operand(tile, operand), as_operand('wt', operand), operand, precision)}"
            f"  # {op_label(linear.node)}", indent)
     if linear.bias is not None:
         w.emit(f"{result} += tl.load(in{linear.bias} + {out_idx}, mask={out_idx} < {linear.width_out}, other=0)"
@@ -105,7 +105,7 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     agg_operand = _fp32_or(L.agg_dtype)
     fx_cast = load_cast(L.fx.dtype, agg_operand)
     a.emit(f"fx = {a.tile_load(L.fx, 'fx_base', 'rows', 'df_cols', ('row_mask', _mask('df_cols', L.df)), fx_cast, full=True)}", 2)
-    a.emit(f"agg += {_dot_line('tl.trans(wts)', 'fx', agg_operand, L.precision)}", 2)
+    a.emit(f"agg += {dot_line('tl.trans(wts)', 'fx', agg_operand, L.precision)}", 2)
     a.emit("sums += tl.sum(wts, axis=0)", 2)
     a.emit(f"tl.store(partial + (batch * SPLITS + split) * {agg_size} + tl.arange(0, BLOCK_G)[:, None] * BLOCK_DF "
            "+ df_cols, agg)")
@@ -133,7 +133,7 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     _linear(m, "k", "tokens", L.to_k, "BLOCK_DF", "BLOCK_DQ", L.precision, 1)
     _linear(m, "v", "tokens", L.to_v, "BLOCK_DF", "BLOCK_DV", L.precision, 1)
     scores_operand = _fp32_or(L.scores_dtype)
-    m.emit(f"s = {_dot_line(_operand('q', scores_operand), _operand('tl.trans(k)', scores_operand), scores_operand, L.precision)}"
+    m.emit(f"s = {dot_line(as_operand('q', scores_operand), as_operand('tl.trans(k)', scores_operand), scores_operand, L.precision)}"
            "  # q @ k^T among the slices")
     _round(m, "s", L.scores_dtype, "the scores' dtype", 1)
     m.steps(L.score_steps, "s", {}, 1)
@@ -142,7 +142,7 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     m.emit("p = e / tl.sum(e, axis=1)[:, None]")
     _round(m, "p", L.probs_dtype, "the softmax's dtype", 1)
     mixed_operand = _fp32_or(L.mixed_dtype)
-    m.emit(f"mixed = {_dot_line(_operand('p', mixed_operand), _operand('v', mixed_operand), mixed_operand, L.precision)}")
+    m.emit(f"mixed = {dot_line(as_operand('p', mixed_operand), as_operand('v', mixed_operand), mixed_operand, L.precision)}")
     _round(m, "mixed", L.mixed_dtype, "the product's dtype", 1)
     m.emit(f"mixed = tl.where(g_rows < {L.g}, mixed, 0.0)")
     m.emit(f"tl.store(mixed_tokens + batch * {bg * bdv} + g_rows * BLOCK_DV + tl.arange(0, BLOCK_DV)[None, :], mixed)")
@@ -161,9 +161,9 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     c.emit("dv_cols = tl.arange(0, BLOCK_DV)[None, :]")
     c.emit(f"mixed = tl.load(mixed_tokens + batch * {bg * bdv} + tl.arange(0, BLOCK_G)[:, None] * BLOCK_DV + dv_cols)")
     out_operand = _fp32_or(L.out_dtype)
-    c.emit(f"out = {_dot_line(_operand('wts', out_operand), _operand('mixed', out_operand), out_operand, L.precision)}"
+    c.emit(f"out = {dot_line(as_operand('wts', out_operand), as_operand('mixed', out_operand), out_operand, L.precision)}"
            "  # w @ t'")
-    out_off = " + ".join([_term("rows", L.out.row_stride) or "rows * 0", _term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
+    out_off = " + ".join([index_term("rows", L.out.row_stride) or "rows * 0", index_term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
     c.emit(f"tl.store(out_base + {out_off}, {stored('out', L.out.dtype, TL_DTYPES[L.out.dtype])}, "
            f"mask={_all([x for x in ('row_mask', _mask('dv_cols', L.dv)) if x])})")
     scatter = (inputs + ["mixed_tokens", "out0"], ["BLOCK_M", "BLOCK_G", "BLOCK_DX", "BLOCK_DV"], c.lines)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from autofuser import StrategySpec
 from autofuser_core.codegen import KernelSource, triton_cdiv
-from autofuser_core.codegen_matmul import _dot_line, dot_block, needs_int64
+from autofuser_core.codegen_matmul import dot_block, dot_line, needs_int64
 from autofuser_core.group import GroupRefused, KernelTensor, attr_tensor, program_from_nodes
 from autofuser_core.ir import AttrRef, tensor_meta
 from autofuser_core.matmul_layout import STRICT_FP32
@@ -313,7 +313,7 @@ def write_conv_kernel(program: ConvProgram, strategy: str, helpers=None) -> Kern
         inside.append(f"(pos{d} >= 0) & (pos{d} < {conv.in_spatial[d]})")
         x_terms.append(f"pos{d} * {x_stride[2 + d]}")
     emit(f"x_tile = tl.load(in{x_index} + {' + '.join(x_terms)}, mask={' & '.join(inside)}, other=0).to(tl.float32)")
-    emit(f"acc += {_dot_line('w_tile', 'x_tile', program.operand_dtype, program.dtype_precision)}")
+    emit(f"acc += {dot_line('w_tile', 'x_tile', program.operand_dtype, program.dtype_precision)}")
     w.indent = 1
     coords = ("b", "rows") + tuple(q)
     if conv.bias is not None:

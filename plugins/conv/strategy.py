@@ -29,10 +29,10 @@ from typing import Optional
 import torch
 
 from autofuser import StrategySpec
-from autofuser_core.codegen import TL_DTYPES, KernelSource, _literal, triton_cdiv, used_helpers
+from autofuser_core.codegen import TL_DTYPES, KernelSource, literal, triton_cdiv, used_helpers
 from autofuser_core.codegen_matmul import needs_int64
-from autofuser_core.group import (GroupProgram, GroupRefused, KernelTensor, attr_tensor, collect_values, program_from_nodes,
-                                  read_view)
+from autofuser_core.group import (GroupProgram, GroupRefused, KernelTensor, attr_tensor, collect_values,
+                                  program_from_nodes, read_view)
 from autofuser_core.ir import AttrRef, Value, tensor_meta
 from autofuser_core.rounding import rounded, stored
 
@@ -227,7 +227,7 @@ class ChainWriter:
         if v.uid in names:
             return names[v.uid]
         if v.op == "const":
-            return _literal(v.constant)
+            return literal(v.constant)
         shape = tuple(v.shape)
         here = coords[len(coords) - len(shape):] if shape else ()
         here = tuple("0" if s == 1 else c for s, c in zip(shape, here))

@@ -29,8 +29,8 @@ from typing import Optional
 
 import torch
 
-from autofuser_core.codegen import TL_DTYPES, KernelSource, _literal, emit_offsets, row_reduction, triton_cdiv
-from autofuser_core.codegen_matmul import _assemble, _dot_line, _MatmulWriter, _operand, _term, needs_int64
+from autofuser_core.codegen import TL_DTYPES, KernelSource, emit_offsets, literal, row_reduction, triton_cdiv
+from autofuser_core.codegen_matmul import MatmulWriter, as_operand, assemble_kernel, dot_line, index_term, needs_int64
 from autofuser_core.group import GroupProgram
 from autofuser_core.ir import Value
 from autofuser_core.rounding import stored
@@ -60,7 +60,7 @@ class _Context:
         if v.uid in self.names:
             return self.names[v.uid]
         if v.op == "const":
-            return _literal(v.constant)
+            return literal(v.constant)
         w = self.w
         width = w.layout.width[v.uid]
         if v.op == "load":
@@ -89,7 +89,7 @@ class _Context:
         inner_stride = w.layout.load_strides[v.uid][-1]
         row = w.row_offsets[("load", v.uid)]
         axis, axis_mask, _ = self.axes.get(width, (None, None, None))
-        inner = _term(axis, inner_stride) if axis and inner_stride else None
+        inner = index_term(axis, inner_stride) if axis and inner_stride else None
         terms = [t for t in (row, inner) if t]
         masks = [m for m, used in (("row_mask", row), (axis_mask, inner)) if used]
         cast = "" if tensor.dtype == torch.bool else ".to(tl.float32)"
@@ -107,14 +107,14 @@ class _Context:
         width = w.layout.width[value.uid]
         res = self.value(value)
         axis, axis_mask, cols = self.axes[width] if width > 1 else (None, None, "1")
-        terms = [x for x in (w.row_offsets[("out", k)], _term(axis, t.domain_stride[-1]) if axis else None) if x]
+        terms = [x for x in (w.row_offsets[("out", k)], index_term(axis, t.domain_stride[-1]) if axis else None) if x]
         mask = "row_mask" + (f" & {axis_mask}" if axis else "")
         data = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
         self.emit(f"tl.store(out{k} + {' + '.join(terms) or '0'}, tl.broadcast_to({data}, (BLOCK_M, {cols})), "
                   f"mask={mask})")
 
 
-class _ChainWriter(_MatmulWriter):
+class _ChainWriter(MatmulWriter):
     def __init__(self, program: GroupProgram):
         super().__init__(program)
         self.layout: ChainLayout = program.matmul
@@ -130,7 +130,7 @@ class _ChainWriter(_MatmulWriter):
         """A name and the load of the weight's ``[k_axis, n_axis]`` tile (``k_axis`` a column vector)."""
         sk, sn = step.weight_strides
         index = self.program.input_of_load[step.dot.args[1].uid]
-        off = " + ".join(t for t in (_term(k_axis, sk), _term(n_axis, sn)) if t) or "0"
+        off = " + ".join(t for t in (index_term(k_axis, sk), index_term(n_axis, sn)) if t) or "0"
         name = f"w{step.index}_{self.fresh()}"
         return name, f"tl.load(in{index} + {off}, mask=({k_axis} < {k_limit}) & {n_mask}, other=0).to(tl.float32)"
 
@@ -138,7 +138,7 @@ class _ChainWriter(_MatmulWriter):
         """``value`` as a product operand: a [BLOCK_M, cols] tile, padding zeroed, in the product's dtype."""
         name = self.fresh()
         tile = f"tl.broadcast_to({ctx.value(value)}, (BLOCK_M, {cols}))"
-        ctx.emit(f"{name} = {_operand(f'tl.where({mask}, {tile}, 0.0)', step.operand_dtype)}")
+        ctx.emit(f"{name} = {as_operand(f'tl.where({mask}, {tile}, 0.0)', step.operand_dtype)}")
         return name
 
     def product(self, ctx: _Context, step: ChainStep) -> str:
@@ -153,7 +153,7 @@ class _ChainWriter(_MatmulWriter):
             name, load = self.weight_tile(step, f"k{step.k}", f"c{step.n}", str(step.k), f"m{step.n}")
             ctx.emit(f"{name} = {load}")
             acc = f"acc{step.index}"
-            ctx.emit(f"{acc} = {_dot_line(a_op, name, step.operand_dtype, L.precision)}")
+            ctx.emit(f"{acc} = {dot_line(a_op, name, step.operand_dtype, L.precision)}")
             return acc
         # streamed: A is made from memory one K chunk at a time
         acc = f"acc{step.index}"
@@ -167,7 +167,7 @@ class _ChainWriter(_MatmulWriter):
         a_op = self.operand(inner, step.dot.args[0], step, f"ks{step.index}_mask", block)
         name, load = self.weight_tile(step, f"kk{step.index}", f"c{step.n}", str(step.k), f"m{step.n}")
         inner.emit(f"{name} = {load}")
-        inner.emit(f"{acc} += {_dot_line(a_op, name, step.operand_dtype, L.precision)}")
+        inner.emit(f"{acc} += {dot_line(a_op, name, step.operand_dtype, L.precision)}")
         return acc
 
     def chunk_loop(self, step: ChainStep) -> _Context:
@@ -191,7 +191,7 @@ class _ChainWriter(_MatmulWriter):
         body.emit(f"cs{i}_mask = cs{i} < {step.n}")
         name, load = self.weight_tile(step, f"k{step.k}", f"cs{i}", str(step.k), f"cs{i}_mask")
         body.emit(f"{name} = {load}")
-        body.emit(f"chunk{i} = {_dot_line(a_op, name, step.operand_dtype, L.precision)}")
+        body.emit(f"chunk{i} = {dot_line(a_op, name, step.operand_dtype, L.precision)}")
         body.names[step.dot.uid] = f"chunk{i}"
         return body
 
@@ -205,7 +205,7 @@ class _ChainWriter(_MatmulWriter):
         body.emit(f"hs{i} = s{i} + tl.arange(0, {block})[:, None]")
         name, load = self.weight_tile(consumer, f"hs{i}", f"c{consumer.n}", str(step.n), f"m{consumer.n}")
         body.emit(f"{name} = {load}")
-        body.emit(f"{acc} += {_dot_line(mid, name, consumer.operand_dtype, self.layout.precision)}")
+        body.emit(f"{acc} += {dot_line(mid, name, consumer.operand_dtype, self.layout.precision)}")
         self.accumulators[consumer.index] = acc
 
     def tail_loop(self, step: ChainStep, outputs: list[tuple[int, Value]]) -> None:
@@ -255,7 +255,7 @@ def write_chain_kernel(program: GroupProgram, strategy: str, helpers: Optional[d
     blocks = ["BLOCK_M: tl.constexpr"] + [f"BLOCK_S{s.index}: tl.constexpr" for s in L.steps if s.chunked]
     modes = ", ".join(f"{s.mode if s.fed_by is None else 'accumulated'} {s.k}->{s.n}" for s in L.steps)
     dtypes = [str(s.operand_dtype).removeprefix("torch.") if s.operand_dtype else L.precision for s in L.steps]
-    source, name = _assemble(program, w, blocks, helpers, "chain", strategy,
+    source, name = assemble_kernel(program, w, blocks, helpers, "chain", strategy,
                              f"# row-tiled chain: rows {L.rows}; steps: {modes}; operands {dtypes}")
 
     def grid(config, rows=L.rows):

@@ -37,9 +37,9 @@ from typing import Optional
 import torch
 
 from autofuser_core.codegen_matmul import dot_block
-from autofuser_core.group import GroupProgram, GroupRefused, _domain_strides, collect_values
+from autofuser_core.group import GroupProgram, GroupRefused, collect_values, domain_strides
 from autofuser_core.ir import Value
-from autofuser_core.matmul_layout import _check_fits, _operand_dtype, convert_weight_once, fp32_precision
+from autofuser_core.matmul_layout import check_fits, convert_weight_once, fp32_precision, product_operand_dtype
 
 from .mlp_layout import weight_strides
 
@@ -137,8 +137,8 @@ def lay_out_chain(program: GroupProgram, values: dict[int, Value]) -> None:
             continue
         meta = program.inputs[program.input_of_load[v.uid]]
         domain = lead_t + (width[v.uid],)
-        _check_fits(meta.shape, domain)
-        layout.load_strides[v.uid] = _domain_strides(meta.shape, meta.stride, domain)
+        check_fits(meta.shape, domain)
+        layout.load_strides[v.uid] = domain_strides(meta.shape, meta.stride, domain)
 
     output_uids = {v.uid for v in program.output_values}
     fed: dict[int, int] = {}  # consumer dot uid -> hidden step index
@@ -150,7 +150,7 @@ def lay_out_chain(program: GroupProgram, values: dict[int, Value]) -> None:
                                                      "those outside: they are reductions, not steps)")
         step = ChainStep(index=index, dot=d, k=k, n=n, mode="whole",
                          weight_strides=weight_strides(program, d.args[1], d.transpose_b, (k, n)),
-                         operand_dtype=_operand_dtype(d))
+                         operand_dtype=product_operand_dtype(d))
         convert_weight_once(program, d.args[1], step.operand_dtype)
         if d.uid in fed:
             step.fed_by = fed[d.uid]
@@ -178,11 +178,11 @@ def lay_out_chain(program: GroupProgram, values: dict[int, Value]) -> None:
 
     for tensor, value in zip(program.outputs, program.output_values):
         domain = lead_t + (width[value.uid],)
-        _check_fits(tensor.shape, domain)
+        check_fits(tensor.shape, domain)
         shape = (1,) * (len(domain) - len(tensor.shape)) + tuple(tensor.shape)
         if any(s == 1 and t != 1 for s, t in zip(shape, domain)) or aligned[value.uid] != domain:
             raise GroupRefused("output_broadcasts", f"output {tensor.name} is smaller than the chain's rows")
-        tensor.domain_stride = _domain_strides(tensor.shape, tensor.stride, domain)
+        tensor.domain_stride = domain_strides(tensor.shape, tensor.stride, domain)
     program.domain = lead_t + (max(width.values()),)
     program.reduced_dims = ()
     program.matmul = layout

@@ -15,15 +15,15 @@ from __future__ import annotations
 from typing import Optional
 
 from autofuser_core.codegen import KernelSource, emit_offsets, triton_cdiv
-from autofuser_core.codegen_matmul import (_all_values, _assemble, _Block, _dot_line, _emit_prepasses, _emit_stores,
-                                           _MatmulWriter, _operand, _term, dot_block, keeps_rows, needs_int64,
+from autofuser_core.codegen_matmul import (DagBlock, MatmulWriter, all_values, as_operand, assemble_kernel, dot_block,
+                                           dot_line, emit_prepasses, emit_stores, index_term, keeps_rows, needs_int64,
                                            weight_tile)
 from autofuser_core.group import GroupProgram
 
 #: The hidden axis of the second product's A tiles: (offsets, mask, block constexpr).
 HIDDEN_AXIS = ("hs", "h_mask", "BLOCK_H")
 
-def _emit_rows(w: _MatmulWriter, out_domain, rows: int, sites: list, strides: list, wide: bool) -> None:
+def _emit_rows(w: MatmulWriter, out_domain, rows: int, sites: list, strides: list, wide: bool) -> None:
     """Program ids -> ``rows`` tiles (all ``BLOCK_N`` columns), masks, and each site's row offset."""
     cast = ".to(tl.int64)" if wide else ""
     w.emit(f"pid_m = tl.program_id(0){cast}")
@@ -47,8 +47,8 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     are in the program) and the stores.
     """
     L = program.matmul
-    w = _MatmulWriter(program)
-    values = _all_values(program)
+    w = MatmulWriter(program)
+    values = all_values(program)
     weights = {L.dot1.args[1].uid, L.dot2.args[1].uid}
     loads = [v for v in values if v.op == "load" and v.uid not in weights]
     sites = [("load", v.uid) for v in loads] + [("out", k) for k in range(len(program.outputs))]
@@ -60,7 +60,7 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     w1 = program.input_of_load[L.dot1.args[1].uid]
     w2 = program.input_of_load[L.dot2.args[1].uid]
     (w1k, w1h), (w2h, w2n) = L.w1_strides, L.w2_strides
-    w1_off = " + ".join(t for t in (_term("kk", w1k), _term("hs", w1h)) if t) or "0"
+    w1_off = " + ".join(t for t in (index_term("kk", w1k), index_term("hs", w1h)) if t) or "0"
     w1_dtype, w2_dtype = program.inputs[w1].dtype, program.inputs[w2].dtype
     resident = keeps_rows(L.k, L.operand_dtypes[0])
     if resident:
@@ -70,10 +70,10 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
         w.emit("ks = tl.arange(0, BLOCK_K)[None, :]")
         w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
         w.emit(f"k_mask = ks < {L.k}")
-        a_name = _Block(w, 1, "k", {}).value(L.dot1.args[0])
-        w.emit(f"a_op = {_operand(f'tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))', L.operand_dtypes[0])}")
+        a_name = DagBlock(w, 1, "k", {}).value(L.dot1.args[0])
+        w.emit(f"a_op = {as_operand(f'tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))', L.operand_dtypes[0])}")
     else:
-        known = _emit_prepasses(w, [v for v in values if v.uid in L.prologue], L.k)
+        known = emit_prepasses(w, [v for v in values if v.uid in L.prologue], L.k)
     w.emit("acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)")
     w.emit(f"for h0 in range(0, {L.h}, BLOCK_H):")
     w.emit("hs = h0 + tl.arange(0, BLOCK_H)[None, :]", 2)
@@ -83,33 +83,33 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
         for line in weight_tile("w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "0",
                                 "BLOCK_K", "hs", "h_mask"):
             w.emit(line, 2)
-        w.emit(f"acc1 = {_dot_line('a_op', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 2)
+        w.emit(f"acc1 = {dot_line('a_op', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 2)
     else:
         w.emit("acc1 = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)", 2)
         w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):", 2)
         w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", 3)
         w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 3)
         w.emit(f"k_mask = ks < {L.k}", 3)
-        a_name = _Block(w, 3, "k", known).value(L.dot1.args[0])
+        a_name = DagBlock(w, 3, "k", known).value(L.dot1.args[0])
         for line in weight_tile("w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "k0",
                                 "BLOCK_K", "hs", "h_mask"):
             w.emit(line, 3)
         w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 3)
-        w.emit(f"acc1 += {_dot_line('a_tile', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 3)
-    block = _Block(w, 2, HIDDEN_AXIS, {L.dot1.uid: "acc1"})
+        w.emit(f"acc1 += {dot_line('a_tile', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 3)
+    block = DagBlock(w, 2, HIDDEN_AXIS, {L.dot1.uid: "acc1"})
     hidden = block.value(L.dot2.args[0])
-    w2_off = " + ".join(t for t in (_term("hh", w2h), _term("cols", w2n)) if t) or "0"
+    w2_off = " + ".join(t for t in (index_term("hh", w2h), index_term("cols", w2n)) if t) or "0"
     for line in weight_tile("w2_tile", w2, w2_dtype, w2_off, f"(hh < {L.h}) & col_mask", L.w2_packed, "h0",
                             "BLOCK_H", "cols", "col_mask"):
         w.emit(line, 2)
     # Hidden columns past H hold act(0) but meet zero rows of W2: they add nothing.
     w.emit(f"hidden_tile = tl.broadcast_to({hidden}, (BLOCK_M, BLOCK_H))", 2)
-    w.emit(f"acc2 += {_dot_line('hidden_tile', 'w2_tile', L.operand_dtypes[1], L.precision, L.w2_packed)}", 2)
+    w.emit(f"acc2 += {dot_line('hidden_tile', 'w2_tile', L.operand_dtypes[1], L.precision, L.w2_packed)}", 2)
 
-    block = _Block(w, 1, "n", {L.dot2.uid: "acc2"})
-    _emit_stores(w, program, block)
+    block = DagBlock(w, 1, "n", {L.dot2.uid: "acc2"})
+    emit_stores(w, program, block)
     blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr", "BLOCK_H: tl.constexpr"]
-    source, name = _assemble(program, w, blocks, helpers, "mlp", strategy,
+    source, name = assemble_kernel(program, w, blocks, helpers, "mlp", strategy,
                              f"# MLP: rows {L.rows} x K {L.k} -> hidden {L.h} -> N {L.n}, operands "
                              f"{[str(d).removeprefix('torch.') if d else L.precision for d in L.operand_dtypes]}")
 

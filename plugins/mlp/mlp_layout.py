@@ -20,11 +20,11 @@ from typing import Optional
 import torch
 
 from autofuser import ProductLayoutSpec
-from autofuser_core.group import GroupProgram, GroupRefused, _domain_strides, read_view
+from autofuser_core.group import GroupProgram, GroupRefused, domain_strides, read_view
 from autofuser_core.ir import Value
-from autofuser_core.matmul_layout import (PackedOperand, _check_fits, _collect_uids, _depending_on, _install,
-                                          _operand_dtype, _outputs_from, _packed_only_as_weights, _weight_operand,
-                                          convert_weight_once, fp32_precision)
+from autofuser_core.matmul_layout import (PackedOperand, check_fits, collect_uids, convert_weight_once, depending_on,
+                                          fp32_precision, install_layout, outputs_from, packed_only_as_weights,
+                                          product_operand_dtype, weight_operand)
 
 
 @dataclass
@@ -71,8 +71,8 @@ def weight_strides(program: GroupProgram, load: Value, transpose: bool, domain: 
         raise GroupRefused("batched_weight", "an MLP's weights must be matrices")
     if transpose:
         shape, stride = shape[::-1], stride[::-1]
-    _check_fits(tuple(shape), domain)
-    return tuple(_domain_strides(shape, stride, domain))
+    check_fits(tuple(shape), domain)
+    return tuple(domain_strides(shape, stride, domain))
 
 
 def _mlp_weight(program: GroupProgram, dot: Value,
@@ -81,7 +81,7 @@ def _mlp_weight(program: GroupProgram, dot: Value,
     load = dot.args[1]
     if load.packed is None:
         return weight_strides(program, load, dot.transpose_b, domain), None
-    strides, packed = _weight_operand(program, load, dot, domain)
+    strides, packed = weight_operand(program, load, dot, domain)
     return tuple(strides), packed
 
 
@@ -91,20 +91,20 @@ def lay_out_mlp(program: GroupProgram, values: dict[int, Value]) -> None:
     first, second = sorted((v for v in values.values() if v.op == "dot"), key=lambda d: d.uid)
     if first.column_dims != 1 or second.column_dims != 1:
         raise GroupRefused("several_products", "an MLP's products must have one column dim each")
-    depends_first = _depending_on(values, first)
+    depends_first = depending_on(values, first)
     if second.args[0].uid not in depends_first:
         raise GroupRefused("several_products", "two products that don't feed each other")
     for d in (first, second):
         if d.args[1].op != "load":
             raise GroupRefused("computed_weight", "a product's second operand must be read from memory")
-    prologue = set(_collect_uids(first.args[0]))
+    prologue = set(collect_uids(first.args[0]))
     # Everything under the second product's input that isn't the first product's
     # own input: the first product, and the bias and activation on it.
-    middle = set(_collect_uids(second.args[0])) - prologue - {first.args[1].uid}
+    middle = set(collect_uids(second.args[0])) - prologue - {first.args[1].uid}
     if any(values[u].op in ("reduce", "dot") for u in middle - {first.uid}):
         raise GroupRefused("hidden_reduction", "only pointwise ops may sit between the two products")
-    after_second = _depending_on(values, second)
-    _outputs_from(program, values, after_second, second, middle | prologue, "the second product")
+    after_second = depending_on(values, second)
+    outputs_from(program, values, after_second, second, middle | prologue, "the second product")
     for v in values.values():
         if v.op == "reduce":
             last = len(v.args[0].shape) - 1
@@ -124,17 +124,17 @@ def lay_out_mlp(program: GroupProgram, values: dict[int, Value]) -> None:
             continue
         where = "prologue" if v.uid in prologue else "middle" if v.uid in layout.middle else "epilogue"
         shape, stride = read_view(program.inputs[program.input_of_load[v.uid]], v.shape)
-        _check_fits(shape, domains[where])
-        layout.load_strides[v.uid] = _domain_strides(shape, stride, domains[where])
-    _packed_only_as_weights(values, (first.args[1], second.args[1]))
+        check_fits(shape, domains[where])
+        layout.load_strides[v.uid] = domain_strides(shape, stride, domains[where])
+    packed_only_as_weights(values, (first.args[1], second.args[1]))
     layout.w1_strides, layout.w1_packed = _mlp_weight(program, first, (k, h))
     layout.w2_strides, layout.w2_packed = _mlp_weight(program, second, (h, out_domain[-1]))
-    layout.operand_dtypes = (_operand_dtype(first), _operand_dtype(second))
+    layout.operand_dtypes = (product_operand_dtype(first), product_operand_dtype(second))
     for dot, operand in zip((first, second), layout.operand_dtypes):
         convert_weight_once(program, dot.args[1], operand)
     layout.precision = fp32_precision()
     layout.epilogue_reduces = any(v.op == "reduce" and v.uid in after_second for v in values.values())
-    _install(program, layout, out_domain)
+    install_layout(program, layout, out_domain)
 
 
 MLP_LAYOUT = ProductLayoutSpec(
