@@ -36,8 +36,10 @@ class FusedKernel:
         # (shape, strides or None where a single element makes strides meaningless)
         self.input_layout = [(torch.Size(t.shape), tuple(t.stride) if math.prod(t.shape) > 1 else None)
                              for t in program.inputs]
-        # What each input must be: the kernel's dtype, or the dtype the launcher converts from.
+        # What each input must arrive as: the kernel's dtype, or the dtype the launcher
+        # converts from (a weight converted once per call); and what the kernel itself takes.
         self.input_dtypes = [t.cast_from or t.dtype for t in program.inputs]
+        self.kernel_dtypes = [t.dtype for t in program.inputs]
         self.casts = input_casts(program)
         self.output_layout = [(t.shape, t.stride, t.dtype) for t in program.outputs]
         self.single_output = len(program.outputs) == 1

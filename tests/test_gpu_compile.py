@@ -86,7 +86,7 @@ def _chain_jobs(tmp_path, source, launch_args, chain=None) -> list[dict]:
 def _jobs_of(tmp_path, kernel) -> list[dict]:
     if kernel.source.layout == "attention_chain":
         return _chain_jobs(tmp_path, kernel.source, kernel.launch_args, kernel.kernel)
-    return [_job(tmp_path, kernel.source, kernel.input_dtypes, [dtype for _, _, dtype in kernel.output_layout],
+    return [_job(tmp_path, kernel.source, kernel.kernel_dtypes, [dtype for _, _, dtype in kernel.output_layout],
                  kernel.launch_args)]
 
 
@@ -194,7 +194,7 @@ def test_mxint8_kernels_compile_for_sm90(tmp_path):
         strategies = {g.strategy for g in fused.report().fused}
         assert len(kernels) == 5 and strategies == {"matmul", "linear_epilogue", "layernorm_linear", "mlp"}, \
             str(fused.report())
-        jobs += [_job(tmp_path, k.source, k.input_dtypes, [d for _, _, d in k.output_layout], k.launch_args)
+        jobs += [_job(tmp_path, k.source, k.kernel_dtypes, [d for _, _, d in k.output_layout], k.launch_args)
                  for k in kernels]
     _compile_for_sm90(jobs, tmp_path)
 

@@ -219,7 +219,7 @@ def test_chain_warmup_compiles_every_stage_with_its_own_arguments():
     try:
         for name in saved:
             setattr(module, name, Recorder(name))
-        dtypes = [*kernel.input_dtypes, *[dtype for _, _, dtype in kernel.output_layout]]
+        dtypes = [*kernel.kernel_dtypes, *[dtype for _, _, dtype in kernel.output_layout]]
         kernel.kernel.warmup(*dtypes, grid=(1,), **kernel.launch_args)
     finally:
         for name, fn in saved.items():

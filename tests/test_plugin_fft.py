@@ -242,7 +242,7 @@ def test_spectral_kernels_compile_for_sm90(tmp_path):
             fused(entry.inputs(torch.rand(1, *MESHES["tiny"], 2)))
         kernels = [k for k in _fused_kernels(fused) if k.source.name.startswith("af_fft_spectral_mix_")]
         assert kernels, fused.report()
-        jobs += [_job(tmp_path, k.source, k.input_dtypes, [dtype for _, _, dtype in k.output_layout], k.launch_args)
+        jobs += [_job(tmp_path, k.source, k.kernel_dtypes, [dtype for _, _, dtype in k.output_layout], k.launch_args)
                  for k in kernels]
     _compile_for_sm90(jobs, tmp_path)
 

@@ -16,8 +16,7 @@ from typing import Optional
 
 from autofuser_core.codegen import KernelSource, emit_offsets, triton_cdiv
 from autofuser_core.codegen_matmul import (DagBlock, MatmulWriter, all_values, as_operand, assemble_kernel, dot_block,
-                                           dot_line, emit_prepasses, emit_stores, index_term, keeps_rows, needs_int64,
-                                           weight_tile)
+                                           dot_line, emit_prepasses, emit_stores, index_term, needs_int64, weight_tile)
 from autofuser_core.group import GroupProgram
 
 #: The hidden axis of the second product's A tiles: (offsets, mask, block constexpr).
@@ -62,11 +61,11 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     (w1k, w1h), (w2h, w2n) = L.w1_strides, L.w2_strides
     w1_off = " + ".join(t for t in (index_term("kk", w1k), index_term("hs", w1h)) if t) or "0"
     w1_dtype, w2_dtype = program.inputs[w1].dtype, program.inputs[w2].dtype
-    resident = keeps_rows(L.k, L.operand_dtypes[0])
+    resident = L.resident
     if resident:
         # The rows of A fit on chip: compute them (with their norm) once and reuse them
         # for every slice of the hidden width.
-        constexprs["BLOCK_K"] = dot_block(L.k, L.w1_packed)
+        constexprs["BLOCK_K"] = L.block_k
         w.emit("ks = tl.arange(0, BLOCK_K)[None, :]")
         w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
         w.emit(f"k_mask = ks < {L.k}")

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from autofuser import ProductLayoutSpec
+from autofuser_core.codegen_matmul import dot_block, keeps_rows
 from autofuser_core.group import GroupProgram, GroupRefused, domain_strides, read_view
 from autofuser_core.ir import Value
 from autofuser_core.matmul_layout import (PackedOperand, check_fits, collect_uids, convert_weight_once, depending_on,
@@ -52,6 +53,17 @@ class MlpLayout:
     @property
     def n(self) -> int:
         return self.out_domain[-1]
+
+    @property
+    def resident(self) -> bool:
+        """Whether a program's rows of A (with their prologue) stay on chip, computed once
+        and reused for every slice of the hidden width; else they stream over K per slice."""
+        return keeps_rows(self.k, self.operand_dtypes[0])
+
+    @property
+    def block_k(self) -> Optional[int]:
+        """The K tile when the rows are resident (the whole padded K), else ``None``: a config's."""
+        return dot_block(self.k, self.w1_packed) if self.resident else None
 
     @property
     def rows(self) -> int:

@@ -8,7 +8,7 @@ kernel is ``mlp_kernel.write_mlp_kernel``."""
 from __future__ import annotations
 
 from autofuser import StrategySpec
-from autofuser_core.codegen_matmul import dot_block, keeps_rows
+from autofuser_core.codegen_matmul import dot_block
 from autofuser_core.group import GroupRefused
 
 from .mlp_kernel import write_mlp_kernel
@@ -62,8 +62,8 @@ def is_valid(program, config):
     layout = program.matmul
     block_n = dot_block(layout.n)
     threads = 32 * config["num_warps"]
-    resident = keeps_rows(layout.k, layout.operand_dtypes[0])
-    block_k = dot_block(layout.k, layout.w1_packed) if resident else config["BLOCK_K"]
+    resident = layout.resident
+    block_k = layout.block_k or config["BLOCK_K"]
     for packed, block, name in ((layout.w1_packed, block_k, "BLOCK_K"), (layout.w2_packed, config["BLOCK_H"], "BLOCK_H")):
         if packed is not None and block % packed.block:
             return f"{name} {block} is not a multiple of the quantised weight's block of {packed.block}"

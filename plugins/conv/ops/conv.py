@@ -95,6 +95,11 @@ def _function_samples(rank):
     return samples
 
 
+#: Input channels of the module samples: 5 x 27 taps of a 3x3x3 kernel stay within the
+#: implicit-GEMM strategy's MAX_REDUCTION, so its 3-d kernel is checked too.
+MODULE_CHANNELS = 5
+
+
 def _module_samples(rank):
     def samples(dtype):
         s = SPATIAL[rank]
@@ -103,11 +108,6 @@ def _module_samples(rank):
         return [Sample(args=(torch.randn(3, MODULE_CHANNELS, *s, dtype=dtype),)),
                 Sample(args=(last,), note="channels-last")]
     return samples
-
-
-#: Input channels of the module samples: 5 x 27 taps of a 3x3x3 kernel stay within the
-#: implicit-GEMM strategy's MAX_REDUCTION, so its 3-d kernel is checked too.
-MODULE_CHANNELS = 5
 
 
 def _conv_module(rank, bias, **geometry):
