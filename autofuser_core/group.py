@@ -174,10 +174,9 @@ def compose_group(
     raises ``GroupRefused``. ``attr_cache``: shape, dtype and strides of the
     parameters already read, by path, shared by calls on the same ``root``
     while its parameters stay as they are (a parametrised weight is computed
-    each time it is read). ``product_layouts``: the generic layout of a group
-    with ``n >= 2`` matrix products is ``product_layouts[n]`` (the plugins'
-    ``ProductLayoutSpec``s, ``Registry.product_layouts()``); without one for
-    ``n`` such a group is refused (``several_products``)."""
+    each time it is read). ``product_layouts``: the plugins' layouts of groups
+    with several matrix products, by count (``Registry.product_layouts()``; the
+    rule is ``ProductLayoutSpec``'s)."""
     members = set(nodes)
     composed: dict[torch.fx.Node, Value] = {}
     memo: dict[int, Value] = {}

@@ -72,15 +72,11 @@ def autofuser_register_quantizers(register):
 
 @hookspec
 def autofuser_register_product_layouts(register):
-    """Register layouts for groups with several matrix products (``ProductLayoutSpec``).
+    """Register layouts for groups with several matrix products (``ProductLayoutSpec``,
+    whose docstring states how the generic composition uses them).
 
-    Called once per plugin when it is loaded. The generic composition
-    (``compose_group``, and so ``PlanningView.compose`` and the groups that
-    ``space_groups()`` grows) lays out a group with one product itself; a
-    group with ``n >= 2`` products is laid out by the spec registered for
-    ``products=n``, and refused (``several_products``) when no loaded plugin
-    registered one. A strategy then finds such groups composed with the
-    layout's object as ``program.matmul``.
+    Called once per plugin when it is loaded. A strategy then finds such groups
+    composed with the layout's object as ``program.matmul``.
 
     :param register: as for ``autofuser_register_lowerings``, with ``ProductLayoutSpec``.
     """

@@ -114,10 +114,8 @@ ProductLayout = Callable[[GroupProgram, dict[int, Value]], None]
 
 def lay_out_matmul(program: GroupProgram, values: dict[int, Value],
                    product_layouts: Optional[Mapping[int, ProductLayout]] = None) -> None:
-    """Lay out a group with matrix products: one product here (see module doc);
-    ``n >= 2`` products (at most ``MAX_PRODUCTS``) by ``product_layouts[n]``, the
-    layout a plugin registered for ``n`` products (``ProductLayoutSpec``). A
-    group with several products and no such layout is refused."""
+    """Lay out a group with matrix products: one product here (see module doc),
+    several by ``product_layouts`` as ``ProductLayoutSpec`` says."""
     dots = [v for v in values.values() if v.op == "dot"]
     several = (product_layouts or {}).get(len(dots)) if 2 <= len(dots) <= MAX_PRODUCTS.get() else None
     if several is not None:

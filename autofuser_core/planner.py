@@ -265,8 +265,8 @@ class PlanningView:
 
     def compose(self, nodes: list[torch.fx.Node], lay_out=None) -> GroupProgram:
         """``nodes`` composed into one program (``compose_group``; ``lay_out``: a
-        strategy's own layout of the composed values instead of the generic one,
-        which lays out several products by the plugins' ``ProductLayoutSpec``s).
+        strategy's own layout of the composed values instead of the generic one;
+        see ``ProductLayoutSpec`` for groups of several products).
 
         Composed once per planning (and ``layout_settings()``): asked again, it
         returns the same program (don't change it) or raises the same refusal."""
