@@ -22,6 +22,10 @@ upper = [cpu for cpu, c, s in rows if (int(s), int(c)) not in half]
 print(",".join(lower), ",".join(upper))
 PY
 )
+if [ -z "${lower:-}" ] || [ -z "${upper:-}" ]; then
+  echo "zoo_two_gpus.sh: could not split the host's cores in two (lscpu -p gave: ${lower:-nothing} / ${upper:-nothing})" >&2
+  exit 2
+fi
 echo "fp32 on GPU 0, CPUs $lower; bf16 on GPU 1, CPUs $upper" | tee "$out/split.txt"
 # Up to three steps per dtype, so each step's archive holds what finished if a time limit stops the run.
 steps() { IFS=, read -r -a m <<< "$models"; local n=${#m[@]} a=$(( (${#m[@]} + 2) / 3 ));
