@@ -166,3 +166,15 @@ def test_bench_passes_tune_all_configs_to_fuse(monkeypatch):
     assert seen["fuse_options"] == {"tune_budget_s": 1.0, "tune_all_configs": True}
     assert harness.run_from_args(parser.parse_args(["--models", "fno", "--device", "cpu"])) == 0
     assert seen["fuse_options"] == {}
+
+
+def test_a_product_with_a_norm_over_its_columns_sorts_by_tile_count_alone():
+    """A norm after the product needs a whole row in one program (no BLOCK_N): every
+    config computes the same columns, so few rows try the configs with most programs first."""
+    model = nn.Sequential(nn.Linear(64, 96), nn.LayerNorm(96))
+    [candidate] = _kept(model, torch.randn(1, 300, 64), "linear_epilogue")
+    assert candidate.program.matmul.epilogue_reduces
+    tuned, _ = _tuning_configs(candidate)
+    assert 0 < len(tuned) <= products.MAX_TUNED_CONFIGS and all("BLOCK_N" not in c for c in tuned)
+    block_m = [c["BLOCK_M"] for c in tuned]
+    assert block_m == sorted(block_m), block_m  # 300 rows: smaller row blocks, more programs, first

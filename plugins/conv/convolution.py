@@ -72,6 +72,11 @@ class Conv:
         """The product's K: input channels (of a group) times kernel taps."""
         return reduction(self.in_channels, self.kernel)
 
+    @property
+    def taps(self) -> int:
+        """Kernel positions: the product of the kernel's sizes."""
+        return math.prod(self.kernel)
+
 
 def reduction(in_channels: int, kernel: Sequence[int]) -> int:
     """A convolution's reduction length, the figure ``MAX_REDUCTION`` bounds."""
@@ -143,7 +148,7 @@ def parse_conv(node: torch.fx.Node, root: torch.nn.Module) -> Union[Conv, str]:
 
 def conv_reason(conv: Conv) -> Optional[str]:
     """Why the implicit-GEMM strategy won't take ``conv`` (``None``: it will)."""
-    if math.prod(conv.kernel) > MAX_KERNEL_VOLUME:
+    if conv.taps > MAX_KERNEL_VOLUME:
         return f"a {'x'.join(map(str, conv.kernel))} kernel (up to {MAX_KERNEL_VOLUME} taps are fused)"
     return None
 
@@ -211,7 +216,7 @@ def accepts(program):
     conv = program.conv
     if conv.reduction > MAX_REDUCTION:
         return ("cudnn_faster", f"a reduction of {conv.reduction} ({conv.in_channels} channels x "
-                                f"{math.prod(conv.kernel)} taps): past {MAX_REDUCTION} cuDNN's product with a "
+                                f"{conv.taps} taps): past {MAX_REDUCTION} cuDNN's product with a "
                                 "fused epilogue is faster")
     batch = tensor_meta(program.conv.x).shape[0]
     if batch > MAX_GRID_Y:
@@ -272,7 +277,7 @@ def write_conv_kernel(program: ConvProgram, strategy: str, helpers=None) -> Kern
     x_index, w_index = program.slot[conv.x], program.slot[conv.weight]
     x_t, w_t = program.inputs[x_index], program.inputs[w_index]
     batch = x_t.shape[0]
-    taps = math.prod(conv.kernel)
+    taps = conv.taps
     k_total = conv.reduction
     pixels = math.prod(conv.out_spatial)
     w = ChainWriter(program, known={program.conv_node: "acc"})
