@@ -115,6 +115,7 @@ class _Job:
     storages: dict = field(default_factory=dict)  # data_ptr -> storage of each input, while tracking writes
     watched: list = field(default_factory=list)  # its input tensors, for opaque parts' writes (version counters)
     overwritten_by: Optional[str] = None  # a later in-place op that writes into one of its inputs
+    configs: Optional[tuple] = None  # _tuning_configs' answer, where compiling ahead asked for it
 
 
 class _Verifier(torch.fx.Interpreter):
@@ -399,10 +400,11 @@ def _precompile_untuned(jobs: list, device: torch.device, options, progress, rep
             tuned.add(job.source.name)
             continue
         program = job.candidate.program
+        job.configs = _tuning_configs(job.candidate, options.tune_all_configs)  # tuning reads them again
         work[job.source.name] = CompileJob(
             path=job.kernel_path, name=job.source.name,
             dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in (*program.inputs, *program.outputs)),
-            launches=tuple(launch_items(job.source.launch_args(c)) for c in _tuning_configs(job.candidate, options.tune_all_configs)[0]))
+            launches=tuple(launch_items(job.source.launch_args(c)) for c in job.configs[0]))
     return start_compiling(list(work.values()), progress)
 
 
@@ -415,7 +417,10 @@ def _finish_compiling(compiling: Optional[Compiling], report) -> None:
                             "before timing")
 
 
-def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, progress, ready=None) -> _Tuned:
+def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, progress, ready=None,
+                 configs=None) -> _Tuned:
+    """The config to launch with: the cached one, else tuned (``configs``: ``_tuning_configs``'
+    answer where already known)."""
     if not _can_tune(device, options):
         return _Tuned(candidate.strategy.default_config(candidate.program))
     key = _tuning_key(source, device, options)
@@ -427,7 +432,7 @@ def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, 
         with tuning_lock(root, key, on_wait=lambda: progress(f"waiting for another process tuning {source.name}")):
             entry = _valid_entry(candidate, read_tuning(root, key))
             if entry is None:
-                return _tune(candidate, source, kernel, inputs, device, options, progress, root, key, ready)
+                return _tune(candidate, source, kernel, inputs, device, options, progress, root, key, ready, configs)
     return _Tuned(entry["config"], True, 0.0, entry.get("timings", []), key, entry.get("speed"),
                   entry.get("config_limit"))
 
@@ -456,12 +461,12 @@ def _valid_entry(candidate: Candidate, entry: Optional[dict], warn: bool = True)
 
 
 def _tune(candidate: Candidate, source, kernel, inputs, device, options, progress, root, key,
-          ready=None) -> _Tuned:
+          ready=None, configs=None) -> _Tuned:
     """Time the strategy's valid configs within the budget; store and return the fastest.
     ``ready(launch_args)``: wait until that config is compiled ahead (not counted as tuning)."""
     program = candidate.program
     default = candidate.strategy.default_config(program)
-    configs, limit = _tuning_configs(candidate, options.tune_all_configs)
+    configs, limit = configs or _tuning_configs(candidate, options.tune_all_configs)
     progress(f"tuning {source.name}: {len(configs)} configs")
     start = time.perf_counter()
     timings = []
@@ -645,7 +650,7 @@ def _verify_round_on(gm, plan: Plan, inputs: tuple, device: torch.device, option
             kernel_inputs = [attr_tensor(gm, t.source.path) if isinstance(t.source, AttrRef) else job.inputs[t.source]
                              for t in program.inputs]
             tuned = _pick_config(job.candidate, job.source, job.kernel, kernel_inputs, device, options,
-                                 lambda msg: progress(f"[{index}/{total}] {msg}"), ready)
+                                 lambda msg: progress(f"[{index}/{total}] {msg}"), ready, job.configs)
             config = tuned.config
             job.fused = FusedKernel(job.kernel, job.source, config, program, job.eager, gm)
             outputs = job.fused.launch(*kernel_inputs)

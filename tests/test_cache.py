@@ -565,6 +565,25 @@ def fuse_norm_gelu(root: Path, x: torch.Tensor):
         return fused.report(), got, model(x)
 
 
+def test_a_kernels_tuning_configs_are_worked_out_once(tmp_path, gpu_tuning, monkeypatch):
+    """Compiling ahead and tuning time the same list: it is built once per kernel, not twice."""
+    import autofuser_core.compile as compile_module
+
+    built = []
+    real = compile_module._tuning_configs
+
+    def counting(candidate, every=False):
+        built.append(candidate)
+        return real(candidate, every)
+
+    monkeypatch.setattr(compile_module, "_tuning_configs", counting)
+    report, got, expected = fuse_norm_gelu(tmp_path, torch.randn(3, 5, 37))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    tuned = [g for g in report.fused if not g.cache_hit]
+    assert tuned and gpu_tuning, str(report)
+    assert len(built) == len({g.kernel for g in tuned}), (len(built), [g.kernel for g in tuned])
+
+
 def unwritable_folder(kind: str, root: Path, monkeypatch) -> None:
     """Make ``root`` refuse writes: for real (chmod), or a write that fails as a
     read-only file system or a full disk would."""
