@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .capture import bind_inputs, capture
 from .cache import cache_dir, read_verdict, write_verdict
-from .compile import _snapshot, compile_graph, device_key, median_call_ms, preserved_state
+from .compile import _device_of, _snapshot, compile_graph, device_key, median_call_ms, preserved_state
 from .cudagraphs import try_cuda_graph
 from .errors import AutoFuserError, CaptureError
 from .launch import FusedKernel
@@ -274,7 +274,7 @@ class FusedModule(torch.nn.Module):
             # (eval mode, no grad), and leaving buffers and RNG state as they were.
             inference = not grad and not any(m.training for m in self._all_modules)
             step = time.perf_counter()
-            device = _first_device(flat)
+            device = _device_of(flat)
             cuda = device.type == "cuda"
             # A forward that writes into its inputs can't replay as a graph: the replay would
             # write into its own static copies instead. Writes into tensors the forward makes
@@ -344,7 +344,7 @@ class FusedModule(torch.nn.Module):
             entry = (runner, report)
         report.quantized = list(self._quantized)
         report.signature = _describe_inputs(args)
-        report.device = str(_first_device(flat))
+        report.device = str(_device_of(flat))
         report.compile_s = time.perf_counter() - start
         self._compiled[key] = entry
         self._progress(f"compiled {name} in {report.compile_s:.1f} s: {len(report.fused)} fused group(s), "
@@ -507,7 +507,7 @@ def _verdict_key(fused_gm: torch.fx.GraphModule, fused: bool, kwargs: dict, flat
     precision = _fp32_settings()  # they change eager's own time
     # The timing method is part of the key: verdicts timed another way are not reused.
     text = json.dumps([fused_gm.code, kernels, inputs, sorted(kwargs), precision, FORWARD_TIMING], default=str)
-    return {"forward": hashlib.sha256(text.encode()).hexdigest(), **device_key(_first_device(flat))}
+    return {"forward": hashlib.sha256(text.encode()).hexdigest(), **device_key(_device_of(flat))}
 
 
 def _describe_inputs(args: tuple) -> str:
@@ -518,13 +518,6 @@ def _describe_inputs(args: tuple) -> str:
         else:
             parts.append(type(x).__name__)
     return "(" + ", ".join(parts) + ")"
-
-
-def _first_device(args: tuple) -> torch.device:
-    for x in args:
-        if isinstance(x, torch.Tensor):
-            return x.device
-    return torch.device("cpu")
 
 
 def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **options: Any) -> FusedModule:
