@@ -236,9 +236,6 @@ def _tolerance(candidate: Candidate, view) -> Tolerance:
     return Tolerance(atol=max(t.atol for t in tols), rtol=max(t.rtol for t in tols))
 
 
-HALF_DTYPES = ROUNDED_DTYPES
-
-
 def _max_error(fused: torch.Tensor, eager: torch.Tensor, tol: Tolerance) -> tuple[bool, float]:
     if fused.dtype == torch.bool or eager.dtype == torch.bool:
         ok = torch.equal(fused, eager)
@@ -252,7 +249,7 @@ def _max_error(fused: torch.Tensor, eager: torch.Tensor, tol: Tolerance) -> tupl
     same_inf = (a == b)  # infinities must match exactly
     diff = torch.where(same_inf, torch.zeros_like(a), (a - b).abs())
     ok = bool((diff <= tol.atol * _half_scale(eager, b) + tol.rtol * b.abs()).all())
-    if ok and eager.dtype in HALF_DTYPES and diff.numel():
+    if ok and eager.dtype in ROUNDED_DTYPES and diff.numel():
         # The scaled bound above is per element; on average the error must still meet the
         # plain one, which a kernel that is wrong across the board does not.
         ok = float(diff.mean()) <= tol.atol + tol.rtol * float(b.abs().mean())
@@ -265,7 +262,7 @@ def _half_scale(eager: torch.Tensor, values: torch.Tensor):
     intermediate to the half type, so the two sides differ by roundings of the terms
     summed into an element, which can be far larger than the element). Values past half
     the dtype's range (masking sentinels such as ``finfo.min``) and infinities don't count."""
-    if eager.dtype not in HALF_DTYPES or values.numel() == 0:
+    if eager.dtype not in ROUNDED_DTYPES or values.numel() == 0:
         return 1.0
     magnitude = values.abs()
     sentinel = torch.finfo(eager.dtype).max / 2
@@ -306,13 +303,12 @@ def _bench(fn, *args, rep_ms: float = 20) -> float:
     of 40 ms would otherwise cost nine calls), a shorter one by about ``rep_ms`` of further
     calls, at least 5 and at most ``BENCH_MAX_CALLS``."""
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    fn(*args)
-    torch.cuda.synchronize()
-    estimate_ms = median_call_ms(lambda: fn(*args), 3, warmup=0, before=flush.zero_)
+    call = lambda: fn(*args)  # noqa: E731
+    estimate_ms = median_call_ms(call, 3, warmup=1, before=flush.zero_)
     if estimate_ms >= rep_ms:
         return estimate_ms
     calls = max(5, min(BENCH_MAX_CALLS, int(rep_ms / max(estimate_ms, 1e-3))))
-    return median_call_ms(lambda: fn(*args), calls, warmup=0, before=flush.zero_)
+    return median_call_ms(call, calls, warmup=0, before=flush.zero_)
 
 
 #: Milliseconds of repeats per tuning config (``_bench``'s ``rep_ms``): for a typical fused
@@ -385,7 +381,7 @@ def _tuning_key(source, device: torch.device, options) -> dict[str, Any]:
     return key
 
 
-def _precompile_untuned(jobs: list, device: torch.device, options, progress, report) -> Optional[Compiling]:
+def _precompile_untuned(jobs: list, device: torch.device, options, progress) -> Optional[Compiling]:
     """Start compiling, in parallel, every config that tuning is about to time, kernels in
     the order they will be timed (see precompile.py); ``None`` where nothing is tuned."""
     if not _can_tune(device, options):
@@ -571,7 +567,8 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
             break
         limit = _CONFIG_LIMIT.set(LATER_ROUND_CONFIGS if round_number > 1 else None)
         try:
-            jobs = _verify_round(gm, plan, inputs, device, options, progress, report, backward)
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                jobs = _verify_round(gm, plan, inputs, device, options, progress, report, backward)
         finally:
             _CONFIG_LIMIT.reset(limit)
         survivors += [(job.candidate, job.fused) for job in jobs if job.entry.fused]
@@ -599,15 +596,9 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
     """Generate, load, tune and check every kept group of ``plan`` in one recording pass.
 
     Returns every job, those whose code could not be generated included (not fused),
-    so a group that failed either way is re-planned. On a GPU, with the inputs' device
-    current: the timer's events and buffers, and the target configs compile for, are
-    the current device's."""
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        return _verify_round_on(gm, plan, inputs, device, options, progress, report, backward)
-
-
-def _verify_round_on(gm, plan: Plan, inputs: tuple, device: torch.device, options, progress, report,
-                     backward: bool) -> list[_Job]:
+    so a group that failed either way is re-planned. On a GPU the caller makes the
+    inputs' device current: the timer's events and buffers, and the target configs
+    compile for, are the current device's."""
     view = plan.view
     jobs: list[_Job] = []
     not_generated: list[_Job] = []
@@ -636,7 +627,7 @@ def _verify_round_on(gm, plan: Plan, inputs: tuple, device: torch.device, option
     # Kernels are checked (and tuned) as the graph reaches their groups' last nodes:
     # compiled in that order, the first ones are timed while the rest still compile.
     by_use = sorted(jobs, key=lambda job: view.order.get(job.candidate.program.nodes[-1], 0))
-    compiling = _precompile_untuned(by_use, device, options, progress, report)
+    compiling = _precompile_untuned(by_use, device, options, progress)
     started_s = time.perf_counter() - step
     step = time.perf_counter()
 

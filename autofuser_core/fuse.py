@@ -292,8 +292,9 @@ class FusedModule(torch.nn.Module):
             known = read_verdict(root, vkey) if vkey is not None else {}
             times = dict(known)
             if self._options.cuda_graphs and inference and not writes and cuda:
-                graph, why = None, "its replay was measured slower before"
-                if not ("graph_ms" in known and known["graph_ms"] >= known.get("plain_ms", 0.0)):
+                graph, why = None, None
+                slower_before = "graph_ms" in known and known["graph_ms"] >= known.get("plain_ms", 0.0)
+                if not slower_before:
                     with torch.no_grad(), preserved_state(self._model):
                         bound = None if "graph_ms" in known else _gpu_bound(fused_gm, flat)
                         if bound is not None:
@@ -314,7 +315,7 @@ class FusedModule(torch.nn.Module):
                     else:
                         report.notes.append(f"no CUDA graph: replaying it ({graph_ms:.3f} ms, with input copies and "
                                             f"output clones) is not faster than launching ({plain_ms:.3f} ms)")
-                elif "graph_ms" in known and known["graph_ms"] >= known.get("plain_ms", 0.0):
+                elif slower_before:
                     report.notes.append(f"no CUDA graph: replaying it ({known['graph_ms']:.3f} ms) was measured "
                                         f"not faster than launching ({known.get('plain_ms', 0.0):.3f} ms)")
                 else:
@@ -427,11 +428,12 @@ def _forward_times(fused, eager, flat: Sequence[Any]) -> tuple[float, float]:
     fused_runs, eager_runs = [], []
     for round_ in range(FORWARD_ROUNDS):
         fused_runs.append(_time(fused, flat))
+        once = None
         if round_ == 0:
             _, once = _once(eager, flat)  # eager ran in capture and verification: no warm-up
             if once > FORWARD_BUDGET_MS and fused_runs[0] < once * (1.0 - WIDE_GAP):
                 return fused_runs[0], once
-        eager_runs.append(_time(eager, flat))
+        eager_runs.append(_time(eager, flat, once))
         if min(fused_runs) < min(eager_runs) * (1.0 - CLEAR_GAP):
             break
     return min(fused_runs), min(eager_runs)
@@ -468,14 +470,16 @@ def _once(fn, args: Sequence[Any]) -> tuple[float, float]:
         return (queued - begin) * 1e3, (time.perf_counter() - begin) * 1e3
 
 
-def _time(fn, args: tuple) -> float:
+def _time(fn, args: tuple, once_ms: Optional[float] = None) -> float:
     """Median ms per call of ``fn(*args)`` called back to back, as a loop of forwards runs:
     each call between two CUDA events, no cache flush between calls (a flush would also
     give the host a head start, hiding launch overhead), about ``FORWARD_BUDGET_MS`` of calls
     after two warm-up calls. On the device of the first tensor argument (``args`` or, for
-    a closure over the call's arguments, the current device)."""
+    a closure over the call's arguments, the current device). ``once_ms``: one call's time,
+    where the caller has just measured it (else the first call measures it)."""
     with _on_device(args):
-        _, once_ms = _once(fn, args)
+        if once_ms is None:
+            _, once_ms = _once(fn, args)
         # A forward longer than the budget on its own: 3 calls after 1 warm-up (a transformer
         # over every mesh point runs 0.3 s eager; 5 calls and 2 warm-ups cost seconds).
         slow = once_ms > FORWARD_BUDGET_MS

@@ -172,11 +172,7 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value],
     layout.b_strides, layout.b_packed = weight_operand(program, b, dot, b_domain, columns)
     layout.batched = any(layout.b_strides[:-2])
 
-    dtype = dot.dtype or torch.float32
-    if dtype in (torch.float16, torch.bfloat16):
-        layout.operand_dtype = dtype
-    elif dtype != torch.float32:
-        raise GroupRefused("unsupported_dtype", f"products in {dtype}")
+    layout.operand_dtype = product_operand_dtype(dot)
     layout.precision = dot.fp32_precision or fp32_precision()
 
     layout.epilogue_reduces = any(v.op == "reduce" and v.uid not in prologue for v in values.values())

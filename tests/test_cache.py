@@ -357,7 +357,7 @@ def _fake_forward_times(monkeypatch, fused_ms, eager_ms: float):
 
     calls = []
 
-    def fake_time(fn, args):
+    def fake_time(fn, args, once_ms=None):
         calls.append(fn)
         fn(*args)  # the forward runs, as a real measurement would run it
         return fused_ms() if isinstance(fn, torch.fx.GraphModule) else eager_ms
