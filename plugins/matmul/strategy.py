@@ -15,7 +15,7 @@ they claim:
 from __future__ import annotations
 
 from autofuser import StrategySpec
-from autofuser_core.codegen import next_power_of_2
+from autofuser_core.codegen import next_power_of_2, triton_cdiv
 from autofuser_core.codegen_matmul import dot_block, keeps_rows, write_matmul_kernel
 from autofuser_core.group import GroupRefused
 from autofuser_core.matmul_layout import MatmulLayout
@@ -96,7 +96,7 @@ PADDING_SLACK = 1.25
 def _columns(layout: MatmulLayout, config: dict) -> tuple[int, int]:
     """Tiles across a row of the output, and the columns they compute (padding included)."""
     block_n = config.get("BLOCK_N") or dot_block(layout.n)
-    tiles = -(-layout.n // block_n)
+    tiles = triton_cdiv(layout.n, block_n)
     return tiles, tiles * block_n
 
 
@@ -107,7 +107,7 @@ def _fit(layout: MatmulLayout, config: dict, fewest: int) -> tuple[float, int]:
     Ties keep CONFIGS' order."""
     tiles, columns = _columns(layout, config)
     padding = columns / fewest if columns > PADDING_SLACK * fewest else 0.0
-    programs = -(-layout.rows // config["BLOCK_M"]) * tiles * layout.batch
+    programs = triton_cdiv(layout.rows, config["BLOCK_M"]) * tiles * layout.batch
     return padding, max(0, SMS - programs)
 
 

@@ -149,7 +149,7 @@ def lay_out_chain(program: GroupProgram, values: dict[int, Value]) -> None:
             raise GroupRefused("degenerate_product", "a product with one input or output column (a chain keeps "
                                                      "those outside: they are reductions, not steps)")
         step = ChainStep(index=index, dot=d, k=k, n=n, mode="whole",
-                         weight_strides=weight_strides(program, d.args[1], d.transpose_b, (k, n)),
+                         weight_strides=weight_strides(program, d.args[1], d, (k, n)),
                          operand_dtype=product_operand_dtype(d))
         convert_weight_once(program, d.args[1], step.operand_dtype)
         if d.uid in fed:

@@ -40,7 +40,6 @@ class MlpLayout:
     k: int
     h: int
     prologue: set[int]
-    middle: set[int]
     load_strides: dict[int, tuple[int, ...]] = field(default_factory=dict)
     w1_strides: tuple[int, int] = (0, 0)  # over (K, H)
     w2_strides: tuple[int, int] = (0, 0)  # over (H, N)
@@ -48,7 +47,6 @@ class MlpLayout:
     w2_packed: Optional[PackedOperand] = None
     operand_dtypes: tuple[Optional[torch.dtype], Optional[torch.dtype]] = (None, None)
     precision: str = "ieee"
-    epilogue_reduces: bool = False
 
     @property
     def n(self) -> int:
@@ -73,18 +71,14 @@ class MlpLayout:
         return n
 
 
-def weight_strides(program: GroupProgram, load: Value, transpose: bool, domain: tuple[int, int]) -> tuple[int, int]:
-    """A float weight matrix's strides over ``domain`` (``(K, N)``), read transposed
-    when ``transpose`` (as ``nn.Linear`` keeps it)."""
+def weight_strides(program: GroupProgram, load: Value, dot: Value, domain: tuple[int, int]) -> tuple[int, int]:
+    """A float weight matrix's strides over ``domain`` (``(K, N)``): ``weight_operand``'s,
+    for matrices only."""
     if load.packed is not None:
         raise GroupRefused("packed_weight", "this kernel does not decode quantised weights")
-    shape, stride = map(list, read_view(program.inputs[program.input_of_load[load.uid]], load.shape))
-    if len(shape) != 2:
+    if len(load.shape) != 2:
         raise GroupRefused("batched_weight", "an MLP's weights must be matrices")
-    if transpose:
-        shape, stride = shape[::-1], stride[::-1]
-    check_fits(tuple(shape), domain)
-    return tuple(domain_strides(shape, stride, domain))
+    return tuple(weight_operand(program, load, dot, domain)[0])
 
 
 def _mlp_weight(program: GroupProgram, dot: Value,
@@ -92,7 +86,7 @@ def _mlp_weight(program: GroupProgram, dot: Value,
     """An MLP weight's strides over ``domain``, and its scales when it is stored quantised."""
     load = dot.args[1]
     if load.packed is None:
-        return weight_strides(program, load, dot.transpose_b, domain), None
+        return weight_strides(program, load, dot, domain), None
     strides, packed = weight_operand(program, load, dot, domain)
     return tuple(strides), packed
 
@@ -128,13 +122,13 @@ def lay_out_mlp(program: GroupProgram, values: dict[int, Value]) -> None:
     k, h = a.shape[-1], first.shape[-1]
     if tuple(first.shape[:-1]) != out_domain[:-1]:
         raise GroupRefused("shape_mismatch", "the two products have different rows")
-    layout = MlpLayout(dot1=first, dot2=second, out_domain=out_domain, k=k, h=h, prologue=prologue,
-                       middle=middle - {first.uid})
+    layout = MlpLayout(dot1=first, dot2=second, out_domain=out_domain, k=k, h=h, prologue=prologue)
+    hidden = middle - {first.uid}  # the bias and activation on the first product
     domains = {"prologue": out_domain[:-1] + (k,), "middle": out_domain[:-1] + (h,), "epilogue": out_domain}
     for v in values.values():
         if v.op != "load" or v is first.args[1] or v is second.args[1]:
             continue
-        where = "prologue" if v.uid in prologue else "middle" if v.uid in layout.middle else "epilogue"
+        where = "prologue" if v.uid in prologue else "middle" if v.uid in hidden else "epilogue"
         shape, stride = read_view(program.inputs[program.input_of_load[v.uid]], v.shape)
         check_fits(shape, domains[where])
         layout.load_strides[v.uid] = domain_strides(shape, stride, domains[where])
@@ -145,7 +139,6 @@ def lay_out_mlp(program: GroupProgram, values: dict[int, Value]) -> None:
     for dot, operand in zip((first, second), layout.operand_dtypes):
         convert_weight_once(program, dot.args[1], operand)
     layout.precision = fp32_precision()
-    layout.epilogue_reduces = any(v.op == "reduce" and v.uid in after_second for v in values.values())
     install_layout(program, layout, out_domain)
 
 
