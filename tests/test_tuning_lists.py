@@ -10,12 +10,14 @@ import torch
 import torch.nn as nn
 
 import autofuser
-from autofuser import SpecError, StrategySpec
+from autofuser import StrategySpec
 from autofuser_core.compile import _tuning_configs
 from autofuser_core.planner import plan_fusion_groups
 from autofuser_plugins.attention import strategy as attention
 from autofuser_plugins.matmul import strategy as products
 from autofuser_plugins.mlp import chain
+
+from _models import FeedForward
 
 
 def _kept(model: nn.Module, x: torch.Tensor, strategy: str):
@@ -62,18 +64,13 @@ def test_a_little_padding_does_not_push_wide_tiles_back():
     assert _tiles(_tuning_configs(candidate)[0])[:2] == [(128, 128), (128, 128)]
 
 
-class _ChainBlock(nn.Module):
-    def __init__(self, width: int = 64):
-        super().__init__()
-        self.norm, self.lin1, self.lin2 = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
-        self.out = nn.Linear(width, width)
-
-    def forward(self, x):
-        return self.out(x + self.lin2(torch.relu(self.lin1(self.norm(x)))))
+def _chain_block() -> nn.Module:
+    """A feed-forward block and a linear after it: three products in row space, one chain."""
+    return nn.Sequential(FeedForward(64, 128), nn.Linear(64, 64))
 
 
 def test_a_row_chain_tunes_its_usual_winners_first_and_at_most_eight():
-    [candidate] = _kept(_ChainBlock(), torch.randn(2, 37, 64), "row_chain")
+    [candidate] = _kept(_chain_block(), torch.randn(2, 37, 64), "row_chain")
     program = candidate.program
     listed = chain.configs(program)
     valid = [c for c in listed if chain.is_valid(program, c) is None]
@@ -142,7 +139,7 @@ def test_tune_all_configs_tunes_past_the_cap_and_is_cached_apart():
     from autofuser_core.compile import _tuning_key
     from autofuser_core.fuse import FuseOptions
 
-    [candidate] = _kept(_ChainBlock(), torch.randn(2, 37, 64), "row_chain")
+    [candidate] = _kept(_chain_block(), torch.randn(2, 37, 64), "row_chain")
     capped, _ = _tuning_configs(candidate)
     every, _ = _tuning_configs(candidate, every=True)
     assert len(capped) == chain.MAX_TUNED_CONFIGS < len(every) and every[:len(capped)] == capped
