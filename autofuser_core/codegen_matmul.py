@@ -32,7 +32,7 @@ from .codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, _header, _short, emi
                       row_reduction, triton_cdiv, used_helpers)
 from .group import GroupProgram, collect_values
 from .ir import Value
-from .matmul_layout import PackedOperand
+from .matmul_layout import PackedOperand, dot_block
 from .rounding import interpreting, rounded, stored
 
 _NEUTRAL = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
@@ -194,9 +194,9 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
         return weight_tile("b_tile", b_index, b_tensor.dtype, " + ".join(b_terms) or "0", f"(kk < {L.k}) & col_mask",
                            L.b_packed, start, "BLOCK_K", "cols", "col_mask")
     prologue_values = [v for v in values if v.uid in L.prologue]
-    if L.prologue_reduces and keeps_rows(L.k, L.operand_dtype):
+    if L.resident:
         # 2+3, rows of A on chip: the norm's statistics and the product in one step, no passes over K.
-        constexprs["BLOCK_K"] = dot_block(L.k, L.b_packed)
+        constexprs["BLOCK_K"] = L.block_k
         w.emit("ks = tl.arange(0, BLOCK_K)[None, :]")
         w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
         w.emit(f"k_mask = ks < {L.k}")
@@ -287,11 +287,6 @@ def emit_prepasses(w: MatmulWriter, prologue_values: list[Value], k: int, indent
     return known
 
 
-#: Bytes of one row of A (K padded to a power of 2) up to which a program keeps its
-#: rows of A on chip instead of streaming them in BLOCK_K steps, and computes their
-#: norm in one go: K <= 256 for 16-bit operands, K <= 128 for fp32 (measured on an
-#: H200: fp32 rows of 256 spill and run 3x slower than streaming).
-RESIDENT_ROW_BYTES = 512
 
 
 def needs_int64(program: GroupProgram) -> bool:
@@ -299,16 +294,6 @@ def needs_int64(program: GroupProgram) -> bool:
     extents = [sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride)) + 1
                for t in program.inputs + program.outputs]
     return max(extents + [math.prod(program.domain)]) > INT32_LIMIT
-
-
-def dot_block(n: int, packed: Optional[PackedOperand] = None) -> int:
-    """A block size covering ``n`` that ``tl.dot`` accepts (16 at least), and a
-    multiple of a quantised weight's block when it runs along that weight's reduction."""
-    return max(16, packed.block if packed is not None else 1, next_power_of_2(n))
-
-
-def keeps_rows(k: int, operand_dtype) -> bool:
-    return dot_block(k) * (2 if operand_dtype is not None else 4) <= RESIDENT_ROW_BYTES
 
 
 def as_operand(expr: str, dtype) -> str:

@@ -30,6 +30,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from .codegen import next_power_of_2
 from .group import GroupProgram, GroupRefused, domain_strides, read_view
 from .ir import AttrRef, Value
 
@@ -44,6 +45,23 @@ class PackedOperand:
     block: int  # elements per scale
     decode: str  # the @triton.jit helper turning (elements, scales) tiles into fp32
     exact_tf32: bool = False  # decoded values are exact in TF32
+
+
+#: Bytes of one row of A (K padded to a power of 2) up to which a program keeps its
+#: rows of A on chip instead of streaming them in BLOCK_K steps, and computes their
+#: norm in one go: K <= 256 for 16-bit operands, K <= 128 for fp32 (measured on an
+#: H200: fp32 rows of 256 spill and run 3x slower than streaming).
+RESIDENT_ROW_BYTES = 512
+
+
+def dot_block(n: int, packed: Optional[PackedOperand] = None) -> int:
+    """A block size covering ``n`` that ``tl.dot`` accepts (16 at least), and a
+    multiple of a quantised weight's block when it runs along that weight's reduction."""
+    return max(16, packed.block if packed is not None else 1, next_power_of_2(n))
+
+
+def keeps_rows(k: int, operand_dtype) -> bool:
+    return dot_block(k) * (2 if operand_dtype is not None else 4) <= RESIDENT_ROW_BYTES
 
 
 @dataclass
@@ -64,6 +82,17 @@ class MatmulLayout:
     @property
     def a_domain(self) -> tuple[int, ...]:
         return self.out_domain[:-1] + (self.k,)
+
+    @property
+    def resident(self) -> bool:
+        """Whether a program keeps its rows of A on chip, their norm computed in one go (a
+        prologue reduction over a short K), instead of passes over K in BLOCK_K steps."""
+        return self.prologue_reduces and keeps_rows(self.k, self.operand_dtype)
+
+    @property
+    def block_k(self) -> Optional[int]:
+        """The K tile when the rows are resident (the whole padded K), else ``None``: a config's."""
+        return dot_block(self.k, self.b_packed) if self.resident else None
 
     @property
     def n(self) -> int:

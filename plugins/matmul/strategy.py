@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from autofuser import StrategySpec
 from autofuser_core.codegen import next_power_of_2, triton_cdiv
-from autofuser_core.codegen_matmul import dot_block, keeps_rows, write_matmul_kernel
+from autofuser_core.codegen_matmul import dot_block, write_matmul_kernel
 from autofuser_core.group import GroupRefused
 from autofuser_core.matmul_layout import MatmulLayout
 
@@ -115,8 +115,8 @@ def is_valid(program, config):
     layout = program.matmul
     block_n = config.get("BLOCK_N") or dot_block(layout.n)
     element = 2 if layout.operand_dtype is not None else 4
-    resident = layout.prologue_reduces and keeps_rows(layout.k, layout.operand_dtype)
-    block_k = dot_block(layout.k, layout.b_packed) if resident else config["BLOCK_K"]
+    resident = layout.resident
+    block_k = layout.block_k or config["BLOCK_K"]
     if layout.b_packed is not None and block_k % layout.b_packed.block:
         return f"BLOCK_K {block_k} is not a multiple of the quantised weight's block of {layout.b_packed.block}"
     smem = (config["BLOCK_M"] + block_n) * block_k * element * (1 if resident else config.get("num_stages", 2))

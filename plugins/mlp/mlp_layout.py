@@ -20,12 +20,11 @@ from typing import Optional
 import torch
 
 from autofuser import ProductLayoutSpec
-from autofuser_core.codegen_matmul import dot_block, keeps_rows
 from autofuser_core.group import GroupProgram, GroupRefused, domain_strides, read_view
 from autofuser_core.ir import Value
 from autofuser_core.matmul_layout import (PackedOperand, check_fits, collect_uids, convert_weight_once, depending_on,
-                                          fp32_precision, install_layout, outputs_from, packed_only_as_weights,
-                                          product_operand_dtype, weight_operand)
+                                          dot_block, fp32_precision, install_layout, keeps_rows, outputs_from,
+                                          packed_only_as_weights, product_operand_dtype, weight_operand)
 
 
 @dataclass
