@@ -160,6 +160,43 @@ def test_attention_kernels_compile_for_sm90_as_a_gpu_writes_them(dtype, tmp_path
     _compile_for_sm90(jobs, tmp_path)
 
 
+class LongAttention(nn.Module):
+    """Softmax attention with enough queries for passes over k and v (``prepass.py``): SDPA
+    with a mask, written out with a bias, and a causal SDPA whose v is narrower than k."""
+
+    def forward(self, q, k, v, bias):
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        b = torch.softmax((q @ k.transpose(-2, -1)) * 0.2 + bias, dim=-1) @ v
+        c = F.scaled_dot_product_attention(q, k, v[..., :16], is_causal=True)
+        return a + b, c
+
+
+@pytest.mark.parametrize("mode", ["split", "copy"])
+def test_attention_chains_after_passes_compile_for_sm90(mode, tmp_path, monkeypatch):
+    """Strict fp32 (k and v split into fp16 parts) and autocast over fp32 inputs (k and v
+    copied as bf16): every kernel of each chain, written as for a GPU, with the default
+    config and with the first tuning config."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 300, 24) for _ in range(3))
+    bias = torch.randn(1, 1, 300, 300)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "copy"):
+        gm = autofuser.capture(LongAttention(), q, k, v, bias)
+        plan = plan_fusion_groups(gm, autofuser.load_plugins().registry)
+        kept = [c for c in plan.kept if c.strategy.name == "softmax_attention"]
+        assert len(kept) == 3, [(c.strategy.name, [n.name for n in c.nodes]) for c in plan.kept]
+        jobs = []
+        with monkeypatch.context() as env:
+            env.setenv("TRITON_INTERPRET", "0")
+            for candidate in kept:
+                program, strategy = candidate.program, candidate.strategy
+                source = strategy.generate(program, plan.view.helpers)
+                assert source.layout == "attention_chain" and f"{mode} pass over k" in source.source
+                assert "_af_round_bf16" not in source.source
+                for config in (strategy.default_config(program), strategy.configs(program)[0]):
+                    jobs += _chain_jobs(tmp_path, source, {**config, **source.constexprs})
+    _compile_for_sm90(jobs, tmp_path)
+
+
 class QuantisedProducts(nn.Module):
     """Every product strategy over MXINT8 weights: alone, with an epilogue, after a
     layer norm (rows on chip and statistics in passes over K), and an MLP."""

@@ -61,7 +61,8 @@ def chain_module(header: str, helper_text: str, functions: list[str], entry: str
     derive = "".join(f"        config[{k!r}] = {v}\n" for k, v in (derived or {}).items())
     body = "\n".join("        " + line for line in launch_lines)
     return (
-        f"{header}\nimport torch\nimport triton\nimport triton.language as tl\n\n\n"
+        f"{header}\nimport torch\nimport triton\nimport triton.language as tl\n\n"
+        + f"_DTYPES = {{{', '.join(f'{kind!r}: {dtype}' for dtype, kind in POINTER_TYPES.items())}}}  # for warmup\n\n\n"
         + (helper_text + "\n\n\n" if helper_text else "")
         + "\n\n".join(functions)
         + "\n\nclass _Chain:\n"
@@ -78,7 +79,7 @@ def chain_module(header: str, helper_text: str, functions: list[str], entry: str
         + "        given = dict(zip(names, dtypes))\n"
         + "        for stage in self.stages(config):\n"
         + "            fn = globals()[stage['name']]\n"
-        + "            args = [given.get(name, torch.float32) for name in stage['pointers']]\n"
+        + "            args = [given.get(name) or _DTYPES[kind] for name, kind in stage['pointers'].items()]\n"
         + "            fn.warmup(*args, grid=(1,), num_warps=config.get('num_warps', 4),\n"
         + "                      num_stages=config.get('num_stages', 2), **stage['constexprs'])\n\n\n"
         + f"{entry} = _Chain()\n"

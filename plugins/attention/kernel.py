@@ -26,6 +26,7 @@ are compile-time constants, like every AutoFuser kernel.
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Optional
 
 import torch
@@ -36,7 +37,9 @@ from autofuser_core.codegen_matmul import as_operand, dot_block, dot_line, index
 from autofuser_core.ir import Value
 from autofuser_core.rounding import interpreting, rounded, stored
 
+from .chain import POINTER_TYPES, chain_module, chain_stages, digest
 from .layout import AttentionLayout, Operand, Step
+from .prepass import SPLIT_DTYPE, SPLIT_EXPONENT, exponent_lines, kv_modes, pass_rows, power_of_two, split_lines, write_pass
 
 LOG2E = 1.4426950408889634
 ROUNDED = (torch.float16, torch.bfloat16)
@@ -63,6 +66,7 @@ class _Writer:
         self.lines: list[str] = []
         self.count = 0
         self.bases: dict[int, str] = {}  # operand id -> its batch entry's base pointer
+        self.modes: dict[str, Optional[str]] = {"k": None, "v": None}  # prepass.kv_modes
 
     def emit(self, line: str, indent: int = 1) -> None:
         self.lines.append("    " * indent + line)
@@ -122,15 +126,18 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
     """Write the Triton source for an ``AttentionProgram``; see module doc."""
     L: AttentionLayout = program.attention
     w = _Writer()
+    w.modes = kv_modes(L)
     block_d, block_dv = dot_block(L.d), dot_block(L.dv)
     extents = [L.q.extent(L.batch, L.n, L.d), L.k.extent(L.batch, L.m, L.d), L.v.extent(L.batch, L.m, L.dv),
-               L.out.extent(L.batch, L.n, L.dv)]
+               L.out.extent(L.batch, L.n, L.dv), L.batch_numel * L.m * max(block_d, block_dv)]
     extents += [op.extent(L.batch, L.n, L.m) for op in ([L.mask] if L.mask else []) + list(L.tiles.values())]
     wide = max(extents) > INT32_LIMIT
     cast64 = ".to(tl.int64)" if wide else ""
 
-    # Operands and the base pointer of this program's batch entry in each.
-    operands = [("q", "in", L.q), ("k", "in", L.k), ("v", "in", L.v), ("out", "out", L.out)]
+    # Operands and the base pointer of this program's batch entry in each; k and v after a
+    # pass are read from its contiguous scratch instead.
+    operands = [("q", "in", L.q), ("out", "out", L.out)]
+    operands += [(name, "in", op) for name, op in (("k", L.k), ("v", L.v)) if w.modes[name] is None]
     if L.mask is not None:
         operands.append(("mask", "in", L.mask))
     operands += [(f"x{op.index}", "in", op) for op in L.tiles.values()]
@@ -140,6 +147,13 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
     for (name, kind, op), off in zip(operands, offsets):
         w.emit(f"{name}_base = {kind}{op.index}" + (f" + {off}" if off else ""))
         w.bases[id(op)] = f"{name}_base"
+    for name, width in (("k", block_d), ("v", block_dv)):
+        if w.modes[name] is not None:
+            parts = ("a", "b") if w.modes[name] == "split" else ("a",)
+            for part in parts:
+                w.emit(f"{name}{part}_base = {name}_{part} + batch * {L.m * width}  # the pass's contiguous copy")
+            if w.modes[name] == "split":
+                w.emit(f"{name}f_base = {name}_f + batch * {L.m}  # its rows' unscale factors")
 
     w.emit("rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # this program's queries")
     w.emit(f"row_mask = rows < {L.n}")
@@ -151,11 +165,21 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
     dv_mask = f"dv_cols < {L.dv}" if L.dv < block_dv else None
 
     # 1. q's tile, once.
+    split = w.modes["k"] == "split"
     q_cast = load_cast(L.q.dtype, L.qk_dtype, need_fp32=bool(L.q_steps))
     w.emit(f"q = {w.tile_load(L.q, 'q_base', 'rows', 'd_cols', ('row_mask', d_mask), q_cast, full=True)}")
     if L.q_steps:
         w.steps(L.q_steps, "q", {}, 1)
-    if q_cast or L.q_steps:
+    if split:
+        # As the pass splits k's rows (prepass.py): q's rows scaled by powers of two, in two fp16 parts.
+        w.emit("q_amax = tl.max(tl.abs(q), axis=1)[:, None]")
+        for line in exponent_lines("q_amax", "q_e"):
+            w.emit(line)
+        w.emit(f"q = q * {power_of_two(f'{SPLIT_EXPONENT} - q_e')}")
+        w.emit(f"q_f = {power_of_two(f'q_e - {SPLIT_EXPONENT}')}  # undoes the scale")
+        for line in split_lines("q", "q"):
+            w.emit(line)
+    elif q_cast or L.q_steps:
         operand = as_operand("q", L.qk_dtype)
         if operand != "q":
             w.emit(f"q = {operand}  # the product's operand dtype")
@@ -173,12 +197,14 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
             w.emit(f"out = {rounded('out', L.pv_dtype)}  # the product's dtype")
         w.steps(L.out_steps, "out", {}, 1)
     elif L.empty_rows_zero:
-        w.emit("out = tl.where(l_i > 0, acc / l_i, 0.0)  # a row whose keys are all masked gives 0, as torch's does")
+        w.emit("out = tl.where(l_i == 0, 0.0, acc / l_i)  # a row whose keys are all masked gives 0, as torch's does (NaN stays NaN)")
     else:
         w.emit("out = acc / l_i  # a row whose scores are all -inf gives NaN, as eager's softmax does")
     out_off = " + ".join([index_term("rows", L.out.row_stride) or "rows * 0", index_term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
     out_mask = _all([m for m in ("row_mask", dv_mask) if m])
     w.emit(f"tl.store(out_base + {out_off}, {stored('out', L.out.dtype, TL_DTYPES[L.out.dtype])}, mask={out_mask})")
+    if any(w.modes.values()):
+        return _finish_chain(program, strategy, helpers, w, L, block_d, block_dv, cast64)
     return _finish(program, strategy, helpers, w, L, block_d, block_dv)
 
 
@@ -188,14 +214,50 @@ def _key_block(w: _Writer, L: AttentionLayout, dr_mask) -> None:
     w.emit("keys = n0 + tl.arange(0, BLOCK_N)[None, :]  # along the scores' columns", 2)
     w.emit("key_rows = n0 + tl.arange(0, BLOCK_N)[:, None]  # the same keys, along v's rows", 2)
     w.emit(f"key_mask = keys < {L.m}", 2)
-    k_cast = load_cast(L.k.dtype, L.qk_dtype)
-    w.emit(f"kt = {w.tile_load(L.k, 'k_base', 'keys', 'd_rows', ('key_mask', dr_mask), k_cast, full=True)}", 2)
-    w.emit(f"s = {dot_line('q', 'kt', L.qk_dtype, L.precision)}  # q @ k^T", 2)
+    mode = w.modes["k"]
+    if mode is None:
+        k_cast = load_cast(L.k.dtype, L.qk_dtype)
+        w.emit(f"kt = {w.tile_load(L.k, 'k_base', 'keys', 'd_rows', ('key_mask', dr_mask), k_cast, full=True)}", 2)
+        w.emit(f"s = {dot_line('q', 'kt', L.qk_dtype, L.precision)}  # q @ k^T", 2)
+        return
+    if mode == "copy":
+        w.emit(f"kt = tl.load(ka_base + keys * BLOCK_D + d_rows, mask=key_mask, other=0){load_cast(L.qk_dtype, L.qk_dtype)}", 2)
+        w.emit(f"s = {dot_line('q', 'kt', L.qk_dtype, L.precision)}  # q @ k^T", 2)
+        return
+    w.emit("kt_hi = tl.load(ka_base + keys * BLOCK_D + d_rows, mask=key_mask, other=0)", 2)
+    w.emit("kt_lo = tl.load(kb_base + keys * BLOCK_D + d_rows, mask=key_mask, other=0)", 2)
+    w.emit("k_unscale = tl.load(kf_base + keys, mask=key_mask, other=0)", 2)
+    w.emit("s = tl.dot(q_lo, kt_hi)  # q @ k^T in three fp16 products, the small ones first", 2)
+    w.emit("s = tl.dot(q_hi, kt_lo, s)", 2)
+    w.emit("s = tl.dot(q_hi, kt_hi, s)", 2)
+    w.emit("s = s * q_f * k_unscale  # the scales undone: powers of two, exact", 2)
 
 
 def _load_v(w: _Writer, L: AttentionLayout, dv_mask) -> None:
-    v_cast = load_cast(L.v.dtype, L.pv_dtype)
-    w.emit(f"v = {w.tile_load(L.v, 'v_base', 'key_rows', 'dv_cols', (f'key_rows < {L.m}', dv_mask), v_cast, full=True)}", 2)
+    if w.modes["v"] is None:
+        v_cast = load_cast(L.v.dtype, L.pv_dtype)
+        w.emit(f"v = {w.tile_load(L.v, 'v_base', 'key_rows', 'dv_cols', (f'key_rows < {L.m}', dv_mask), v_cast, full=True)}", 2)
+    else:  # the copy made by the pass: contiguous, and 0 past the head width
+        w.emit(f"v = tl.load(va_base + key_rows * BLOCK_DV + dv_cols, mask=key_rows < {L.m}, other=0)"
+               f"{load_cast(L.pv_dtype, L.pv_dtype)}", 2)
+
+
+def _split_pv(w: _Writer, L: AttentionLayout) -> str:
+    """``p @ v`` from v's split rows (``prepass.py``): each key's unscale factor moves onto
+    its column of p, relative to the block's largest (so p stays within fp16's range), and
+    the largest comes back on the product. Returns the product's expression."""
+    w.emit("v_unscale = tl.load(vf_base + keys, mask=key_mask, other=0)", 2)
+    w.emit("g = tl.max(v_unscale, axis=1)[:, None]  # this block's largest unscale factor", 2)
+    w.emit("g = tl.where(g > 0, g, 1.0)", 2)
+    w.emit(f"pp = p * ((v_unscale / g) * {float(2 ** SPLIT_EXPONENT)!r})  # at most 2^{SPLIT_EXPONENT}", 2)
+    for line in split_lines("pp", "p", finite=True):
+        w.emit(line, 2)
+    w.emit(f"v_hi = tl.load(va_base + key_rows * BLOCK_DV + dv_cols, mask=key_rows < {L.m}, other=0)", 2)
+    w.emit(f"v_lo = tl.load(vb_base + key_rows * BLOCK_DV + dv_cols, mask=key_rows < {L.m}, other=0)", 2)
+    w.emit("pv = tl.dot(p_lo, v_hi)  # p @ v in three fp16 products, the small ones first", 2)
+    w.emit("pv = tl.dot(p_hi, v_lo, pv)", 2)
+    w.emit("pv = tl.dot(p_hi, v_hi, pv)", 2)
+    return f"pv * (g * {2.0 ** -SPLIT_EXPONENT!r})"
 
 
 def _fourier_loop(w: _Writer, L: AttentionLayout, dr_mask, dv_mask) -> None:
@@ -239,8 +301,11 @@ def _softmax_loop(w: _Writer, L: AttentionLayout, dr_mask, dv_mask) -> None:
     w.emit("alpha = tl.exp2(m_i - m_safe)  # rescales what was summed under the old max", 2)
     w.emit("p = tl.exp2(s - m_safe)", 2)
     w.emit("l_i = l_i * alpha + tl.sum(p, axis=1)[:, None]", 2)
-    _load_v(w, L, dv_mask)
-    w.emit(f"acc = acc * alpha + {dot_line('p', 'v', L.pv_dtype, L.precision)}", 2)
+    if w.modes["v"] == "split":
+        w.emit(f"acc = acc * alpha + {_split_pv(w, L)}", 2)
+    else:
+        _load_v(w, L, dv_mask)
+        w.emit(f"acc = acc * alpha + {dot_line('p', 'v', L.pv_dtype, L.precision)}", 2)
     w.emit("m_i = m_new", 2)
 
 
@@ -264,6 +329,58 @@ def _finish(program, strategy, helpers, w: _Writer, L: AttentionLayout, block_d:
                         constexprs={"BLOCK_D": block_d, "BLOCK_DV": block_dv})
 
 
+def _finish_chain(program, strategy, helpers, w: _Writer, L: AttentionLayout, block_d: int, block_dv: int,
+                  cast64: str) -> KernelSource:
+    """The kernel after passes over k and/or v (``prepass.py``): a chain of up to three kernels."""
+    inputs = [f"in{k}" for k in range(len(program.inputs))]
+    types = {name: POINTER_TYPES[t.dtype] for name, t in zip(inputs, program.inputs)}
+    types["out0"] = POINTER_TYPES[L.out.dtype]
+    sources, scratch, allocs, passes = [], [], [], []
+    for name, op, width, block, operand in (("k", L.k, L.d, block_d, L.qk_dtype), ("v", L.v, L.dv, block_dv, L.pv_dtype)):
+        mode = w.modes[name]
+        if mode is None:
+            continue
+        dtype = SPLIT_DTYPE if mode == "split" else operand
+        parts = [(f"{name}_a", dtype), (f"{name}_b", dtype), (f"{name}_f", torch.float32)][:3 if mode == "split" else 1]
+        for part, part_dtype in parts:
+            types[part] = POINTER_TYPES[part_dtype]
+            shape = (L.batch_numel, L.m) if part.endswith("_f") else (L.batch_numel, L.m, block)
+            allocs.append(f"{part} = torch.empty({shape}, dtype={part_dtype}, device=device)")
+        scratch += [part for part, _ in parts]
+        sources.append(write_pass(L, name, op, L.m, width, block, mode, operand, cast64))
+        rows = pass_rows(block)
+        width_key = "BLOCK_D" if name == "k" else "BLOCK_DV"
+        passes.append((name, rows, width_key, [part for part, _ in parts], op.index))
+    body = "\n".join(w.lines)
+    read = [name for name in inputs if re.search(rf"\b{name}\b", body)]  # not k or v, if passes copied them
+    params = read + scratch + ["out0"]
+    sources.append((params, ["BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV"], w.lines))
+    bodies = "\n".join("\n".join(lines) for _, _, lines in sources)
+    helper_text = used_helpers(helpers, bodies)
+    name = f"af_attention_{L.form}_{digest(helper_text, bodies, repr(params))}"
+    stage_names = [f"{name}_pass_{p[0]}" for p in passes] + [f"{name}_attend"]
+    functions, stages = chain_stages(stage_names, sources, types)
+    derived = {}
+    launch = ["device = out0.device"] + allocs
+    for stage, (tensor, rows, width_key, parts, index) in zip(stages, passes):
+        rows_key = f"PASS_{tensor.upper()}_ROWS"
+        stage["constexprs"] = {"BLOCK_R": rows_key, "BLOCK_W": width_key}
+        derived[rows_key] = repr(rows)
+        launch.append(f"{stage['name']}[(triton.cdiv({L.m}, {rows}), {L.batch_numel})](in{index}, {', '.join(parts)}, "
+                      f"BLOCK_R={rows}, BLOCK_W={width_key}, num_warps=num_warps)")
+    launch.append(f"{stage_names[-1]}[(triton.cdiv({L.n}, BLOCK_M), {L.batch_numel})]({', '.join(params)}, "
+                  "BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=num_warps, "
+                  "num_stages=num_stages)")
+    signature = ", ".join(inputs + ["out0", "*", "BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV", "num_warps=4",
+                                    "num_stages=2"])
+    passes_text = ", ".join(f"{m} pass over {n}" for n, m in w.modes.items() if m)
+    header = kernel_header(program, f"{strategy} strategy, online softmax after a {passes_text}", _sizes(L))
+    source = chain_module(header, helper_text, functions, name, launch, signature, stages, derived,
+                          tuple(inputs + ["out0"]))
+    return KernelSource(name=name, source=source, layout="attention_chain", grid=lambda config: (1,),
+                        constexprs={"BLOCK_D": block_d, "BLOCK_DV": block_dv})
+
+
 def _dtype(dtype) -> str:
     return "fp32" if dtype is None else str(dtype).removeprefix("torch.")
 
@@ -273,9 +390,12 @@ def kernel_header(program, title: str, sizes: str) -> str:
     return core_kernel_header(program, title, [program.summary, sizes])
 
 
+def _sizes(L: AttentionLayout) -> str:
+    fp32 = "3xFP16 (fp16 parts of scaled rows)" if kv_modes(L)["k"] == "split" else L.precision
+    return (f"batch {list(L.batch)}, {L.n} queries, {L.m} keys, head widths {L.d} -> {L.dv}; operands of "
+            f"q @ k^T {_dtype(L.qk_dtype)}, of p @ v {_dtype(L.pv_dtype)}"
+            + (f", fp32 products {fp32}" if None in (L.qk_dtype, L.pv_dtype) else ""))
+
+
 def _header(program, strategy: str) -> str:
-    L: AttentionLayout = program.attention
-    return kernel_header(program, f"{strategy} strategy, online softmax",
-                         f"batch {list(L.batch)}, {L.n} queries, {L.m} keys, head widths {L.d} -> {L.dv}; operands of "
-                         f"q @ k^T {_dtype(L.qk_dtype)}, of p @ v {_dtype(L.pv_dtype)}"
-                         + (f", fp32 products {L.precision}" if None in (L.qk_dtype, L.pv_dtype) else ""))
+    return kernel_header(program, f"{strategy} strategy, online softmax", _sizes(program.attention))

@@ -1,0 +1,129 @@
+"""Passes over k and v before the softmax attention kernel (``kernel.py``).
+
+Every program of the attention kernel reads all of its batch entry's keys and
+values: with ``N`` queries in blocks of ``BLOCK_M``, each k and v tile is read
+``N / BLOCK_M`` times. Whatever is done to a tile on its way to the tensor
+cores is done that many times too, so two conversions run once, in a pass of
+their own, when there are enough queries (``PREPASS_MIN_QUERIES``):
+
+- ``copy``: a 16-bit product (autocast) over fp32 k or v. The pass writes the
+  operand dtype, rounded to nearest even as autocast's own cast does, into a
+  contiguous scratch tensor; the kernel's tiles then go from memory to the
+  tensor cores unchanged (converted in the kernel, each tile would go through
+  registers first, for every query block).
+- ``split``: fp32 products where torch does not allow TF32. Each row of k or v
+  (one key, all its head-width columns) is scaled by a power of two so that
+  its largest magnitude lies in ``[2^13, 2^14)``, and written as two fp16
+  parts, ``hi = fp16(x)`` and ``lo = fp16(x - hi)``: 22 significant bits, and
+  fp16's range covers the scaled row, so its small entries keep their bits
+  down to ``2^-24`` relative to the row's largest (``lo`` then rounds
+  below the fp16 normal range). The kernel computes each product as three
+  fp16 products with fp32 accumulation (``lo*hi + hi*lo + hi*hi``; ``lo*lo``
+  is below fp32's precision) and undoes the scales exactly (powers of two).
+  This is the same error as three TF32 products (3xTF32: 11 + 11 bits) at
+  fp16's tensor-core rate, twice TF32's on an H100/H200.
+  The pass also writes each row's unscale factor ``2^(e - 14)``.
+
+Scales are chosen per row, so the pass reads each row once; rows of all
+zeros or of subnormals get a clamped exponent, and rows holding an infinity
+or NaN are left unscaled. Non-finite inputs give non-finite outputs exactly
+where eager's are; an output eager makes infinite may come out NaN instead
+(``0 * inf`` in a low-part product), as with 3xTF32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from autofuser_core.codegen import TL_DTYPES, emit_offsets
+from autofuser_core.codegen_matmul import index_term
+from autofuser_core.rounding import stored
+
+from .layout import AttentionLayout, Operand
+
+#: Passes over k and v run only from this many queries: fewer, and each tile is read by a
+#: program or two, so the pass (one more launch and a write and read of k and v) can't pay.
+PREPASS_MIN_QUERIES = 256
+#: Elements one program of a pass converts: rows of ``ROWS_PER_PROGRAM // width``.
+ROWS_PER_PROGRAM = 4096
+#: The exponent a split row's largest magnitude is scaled to (just under ``2^SPLIT_EXPONENT``).
+SPLIT_EXPONENT = 14
+#: fp16 parts of a split operand, and the 16-bit dtype of the products.
+SPLIT_DTYPE = torch.float16
+
+
+def kv_modes(L: AttentionLayout) -> dict[str, Optional[str]]:
+    """How the kernel reads k and v: ``None`` (through their own strides, as stored),
+    ``"copy"`` or ``"split"`` (after a pass; see the module doc)."""
+    if L.form == "fourier" or L.n < PREPASS_MIN_QUERIES:
+        return {"k": None, "v": None}
+    if L.precision == "tf32x3" and L.qk_dtype is None and L.pv_dtype is None:
+        return {"k": "split", "v": "split"}
+    return {name: "copy" if operand is not None and op.dtype != operand else None
+            for name, op, operand in (("k", L.k, L.qk_dtype), ("v", L.v, L.pv_dtype))}
+
+
+def pass_rows(width: int) -> int:
+    """Rows per program of a pass over a tensor ``width`` (padded) columns wide."""
+    return max(1, ROWS_PER_PROGRAM // width)
+
+
+def exponent_lines(amax: str, name: str) -> list[str]:
+    """Lines setting ``name`` (int32) to ``e`` with ``amax < 2^e``, clamped to [-100, 127]
+    so that ``2^(14 - e)`` and ``2^(e - 14)`` are normal fp32 numbers. A row holding an
+    infinity or NaN is not scaled (``e = 14``): its finite entries keep their values, and
+    its unscale factor doesn't dwarf its neighbours' (``kernel._split_pv``)."""
+    return [f"{name} = ((({amax}).to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 126",
+            f"{name} = tl.where({name} > 128, {SPLIT_EXPONENT}, tl.minimum(tl.maximum({name}, -100), 127))"]
+
+
+def power_of_two(exponent: str) -> str:
+    """``2.0 ** exponent`` for an int32 expression in the normal range, built from its bits."""
+    return f"((({exponent}) + 127) << 23).to(tl.float32, bitcast=True)"
+
+
+def split_lines(tile: str, prefix: str, finite: bool = False) -> list[str]:
+    """Lines splitting an fp32 ``tile`` (already scaled) into ``{prefix}_hi`` and ``{prefix}_lo``.
+    An infinite entry keeps ``lo = 0`` (``inf - inf`` would make the product NaN where eager's
+    is infinite) unless the tile is ``finite`` (or NaN) by construction."""
+    low = f"{tile} - {prefix}_hi.to(tl.float32)"
+    if not finite:
+        low = f'tl.where(tl.abs({tile}) < float("inf"), {low}, 0.0)'
+    return [f"{prefix}_hi = {tile}.to(tl.float16)", f"{prefix}_lo = ({low}).to(tl.float16)"]
+
+
+def write_pass(L: AttentionLayout, name: str, op: Operand, rows: int, width: int, block: int, mode: str,
+               operand: Optional[torch.dtype], cast64: str) -> tuple[list[str], list[str], list[str]]:
+    """One pass's ``(params, blocks, lines)`` for ``chain.chain_stages``: grid (row blocks,
+    batch entries); reads ``op`` ([rows, width] per batch entry) through its strides and writes
+    ``{name}_a`` (and for a split ``{name}_b``, the low parts, and ``{name}_f``, the unscale
+    factors), contiguous [batch, rows, block]."""
+    lines: list[str] = []
+    emit = lambda line: lines.append("    " + line)  # noqa: E731
+    emit(f"pid = tl.program_id(0){cast64}")
+    emit(f"batch = tl.program_id(1){cast64}")
+    offset = emit_offsets(emit, list(L.batch), [list(op.batch_strides)], "batch", "b")[0]
+    emit(f"src = in{op.index}" + (f" + {offset}" if offset else ""))
+    emit("r = pid * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
+    emit("c = tl.arange(0, BLOCK_W)[None, :]")
+    emit(f"r_mask = r < {rows}")
+    col_mask = f" & (c < {width})" if width < block else ""
+    terms = " + ".join(t for t in (index_term("r", op.row_stride), index_term("c", op.col_stride)) if t) or "0"
+    emit(f"x = tl.load(src + {terms}, mask=r_mask{col_mask}, other=0).to(tl.float32)")
+    emit(f"dst = batch * {rows * block} + r * BLOCK_W + c")
+    if mode == "copy":
+        emit(f"tl.store({name}_a + dst, {stored('x', operand, TL_DTYPES[operand])}, mask=r_mask)")
+        return [f"in{op.index}", f"{name}_a"], ["BLOCK_R", "BLOCK_W"], lines
+    emit("amax = tl.max(tl.abs(x), axis=1)[:, None]  # per row: one key's head-width entries")
+    for line in exponent_lines("amax", "e"):
+        emit(line)
+    emit(f"x = x * {power_of_two(f'{SPLIT_EXPONENT} - e')}  # its largest magnitude to [2^13, 2^14)")
+    for line in split_lines("x", "x"):
+        emit(line)
+    emit(f"tl.store({name}_a + dst, x_hi, mask=r_mask)")
+    emit(f"tl.store({name}_b + dst, x_lo, mask=r_mask)")
+    emit(f"tl.store({name}_f + batch * {rows} + r, {power_of_two(f'e - {SPLIT_EXPONENT}')}, mask=r_mask)"
+         "  # undoes the scale")
+    return [f"in{op.index}", f"{name}_a", f"{name}_b", f"{name}_f"], ["BLOCK_R", "BLOCK_W"], lines
