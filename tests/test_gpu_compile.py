@@ -45,7 +45,8 @@ for job in json.load(open(sys.argv[1])):
     spec.loader.exec_module(module)
     fn = getattr(module, job["name"])
     signature = {**job["pointers"], **{k: "constexpr" for k in job["constexprs"]}}
-    triton.compile(ASTSource(fn, signature, constexprs=job["constexprs"]), target=GPUTarget("cuda", 90, 32))
+    triton.compile(ASTSource(fn, signature, constexprs=job["constexprs"]), target=GPUTarget("cuda", 90, 32),
+                   options=job.get("options"))
     print("compiled", job["name"])
 """
 
@@ -194,6 +195,33 @@ def test_attention_chains_after_passes_compile_for_sm90(mode, tmp_path, monkeypa
                 assert "_af_round_bf16" not in source.source
                 for config in (strategy.default_config(program), strategy.configs(program)[0]):
                     jobs += _chain_jobs(tmp_path, source, {**config, **source.constexprs})
+    _compile_for_sm90(jobs, tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_persistent_mlp_compiles_for_sm90(dtype, tmp_path, monkeypatch):
+    """The MLP kernel's persistent form (both weights in shared memory) at width 128, with
+    each of its configs that the validity rule keeps; and the streamed form beside it."""
+    from autofuser_plugins.mlp import strategy as mlp
+
+    model = nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128)).to(dtype)
+    gm = autofuser.capture(model, torch.randn(3, 221, 128, dtype=dtype))
+    plan = plan_fusion_groups(gm, autofuser.load_plugins().registry)
+    (candidate,) = [c for c in plan.kept if c.strategy.name == "mlp"]
+    program = candidate.program
+    with monkeypatch.context() as env:
+        env.setenv("TRITON_INTERPRET", "0")
+        source = candidate.strategy.generate(program, plan.view.helpers)
+    configs = [c for c in mlp.configs(program) if mlp.is_valid(program, c) is None]
+    persistent = [c for c in configs if c["PERSISTENT"]]
+    assert len(persistent) >= 3, configs
+    jobs = []
+    for config in persistent + [configs[len(persistent)]]:
+        job = _job(tmp_path, source, [t.dtype for t in program.inputs], [t.dtype for t in program.outputs],
+                   {**config, **source.constexprs})
+        # As launched: the persistent form needs nearly all of a block's shared memory.
+        job["options"] = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        jobs.append(job)
     _compile_for_sm90(jobs, tmp_path)
 
 

@@ -39,7 +39,7 @@ from autofuser_core.rounding import interpreting, rounded, stored
 
 from .chain import POINTER_TYPES, chain_module, chain_stages, digest
 from .layout import AttentionLayout, Operand, Step
-from .prepass import SPLIT_DTYPE, SPLIT_EXPONENT, exponent_lines, kv_modes, pass_rows, power_of_two, split_lines, write_pass
+from .prepass import PASS_ROWS, SPLIT_DTYPE, SPLIT_EXPONENT, kv_modes, split_lines, write_pass
 
 LOG2E = 1.4426950408889634
 ROUNDED = (torch.float16, torch.bfloat16)
@@ -136,8 +136,8 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
 
     # Operands and the base pointer of this program's batch entry in each; k and v after a
     # pass are read from its contiguous scratch instead.
-    operands = [("q", "in", L.q), ("out", "out", L.out)]
-    operands += [(name, "in", op) for name, op in (("k", L.k), ("v", L.v)) if w.modes[name] is None]
+    operands = [(name, "in", op) for name, op in (("q", L.q), ("k", L.k), ("v", L.v)) if w.modes[name] is None]
+    operands.append(("out", "out", L.out))
     if L.mask is not None:
         operands.append(("mask", "in", L.mask))
     operands += [(f"x{op.index}", "in", op) for op in L.tiles.values()]
@@ -147,13 +147,15 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
     for (name, kind, op), off in zip(operands, offsets):
         w.emit(f"{name}_base = {kind}{op.index}" + (f" + {off}" if off else ""))
         w.bases[id(op)] = f"{name}_base"
-    for name, width in (("k", block_d), ("v", block_dv)):
+    for name, rows, width in (("q", L.n, block_d), ("k", L.m, block_d), ("v", L.m, block_dv)):
         if w.modes[name] is not None:
             parts = ("a", "b") if w.modes[name] == "split" else ("a",)
             for part in parts:
-                w.emit(f"{name}{part}_base = {name}_{part} + batch * {L.m * width}  # the pass's contiguous copy")
+                w.emit(f"{name}{part}_base = {name}_{part} + batch * {rows * width}  # the pass's contiguous copy")
             if w.modes[name] == "split":
-                w.emit(f"{name}f_base = {name}_f + batch * {L.m}  # its rows' unscale factors")
+                w.emit(f"{name}f_base = {name}_f + batch * {rows}  # its rows' unscale factors")
+        if name == "v" and w.modes[name] == "split":
+            w.emit(f"vg_base = v_g + batch * {-(-L.m // PASS_ROWS)}  # its key blocks' largest factors")
 
     w.emit("rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # this program's queries")
     w.emit(f"row_mask = rows < {L.n}")
@@ -165,22 +167,16 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
     dv_mask = f"dv_cols < {L.dv}" if L.dv < block_dv else None
 
     # 1. q's tile, once.
-    split = w.modes["k"] == "split"
-    q_cast = load_cast(L.q.dtype, L.qk_dtype, need_fp32=bool(L.q_steps))
-    w.emit(f"q = {w.tile_load(L.q, 'q_base', 'rows', 'd_cols', ('row_mask', d_mask), q_cast, full=True)}")
-    if L.q_steps:
-        w.steps(L.q_steps, "q", {}, 1)
-    if split:
-        # As the pass splits k's rows (prepass.py): q's rows scaled by powers of two, in two fp16 parts.
-        w.emit("q_amax = tl.max(tl.abs(q), axis=1)[:, None]")
-        for line in exponent_lines("q_amax", "q_e"):
-            w.emit(line)
-        w.emit(f"q = q * {power_of_two(f'{SPLIT_EXPONENT} - q_e')}")
-        w.emit(f"q_f = {power_of_two(f'q_e - {SPLIT_EXPONENT}')}  # undoes the scale")
-        for line in split_lines("q", "q"):
-            w.emit(line)
-    elif q_cast or L.q_steps:
-        operand = as_operand("q", L.qk_dtype)
+    if w.modes["q"] == "split":  # its written-out ops were applied by the pass
+        w.emit("q_hi = tl.load(qa_base + rows * BLOCK_D + d_cols, mask=row_mask, other=0)")
+        w.emit("q_lo = tl.load(qb_base + rows * BLOCK_D + d_cols, mask=row_mask, other=0)")
+        w.emit("q_f = tl.load(qf_base + rows, mask=row_mask, other=0)")
+    else:
+        q_cast = load_cast(L.q.dtype, L.qk_dtype, need_fp32=bool(L.q_steps))
+        w.emit(f"q = {w.tile_load(L.q, 'q_base', 'rows', 'd_cols', ('row_mask', d_mask), q_cast, full=True)}")
+        if L.q_steps:
+            w.steps(L.q_steps, "q", {}, 1)
+        operand = as_operand("q", L.qk_dtype) if q_cast or L.q_steps else "q"
         if operand != "q":
             w.emit(f"q = {operand}  # the product's operand dtype")
 
@@ -244,12 +240,12 @@ def _load_v(w: _Writer, L: AttentionLayout, dv_mask) -> None:
 
 def _split_pv(w: _Writer, L: AttentionLayout) -> str:
     """``p @ v`` from v's split rows (``prepass.py``): each key's unscale factor moves onto
-    its column of p, relative to the block's largest (so p stays within fp16's range), and
-    the largest comes back on the product. Returns the product's expression."""
+    its column of p, relative to the largest of the pass's key block these keys lie in (so
+    p stays within fp16's range), and that largest comes back on the product. Returns the
+    product's expression."""
     w.emit("v_unscale = tl.load(vf_base + keys, mask=key_mask, other=0)", 2)
-    w.emit("g = tl.max(v_unscale, axis=1)[:, None]  # this block's largest unscale factor", 2)
-    w.emit("g = tl.where(g > 0, g, 1.0)", 2)
-    w.emit(f"pp = p * ((v_unscale / g) * {float(2 ** SPLIT_EXPONENT)!r})  # at most 2^{SPLIT_EXPONENT}", 2)
+    w.emit(f"g = tl.load(vg_base + n0 // {PASS_ROWS})  # the largest factor of the pass block holding these keys", 2)
+    w.emit(f"pp = p * (v_unscale * ({float(2 ** SPLIT_EXPONENT)!r} / g))  # at most 2^{SPLIT_EXPONENT}", 2)
     for line in split_lines("pp", "p", finite=True):
         w.emit(line, 2)
     w.emit(f"v_hi = tl.load(va_base + key_rows * BLOCK_DV + dv_cols, mask=key_rows < {L.m}, other=0)", 2)
@@ -336,20 +332,29 @@ def _finish_chain(program, strategy, helpers, w: _Writer, L: AttentionLayout, bl
     types = {name: POINTER_TYPES[t.dtype] for name, t in zip(inputs, program.inputs)}
     types["out0"] = POINTER_TYPES[L.out.dtype]
     sources, scratch, allocs, passes = [], [], [], []
-    for name, op, width, block, operand in (("k", L.k, L.d, block_d, L.qk_dtype), ("v", L.v, L.dv, block_dv, L.pv_dtype)):
+    for name, op, rows, width, block, operand in (("q", L.q, L.n, L.d, block_d, L.qk_dtype),
+                                                  ("k", L.k, L.m, L.d, block_d, L.qk_dtype),
+                                                  ("v", L.v, L.m, L.dv, block_dv, L.pv_dtype)):
         mode = w.modes[name]
         if mode is None:
             continue
         dtype = SPLIT_DTYPE if mode == "split" else operand
         parts = [(f"{name}_a", dtype), (f"{name}_b", dtype), (f"{name}_f", torch.float32)][:3 if mode == "split" else 1]
+        block_max = name == "v" and mode == "split"
+        parts += [(f"{name}_g", torch.float32)] if block_max else []
+        shapes = {"a": (L.batch_numel, rows, block), "b": (L.batch_numel, rows, block), "f": (L.batch_numel, rows),
+                  "g": (L.batch_numel, triton_cdiv(rows, PASS_ROWS))}
         for part, part_dtype in parts:
             types[part] = POINTER_TYPES[part_dtype]
-            shape = (L.batch_numel, L.m) if part.endswith("_f") else (L.batch_numel, L.m, block)
-            allocs.append(f"{part} = torch.empty({shape}, dtype={part_dtype}, device=device)")
+            allocs.append(f"{part} = torch.empty({shapes[part[-1]]}, dtype={part_dtype}, device=device)")
         scratch += [part for part, _ in parts]
-        sources.append(write_pass(L, name, op, L.m, width, block, mode, operand, cast64))
-        rows = pass_rows(block)
-        width_key = "BLOCK_D" if name == "k" else "BLOCK_DV"
+        steps = ()
+        if name == "q" and L.q_steps:
+            q_writer = _Writer()
+            q_writer.steps(L.q_steps, "x", {}, 1)
+            steps = tuple(q_writer.lines)
+        sources.append(write_pass(L, name, op, rows, width, block, mode, operand, cast64, block_max, steps))
+        width_key = "BLOCK_DV" if name == "v" else "BLOCK_D"
         passes.append((name, rows, width_key, [part for part, _ in parts], op.index))
     body = "\n".join(w.lines)
     read = [name for name in inputs if re.search(rf"\b{name}\b", body)]  # not k or v, if passes copied them
@@ -362,12 +367,11 @@ def _finish_chain(program, strategy, helpers, w: _Writer, L: AttentionLayout, bl
     functions, stages = chain_stages(stage_names, sources, types)
     derived = {}
     launch = ["device = out0.device"] + allocs
+    derived["PASS_ROWS"] = repr(PASS_ROWS)
     for stage, (tensor, rows, width_key, parts, index) in zip(stages, passes):
-        rows_key = f"PASS_{tensor.upper()}_ROWS"
-        stage["constexprs"] = {"BLOCK_R": rows_key, "BLOCK_W": width_key}
-        derived[rows_key] = repr(rows)
-        launch.append(f"{stage['name']}[(triton.cdiv({L.m}, {rows}), {L.batch_numel})](in{index}, {', '.join(parts)}, "
-                      f"BLOCK_R={rows}, BLOCK_W={width_key}, num_warps=num_warps)")
+        stage["constexprs"] = {"BLOCK_R": "PASS_ROWS", "BLOCK_W": width_key}
+        launch.append(f"{stage['name']}[(triton.cdiv({rows}, {PASS_ROWS}), {L.batch_numel})](in{index}, "
+                      f"{', '.join(parts)}, BLOCK_R={PASS_ROWS}, BLOCK_W={width_key}, num_warps=num_warps)")
     launch.append(f"{stage_names[-1]}[(triton.cdiv({L.n}, BLOCK_M), {L.batch_numel})]({', '.join(params)}, "
                   "BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=num_warps, "
                   "num_stages=num_stages)")

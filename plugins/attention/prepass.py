@@ -11,7 +11,7 @@ their own, when there are enough queries (``PREPASS_MIN_QUERIES``):
   contiguous scratch tensor; the kernel's tiles then go from memory to the
   tensor cores unchanged (converted in the kernel, each tile would go through
   registers first, for every query block).
-- ``split``: fp32 products where torch does not allow TF32. Each row of k or v
+- ``split``: fp32 products where torch does not allow TF32. Each row of q, k or v
   (one key, all its head-width columns) is scaled by a power of two so that
   its largest magnitude lies in ``[2^13, 2^14)``, and written as two fp16
   parts, ``hi = fp16(x)`` and ``lo = fp16(x - hi)``: 22 significant bits, and
@@ -46,8 +46,10 @@ from .layout import AttentionLayout, Operand
 #: Passes over k and v run only from this many queries: fewer, and each tile is read by a
 #: program or two, so the pass (one more launch and a write and read of k and v) can't pay.
 PREPASS_MIN_QUERIES = 256
-#: Elements one program of a pass converts: rows of ``ROWS_PER_PROGRAM // width``.
-ROWS_PER_PROGRAM = 4096
+#: Rows (keys) one program of a pass converts; also the key block over which a split v's
+#: largest unscale factor is taken (``kernel._split_pv``): the attention kernel's key blocks
+#: (``BLOCK_N``, a divisor of it) each lie within one.
+PASS_ROWS = 128
 #: The exponent a split row's largest magnitude is scaled to (just under ``2^SPLIT_EXPONENT``).
 SPLIT_EXPONENT = 14
 #: fp16 parts of a split operand, and the 16-bit dtype of the products.
@@ -55,19 +57,16 @@ SPLIT_DTYPE = torch.float16
 
 
 def kv_modes(L: AttentionLayout) -> dict[str, Optional[str]]:
-    """How the kernel reads k and v: ``None`` (through their own strides, as stored),
-    ``"copy"`` or ``"split"`` (after a pass; see the module doc)."""
+    """How the kernel reads q, k and v: ``None`` (through their own strides, as stored),
+    ``"copy"`` or ``"split"`` (after a pass; see the module doc). q is split by a pass too
+    (with its written-out ops applied first): split in the kernel, its parts would be
+    stored to shared memory again in every step of the loop over the keys."""
     if L.form == "fourier" or L.n < PREPASS_MIN_QUERIES:
-        return {"k": None, "v": None}
+        return {"q": None, "k": None, "v": None}
     if L.precision == "tf32x3" and L.qk_dtype is None and L.pv_dtype is None:
-        return {"k": "split", "v": "split"}
-    return {name: "copy" if operand is not None and op.dtype != operand else None
-            for name, op, operand in (("k", L.k, L.qk_dtype), ("v", L.v, L.pv_dtype))}
-
-
-def pass_rows(width: int) -> int:
-    """Rows per program of a pass over a tensor ``width`` (padded) columns wide."""
-    return max(1, ROWS_PER_PROGRAM // width)
+        return {"q": "split", "k": "split", "v": "split"}
+    return {"q": None, **{name: "copy" if operand is not None and op.dtype != operand else None
+                          for name, op, operand in (("k", L.k, L.qk_dtype), ("v", L.v, L.pv_dtype))}}
 
 
 def exponent_lines(amax: str, name: str) -> list[str]:
@@ -95,11 +94,14 @@ def split_lines(tile: str, prefix: str, finite: bool = False) -> list[str]:
 
 
 def write_pass(L: AttentionLayout, name: str, op: Operand, rows: int, width: int, block: int, mode: str,
-               operand: Optional[torch.dtype], cast64: str) -> tuple[list[str], list[str], list[str]]:
-    """One pass's ``(params, blocks, lines)`` for ``chain.chain_stages``: grid (row blocks,
-    batch entries); reads ``op`` ([rows, width] per batch entry) through its strides and writes
-    ``{name}_a`` (and for a split ``{name}_b``, the low parts, and ``{name}_f``, the unscale
-    factors), contiguous [batch, rows, block]."""
+               operand: Optional[torch.dtype], cast64: str, block_max: bool = False,
+               steps: tuple[str, ...] = ()) -> tuple[list, list, list]:
+    """One pass's ``(params, blocks, lines)`` for ``chain.chain_stages``: grid (blocks of
+    ``PASS_ROWS`` rows, batch entries); reads ``op`` ([rows, width] per batch entry) through
+    its strides and writes ``{name}_a`` (and for a split ``{name}_b``, the low parts, and
+    ``{name}_f``, each row's unscale factor), contiguous [batch, rows, block]; with
+    ``block_max``, also ``{name}_g``: each block's largest factor, [batch, blocks].
+    ``steps``: lines run on the loaded tile ``x`` first (q's written-out ops)."""
     lines: list[str] = []
     emit = lambda line: lines.append("    " + line)  # noqa: E731
     emit(f"pid = tl.program_id(0){cast64}")
@@ -112,6 +114,9 @@ def write_pass(L: AttentionLayout, name: str, op: Operand, rows: int, width: int
     col_mask = f" & (c < {width})" if width < block else ""
     terms = " + ".join(t for t in (index_term("r", op.row_stride), index_term("c", op.col_stride)) if t) or "0"
     emit(f"x = tl.load(src + {terms}, mask=r_mask{col_mask}, other=0).to(tl.float32)")
+    lines += steps
+    if steps and width < block:
+        emit(f"x = tl.where(c < {width}, x, 0.0)  # padding stays 0")
     emit(f"dst = batch * {rows * block} + r * BLOCK_W + c")
     if mode == "copy":
         emit(f"tl.store({name}_a + dst, {stored('x', operand, TL_DTYPES[operand])}, mask=r_mask)")
@@ -124,6 +129,11 @@ def write_pass(L: AttentionLayout, name: str, op: Operand, rows: int, width: int
         emit(line)
     emit(f"tl.store({name}_a + dst, x_hi, mask=r_mask)")
     emit(f"tl.store({name}_b + dst, x_lo, mask=r_mask)")
-    emit(f"tl.store({name}_f + batch * {rows} + r, {power_of_two(f'e - {SPLIT_EXPONENT}')}, mask=r_mask)"
-         "  # undoes the scale")
-    return [f"in{op.index}", f"{name}_a", f"{name}_b", f"{name}_f"], ["BLOCK_R", "BLOCK_W"], lines
+    emit(f"unscale = {power_of_two(f'e - {SPLIT_EXPONENT}')}")
+    emit(f"tl.store({name}_f + batch * {rows} + r, unscale, mask=r_mask)")
+    params = [f"in{op.index}", f"{name}_a", f"{name}_b", f"{name}_f"]
+    if block_max:
+        emit(f"tl.store({name}_g + batch * {-(-rows // PASS_ROWS)} + pid, tl.max(tl.where(r_mask, unscale, 0.0)))"
+             "  # this block's largest")
+        params.append(f"{name}_g")
+    return params, ["BLOCK_R", "BLOCK_W"], lines

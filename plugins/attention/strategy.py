@@ -24,7 +24,7 @@ from .layout import AttentionProgram
 from .linear import compose_linear_attention, find_linear_attention
 from .linear_kernel import write_linear_attention
 from .match import compose_attention, find_attention
-from .prepass import kv_modes
+from .prepass import PASS_ROWS, kv_modes
 from .slice import compose_slice_attention, find_slice_attention
 from .slice_kernel import write_slice_attention
 
@@ -71,6 +71,8 @@ def is_valid(program, config):
         return "more query rows per program than there are queries"
     if block_n > 16 and block_n // 2 >= L.m:
         return "a key block longer than the keys"
+    if kv_modes(L)["v"] == "split" and PASS_ROWS % block_n:
+        return f"key blocks of {block_n} would straddle the split pass's blocks of {PASS_ROWS}"
     threads = 32 * config["num_warps"]
     held = block_m * (block_dv + block_n + block_d * _element(L.qk_dtype) / 4)
     if held / threads > REGS_PER_THREAD:

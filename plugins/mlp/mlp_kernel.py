@@ -19,13 +19,16 @@ from autofuser_core.codegen_matmul import (DagBlock, MatmulWriter, all_values, a
                                            dot_line, emit_prepasses, emit_stores, index_term, needs_int64, weight_tile)
 from autofuser_core.group import GroupProgram
 
+from .mlp_layout import PERSISTENT_BLOCK_H
+
 #: The hidden axis of the second product's A tiles: (offsets, mask, block constexpr).
 HIDDEN_AXIS = ("hs", "h_mask", "BLOCK_H")
 
-def _emit_rows(w: MatmulWriter, out_domain, rows: int, sites: list, strides: list, wide: bool) -> None:
-    """Program ids -> ``rows`` tiles (all ``BLOCK_N`` columns), masks, and each site's row offset."""
+def _emit_rows(w: MatmulWriter, out_domain, rows: int, sites: list, strides: list, wide: bool,
+               tile: str = "tl.program_id(0)") -> None:
+    """The row block ``tile`` -> ``rows`` tiles (all ``BLOCK_N`` columns), masks, and each site's row offset."""
     cast = ".to(tl.int64)" if wide else ""
-    w.emit(f"pid_m = tl.program_id(0){cast}")
+    w.emit(f"pid_m = {tile}{cast}")
     w.emit("cols = tl.arange(0, BLOCK_N)[None, :]")
     w.emit("rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]")
     w.emit(f"row_mask = rows < {rows}")
@@ -44,28 +47,102 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     the pointwise middle (bias, activation) on ``acc1``, and ``acc2 +=
     middle @ W2[slice, :]``; finally the epilogue on ``acc2`` (all N columns
     are in the program) and the stores.
+
+    Where both weights fit in shared memory (``L.persistent``: 16-bit operands,
+    rows of A on chip), the kernel has a second form, chosen by the config's
+    ``PERSISTENT``: a grid of at most ``PROGRAMS`` programs (one per
+    multiprocessor) that each load both weights once - slice by slice, written
+    out - and then walk row blocks ``tile, tile + PROGRAMS, ...``. Every row
+    block then reads only its rows from memory: the weights come from shared
+    memory, not again from L2 for each block.
     """
     L = program.matmul
-    w = MatmulWriter(program)
-    values = all_values(program)
-    weights = {L.dot1.args[1].uid, L.dot2.args[1].uid}
-    loads = [v for v in values if v.op == "load" and v.uid not in weights]
-    sites = [("load", v.uid) for v in loads] + [("out", k) for k in range(len(program.outputs))]
-    strides = [L.load_strides[v.uid] for v in loads] + [t.domain_stride for t in program.outputs]
-    wide = needs_int64(program)
     constexprs = {"BLOCK_N": dot_block(L.n)}
-    _emit_rows(w, L.out_domain, L.rows, sites, strides, wide)
+    if L.resident:
+        constexprs["BLOCK_K"] = L.block_k
+    w = MatmulWriter(program)
+    _write_rows(w, program, "tl.program_id(0)", None)
+    blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr", "BLOCK_H: tl.constexpr"]
+    if L.persistent:
+        streamed, w = w, MatmulWriter(program)
+        weights = _write_weights(w, program)
+        w.emit(f"for tile in range(tl.program_id(0), tl.cdiv({L.rows}, BLOCK_M), PROGRAMS):")
+        looped = MatmulWriter(program)
+        _write_rows(looped, program, "tile", weights)
+        persistent = w.lines + ["    " + line for line in looped.lines]
+        w.lines = (["    if PERSISTENT:  # weights in shared memory, row blocks in a loop"]
+                   + ["    " + line for line in persistent]
+                   + ["    else:  # one row block per program, weight slices from memory"]
+                   + ["    " + line for line in streamed.lines])
+        blocks += ["PERSISTENT: tl.constexpr", "PROGRAMS: tl.constexpr"]
+    source, name = assemble_kernel(program, w, blocks, helpers, "mlp", strategy,
+                             f"# MLP: rows {L.rows} x K {L.k} -> hidden {L.h} -> N {L.n}, operands "
+                             f"{[str(d).removeprefix('torch.') if d else L.precision for d in L.operand_dtypes]}")
 
+    def grid(config, rows=L.rows):
+        blocks = triton_cdiv(rows, config["BLOCK_M"])
+        return (min(blocks, config["PROGRAMS"]) if config.get("PERSISTENT") else blocks,)
+
+    return KernelSource(name=name, source=source, layout="mlp", grid=grid, constexprs=constexprs)
+
+
+def _weight_names(program: GroupProgram):
+    L = program.matmul
     w1 = program.input_of_load[L.dot1.args[1].uid]
     w2 = program.input_of_load[L.dot2.args[1].uid]
     (w1k, w1h), (w2h, w2n) = L.w1_strides, L.w2_strides
     w1_off = " + ".join(t for t in (index_term("kk", w1k), index_term("hs", w1h)) if t) or "0"
+    w2_off = " + ".join(t for t in (index_term("hh", w2h), index_term("cols", w2n)) if t) or "0"
+    return w1, w2, w1_off, w2_off
+
+
+def _hidden_slice(w: MatmulWriter, start: str, block: str, h: int, indent: int) -> None:
+    w.emit(f"hs = {start} + tl.arange(0, {block})[None, :]", indent)
+    w.emit(f"hh = {start} + tl.arange(0, {block})[:, None]", indent)
+    w.emit(f"h_mask = hs < {h}", indent)
+
+
+def _write_weights(w: MatmulWriter, program: GroupProgram) -> list[tuple[str, str]]:
+    """The persistent form's preamble: both weights, slice by slice, as product operands.
+    Returns each slice's (W1 tile, W2 tile) names."""
+    L = program.matmul
+    w1, w2, w1_off, w2_off = _weight_names(program)
+    w.emit("cols = tl.arange(0, BLOCK_N)[None, :]")
+    w.emit(f"col_mask = cols < {L.n}")
+    w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
+    names = []
+    for s in range(triton_cdiv(L.h, PERSISTENT_BLOCK_H)):
+        _hidden_slice(w, str(s * PERSISTENT_BLOCK_H), PERSISTENT_BLOCK_H, L.h, 1)
+        pair = (f"w1_{s}", f"w2_{s}")
+        for line in weight_tile(pair[0], w1, program.inputs[w1].dtype, w1_off, f"(kk < {L.k}) & h_mask", None, "0",
+                                "BLOCK_K", "hs", "h_mask"):
+            w.emit(line)
+        for line in weight_tile(pair[1], w2, program.inputs[w2].dtype, w2_off, f"(hh < {L.h}) & col_mask", None,
+                                "0", "BLOCK_H", "cols", "col_mask"):
+            w.emit(line)
+        w.emit(f"{pair[0]} = {as_operand(pair[0], L.operand_dtypes[0])}")
+        w.emit(f"{pair[1]} = {as_operand(pair[1], L.operand_dtypes[1])}")
+        names.append(pair)
+    return names
+
+
+def _write_rows(w: MatmulWriter, program: GroupProgram, tile: str, weights: Optional[list]) -> None:
+    """One row block's code: ``tile`` is its index; ``weights`` the persistent form's
+    weight slices (``_write_weights``), or ``None`` to stream them over ``BLOCK_H``."""
+    L = program.matmul
+    values = all_values(program)
+    weight_loads = {L.dot1.args[1].uid, L.dot2.args[1].uid}
+    loads = [v for v in values if v.op == "load" and v.uid not in weight_loads]
+    sites = [("load", v.uid) for v in loads] + [("out", k) for k in range(len(program.outputs))]
+    strides = [L.load_strides[v.uid] for v in loads] + [t.domain_stride for t in program.outputs]
+    _emit_rows(w, L.out_domain, L.rows, sites, strides, needs_int64(program), tile)
+
+    w1, w2, w1_off, w2_off = _weight_names(program)
     w1_dtype, w2_dtype = program.inputs[w1].dtype, program.inputs[w2].dtype
     resident = L.resident
     if resident:
         # The rows of A fit on chip: compute them (with their norm) once and reuse them
         # for every slice of the hidden width.
-        constexprs["BLOCK_K"] = L.block_k
         w.emit("ks = tl.arange(0, BLOCK_K)[None, :]")
         w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
         w.emit(f"k_mask = ks < {L.k}")
@@ -74,45 +151,42 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     else:
         known = emit_prepasses(w, [v for v in values if v.uid in L.prologue], L.k)
     w.emit("acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)")
-    w.emit(f"for h0 in range(0, {L.h}, BLOCK_H):")
-    w.emit("hs = h0 + tl.arange(0, BLOCK_H)[None, :]", 2)
-    w.emit("hh = h0 + tl.arange(0, BLOCK_H)[:, None]", 2)
-    w.emit(f"h_mask = hs < {L.h}", 2)
-    if resident:
-        for line in weight_tile("w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "0",
-                                "BLOCK_K", "hs", "h_mask"):
-            w.emit(line, 2)
-        w.emit(f"acc1 = {dot_line('a_op', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 2)
-    else:
-        w.emit("acc1 = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)", 2)
-        w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):", 2)
-        w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", 3)
-        w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 3)
-        w.emit(f"k_mask = ks < {L.k}", 3)
-        a_name = DagBlock(w, 3, "k", known).value(L.dot1.args[0])
-        for line in weight_tile("w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "k0",
-                                "BLOCK_K", "hs", "h_mask"):
-            w.emit(line, 3)
-        w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 3)
-        w.emit(f"acc1 += {dot_line('a_tile', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 3)
-    block = DagBlock(w, 2, HIDDEN_AXIS, {L.dot1.uid: "acc1"})
-    hidden = block.value(L.dot2.args[0])
-    w2_off = " + ".join(t for t in (index_term("hh", w2h), index_term("cols", w2n)) if t) or "0"
-    for line in weight_tile("w2_tile", w2, w2_dtype, w2_off, f"(hh < {L.h}) & col_mask", L.w2_packed, "h0",
-                            "BLOCK_H", "cols", "col_mask"):
-        w.emit(line, 2)
-    # Hidden columns past H hold act(0) but meet zero rows of W2: they add nothing.
-    w.emit(f"hidden_tile = tl.broadcast_to({hidden}, (BLOCK_M, BLOCK_H))", 2)
-    w.emit(f"acc2 += {dot_line('hidden_tile', 'w2_tile', L.operand_dtypes[1], L.precision, L.w2_packed)}", 2)
+    slices = [(str(s * PERSISTENT_BLOCK_H), pair) for s, pair in enumerate(weights)] if weights else [("h0", None)]
+    indent = 1 if weights else 2
+    for start, pair in slices:
+        if pair is None:
+            w.emit(f"for h0 in range(0, {L.h}, BLOCK_H):")
+        _hidden_slice(w, start, PERSISTENT_BLOCK_H if pair else "BLOCK_H", L.h, indent)
+        if pair:
+            w.emit(f"acc1 = {dot_line('a_op', pair[0], L.operand_dtypes[0], L.precision)}", indent)
+        elif resident:
+            for line in weight_tile("w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "0",
+                                    "BLOCK_K", "hs", "h_mask"):
+                w.emit(line, 2)
+            w.emit(f"acc1 = {dot_line('a_op', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 2)
+        else:
+            w.emit("acc1 = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)", 2)
+            w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):", 2)
+            w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", 3)
+            w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 3)
+            w.emit(f"k_mask = ks < {L.k}", 3)
+            a_name = DagBlock(w, 3, "k", known).value(L.dot1.args[0])
+            for line in weight_tile("w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "k0",
+                                    "BLOCK_K", "hs", "h_mask"):
+                w.emit(line, 3)
+            w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 3)
+            w.emit(f"acc1 += {dot_line('a_tile', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 3)
+        block = DagBlock(w, indent, HIDDEN_AXIS, {L.dot1.uid: "acc1"})
+        hidden = block.value(L.dot2.args[0])
+        if pair is None:
+            for line in weight_tile("w2_tile", w2, w2_dtype, w2_off, f"(hh < {L.h}) & col_mask", L.w2_packed, "h0",
+                                    "BLOCK_H", "cols", "col_mask"):
+                w.emit(line, 2)
+        w2_tile = pair[1] if pair else "w2_tile"
+        # Hidden columns past H hold act(0) but meet zero rows of W2: they add nothing.
+        w.emit(f"hidden_tile = tl.broadcast_to({hidden}, (BLOCK_M, {PERSISTENT_BLOCK_H if pair else 'BLOCK_H'}))",
+               indent)
+        w.emit(f"acc2 += {dot_line('hidden_tile', w2_tile, L.operand_dtypes[1], L.precision, L.w2_packed)}", indent)
 
     block = DagBlock(w, 1, "n", {L.dot2.uid: "acc2"})
     emit_stores(w, program, block)
-    blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr", "BLOCK_H: tl.constexpr"]
-    source, name = assemble_kernel(program, w, blocks, helpers, "mlp", strategy,
-                             f"# MLP: rows {L.rows} x K {L.k} -> hidden {L.h} -> N {L.n}, operands "
-                             f"{[str(d).removeprefix('torch.') if d else L.precision for d in L.operand_dtypes]}")
-
-    def grid(config, rows=L.rows):
-        return (triton_cdiv(rows, config["BLOCK_M"]),)
-
-    return KernelSource(name=name, source=source, layout="mlp", grid=grid, constexprs=constexprs)

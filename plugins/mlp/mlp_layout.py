@@ -27,6 +27,16 @@ from autofuser_core.matmul_layout import (PackedOperand, check_fits, collect_uid
                                           packed_only_as_weights, product_operand_dtype, weight_operand)
 
 
+#: The hidden slice of the MLP kernel's persistent form (its slices are written out one by one).
+PERSISTENT_BLOCK_H = 64
+#: Shared memory both weights may take in the persistent form: the rest of the 227 KiB a
+#: block may use on an H100/H200 holds the pipelined row blocks of A.
+PERSISTENT_WEIGHT_BYTES = 160 * 1024
+#: Hidden slices the persistent form writes out, at most.
+MAX_PERSISTENT_SLICES = 8
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
 @dataclass
 class MlpLayout:
     """Two products with only pointwise ops between them (``lin2(act(lin1(x)))``):
@@ -61,6 +71,21 @@ class MlpLayout:
     def block_k(self) -> Optional[int]:
         """The K tile when the rows are resident (the whole padded K), else ``None``: a config's."""
         return dot_block(self.k, self.w1_packed) if self.resident else None
+
+    @property
+    def weight_bytes(self) -> int:
+        """Both weights as the persistent form holds them: 16-bit, padded to its tiles."""
+        h = -(-self.h // PERSISTENT_BLOCK_H) * PERSISTENT_BLOCK_H
+        return 2 * h * ((self.block_k or self.k) + dot_block(self.n))
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the kernel has its persistent form (``mlp_kernel``): 16-bit products over
+        float weights that fit in shared memory together, with A's rows on chip."""
+        return (self.resident and self.w1_packed is None and self.w2_packed is None
+                and all(d in SIXTEEN_BIT for d in self.operand_dtypes)
+                and self.h <= MAX_PERSISTENT_SLICES * PERSISTENT_BLOCK_H
+                and self.weight_bytes <= PERSISTENT_WEIGHT_BYTES)
 
     @property
     def rows(self) -> int:

@@ -7,12 +7,14 @@ kernel is ``mlp_kernel.write_mlp_kernel``."""
 
 from __future__ import annotations
 
+import torch
+
 from autofuser import StrategySpec
 from autofuser_core.codegen_matmul import dot_block
 from autofuser_core.group import GroupRefused
 
 from .mlp_kernel import write_mlp_kernel
-from .mlp_layout import MlpLayout
+from .mlp_layout import PERSISTENT_BLOCK_H, MlpLayout
 
 #: One program holds a whole row of the second product: its width is bounded.
 MAX_OUT_WIDTH = 256
@@ -28,6 +30,22 @@ CONFIGS = [
     # reads) more rows per program means proportionally less weight traffic.
     (128, 64, 64, 8, 3), (128, 128, 64, 8, 2), (128, 64, 32, 4, 3), (256, 32, 32, 8, 2),
 ]
+
+
+#: The persistent form's configs, (BLOCK_M, num_warps, num_stages), listed first where it
+#: exists: at width 128 in bf16 (H200, M = 90168) its best ran in 87 us against 103 us for
+#: the best of CONFIGS (benchmarks/probes/explore.py).
+PERSISTENT_CONFIGS = [(128, 8, 3), (128, 8, 2), (64, 4, 3), (64, 4, 2)]
+#: Shared memory one block may use on an H100/H200 (the persistent form needs nearly all).
+BLOCK_SMEM_LIMIT = 227 * 1024
+
+
+def multiprocessors() -> int:
+    """Programs of the persistent form: one per multiprocessor of the current GPU (4 on a
+    CPU, where the interpreter then walks several row blocks per program)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 4
 
 
 def propose(view):
@@ -54,14 +72,28 @@ def accepts(program):
 
 
 def configs(program):
-    return [{"BLOCK_M": m, "BLOCK_H": h, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
-            for m, h, k, warps, stages in CONFIGS]
+    listed = [{"BLOCK_M": m, "BLOCK_H": h, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
+              for m, h, k, warps, stages in CONFIGS]
+    if not program.matmul.persistent:
+        return listed
+    programs = multiprocessors()
+    return ([{"BLOCK_M": m, "BLOCK_H": PERSISTENT_BLOCK_H, "BLOCK_K": 64, "num_warps": warps, "num_stages": stages,
+              "PERSISTENT": 1, "PROGRAMS": programs} for m, warps, stages in PERSISTENT_CONFIGS]
+            + [{**config, "PERSISTENT": 0, "PROGRAMS": 1} for config in listed])
 
 
 def is_valid(program, config):
     layout = program.matmul
     block_n = dot_block(layout.n)
     threads = 32 * config["num_warps"]
+    if config.get("PERSISTENT"):
+        held = config["BLOCK_M"] * (block_n + PERSISTENT_BLOCK_H + layout.block_k)
+        if held / threads > REGS_PER_THREAD:
+            return "too many values held per thread (accumulators and resident rows)"
+        smem = layout.weight_bytes + config["BLOCK_M"] * layout.block_k * 2 * config["num_stages"]
+        if smem > BLOCK_SMEM_LIMIT:
+            return f"{smem // 1024} KiB of shared memory (both weights, pipelined rows) exceeds {BLOCK_SMEM_LIMIT // 1024} KiB"
+        return None
     resident = layout.resident
     block_k = layout.block_k or config["BLOCK_K"]
     for packed, block, name in ((layout.w1_packed, block_k, "BLOCK_K"), (layout.w2_packed, config["BLOCK_H"], "BLOCK_H")):
@@ -83,8 +115,9 @@ def default_config(program):
     def block(size, packed):
         return max(32 if size >= 32 else 16, packed.block if packed is not None else 0)
 
-    return {"BLOCK_M": 32, "BLOCK_H": block(layout.h, layout.w2_packed), "BLOCK_K": block(layout.k, layout.w1_packed),
-            "num_warps": 4}
+    config = {"BLOCK_M": 32, "BLOCK_H": block(layout.h, layout.w2_packed), "BLOCK_K": block(layout.k, layout.w1_packed),
+              "num_warps": 4}
+    return {**config, "PERSISTENT": 0, "PROGRAMS": 1} if layout.persistent else config
 
 
 def generate(program, helpers):

@@ -1,0 +1,124 @@
+"""The MLP kernel's persistent form (``plugins/mlp/mlp_kernel.py``).
+
+Where both weights of a 16-bit MLP fit in shared memory together, the kernel
+has a second form: a grid of one program per multiprocessor (4 on a CPU), each
+loading both weights once and walking row blocks. Each of its configs is run
+here under the interpreter - with several row blocks per program and a last,
+partial block - and checked against eager on awkward shapes; and the form is
+offered exactly where it fits.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autofuser
+from autofuser_core.launch import FusedKernel, cast_inputs
+from autofuser_core.planner import plan_fusion_groups
+from autofuser_plugins.mlp import strategy as mlp
+
+TOLERANCES = {torch.float16: dict(atol=2e-3, rtol=1e-2), torch.bfloat16: dict(atol=2e-2, rtol=4e-2)}
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+class Mlp(nn.Module):
+    def __init__(self, width: int, hidden: int, norm: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(width) if norm else nn.Identity()
+        self.fc1, self.fc2 = nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+def mlp_kernel(fused) -> FusedKernel:
+    (kernel,) = [node.target for gm, _ in fused._compiled.values() for node in gm.graph.nodes
+                 if node.op == "call_function" and isinstance(node.target, FusedKernel)
+                 and node.target.source.layout == "mlp"]
+    return kernel
+
+
+def run_config(kernel: FusedKernel, x: torch.Tensor, config: dict) -> torch.Tensor:
+    inputs = cast_inputs(kernel.with_live_attrs([x]), kernel.casts)
+    ((shape, stride, dtype),) = kernel.output_layout
+    out = torch.empty_strided(shape, stride, dtype=dtype)
+    kernel.kernel[kernel.source.grid(config)](*inputs, out, **kernel.source.launch_args(config))
+    return out
+
+
+def fused_mlp(model, x, autocast: bool):
+    """The fused model's MLP kernel, the planned program behind it (whose layout the
+    strategy's configs read), and eager's output."""
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        expected = model(x)
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        fused(x)
+        plan = plan_fusion_groups(autofuser.capture(model, x), autofuser.load_plugins().registry)
+    (program,) = [c.program for c in plan.kept if c.strategy.name == "mlp"]
+    return mlp_kernel(fused), program, expected
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows,width,hidden,norm", [(3 * 221, 96, 200, False), (37, 24, 40, True),
+                                                    (2 * 221, 128, 256, True)])
+def test_every_persistent_config_matches_eager(dtype, rows, width, hidden, norm):
+    model = Mlp(width, hidden, norm).to(dtype).eval()
+    x = torch.randn(rows, width, dtype=dtype)
+    kernel, program, expected = fused_mlp(model, x, autocast=False)
+    program_configs = [c for c in mlp.configs(program) if c.get("PERSISTENT")]
+    assert program_configs, "the weights fit: the persistent form must be offered"
+    assert "if PERSISTENT:" in kernel.source.source
+    ran = 0
+    for config in program_configs:
+        if mlp.is_valid(program, config) is not None:
+            continue
+        blocks = -(-rows // config["BLOCK_M"])
+        assert kernel.source.grid(config) == (min(blocks, config["PROGRAMS"]),)
+        got = run_config(kernel, x, config)
+        torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[dtype])
+        ran += 1
+    assert ran >= 2
+    # The other form, from the same source, still agrees.
+    regular = [c for c in mlp.configs(program) if not c.get("PERSISTENT")][0]
+    torch.testing.assert_close(run_config(kernel, x, regular).float(), expected.float(), **TOLERANCES[dtype])
+
+
+def test_persistent_form_under_autocast_reads_weights_converted_once():
+    """Autocast over fp32 weights: the launcher converts them once, the persistent form keeps them."""
+    model = Mlp(64, 160, norm=False).eval()
+    x = torch.randn(300, 64)
+    kernel, program, expected = fused_mlp(model, x, autocast=True)
+    assert kernel.casts, "the fp32 weights are converted by the launcher"
+    config = next(c for c in mlp.configs(program) if c.get("PERSISTENT"))
+    got = run_config(kernel, x, config)
+    torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[torch.bfloat16])
+
+
+
+
+@pytest.mark.parametrize("case", ["fp32", "tf32", "too_wide"])
+def test_persistent_form_only_where_both_weights_fit(case):
+    """fp32 operands (strict or TF32) and weights over the shared-memory budget (width 256:
+    2 x 256 x 512 bf16 values, 512 KiB) keep the one form."""
+    width, dtype = (256, torch.bfloat16) if case == "too_wide" else (96, torch.float32)
+    model = Mlp(width, 2 * width, norm=False).to(dtype).eval()
+    x = torch.randn(300, width, dtype=dtype)
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if case == "tf32" else "highest")
+    try:
+        with torch.no_grad():
+            plan = plan_fusion_groups(autofuser.capture(model, x), autofuser.load_plugins().registry)
+    finally:
+        torch.set_float32_matmul_precision(old)
+    (program,) = [c.program for c in plan.kept if c.strategy.name == "mlp"]
+    assert not program.matmul.persistent
+    assert not any(c.get("PERSISTENT") for c in mlp.configs(program))
