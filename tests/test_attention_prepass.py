@@ -149,3 +149,23 @@ def test_no_pass_where_it_cannot_pay(case):
     assert "pass over" not in chain_source(fused)
     tolerance = dict(atol=5e-3, rtol=5e-3) if case == "tf32" else TOLERANCES[dtype]
     torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+
+
+def test_split_chains_skip_the_configs_that_miscompiled_on_a_gpu():
+    """8 warps with 2 pipeline stages gave wrong 3xFP16 results on an H200 (Triton 3.6): the
+    validity rule refuses them for split chains only (verification would keep such a group
+    eager, losing it)."""
+    from autofuser_core.planner import plan_fusion_groups
+    from autofuser_plugins.attention import strategy as attention
+
+    def program(autocast: bool):
+        q, k, v = (torch.randn(1, 2, N, 64) for _ in range(3))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            plan = plan_fusion_groups(autofuser.capture(Sdpa(), q, k, v), autofuser.load_plugins().registry)
+        (candidate,) = [c for c in plan.kept if c.strategy.name == "softmax_attention"]
+        return candidate.program
+
+    two_stages = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    assert "miscompute" in attention.is_valid(program(False), two_stages)
+    assert attention.is_valid(program(False), {**two_stages, "num_stages": 3}) is None
+    assert attention.is_valid(program(True), two_stages) is None  # the bf16 copy chain keeps them

@@ -19,7 +19,8 @@ import hashlib
 
 import torch
 
-POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.bool: "*i1"}
+POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.bool: "*i1",
+                 torch.int32: "*i32"}
 
 
 def jit_function(name: str, params: list[str], blocks: list[str], lines: list[str]) -> str:

@@ -39,7 +39,8 @@ from autofuser_core.rounding import interpreting, rounded, stored
 
 from .chain import POINTER_TYPES, chain_module, chain_stages, digest
 from .layout import AttentionLayout, Operand, Step
-from .prepass import PASS_ROWS, SPLIT_DTYPE, SPLIT_EXPONENT, kv_modes, split_lines, write_pass
+from .prepass import (PASS_ROWS, SPLIT_DTYPE, SPLIT_EXPONENT, kv_modes, power_of_two, split_lines, write_max_pass,
+                      write_pass)
 
 LOG2E = 1.4426950408889634
 ROUNDED = (torch.float16, torch.bfloat16)
@@ -152,7 +153,7 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
             parts = ("a", "b") if w.modes[name] == "split" else ("a",)
             for part in parts:
                 w.emit(f"{name}{part}_base = {name}_{part} + batch * {rows * width}  # the pass's contiguous copy")
-            if w.modes[name] == "split":
+            if w.modes[name] == "split" and name != "k":
                 w.emit(f"{name}f_base = {name}_f + batch * {rows}  # its rows' unscale factors")
         if name == "v" and w.modes[name] == "split":
             w.emit(f"vg_base = v_g + batch * {-(-L.m // PASS_ROWS)}  # its key blocks' largest factors")
@@ -171,6 +172,8 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
         w.emit("q_hi = tl.load(qa_base + rows * BLOCK_D + d_cols, mask=row_mask, other=0)")
         w.emit("q_lo = tl.load(qb_base + rows * BLOCK_D + d_cols, mask=row_mask, other=0)")
         w.emit("q_f = tl.load(qf_base + rows, mask=row_mask, other=0)")
+        # k has one scale per batch entry (prepass.write_max_pass): both undone by one factor.
+        w.emit(f"q_f = q_f * {power_of_two(f'tl.load(k_e + batch) - {SPLIT_EXPONENT}')}")
     else:
         q_cast = load_cast(L.q.dtype, L.qk_dtype, need_fp32=bool(L.q_steps))
         w.emit(f"q = {w.tile_load(L.q, 'q_base', 'rows', 'd_cols', ('row_mask', d_mask), q_cast, full=True)}")
@@ -222,11 +225,10 @@ def _key_block(w: _Writer, L: AttentionLayout, dr_mask) -> None:
         return
     w.emit("kt_hi = tl.load(ka_base + keys * BLOCK_D + d_rows, mask=key_mask, other=0)", 2)
     w.emit("kt_lo = tl.load(kb_base + keys * BLOCK_D + d_rows, mask=key_mask, other=0)", 2)
-    w.emit("k_unscale = tl.load(kf_base + keys, mask=key_mask, other=0)", 2)
     w.emit("s = tl.dot(q_lo, kt_hi)  # q @ k^T in three fp16 products, the small ones first", 2)
     w.emit("s = tl.dot(q_hi, kt_lo, s)", 2)
     w.emit("s = tl.dot(q_hi, kt_hi, s)", 2)
-    w.emit("s = s * q_f * k_unscale  # the scales undone: powers of two, exact", 2)
+    w.emit("s = s * q_f  # the scales undone: powers of two, exact", 2)
 
 
 def _load_v(w: _Writer, L: AttentionLayout, dv_mask) -> None:
@@ -339,22 +341,32 @@ def _finish_chain(program, strategy, helpers, w: _Writer, L: AttentionLayout, bl
         if mode is None:
             continue
         dtype = SPLIT_DTYPE if mode == "split" else operand
-        parts = [(f"{name}_a", dtype), (f"{name}_b", dtype), (f"{name}_f", torch.float32)][:3 if mode == "split" else 1]
+        # A split k has one scale per batch entry (its exponent, "_e"), q and v one per row ("_f").
+        per_entry = name == "k" and mode == "split"
         block_max = name == "v" and mode == "split"
+        parts = [(f"{name}_a", dtype)]
+        if mode == "split":
+            parts += [(f"{name}_b", dtype), (f"{name}_e", torch.int32) if per_entry else (f"{name}_f", torch.float32)]
         parts += [(f"{name}_g", torch.float32)] if block_max else []
         shapes = {"a": (L.batch_numel, rows, block), "b": (L.batch_numel, rows, block), "f": (L.batch_numel, rows),
                   "g": (L.batch_numel, triton_cdiv(rows, PASS_ROWS))}
         for part, part_dtype in parts:
             types[part] = POINTER_TYPES[part_dtype]
-            allocs.append(f"{part} = torch.empty({shapes[part[-1]]}, dtype={part_dtype}, device=device)")
+            if part.endswith("_e"):  # filled below any exponent: the max pass raises it
+                allocs.append(f"{part} = torch.full(({L.batch_numel},), -128, dtype=torch.int32, device=device)")
+            else:
+                allocs.append(f"{part} = torch.empty({shapes[part[-1]]}, dtype={part_dtype}, device=device)")
         scratch += [part for part, _ in parts]
         steps = ()
         if name == "q" and L.q_steps:
             q_writer = _Writer()
             q_writer.steps(L.q_steps, "x", {}, 1)
             steps = tuple(q_writer.lines)
-        sources.append(write_pass(L, name, op, rows, width, block, mode, operand, cast64, block_max, steps))
         width_key = "BLOCK_DV" if name == "v" else "BLOCK_D"
+        if per_entry:
+            sources.append(write_max_pass(L, name, op, rows, width, block, cast64))
+            passes.append((f"{name}_max", rows, width_key, [f"{name}_e"], op.index))
+        sources.append(write_pass(L, name, op, rows, width, block, mode, operand, cast64, block_max, steps, per_entry))
         passes.append((name, rows, width_key, [part for part, _ in parts], op.index))
     body = "\n".join(w.lines)
     read = [name for name in inputs if re.search(rf"\b{name}\b", body)]  # not k or v, if passes copied them

@@ -11,22 +11,28 @@ their own, when there are enough queries (``PREPASS_MIN_QUERIES``):
   contiguous scratch tensor; the kernel's tiles then go from memory to the
   tensor cores unchanged (converted in the kernel, each tile would go through
   registers first, for every query block).
-- ``split``: fp32 products where torch does not allow TF32. Each row of q, k or v
-  (one key, all its head-width columns) is scaled by a power of two so that
-  its largest magnitude lies in ``[2^13, 2^14)``, and written as two fp16
-  parts, ``hi = fp16(x)`` and ``lo = fp16(x - hi)``: 22 significant bits, and
-  fp16's range covers the scaled row, so its small entries keep their bits
-  down to ``2^-24`` relative to the row's largest (``lo`` then rounds
-  below the fp16 normal range). The kernel computes each product as three
-  fp16 products with fp32 accumulation (``lo*hi + hi*lo + hi*hi``; ``lo*lo``
-  is below fp32's precision) and undoes the scales exactly (powers of two).
-  This is the same error as three TF32 products (3xTF32: 11 + 11 bits) at
-  fp16's tensor-core rate, twice TF32's on an H100/H200.
-  The pass also writes each row's unscale factor ``2^(e - 14)``.
+- ``split``: fp32 products where torch does not allow TF32. q, k and v are
+  scaled by powers of two so that their largest magnitudes lie in
+  ``[2^13, 2^14)`` and written as two fp16 parts, ``hi = fp16(x)`` and
+  ``lo = fp16(x - hi)``: 22 significant bits, and fp16's range covers the
+  scaled values, so small entries keep their bits down to ``2^-24`` of the
+  largest (``lo`` then rounds below the fp16 normal range). The kernel
+  computes each product as three fp16 products with fp32 accumulation
+  (``lo*hi + hi*lo + hi*hi``; ``lo*lo`` is below fp32's precision) and undoes
+  the scales exactly. This is the same error as three TF32 products (3xTF32:
+  11 + 11 bits) at fp16's tensor-core rate, twice TF32's on an H100/H200.
+  q and v have one scale per row (one query or key, all its head-width
+  entries), written beside the parts; k has one per batch entry (a pass of
+  its own finds the largest exponent first, ``write_max_pass``), so the
+  kernel's loop over the keys reads no per-key factor for the scores. That
+  loses nothing that matters: the softmax is sensitive to the scores'
+  absolute error, and a key row far below the entry's largest gets an
+  absolute error of at most ``2^-38`` of ``|q| max|k|``, far below eager's own
+  rounding of the largest scores. v's per-row scales keep small value rows
+  exact relative to themselves (the output may be dominated by them).
 
-Scales are chosen per row, so the pass reads each row once; rows of all
-zeros or of subnormals get a clamped exponent, and rows holding an infinity
-or NaN are left unscaled. Non-finite inputs give non-finite outputs exactly
+Rows of all zeros or of subnormals get a clamped exponent, and rows holding
+an infinity or NaN are left unscaled. Non-finite inputs give non-finite outputs exactly
 where eager's are; an output eager makes infinite may come out NaN instead
 (``0 * inf`` in a low-part product), as with 3xTF32.
 """
@@ -93,15 +99,10 @@ def split_lines(tile: str, prefix: str, finite: bool = False) -> list[str]:
     return [f"{prefix}_hi = {tile}.to(tl.float16)", f"{prefix}_lo = ({low}).to(tl.float16)"]
 
 
-def write_pass(L: AttentionLayout, name: str, op: Operand, rows: int, width: int, block: int, mode: str,
-               operand: Optional[torch.dtype], cast64: str, block_max: bool = False,
-               steps: tuple[str, ...] = ()) -> tuple[list, list, list]:
-    """One pass's ``(params, blocks, lines)`` for ``chain.chain_stages``: grid (blocks of
-    ``PASS_ROWS`` rows, batch entries); reads ``op`` ([rows, width] per batch entry) through
-    its strides and writes ``{name}_a`` (and for a split ``{name}_b``, the low parts, and
-    ``{name}_f``, each row's unscale factor), contiguous [batch, rows, block]; with
-    ``block_max``, also ``{name}_g``: each block's largest factor, [batch, blocks].
-    ``steps``: lines run on the loaded tile ``x`` first (q's written-out ops)."""
+def _read_rows(L: AttentionLayout, op: Operand, rows: int, width: int, block: int, cast64: str,
+               steps: tuple[str, ...]) -> list[str]:
+    """A pass's first lines: this program's ``BLOCK_R`` rows of ``op`` as the fp32 tile ``x``
+    ([BLOCK_R, BLOCK_W], 0 past the rows and the width), ``steps`` applied."""
     lines: list[str] = []
     emit = lambda line: lines.append("    " + line)  # noqa: E731
     emit(f"pid = tl.program_id(0){cast64}")
@@ -117,18 +118,52 @@ def write_pass(L: AttentionLayout, name: str, op: Operand, rows: int, width: int
     lines += steps
     if steps and width < block:
         emit(f"x = tl.where(c < {width}, x, 0.0)  # padding stays 0")
+    return lines
+
+
+def _row_exponents() -> list[str]:
+    lines = ["    amax = tl.max(tl.abs(x), axis=1)[:, None]  # per row: one key's head-width entries"]
+    return lines + ["    " + line for line in exponent_lines("amax", "e")]
+
+
+def write_max_pass(L: AttentionLayout, name: str, op: Operand, rows: int, width: int, block: int,
+                   cast64: str) -> tuple[list, list, list]:
+    """The pass before a split with one scale per batch entry: each program's largest row
+    exponent, combined by ``atomic_max`` into ``{name}_e`` ([batch] int32, filled with -128)."""
+    lines = _read_rows(L, op, rows, width, block, cast64, ())
+    lines += _row_exponents()
+    lines.append(f"    tl.atomic_max({name}_e + batch, tl.max(tl.where(r_mask, e, -128)))")
+    return [f"in{op.index}", f"{name}_e"], ["BLOCK_R", "BLOCK_W"], lines
+
+
+def write_pass(L: AttentionLayout, name: str, op: Operand, rows: int, width: int, block: int, mode: str,
+               operand: Optional[torch.dtype], cast64: str, block_max: bool = False,
+               steps: tuple[str, ...] = (), per_entry: bool = False) -> tuple[list, list, list]:
+    """One pass's ``(params, blocks, lines)`` for ``chain.chain_stages``: grid (blocks of
+    ``PASS_ROWS`` rows, batch entries); reads ``op`` ([rows, width] per batch entry) through
+    its strides and writes ``{name}_a`` (and for a split ``{name}_b``, the low parts, and
+    ``{name}_f``, each row's unscale factor), contiguous [batch, rows, block]; with
+    ``block_max``, also ``{name}_g``: each block's largest factor, [batch, blocks].
+    ``steps``: lines run on the loaded tile ``x`` first (q's written-out ops). ``per_entry``:
+    one scale for the whole batch entry, its exponent read from ``{name}_e``
+    (``write_max_pass``), and no factors written."""
+    lines = _read_rows(L, op, rows, width, block, cast64, steps)
+    emit = lambda line: lines.append("    " + line)  # noqa: E731
     emit(f"dst = batch * {rows * block} + r * BLOCK_W + c")
     if mode == "copy":
         emit(f"tl.store({name}_a + dst, {stored('x', operand, TL_DTYPES[operand])}, mask=r_mask)")
         return [f"in{op.index}", f"{name}_a"], ["BLOCK_R", "BLOCK_W"], lines
-    emit("amax = tl.max(tl.abs(x), axis=1)[:, None]  # per row: one key's head-width entries")
-    for line in exponent_lines("amax", "e"):
-        emit(line)
-    emit(f"x = x * {power_of_two(f'{SPLIT_EXPONENT} - e')}  # its largest magnitude to [2^13, 2^14)")
+    if per_entry:
+        emit(f"e = tl.load({name}_e + batch)  # the batch entry's largest row exponent")
+    else:
+        lines += _row_exponents()
+    emit(f"x = x * {power_of_two(f'{SPLIT_EXPONENT} - e')}  # the largest magnitude to [2^13, 2^14)")
     for line in split_lines("x", "x"):
         emit(line)
     emit(f"tl.store({name}_a + dst, x_hi, mask=r_mask)")
     emit(f"tl.store({name}_b + dst, x_lo, mask=r_mask)")
+    if per_entry:
+        return [f"in{op.index}", f"{name}_a", f"{name}_b", f"{name}_e"], ["BLOCK_R", "BLOCK_W"], lines
     emit(f"unscale = {power_of_two(f'e - {SPLIT_EXPONENT}')}")
     emit(f"tl.store({name}_f + batch * {rows} + r, unscale, mask=r_mask)")
     params = [f"in{op.index}", f"{name}_a", f"{name}_b", f"{name}_f"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from autofuser import StrategySpec
-from autofuser_core.codegen_matmul import dot_block
+from autofuser_core.codegen_matmul import all_values, dot_block
 from autofuser_core.group import GroupRefused
 
 from .mlp_kernel import write_mlp_kernel
@@ -35,7 +35,7 @@ CONFIGS = [
 #: The persistent form's configs, (BLOCK_M, num_warps, num_stages), listed first where it
 #: exists: at width 128 in bf16 (H200, M = 90168) its best ran in 87 us against 103 us for
 #: the best of CONFIGS (benchmarks/probes/explore.py).
-PERSISTENT_CONFIGS = [(128, 8, 3), (128, 8, 2), (64, 4, 3), (64, 4, 2)]
+PERSISTENT_CONFIGS = [(128, 8, 3), (128, 8, 2), (64, 4, 3), (64, 4, 2), (128, 8, 1)]
 #: Shared memory one block may use on an H100/H200 (the persistent form needs nearly all).
 BLOCK_SMEM_LIMIT = 227 * 1024
 
@@ -90,7 +90,8 @@ def is_valid(program, config):
         held = config["BLOCK_M"] * (block_n + PERSISTENT_BLOCK_H + layout.block_k)
         if held / threads > REGS_PER_THREAD:
             return "too many values held per thread (accumulators and resident rows)"
-        smem = layout.weight_bytes + config["BLOCK_M"] * layout.block_k * 2 * config["num_stages"]
+        # A's row blocks are pipelined as stored: fp32 activations under autocast take twice the room.
+        smem = layout.weight_bytes + config["BLOCK_M"] * layout.block_k * _a_bytes(program) * config["num_stages"]
         if smem > BLOCK_SMEM_LIMIT:
             return f"{smem // 1024} KiB of shared memory (both weights, pipelined rows) exceeds {BLOCK_SMEM_LIMIT // 1024} KiB"
         return None
@@ -108,6 +109,14 @@ def is_valid(program, config):
     if smem > SMEM_LIMIT:
         return f"{smem // 1024} KiB of shared memory exceeds {SMEM_LIMIT // 1024} KiB"
     return None
+
+
+def _a_bytes(program) -> int:
+    """Bytes per element of the tensors the first product's rows are read from."""
+    layout = program.matmul
+    loads = [program.inputs[program.input_of_load[v.uid]].dtype for v in all_values(program)
+             if v.op == "load" and v.uid in layout.prologue]
+    return max((d.itemsize for d in loads), default=2)
 
 
 def default_config(program):
