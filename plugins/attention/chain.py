@@ -63,7 +63,8 @@ def chain_module(header: str, helper_text: str, functions: list[str], entry: str
     body = "\n".join("        " + line for line in launch_lines)
     return (
         f"{header}\nimport torch\nimport triton\nimport triton.language as tl\n\n"
-        + f"_DTYPES = {{{', '.join(f'{kind!r}: {dtype}' for dtype, kind in POINTER_TYPES.items())}}}  # for warmup\n\n\n"
+        + f"_DTYPES = {{{', '.join(f'{kind!r}: {dtype}' for dtype, kind in POINTER_TYPES.items())}}}"
+        + "  # for warmup\n\n\n"
         + (helper_text + "\n\n\n" if helper_text else "")
         + "\n\n".join(functions)
         + "\n\nclass _Chain:\n"

@@ -196,7 +196,7 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
             w.emit(f"out = {rounded('out', L.pv_dtype)}  # the product's dtype")
         w.steps(L.out_steps, "out", {}, 1)
     elif L.empty_rows_zero:
-        w.emit("out = tl.where(l_i == 0, 0.0, acc / l_i)  # a row whose keys are all masked gives 0, as torch's does (NaN stays NaN)")
+        w.emit("out = tl.where(l_i == 0, 0.0, acc / l_i)  # all keys masked: 0, as torch gives (NaN stays NaN)")
     else:
         w.emit("out = acc / l_i  # a row whose scores are all -inf gives NaN, as eager's softmax does")
     out_off = " + ".join([index_term("rows", L.out.row_stride) or "rows * 0", index_term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
@@ -220,7 +220,8 @@ def _key_block(w: _Writer, L: AttentionLayout, dr_mask) -> None:
         w.emit(f"s = {dot_line('q', 'kt', L.qk_dtype, L.precision)}  # q @ k^T", 2)
         return
     if mode == "copy":
-        w.emit(f"kt = tl.load(ka_base + keys * BLOCK_D + d_rows, mask=key_mask, other=0){load_cast(L.qk_dtype, L.qk_dtype)}", 2)
+        cast = load_cast(L.qk_dtype, L.qk_dtype)
+        w.emit(f"kt = tl.load(ka_base + keys * BLOCK_D + d_rows, mask=key_mask, other=0){cast}", 2)
         w.emit(f"s = {dot_line('q', 'kt', L.qk_dtype, L.precision)}  # q @ k^T", 2)
         return
     w.emit("kt_hi = tl.load(ka_base + keys * BLOCK_D + d_rows, mask=key_mask, other=0)", 2)

@@ -93,7 +93,8 @@ def is_valid(program, config):
         # A's row blocks are pipelined as stored: fp32 activations under autocast take twice the room.
         smem = layout.weight_bytes + config["BLOCK_M"] * layout.block_k * _a_bytes(program) * config["num_stages"]
         if smem > BLOCK_SMEM_LIMIT:
-            return f"{smem // 1024} KiB of shared memory (both weights, pipelined rows) exceeds {BLOCK_SMEM_LIMIT // 1024} KiB"
+            return (f"{smem // 1024} KiB of shared memory (both weights, pipelined rows) exceeds "
+                    f"{BLOCK_SMEM_LIMIT // 1024} KiB")
         return None
     resident = layout.resident
     block_k = layout.block_k or config["BLOCK_K"]
