@@ -120,6 +120,24 @@ def test_fused_kernels_compile_for_sm90(model_name, tmp_path):
     _compile_for_sm90(jobs, tmp_path)
 
 
+def _kept(gm, strategies: tuple[str, ...], count: int):
+    """The plan of ``gm`` and its kept candidates of ``strategies`` (``count`` of them)."""
+    plan = plan_fusion_groups(gm, autofuser.load_plugins().registry)
+    kept = [c for c in plan.kept if c.strategy.name in strategies]
+    assert len(kept) == count, [(c.strategy.name, [n.name for n in c.nodes]) for c in plan.kept]
+    return plan, kept
+
+
+def _written_for_gpu(plan, kept, monkeypatch):
+    """Each candidate with its source as a GPU gets it (without the interpreter's workarounds)."""
+    with monkeypatch.context() as env:
+        env.setenv("TRITON_INTERPRET", "0")
+        written = [(c, c.strategy.generate(c.program, plan.view.helpers)) for c in kept]
+    for _, source in written:
+        assert "_af_round_bf16" not in source.source
+    return written
+
+
 class AttentionForms(nn.Module):
     """Softmax attention in its forms and sizes, side by side in one graph."""
 
@@ -145,19 +163,13 @@ def test_attention_kernels_compile_for_sm90_as_a_gpu_writes_them(dtype, tmp_path
     bias = torch.randn(2, 1, 37, 37, dtype=dtype)
     wide_q, wide_kv = torch.randn(1, 2, 19, 256, dtype=dtype), torch.randn(1, 2, 23, 256, dtype=dtype)
     gm = autofuser.capture(AttentionForms(), q, k, v, bool_mask, bias, wide_q, wide_kv)
-    plan = plan_fusion_groups(gm, autofuser.load_plugins().registry)
-    kept = [c for c in plan.kept if c.strategy.name == "softmax_attention"]
-    assert len(kept) == 6, [(c.strategy.name, [n.name for n in c.nodes]) for c in plan.kept]
+    plan, kept = _kept(gm, ("softmax_attention",), 6)
     jobs = []
-    with monkeypatch.context() as env:
-        env.setenv("TRITON_INTERPRET", "0")
-        for candidate in kept:
-            program = candidate.program
-            source = candidate.strategy.generate(program, plan.view.helpers)
-            assert "_af_round_bf16" not in source.source
-            config = {**candidate.strategy.default_config(program), **source.constexprs}
-            jobs.append(_job(tmp_path, source, [t.dtype for t in program.inputs], [t.dtype for t in program.outputs],
-                             config))
+    for candidate, source in _written_for_gpu(plan, kept, monkeypatch):
+        program = candidate.program
+        config = {**candidate.strategy.default_config(program), **source.constexprs}
+        jobs.append(_job(tmp_path, source, [t.dtype for t in program.inputs], [t.dtype for t in program.outputs],
+                         config))
     _compile_for_sm90(jobs, tmp_path)
 
 
@@ -182,19 +194,14 @@ def test_attention_chains_after_passes_compile_for_sm90(mode, tmp_path, monkeypa
     bias = torch.randn(1, 1, 300, 300)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "copy"):
         gm = autofuser.capture(LongAttention(), q, k, v, bias)
-        plan = plan_fusion_groups(gm, autofuser.load_plugins().registry)
-        kept = [c for c in plan.kept if c.strategy.name == "softmax_attention"]
-        assert len(kept) == 3, [(c.strategy.name, [n.name for n in c.nodes]) for c in plan.kept]
+        plan, kept = _kept(gm, ("softmax_attention",), 3)
         jobs = []
-        with monkeypatch.context() as env:
-            env.setenv("TRITON_INTERPRET", "0")
-            for candidate in kept:
-                program, strategy = candidate.program, candidate.strategy
-                source = strategy.generate(program, plan.view.helpers)
-                assert source.layout == "attention_chain" and f"{mode} pass over k" in source.source
-                assert "_af_round_bf16" not in source.source
-                for config in (strategy.default_config(program), strategy.configs(program)[0]):
-                    jobs += _chain_jobs(tmp_path, source, {**config, **source.constexprs})
+        for candidate, source in _written_for_gpu(plan, kept, monkeypatch):
+            program, strategy = candidate.program, candidate.strategy
+            assert source.layout == "attention_chain" and f"{mode} pass over k" in source.source
+            valid = [c for c in strategy.configs(program) if strategy.is_valid(program, c) is None]
+            for config in (strategy.default_config(program), valid[0]):
+                jobs += _chain_jobs(tmp_path, source, {**config, **source.constexprs})
     _compile_for_sm90(jobs, tmp_path)
 
 
@@ -205,13 +212,11 @@ def test_persistent_mlp_compiles_for_sm90(dtype, tmp_path, monkeypatch):
     from autofuser_plugins.mlp import strategy as mlp
 
     model = nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128)).to(dtype)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # planned too as for a GPU: the rounding between ops is planned
     gm = autofuser.capture(model, torch.randn(3, 221, 128, dtype=dtype))
-    plan = plan_fusion_groups(gm, autofuser.load_plugins().registry)
-    (candidate,) = [c for c in plan.kept if c.strategy.name == "mlp"]
+    plan, kept = _kept(gm, ("mlp",), 1)
+    ((candidate, source),) = _written_for_gpu(plan, kept, monkeypatch)
     program = candidate.program
-    with monkeypatch.context() as env:
-        env.setenv("TRITON_INTERPRET", "0")
-        source = candidate.strategy.generate(program, plan.view.helpers)
     configs = [c for c in mlp.configs(program) if mlp.is_valid(program, c) is None]
     persistent = [c for c in configs if c["PERSISTENT"]]
     assert len(persistent) >= 3, configs
@@ -288,23 +293,17 @@ def test_linear_and_slice_attention_chains_compile_for_sm90(dtype, tmp_path, mon
     model = LinearAndSliceForms(24).to(dtype)
     x = torch.randn(2, 37, 48, dtype=dtype)
     gm = autofuser.capture(model, q, k, v, x)
-    plan = plan_fusion_groups(gm, autofuser.load_plugins().registry)
-    kept = [c for c in plan.kept if c.strategy.name in ("linear_attention", "slice_attention")]
-    assert len(kept) == 3, [(c.strategy.name, [n.name for n in c.nodes]) for c in plan.kept]
+    plan, kept = _kept(gm, ("linear_attention", "slice_attention"), 3)
     jobs = []
-    with monkeypatch.context() as env:
-        env.setenv("TRITON_INTERPRET", "0")
-        for candidate in kept:
-            program, strategy = candidate.program, candidate.strategy
-            source = strategy.generate(program, plan.view.helpers)
-            assert "_af_round_bf16" not in source.source
-            for config in (strategy.default_config(program), strategy.configs(program)[0]):
-                launch = {**config, **source.constexprs}
-                if source.layout == "attention_chain":
-                    jobs += _chain_jobs(tmp_path, source, launch)
-                else:
-                    jobs.append(_job(tmp_path, source, [t.dtype for t in program.inputs],
-                                     [t.dtype for t in program.outputs], launch))
+    for candidate, source in _written_for_gpu(plan, kept, monkeypatch):
+        program, strategy = candidate.program, candidate.strategy
+        for config in (strategy.default_config(program), strategy.configs(program)[0]):
+            launch = {**config, **source.constexprs}
+            if source.layout == "attention_chain":
+                jobs += _chain_jobs(tmp_path, source, launch)
+            else:
+                jobs.append(_job(tmp_path, source, [t.dtype for t in program.inputs],
+                                 [t.dtype for t in program.outputs], launch))
     _compile_for_sm90(jobs, tmp_path)
 
 
