@@ -130,7 +130,9 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
     w.modes = kv_modes(L)
     block_d, block_dv = dot_block(L.d), dot_block(L.dv)
     extents = [L.q.extent(L.batch, L.n, L.d), L.k.extent(L.batch, L.m, L.d), L.v.extent(L.batch, L.m, L.dv),
-               L.out.extent(L.batch, L.n, L.dv), L.batch_numel * L.m * max(block_d, block_dv)]
+               L.out.extent(L.batch, L.n, L.dv)]
+    if any(w.modes.values()):
+        extents.append(L.batch_numel * max(L.n, L.m) * max(block_d, block_dv))  # the passes' copies
     extents += [op.extent(L.batch, L.n, L.m) for op in ([L.mask] if L.mask else []) + list(L.tiles.values())]
     wide = max(extents) > INT32_LIMIT
     cast64 = ".to(tl.int64)" if wide else ""
