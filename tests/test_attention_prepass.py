@@ -169,3 +169,50 @@ def test_split_chains_skip_the_configs_that_miscompiled_on_a_gpu():
     assert "miscompute" in attention.is_valid(program(False), two_stages)
     assert attention.is_valid(program(False), {**two_stages, "num_stages": 3}) is None
     assert attention.is_valid(program(True), two_stages) is None  # the bf16 copy chain keeps them
+
+
+class Causal(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("big", [1e2, 1e4, 1e6])
+def test_split_pass_keeps_small_value_rows_beside_a_large_one(big):
+    """Causal: queries 0-99 see only keys 0-99, whose values are 1e-6; key 120, in the same
+    block of keys, is ``big``. Their outputs must keep fp32 accuracy relative to themselves
+    (scaling p per block of keys would push the small rows into fp16's subnormals)."""
+    q, k, v = (torch.randn(1, 2, N, 16) for _ in range(3))
+    v[..., :100, :] *= 1e-6
+    v[..., 120, :] *= big
+    fused, got, expected = run_fused(Causal(), q, k, v)
+    assert "split pass over v" in chain_source(fused)
+    reference = Causal()(q.double(), k.double(), v.double())
+    early = slice(0, 100)
+    eager_error = worst_row_error(expected[..., early, :], reference[..., early, :])
+    assert worst_row_error(got[..., early, :], reference[..., early, :]) <= 4 * eager_error + 1e-7
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-32])
+def test_split_pass_with_a_block_of_zero_or_tiny_values(scale):
+    """A whole block of value rows at 0 (or 1e-32, below the clamp on exponents): no
+    overflow in the rescaling of p, no NaN."""
+    q, k, v = (torch.randn(1, 2, N, 16) for _ in range(3))
+    v[0, 0, :128] *= scale
+    fused, got, expected = run_fused(Sdpa(), q, k, v)
+    assert "split pass over v" in chain_source(fused)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, **TOLERANCES[torch.float32])
+
+
+def test_split_chain_default_config_is_valid_at_wide_heads():
+    """Head width 128 asks for 8 warps; with the split chain the default takes 3 stages
+    (2 are refused) rather than falling through to the smallest tiles."""
+    from autofuser_core.planner import plan_fusion_groups
+    from autofuser_plugins.attention import strategy as attention
+
+    q, k, v = (torch.randn(1, 2, N, 128) for _ in range(3))
+    plan = plan_fusion_groups(autofuser.capture(Sdpa(), q, k, v), autofuser.load_plugins().registry)
+    (candidate,) = [c for c in plan.kept if c.strategy.name == "softmax_attention"]
+    config = attention.default_config(candidate.program)
+    assert config["num_warps"] == 8 and config["num_stages"] == 3 and config["BLOCK_M"] == 64
+    assert attention.is_valid(candidate.program, config) is None

@@ -209,8 +209,9 @@ def test_attention_chains_after_passes_compile_for_sm90(mode, tmp_path, monkeypa
 def test_persistent_mlp_compiles_for_sm90(dtype, tmp_path, monkeypatch):
     """The MLP kernel's persistent form (both weights in shared memory) at width 128, with
     each of its configs that the validity rule keeps; and the streamed form beside it."""
-    from autofuser_plugins.mlp import strategy as mlp
+    from autofuser_plugins.mlp import mlp_layout, strategy as mlp
 
+    monkeypatch.setattr(mlp_layout, "PERSISTENT_MIN_ROWS", 1)  # offered from 67584 rows; compiled here on 663
     model = nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128)).to(dtype)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # planned too as for a GPU: the rounding between ops is planned
     gm = autofuser.capture(model, torch.randn(3, 221, 128, dtype=dtype))

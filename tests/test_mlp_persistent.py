@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import autofuser
 from autofuser_core.launch import FusedKernel, cast_inputs
 from autofuser_core.planner import plan_fusion_groups
-from autofuser_plugins.mlp import strategy as mlp
+from autofuser_plugins.mlp import mlp_layout, strategy as mlp
 
 TOLERANCES = {torch.float16: dict(atol=2e-3, rtol=1e-2), torch.bfloat16: dict(atol=2e-2, rtol=4e-2)}
 
@@ -28,6 +28,12 @@ TOLERANCES = {torch.float16: dict(atol=2e-3, rtol=1e-2), torch.bfloat16: dict(at
 @pytest.fixture(autouse=True)
 def _seed(request):
     torch.manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+@pytest.fixture(autouse=True)
+def _small_shapes(monkeypatch):
+    """The form is offered from 67584 rows; the interpreter runs it on a few hundred."""
+    monkeypatch.setattr(mlp_layout, "PERSISTENT_MIN_ROWS", 1)
 
 
 class Mlp(nn.Module):
@@ -122,3 +128,16 @@ def test_persistent_form_only_where_both_weights_fit(case):
     (program,) = [c.program for c in plan.kept if c.strategy.name == "mlp"]
     assert not program.matmul.persistent
     assert not any(c.get("PERSISTENT") for c in mlp.configs(program))
+
+
+def test_persistent_form_only_from_many_rows(monkeypatch):
+    """Below ``PERSISTENT_MIN_ROWS`` the weights are loaded by few enough programs that the
+    streamed form is as good (the zoo's MLPs), so the form and its compiles are left out."""
+    model = Mlp(64, 160, norm=False).to(torch.bfloat16).eval()
+    x = torch.randn(300, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(mlp_layout, "PERSISTENT_MIN_ROWS", 301)
+    plan = plan_fusion_groups(autofuser.capture(model, x), autofuser.load_plugins().registry)
+    (program,) = [c.program for c in plan.kept if c.strategy.name == "mlp"]
+    assert not program.matmul.persistent and not any(c.get("PERSISTENT") for c in mlp.configs(program))
+    monkeypatch.setattr(mlp_layout, "PERSISTENT_MIN_ROWS", 300)
+    assert program.matmul.persistent

@@ -157,8 +157,6 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
                 w.emit(f"{name}{part}_base = {name}_{part} + batch * {rows * width}  # the pass's contiguous copy")
             if w.modes[name] == "split" and name != "k":
                 w.emit(f"{name}f_base = {name}_f + batch * {rows}  # its rows' unscale factors")
-        if name == "v" and w.modes[name] == "split":
-            w.emit(f"vg_base = v_g + batch * {-(-L.m // PASS_ROWS)}  # its key blocks' largest factors")
 
     w.emit("rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # this program's queries")
     w.emit(f"row_mask = rows < {L.n}")
@@ -244,13 +242,19 @@ def _load_v(w: _Writer, L: AttentionLayout, dv_mask) -> None:
 
 
 def _split_pv(w: _Writer, L: AttentionLayout) -> str:
-    """``p @ v`` from v's split rows (``prepass.py``): each key's unscale factor moves onto
-    its column of p, relative to the largest of the pass's key block these keys lie in (so
-    p stays within fp16's range), and that largest comes back on the product. Returns the
-    product's expression."""
+    """``p @ v`` from v's split rows (``prepass.py``): each key's unscale factor ``f`` moves
+    onto its column of p, and each query's row of ``p * f`` is scaled by a power of two so
+    that its largest lies in [2^14, 2^15) (fp16's range keeps every term within 2^-24 of the
+    row's largest, whatever the rows of v around it); that power of two comes back on the
+    product. Returns the product's expression."""
     w.emit("v_unscale = tl.load(vf_base + keys, mask=key_mask, other=0)", 2)
-    w.emit(f"g = tl.load(vg_base + n0 // {PASS_ROWS})  # the largest factor of the pass block holding these keys", 2)
-    w.emit(f"pp = p * (v_unscale * ({float(2 ** SPLIT_EXPONENT)!r} / g))  # at most 2^{SPLIT_EXPONENT}", 2)
+    w.emit("pf = p * v_unscale  # each key's weight times its unscale factor: powers of two, exact", 2)
+    w.emit("g = tl.max(pf, axis=1)[:, None]", 2)
+    w.emit("g = (g.to(tl.uint32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)"
+           "  # the power of two at or below it", 2)
+    w.emit("g = tl.where(g > 0, g, 1.0)  # a row with no weight here (masked keys, subnormal g)", 2)
+    w.emit("g_inv = ((254 << 23) - g.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 1 / g, exact", 2)
+    w.emit(f"pp = (pf * g_inv) * {float(2 ** SPLIT_EXPONENT)!r}  # below 2^{SPLIT_EXPONENT + 1}", 2)
     for line in split_lines("pp", "p", finite=True):
         w.emit(line, 2)
     w.emit(f"v_hi = tl.load(va_base + key_rows * BLOCK_DV + dv_cols, mask=key_rows < {L.m}, other=0)", 2)
@@ -346,13 +350,10 @@ def _finish_chain(program, strategy, helpers, w: _Writer, L: AttentionLayout, bl
         dtype = SPLIT_DTYPE if mode == "split" else operand
         # A split k has one scale per batch entry (its exponent, "_e"), q and v one per row ("_f").
         per_entry = name == "k" and mode == "split"
-        block_max = name == "v" and mode == "split"
         parts = [(f"{name}_a", dtype)]
         if mode == "split":
             parts += [(f"{name}_b", dtype), (f"{name}_e", torch.int32) if per_entry else (f"{name}_f", torch.float32)]
-        parts += [(f"{name}_g", torch.float32)] if block_max else []
-        shapes = {"a": (L.batch_numel, rows, block), "b": (L.batch_numel, rows, block), "f": (L.batch_numel, rows),
-                  "g": (L.batch_numel, triton_cdiv(rows, PASS_ROWS))}
+        shapes = {"a": (L.batch_numel, rows, block), "b": (L.batch_numel, rows, block), "f": (L.batch_numel, rows)}
         for part, part_dtype in parts:
             types[part] = POINTER_TYPES[part_dtype]
             if part.endswith("_e"):  # filled below any exponent: the max pass raises it
@@ -369,7 +370,7 @@ def _finish_chain(program, strategy, helpers, w: _Writer, L: AttentionLayout, bl
         if per_entry:
             sources.append(write_max_pass(L, name, op, rows, width, block, cast64))
             passes.append((f"{name}_max", rows, width_key, [f"{name}_e"], op.index))
-        sources.append(write_pass(L, name, op, rows, width, block, mode, operand, cast64, block_max, steps, per_entry))
+        sources.append(write_pass(L, name, op, rows, width, block, mode, operand, cast64, steps, per_entry))
         passes.append((name, rows, width_key, [part for part, _ in parts], op.index))
     body = "\n".join(w.lines)
     read = [name for name in inputs if re.search(rf"\b{name}\b", body)]  # not k or v, if passes copied them

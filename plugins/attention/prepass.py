@@ -29,12 +29,18 @@ their own, when there are enough queries (``PREPASS_MIN_QUERIES``):
   absolute error, and a key row far below the entry's largest gets an
   absolute error of at most ``2^-38`` of ``|q| max|k|``, far below eager's own
   rounding of the largest scores. v's per-row scales keep small value rows
-  exact relative to themselves (the output may be dominated by them).
+  exact relative to themselves (the output may be dominated by them); the
+  kernel moves each key's factor onto p and scales each query's row of p to
+  fp16's range on its own (``kernel._split_pv``).
 
 Rows of all zeros or of subnormals get a clamped exponent, and rows holding
-an infinity or NaN are left unscaled. Non-finite inputs give non-finite outputs exactly
-where eager's are; an output eager makes infinite may come out NaN instead
-(``0 * inf`` in a low-part product), as with 3xTF32.
+an infinity or NaN are left unscaled. A NaN anywhere gives NaN where eager's
+does, and an infinity in v gives a non-finite output where eager's is one
+(NaN where eager's is infinite: ``0 * inf`` in a low-part product), with
+every other output right. An infinity in q or k can make a score NaN where
+eager's is infinite, and so its query's output NaN where eager's may be
+finite, as with 3xTF32 (whose low parts are ``inf - inf``); verification
+against eager on the compile-time inputs catches it there, not on later ones.
 """
 
 from __future__ import annotations
@@ -52,9 +58,7 @@ from .layout import AttentionLayout, Operand
 #: Passes over k and v run only from this many queries: fewer, and each tile is read by a
 #: program or two, so the pass (one more launch and a write and read of k and v) can't pay.
 PREPASS_MIN_QUERIES = 256
-#: Rows (keys) one program of a pass converts; also the key block over which a split v's
-#: largest unscale factor is taken (``kernel._split_pv``): the attention kernel's key blocks
-#: (``BLOCK_N``, a divisor of it) each lie within one.
+#: Rows (queries or keys) one program of a pass converts.
 PASS_ROWS = 128
 #: The exponent a split row's largest magnitude is scaled to (just under ``2^SPLIT_EXPONENT``).
 SPLIT_EXPONENT = 14
@@ -137,13 +141,12 @@ def write_max_pass(L: AttentionLayout, name: str, op: Operand, rows: int, width:
 
 
 def write_pass(L: AttentionLayout, name: str, op: Operand, rows: int, width: int, block: int, mode: str,
-               operand: Optional[torch.dtype], cast64: str, block_max: bool = False,
-               steps: tuple[str, ...] = (), per_entry: bool = False) -> tuple[list, list, list]:
+               operand: Optional[torch.dtype], cast64: str, steps: tuple[str, ...] = (),
+               per_entry: bool = False) -> tuple[list, list, list]:
     """One pass's ``(params, blocks, lines)`` for ``chain.chain_stages``: grid (blocks of
     ``PASS_ROWS`` rows, batch entries); reads ``op`` ([rows, width] per batch entry) through
     its strides and writes ``{name}_a`` (and for a split ``{name}_b``, the low parts, and
-    ``{name}_f``, each row's unscale factor), contiguous [batch, rows, block]; with
-    ``block_max``, also ``{name}_g``: each block's largest factor, [batch, blocks].
+    ``{name}_f``, each row's unscale factor), contiguous [batch, rows, block].
     ``steps``: lines run on the loaded tile ``x`` first (q's written-out ops). ``per_entry``:
     one scale for the whole batch entry, its exponent read from ``{name}_e``
     (``write_max_pass``), and no factors written."""
@@ -166,9 +169,4 @@ def write_pass(L: AttentionLayout, name: str, op: Operand, rows: int, width: int
         return [f"in{op.index}", f"{name}_a", f"{name}_b", f"{name}_e"], ["BLOCK_R", "BLOCK_W"], lines
     emit(f"unscale = {power_of_two(f'e - {SPLIT_EXPONENT}')}")
     emit(f"tl.store({name}_f + batch * {rows} + r, unscale, mask=r_mask)")
-    params = [f"in{op.index}", f"{name}_a", f"{name}_b", f"{name}_f"]
-    if block_max:
-        emit(f"tl.store({name}_g + batch * {-(-rows // PASS_ROWS)} + pid, tl.max(tl.where(r_mask, unscale, 0.0)))"
-             "  # this block's largest")
-        params.append(f"{name}_g")
-    return params, ["BLOCK_R", "BLOCK_W"], lines
+    return [f"in{op.index}", f"{name}_a", f"{name}_b", f"{name}_f"], ["BLOCK_R", "BLOCK_W"], lines

@@ -34,6 +34,10 @@ PERSISTENT_BLOCK_H = 64
 PERSISTENT_WEIGHT_BYTES = 160 * 1024
 #: Hidden slices the persistent form writes out, at most.
 MAX_PERSISTENT_SLICES = 8
+#: Rows from which the persistent form is offered: 4 row blocks of 128 per multiprocessor of
+#: an H200. Below, loading the weights once per program saves little (the zoo's bf16 MLPs, with
+#: 13k-45k rows, always tuned to the streamed form) and its configs only add compiles.
+PERSISTENT_MIN_ROWS = 4 * 128 * 132
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
@@ -80,9 +84,10 @@ class MlpLayout:
 
     @property
     def persistent(self) -> bool:
-        """Whether the kernel has its persistent form (``mlp_kernel``): 16-bit products over
-        float weights that fit in shared memory together, with A's rows on chip."""
-        return (self.resident and self.w1_packed is None and self.w2_packed is None
+        """Whether the kernel has its persistent form (``mlp_kernel``): enough rows, 16-bit
+        products over float weights that fit in shared memory together, A's rows on chip."""
+        return (self.rows >= PERSISTENT_MIN_ROWS and self.resident
+                and self.w1_packed is None and self.w2_packed is None
                 and all(d in SIXTEEN_BIT for d in self.operand_dtypes)
                 and self.h <= MAX_PERSISTENT_SLICES * PERSISTENT_BLOCK_H
                 and self.weight_bytes <= PERSISTENT_WEIGHT_BYTES)
