@@ -6,6 +6,7 @@ import torch, triton, triton.testing
 import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+from _parts import run_parts
 import autofuser
 from autofuser_core.launch import FusedKernel, cast_inputs
 from matmul import Mlp, precision, M
@@ -175,10 +176,4 @@ def part_attention():
         save()
         print("attn bf16", r.get("eager_ms"), r.get("af", [])[:3], flush=True)
 
-for part in (part_mlp, part_attention):
-    try:
-        part()
-    except Exception:
-        R.setdefault("errors", []).append(traceback.format_exc()[-2000:])
-        print(traceback.format_exc(), flush=True)
-    save()
+run_parts((part_mlp, part_attention), R, save)

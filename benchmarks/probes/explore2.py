@@ -6,6 +6,7 @@ import torch, triton, triton.testing
 import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+from _parts import run_parts
 import autofuser
 from autofuser_core.planner import plan_fusion_groups
 from attention_fp16x3 import attn3
@@ -117,10 +118,4 @@ def mlp():
                 print(res[tag], flush=True)
             save()
 
-for part in (attention, mlp):
-    try:
-        part()
-    except Exception:
-        R.setdefault("errors", []).append(traceback.format_exc()[-2000:])
-        print(traceback.format_exc(), flush=True)
-    save()
+run_parts((attention, mlp), R, save)
