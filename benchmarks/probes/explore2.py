@@ -1,6 +1,8 @@
 """GPU probe 2: where the split-pass attention chain (head width 64, strict fp32) and the
 persistent MLP kernel (bf16, width 128) spend their time: variants of the generated
-sources with one part replaced, timed side by side."""
+sources with one part replaced, timed side by side.
+
+    python3 benchmarks/probes/explore2.py OUT_DIR [attention] [mlp]"""
 import importlib.util, json, os, re, sys, traceback
 import torch, triton, triton.testing
 import torch.nn.functional as F
@@ -82,13 +84,23 @@ def attention():
     save()
 
 def mlp():
+    """Under autocast (fp32 model and input) and as a bf16 model (bf16 input)."""
+    for setup in ("autocast", "bf16_model"):
+        mlp_setup(setup)
+
+
+def mlp_setup(setup):
+    import contextlib
     from matmul import Mlp, precision, M
     from autofuser_core.launch import FusedKernel, cast_inputs
     torch.manual_seed(0)
     model = Mlp(128).to(dev).eval()
     x = torch.randn(M, 128, device=dev)
-    res = R["mlp"] = {}
-    with precision("bf16"), torch.no_grad():
+    if setup == "bf16_model":
+        model, x = model.to(torch.bfloat16), x.to(torch.bfloat16)
+    res = R.setdefault("mlp", {}).setdefault(setup, {})
+    mode = precision("bf16") if setup == "autocast" else contextlib.nullcontext()
+    with mode, torch.no_grad():
         expected = model(x)
         fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
         fused(x)
@@ -101,21 +113,23 @@ def mlp():
                     "no_erf": base.replace("tl.erf(", "("),
                     "no_rounding": re.sub(r"\.to\(tl\.bfloat16\)\.to\(tl\.float32\)", "", base)}
         sms = torch.cuda.get_device_properties(0).multi_processor_count
+        configs = [{"BLOCK_M": m, "BLOCK_H": h, "BLOCK_K": 64, "num_warps": w, "num_stages": s, "PERSISTENT": p,
+                    "PROGRAMS": sms if p else 1}
+                   for m, h, w, s, p in ((32, 64, 4, 2, 0), (64, 64, 4, 2, 0), (128, 64, 8, 2, 0), (64, 64, 4, 3, 1),
+                                         (64, 64, 4, 2, 1), (128, 64, 8, 1, 1))]
         for tag, source in variants.items():
-            try:
-                mod = load(source, "mlp_" + tag)
-                kern = getattr(mod, k.source.name)
-                for m, w, s, p in ((128, 8, 3, 1), (128, 8, 2, 1), (128, 8, 4, 1), (64, 4, 3, 1), (64, 8, 3, 1)):
-                    cfg = {"BLOCK_M": m, "BLOCK_H": 64, "BLOCK_K": 64, "num_warps": w, "num_stages": s, "PERSISTENT": p,
-                           "PROGRAMS": sms}
+            mod = load(source, f"mlp_{setup}_{tag}")
+            kern = getattr(mod, k.source.name)
+            for cfg in configs:  # each on its own: one a GPU refuses (resources) must not end the rest
+                key = f"{tag} {cfg['BLOCK_M']},{cfg['BLOCK_H']},{cfg['num_warps']},{cfg['num_stages']},p{cfg['PERSISTENT']}"
+                try:
                     g = lambda: kern[k.source.grid(cfg)](*inputs, *outs, **k.source.launch_args(cfg))
                     g(); torch.cuda.synchronize()
                     err = float((outs[0].float() - expected.float()).norm() / expected.float().norm())
-                    res[f"{tag} {m},{w},{s}"] = {"ms": ms(g), "rel_err": err}
-                    print("mlp", tag, m, w, s, res[f"{tag} {m},{w},{s}"], flush=True)
-            except Exception:
-                res[tag] = traceback.format_exc()[-1500:]
-                print(res[tag], flush=True)
+                    res[key] = {"ms": ms(g), "rel_err": err}
+                except Exception as e:
+                    res[key] = repr(e)[:200]
+                print("mlp", setup, key, res[key], flush=True)
             save()
 
-run_parts((attention, mlp), R, save)
+run_parts([globals()[name] for name in (sys.argv[2:] or ["attention", "mlp"])], R, save)
