@@ -39,7 +39,7 @@ from autofuser_core.rounding import interpreting, rounded, stored
 
 from .chain import POINTER_TYPES, chain_module, chain_stages, digest
 from .layout import AttentionLayout, Operand, Step
-from .prepass import (PASS_ROWS, SPLIT_DTYPE, SPLIT_EXPONENT, kv_modes, power_of_two, split_lines, write_max_pass,
+from .prepass import (PASS_ROWS, SPLIT_DTYPE, SPLIT_EXPONENT, pass_modes, power_of_two, split_lines, write_max_pass,
                       write_pass)
 
 LOG2E = 1.4426950408889634
@@ -67,7 +67,7 @@ class _Writer:
         self.lines: list[str] = []
         self.count = 0
         self.bases: dict[int, str] = {}  # operand id -> its batch entry's base pointer
-        self.modes: dict[str, Optional[str]] = {"k": None, "v": None}  # prepass.kv_modes
+        self.modes: dict[str, Optional[str]] = {"q": None, "k": None, "v": None}  # prepass.pass_modes
 
     def emit(self, line: str, indent: int = 1) -> None:
         self.lines.append("    " * indent + line)
@@ -127,7 +127,7 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
     """Write the Triton source for an ``AttentionProgram``; see module doc."""
     L: AttentionLayout = program.attention
     w = _Writer()
-    w.modes = kv_modes(L)
+    w.modes = pass_modes(L)
     block_d, block_dv = dot_block(L.d), dot_block(L.dv)
     extents = [L.q.extent(L.batch, L.n, L.d), L.k.extent(L.batch, L.m, L.d), L.v.extent(L.batch, L.m, L.dv),
                L.out.extent(L.batch, L.n, L.dv)]
@@ -137,8 +137,8 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
     wide = max(extents) > INT32_LIMIT
     cast64 = ".to(tl.int64)" if wide else ""
 
-    # Operands and the base pointer of this program's batch entry in each; k and v after a
-    # pass are read from its contiguous scratch instead.
+    # Operands and the base pointer of this program's batch entry in each; q, k and v after
+    # a pass are read from its contiguous scratch instead.
     operands = [(name, "in", op) for name, op in (("q", L.q), ("k", L.k), ("v", L.v)) if w.modes[name] is None]
     operands.append(("out", "out", L.out))
     if L.mask is not None:
@@ -336,7 +336,8 @@ def _finish(program, strategy, helpers, w: _Writer, L: AttentionLayout, block_d:
 
 def _finish_chain(program, strategy, helpers, w: _Writer, L: AttentionLayout, block_d: int, block_dv: int,
                   cast64: str) -> KernelSource:
-    """The kernel after passes over k and/or v (``prepass.py``): a chain of up to three kernels."""
+    """The kernel after passes over q, k and/or v (``prepass.py``): a chain of the passes (k's
+    split takes two: its exponent first) and the attention kernel."""
     inputs = [f"in{k}" for k in range(len(program.inputs))]
     types = {name: POINTER_TYPES[t.dtype] for name, t in zip(inputs, program.inputs)}
     types["out0"] = POINTER_TYPES[L.out.dtype]
@@ -381,9 +382,8 @@ def _finish_chain(program, strategy, helpers, w: _Writer, L: AttentionLayout, bl
     name = f"af_attention_{L.form}_{digest(helper_text, bodies, repr(params))}"
     stage_names = [f"{name}_pass_{p[0]}" for p in passes] + [f"{name}_attend"]
     functions, stages = chain_stages(stage_names, sources, types)
-    derived = {}
     launch = ["device = out0.device"] + allocs
-    derived["PASS_ROWS"] = repr(PASS_ROWS)
+    derived = {"PASS_ROWS": repr(PASS_ROWS)}
     for stage, (tensor, rows, width_key, parts, index) in zip(stages, passes):
         stage["constexprs"] = {"BLOCK_R": "PASS_ROWS", "BLOCK_W": width_key}
         launch.append(f"{stage['name']}[(triton.cdiv({rows}, {PASS_ROWS}), {L.batch_numel})](in{index}, "
@@ -411,7 +411,7 @@ def kernel_header(program, title: str, sizes: str) -> str:
 
 
 def _sizes(L: AttentionLayout) -> str:
-    fp32 = "3xFP16 (fp16 parts of scaled rows)" if kv_modes(L)["k"] == "split" else L.precision
+    fp32 = "3xFP16 (fp16 parts of scaled rows)" if pass_modes(L)["k"] == "split" else L.precision
     return (f"batch {list(L.batch)}, {L.n} queries, {L.m} keys, head widths {L.d} -> {L.dv}; operands of "
             f"q @ k^T {_dtype(L.qk_dtype)}, of p @ v {_dtype(L.pv_dtype)}"
             + (f", fp32 products {fp32}" if None in (L.qk_dtype, L.pv_dtype) else ""))

@@ -1,4 +1,4 @@
-"""Passes over k and v before the softmax attention kernel (``kernel.py``).
+"""Passes over q, k and v before the softmax attention kernel (``kernel.py``).
 
 Every program of the attention kernel reads all of its batch entry's keys and
 values: with ``N`` queries in blocks of ``BLOCK_M``, each k and v tile is read
@@ -55,8 +55,8 @@ from autofuser_core.rounding import stored
 
 from .layout import AttentionLayout, Operand
 
-#: Passes over k and v run only from this many queries: fewer, and each tile is read by a
-#: program or two, so the pass (one more launch and a write and read of k and v) can't pay.
+#: Passes run only from this many queries: fewer, and each k and v tile is read by a program
+#: or two, so a pass (one more launch, and a write and read of its tensor) can't pay.
 PREPASS_MIN_QUERIES = 256
 #: Rows (queries or keys) one program of a pass converts.
 PASS_ROWS = 128
@@ -66,7 +66,7 @@ SPLIT_EXPONENT = 14
 SPLIT_DTYPE = torch.float16
 
 
-def kv_modes(L: AttentionLayout) -> dict[str, Optional[str]]:
+def pass_modes(L: AttentionLayout) -> dict[str, Optional[str]]:
     """How the kernel reads q, k and v: ``None`` (through their own strides, as stored),
     ``"copy"`` or ``"split"`` (after a pass; see the module doc). q is split by a pass too
     (with its written-out ops applied first): split in the kernel, its parts would be
@@ -82,8 +82,7 @@ def kv_modes(L: AttentionLayout) -> dict[str, Optional[str]]:
 def exponent_lines(amax: str, name: str) -> list[str]:
     """Lines setting ``name`` (int32) to ``e`` with ``amax < 2^e``, clamped to [-100, 127]
     so that ``2^(14 - e)`` and ``2^(e - 14)`` are normal fp32 numbers. A row holding an
-    infinity or NaN is not scaled (``e = 14``): its finite entries keep their values, and
-    its unscale factor doesn't dwarf its neighbours' (``kernel._split_pv``)."""
+    infinity or NaN is not scaled (``e = 14``): its finite entries keep their values."""
     return [f"{name} = ((({amax}).to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 126",
             f"{name} = tl.where({name} > 128, {SPLIT_EXPONENT}, tl.minimum(tl.maximum({name}, -100), 127))"]
 

@@ -24,7 +24,7 @@ from .layout import AttentionProgram
 from .linear import compose_linear_attention, find_linear_attention
 from .linear_kernel import write_linear_attention
 from .match import compose_attention, find_attention
-from .prepass import kv_modes
+from .prepass import pass_modes
 from .slice import compose_slice_attention, find_slice_attention
 from .slice_kernel import write_slice_attention
 
@@ -71,7 +71,7 @@ def is_valid(program, config):
         return "more query rows per program than there are queries"
     if block_n > 16 and block_n // 2 >= L.m:
         return "a key block longer than the keys"
-    if kv_modes(L)["v"] == "split":
+    if pass_modes(L)["v"] == "split":
         if config["num_warps"] == 8 and config.get("num_stages", 2) == 2:
             # On an H200 with Triton 3.6 this kernel gave wrong results at head width 64
             # (benchmarks/probes/check_chain.py; right under the interpreter and with 3 stages).
@@ -103,7 +103,7 @@ def default_config(program):
     block_m = min(64, max(16, next_power_of_2(L.n)))
     block_n = min(64, max(16, next_power_of_2(L.m)))
     warps = 8 if max(L.d, L.dv) > 64 else 4
-    stages = 3 if warps == 8 and kv_modes(L)["v"] == "split" else 2  # see is_valid
+    stages = 3 if warps == 8 and pass_modes(L)["v"] == "split" else 2  # see is_valid
     for m, n in ((block_m, block_n), (block_m, 32), (min(block_m, 32), 16), (16, 16)):
         config = {"BLOCK_M": m, "BLOCK_N": min(n, block_n), "num_warps": warps, "num_stages": stages}
         if is_valid(program, config) is None:

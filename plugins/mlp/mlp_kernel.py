@@ -24,6 +24,7 @@ from .mlp_layout import PERSISTENT_BLOCK_H
 #: The hidden axis of the second product's A tiles: (offsets, mask, block constexpr).
 HIDDEN_AXIS = ("hs", "h_mask", "BLOCK_H")
 
+
 def _emit_rows(w: MatmulWriter, out_domain, rows: int, sites: list, strides: list, wide: bool,
                tile: str = "tl.program_id(0)") -> None:
     """The row block ``tile`` -> ``rows`` tiles (all ``BLOCK_N`` columns), masks, and each site's row offset."""
@@ -48,8 +49,8 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     middle @ W2[slice, :]``; finally the epilogue on ``acc2`` (all N columns
     are in the program) and the stores.
 
-    Where both weights fit in shared memory (``L.persistent``: 16-bit operands,
-    rows of A on chip), the kernel has a second form, chosen by the config's
+    Where both weights fit in shared memory (``L.persistent``: enough rows, 16-bit
+    operands, rows of A on chip), the kernel has a second form, chosen by the config's
     ``PERSISTENT``: a grid of at most ``PROGRAMS`` programs (one per
     multiprocessor) that each load both weights once - slice by slice, written
     out - and then walk row blocks ``tile, tile + PROGRAMS, ...``. Every row
@@ -96,9 +97,12 @@ def _weight_names(program: GroupProgram):
     return w1, w2, w1_off, w2_off
 
 
-def _hidden_slice(w: MatmulWriter, start: str, block: str, h: int, indent: int) -> None:
+def _hidden_slice(w: MatmulWriter, start: str, block: str, h: int, indent: int, rows: bool = True) -> None:
+    """A hidden slice's offsets: ``hs`` along the columns (with ``h_mask``) and, with ``rows``,
+    ``hh`` along the rows (where a W2 tile is loaded)."""
     w.emit(f"hs = {start} + tl.arange(0, {block})[None, :]", indent)
-    w.emit(f"hh = {start} + tl.arange(0, {block})[:, None]", indent)
+    if rows:
+        w.emit(f"hh = {start} + tl.arange(0, {block})[:, None]", indent)
     w.emit(f"h_mask = hs < {h}", indent)
 
 
@@ -144,7 +148,8 @@ def _write_rows(w: MatmulWriter, program: GroupProgram, tile: str, weights: Opti
         # The rows of A fit on chip: compute them (with their norm) once and reuse them
         # for every slice of the hidden width.
         w.emit("ks = tl.arange(0, BLOCK_K)[None, :]")
-        w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
+        if weights is None:  # the W1 tiles' rows (the persistent form loaded its weights already)
+            w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
         w.emit(f"k_mask = ks < {L.k}")
         a_name = DagBlock(w, 1, "k", {}).value(L.dot1.args[0])
         w.emit(f"a_op = {as_operand(f'tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))', L.operand_dtypes[0])}")
@@ -156,7 +161,7 @@ def _write_rows(w: MatmulWriter, program: GroupProgram, tile: str, weights: Opti
     for start, pair in slices:
         if pair is None:
             w.emit(f"for h0 in range(0, {L.h}, BLOCK_H):")
-        _hidden_slice(w, start, PERSISTENT_BLOCK_H if pair else "BLOCK_H", L.h, indent)
+        _hidden_slice(w, start, PERSISTENT_BLOCK_H if pair else "BLOCK_H", L.h, indent, rows=pair is None)
         if pair:
             w.emit(f"acc1 = {dot_line('a_op', pair[0], L.operand_dtypes[0], L.precision)}", indent)
         elif resident:

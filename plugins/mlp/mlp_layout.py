@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from autofuser import ProductLayoutSpec
+from autofuser_core.codegen import triton_cdiv
 from autofuser_core.group import GroupProgram, GroupRefused, domain_strides, read_view
 from autofuser_core.ir import Value
 from autofuser_core.matmul_layout import (PackedOperand, check_fits, collect_uids, convert_weight_once, depending_on,
@@ -79,7 +80,7 @@ class MlpLayout:
     @property
     def weight_bytes(self) -> int:
         """Both weights as the persistent form holds them: 16-bit, padded to its tiles."""
-        h = -(-self.h // PERSISTENT_BLOCK_H) * PERSISTENT_BLOCK_H
+        h = triton_cdiv(self.h, PERSISTENT_BLOCK_H) * PERSISTENT_BLOCK_H
         return 2 * h * ((self.block_k or self.k) + dot_block(self.n))
 
     @property
