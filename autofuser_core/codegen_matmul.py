@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 
-from .codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, _header, _short, emit_offsets, literal, next_power_of_2,
-                      row_reduction, triton_cdiv, used_helpers)
+from .codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, _header, _short, emit_offsets, literal, row_reduction,
+                      triton_cdiv, used_helpers)
 from .group import GroupProgram, collect_values
 from .ir import Value
 from .matmul_layout import PackedOperand, dot_block
