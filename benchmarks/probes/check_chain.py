@@ -1,6 +1,6 @@
 """GPU check: the split-pass softmax attention chain called directly and through fuse(),
 against eager, with eager's output recomputed afterwards (does anything overwrite it?)."""
-import importlib.util, os, sys
+import importlib.util, sys
 import torch, torch.nn.functional as F
 import autofuser
 from autofuser_core.planner import plan_fusion_groups

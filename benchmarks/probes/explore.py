@@ -1,7 +1,7 @@
 """GPU probe: where the MLP and softmax-attention kernels lose time, and what a
 persistent MLP kernel and fp16-split (3xFP16) attention would give. Writes
 explore.json to the folder given."""
-import concurrent.futures, itertools, json, math, os, sys, time, traceback
+import itertools, json, math, os, sys
 import torch, triton, triton.testing
 import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -139,7 +139,6 @@ def part_attention():
             best = r["tf32x3"][0]["config"]
             ks[0].kernel[ks[0].source.grid(best)](*inputs, out, **ks[0].source.launch_args(best))
             r["tf32x3_err64"] = err64(out)
-        t0 = time.perf_counter()
         (qh, ql, sq), (kh, kl, sk), (vh, vl, sv) = split16(q), split16(k), split16(v)
         torch.cuda.synchronize()
         r["split_ms"] = ms(lambda: (split16(q), split16(k), split16(v)))

@@ -11,7 +11,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _parts import run_parts
 import autofuser
 from autofuser_core.planner import plan_fusion_groups
-from attention_fp16x3 import attn3
 
 OUT = sys.argv[1]
 R = {}
