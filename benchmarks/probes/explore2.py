@@ -1,5 +1,5 @@
 """GPU probe 2: where the split-pass attention chain (head width 64, strict fp32) and the
-persistent MLP kernel (bf16, width 128) spend their time: variants of the generated
+MLP kernel (bf16, width 128; streamed and persistent) spend their time: variants of the generated
 sources with one part replaced, timed side by side.
 
     python3 benchmarks/probes/explore2.py OUT_DIR [attention] [mlp]"""
@@ -108,8 +108,11 @@ def mlp_setup(setup):
         inputs = cast_inputs(k.with_live_attrs([x]), k.casts)
         outs = [torch.empty_strided(s, st, dtype=d, device=dev) for s, st, d in k.output_layout]
         base = k.source.source
+        gelu = r"(?<!def )elementwise_gelu\((\w+)\)"
         variants = {"as_generated": base,
-                    "no_erf": base.replace("tl.erf(", "("),
+                    # the exact GELU through libdevice's erff, as generated before the helper
+                    "libdevice_erf": re.sub(gelu, r"\1 * 0.5 * (1.0 + tl.erf(\1 * 0.7071067811865476))", base),
+                    "no_gelu": re.sub(gelu, r"(\1)", base),
                     "no_rounding": re.sub(r"\.to\(tl\.bfloat16\)\.to\(tl\.float32\)", "", base)}
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         configs = [{"BLOCK_M": m, "BLOCK_H": h, "BLOCK_K": 64, "num_warps": w, "num_stages": s, "PERSISTENT": p,

@@ -6,7 +6,7 @@
 - refusals every op needs: ``out=``, ``inplace=True``, results that are not
   fp32/fp16/bf16 (integer or float64 arithmetic stays eager).
 - ``@triton.jit`` helpers for functions Triton lacks (``tanh``, ``log1p``,
-  ``expm1``), written to be accurate in fp32 and to run under
+  ``expm1``, a branch-free exact GELU), written to be accurate in fp32 and to run under
   ``TRITON_INTERPRET=1``.
 - sample builders: fresh ``torch.randn`` data in awkward shapes.
 """
@@ -156,7 +156,31 @@ def elementwise_pow(a, b):
     return tl.where(b == 0.0, 1.0, result)
 '''
 
-_HELPERS = {TANH: _TANH_SOURCE, LOG1P: _LOG1P_SOURCE, EXPM1: _EXPM1_SOURCE, POW: _POW_SOURCE}
+GELU = "elementwise_gelu"
+_GELU_SOURCE = '''@triton.jit
+def elementwise_gelu(x):
+    # x * Phi(x), Phi(x) = erfc(-x / sqrt(2)) / 2, without an erf: with t = |x| / sqrt(2),
+    # erfc(t) / 2 = 2^(t * q(t) - 1), q a degree-7 fit of log2(erfc(t)) / t on [0, 4]
+    # (weighted by erfc, so Phi's absolute error stays below 2e-8 before rounding).
+    # Phi = e for x < 0 (no cancellation: the negative tail keeps its relative
+    # accuracy) and 1 - e for x >= 0. One polynomial, one exp2 and a select: no
+    # branch, where libdevice's erff evaluates two polynomials under divergence.
+    # Past t = 4 the fit falls faster than log2(erfc) to -inf, so Phi goes to 0
+    # and 1; inf gives inf, -inf and NaN give NaN, as x * (1 + erf) does.
+    # benchmarks/probes/gelu_accuracy.py checks every fp32 x in [2^-8, 32) against float64.
+    t = tl.abs(x * 0.7071067811865476)
+    q = t * -4.535645348369144e-05 + 0.00044549000449478626
+    q = q * t + -0.001489384681917727
+    q = q * t + -0.0007747217314317822
+    q = q * t + 0.028253760188817978
+    q = q * t + -0.14848165214061737
+    q = q * t + -0.9184163808822632
+    q = q * t + -1.6279085874557495
+    e = tl.exp2(t * q - 1.0)
+    return x * tl.where(x < 0, e, 1.0 - e)
+'''
+
+_HELPERS = {TANH: _TANH_SOURCE, LOG1P: _LOG1P_SOURCE, EXPM1: _EXPM1_SOURCE, POW: _POW_SOURCE, GELU: _GELU_SOURCE}
 
 
 def helper(ctx: LoweringContext, name: str) -> str:

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from autofuser import LoweringSpec
 
-from ._common import TANH, helper, lowering, require_float_output, unary_samples
+from ._common import GELU, TANH, helper, lowering, require_float_output, unary_samples
 
 
 @lowering
@@ -14,8 +14,9 @@ def lower_gelu(ctx, input, approximate="none"):
         approximate = ctx.module.approximate
     require_float_output(ctx)
     if approximate == "none":
-        # torch: x * 0.5 * (1 + erf(x / sqrt(2)))
-        return ctx.pointwise("{0} * 0.5 * (1.0 + tl.erf({0} * 0.7071067811865476))", input)
+        # torch: x * 0.5 * (1 + erf(x / sqrt(2))); the helper computes the same function
+        # with one polynomial and an exp2, at fp32 accuracy (see its comment)
+        return ctx.pointwise(helper(ctx, GELU) + "({0})", input)
     if approximate == "tanh":
         # torch: 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))
         tanh = helper(ctx, TANH)
