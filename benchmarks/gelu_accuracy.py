@@ -1,7 +1,7 @@
 """How accurate the exact GELU's Triton helper is: every fp32 value of a range of
 binades (both signs) through the helper, against float64, beside eager's fp32 GELU.
 
-    python benchmarks/gelu_accuracy.py [--device cpu|cuda] [--lo -8] [--hi 5] [--stride 1]
+    python benchmarks/gelu_accuracy.py [--device cpu|cuda] [--lo -30] [--hi 10] [--stride 1]
 
 On the CPU, run it under TRITON_INTERPRET=1 (the interpreter computes exp2 exactly, so
 add ex2.approx's 2^-22 relative error by hand: at most 2 more units below). On a GPU it
@@ -65,8 +65,8 @@ def binade(exponent: int, stride: int, device) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--lo", type=int, default=-8, help="first binade exponent")
-    parser.add_argument("--hi", type=int, default=5, help="last binade exponent (values below 2^(hi + 1))")
+    parser.add_argument("--lo", type=int, default=-30, help="first binade exponent")
+    parser.add_argument("--hi", type=int, default=10, help="last binade exponent (values below 2^(hi + 1))")
     parser.add_argument("--stride", type=int, default=1, help="check every stride-th value (1: all of them)")
     args = parser.parse_args()
     device = torch.device(args.device)
