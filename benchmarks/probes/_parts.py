@@ -1,4 +1,9 @@
-"""What the probes share: run each part, keep going past a failure, save after each."""
+"""What the probes share: run each part, keep going past a failure, save after each; time
+a kernel; load an edited kernel source; fuse the width-128 MLP of benchmarks/matmul.py and
+time edited versions of its kernel over a list of configs."""
+import contextlib
+import importlib.util
+import os
 import traceback
 
 
@@ -11,4 +16,73 @@ def run_parts(parts, results: dict, save) -> None:
         except Exception:
             results.setdefault("errors", []).append(traceback.format_exc()[-2000:])
             print(traceback.format_exc(), flush=True)
+        save()
+
+
+def ms(fn) -> float:
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def load_variant(source: str, tag: str):
+    """Import ``source`` (a kernel module) from a file of its own, so Triton can read it."""
+    path = os.path.join("/tmp", f"variant_{tag}.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(f"variant_{tag}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def mlp_case(setup: str, width: int = 128) -> dict:
+    """benchmarks/matmul.py's MLP (M rows) fused without tuning under ``setup`` ("autocast":
+    fp32 model under bf16 autocast, "bf16_model", "tf32"): its MLP kernel, the kernel's
+    inputs (converted as the launcher converts them), outputs to write, eager's result and time."""
+    import torch
+    import autofuser
+    from autofuser_core.launch import FusedKernel, cast_inputs
+    from matmul import M, Mlp, precision
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = Mlp(width).to(dev).eval()
+    x = torch.randn(M, width, device=dev)
+    if setup == "bf16_model":
+        model, x = model.to(torch.bfloat16), x.to(torch.bfloat16)
+    mode = {"autocast": precision("bf16"), "tf32": precision("tf32")}.get(setup, contextlib.nullcontext())
+    with mode, torch.no_grad():
+        expected = model(x)
+        eager_ms = ms(lambda: model(x))
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        fused(x)
+    (kernel,) = [n.target for gm, _ in fused._compiled.values() for n in gm.graph.nodes
+                 if n.op == "call_function" and isinstance(n.target, FusedKernel) and n.target.source.layout == "mlp"]
+    inputs = cast_inputs(kernel.with_live_attrs([x]), kernel.casts)
+    outputs = [torch.empty_strided(s, st, dtype=d, device=dev) for s, st, d in kernel.output_layout]
+    return {"kernel": kernel, "inputs": inputs, "outputs": outputs, "expected": expected, "eager_ms": eager_ms}
+
+
+def time_variants(case: dict, variants: dict, configs: list, res: dict, label: str, save, skip=lambda tag, cfg: False):
+    """Time every edited source of ``variants`` (tag -> source) of ``case``'s kernel at every
+    config; ``res["TAG M,H,WARPS,STAGES,pP"]`` = time and error against eager, or why it failed."""
+    import torch
+    k, inputs, outs, expected = case["kernel"], case["inputs"], case["outputs"], case["expected"]
+    for tag, source in variants.items():
+        kern = getattr(load_variant(source, f"{label}_{tag}"), k.source.name)
+        for cfg in configs:
+            if skip(tag, cfg):
+                continue
+            key = (f"{tag} {cfg['BLOCK_M']},{cfg['BLOCK_H']},{cfg['num_warps']},{cfg['num_stages']},"
+                   f"p{cfg.get('PERSISTENT', 0)}")
+            try:
+                for o in outs:
+                    o.fill_(float("nan"))
+                g = lambda: kern[k.source.grid(cfg)](*inputs, *outs, **k.source.launch_args(cfg))
+                g()
+                torch.cuda.synchronize()
+                err = float((outs[0].float() - expected.float()).norm() / expected.float().norm())
+                res[key] = {"ms": ms(g), "rel_err": err}
+            except Exception as e:  # a config the GPU refuses (resources) must not end the rest
+                res[key] = repr(e)[:200]
+            print(label, key, res[key], flush=True)
         save()

@@ -3,28 +3,18 @@ MLP kernel (bf16, width 128; streamed and persistent) spend their time: variants
 sources with one part replaced, timed side by side.
 
     python3 benchmarks/probes/explore2.py OUT_DIR [attention] [mlp]"""
-import importlib.util, json, os, re, sys, traceback
-import torch, triton, triton.testing
+import json, os, re, sys, traceback
+import torch
 import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from _parts import run_parts
+from _parts import load_variant as load, mlp_case, ms, run_parts, time_variants
 import autofuser
 from autofuser_core.planner import plan_fusion_groups
 
 OUT = sys.argv[1]
 R = {}
 dev = torch.device("cuda")
-
-def ms(fn):
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
-
-def load(source, tag):
-    path = os.path.join("/tmp", f"variant_{tag}.py")
-    open(path, "w").write(source)
-    spec = importlib.util.spec_from_file_location(f"variant_{tag}", path)
-    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
-    return mod
 
 def save():
     json.dump(R, open(os.path.join(OUT, "explore2.json"), "w"), indent=1)
@@ -89,49 +79,19 @@ def mlp():
 
 
 def mlp_setup(setup):
-    import contextlib
-    from matmul import Mlp, precision, M
-    from autofuser_core.launch import FusedKernel, cast_inputs
-    torch.manual_seed(0)
-    model = Mlp(128).to(dev).eval()
-    x = torch.randn(M, 128, device=dev)
-    if setup == "bf16_model":
-        model, x = model.to(torch.bfloat16), x.to(torch.bfloat16)
-    res = R.setdefault("mlp", {}).setdefault(setup, {})
-    mode = precision("bf16") if setup == "autocast" else contextlib.nullcontext()
-    with mode, torch.no_grad():
-        expected = model(x)
-        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
-        fused(x)
-        (k,) = [n.target for gm, _ in fused._compiled.values() for n in gm.graph.nodes
-                if n.op == "call_function" and isinstance(n.target, FusedKernel) and n.target.source.layout == "mlp"]
-        inputs = cast_inputs(k.with_live_attrs([x]), k.casts)
-        outs = [torch.empty_strided(s, st, dtype=d, device=dev) for s, st, d in k.output_layout]
-        base = k.source.source
-        gelu = r"(?<!def )elementwise_gelu\((\w+)\)"
-        variants = {"as_generated": base,
-                    # the exact GELU through libdevice's erff, as generated before the helper
-                    "libdevice_erf": re.sub(gelu, r"\1 * 0.5 * (1.0 + tl.erf(\1 * 0.7071067811865476))", base),
-                    "no_gelu": re.sub(gelu, r"(\1)", base),
-                    "no_rounding": re.sub(r"\.to\(tl\.bfloat16\)\.to\(tl\.float32\)", "", base)}
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        configs = [{"BLOCK_M": m, "BLOCK_H": h, "BLOCK_K": 64, "num_warps": w, "num_stages": s, "PERSISTENT": p,
-                    "PROGRAMS": sms if p else 1}
-                   for m, h, w, s, p in ((32, 64, 4, 2, 0), (64, 64, 4, 2, 0), (128, 64, 8, 2, 0), (64, 64, 4, 3, 1),
-                                         (64, 64, 4, 2, 1), (128, 64, 8, 1, 1))]
-        for tag, source in variants.items():
-            mod = load(source, f"mlp_{setup}_{tag}")
-            kern = getattr(mod, k.source.name)
-            for cfg in configs:  # each on its own: one a GPU refuses (resources) must not end the rest
-                key = f"{tag} {cfg['BLOCK_M']},{cfg['BLOCK_H']},{cfg['num_warps']},{cfg['num_stages']},p{cfg['PERSISTENT']}"
-                try:
-                    g = lambda: kern[k.source.grid(cfg)](*inputs, *outs, **k.source.launch_args(cfg))
-                    g(); torch.cuda.synchronize()
-                    err = float((outs[0].float() - expected.float()).norm() / expected.float().norm())
-                    res[key] = {"ms": ms(g), "rel_err": err}
-                except Exception as e:
-                    res[key] = repr(e)[:200]
-                print("mlp", setup, key, res[key], flush=True)
-            save()
+    case = mlp_case(setup)
+    base = case["kernel"].source.source
+    gelu = r"(?<!def )elementwise_gelu\((\w+)\)"
+    variants = {"as_generated": base,
+                # the exact GELU through libdevice's erff, as generated before the helper
+                "libdevice_erf": re.sub(gelu, r"\1 * 0.5 * (1.0 + tl.erf(\1 * 0.7071067811865476))", base),
+                "no_gelu": re.sub(gelu, r"(\1)", base),
+                "no_rounding": re.sub(r"\.to\(tl\.bfloat16\)\.to\(tl\.float32\)", "", base)}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    configs = [{"BLOCK_M": m, "BLOCK_H": h, "BLOCK_K": 64, "num_warps": w, "num_stages": s, "PERSISTENT": p,
+                "PROGRAMS": sms if p else 1}
+               for m, h, w, s, p in ((32, 64, 4, 2, 0), (64, 64, 4, 2, 0), (128, 64, 8, 2, 0), (64, 64, 4, 3, 1),
+                                     (64, 64, 4, 2, 1), (128, 64, 8, 1, 1))]
+    time_variants(case, variants, configs, R.setdefault("mlp", {}).setdefault(setup, {}), f"mlp {setup}", save)
 
 run_parts([globals()[name] for name in (sys.argv[2:] or ["attention", "mlp"])], R, save)
