@@ -3,9 +3,9 @@
 Where both weights of a 16-bit MLP fit in shared memory together, the kernel
 has a second form: a grid of one program per multiprocessor (4 on a CPU), each
 loading both weights once and walking row blocks. Each of its configs is run
-here under the interpreter - with several row blocks per program and a last,
-partial block - and checked against eager on awkward shapes; and the form is
-offered exactly where it fits.
+here (under the interpreter without a GPU) - with several row blocks per
+program and a last, partial block - and checked against eager on awkward
+shapes; and the form is offered exactly where it fits.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def mlp_kernel(fused) -> FusedKernel:
 def run_config(kernel: FusedKernel, x: torch.Tensor, config: dict) -> torch.Tensor:
     inputs = cast_inputs(kernel.with_live_attrs([x]), kernel.casts)
     ((shape, stride, dtype),) = kernel.output_layout
-    out = torch.empty_strided(shape, stride, dtype=dtype)
+    out = torch.empty_strided(shape, stride, dtype=dtype, device=x.device)
     kernel.kernel[kernel.source.grid(config)](*inputs, out, **kernel.source.launch_args(config))
     return out
 
@@ -64,7 +64,7 @@ def run_config(kernel: FusedKernel, x: torch.Tensor, config: dict) -> torch.Tens
 def fused_mlp(model, x, autocast: bool):
     """The fused model's MLP kernel, the planned program behind it (whose layout the
     strategy's configs read), and eager's output."""
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.no_grad(), torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
         expected = model(x)
         fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
         fused(x)
@@ -76,9 +76,9 @@ def fused_mlp(model, x, autocast: bool):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("rows,width,hidden,norm", [(3 * 221, 96, 200, False), (37, 24, 40, True),
                                                     (2 * 221, 128, 256, True)])
-def test_every_persistent_config_matches_eager(dtype, rows, width, hidden, norm):
-    model = Mlp(width, hidden, norm).to(dtype).eval()
-    x = torch.randn(rows, width, dtype=dtype)
+def test_every_persistent_config_matches_eager(dtype, rows, width, hidden, norm, device):
+    model = Mlp(width, hidden, norm).to(device, dtype).eval()
+    x = torch.randn(rows, width, dtype=dtype, device=device)
     kernel, program, expected = fused_mlp(model, x, autocast=False)
     program_configs = [c for c in mlp.configs(program) if c.get("PERSISTENT")]
     assert program_configs, "the weights fit: the persistent form must be offered"
@@ -98,10 +98,10 @@ def test_every_persistent_config_matches_eager(dtype, rows, width, hidden, norm)
     torch.testing.assert_close(run_config(kernel, x, regular).float(), expected.float(), **TOLERANCES[dtype])
 
 
-def test_persistent_form_under_autocast_reads_weights_converted_once():
+def test_persistent_form_under_autocast_reads_weights_converted_once(device):
     """Autocast over fp32 weights: the launcher converts them once, the persistent form keeps them."""
-    model = Mlp(64, 160, norm=False).eval()
-    x = torch.randn(300, 64)
+    model = Mlp(64, 160, norm=False).to(device).eval()
+    x = torch.randn(300, 64, device=device)
     kernel, program, expected = fused_mlp(model, x, autocast=True)
     assert kernel.casts, "the fp32 weights are converted by the launcher"
     config = next(c for c in mlp.configs(program) if c.get("PERSISTENT"))
