@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .capture import bind_inputs, capture
 from .cache import cache_dir, read_verdict, write_verdict
 from .compile import _device_of, _snapshot, compile_graph, device_key, median_call_ms, preserved_state
-from .cudagraphs import try_cuda_graph
+from .cudagraphs import CudaGraphRunner, try_cuda_graph
 from .errors import AutoFuserError, CaptureError
 from .launch import FusedKernel
 from .plugins import load_plugins
@@ -371,6 +371,21 @@ class FusedModule(torch.nn.Module):
     def reports(self) -> list[FusionReport]:
         """Reports of every compiled signature, oldest first."""
         return [report for _, report in self._compiled.values()]
+
+    def kernels(self) -> list[FusedKernel]:
+        """The fused kernels the compiled signatures run, one per generated source (two
+        identical layers share one), oldest signature first: inside a forward replayed as
+        one CUDA graph too, none of a signature that runs the original model because
+        fusing it was not faster."""
+        found: dict[str, FusedKernel] = {}
+        for runner, _ in self._compiled.values():
+            graph_module = runner.forward if isinstance(runner, CudaGraphRunner) else runner
+            if graph_module is None:
+                continue
+            for node in graph_module.graph.nodes:
+                if node.op == "call_function" and isinstance(node.target, FusedKernel):
+                    found.setdefault(node.target.source.name, node.target)
+        return list(found.values())
 
 
 def _load_plugins_quietly(plugins):

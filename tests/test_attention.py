@@ -30,7 +30,6 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autofuser
-from autofuser_core.launch import FusedKernel
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -128,15 +127,6 @@ def extras_for(form, batch, n, m, dtype):
     return ()
 
 
-def fused_kernels(fused):
-    found = {}
-    for graph_module, _ in fused._compiled.values():
-        for node in graph_module.graph.nodes:
-            if node.op == "call_function" and isinstance(node.target, FusedKernel):
-                found[node.target.source.name] = node.target
-    return list(found.values())
-
-
 def run_fused(model, *inputs):
     model = model.eval()
     with torch.no_grad():
@@ -159,7 +149,7 @@ def assert_one_attention_group(fused, form):
         # Every op of the chain is inside the one group: nothing else of it was fused.
         assert groups[0].ops[-1].startswith("matmul.") and len(groups[0].ops) >= 3
         assert not [g for g in report.fused if g is not groups[0] and "reduction.softmax" in g.ops], str(report)
-    (kernel,) = [k for k in fused_kernels(fused) if k.source.layout in ("attention", "attention_chain")]
+    (kernel,) = [k for k in fused.kernels() if k.source.layout in ("attention", "attention_chain")]
     source = attention_function(kernel.source.source)
     # The scores are never written: the one store is the output's.
     assert source.count("tl.store(") == 1 and "tl.store(out_base" in source, source

@@ -48,6 +48,8 @@ def test_cuda_graph_replay_is_right_and_never_overwrites_results():
         x, r = _inputs()
         first = fused(x, r)
         assert any("CUDA graph" in note and "no CUDA graph" not in note for note in fused.report().notes), fused.report()
+        # the kernels inside the captured forward are still listed
+        assert {k.__name__ for k in fused.kernels()} == {g.kernel for g in fused.report().fused}, fused.report()
         keep = first.clone()
         x2, r2 = _inputs()
         second = fused(x2, r2)

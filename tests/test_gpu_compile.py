@@ -21,7 +21,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autofuser
-from autofuser_core.launch import FusedKernel
 from autofuser_core.planner import plan_fusion_groups
 from autofuser_zoo.models import MODELS
 from autofuser_zoo.models.transolver import PhysicsAttention
@@ -49,15 +48,6 @@ for job in json.load(open(sys.argv[1])):
                    options=job.get("options"))
     print("compiled", job["name"])
 """
-
-
-def _fused_kernels(fused_module):
-    found = {}
-    for graph_module, _ in fused_module._compiled.values():
-        for node in graph_module.graph.nodes:
-            if node.op == "call_function" and isinstance(node.target, FusedKernel):
-                found[node.target.source.name] = node.target
-    return list(found.values())
 
 
 def _job(tmp_path, source, input_dtypes, output_dtypes, launch_args) -> dict:
@@ -110,7 +100,7 @@ def test_fused_kernels_compile_for_sm90(model_name, tmp_path):
     with torch.no_grad():
         fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
         fused(x)
-    kernels = _fused_kernels(fused)
+    kernels = fused.kernels()
     assert kernels, str(fused.report())
     if model_name in ("transformer", "lsm"):  # softmax attention, written out
         assert any(k.source.layout == "attention" for k in kernels), str(fused.report())
@@ -261,7 +251,7 @@ def test_mxint8_kernels_compile_for_sm90(tmp_path):
         with torch.no_grad():
             fused = autofuser.fuse(model, quantize="mxint8", progress=False, tune=False, verify_speed=False)
             fused(x, y)
-        kernels = [k for k in _fused_kernels(fused) if "mxint8_decode" in k.source.source]
+        kernels = [k for k in fused.kernels() if "mxint8_decode" in k.source.source]
         strategies = {g.strategy for g in fused.report().fused}
         assert len(kernels) == 5 and strategies == {"matmul", "linear_epilogue", "layernorm_linear", "mlp"}, \
             str(fused.report())

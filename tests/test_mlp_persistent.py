@@ -47,9 +47,7 @@ class Mlp(nn.Module):
 
 
 def mlp_kernel(fused) -> FusedKernel:
-    (kernel,) = [node.target for gm, _ in fused._compiled.values() for node in gm.graph.nodes
-                 if node.op == "call_function" and isinstance(node.target, FusedKernel)
-                 and node.target.source.layout == "mlp"]
+    (kernel,) = [k for k in fused.kernels() if k.source.layout == "mlp"]
     return kernel
 
 

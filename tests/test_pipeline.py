@@ -109,6 +109,7 @@ def test_pointwise_chain_is_one_elementwise_group(dtype, batch):
     # The transpose stays a view the kernel reads through strides.
     assert [(n.node, n.reason_code) for n in report.unfused_nodes] == [("transpose", "no_lowering")]
     assert group.kernel and group.max_error is not None  # it was generated, run and checked
+    assert [k.__name__ for k in fused.kernels()] == [group.kernel]
 
 
 class ChannelsLastAffine(nn.Module):

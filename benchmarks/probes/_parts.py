@@ -41,7 +41,7 @@ def mlp_case(setup: str, width: int = 128) -> dict:
     inputs (converted as the launcher converts them), outputs to write, eager's result and time."""
     import torch
     import autofuser
-    from autofuser_core.launch import FusedKernel, cast_inputs
+    from autofuser_core.launch import cast_inputs
     from matmul import M, Mlp, precision
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -55,8 +55,7 @@ def mlp_case(setup: str, width: int = 128) -> dict:
         eager_ms = ms(lambda: model(x))
         fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
         fused(x)
-    (kernel,) = [n.target for gm, _ in fused._compiled.values() for n in gm.graph.nodes
-                 if n.op == "call_function" and isinstance(n.target, FusedKernel) and n.target.source.layout == "mlp"]
+    (kernel,) = [k for k in fused.kernels() if k.source.layout == "mlp"]
     inputs = cast_inputs(kernel.with_live_attrs([x]), kernel.casts)
     outputs = [torch.empty_strided(s, st, dtype=d, device=dev) for s, st, d in kernel.output_layout]
     return {"kernel": kernel, "inputs": inputs, "outputs": outputs, "expected": expected, "eager_ms": eager_ms}

@@ -8,7 +8,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from _parts import run_parts
 import autofuser
-from autofuser_core.launch import FusedKernel, cast_inputs
+from autofuser_core.launch import cast_inputs
 from matmul import Mlp, precision, M
 from persistent_mlp import pmlp
 from attention_fp16x3 import attn3
@@ -23,14 +23,6 @@ def ms(fn):
 
 def save():
     json.dump(R, open(os.path.join(OUT, "explore.json"), "w"), indent=1)
-
-def kernels_of(fused):
-    out = []
-    for gm, _ in fused._compiled.values():
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and isinstance(node.target, FusedKernel):
-                out.append(node.target)
-    return out
 
 def sweep(k, inputs, configs, expected=None, tol=None):
     """Time kernel k over configs; compile them in threads first."""
@@ -65,7 +57,7 @@ def part_mlp():
             r["eager_ms"] = ms(lambda: model(x))
             fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
             fused(x)
-            ks = [k for k in kernels_of(fused) if k.source.layout == "mlp"]
+            ks = [k for k in fused.kernels() if k.source.layout == "mlp"]
             r["report"] = str(fused.report())[-1500:]
             if ks:
                 configs = [{"BLOCK_M": m, "BLOCK_H": h, "BLOCK_K": 64, "num_warps": nw, "num_stages": ns}
@@ -130,7 +122,7 @@ def part_attention():
                 return F.scaled_dot_product_attention(q, k, v)
         fused = autofuser.fuse(S(), progress=False, tune=False, verify_speed=False)
         fused(q, k, v)
-        ks = [kk for kk in kernels_of(fused) if kk.source.layout == "attention"]
+        ks = [kk for kk in fused.kernels() if kk.source.layout == "attention"]
         if ks:
             cfgs = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
                     for m, n, w, s in ((128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3))]
@@ -165,7 +157,7 @@ def part_attention():
         r["eager_ms"] = ms(lambda: F.scaled_dot_product_attention(q, k, v))
         fused = autofuser.fuse(S(), progress=False, tune=False, verify_speed=False)
         fused(q, k, v)
-        ks = [kk for kk in kernels_of(fused) if kk.source.layout == "attention"]
+        ks = [kk for kk in fused.kernels() if kk.source.layout == "attention"]
         if ks:
             cfgs = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
                     for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4),
