@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
@@ -52,6 +53,20 @@ class PackedOperand:
 #: norm in one go: K <= 256 for 16-bit operands, K <= 128 for fp32 (measured on an
 #: H200: fp32 rows of 256 spill and run 3x slower than streaming).
 RESIDENT_ROW_BYTES = 512
+
+
+def multiprocessors(without_gpu: int) -> int:
+    """Streaming multiprocessors of the current CUDA device; ``without_gpu`` where there is
+    none (plans made for the CPU interpreter): a strategy that sizes its grid or orders its
+    configs by the chip's width says what a CPU plan should assume."""
+    if torch.cuda.is_available():
+        return _multiprocessors_of(torch.cuda.current_device())
+    return without_gpu
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def dot_block(n: int, packed: Optional[PackedOperand] = None) -> int:

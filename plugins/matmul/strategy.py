@@ -18,7 +18,7 @@ from autofuser import StrategySpec
 from autofuser_core.codegen import next_power_of_2, triton_cdiv
 from autofuser_core.codegen_matmul import dot_block, write_matmul_kernel
 from autofuser_core.group import GroupRefused
-from autofuser_core.matmul_layout import MatmulLayout
+from autofuser_core.matmul_layout import MatmulLayout, multiprocessors
 
 #: Shared memory one program may use for its pipelined A and B tiles (H100/H200: 228 KiB per SM).
 SMEM_LIMIT = 200 * 1024
@@ -80,9 +80,9 @@ def configs(program):
     return sorted(out, key=lambda config: _fit(program.matmul, config, fewest))
 
 
-#: Streaming multiprocessors on the GPUs tuned for (H100/H200: 132): a product with fewer
-#: output tiles than this leaves part of the chip idle.
-SMS = 132
+#: Streaming multiprocessors assumed when planning without a GPU (H100/H200: 132); on a GPU,
+#: its own count. A product with fewer output tiles than that leaves part of the chip idle.
+SMS_WITHOUT_GPU = 132
 #: Product kernels compile in about a second each; tuning times the first this many valid
 #: configs of the sorted list. On the zoo's products (H200) the winner was among them.
 MAX_TUNED_CONFIGS = 6
@@ -108,7 +108,7 @@ def _fit(layout: MatmulLayout, config: dict, fewest: int) -> tuple[float, int]:
     tiles, columns = _columns(layout, config)
     padding = columns / fewest if columns > PADDING_SLACK * fewest else 0.0
     programs = triton_cdiv(layout.rows, config["BLOCK_M"]) * tiles * layout.batch
-    return padding, max(0, SMS - programs)
+    return padding, max(0, multiprocessors(SMS_WITHOUT_GPU) - programs)
 
 
 def is_valid(program, config):

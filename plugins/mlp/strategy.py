@@ -7,11 +7,10 @@ kernel is ``mlp_kernel.write_mlp_kernel``."""
 
 from __future__ import annotations
 
-import torch
-
 from autofuser import StrategySpec
 from autofuser_core.codegen_matmul import all_values, dot_block
 from autofuser_core.group import GroupRefused
+from autofuser_core.matmul_layout import multiprocessors
 
 from .mlp_kernel import write_mlp_kernel
 from .mlp_layout import PERSISTENT_BLOCK_H, MlpLayout
@@ -38,14 +37,6 @@ CONFIGS = [
 PERSISTENT_CONFIGS = [(128, 8, 3), (128, 8, 2), (64, 4, 3), (64, 4, 2), (128, 8, 1)]
 #: Shared memory one block may use on an H100/H200 (the persistent form needs nearly all).
 BLOCK_SMEM_LIMIT = 227 * 1024
-
-
-def multiprocessors() -> int:
-    """Programs of the persistent form: one per multiprocessor of the current GPU (4 on a
-    CPU, where the interpreter then walks several row blocks per program)."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return 4
 
 
 def propose(view):
@@ -76,7 +67,8 @@ def configs(program):
               for m, h, k, warps, stages in CONFIGS]
     if not program.matmul.persistent:
         return listed
-    programs = multiprocessors()
+    # one program per multiprocessor; 4 on a CPU, so the interpreter walks several row blocks
+    programs = multiprocessors(without_gpu=4)
     return ([{"BLOCK_M": m, "BLOCK_H": PERSISTENT_BLOCK_H, "BLOCK_K": 64, "num_warps": warps, "num_stages": stages,
               "PERSISTENT": 1, "PROGRAMS": programs} for m, warps, stages in PERSISTENT_CONFIGS]
             + [{**config, "PERSISTENT": 0, "PROGRAMS": 1} for config in listed])
