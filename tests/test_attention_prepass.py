@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import autofuser
 
-from test_attention import TOLERANCES, Attention, attention_function, extras_for, fused_kernels, make_input, run_fused
+from test_attention import TOLERANCES, Attention, attention_function, extras_for, make_input, run_fused
 
 N, M = 300, 277  # 300 queries: passes run; 277 keys: the last key block is partial
 
@@ -33,7 +33,7 @@ def _seed(request):
 
 
 def chain_source(fused) -> str:
-    (kernel,) = [k for k in fused_kernels(fused) if k.source.layout in ("attention", "attention_chain")]
+    (kernel,) = [k for k in fused.kernels() if k.source.layout in ("attention", "attention_chain")]
     return kernel.source.source
 
 
@@ -107,7 +107,7 @@ def test_split_pass_keeps_infinities_and_nan():
         expected = model(q, k, v)
         fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
         fused(*clean)  # compiled on finite inputs, then run on the non-finite ones
-        (kernel,) = [k for k in fused_kernels(fused) if k.source.layout == "attention_chain"]
+        (kernel,) = [k for k in fused.kernels() if k.source.layout == "attention_chain"]
         got = kernel(q, k, v)
     assert expected[0, 0, :, 5].isinf().all() and expected[0, 1].isnan().all()
     finite = expected.isfinite()

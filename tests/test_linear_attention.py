@@ -21,7 +21,7 @@ from einops import rearrange
 
 import autofuser
 from autofuser_zoo.models import MODELS
-from test_attention import TOLERANCES, fused_kernels  # the softmax attention tests' tolerances and helper
+from test_attention import TOLERANCES  # the softmax attention tests' tolerances
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HEADS = 2
@@ -134,7 +134,7 @@ def test_fourier_as_written_by_default(extra, batch, n, d, dtype):
     torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[dtype])
     (group,) = linear_groups(fused)
     assert group.reason.startswith("form fourier: (q @ k^T) @ v as written"), group.reason
-    kernel = [k for k in fused_kernels(fused) if k.source.layout == "attention"]
+    kernel = [k for k in fused.kernels() if k.source.layout == "attention"]
     assert len(kernel) == 1 and kernel[0].source.source.count("tl.store(") == 1  # no N x N scores written
 
 
@@ -146,7 +146,7 @@ def test_fourier_reassociated_only_when_allowed(dtype):
     torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[dtype])
     (group,) = linear_groups(fused)
     assert group.reason.startswith("form fourier: (q @ k^T) @ v reassociated"), group.reason
-    assert [k.source.layout for k in fused_kernels(fused)] == ["attention_chain"]
+    assert [k.source.layout for k in fused.kernels()] == ["attention_chain"]
 
 
 def test_fourier_with_bias_is_not_reassociated():
@@ -203,7 +203,7 @@ def test_chain_warmup_compiles_every_stage_with_its_own_arguments():
     model = Galerkin(16, "einsum")
     qkv = torch.randn(1, 37, 3 * HEADS * 16, dtype=torch.float16, device=DEVICE)
     fused, _, _ = run(model.to(torch.float16), qkv)
-    (kernel,) = [k for k in fused_kernels(fused) if k.source.layout == "attention_chain"]
+    (kernel,) = [k for k in fused.kernels() if k.source.layout == "attention_chain"]
     calls = []
 
     class Recorder:

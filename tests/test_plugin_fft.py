@@ -231,7 +231,7 @@ def test_zoo_models_match_eager_with_spectral_groups_fused(name, layers_per_bloc
 def test_spectral_kernels_compile_for_sm90(tmp_path):
     """The interpreter accepts programs the GPU compiler refuses: compile the
     plugin's kernels of the zoo's FNO and F-FNO ahead of time for sm_90."""
-    from test_gpu_compile import _compile_for_sm90, _fused_kernels, _job
+    from test_gpu_compile import _compile_for_sm90, _job
 
     jobs = []
     for name in ("fno", "ffno"):
@@ -240,7 +240,7 @@ def test_spectral_kernels_compile_for_sm90(tmp_path):
                                verify_speed=False)
         with torch.no_grad():
             fused(entry.inputs(torch.rand(1, *MESHES["tiny"], 2)))
-        kernels = [k for k in _fused_kernels(fused) if k.source.name.startswith("af_fft_spectral_mix_")]
+        kernels = [k for k in fused.kernels() if k.source.name.startswith("af_fft_spectral_mix_")]
         assert kernels, fused.report()
         jobs += [_job(tmp_path, k.source, k.kernel_dtypes, [dtype for _, _, dtype in k.output_layout], k.launch_args)
                  for k in kernels]

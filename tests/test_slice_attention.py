@@ -21,7 +21,7 @@ import autofuser
 from autofuser_plugins.attention import strategy as S
 from autofuser_zoo.models import MODELS
 from autofuser_zoo.models.transolver import PhysicsAttention
-from test_attention import TOLERANCES, fused_kernels  # the softmax attention tests' tolerances and helper
+from test_attention import TOLERANCES  # the softmax attention tests' tolerances
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -72,7 +72,7 @@ def test_slice_attention_matches_eager_as_one_chain(batch, n, width, slices, dty
     # softmax among slices and the scatter; nothing of it went to another group.
     assert group.ops.count("matmul.linear_module") == 4 and group.ops.count("reduction.softmax") == 2, group.ops
     assert {"reduction.sum", "matmul.einsum"} <= set(group.ops), group.ops
-    chain = [k for k in fused_kernels(fused) if k.source.layout == "attention_chain"]
+    chain = [k for k in fused.kernels() if k.source.layout == "attention_chain"]
     assert len(chain) == 1 and chain[0].source.source.count("@triton.jit\ndef af_attention_slice") == 3
 
 
