@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU steps in one go. Each argument names a step; with none, every step runs:
 #   tests       the GPU-only tests, a conformance subset and the capture tests
+#   tests-all   the whole test suite on the GPU (files written for the CPU interpreter too:
+#               a test that assumes CPU tensors fails here, not in CI)
 #   bandwidth   benchmarks/bandwidth.py        (memory-bound kernels vs copy)
 #   matmul      benchmarks/matmul.py           (products, MLPs, row-tiled chains)
 #   attention   benchmarks/attention.py        (softmax, Galerkin, slice attention)
@@ -30,6 +32,9 @@ for step in "${steps[@]}"; do
     tests)
       python3 -m pytest -q -p no:cacheprovider tests/test_capture.py tests/test_cuda.py tests/test_conformance.py \
         -k "sample0-form0 or test_capture or test_cuda" 2>&1 | tail -n 30 | tee "$out/tests.log" ;;
+    tests-all)
+      python3 -m pytest -q -p no:cacheprovider tests/ > "$out/tests-all.log" 2>&1
+      echo "tests-all rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests-all.log" | tail -n 40 ;;
     bandwidth|matmul|attention|conv|mxint8)
       flags_var="${step^^}_FLAGS"
       mkdir -p "$out/$step"
