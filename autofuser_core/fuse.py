@@ -369,14 +369,15 @@ class FusedModule(torch.nn.Module):
         return self._last_report
 
     def reports(self) -> list[FusionReport]:
-        """Reports of every compiled signature, oldest first."""
+        """Reports of every compiled signature, the least recently called first."""
         return [report for _, report in self._compiled.values()]
 
     def kernels(self) -> list[FusedKernel]:
-        """The fused kernels the compiled signatures run, one per generated source (two
-        identical layers share one), oldest signature first: inside a forward replayed as
-        one CUDA graph too, none of a signature that runs the original model because
-        fusing it was not faster."""
+        """The fused kernels the compiled signatures run, the least recently called
+        signature first: inside a forward replayed as one CUDA graph too, none of a
+        signature that runs the original model because fusing it was not faster. One per
+        generated source: of two identical layers, only the first's kernel is listed
+        (each kernel reads its own layer's parameters when called)."""
         found: dict[str, FusedKernel] = {}
         for runner, _ in self._compiled.values():
             graph_module = runner.forward if isinstance(runner, CudaGraphRunner) else runner

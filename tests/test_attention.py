@@ -112,8 +112,8 @@ FORMS = ["sdpa", "sdpa_bool_mask", "sdpa_float_mask", "sdpa_causal", "written_sc
 
 def eager_zeroes_keyless_rows(dtype) -> bool:
     """Whether eager SDPA gives 0 for a query row whose bool mask admits no key, as torch
-    documents. Its CUDA memory-efficient backend doesn't in fp16/bf16 (torch 2.11 on an
-    H200; its math backend does: benchmarks/probes/check_sdpa_mask.py), and the fused
+    documents. Its default CUDA backend doesn't in fp16/bf16 (torch 2.11 on an H200;
+    its math backend does: benchmarks/probes/check_sdpa_mask.py), and the fused
     model follows eager as the user runs it (test_keyless_query_row_in_half_precision...)."""
     return DEVICE.type == "cpu" or dtype == torch.float32
 
@@ -244,8 +244,8 @@ def test_fully_masked_rows_follow_eager():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_keyless_query_row_in_half_precision_follows_eager_whatever_it_gives(dtype):
     """A query whose bool mask admits no key, in fp16/bf16. The kernel gives 0 for it, as
-    torch documents and as eager does on the CPU; eager's CUDA memory-efficient backend gives
-    other values. The fused model must equal the eager model either way: fused where eager
+    torch documents and as eager does on the CPU; eager's default CUDA backend gives other
+    values. The fused model must equal the eager model either way: fused where eager
     gives 0, and where it doesn't, kept eager with the mismatch reported."""
     q, k, v = (make_input(3, n, 24, "rearranged", dtype) for n in (37, 53, 53))
     mask = torch.rand(37, 53, device=DEVICE) > 0.3

@@ -298,8 +298,9 @@ class _Gelu(torch.nn.Module):
 
 def test_exact_gelu_is_fp32_accurate_from_tiny_to_huge_inputs():
     """The fused exact GELU (one polynomial and an exp2 instead of erf) within a few
-    units of 2^-24 |x| of float64 over 30 binades of both signs; eager's fp32 GELU
-    is within about 6.4 there (benchmarks/gelu_accuracy.py checks every value)."""
+    units of 2^-24 |x| of float64 over 30 binades of both signs; eager's fp32 GELU is
+    within about 6.4 there on the CPU, 1.95 on an H200 (benchmarks/gelu_accuracy.py
+    checks every value)."""
     torch.manual_seed(7)
     n = 40_000
     magnitude = torch.exp2(torch.empty(n).uniform_(-20, 10))

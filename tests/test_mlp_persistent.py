@@ -32,8 +32,11 @@ def _seed(request):
 
 @pytest.fixture(autouse=True)
 def _small_shapes(monkeypatch):
-    """The form is offered from 67584 rows; the interpreter runs it on a few hundred."""
+    """The form is offered from 67584 rows; the interpreter runs it on a few hundred. With
+    4 programs (not one per multiprocessor, on a GPU too) every program walks several row
+    blocks of these few hundred rows."""
     monkeypatch.setattr(mlp_layout, "PERSISTENT_MIN_ROWS", 1)
+    monkeypatch.setattr(mlp, "multiprocessors", lambda without_gpu: 4)
 
 
 class Mlp(nn.Module):

@@ -4,6 +4,7 @@ time edited versions of its kernel over a list of configs."""
 import contextlib
 import importlib.util
 import os
+import re
 import traceback
 
 
@@ -17,6 +18,15 @@ def run_parts(parts, results: dict, save) -> None:
             results.setdefault("errors", []).append(traceback.format_exc()[-2000:])
             print(traceback.format_exc(), flush=True)
         save()
+
+
+def edit(pattern: str, replacement: str, source: str) -> str:
+    """``re.sub`` that fails when ``pattern`` matches nothing: an edit that silently left
+    the source as generated would time the baseline under another name."""
+    out, count = re.subn(pattern, replacement, source)
+    if not count:
+        raise ValueError(f"the edit {pattern!r} matches nothing in the source")
+    return out
 
 
 def ms(fn) -> float:

@@ -3,12 +3,12 @@ MLP kernel (bf16, width 128; streamed and persistent) spend their time: variants
 sources with one part replaced, timed side by side.
 
     python3 benchmarks/probes/explore2.py OUT_DIR [attention] [mlp]"""
-import json, os, re, sys, traceback
+import json, os, sys, traceback
 import torch
 import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from _parts import load_variant as load, mlp_case, ms, run_parts, time_variants
+from _parts import edit, load_variant as load, mlp_case, ms, run_parts, time_variants
 import autofuser
 from autofuser_core.planner import plan_fusion_groups
 
@@ -37,11 +37,11 @@ def attention():
     R["attn_source"] = base
     variants = {
         "as_generated": base,
-        "no_k_unscale_load": re.sub(r"k_unscale = tl\.load\([^\n]*\)", "k_unscale = 1.0", base),
-        "no_v_unscale_loads": re.sub(r"g = tl\.load\([^\n]*\)", "g = 1.0",
-                                     re.sub(r"v_unscale = tl\.load\([^\n]*\)", "v_unscale = 1.0", base)),
+        "no_k_unscale_load": edit(r"k_unscale = tl\.load\([^\n]*\)", "k_unscale = 1.0", base),
+        "no_v_unscale_loads": edit(r"g = tl\.load\([^\n]*\)", "g = 1.0",
+                                     edit(r"v_unscale = tl\.load\([^\n]*\)", "v_unscale = 1.0", base)),
     }
-    variants["no_unscale_loads"] = re.sub(r"k_unscale = tl\.load\([^\n]*\)", "k_unscale = 1.0", variants["no_v_unscale_loads"])
+    variants["no_unscale_loads"] = edit(r"k_unscale = tl\.load\([^\n]*\)", "k_unscale = 1.0", variants["no_v_unscale_loads"])
     out = torch.empty_like(q)
     res = R["attn"] = {}
     for tag, source in variants.items():
@@ -61,7 +61,7 @@ def attention():
         save()
     # passes alone: the launcher with the attend launch removed
     try:
-        passes_only = re.sub(r"\n        \S+_attend\[[^\n]*", "", base)
+        passes_only = edit(r"\n        \S+_attend\[[^\n]*", "", base)
         mod = load(passes_only, "passes")
         entry = getattr(mod, src.name)
         f = lambda: entry[(1,)](q, k, v, out, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64, num_warps=8, num_stages=2)
@@ -84,9 +84,9 @@ def mlp_setup(setup):
     gelu = r"(?<!def )elementwise_gelu\((\w+)\)"
     variants = {"as_generated": base,
                 # the exact GELU through libdevice's erff, as generated before the helper
-                "libdevice_erf": re.sub(gelu, r"\1 * 0.5 * (1.0 + tl.erf(\1 * 0.7071067811865476))", base),
-                "no_gelu": re.sub(gelu, r"(\1)", base),
-                "no_rounding": re.sub(r"\.to\(tl\.bfloat16\)\.to\(tl\.float32\)", "", base)}
+                "libdevice_erf": edit(gelu, r"\1 * 0.5 * (1.0 + tl.erf(\1 * 0.7071067811865476))", base),
+                "no_gelu": edit(gelu, r"(\1)", base),
+                "no_rounding": edit(r"\.to\(tl\.bfloat16\)\.to\(tl\.float32\)", "", base)}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     configs = [{"BLOCK_M": m, "BLOCK_H": h, "BLOCK_K": 64, "num_warps": w, "num_stages": s, "PERSISTENT": p,
                 "PROGRAMS": sms if p else 1}

@@ -10,7 +10,7 @@ import json, os, re, sys
 import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from _parts import mlp_case, run_parts, time_variants
+from _parts import edit, mlp_case, run_parts, time_variants
 from matmul import M
 
 OUT = sys.argv[1]
@@ -60,7 +60,7 @@ def setup_case(setup):
     res["eager_ms"] = case["eager_ms"]
     base = res["source"] = case["kernel"].source.source
     gelu = r"(?<!def )elementwise_gelu\((\w+)\)"
-    variants = {"as_generated": base, "no_gelu": re.sub(gelu, r"(\1)", base)}
+    variants = {"as_generated": base, "no_gelu": edit(gelu, r"(\1)", base)}
     persistent = "PERSISTENT: tl.constexpr" in base
     if persistent:
         variants["prefetch"] = prefetch(base, M, 128)
