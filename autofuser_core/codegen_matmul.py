@@ -287,8 +287,6 @@ def emit_prepasses(w: MatmulWriter, prologue_values: list[Value], k: int, indent
     return known
 
 
-
-
 def needs_int64(program: GroupProgram) -> bool:
     """Whether some offset into some tensor of the kernel (weights included) can pass 2**31 - 1."""
     extents = [sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride)) + 1

@@ -37,9 +37,8 @@ class FusedKernel:
         self.input_layout = [(torch.Size(t.shape), tuple(t.stride) if math.prod(t.shape) > 1 else None)
                              for t in program.inputs]
         # What each input must arrive as: the kernel's dtype, or the dtype the launcher
-        # converts from (a weight converted once per call); and what the kernel itself takes.
+        # converts from (a weight converted once per call).
         self.input_dtypes = [t.cast_from or t.dtype for t in program.inputs]
-        self.kernel_dtypes = [t.dtype for t in program.inputs]
         self.casts = input_casts(program)
         self.output_layout = [(t.shape, t.stride, t.dtype) for t in program.outputs]
         self.single_output = len(program.outputs) == 1
@@ -56,6 +55,12 @@ class FusedKernel:
         self.attr_inputs = {k: t.source.path for k, t in enumerate(program.inputs) if isinstance(t.source, AttrRef)}
         self.__name__ = source.name
         self.__qualname__ = source.name
+
+    @property
+    def kernel_dtypes(self) -> list[torch.dtype]:
+        """What the kernel itself takes: each input's dtype after the launcher's casts."""
+        casts = dict(self.casts)
+        return [casts.get(slot, dtype) for slot, dtype in enumerate(self.input_dtypes)]
 
     def matches(self, inputs: Sequence[torch.Tensor]) -> bool:
         """Whether ``inputs`` are what the kernel was made for: shapes, strides and dtypes
