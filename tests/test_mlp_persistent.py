@@ -110,8 +110,6 @@ def test_persistent_form_under_autocast_reads_weights_converted_once(device):
     torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[torch.bfloat16])
 
 
-
-
 @pytest.mark.parametrize("case", ["fp32", "tf32", "too_wide"])
 def test_persistent_form_only_where_both_weights_fit(case):
     """fp32 operands (strict or TF32) and weights over the shared-memory budget (width 256:

@@ -7,7 +7,9 @@ consumed by the second product at once, so the hidden activation never
 reaches memory. The prologue (passes over ``K`` for a norm's statistics, or
 rows of A kept on chip), the epilogue and the stores are the single-product
 writer's (``autofuser_core.codegen_matmul``), as are the indexing scheme and
-the kernel's name (``af_mlp_<ops>_<hash of the source>``).
+the kernel's name (``af_mlp_<ops>_<hash of the source>``). Where both weights
+fit in shared memory the kernel has a second, persistent form
+(``write_mlp_kernel``).
 """
 
 from __future__ import annotations
@@ -61,11 +63,12 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     constexprs = {"BLOCK_N": dot_block(L.n)}
     if L.resident:
         constexprs["BLOCK_K"] = L.block_k
-    w = MatmulWriter(program)
-    _write_rows(w, program, "tl.program_id(0)", None)
+    streamed = MatmulWriter(program)
+    _write_rows(streamed, program, "tl.program_id(0)", None)
+    w = streamed
     blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr", "BLOCK_H: tl.constexpr"]
     if L.persistent:
-        streamed, w = w, MatmulWriter(program)
+        w = MatmulWriter(program)
         weights = _write_weights(w, program)
         w.emit(f"for tile in range(tl.program_id(0), tl.cdiv({L.rows}, BLOCK_M), PROGRAMS):")
         looped = MatmulWriter(program)
@@ -104,6 +107,19 @@ def _hidden_slice(w: MatmulWriter, start: str, block: str, h: int, indent: int, 
     if rows:
         w.emit(f"hh = {start} + tl.arange(0, {block})[:, None]", indent)
     w.emit(f"h_mask = hs < {h}", indent)
+
+
+def _second_product(w: MatmulWriter, program: GroupProgram, indent: int, width: str, w2_tile: str,
+                    w2_load: list[str]) -> None:
+    """A hidden slice's middle (the pointwise ops on ``acc1``) and ``acc2 += middle @ W2``;
+    ``w2_load``: the lines loading the slice's W2 tile, where it is not on chip yet."""
+    L = program.matmul
+    hidden = DagBlock(w, indent, HIDDEN_AXIS, {L.dot1.uid: "acc1"}).value(L.dot2.args[0])
+    for line in w2_load:
+        w.emit(line, indent)
+    # Hidden columns past H hold act(0) but meet zero rows of W2: they add nothing.
+    w.emit(f"hidden_tile = tl.broadcast_to({hidden}, (BLOCK_M, {width}))", indent)
+    w.emit(f"acc2 += {dot_line('hidden_tile', w2_tile, L.operand_dtypes[1], L.precision, L.w2_packed)}", indent)
 
 
 def _write_weights(w: MatmulWriter, program: GroupProgram) -> list[tuple[str, str]]:
@@ -156,15 +172,15 @@ def _write_rows(w: MatmulWriter, program: GroupProgram, tile: str, weights: Opti
     else:
         known = emit_prepasses(w, [v for v in values if v.uid in L.prologue], L.k)
     w.emit("acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)")
-    slices = [(str(s * PERSISTENT_BLOCK_H), pair) for s, pair in enumerate(weights)] if weights else [("h0", None)]
-    indent = 1 if weights else 2
-    for start, pair in slices:
-        if pair is None:
-            w.emit(f"for h0 in range(0, {L.h}, BLOCK_H):")
-        _hidden_slice(w, start, PERSISTENT_BLOCK_H if pair else "BLOCK_H", L.h, indent, rows=pair is None)
-        if pair:
-            w.emit(f"acc1 = {dot_line('a_op', pair[0], L.operand_dtypes[0], L.precision)}", indent)
-        elif resident:
+    if weights:  # the slices written out, their tiles already on chip
+        for s, (w1_tile, w2_tile) in enumerate(weights):
+            _hidden_slice(w, str(s * PERSISTENT_BLOCK_H), PERSISTENT_BLOCK_H, L.h, 1, rows=False)
+            w.emit(f"acc1 = {dot_line('a_op', w1_tile, L.operand_dtypes[0], L.precision)}")
+            _second_product(w, program, 1, str(PERSISTENT_BLOCK_H), w2_tile, [])
+    else:
+        w.emit(f"for h0 in range(0, {L.h}, BLOCK_H):")
+        _hidden_slice(w, "h0", "BLOCK_H", L.h, 2)
+        if resident:
             for line in weight_tile("w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "0",
                                     "BLOCK_K", "hs", "h_mask"):
                 w.emit(line, 2)
@@ -181,17 +197,9 @@ def _write_rows(w: MatmulWriter, program: GroupProgram, tile: str, weights: Opti
                 w.emit(line, 3)
             w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 3)
             w.emit(f"acc1 += {dot_line('a_tile', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 3)
-        block = DagBlock(w, indent, HIDDEN_AXIS, {L.dot1.uid: "acc1"})
-        hidden = block.value(L.dot2.args[0])
-        if pair is None:
-            for line in weight_tile("w2_tile", w2, w2_dtype, w2_off, f"(hh < {L.h}) & col_mask", L.w2_packed, "h0",
-                                    "BLOCK_H", "cols", "col_mask"):
-                w.emit(line, 2)
-        w2_tile = pair[1] if pair else "w2_tile"
-        # Hidden columns past H hold act(0) but meet zero rows of W2: they add nothing.
-        w.emit(f"hidden_tile = tl.broadcast_to({hidden}, (BLOCK_M, {PERSISTENT_BLOCK_H if pair else 'BLOCK_H'}))",
-               indent)
-        w.emit(f"acc2 += {dot_line('hidden_tile', w2_tile, L.operand_dtypes[1], L.precision, L.w2_packed)}", indent)
+        w2_load = weight_tile("w2_tile", w2, w2_dtype, w2_off, f"(hh < {L.h}) & col_mask", L.w2_packed, "h0",
+                              "BLOCK_H", "cols", "col_mask")
+        _second_product(w, program, 2, "BLOCK_H", "w2_tile", w2_load)
 
     block = DagBlock(w, 1, "n", {L.dot2.uid: "acc2"})
     emit_stores(w, program, block)

@@ -21,7 +21,7 @@ import torch
 
 from autofuser import ProductLayoutSpec
 from autofuser_core.codegen import triton_cdiv
-from autofuser_core.group import GroupProgram, GroupRefused, domain_strides, read_view
+from autofuser_core.group import ROUNDED_DTYPES, GroupProgram, GroupRefused, domain_strides, read_view
 from autofuser_core.ir import Value
 from autofuser_core.matmul_layout import (PackedOperand, check_fits, collect_uids, convert_weight_once, depending_on,
                                           dot_block, fp32_precision, install_layout, keeps_rows, outputs_from,
@@ -30,8 +30,10 @@ from autofuser_core.matmul_layout import (PackedOperand, check_fits, collect_uid
 
 #: The hidden slice of the MLP kernel's persistent form (its slices are written out one by one).
 PERSISTENT_BLOCK_H = 64
-#: Shared memory both weights may take in the persistent form: the rest of the 227 KiB a
-#: block may use on an H100/H200 holds the pipelined row blocks of A.
+#: Shared memory one block may use on an H100/H200 (the persistent form needs nearly all).
+BLOCK_SMEM_LIMIT = 227 * 1024
+#: Shared memory both weights may take in the persistent form: the rest of BLOCK_SMEM_LIMIT
+#: holds the pipelined row blocks of A.
 PERSISTENT_WEIGHT_BYTES = 160 * 1024
 #: Hidden slices the persistent form writes out, at most.
 MAX_PERSISTENT_SLICES = 8
@@ -39,7 +41,6 @@ MAX_PERSISTENT_SLICES = 8
 #: an H200. Below, loading the weights once per program saves little (the zoo's bf16 MLPs, with
 #: 13k-45k rows, always tuned to the streamed form) and its configs only add compiles.
 PERSISTENT_MIN_ROWS = 4 * 128 * 132
-SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -79,9 +80,10 @@ class MlpLayout:
 
     @property
     def weight_bytes(self) -> int:
-        """Both weights as the persistent form holds them: 16-bit, padded to its tiles."""
+        """Both weights as the persistent form holds them: 16-bit, padded to its tiles (A's
+        rows resident, which the form needs, so K's tile is the whole padded K)."""
         h = triton_cdiv(self.h, PERSISTENT_BLOCK_H) * PERSISTENT_BLOCK_H
-        return 2 * h * ((self.block_k or self.k) + dot_block(self.n))
+        return 2 * h * (self.block_k + dot_block(self.n))
 
     @property
     def persistent(self) -> bool:
@@ -89,7 +91,7 @@ class MlpLayout:
         products over float weights that fit in shared memory together, A's rows on chip."""
         return (self.rows >= PERSISTENT_MIN_ROWS and self.resident
                 and self.w1_packed is None and self.w2_packed is None
-                and all(d in SIXTEEN_BIT for d in self.operand_dtypes)
+                and all(d in ROUNDED_DTYPES for d in self.operand_dtypes)
                 and self.h <= MAX_PERSISTENT_SLICES * PERSISTENT_BLOCK_H
                 and self.weight_bytes <= PERSISTENT_WEIGHT_BYTES)
 

@@ -13,7 +13,7 @@ from autofuser_core.group import GroupRefused
 from autofuser_core.matmul_layout import multiprocessors
 
 from .mlp_kernel import write_mlp_kernel
-from .mlp_layout import PERSISTENT_BLOCK_H, MlpLayout
+from .mlp_layout import BLOCK_SMEM_LIMIT, PERSISTENT_BLOCK_H, MlpLayout
 
 #: One program holds a whole row of the second product: its width is bounded.
 MAX_OUT_WIDTH = 256
@@ -35,8 +35,8 @@ CONFIGS = [
 #: exists: at width 128 in bf16 (H200, M = 90168) its best ran in 87 us against 103 us for
 #: the best of CONFIGS (benchmarks/probes/explore.py).
 PERSISTENT_CONFIGS = [(128, 8, 3), (128, 8, 2), (64, 4, 3), (64, 4, 2), (128, 8, 1)]
-#: Shared memory one block may use on an H100/H200 (the persistent form needs nearly all).
-BLOCK_SMEM_LIMIT = 227 * 1024
+#: What a config of the streamed form adds where the kernel also has the persistent one.
+STREAMED = {"PERSISTENT": 0, "PROGRAMS": 1}
 
 
 def propose(view):
@@ -69,25 +69,17 @@ def configs(program):
         return listed
     # one program per multiprocessor; 4 on a CPU, so the interpreter walks several row blocks
     programs = multiprocessors(without_gpu=4)
+    # (BLOCK_K is a placeholder: the persistent form keeps A's rows on chip, and the kernel's
+    # own BLOCK_K, the whole padded K, replaces it at launch)
     return ([{"BLOCK_M": m, "BLOCK_H": PERSISTENT_BLOCK_H, "BLOCK_K": 64, "num_warps": warps, "num_stages": stages,
               "PERSISTENT": 1, "PROGRAMS": programs} for m, warps, stages in PERSISTENT_CONFIGS]
-            + [{**config, "PERSISTENT": 0, "PROGRAMS": 1} for config in listed])
+            + [{**config, **STREAMED} for config in listed])
 
 
 def is_valid(program, config):
     layout = program.matmul
     block_n = dot_block(layout.n)
     threads = 32 * config["num_warps"]
-    if config.get("PERSISTENT"):
-        held = config["BLOCK_M"] * (block_n + PERSISTENT_BLOCK_H + layout.block_k)
-        if held / threads > REGS_PER_THREAD:
-            return "too many values held per thread (accumulators and resident rows)"
-        # A's row blocks are pipelined as stored: fp32 activations under autocast take twice the room.
-        smem = layout.weight_bytes + config["BLOCK_M"] * layout.block_k * _a_bytes(program) * config["num_stages"]
-        if smem > BLOCK_SMEM_LIMIT:
-            return (f"{smem // 1024} KiB of shared memory (both weights, pipelined rows) exceeds "
-                    f"{BLOCK_SMEM_LIMIT // 1024} KiB")
-        return None
     resident = layout.resident
     block_k = layout.block_k or config["BLOCK_K"]
     for packed, block, name in ((layout.w1_packed, block_k, "BLOCK_K"), (layout.w2_packed, config["BLOCK_H"], "BLOCK_H")):
@@ -96,6 +88,13 @@ def is_valid(program, config):
     held = config["BLOCK_M"] * (block_n + config["BLOCK_H"] + (block_k if resident else 0))
     if held / threads > REGS_PER_THREAD:
         return "too many values held per thread (accumulators and resident rows)"
+    if config.get("PERSISTENT"):
+        # A's row blocks are pipelined as stored: fp32 activations under autocast take twice the room.
+        smem = layout.weight_bytes + config["BLOCK_M"] * block_k * _a_bytes(program) * config["num_stages"]
+        if smem > BLOCK_SMEM_LIMIT:
+            return (f"{smem // 1024} KiB of shared memory (both weights, pipelined rows) exceeds "
+                    f"{BLOCK_SMEM_LIMIT // 1024} KiB")
+        return None
     element = 2 if layout.operand_dtypes[0] is not None else 4
     smem = (config["BLOCK_M"] + config["BLOCK_H"]) * block_k * element * config["num_stages"]
     smem += config["BLOCK_H"] * block_n * element + config["BLOCK_M"] * config["BLOCK_H"] * element
@@ -119,7 +118,7 @@ def default_config(program):
 
     config = {"BLOCK_M": 32, "BLOCK_H": block(layout.h, layout.w2_packed), "BLOCK_K": block(layout.k, layout.w1_packed),
               "num_warps": 4}
-    return {**config, "PERSISTENT": 0, "PROGRAMS": 1} if layout.persistent else config
+    return {**config, **STREAMED} if layout.persistent else config
 
 
 def generate(program, helpers):
