@@ -89,7 +89,7 @@ class DagBlock:
         row, batch = w.site_offsets[("load", v.uid)]
         inner_stride = strides[-1]
         axis, inner_mask = self.axis, self.axis_mask
-        inner = None if inner_stride == 0 else (axis if inner_stride == 1 else f"{axis} * {inner_stride}")
+        inner = index_term(axis, inner_stride)
         terms = [t for t in (row, batch, inner) if t]
         cast = "" if tensor.dtype == torch.bool else ".to(tl.float32)"
         name = f"x{index}_{w.fresh()}"

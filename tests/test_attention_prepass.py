@@ -1,9 +1,10 @@
-"""Passes over k and v before softmax attention (``plugins/attention/prepass.py``).
+"""Passes over q, k and v before softmax attention (``plugins/attention/prepass.py``).
 
-From 256 queries on, the attention strategy runs a pass over k and v first:
+From 256 queries on, the attention strategy runs passes over its inputs first:
 
-- in strict fp32, each key's row is scaled by a power of two and split into
-  two fp16 parts, and every product runs as three fp16 products (3xFP16);
+- in strict fp32, q and v are scaled by a power of two per row and k once per
+  batch entry, each is split into two fp16 parts, and every product runs as
+  three fp16 products (3xFP16);
 - under autocast with fp32 inputs, k and v are converted to the 16-bit
   operand dtype once, instead of in every program.
 
@@ -75,8 +76,10 @@ def spread(shape, exponents=(-8, 4)) -> torch.Tensor:
 
 
 def test_split_pass_keeps_fp32_accuracy_across_magnitudes():
-    """Small rows of v and k keep their precision: an unscaled fp16 split would leave them
-    in fp16's subnormals (errors of 1e-3 and worse for rows near 1e-8)."""
+    """Fp32 accuracy against float64 with rows of v spanning magnitudes (each scaled on its
+    own) and keys from 1e-8 to 1 (one scale per head, enough for the scores' absolute error):
+    an unscaled fp16 split would leave small rows in fp16's subnormals (errors of 1e-3 and
+    worse near 1e-8)."""
     q = torch.randn(1, 2, N, 24) * 0.3
     # Keys up to 1 (larger scores make the softmax itself ill-conditioned: eager's fp32 error
     # grows with them), values up to 1e4.

@@ -3,8 +3,8 @@
 A group's kernel module names one entry point, which the core launches as
 ``entry[grid](*inputs, *outputs, **config)`` - exactly how a ``@triton.jit``
 function is launched. For a chain, the entry is a small host-side launcher
-with that interface (and ``warmup``, to be compiled ahead of its first launch): it allocates the chain's scratch buffers (fp32 partial
-results, a few KiB to MiB), launches each stage with its own grid and ignores
+with that interface (and ``warmup``, to be compiled ahead of its first launch): it allocates the chain's scratch buffers (partial
+results or split operands, a few KiB to MiB), launches each stage with its own grid and ignores
 the grid it is given. Tuning times the whole chain, and verification checks
 its outputs, like any kernel's.
 
@@ -57,7 +57,7 @@ def chain_module(header: str, helper_text: str, functions: list[str], entry: str
     {name: the name of a config key}) becomes ``stages(config)``; ``derived``
     adds keys computed from the config (Python expressions over ``config``).
     ``tensor_names``: the entry's tensor arguments in call order (inputs, then
-    outputs), for ``warmup``; scratch buffers are fp32.
+    outputs), for ``warmup``; a scratch buffer's type is its stage's pointer type (``_DTYPES``).
     """
     derive = "".join(f"        config[{k!r}] = {v}\n" for k, v in (derived or {}).items())
     body = "\n".join("        " + line for line in launch_lines)

@@ -374,7 +374,7 @@ def _finish_chain(program, strategy, helpers, w: _Writer, L: AttentionLayout, bl
         sources.append(write_pass(L, name, op, rows, width, block, mode, operand, cast64, steps, per_entry))
         passes.append((name, rows, width_key, [part for part, _ in parts], op.index))
     body = "\n".join(w.lines)
-    read = [name for name in inputs if re.search(rf"\b{name}\b", body)]  # not k or v, if passes copied them
+    read = [name for name in inputs if re.search(rf"\b{name}\b", body)]  # not what the passes read instead
     params = read + scratch + ["out0"]
     sources.append((params, ["BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV"], w.lines))
     bodies = "\n".join("\n".join(lines) for _, _, lines in sources)
@@ -384,10 +384,12 @@ def _finish_chain(program, strategy, helpers, w: _Writer, L: AttentionLayout, bl
     functions, stages = chain_stages(stage_names, sources, types)
     launch = ["device = out0.device"] + allocs
     derived = {"PASS_ROWS": repr(PASS_ROWS)}
-    for stage, (tensor, rows, width_key, parts, index) in zip(stages, passes):
+    for stage, (_, rows, width_key, parts, index) in zip(stages, passes):
         stage["constexprs"] = {"BLOCK_R": "PASS_ROWS", "BLOCK_W": width_key}
+        # num_stages as warmup compiled them (no loop in a pass: only Triton's cache key sees it)
         launch.append(f"{stage['name']}[(triton.cdiv({rows}, {PASS_ROWS}), {L.batch_numel})](in{index}, "
-                      f"{', '.join(parts)}, BLOCK_R={PASS_ROWS}, BLOCK_W={width_key}, num_warps=num_warps)")
+                      f"{', '.join(parts)}, BLOCK_R={PASS_ROWS}, BLOCK_W={width_key}, num_warps=num_warps, "
+                      "num_stages=num_stages)")
     launch.append(f"{stage_names[-1]}[(triton.cdiv({L.n}, BLOCK_M), {L.batch_numel})]({', '.join(params)}, "
                   "BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=num_warps, "
                   "num_stages=num_stages)")

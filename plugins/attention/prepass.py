@@ -99,7 +99,8 @@ def split_lines(tile: str, prefix: str, finite: bool = False) -> list[str]:
     low = f"{tile} - {prefix}_hi.to(tl.float32)"
     if not finite:
         low = f'tl.where(tl.abs({tile}) < float("inf"), {low}, 0.0)'
-    return [f"{prefix}_hi = {tile}.to(tl.float16)", f"{prefix}_lo = ({low}).to(tl.float16)"]
+    half = TL_DTYPES[SPLIT_DTYPE]
+    return [f"{prefix}_hi = {tile}.to({half})", f"{prefix}_lo = ({low}).to({half})"]
 
 
 def _read_rows(L: AttentionLayout, op: Operand, rows: int, width: int, block: int, cast64: str,

@@ -63,6 +63,13 @@ def _element(dtype) -> int:
     return 4 if dtype is None else 2
 
 
+def _miscomputed(L, warps: int, stages: int) -> bool:
+    """On an H200 with Triton 3.6 the 3xFP16 kernel gave wrong results at head width 64 with
+    8 warps and 2 stages (benchmarks/probes/check_chain.py; right under the interpreter and
+    with 3 stages)."""
+    return pass_modes(L)["v"] == "split" and warps == 8 and stages == 2
+
+
 def is_valid(program, config):
     L = program.attention
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
@@ -71,11 +78,8 @@ def is_valid(program, config):
         return "more query rows per program than there are queries"
     if block_n > 16 and block_n // 2 >= L.m:
         return "a key block longer than the keys"
-    if pass_modes(L)["v"] == "split":
-        if config["num_warps"] == 8 and config.get("num_stages", 2) == 2:
-            # On an H200 with Triton 3.6 this kernel gave wrong results at head width 64
-            # (benchmarks/probes/check_chain.py; right under the interpreter and with 3 stages).
-            return "8 warps with 2 pipeline stages miscompute the 3xFP16 kernel (Triton 3.6)"
+    if _miscomputed(L, config["num_warps"], config.get("num_stages", 2)):
+        return "8 warps with 2 pipeline stages miscompute the 3xFP16 kernel (Triton 3.6)"
     threads = 32 * config["num_warps"]
     held = block_m * (block_dv + block_n + block_d * _element(L.qk_dtype) / 4)
     if held / threads > REGS_PER_THREAD:
@@ -103,7 +107,7 @@ def default_config(program):
     block_m = min(64, max(16, next_power_of_2(L.n)))
     block_n = min(64, max(16, next_power_of_2(L.m)))
     warps = 8 if max(L.d, L.dv) > 64 else 4
-    stages = 3 if warps == 8 and pass_modes(L)["v"] == "split" else 2  # see is_valid
+    stages = 3 if _miscomputed(L, warps, 2) else 2
     for m, n in ((block_m, block_n), (block_m, 32), (min(block_m, 32), 16), (16, 16)):
         config = {"BLOCK_M": m, "BLOCK_N": min(n, block_n), "num_warps": warps, "num_stages": stages}
         if is_valid(program, config) is None:
