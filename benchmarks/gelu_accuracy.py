@@ -14,13 +14,13 @@ eager's own 1 + erf cancels and its error in ulps of the result is unbounded.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import tempfile
 
 import torch
 
+from autofuser_core.cache import module_from_source
 from autofuser_plugins.elementwise.ops._common import _GELU_SOURCE, GELU
 
 
@@ -37,10 +37,7 @@ def apply(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     path = os.path.join(tempfile.mkdtemp(prefix="gelu_accuracy_"), "gelu_helper.py")
     with open(path, "w") as f:
         f.write(source)
-    spec = importlib.util.spec_from_file_location("gelu_helper", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.apply
+    return module_from_source("gelu_helper", source, path).apply
 
 
 def gelu_helper(x: torch.Tensor, kernel, block: int = 1 << 16) -> torch.Tensor:

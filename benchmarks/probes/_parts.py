@@ -2,7 +2,6 @@
 a kernel; load an edited kernel source; fuse the width-128 MLP of benchmarks/matmul.py and
 time edited versions of its kernel over a list of configs."""
 import contextlib
-import importlib.util
 import os
 import re
 import traceback
@@ -36,13 +35,11 @@ def ms(fn) -> float:
 
 def load_variant(source: str, tag: str):
     """Import ``source`` (a kernel module) from a file of its own, so Triton can read it."""
+    from autofuser_core.cache import module_from_source
     path = os.path.join("/tmp", f"variant_{tag}.py")
     with open(path, "w") as f:
         f.write(source)
-    spec = importlib.util.spec_from_file_location(f"variant_{tag}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return module_from_source(f"variant_{tag}", source, path)
 
 
 def mlp_case(setup: str, width: int = 128) -> dict:
