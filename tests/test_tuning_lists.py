@@ -64,6 +64,29 @@ def test_a_little_padding_does_not_push_wide_tiles_back():
     assert _tiles(_tuning_configs(candidate)[0])[:2] == [(128, 128), (128, 128)]
 
 
+def test_rows_streamed_through_a_norm_try_the_widest_column_tiles_first():
+    """Layer norm + linear with fp32 rows of 256 (too long to stay on chip): every column
+    tile reads each row of its block once per statistics pass and once for the product, so
+    the list puts the fewest tiles across a row first - and still tunes the old winners."""
+    model = nn.Sequential(nn.LayerNorm(256), nn.Linear(256, 512))
+    [candidate] = _kept(model, torch.randn(4, 2000, 256), "layernorm_linear")
+    assert candidate.program.matmul.prologue_reduces and not candidate.program.matmul.resident
+    tiles = _tiles(_tuning_configs(candidate)[0])
+    across = [-(-512 // n) for _, n in tiles]
+    assert across == sorted(across) and across[0] == 2, tiles
+    assert (128, 128) in tiles, tiles
+
+
+def test_rows_on_chip_keep_the_listed_order():
+    """K = 64: the norm's rows stay on chip and are read once, so tile width costs nothing."""
+    model = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 512))
+    [candidate] = _kept(model, torch.randn(4, 2000, 64), "layernorm_linear")
+    assert candidate.program.matmul.resident
+    tiles = _tiles(_tuning_configs(candidate)[0])
+    listed = [(m, n) for m, n, *_ in products.CONFIGS]
+    assert tiles == [t for t in listed if t in tiles][:len(tiles)], tiles
+
+
 def _chain_block() -> nn.Module:
     """A feed-forward block and a linear after it: three products in row space, one chain."""
     return nn.Sequential(FeedForward(64, 128), nn.Linear(64, 64))

@@ -100,15 +100,18 @@ def _columns(layout: MatmulLayout, config: dict) -> tuple[int, int]:
     return tiles, tiles * block_n
 
 
-def _fit(layout: MatmulLayout, config: dict, fewest: int) -> tuple[float, int]:
+def _fit(layout: MatmulLayout, config: dict, fewest: int) -> tuple[float, int, int]:
     """Sort key, smaller first: the columns the tiles compute against the fewest any tile
-    computes, past PADDING_SLACK (an output of 1 column wants 32-wide tiles, not 128), then
-    how far the tiles fall short of one per SM (a product of 884 rows wants small tiles).
-    Ties keep CONFIGS' order."""
+    computes, past PADDING_SLACK (an output of 1 column wants 32-wide tiles, not 128); where
+    the rows of A are streamed through a norm's statistics, the tiles across a row (each
+    reads every row of its block once per statistics pass and once for the product, so
+    fewer, wider tiles read less); then how far the tiles fall short of one per SM (a product
+    of 884 rows wants small tiles). Ties keep CONFIGS' order."""
     tiles, columns = _columns(layout, config)
     padding = columns / fewest if columns > PADDING_SLACK * fewest else 0.0
+    rereads = tiles if layout.prologue_reduces and not layout.resident else 0
     programs = triton_cdiv(layout.rows, config["BLOCK_M"]) * tiles * layout.batch
-    return padding, max(0, multiprocessors(SMS_WITHOUT_GPU) - programs)
+    return padding, rereads, max(0, multiprocessors(SMS_WITHOUT_GPU) - programs)
 
 
 def is_valid(program, config):
