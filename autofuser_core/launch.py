@@ -40,6 +40,9 @@ class FusedKernel:
         # converts from (a weight converted once per call).
         self.input_dtypes = [t.cast_from or t.dtype for t in program.inputs]
         self.casts = input_casts(program)
+        # One-element inputs may arrive in host memory among device tensors: a constant the
+        # forward makes (``x.masked_fill(m, torch.tensor(2.5))``), which eager takes as a scalar.
+        self.scalar_slots = scalar_slots(program)
         self.output_layout = [(t.shape, t.stride, t.dtype) for t in program.outputs]
         self.single_output = len(program.outputs) == 1
         # Parameters and buffers are fetched from their live module on every call,
@@ -71,6 +74,8 @@ class FusedKernel:
         return True
 
     def launch(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        if self.scalar_slots:
+            inputs = scalars_on_device(inputs, self.scalar_slots)
         device = inputs[0].device
         outputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                    for shape, stride, dtype in self.output_layout]
@@ -96,6 +101,23 @@ class FusedKernel:
         else:
             outputs = self.launch(*inputs)
         return outputs[0] if self.single_output else tuple(outputs)
+
+
+def scalar_slots(program: GroupProgram) -> list[int]:
+    """The slots of a group's one-element inputs: those that may arrive in host memory."""
+    return [slot for slot, t in enumerate(program.inputs) if math.prod(t.shape) == 1]
+
+
+def scalars_on_device(inputs: Sequence[torch.Tensor], slots: list[int]) -> Sequence[torch.Tensor]:
+    """``inputs`` with each one-element host tensor of ``slots`` moved to the device the
+    others are on (a kernel can't read host memory); unchanged where all are on one device."""
+    device = next((t.device for t in inputs if t.device.type != "cpu"), None)
+    if device is None or all(inputs[slot].device == device for slot in slots):
+        return inputs
+    inputs = list(inputs)
+    for slot in slots:
+        inputs[slot] = inputs[slot].to(device)
+    return inputs
 
 
 def input_casts(program: GroupProgram) -> list[tuple[int, torch.dtype]]:

@@ -938,3 +938,17 @@ def test_a_strided_weight_is_read_as_it_is_under_autocast():
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=4e-2)
     kernel = _mlp_kernel(fused)
     assert {kernel.attr_inputs[slot] for slot, _ in kernel.casts} == {"fc2.weight"}
+
+
+def test_one_element_host_tensors_move_to_the_device_of_the_others():
+    """A forward's own constant (``x.masked_fill(m, torch.tensor(2.5))``) is a host tensor
+    among device ones: eager takes it as a scalar, a kernel can't read host memory. (The
+    meta device stands in for a GPU; tests/test_conformance.py runs the real case there.)"""
+    from autofuser_core.launch import scalars_on_device
+
+    x, mask, value = torch.empty(3, 37, device="meta"), torch.empty(3, 37, dtype=torch.bool, device="meta"), torch.tensor(2.5)
+    moved = scalars_on_device([x, mask, value], [2])
+    assert [t.device.type for t in moved] == ["meta", "meta", "meta"]
+    assert moved[0] is x and moved[1] is mask
+    host = [torch.randn(3, 37), torch.randn(3, 37) > 0, torch.tensor(2.5)]
+    assert scalars_on_device(host, [2]) is host  # the interpreter's case: all on the host, nothing moves
