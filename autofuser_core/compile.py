@@ -32,7 +32,7 @@ from .capture import frozen_state
 from .cache import cache_dir, load_kernel_module, read_tuning, tuning_lock, write_tuning
 from .group import ROUNDED_DTYPES, GroupProgram, attr_tensor, collect_values
 from .ir import AttrRef
-from .launch import FusedKernel, cast_inputs, input_casts, scalar_slots, scalars_on_device
+from .launch import FusedKernel, cast_inputs, host_scalars, input_casts, to_device
 from .planner import Candidate, Plan, barrier_reason, plan_fusion_groups
 from .precompile import CompileJob, Compiling, launch_items, start as start_compiling
 from .registry import describe_target
@@ -638,13 +638,14 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
         ready = None if compiling is None else (
             lambda launch: compiling.wait_for(job.source.name, launch_items(launch)))
         try:
-            kernel_inputs = scalars_on_device(
-                [attr_tensor(gm, t.source.path) if isinstance(t.source, AttrRef) else job.inputs[t.source]
-                 for t in program.inputs], scalar_slots(program))
+            kernel_inputs = [attr_tensor(gm, t.source.path) if isinstance(t.source, AttrRef) else job.inputs[t.source]
+                             for t in program.inputs]
+            hosted = host_scalars(program, kernel_inputs, device)
+            kernel_inputs = to_device(kernel_inputs, hosted, device)
             tuned = _pick_config(job.candidate, job.source, job.kernel, kernel_inputs, device, options,
                                  lambda msg: progress(f"[{index}/{total}] {msg}"), ready, job.configs)
             config = tuned.config
-            job.fused = FusedKernel(job.kernel, job.source, config, program, job.eager, gm)
+            job.fused = FusedKernel(job.kernel, job.source, config, program, job.eager, gm, hosted, device)
             outputs = job.fused.launch(*kernel_inputs)
         except Exception as err:
             _refuse_job(job, "codegen_failed", err)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -25,7 +25,8 @@ class FusedKernel:
     """Callable that runs one fused group."""
 
     def __init__(self, kernel: Any, source: KernelSource, config: dict, program: GroupProgram,
-                 eager: Callable[..., Any], root: torch.nn.Module):
+                 eager: Callable[..., Any], root: torch.nn.Module, host_scalars: Sequence[int] = (),
+                 device: Optional[torch.device] = None):
         self.kernel = kernel
         self.source = source
         self.config = dict(config)
@@ -40,9 +41,9 @@ class FusedKernel:
         # converts from (a weight converted once per call).
         self.input_dtypes = [t.cast_from or t.dtype for t in program.inputs]
         self.casts = input_casts(program)
-        # One-element inputs may arrive in host memory among device tensors: a constant the
-        # forward makes (``x.masked_fill(m, torch.tensor(2.5))``), which eager takes as a scalar.
-        self.scalar_slots = scalar_slots(program)
+        # One-element inputs that arrive in host memory (``host_scalars``, see that function),
+        # copied to the kernel's ``device`` before each launch.
+        self.host_scalars, self.device = list(host_scalars), device
         self.output_layout = [(t.shape, t.stride, t.dtype) for t in program.outputs]
         self.single_output = len(program.outputs) == 1
         # Parameters and buffers are fetched from their live module on every call,
@@ -74,8 +75,8 @@ class FusedKernel:
         return True
 
     def launch(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
-        if self.scalar_slots:
-            inputs = scalars_on_device(inputs, self.scalar_slots)
+        if self.host_scalars:
+            inputs = to_device(inputs, self.host_scalars, self.device)
         device = inputs[0].device
         outputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                    for shape, stride, dtype in self.output_layout]
@@ -103,16 +104,20 @@ class FusedKernel:
         return outputs[0] if self.single_output else tuple(outputs)
 
 
-def scalar_slots(program: GroupProgram) -> list[int]:
-    """The slots of a group's one-element inputs: those that may arrive in host memory."""
-    return [slot for slot, t in enumerate(program.inputs) if math.prod(t.shape) == 1]
+def host_scalars(program: GroupProgram, inputs: Sequence[torch.Tensor], device: torch.device) -> list[int]:
+    """The slots of one-element inputs that arrive in host memory for a kernel on a GPU: a
+    constant the forward makes (``x.masked_fill(m, torch.tensor(2.5))``), which eager takes
+    as a scalar and a kernel can't read. Input devices are part of a compiled signature, so
+    the slots found with the compile's inputs hold for every call."""
+    if device.type == "cpu":
+        return []
+    return [slot for slot, t in enumerate(program.inputs)
+            if math.prod(t.shape) == 1 and inputs[slot].device.type == "cpu"]
 
 
-def scalars_on_device(inputs: Sequence[torch.Tensor], slots: list[int]) -> Sequence[torch.Tensor]:
-    """``inputs`` with each one-element host tensor of ``slots`` moved to the device the
-    others are on (a kernel can't read host memory); unchanged where all are on one device."""
-    device = next((t.device for t in inputs if t.device.type != "cpu"), None)
-    if device is None or all(inputs[slot].device == device for slot in slots):
+def to_device(inputs: Sequence[torch.Tensor], slots: Sequence[int], device: torch.device) -> Sequence[torch.Tensor]:
+    """``inputs`` with those of ``slots`` copied to ``device``."""
+    if not slots:
         return inputs
     inputs = list(inputs)
     for slot in slots:

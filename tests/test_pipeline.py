@@ -940,15 +940,22 @@ def test_a_strided_weight_is_read_as_it_is_under_autocast():
     assert {kernel.attr_inputs[slot] for slot, _ in kernel.casts} == {"fc2.weight"}
 
 
-def test_one_element_host_tensors_move_to_the_device_of_the_others():
+def test_one_element_host_tensors_move_to_the_kernels_device():
     """A forward's own constant (``x.masked_fill(m, torch.tensor(2.5))``) is a host tensor
     among device ones: eager takes it as a scalar, a kernel can't read host memory. (The
     meta device stands in for a GPU; tests/test_conformance.py runs the real case there.)"""
-    from autofuser_core.launch import scalars_on_device
+    from types import SimpleNamespace
 
-    x, mask, value = torch.empty(3, 37, device="meta"), torch.empty(3, 37, dtype=torch.bool, device="meta"), torch.tensor(2.5)
-    moved = scalars_on_device([x, mask, value], [2])
-    assert [t.device.type for t in moved] == ["meta", "meta", "meta"]
-    assert moved[0] is x and moved[1] is mask
-    host = [torch.randn(3, 37), torch.randn(3, 37) > 0, torch.tensor(2.5)]
-    assert scalars_on_device(host, [2]) is host  # the interpreter's case: all on the host, nothing moves
+    from autofuser_core.launch import host_scalars, to_device
+
+    program = SimpleNamespace(inputs=[SimpleNamespace(shape=s) for s in ((3, 37), (3, 37), (), (1,))])
+    meta = torch.device("meta")
+    inputs = [torch.empty(3, 37, device=meta), torch.empty(3, 37, dtype=torch.bool, device=meta),
+              torch.tensor(2.5), torch.empty(1, device=meta)]
+    assert host_scalars(program, inputs, meta) == [2]  # one element on the device already: left alone
+    moved = to_device(inputs, [2], meta)
+    assert [t.device.type for t in moved] == ["meta"] * 4
+    assert moved[0] is inputs[0] and moved[3] is inputs[3]
+    host = [torch.randn(3, 37), torch.randn(3, 37) > 0, torch.tensor(2.5), torch.randn(1)]
+    assert host_scalars(program, host, torch.device("cpu")) == []  # the interpreter's case
+    assert to_device(host, [], meta) is host
