@@ -11,6 +11,9 @@
    run it on the real inputs and compare with eager within the dtype's
    tolerance - a mismatch un-fuses that group only; on a GPU, also time fused
    against eager and keep the faster;
+4b. on a GPU, each group of several products that round 1 kept is timed against
+   the shorter groups round 2 makes of its nodes, and the faster side is kept
+   (``_settle``); groups that stayed eager are re-planned in the same rounds;
 5. ``rewrite_graph``: every surviving group becomes one call.
 """
 
@@ -21,6 +24,7 @@ import contextvars
 from dataclasses import dataclass, field
 import gc
 import logging
+import math
 import statistics
 import time
 from typing import Any, Optional
@@ -98,7 +102,7 @@ def _snapshot(value: Any) -> Any:
     return value.as_strided((span,), (1,)).clone().as_strided(value.shape, value.stride())
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: compared by identity, never field by field (tensors)
 class _Job:
     """One kept group on its way through verification."""
 
@@ -520,15 +524,23 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
     # group than the largest that lost (down to one): a group of several products
     # falls back to shorter chains and single products; a convolution that lost to
     # cuDNN leaves its epilogue to fuse on its own.
+    # A group of several products that round 1 kept and timed is held back: round 2
+    # also re-plans its nodes as shorter groups, and whichever of the two ran faster
+    # is kept (``_settle``). Beating eager does not make it the best split.
     max_products = MAX_PRODUCTS.get()
     round_number = 0
     plan: Optional[Plan] = None
+    held: list[_Job] = []  # round 1's groups of several products, awaiting their split's timing
+    held_nodes: list[set[torch.fx.Node]] = []
     while True:
         round_number += 1
 
         def veto(candidate):
             if taken.intersection(candidate.nodes) or (retry is not None and not retry.issuperset(candidate.nodes)):
                 return "decided in an earlier round"
+            nodes = set(candidate.nodes)
+            if any(nodes & h and not nodes <= h for h in held_nodes):
+                return "decided in an earlier round"  # a split of a held group stays inside it
             if (candidate.strategy.name, frozenset(candidate.nodes)) in lost:
                 return "decided in an earlier round"
             return plugin_set.manager.hook.autofuser_veto_fusion(group=candidate, options=options)
@@ -571,18 +583,28 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
                 jobs = _verify_round(gm, plan, inputs, device, options, progress, report, backward)
         finally:
             _CONFIG_LIMIT.reset(limit)
-        survivors += [(job.candidate, job.fused) for job in jobs if job.entry.fused]
-        taken.update(n for job in jobs if job.entry.fused for n in job.candidate.nodes)
+        if held:
+            jobs = _settle(held, jobs)  # round 2: each held group against its split
+        held = ([job for job in jobs if _worth_challenging(job)]
+                if round_number == 1 and MAX_ROUNDS > 1 else [])
+        kept = [job for job in jobs if job.entry.fused and job not in held]
+        survivors += [(job.candidate, job.fused) for job in kept]
+        taken.update(n for job in kept for n in job.candidate.nodes)
         failed = [job for job in jobs if not job.entry.fused and len(job.candidate.nodes) > 1]
-        if not failed or round_number >= MAX_ROUNDS:
+        if not (failed or held) or round_number >= MAX_ROUNDS:
             break
-        retry = {n for job in failed for n in job.candidate.nodes}
-        lost |= {(job.candidate.strategy.name, frozenset(job.candidate.nodes)) for job in failed}
-        most = max(product_count(job.candidate.program) for job in failed)
+        retry = {n for job in failed + held for n in job.candidate.nodes}
+        lost |= {(job.candidate.strategy.name, frozenset(job.candidate.nodes)) for job in failed + held}
+        held_nodes = [set(job.candidate.nodes) for job in held]
+        most = max(product_count(job.candidate.program) for job in failed + held)
         if most > 1:
             max_products = min(max_products, most) - 1
-        progress(f"re-planning the nodes of {len(failed)} group(s) that stayed eager, at most "
-                 f"{max_products} product(s) per group")
+        if failed:
+            progress(f"re-planning the nodes of {len(failed)} group(s) that stayed eager, at most "
+                     f"{max_products} product(s) per group")
+        if held:
+            progress(f"timing {len(held)} group(s) of several products against their split into groups of "
+                     f"at most {max_products} product(s)")
 
     step = time.perf_counter()
     new_gm = rewrite_graph(gm, [(c.program, f) for c, f in survivors])
@@ -707,6 +729,42 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
         report.groups.append(job.entry)
     return jobs + not_generated
 
+
+
+def _worth_challenging(job: _Job) -> bool:
+    """A kept group of several products, timed against eager: its split may run faster."""
+    return (job.entry.fused and job.entry.time_fused_ms is not None
+            and product_count(job.candidate.program) > 1)
+
+
+def _settle(held: list[_Job], jobs: list[_Job]) -> list[_Job]:
+    """Round 2's jobs once each group ``held`` from round 1 is weighed against the groups
+    round 2 made of its nodes: their fused times plus, for the nodes none of them fused,
+    the held group's eager time less theirs. The faster side is kept; the other's
+    entries say why they are not. The held groups kept are returned with the jobs."""
+    out = list(jobs)
+    for big in held:
+        nodes = set(big.candidate.nodes)
+        inside = [job for job in jobs if nodes.issuperset(job.candidate.nodes)]
+        parts = [job for job in inside if job.entry.fused]
+        timed = parts and all(job.entry.time_fused_ms is not None for job in parts)
+        # Without a fused part (or with one untimed) the held group stands.
+        split_ms = (sum(job.entry.time_fused_ms for job in parts)
+                    + max(0.0, big.entry.time_eager_ms - sum(job.entry.time_eager_ms for job in parts))
+                    if timed else math.inf)
+        if split_ms < big.entry.time_fused_ms:
+            big.entry.fused, big.entry.reason_code = False, "split_faster"
+            big.entry.reason = (f"fused {big.entry.time_fused_ms:.4f} ms vs {split_ms:.4f} ms as {len(parts)} "
+                                f"shorter group(s) of its ops: the shorter groups run")
+            continue
+        for job in inside:
+            out.remove(job)  # the held group covers these nodes; nothing of them is re-planned
+            if job.entry.fused:
+                job.entry.fused, job.entry.reason_code = False, "larger_group_faster"
+                job.entry.reason = (f"part of a split of a group of several products that ran faster "
+                                    f"({big.entry.time_fused_ms:.4f} ms vs {split_ms:.4f} ms for the split)")
+        out.append(big)
+    return out
 
 
 def _refuse_job(job: _Job, code: str, err: Exception) -> None:

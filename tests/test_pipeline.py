@@ -650,6 +650,40 @@ def test_an_mlp_that_fails_verification_is_replanned_one_product_per_group(monke
     assert {"fc1", "fc2"} <= covered
 
 
+def _timed_feedforward(monkeypatch, mlp_ms: float, part_ms: float):
+    """``_fused_feedforward`` timed as on a GPU by a stand-in timer: the MLP kernel takes
+    ``mlp_ms``, each kernel of one product ``part_ms``, every eager group 1 ms."""
+    import autofuser_core.compile as compile_module
+
+    def bench(fn, *args, **timing):
+        kernel = getattr(fn, "__self__", None)
+        if kernel is None:
+            return 1.0
+        return mlp_ms if kernel.source.layout == "mlp" else part_ms
+
+    monkeypatch.setattr(compile_module, "_can_time", lambda device, options: options.verify_speed)
+    monkeypatch.setattr(compile_module, "_bench", bench)
+    return _fused_feedforward(seed=7)
+
+
+def test_a_kept_mlp_runs_as_its_split_when_the_split_is_faster(monkeypatch):
+    """The MLP kernel beats eager (0.8 against 1 ms), but its two single-product groups
+    together take 0.3 + 0.3 ms, and their ops' eager time (1 + 1 ms) covers the whole MLP's:
+    the split runs, and the report says why the MLP group does not."""
+    report, mlp = _timed_feedforward(monkeypatch, mlp_ms=0.8, part_ms=0.3)
+    assert mlp and not mlp[0].fused and mlp[0].reason_code == "split_faster", str(report)
+    assert "0.8000 ms vs 0.6000 ms as 2 shorter group(s)" in mlp[0].reason
+    assert sorted(g.strategy for g in report.fused) == ["layernorm_linear", "linear_epilogue"], str(report)
+
+
+def test_a_kept_mlp_faster_than_its_split_stays_one_kernel(monkeypatch):
+    report, mlp = _timed_feedforward(monkeypatch, mlp_ms=0.5, part_ms=0.3)
+    assert [g.strategy for g in report.fused] == ["mlp"], str(report)
+    parts = [g for g in report.groups if g.reason_code == "larger_group_faster"]
+    assert sorted(g.strategy for g in parts) == ["layernorm_linear", "linear_epilogue"], str(report)
+    assert all("0.5000 ms vs 0.6000 ms" in g.reason for g in parts)
+
+
 def test_tuning_configs_are_the_valid_ones_first_few_under_a_limit():
     import autofuser_core.compile as compile_module
 
