@@ -98,5 +98,25 @@ def test_lowering_matches_eager(spec_name, dtype_name, sample_index, form_index)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     if expected.dtype == torch.bool:
         assert torch.equal(got, expected)
-    else:
-        torch.testing.assert_close(got.float(), expected.float(), atol=tol.atol, rtol=tol.rtol, equal_nan=True)
+    elif not torch.allclose(got.float(), expected.float(), atol=tol.atol, rtol=tol.rtol, equal_nan=True):
+        # Off eager by more than the tolerance: right only if eager is the one further from
+        # the exact result. (Eager's CUDA fp16 group norm rounds where the kernel does not:
+        # 289 of 540 elements differ, its largest error 0.0030 against the kernel's 0.0019,
+        # benchmarks/probes/check_group_norm.py.)
+        exact = _in_float64(spec.references[form_index], args, kwargs)
+        ours, theirs = (got.double() - exact).abs(), (expected.double() - exact).abs()
+        assert ours.max() <= theirs.max() and ours.mean() <= theirs.mean(), (
+            f"off eager, and no nearer the float64 result: max {ours.max():.3g} vs eager's {theirs.max():.3g}")
+        torch.testing.assert_close(got.double(), exact, atol=tol.atol, rtol=tol.rtol, equal_nan=True)
+
+
+def _in_float64(reference, args, kwargs) -> torch.Tensor:
+    """The reference form's result on float64 copies of the sample's floating inputs."""
+    if isinstance(reference, torch.nn.Module):
+        reference = copy.deepcopy(reference).to(device=DEVICE, dtype=torch.float64)
+    wide = lambda a: a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a  # noqa: E731
+    model = Wrapper(reference, tuple(map(wide, args)), {k: wide(v) for k, v in kwargs.items()})
+    tensors = [wide(a) for a in args if isinstance(a, torch.Tensor)]
+    tensors += [wide(v) for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    with torch.no_grad():
+        return model(*tensors).double()
