@@ -73,8 +73,7 @@ def test_lowering_matches_eager(spec_name, dtype_name, sample_index, form_index)
     args = tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in sample.args)
     kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in sample.kwargs.items()}
     model = Wrapper(reference, args, kwargs).eval()
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    tensors = _tensor_args(args, kwargs)
 
     # Strict fp32 on both sides: cuDNN's default lets eager's fp32 convolutions run in TF32,
     # which the spec tolerances (for fp32 products) do not cover.
@@ -115,8 +114,12 @@ def _in_float64(reference, args, kwargs) -> torch.Tensor:
     if isinstance(reference, torch.nn.Module):
         reference = copy.deepcopy(reference).to(device=DEVICE, dtype=torch.float64)
     wide = lambda a: a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a  # noqa: E731
-    model = Wrapper(reference, tuple(map(wide, args)), {k: wide(v) for k, v in kwargs.items()})
-    tensors = [wide(a) for a in args if isinstance(a, torch.Tensor)]
-    tensors += [wide(v) for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    args, kwargs = tuple(map(wide, args)), {k: wide(v) for k, v in kwargs.items()}
     with torch.no_grad():
-        return model(*tensors).double()
+        return Wrapper(reference, args, kwargs)(*_tensor_args(args, kwargs)).double()
+
+
+def _tensor_args(args, kwargs) -> list[torch.Tensor]:
+    """A sample's tensors in the order ``Wrapper.forward`` takes them."""
+    return ([a for a in args if isinstance(a, torch.Tensor)]
+            + [v for v in kwargs.values() if isinstance(v, torch.Tensor)])
