@@ -11,9 +11,12 @@
    run it on the real inputs and compare with eager within the dtype's
    tolerance - a mismatch un-fuses that group only; on a GPU, also time fused
    against eager and keep the faster;
-4b. on a GPU, each group of several products that round 1 kept is timed against
-   the shorter groups round 2 makes of its nodes, and the faster side is kept
-   (``_settle``); groups that stayed eager are re-planned in the same rounds;
+4b. on a GPU, a kept group is timed against a split of its nodes made in the
+   next round, and the faster side is kept (``_settle``): a group of several
+   products that round 1 kept against shorter groups of fewer products; a group
+   whose product is fed by a row reduction (a layer norm) against the same nodes
+   with the reduction in a group of its own, once; groups that stayed eager are
+   re-planned in the same rounds;
 5. ``rewrite_graph``: every surviving group becomes one call.
 """
 
@@ -34,10 +37,10 @@ import torch.fx
 
 from .capture import frozen_state
 from .cache import cache_dir, load_kernel_module, read_tuning, tuning_lock, write_tuning
-from .group import ROUNDED_DTYPES, GroupProgram, attr_tensor, collect_values
+from .group import ROUNDED_DTYPES, GroupProgram, attr_tensor, product_count, reduction_prologue
 from .ir import AttrRef
 from .launch import FusedKernel, cast_inputs, host_scalars, input_casts, to_device
-from .planner import Candidate, Plan, barrier_reason, plan_fusion_groups
+from .planner import SPLIT_RULES, Candidate, Plan, SplitRule, barrier_reason, plan_fusion_groups
 from .precompile import CompileJob, Compiling, launch_items, start as start_compiling
 from .registry import describe_target
 from .report import FusionReport, GroupEntry, NodeEntry, describe_graph
@@ -524,14 +527,16 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
     # group than the largest that lost (down to one): a group of several products
     # falls back to shorter chains and single products; a convolution that lost to
     # cuDNN leaves its epilogue to fuse on its own.
-    # A group of several products that round 1 kept and timed is held back: round 2
-    # also re-plans its nodes as shorter groups, and whichever of the two ran faster
-    # is kept (``_settle``). Beating eager does not make it the best split.
+    # A kept, timed group that a split may beat is held back (``_split_rule``): the
+    # next round also re-plans its nodes, under its rule, and whichever of the two
+    # ran faster is kept (``_settle``). Beating eager does not make it the best split.
     max_products = MAX_PRODUCTS.get()
     round_number = 0
     plan: Optional[Plan] = None
-    held: list[_Job] = []  # round 1's groups of several products, awaiting their split's timing
+    held: list[_Job] = []  # kept groups awaiting their split's timing
     held_nodes: list[set[torch.fx.Node]] = []
+    rules: tuple[SplitRule, ...] = ()
+    prologue_split: set[frozenset] = set()  # groups already timed without their reduction prologue
     while True:
         round_number += 1
 
@@ -545,12 +550,14 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
                 return "decided in an earlier round"
             return plugin_set.manager.hook.autofuser_veto_fusion(group=candidate, options=options)
 
-        tokens = (STRICT_FP32.set(options.strict_fp32_products), MAX_PRODUCTS.set(max_products))
+        tokens = (STRICT_FP32.set(options.strict_fp32_products), MAX_PRODUCTS.set(max_products),
+                  SPLIT_RULES.set(rules))
         step = time.perf_counter()
         try:
             with gc_paused():
                 plan = plan_fusion_groups(gm, plugin_set.registry, veto=veto, options=options, earlier=plan)
         finally:
+            SPLIT_RULES.reset(tokens[2])
             MAX_PRODUCTS.reset(tokens[1])
             STRICT_FP32.reset(tokens[0])
         report.add_phase("plan", time.perf_counter() - step)
@@ -584,10 +591,12 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
         finally:
             _CONFIG_LIMIT.reset(limit)
         if held:
-            jobs = _settle(held, jobs)  # round 2: each held group against its split
-        held = ([job for job in jobs if _worth_challenging(job)]
-                if round_number == 1 and MAX_ROUNDS > 1 else [])
-        kept = [job for job in jobs if job.entry.fused and job not in held]
+            jobs = _settle(held, jobs)  # each held group against its split
+        rules_of = ({job: rule for job in jobs if (rule := _split_rule(job, round_number, prologue_split))}
+                    if round_number < MAX_ROUNDS else {})
+        held, rules = list(rules_of), tuple(rules_of.values())
+        prologue_split |= {rule.nodes for rule in rules if not rule.prologues}
+        kept = [job for job in jobs if job.entry.fused and job not in rules_of]
         survivors += [(job.candidate, job.fused) for job in kept]
         taken.update(n for job in kept for n in job.candidate.nodes)
         failed = [job for job in jobs if not job.entry.fused and len(job.candidate.nodes) > 1]
@@ -596,15 +605,19 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
         retry = {n for job in failed + held for n in job.candidate.nodes}
         lost |= {(job.candidate.strategy.name, frozenset(job.candidate.nodes)) for job in failed + held}
         held_nodes = [set(job.candidate.nodes) for job in held]
-        most = max(product_count(job.candidate.program) for job in failed + held)
+        most = max((product_count(job.candidate.program) for job in failed), default=0)
         if most > 1:
             max_products = min(max_products, most) - 1
         if failed:
             progress(f"re-planning the nodes of {len(failed)} group(s) that stayed eager, at most "
                      f"{max_products} product(s) per group")
-        if held:
-            progress(f"timing {len(held)} group(s) of several products against their split into groups of "
-                     f"at most {max_products} product(s)")
+        several = sum(rule.prologues for rule in rules)
+        if several:
+            progress(f"timing {several} group(s) of several products against their split into groups of "
+                     f"fewer products")
+        if len(rules) > several:
+            progress(f"timing {len(rules) - several} group(s) with a row reduction before a product against "
+                     f"their split with the reduction on its own")
 
     step = time.perf_counter()
     new_gm = rewrite_graph(gm, [(c.program, f) for c, f in survivors])
@@ -731,10 +744,24 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
 
 
 
-def _worth_challenging(job: _Job) -> bool:
-    """A kept group of several products, timed against eager: its split may run faster."""
-    return (job.entry.fused and job.entry.time_fused_ms is not None
-            and product_count(job.candidate.program) > 1)
+def _split_rule(job: _Job, round_number: int, prologue_split: set[frozenset]) -> Optional[SplitRule]:
+    """How the next round splits ``job``'s nodes to time them against it, or ``None``.
+
+    Only kept groups timed against eager are split. One of several products that
+    round 1 kept: into groups of fewer products (the row-tiled kernel may lose to
+    shorter ones). One whose product a row reduction feeds, once per group: with
+    that reduction in a group of its own (a layer norm as its own kernel can beat
+    the same norm recomputed for every column tile of the product, or held in
+    registers beside it)."""
+    if not job.entry.fused or job.entry.time_fused_ms is None:
+        return None
+    nodes = frozenset(job.candidate.nodes)
+    products = product_count(job.candidate.program)
+    if products > 1 and round_number == 1:
+        return SplitRule(nodes, products - 1)
+    if nodes not in prologue_split and reduction_prologue(job.candidate.program):
+        return SplitRule(nodes, products, prologues=False)
+    return None
 
 
 def _settle(held: list[_Job], jobs: list[_Job]) -> list[_Job]:
@@ -761,7 +788,7 @@ def _settle(held: list[_Job], jobs: list[_Job]) -> list[_Job]:
             out.remove(job)  # the held group covers these nodes; nothing of them is re-planned
             if job.entry.fused:
                 job.entry.fused, job.entry.reason_code = False, "larger_group_faster"
-                job.entry.reason = (f"part of a split of a group of several products that ran faster "
+                job.entry.reason = (f"part of a split of a group that ran faster "
                                     f"({big.entry.time_fused_ms:.4f} ms vs {split_ms:.4f} ms for the split)")
         out.append(big)
     return out
@@ -799,13 +826,6 @@ def _entry(strategy: str, nodes, view, fused: bool, code: str, reason: str, prog
         reason = program.summary  # what the strategy recognised, where it said
     return GroupEntry(strategy=strategy, nodes=[n.name for n in nodes], ops=ops, fused=fused, reason_code=code,
                       reason=reason, bytes_before=before, bytes_after=program.bytes_after() if program else 0)
-
-
-def product_count(program: Optional[GroupProgram]) -> int:
-    """Matrix products (``dot`` values) in a composed group: what re-planning splits."""
-    if program is None:
-        return 0
-    return sum(v.op == "dot" for v in collect_values(program.output_values).values())
 
 
 def _numel(shape) -> int:

@@ -361,6 +361,26 @@ def collect_values(roots: Sequence[Value]) -> dict[int, Value]:
     return values
 
 
+def product_count(program: Optional[GroupProgram]) -> int:
+    """Matrix products (``dot`` values) in a composed group."""
+    if program is None:
+        return 0
+    return sum(v.op == "dot" for v in collect_values(program.output_values).values())
+
+
+def reduction_prologue(program: Optional[GroupProgram]) -> bool:
+    """Whether a row reduction computed before any of the group's products feeds one
+    (a layer norm in front of a linear): a reduction that no product precedes."""
+    if program is None:
+        return False
+    for dot in (v for v in collect_values(program.output_values).values() if v.op == "dot"):
+        upstream = collect_values(dot.args)
+        if any(v.op == "reduce" and not any(u.op == "dot" for u in collect_values([v]).values())
+               for v in upstream.values()):
+            return True
+    return False
+
+
 def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Callable]] = None) -> None:
     """Steps 3 and 4 of the module doc: the domain, the reduced dims, strides
     (groups with products: ``matmul_layout.lay_out_matmul``)."""

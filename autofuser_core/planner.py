@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import itertools
 import logging
@@ -33,7 +34,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from .group import GroupProgram, GroupRefused, compose_group
+from .group import GroupProgram, GroupRefused, compose_group, product_count, reduction_prologue
 from .ir import LoweringContext, LoweringRefused, Value, tensor_meta
 from .matmul_layout import layout_settings
 from .registry import Registry, describe_target
@@ -102,6 +103,33 @@ def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
             return "random", f"{type(module).__name__} in training mode draws random numbers"
     return None
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    """While a kept group is timed against a split of its nodes (``compile``), the
+    limits on every group grown or proposed over ``nodes``: it stays inside them,
+    holds at most ``max_products`` products and, without ``prologues``, no row
+    reduction that feeds a product (the norm in front of a linear runs on its own)."""
+
+    nodes: frozenset
+    max_products: int
+    prologues: bool = True
+
+    def refusal(self, nodes, program: GroupProgram) -> Optional[GroupRefused]:
+        if self.nodes.isdisjoint(nodes):
+            return None
+        if not self.nodes.issuperset(nodes):
+            return GroupRefused("split_boundary", "a group being split is timed on its own nodes only")
+        if product_count(program) > self.max_products:
+            return GroupRefused("split_products", f"split into groups of at most {self.max_products} product(s)")
+        if not self.prologues and reduction_prologue(program):
+            return GroupRefused("split_prologue", "split with its row reduction apart from the product it feeds")
+        return None
+
+
+#: The ``SplitRule``s of the planning round in progress.
+SPLIT_RULES: contextvars.ContextVar[tuple] = contextvars.ContextVar("autofuser_split_rules", default=())
 
 
 @dataclass
@@ -269,7 +297,8 @@ class PlanningView:
         see ``ProductLayoutSpec`` for groups of several products).
 
         Composed once per planning (and ``layout_settings()``): asked again, it
-        returns the same program (don't change it) or raises the same refusal."""
+        returns the same program (don't change it) or raises the same refusal.
+        The round's ``SPLIT_RULES`` are applied to the composed program each time."""
         ordered = tuple(sorted(nodes, key=self.order.__getitem__))
         key = (ordered, lay_out, layout_settings())
         known = self._composed.get(key)
@@ -285,6 +314,10 @@ class PlanningView:
                 raise known.with_traceback(None)  # without the tracebacks of earlier raises
             finally:
                 known = None  # no reference cycle through this frame
+        for rule in SPLIT_RULES.get():
+            refusal = rule.refusal(ordered, known)
+            if refusal is not None:
+                raise refusal
         return known
 
     def compose_for(self, strategy: StrategySpec, nodes: list[torch.fx.Node]) -> GroupProgram:

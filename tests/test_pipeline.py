@@ -650,19 +650,33 @@ def test_an_mlp_that_fails_verification_is_replanned_one_product_per_group(monke
     assert {"fc1", "fc2"} <= covered
 
 
-def _timed_feedforward(monkeypatch, mlp_ms: float, part_ms: float):
-    """``_fused_feedforward`` timed as on a GPU by a stand-in timer: the MLP kernel takes
-    ``mlp_ms``, each kernel of one product ``part_ms``, every eager group 1 ms."""
+def _stand_in_timer(monkeypatch, kernel_ms):
+    """Time groups as on a GPU by a stand-in: a kernel takes ``kernel_ms(layout, normed)``
+    ms (its source's layout; whether its ops include a layer norm), every eager group 1 ms."""
     import autofuser_core.compile as compile_module
 
     def bench(fn, *args, **timing):
         kernel = getattr(fn, "__self__", None)
         if kernel is None:
             return 1.0
-        return mlp_ms if kernel.source.layout == "mlp" else part_ms
+        called = [kernel.eager.get_submodule(n.target) if n.op == "call_module" else n.target
+                  for n in kernel.eager.graph.nodes]
+        normed = any("norm" in (type(c).__name__ if isinstance(c, torch.nn.Module) else str(c)).lower()
+                     for c in called)
+        return kernel_ms(kernel.source.layout, normed)
 
     monkeypatch.setattr(compile_module, "_can_time", lambda device, options: options.verify_speed)
     monkeypatch.setattr(compile_module, "_bench", bench)
+
+
+def _timed_feedforward(monkeypatch, mlp_ms: float, part_ms: float, norm_ms: float = 0.3,
+                       bare_mlp_ms: Optional[float] = None):
+    """``_fused_feedforward`` under ``_stand_in_timer``: a kernel of two products takes
+    ``mlp_ms`` (``bare_mlp_ms`` without the layer norm; the same by default), one of one
+    product ``part_ms``, the layer norm alone ``norm_ms``."""
+    bare = mlp_ms if bare_mlp_ms is None else bare_mlp_ms
+    _stand_in_timer(monkeypatch, lambda layout, normed: ((mlp_ms if normed else bare) if layout == "mlp" else
+                                                         part_ms if layout == "matmul" else norm_ms))
     return _fused_feedforward(seed=7)
 
 
@@ -677,11 +691,56 @@ def test_a_kept_mlp_runs_as_its_split_when_the_split_is_faster(monkeypatch):
 
 
 def test_a_kept_mlp_faster_than_its_split_stays_one_kernel(monkeypatch):
+    """Split by products (0.3 + 0.3 ms), then with its layer norm on its own (0.3 + the
+    MLP kernel's 0.5 ms without the norm): both slower than the kernel's 0.5 ms."""
     report, mlp = _timed_feedforward(monkeypatch, mlp_ms=0.5, part_ms=0.3)
     assert [g.strategy for g in report.fused] == ["mlp"], str(report)
     parts = [g for g in report.groups if g.reason_code == "larger_group_faster"]
-    assert sorted(g.strategy for g in parts) == ["layernorm_linear", "linear_epilogue"], str(report)
-    assert all("0.5000 ms vs 0.6000 ms" in g.reason for g in parts)
+    assert sorted(g.strategy for g in parts) == ["layernorm_linear", "linear_epilogue", "mlp", "row_reduction"], \
+        str(report)
+    by_products = [g for g in parts if g.strategy in ("layernorm_linear", "linear_epilogue")]
+    assert all("0.5000 ms vs 0.6000 ms" in g.reason for g in by_products)
+    assert all("0.5000 ms vs 0.8000 ms" in g.reason for g in parts if g not in by_products)
+
+
+def test_a_kept_mlp_runs_apart_from_its_layer_norm_when_that_is_faster(monkeypatch):
+    """The MLP kernel with its layer norm (0.8 ms) beats its split by products (0.5 + 0.5
+    ms), then loses to the norm's own kernel (0.1 ms) and the MLP kernel without it (0.3)."""
+    report, mlp = _timed_feedforward(monkeypatch, mlp_ms=0.8, part_ms=0.5, norm_ms=0.1, bare_mlp_ms=0.3)
+    assert sorted(g.strategy for g in report.fused) == ["mlp", "row_reduction"], str(report)
+    whole = [g for g in mlp if "reduction.layer_norm_module" in g.ops]
+    assert len(whole) == 1 and whole[0].reason_code == "split_faster", str(report)
+    assert "0.8000 ms vs 0.4000 ms as 2 shorter group(s)" in whole[0].reason
+    by_products = [g for g in report.groups if g.reason_code == "larger_group_faster"]
+    assert sorted(g.strategy for g in by_products) == ["layernorm_linear", "linear_epilogue"], str(report)
+
+
+def test_a_layer_norm_runs_as_its_own_kernel_when_that_is_faster_than_in_the_product(monkeypatch):
+    """A layer norm + linear kernel that beats eager (0.6 against 1 ms) but loses to the
+    norm's own kernel (0.1 ms) followed by the linear's (0.2 ms): the two run, and the
+    report says why the larger group does not."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(24), torch.nn.Linear(24, 40)).eval()
+    x = torch.randn(3, 19, 24)
+
+    def run(prologue_ms):
+        _stand_in_timer(monkeypatch, lambda layout, normed: (prologue_ms if layout == "matmul" and normed else
+                                                             0.2 if layout == "matmul" else 0.1))
+        with torch.no_grad():
+            fused = autofuser.fuse(model, progress=False)
+            torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
+        return fused.report()
+
+    report = run(0.6)
+    assert sorted(g.strategy for g in report.fused) == ["matmul", "row_reduction"], str(report)
+    whole = [g for g in report.groups if g.strategy == "layernorm_linear"]
+    assert len(whole) == 1 and whole[0].reason_code == "split_faster", str(report)
+    assert "0.6000 ms vs 0.3000 ms as 2 shorter group(s)" in whole[0].reason
+
+    report = run(0.25)
+    assert [g.strategy for g in report.fused] == ["layernorm_linear"], str(report)
+    parts = [g for g in report.groups if g.reason_code == "larger_group_faster"]
+    assert sorted(g.strategy for g in parts) == ["matmul", "row_reduction"], str(report)
 
 
 def test_tuning_configs_are_the_valid_ones_first_few_under_a_limit():
