@@ -247,6 +247,7 @@ def measure(system: str, model, inputs, expected, tune_budget: float, keep=lambd
                 "rel_err": float((got - expected).norm() / expected.norm())}
         cell["ms"] = _ms(fn, *inputs)
         if system == "autofuser":
+            cell["notes"] = list(fn.report().notes)  # e.g. whether the forward replays as a CUDA graph
             cell["groups"] = [
                 {"strategy": g.strategy, "ops": g.ops, "fused": g.fused, "reason": g.reason_code,
                  "summary": g.reason, "config": g.config, "eager_ms": g.time_eager_ms, "fused_ms": g.time_fused_ms}
