@@ -5,6 +5,8 @@ softmax, layer norm and residual-add + norm read their input once."""
 
 from __future__ import annotations
 
+import math
+
 from autofuser import StrategySpec
 from autofuser_core.codegen import next_power_of_2, write_kernel
 
@@ -32,8 +34,25 @@ def _block_r(program):
     return next_power_of_2(program.reduced_numel)
 
 
+#: What the config list puts first: about this many elements per thread per live value
+#: (enough loads in flight to cover memory latency, few enough to keep registers), in
+#: tiles of about this many elements.
+PER_THREAD, TILE = 8, 2048
+
+
 def configs(program):
-    return [{"BLOCK_M": m, "num_warps": w} for m in ROW_BLOCKS for w in WARPS]
+    """Every row block and warp count, the most promising first: a re-planning round
+    tunes only the first few (``compile.LATER_ROUND_CONFIGS``), and one row per program
+    on one warp (the old head of the list) leaves a layer norm of 90k rows of 256 at
+    0.061 ms on an H200 against a 0.044 ms copy."""
+    block_r = _block_r(program)
+
+    def distance(config):
+        tile = config["BLOCK_M"] * block_r
+        per_thread = tile / (32 * config["num_warps"])
+        return abs(math.log2(per_thread / PER_THREAD)), abs(math.log2(tile / TILE))
+
+    return sorted(({"BLOCK_M": m, "num_warps": w} for m in ROW_BLOCKS for w in WARPS), key=distance)
 
 
 def is_valid(program, config):
