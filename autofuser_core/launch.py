@@ -15,6 +15,8 @@ import math
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import triton
+from triton.runtime.driver import driver
 
 from .codegen import KernelSource
 from .group import GroupProgram
@@ -34,6 +36,7 @@ class FusedKernel:
         self.grid = source.grid(self.config)
         self.launch_args = source.launch_args(self.config)
         self.launcher = kernel[self.grid]  # indexing a Triton kernel by its grid builds a launcher: once
+        self.direct: Optional[DirectLaunch] = None  # the compiled kernel, once a launch has compiled it
         # (shape, strides or None where a single element makes strides meaningless)
         self.input_layout = [(torch.Size(t.shape), tuple(t.stride) if math.prod(t.shape) > 1 else None)
                              for t in program.inputs]
@@ -80,7 +83,15 @@ class FusedKernel:
         device = inputs[0].device
         outputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                    for shape, stride, dtype in self.output_layout]
-        self.launcher(*cast_inputs(inputs, self.casts), *outputs, **self.launch_args)
+        args = (*cast_inputs(inputs, self.casts), *outputs)
+        values = self.direct.values(args) if self.direct is not None else None
+        if values is not None:
+            self.direct.launch(values)
+        elif isinstance(self.kernel, triton.runtime.JITFunction):
+            compiled = self.kernel.run(*args, grid=self.grid, warmup=False, **self.launch_args)
+            self.direct = DirectLaunch.of(self.kernel, compiled, args, self.launch_args, self.grid)
+        else:  # the interpreter's kernels
+            self.launcher(*args, **self.launch_args)
         return outputs
 
     def with_live_attrs(self, graph_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -102,6 +113,84 @@ class FusedKernel:
         else:
             outputs = self.launch(*inputs)
         return outputs[0] if self.single_output else tuple(outputs)
+
+
+class DirectLaunch:
+    """A compiled kernel launched as Triton's own ``JITFunction.run`` launches it once it
+    has found the kernel in its cache, without binding and specialising the arguments
+    again on every call: tens of microseconds of host time per launch, which a forward of
+    a few short kernels can spend more of than the GPU spends running them.
+
+    It serves only calls Triton would send to the same compiled kernel: the same current
+    device, every tensor argument as aligned to 16 bytes as when it was compiled (Triton
+    specialises pointers on that), every other argument equal, and no launch hooks (a
+    profiler's) set. Any other call takes Triton's own path (``fits``)."""
+
+    def __init__(self, compiled, template: list, tensor_slots: list[tuple[int, bool]], others: list[tuple[int, Any]],
+                 grid: tuple, device: int):
+        self.compiled, self.template, self.tensor_slots, self.others = compiled, template, tensor_slots, others
+        self.slots = sorted([slot for slot, _ in tensor_slots] + [slot for slot, _ in others])
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.device = device
+
+    @classmethod
+    def of(cls, kernel, compiled, args: Sequence[Any], launch_args: dict, grid: tuple) -> Optional["DirectLaunch"]:
+        """The direct launch of ``compiled`` (what ``kernel.run`` returned for ``args``), or
+        ``None`` where this Triton's kernels don't have the parts it needs."""
+        if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+            return None
+        params = getattr(kernel, "params", None)
+        if params is None or callable(grid) or not 1 <= len(grid) <= 3 or _hooked():
+            return None
+        template, tensor_slots, others = [], [], []
+        positional = iter(args)
+        for param in params:
+            if param.name in launch_args:
+                template.append(launch_args[param.name])
+                continue
+            value = next(positional, None)
+            if value is None:
+                return None  # a parameter left to its default: bound by Triton only
+            if isinstance(value, torch.Tensor):
+                tensor_slots.append((len(template), value.data_ptr() % 16 == 0))
+            else:
+                others.append((len(template), value))
+            template.append(value)
+        if next(positional, None) is not None:
+            return None
+        return cls(compiled, template, tensor_slots, others, grid, torch.cuda.current_device())
+
+    def values(self, args: Sequence[Any]) -> Optional[list]:
+        """Every argument of the kernel for a call with ``args``, or ``None`` where Triton
+        would not send that call to this compiled kernel."""
+        if len(args) != len(self.slots) or _hooked() or torch.cuda.current_device() != self.device:
+            return None
+        values = list(self.template)
+        for slot, value in zip(self.slots, args):
+            values[slot] = value
+        for slot, aligned in self.tensor_slots:
+            if (values[slot].data_ptr() % 16 == 0) != aligned:
+                return None
+        for slot, value in self.others:
+            if type(values[slot]) is not type(value) or values[slot] != value:
+                return None
+        return values
+
+    def launch(self, values: list) -> None:
+        compiled = self.compiled
+        stream = driver.active.get_current_stream(self.device)
+        # (grid, stream, function, metadata, launch metadata and the two launch hooks: none
+        # while no hook is set, as ``values`` checked; then every argument, constexprs too)
+        compiled.run(*self.grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
+
+
+def _hooked() -> bool:
+    """Whether a launch hook (a profiler's) is set: then every launch goes through Triton.
+    (A hook is a function, or from Triton 3.7 or so a chain of them, empty when unset.)"""
+    from triton import knobs
+
+    return any(hook is not None and getattr(hook, "calls", True)
+               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
 
 
 def host_scalars(program: GroupProgram, inputs: Sequence[torch.Tensor], device: torch.device) -> list[int]:

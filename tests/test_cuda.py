@@ -271,3 +271,27 @@ def test_a_gpu_bound_forward_runs_without_a_graph_and_is_right(tmp_path):
         torch.testing.assert_close(fused(x), model(x), atol=2e-3, rtol=2e-3)
     notes = " ".join(fused.report().notes)
     assert "no CUDA graph (the forward is GPU-bound" in notes, notes
+
+
+def test_kernels_launch_directly_after_their_first_call_and_fall_back_for_other_alignments():
+    """After a kernel's first launch, later calls skip Triton's argument binding
+    (``DirectLaunch``); an input 4 bytes off a 16-byte boundary is one Triton compiled
+    another kernel for, and goes through Triton again."""
+    torch.manual_seed(0)
+    model = ResidualNorm().cuda().eval()
+    fused = autofuser.fuse(model, progress=False, verify_speed=False, cuda_graphs=False)
+    with torch.no_grad():
+        x, r = _inputs()
+        torch.testing.assert_close(fused(x, r), model(x, r), atol=1e-5, rtol=1e-4)
+        (kernel,) = fused.kernels()
+        assert kernel.direct is not None
+        direct = kernel.direct
+        x2, r2 = _inputs()
+        torch.testing.assert_close(fused(x2, r2), model(x2, r2), atol=1e-5, rtol=1e-4)
+        assert kernel.direct is direct
+        storage = torch.randn(x.numel() + 1, device="cuda")
+        shifted = storage[1:].view_as(x)  # same shape and strides, 4 bytes off
+        out = torch.empty_like(x)
+        assert direct.values(kernel.with_live_attrs([x2, r2]) + [out]) is not None
+        assert direct.values(kernel.with_live_attrs([shifted, r2]) + [out]) is None
+        torch.testing.assert_close(fused(shifted, r2), model(shifted, r2), atol=1e-5, rtol=1e-4)
