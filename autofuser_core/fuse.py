@@ -280,18 +280,24 @@ class FusedModule(torch.nn.Module):
             # write into its own static copies instead. Writes into tensors the forward makes
             # itself (FNO's `out_ft[..., :m] = ...`) or into parameters and buffers (the same
             # addresses on every replay) are fine.
-            writes = False
+            no_graph = False
             if self._options.cuda_graphs and inference and cuda:
                 with preserved_state(self._model):
-                    writes = writes_into_inputs(fused_gm, flat)
-                if writes:
+                    no_graph = writes_into_inputs(fused_gm, flat)
+                if no_graph:
                     report.notes.append("no CUDA graph: the forward writes into its inputs in place")
+                elif any(node.target.host_scalars for node in fused_gm.graph.nodes
+                         if node.op == "call_function" and isinstance(node.target, FusedKernel)):
+                    # A copy from host memory can't be captured: capture would fail, and torch warn.
+                    no_graph = True
+                    report.notes.append("no CUDA graph: a kernel reads a one-element tensor the forward makes "
+                                        "in host memory (torch.tensor(2.5)), copied to the GPU on every call")
             measured = self._options.verify_speed and inference and _can_time_forward(device)
             vkey = _verdict_key(fused_gm, bool(report.fused), kwargs, flat) if measured else None
             root = cache_dir(self._options.cache_dir)
             known = read_verdict(root, vkey) if vkey is not None else {}
             times = dict(known)
-            if self._options.cuda_graphs and inference and not writes and cuda:
+            if self._options.cuda_graphs and inference and not no_graph and cuda:
                 graph, why = None, None
                 slower_before = "graph_ms" in known and known["graph_ms"] >= known.get("plain_ms", 0.0)
                 if not slower_before:

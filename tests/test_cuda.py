@@ -3,6 +3,8 @@
 Skipped without a CUDA device (CI has none); `benchmarks/gpu_run.sh` runs them.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -295,3 +297,26 @@ def test_kernels_launch_directly_after_their_first_call_and_fall_back_for_other_
         assert direct.values(kernel.with_live_attrs([x2, r2]) + [out]) is not None
         assert direct.values(kernel.with_live_attrs([shifted, r2]) + [out]) is None
         torch.testing.assert_close(fused(shifted, r2), model(shifted, r2), atol=1e-5, rtol=1e-4)
+
+
+class FillFromHostScalar(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x.masked_fill(x > 1.0, torch.tensor(2.5))) * 3.0
+
+
+def test_a_kernel_reading_a_host_scalar_runs_without_a_graph_and_without_warnings():
+    """The forward makes a one-element tensor in host memory, which the kernel reads from a
+    copy on the GPU: a CUDA graph can't capture that copy, so none is tried (a failed
+    capture makes torch warn) and the report says why."""
+    model = FillFromHostScalar().eval()
+    fused = autofuser.fuse(model, progress=False)
+    x = torch.randn(3, 221, 37, device="cuda")
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = fused(x)
+        again = fused(x)
+    assert not [w for w in caught if "graph" in str(w.message).lower()], [str(w.message) for w in caught]
+    assert fused.report().fused, fused.report()
+    assert any("host memory" in note for note in fused.report().notes), fused.report().notes
+    torch.testing.assert_close(got, model(x), atol=0, rtol=0)
+    torch.testing.assert_close(again, got, atol=0, rtol=0)
