@@ -6,7 +6,13 @@ from autofuser import hookimpl
 from autofuser_core.oplib import collect_specs
 
 from . import ops
+from .autocast import make_autocast_casts_explicit
 from .strategy import STRATEGIES
+
+
+@hookimpl
+def autofuser_transform_graph(gm, options):
+    make_autocast_casts_explicit(gm)
 
 
 @hookimpl
