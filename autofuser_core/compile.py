@@ -765,19 +765,22 @@ def _split_rule(job: _Job, round_number: int, prologue_split: set[frozenset]) ->
 
 
 def _settle(held: list[_Job], jobs: list[_Job]) -> list[_Job]:
-    """Round 2's jobs once each group ``held`` from round 1 is weighed against the groups
-    round 2 made of its nodes: their fused times plus, for the nodes none of them fused,
-    the held group's eager time less theirs. The faster side is kept; the other's
-    entries say why they are not. The held groups kept are returned with the jobs."""
+    """A round's jobs once each group ``held`` from the round before is weighed against
+    the groups this round made of its nodes: their fused times, the eager times of those
+    that stayed eager because they were slower (measured: a lone linear left to cuBLAS),
+    and for the nodes no group took, the held group's eager time less all of theirs. The
+    faster side is kept; the other's entries say why they are not. The held groups kept
+    are returned with the jobs."""
     out = list(jobs)
     for big in held:
         nodes = set(big.candidate.nodes)
         inside = [job for job in jobs if nodes.issuperset(job.candidate.nodes)]
         parts = [job for job in inside if job.entry.fused]
+        slower = [job for job in inside if job.entry.reason_code == "slower" and job.entry.time_eager_ms is not None]
         timed = parts and all(job.entry.time_fused_ms is not None for job in parts)
         # Without a fused part (or with one untimed) the held group stands.
-        split_ms = (sum(job.entry.time_fused_ms for job in parts)
-                    + max(0.0, big.entry.time_eager_ms - sum(job.entry.time_eager_ms for job in parts))
+        split_ms = (sum(job.entry.time_fused_ms for job in parts) + sum(job.entry.time_eager_ms for job in slower)
+                    + max(0.0, big.entry.time_eager_ms - sum(job.entry.time_eager_ms for job in parts + slower))
                     if timed else math.inf)
         if split_ms < big.entry.time_fused_ms:
             big.entry.fused, big.entry.reason_code = False, "split_faster"

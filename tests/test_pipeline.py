@@ -1052,3 +1052,23 @@ def test_one_element_host_tensors_move_to_the_kernels_device():
     host = [torch.randn(3, 37), torch.randn(3, 37) > 0, torch.tensor(2.5), torch.randn(1)]
     assert host_scalars(program, host, torch.device("cpu")) == []  # the interpreter's case
     assert to_device(host, [], meta) is host
+
+
+def test_a_split_counts_the_measured_eager_time_of_a_part_that_stayed_eager(monkeypatch):
+    """The norm's own kernel takes 0.1 ms, the linear's kernel 1.2 ms, slower than its eager
+    1 ms, so the linear stays eager: the split costs 0.1 + 1 ms, more than the 0.6 ms of the
+    norm + linear kernel, which runs. (Estimated as the larger group's eager time less the
+    norm's, the linear would have cost nothing here, and the split would have run.)"""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(24), torch.nn.Linear(24, 40)).eval()
+    x = torch.randn(3, 19, 24)
+    _stand_in_timer(monkeypatch, lambda layout, normed: (0.6 if normed else 1.2) if layout == "matmul" else 0.1)
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False)
+        torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
+    report = fused.report()
+    assert [g.strategy for g in report.fused] == ["layernorm_linear"], str(report)
+    (linear,) = [g for g in report.groups if g.strategy == "matmul"]
+    assert linear.reason_code == "slower", str(report)
+    (norm,) = [g for g in report.groups if g.strategy == "row_reduction"]
+    assert norm.reason_code == "larger_group_faster" and "0.6000 ms vs 1.1000 ms" in norm.reason, str(report)
