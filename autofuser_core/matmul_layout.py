@@ -349,7 +349,7 @@ def product_operand_dtype(dot: Value) -> Optional[torch.dtype]:
     return None
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
@@ -369,7 +369,7 @@ def convert_weight_once(program: GroupProgram, load: Value, operand: Optional[to
         return
     if not isinstance(tensor.source, AttrRef):
         return  # an activation: converting it would be a pass over memory of its own
-    if tuple(tensor.stride) != _contiguous_strides(tensor.shape):
+    if tuple(tensor.stride) != contiguous_strides(tensor.shape):
         return  # .to() would hand the kernel a contiguous copy, not the strides it was written for
     if sum(1 for k in program.input_of_load.values() if k == slot) != 1:
         return  # read elsewhere in the group too, in fp32

@@ -21,28 +21,15 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from autofuser_core.matmul_layout import contiguous_strides
 
-def _is_linear(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+
+def _calls(gm: torch.fx.GraphModule, node: torch.fx.Node, function, module_type) -> bool:
+    """Whether ``node`` calls ``function`` or a module of exactly ``module_type``."""
     if node.op == "call_function":
-        return node.target is F.linear
+        return node.target is function
     if node.op == "call_module":
-        return type(gm.get_submodule(node.target)) is torch.nn.Linear
-    return False
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def _is_layer_norm(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    if node.op == "call_function":
-        return node.target is F.layer_norm
-    if node.op == "call_module":
-        return type(gm.get_submodule(node.target)) is torch.nn.LayerNorm
+        return type(gm.get_submodule(node.target)) is module_type
     return False
 
 
@@ -54,10 +41,12 @@ def make_autocast_casts_explicit(gm: torch.fx.GraphModule) -> int:
     of a value (``plugins/attention``) would have to see through it."""
     casts: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
     for node in list(gm.graph.nodes):
-        if not _is_linear(gm, node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        if not _calls(gm, node, F.linear, torch.nn.Linear) or not node.args:
             continue
         x = node.args[0]
-        if not _is_layer_norm(gm, x):
+        if not isinstance(x, torch.fx.Node):
+            continue
+        if not _calls(gm, x, F.layer_norm, torch.nn.LayerNorm):
             continue
         x_meta, out_meta = x.meta.get("tensor_meta"), node.meta.get("tensor_meta")
         if not hasattr(x_meta, "dtype") or not hasattr(out_meta, "dtype"):
@@ -66,7 +55,7 @@ def make_autocast_casts_explicit(gm: torch.fx.GraphModule) -> int:
             continue
         # A contiguous input keeps its strides through the conversion (the value's
         # meta below says so); others are left to the linear's own conversion.
-        if tuple(x_meta.stride) != _contiguous_strides(tuple(x_meta.shape)):
+        if tuple(x_meta.stride) != contiguous_strides(tuple(x_meta.shape)):
             continue
         cast = casts.get((x, out_meta.dtype))
         if cast is None:
