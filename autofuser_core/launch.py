@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import triton
+from triton import knobs
 from triton.runtime.driver import driver
 
 from .codegen import KernelSource
@@ -89,7 +90,8 @@ class FusedKernel:
             self.direct.launch(values)
         elif isinstance(self.kernel, triton.runtime.JITFunction):
             compiled = self.kernel.run(*args, grid=self.grid, warmup=False, **self.launch_args)
-            self.direct = DirectLaunch.of(self.kernel, compiled, args, self.launch_args, self.grid)
+            if self.direct is None:  # the first call's kernel; others (another alignment) go through Triton
+                self.direct = DirectLaunch.of(self.kernel, compiled, args, self.launch_args, self.grid)
         else:  # the interpreter's kernels
             self.launcher(*args, **self.launch_args)
         return outputs
@@ -123,14 +125,17 @@ class DirectLaunch:
     running them.
 
     It serves only calls Triton would send to the same compiled kernel: the same current
-    device, every tensor argument as aligned to 16 bytes as when it was compiled (Triton
-    specialises pointers on that), every other argument equal, and no launch hooks (a
-    profiler's) set. Any other call takes Triton's own path (``values`` says which)."""
+    device, every tensor argument of the same dtype and as aligned to 16 bytes as when it
+    was compiled (Triton specialises pointers on both), every other argument equal, and no
+    launch hooks (a profiler's) set. Any other call takes Triton's own path (``values``
+    says which). What ``JITFunction.run`` does besides - pre-run hooks, the check that
+    globals the kernel read are unchanged, debug and instrumentation settings read per
+    call - concerns no kernel AutoFuser writes."""
 
-    def __init__(self, compiled, template: list, tensor_slots: list[tuple[int, bool]], others: list[tuple[int, Any]],
-                 grid: tuple, device: int):
+    def __init__(self, compiled, template: list, tensor_slots: list[tuple[int, bool, torch.dtype]],
+                 others: list[tuple[int, Any]], grid: tuple, device: int):
         self.compiled, self.template, self.tensor_slots, self.others = compiled, template, tensor_slots, others
-        self.slots = sorted([slot for slot, _ in tensor_slots] + [slot for slot, _ in others])
+        self.slots = sorted([slot for slot, _, _ in tensor_slots] + [slot for slot, _ in others])
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.device = device
 
@@ -153,10 +158,10 @@ class DirectLaunch:
             if value is None:
                 return None  # a parameter left to its default: bound by Triton only
             if isinstance(value, torch.Tensor):
-                tensor_slots.append((len(template), value.data_ptr() % 16 == 0))
+                tensor_slots.append((len(template), value.data_ptr() % 16 == 0, value.dtype))
             else:
                 others.append((len(template), value))
-            template.append(value)
+            template.append(None)  # filled by each call (holding the tensor would keep it alive)
         if next(positional, None) is not None:
             return None
         return cls(compiled, template, tensor_slots, others, grid, torch.cuda.current_device())
@@ -169,8 +174,9 @@ class DirectLaunch:
         values = list(self.template)
         for slot, value in zip(self.slots, args):
             values[slot] = value
-        for slot, aligned in self.tensor_slots:
-            if (values[slot].data_ptr() % 16 == 0) != aligned:
+        for slot, aligned, dtype in self.tensor_slots:
+            tensor = values[slot]
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or (tensor.data_ptr() % 16 == 0) != aligned:
                 return None
         for slot, value in self.others:
             if type(values[slot]) is not type(value) or values[slot] != value:
@@ -188,8 +194,6 @@ class DirectLaunch:
 def _hooked() -> bool:
     """Whether a launch hook (a profiler's) is set: then every launch goes through Triton.
     (A hook is a function, or from Triton 3.7 or so a chain of them, empty when unset.)"""
-    from triton import knobs
-
     return any(hook is not None and getattr(hook, "calls", True)
                for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
 

@@ -309,7 +309,7 @@ def test_a_kernel_reading_a_host_scalar_runs_without_a_graph_and_without_warning
     copy on the GPU: a CUDA graph can't capture that copy, so none is tried (a failed
     capture makes torch warn) and the report says why."""
     model = FillFromHostScalar().eval()
-    fused = autofuser.fuse(model, progress=False)
+    fused = autofuser.fuse(model, progress=False, verify_speed=False)  # kept fused whatever its speed
     x = torch.randn(3, 221, 37, device="cuda")
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

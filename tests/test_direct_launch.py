@@ -5,7 +5,9 @@ what it is called with (the real launch is checked on a GPU in ``test_cuda.py``)
 from __future__ import annotations
 
 import contextlib
+import gc
 import types
+import weakref
 
 import pytest
 import torch
@@ -61,11 +63,24 @@ def test_calls_triton_would_send_elsewhere_are_not_direct(on_device_0, monkeypat
     assert x.data_ptr() % 16 == 0
     direct, _ = _direct((x, 2.5, out))
     assert direct.values((storage[1:16].view(5, 3), 2.5, out)) is None  # 4 bytes off: another specialisation
+    assert direct.values((x.to(torch.float64), 2.5, out)) is None  # another dtype: another kernel
     assert direct.values((x, 3.5, out)) is None  # another scalar
     assert direct.values((x, 2, out)) is None  # an int where it was compiled for a float
     assert direct.values((x, out)) is None
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert direct.values((x, 2.5, out)) is None  # another device's kernel
+
+
+def test_it_keeps_no_tensor_of_the_call_that_made_it(on_device_0):
+    """The first launch is the compile's check on copies of a group's inputs: holding them
+    would keep every group's boundary values alive as long as the fused module."""
+    x, out = torch.randn(5, 3), torch.empty(5, 3)
+    direct, _ = _direct((x, 2.5, out))
+    alive = [weakref.ref(x), weakref.ref(out)]
+    del x, out
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None]
+    assert direct.values((torch.randn(5, 3), 2.5, torch.empty(5, 3))) is not None
 
 
 @contextlib.contextmanager
