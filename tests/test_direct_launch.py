@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import types
 import weakref
 
 import pytest
 import torch
+import triton.language as tl
 from triton import knobs
+from triton.runtime.jit import JITFunction
 
 from autofuser_core.launch import DirectLaunch
 
@@ -110,6 +113,26 @@ def test_a_launch_hook_sends_every_call_through_triton(on_device_0):
         assert direct.values((x, 2.5, out)) is None
         assert _direct((x, 2.5, out))[0] is None
     assert direct.values((x, 2.5, out)) is not None
+
+
+def _kernel_shape(in0, scale, out0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A generated kernel's signature: tensors and a scalar, then its block sizes."""
+
+
+def test_with_the_installed_tritons_own_parameters_it_passes_what_triton_binds(on_device_0):
+    """Built on a real ``JITFunction`` of this Triton (its ``params``), the arguments of a
+    direct launch are Triton's bound arguments: every parameter in signature order, the
+    block sizes included."""
+    kernel = JITFunction(_kernel_shape)
+    x, out = torch.randn(5, 3), torch.empty(5, 3)
+    launch_args = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    direct = DirectLaunch.of(kernel, _Compiled(), (x, 2.5, out), launch_args, (7,))
+    assert direct is not None
+    bound = inspect.signature(_kernel_shape).bind(x, 2.5, out, BLOCK_M=16, BLOCK_N=32)
+    values = direct.values((x, 2.5, out))
+    assert len(values) == len(bound.arguments)
+    assert all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(values, bound.arguments.values()))
+    assert values[3:] == [16, 32]
 
 
 def test_kernels_it_cannot_serve_get_none(on_device_0):
