@@ -534,8 +534,7 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
     round_number = 0
     plan: Optional[Plan] = None
     held: list[_Job] = []  # kept groups awaiting their split's timing
-    held_nodes: list[set[torch.fx.Node]] = []
-    rules: tuple[SplitRule, ...] = ()
+    rules: tuple[SplitRule, ...] = ()  # how the next round splits each held group's nodes
     prologue_split: set[frozenset] = set()  # groups already timed without their reduction prologue
     while True:
         round_number += 1
@@ -544,8 +543,10 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
             if taken.intersection(candidate.nodes) or (retry is not None and not retry.issuperset(candidate.nodes)):
                 return "decided in an earlier round"
             nodes = set(candidate.nodes)
-            if any(nodes & h and not nodes <= h for h in held_nodes):
-                return "decided in an earlier round"  # a split of a held group stays inside it
+            if any(nodes & rule.nodes and not nodes <= rule.nodes for rule in rules):
+                # a split of a held group stays inside it (the rules keep grown groups there; this
+                # also holds strategies that compose on their own to it)
+                return "decided in an earlier round"
             if (candidate.strategy.name, frozenset(candidate.nodes)) in lost:
                 return "decided in an earlier round"
             return plugin_set.manager.hook.autofuser_veto_fusion(group=candidate, options=options)
@@ -604,7 +605,6 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
             break
         retry = {n for job in failed + held for n in job.candidate.nodes}
         lost |= {(job.candidate.strategy.name, frozenset(job.candidate.nodes)) for job in failed + held}
-        held_nodes = [set(job.candidate.nodes) for job in held]
         most = max((product_count(job.candidate.program) for job in failed), default=0)
         if most > 1:
             max_products = min(max_products, most) - 1

@@ -286,8 +286,7 @@ class FusedModule(torch.nn.Module):
                     no_graph = writes_into_inputs(fused_gm, flat)
                 if no_graph:
                     report.notes.append("no CUDA graph: the forward writes into its inputs in place")
-                elif any(node.target.host_scalars for node in fused_gm.graph.nodes
-                         if node.op == "call_function" and isinstance(node.target, FusedKernel)):
+                elif any(kernel.host_scalars for kernel in fused_kernels(fused_gm)):
                     # A copy from host memory can't be captured: capture would fail, and torch warn.
                     no_graph = True
                     report.notes.append("no CUDA graph: a kernel reads a one-element tensor the forward makes "
@@ -389,10 +388,15 @@ class FusedModule(torch.nn.Module):
             graph_module = runner.forward if isinstance(runner, CudaGraphRunner) else runner
             if graph_module is None:
                 continue
-            for node in graph_module.graph.nodes:
-                if node.op == "call_function" and isinstance(node.target, FusedKernel):
-                    found.setdefault(node.target.source.name, node.target)
+            for kernel in fused_kernels(graph_module):
+                found.setdefault(kernel.source.name, kernel)
         return list(found.values())
+
+
+def fused_kernels(graph_module: torch.fx.GraphModule) -> list[FusedKernel]:
+    """The ``FusedKernel`` each call of a rewritten graph runs, in graph order."""
+    return [node.target for node in graph_module.graph.nodes
+            if node.op == "call_function" and isinstance(node.target, FusedKernel)]
 
 
 def _load_plugins_quietly(plugins):
@@ -525,8 +529,7 @@ def _verdict_key(fused_gm: torch.fx.GraphModule, fused: bool, kwargs: dict, flat
     ``None`` (never cached) when nothing was fused."""
     if not fused:
         return None
-    kernels = [[n.target.source.name, n.target.source.source_hash, sorted(n.target.config.items())]
-               for n in fused_gm.graph.nodes if isinstance(n.target, FusedKernel)]
+    kernels = [[k.source.name, k.source.source_hash, sorted(k.config.items())] for k in fused_kernels(fused_gm)]
     inputs = [[str(x.dtype), list(x.shape), list(x.stride())] if isinstance(x, torch.Tensor) else repr(x)
               for x in flat]
     precision = _fp32_settings()  # they change eager's own time
