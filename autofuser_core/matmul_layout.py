@@ -129,6 +129,15 @@ class MatmulLayout:
         return n
 
 
+#: Under autocast, a single product converts its fp32 weight once per call
+#: (``convert_weight_once``) from this many weight elements read by its programs on: the
+#: weight's elements times its row blocks of WEIGHT_READ_ROWS rows (every row tile reads
+#: the weight's columns it needs, in fp32, and converts them). Below, the conversion's own
+#: launch (a few us) costs more than it saves. H200, 2026-11-30, linear + GELU of 90168 x
+#: 256 -> 512 (benchmarks/probes/explore5.py, about 9e7 element reads): 0.134 ms reading
+#: fp32 weights and 0.105 reading bf16 ones, best config of each; 0.151 eager.
+CONVERT_ONCE_MIN_READS = 1 << 24
+WEIGHT_READ_ROWS = 128
 #: How fp32 products run when torch does not allow TF32: "tf32x3" (each operand split
 #: into two TF32 parts, three tensor-core products, fp32 accumulation: error at fp32
 #: level, checked against eager at fp32 tolerance) or "ieee" (plain fp32 FMAs, slow).
@@ -218,6 +227,8 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value],
 
     layout.operand_dtype = product_operand_dtype(dot)
     layout.precision = dot.fp32_precision or fp32_precision()
+    if math.prod(b.shape) * -(-layout.rows // WEIGHT_READ_ROWS) >= CONVERT_ONCE_MIN_READS:
+        convert_weight_once(program, b, layout.operand_dtype)
 
     layout.epilogue_reduces = any(v.op == "reduce" and v.uid not in prologue for v in values.values())
     layout.prologue_reduces = any(v.op == "reduce" and v.uid in prologue for v in values.values())

@@ -1016,6 +1016,32 @@ def test_autocast_mlp_weights_are_converted_once_by_the_launcher(grad):
         torch.testing.assert_close(x.grad, ref_x.grad, atol=5e-2, rtol=5e-2)
 
 
+@pytest.mark.parametrize("short", [0, 1], ids=["at_threshold", "one_read_short"])
+def test_autocast_linear_weight_is_converted_once_past_its_reads(monkeypatch, short):
+    """A single product under bf16 autocast (linear + GELU) converts its fp32 weight once
+    per call when its row tiles would read the weight often enough
+    (``CONVERT_ONCE_MIN_READS``; lowered here so small shapes cross it), else each tile
+    converts what it reads. Both match eager; only the first hands the kernel bf16."""
+    from autofuser_core import matmul_layout
+    from autofuser_core.launch import FusedKernel
+
+    reads = 36 * 20 * -(-(3 * 37) // matmul_layout.WEIGHT_READ_ROWS)  # weight elements x row tiles
+    monkeypatch.setattr(matmul_layout, "CONVERT_ONCE_MIN_READS", reads + short)
+    torch.manual_seed(12)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 36), torch.nn.GELU())
+    x = torch.randn(3, 37, 20)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        got, expected = fused(x), model(x)
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    (gm, _), = fused._compiled.values()
+    (kernel,) = [n.target for n in gm.graph.nodes if isinstance(n.target, FusedKernel)]
+    assert kernel.source.layout == "matmul"
+    cast = {kernel.attr_inputs[slot] for slot, dtype in kernel.casts if dtype == torch.bfloat16}
+    assert cast == ({"0.weight"} if not short else set()), (cast, kernel.attr_inputs)
+
+
 def test_a_strided_weight_is_read_as_it_is_under_autocast():
     """A weight that is a strided view (every other column of a larger matrix): a bf16
     copy would be contiguous, not what the kernel indexes, so it is not converted."""
