@@ -13,10 +13,11 @@
    against eager and keep the faster;
 4b. on a GPU, a kept group is timed against a split of its nodes made in the
    next round, and the faster side is kept (``_settle``): a group of several
-   products that round 1 kept against shorter groups of fewer products; a group
-   whose product is fed by a row reduction (a layer norm) against the same nodes
-   with the reduction in a group of its own, once; groups that stayed eager are
-   re-planned in the same rounds;
+   products that round 1 kept against shorter groups of fewer products (then, where a
+   row reduction feeds a product, against those with the reduction apart too); a
+   group whose product is fed by a row reduction (a layer norm) against the same
+   nodes with the reduction in a group of its own, once; one split per round, while
+   the group keeps winning; groups that stayed eager are re-planned in the same rounds;
 5. ``rewrite_graph``: every surviving group becomes one call.
 """
 
@@ -527,7 +528,7 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
     # group than the largest that lost (down to one): a group of several products
     # falls back to shorter chains and single products; a convolution that lost to
     # cuDNN leaves its epilogue to fuse on its own.
-    # A kept, timed group that a split may beat is held back (``_split_rule``): the
+    # A kept, timed group that a split may beat is held back (``_split_rules``): the
     # next round also re-plans its nodes, under its rule, and whichever of the two
     # ran faster is kept (``_settle``). Beating eager does not make it the best split.
     max_products = MAX_PRODUCTS.get()
@@ -535,7 +536,7 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
     plan: Optional[Plan] = None
     held: list[_Job] = []  # kept groups awaiting their split's timing
     rules: tuple[SplitRule, ...] = ()  # how the next round splits each held group's nodes
-    prologue_split: set[frozenset] = set()  # groups already timed without their reduction prologue
+    pending: dict[frozenset, list[SplitRule]] = {}  # each kept group's splits not yet timed (``_split_rules``)
     while True:
         round_number += 1
 
@@ -593,10 +594,16 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
             _CONFIG_LIMIT.reset(limit)
         if held:
             jobs = _settle(held, jobs)  # each held group against its split
-        rules_of = ({job: rule for job in jobs if (rule := _split_rule(job, round_number, prologue_split))}
-                    if round_number < MAX_ROUNDS else {})
+        rules_of = {}
+        for job in jobs if round_number < MAX_ROUNDS else ():
+            if not job.entry.fused:
+                continue
+            nodes = frozenset(job.candidate.nodes)
+            if nodes not in pending:
+                pending[nodes] = _split_rules(job, round_number)
+            if pending[nodes]:
+                rules_of[job] = pending[nodes].pop(0)
         held, rules = list(rules_of), tuple(rules_of.values())
-        prologue_split |= {rule.nodes for rule in rules if not rule.prologues}
         kept = [job for job in jobs if job.entry.fused and job not in rules_of]
         survivors += [(job.candidate, job.fused) for job in kept]
         taken.update(n for job in kept for n in job.candidate.nodes)
@@ -611,7 +618,7 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
         if failed:
             progress(f"re-planning the nodes of {len(failed)} group(s) that stayed eager, at most "
                      f"{max_products} product(s) per group")
-        several = sum(rule.prologues for rule in rules)
+        several = sum(rule.max_products < product_count(job.candidate.program) for job, rule in rules_of.items())
         if several:
             progress(f"timing {several} group(s) of several products against their split into groups of "
                      f"fewer products")
@@ -744,24 +751,34 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
 
 
 
-def _split_rule(job: _Job, round_number: int, prologue_split: set[frozenset]) -> Optional[SplitRule]:
-    """How the next round splits ``job``'s nodes to time them against it, or ``None``.
+def _split_rules(job: _Job, round_number: int) -> list[SplitRule]:
+    """The splits of ``job``'s nodes to time it against, in order: the next round
+    re-plans them under the first, and while the group keeps winning, each round after
+    under the next.
 
     Only kept groups timed against eager are split. One of several products that
     round 1 kept: into groups of fewer products (the row-tiled kernel may lose to
-    shorter ones). One whose product a row reduction feeds, once per group: with
-    that reduction in a group of its own (a layer norm as its own kernel can beat
-    the same norm recomputed for every column tile of the product, or held in
-    registers beside it)."""
+    shorter ones); where a row reduction feeds one of its products, then also with
+    that reduction in a group of its own (an MLP behind its layer norm as the norm and
+    two linear kernels: with the norm fused, the first linear's kernel recomputes it
+    for every column tile; at width 256 in bf16 on an H200 the split with the norm
+    fused lost to the MLP kernel where this one beat it, BENCHMARKS.md, run 22). One
+    whose product a row reduction feeds: with that reduction in a group of its own, and
+    otherwise as it is (a layer norm as its own kernel can beat the same norm
+    recomputed for every column tile of the product, or held in registers beside it)."""
     if not job.entry.fused or job.entry.time_fused_ms is None:
-        return None
+        return []
     nodes = frozenset(job.candidate.nodes)
     products = product_count(job.candidate.program)
+    prologue = reduction_prologue(job.candidate.program)
+    rules = []
     if products > 1 and round_number == 1:
-        return SplitRule(nodes, products - 1)
-    if nodes not in prologue_split and reduction_prologue(job.candidate.program):
-        return SplitRule(nodes, products, prologues=False)
-    return None
+        rules.append(SplitRule(nodes, products - 1))
+        if prologue:
+            rules.append(SplitRule(nodes, products - 1, prologues=False))
+    if prologue:
+        rules.append(SplitRule(nodes, products, prologues=False))
+    return rules
 
 
 def _settle(held: list[_Job], jobs: list[_Job]) -> list[_Job]:

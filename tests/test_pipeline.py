@@ -670,13 +670,16 @@ def _stand_in_timer(monkeypatch, kernel_ms):
 
 
 def _timed_feedforward(monkeypatch, mlp_ms: float, part_ms: float, norm_ms: float = 0.3,
-                       bare_mlp_ms: Optional[float] = None):
+                       bare_mlp_ms: Optional[float] = None, normed_part_ms: Optional[float] = None):
     """``_fused_feedforward`` under ``_stand_in_timer``: a kernel of two products takes
     ``mlp_ms`` (``bare_mlp_ms`` without the layer norm; the same by default), one of one
-    product ``part_ms``, the layer norm alone ``norm_ms``."""
+    product ``part_ms`` (``normed_part_ms`` with the layer norm; the same by default), the
+    layer norm alone ``norm_ms``."""
     bare = mlp_ms if bare_mlp_ms is None else bare_mlp_ms
+    normed_part = part_ms if normed_part_ms is None else normed_part_ms
     _stand_in_timer(monkeypatch, lambda layout, normed: ((mlp_ms if normed else bare) if layout == "mlp" else
-                                                         part_ms if layout == "matmul" else norm_ms))
+                                                         (normed_part if normed else part_ms) if layout == "matmul"
+                                                         else norm_ms))
     return _fused_feedforward(seed=7)
 
 
@@ -691,28 +694,47 @@ def test_a_kept_mlp_runs_as_its_split_when_the_split_is_faster(monkeypatch):
 
 
 def test_a_kept_mlp_faster_than_its_split_stays_one_kernel(monkeypatch):
-    """Split by products (0.3 + 0.3 ms), then with its layer norm on its own (0.3 + the
-    MLP kernel's 0.5 ms without the norm): both slower than the kernel's 0.5 ms."""
+    """Split by products (0.3 + 0.3 ms), then by products with the layer norm apart too
+    (0.3 + 0.3 + 0.3), then with only the norm apart (0.3 + the MLP kernel's 0.5 ms
+    without the norm): all slower than the kernel's 0.5 ms."""
     report, mlp = _timed_feedforward(monkeypatch, mlp_ms=0.5, part_ms=0.3)
     assert [g.strategy for g in report.fused] == ["mlp"], str(report)
     parts = [g for g in report.groups if g.reason_code == "larger_group_faster"]
-    assert sorted(g.strategy for g in parts) == ["layernorm_linear", "linear_epilogue", "mlp", "row_reduction"], \
+    splits = {}
+    for g in parts:
+        splits.setdefault(g.reason.split("vs ")[-1], []).append(g.strategy)
+    assert {k: sorted(v) for k, v in splits.items()} == {
+        "0.6000 ms for the split)": ["layernorm_linear", "linear_epilogue"],
+        "0.9000 ms for the split)": ["linear_epilogue", "linear_epilogue", "row_reduction"],
+        "0.8000 ms for the split)": ["mlp", "row_reduction"]}, str(report)
+    assert all("(0.5000 ms vs" in g.reason for g in parts)
+
+
+def test_a_kept_mlp_runs_as_its_finest_split_when_that_is_faster(monkeypatch):
+    """The MLP kernel with its layer norm (0.8 ms) beats its split by products with the
+    norm in the first linear's kernel (0.6 + 0.3 ms: that kernel recomputes the norm), then
+    loses to the norm's own kernel (0.1 ms) and the two linear kernels (0.3 + 0.3)."""
+    report, mlp = _timed_feedforward(monkeypatch, mlp_ms=0.8, part_ms=0.3, norm_ms=0.1, normed_part_ms=0.6)
+    assert sorted(g.strategy for g in report.fused) == ["linear_epilogue", "linear_epilogue", "row_reduction"], \
         str(report)
-    by_products = [g for g in parts if g.strategy in ("layernorm_linear", "linear_epilogue")]
-    assert all("0.5000 ms vs 0.6000 ms" in g.reason for g in by_products)
-    assert all("0.5000 ms vs 0.8000 ms" in g.reason for g in parts if g not in by_products)
+    assert len(mlp) == 1 and mlp[0].reason_code == "split_faster", str(report)
+    assert "0.8000 ms vs 0.7000 ms as 3 shorter group(s)" in mlp[0].reason
+    by_products = [g for g in report.groups if g.reason_code == "larger_group_faster"]
+    assert sorted(g.strategy for g in by_products) == ["layernorm_linear", "linear_epilogue"], str(report)
 
 
 def test_a_kept_mlp_runs_apart_from_its_layer_norm_when_that_is_faster(monkeypatch):
     """The MLP kernel with its layer norm (0.8 ms) beats its split by products (0.5 + 0.5
-    ms), then loses to the norm's own kernel (0.1 ms) and the MLP kernel without it (0.3)."""
+    ms), and that split with the norm apart too (0.1 + 0.5 + 0.5), then loses to the
+    norm's own kernel (0.1 ms) and the MLP kernel without it (0.3)."""
     report, mlp = _timed_feedforward(monkeypatch, mlp_ms=0.8, part_ms=0.5, norm_ms=0.1, bare_mlp_ms=0.3)
     assert sorted(g.strategy for g in report.fused) == ["mlp", "row_reduction"], str(report)
     whole = [g for g in mlp if "reduction.layer_norm_module" in g.ops]
     assert len(whole) == 1 and whole[0].reason_code == "split_faster", str(report)
     assert "0.8000 ms vs 0.4000 ms as 2 shorter group(s)" in whole[0].reason
     by_products = [g for g in report.groups if g.reason_code == "larger_group_faster"]
-    assert sorted(g.strategy for g in by_products) == ["layernorm_linear", "linear_epilogue"], str(report)
+    assert sorted(g.strategy for g in by_products) == ["layernorm_linear", "linear_epilogue", "linear_epilogue",
+                                                       "linear_epilogue", "row_reduction"], str(report)
 
 
 def test_a_layer_norm_runs_as_its_own_kernel_when_that_is_faster_than_in_the_product(monkeypatch):
