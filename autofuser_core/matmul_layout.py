@@ -55,7 +55,12 @@ class PackedOperand:
 RESIDENT_ROW_BYTES = 512
 
 
-def multiprocessors(without_gpu: int) -> int:
+#: Streaming multiprocessors a plan for the CPU interpreter assumes where a strategy sizes
+#: something by the chip (H100/H200: 132).
+SMS_WITHOUT_GPU = 132
+
+
+def multiprocessors(without_gpu: int = SMS_WITHOUT_GPU) -> int:
     """Streaming multiprocessors of the current CUDA device; ``without_gpu`` where there is
     none (plans made for the CPU interpreter): a strategy that sizes its grid or orders its
     configs by the chip's width says what a CPU plan should assume."""

@@ -129,6 +129,18 @@ def test_persistent_form_only_where_both_weights_fit(case):
     assert not any(c.get("PERSISTENT") for c in mlp.configs(program))
 
 
+def test_persistent_threshold_follows_the_devices_multiprocessors(monkeypatch):
+    """Unset, the row threshold is PERSISTENT_MIN_ROWS_PER_SM row blocks' rows per
+    multiprocessor of the current device (132 assumed without a GPU): a chip of 78
+    multiprocessors offers the form from fewer rows than an H200."""
+    monkeypatch.setattr(mlp_layout, "PERSISTENT_MIN_ROWS", None)  # this file's fixture sets 1
+    assert mlp_layout.persistent_min_rows() == mlp_layout.PERSISTENT_MIN_ROWS_PER_SM * 132 == 67584
+    monkeypatch.setattr(mlp_layout, "multiprocessors", lambda without_gpu=132: 78)
+    assert mlp_layout.persistent_min_rows() == 512 * 78
+    monkeypatch.setattr(mlp_layout, "PERSISTENT_MIN_ROWS", 300)
+    assert mlp_layout.persistent_min_rows() == 300
+
+
 def test_persistent_form_only_from_many_rows(monkeypatch):
     """Below ``PERSISTENT_MIN_ROWS`` the weights are loaded by few enough programs that the
     streamed form is as good (the zoo's MLPs), so the form and its compiles are left out."""

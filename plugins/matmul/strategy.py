@@ -80,9 +80,6 @@ def configs(program):
     return sorted(out, key=lambda config: _fit(program.matmul, config, fewest))
 
 
-#: Streaming multiprocessors assumed when planning without a GPU (H100/H200: 132); on a GPU,
-#: its own count. A product with fewer output tiles than that leaves part of the chip idle.
-SMS_WITHOUT_GPU = 132
 #: Product kernels compile in about a second each; tuning times the first this many valid
 #: configs of the sorted list. On the zoo's products (H200) the winner was among them.
 MAX_TUNED_CONFIGS = 6
@@ -106,12 +103,13 @@ def _fit(layout: MatmulLayout, config: dict, fewest: int) -> tuple[float, int, i
     the rows of A are streamed through a norm's statistics, the tiles across a row (each
     reads every row of its block once per statistics pass and once for the product, so
     fewer, wider tiles read less); then how far the tiles fall short of one per SM (a product
-    of 884 rows wants small tiles). Ties keep CONFIGS' order."""
+    of 884 rows wants small tiles: fewer tiles than multiprocessors leave part of the chip
+    idle). Ties keep CONFIGS' order."""
     tiles, columns = _columns(layout, config)
     padding = columns / fewest if columns > PADDING_SLACK * fewest else 0.0
     rereads = tiles if layout.prologue_reduces and not layout.resident else 0
     programs = triton_cdiv(layout.rows, config["BLOCK_M"]) * tiles * layout.batch
-    return padding, rereads, max(0, multiprocessors(SMS_WITHOUT_GPU) - programs)
+    return padding, rereads, max(0, multiprocessors() - programs)
 
 
 def is_valid(program, config):

@@ -24,8 +24,8 @@ from autofuser_core.codegen import triton_cdiv
 from autofuser_core.group import ROUNDED_DTYPES, GroupProgram, GroupRefused, domain_strides, read_view
 from autofuser_core.ir import Value
 from autofuser_core.matmul_layout import (PackedOperand, check_fits, collect_uids, convert_weight_once, depending_on,
-                                          dot_block, fp32_precision, install_layout, keeps_rows, outputs_from,
-                                          packed_only_as_weights, product_operand_dtype, weight_operand)
+                                          dot_block, fp32_precision, install_layout, keeps_rows, multiprocessors,
+                                          outputs_from, packed_only_as_weights, product_operand_dtype, weight_operand)
 
 
 #: The hidden slice of the MLP kernel's persistent form (its slices are written out one by one).
@@ -37,10 +37,21 @@ BLOCK_SMEM_LIMIT = 227 * 1024
 PERSISTENT_WEIGHT_BYTES = 160 * 1024
 #: Hidden slices the persistent form writes out, at most.
 MAX_PERSISTENT_SLICES = 8
-#: Rows from which the persistent form is offered: 4 row blocks of 128 per multiprocessor of
-#: an H200. Below, loading the weights once per program saves little (the zoo's bf16 MLPs, with
-#: 13k-45k rows, always tuned to the streamed form) and its configs only add compiles.
-PERSISTENT_MIN_ROWS = 4 * 128 * 132
+#: Rows per multiprocessor from which the persistent form is offered: 4 row blocks of 128
+#: (67584 rows on an H200's 132). Below, loading the weights once per program saves little (the
+#: zoo's bf16 MLPs, with 13k-45k rows, always tuned to the streamed form) and its configs only
+#: add compiles.
+PERSISTENT_MIN_ROWS_PER_SM = 4 * 128
+#: A fixed row count that replaces ``PERSISTENT_MIN_ROWS_PER_SM`` times the device's
+#: multiprocessors (tests set it); ``None``: the device's.
+PERSISTENT_MIN_ROWS: Optional[int] = None
+
+
+def persistent_min_rows() -> int:
+    """Rows from which the persistent form is offered on the current device."""
+    if PERSISTENT_MIN_ROWS is not None:
+        return PERSISTENT_MIN_ROWS
+    return PERSISTENT_MIN_ROWS_PER_SM * multiprocessors()
 
 
 @dataclass
@@ -89,7 +100,7 @@ class MlpLayout:
     def persistent(self) -> bool:
         """Whether the kernel has its persistent form (``mlp_kernel``): enough rows, 16-bit
         products over float weights that fit in shared memory together, A's rows on chip."""
-        return (self.rows >= PERSISTENT_MIN_ROWS and self.resident
+        return (self.rows >= persistent_min_rows() and self.resident
                 and self.w1_packed is None and self.w2_packed is None
                 and all(d in ROUNDED_DTYPES for d in self.operand_dtypes)
                 and self.h <= MAX_PERSISTENT_SLICES * PERSISTENT_BLOCK_H
