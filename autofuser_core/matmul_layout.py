@@ -135,14 +135,16 @@ class MatmulLayout:
 
 
 #: Under autocast, a single product converts its fp32 weight once per call
-#: (``convert_weight_once``) from this many weight elements read by its programs on: the
-#: weight's elements times its row blocks of WEIGHT_READ_ROWS rows (every row tile reads
-#: the weight's columns it needs, in fp32, and converts them). Below, the conversion's own
-#: launch (a few us) costs more than it saves. H200, 2026-11-30, linear + GELU of 90168 x
-#: 256 -> 512 (benchmarks/probes/explore5.py, about 9e7 element reads): 0.134 ms reading
-#: fp32 weights and 0.105 reading bf16 ones, best config of each; 0.151 eager.
+#: (``convert_weight_once``) where its programs would read at least this many weight
+#: elements in all: the weight's elements times its row tiles of WEIGHT_READ_ROWS rows
+#: (every row tile reads the weight's columns it needs in fp32 and converts them).
+#: Below, the conversion's own launch (a few us) costs more than it saves. H200,
+#: 2026-11-30, linear + GELU of 90168 x 256 -> 512 (benchmarks/probes/explore5.py, about
+#: 9e7 element reads): 0.134 ms reading fp32 weights and 0.105 reading bf16 ones, best
+#: config of each; 0.151 eager.
 CONVERT_ONCE_MIN_READS = 1 << 24
 WEIGHT_READ_ROWS = 128
+
 #: How fp32 products run when torch does not allow TF32: "tf32x3" (each operand split
 #: into two TF32 parts, three tensor-core products, fp32 accumulation: error at fp32
 #: level, checked against eager at fp32 tolerance) or "ieee" (plain fp32 FMAs, slow).
