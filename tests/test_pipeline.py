@@ -1062,6 +1062,12 @@ def test_autocast_linear_weight_is_converted_once_past_its_reads(monkeypatch, sh
     assert kernel.source.layout == "matmul"
     cast = {kernel.attr_inputs[slot] for slot, dtype in kernel.casts if dtype == torch.bfloat16}
     assert cast == ({"0.weight"} if not short else set()), (cast, kernel.attr_inputs)
+    # Converted on every call: an update of the parameter in place shows in the next forward.
+    with torch.no_grad():
+        model[0].weight.mul_(-0.5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, expected = fused(x), model(x)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_a_strided_weight_is_read_as_it_is_under_autocast():
