@@ -7,6 +7,21 @@ import re
 import traceback
 
 
+def results_file(name: str):
+    """A probe's results and the function that writes them, as JSON, to ``name`` in the
+    folder its command line names (``OUT_DIR``, the first argument; else here)."""
+    import json
+    import sys
+    out = sys.argv[1] if len(sys.argv) > 1 else "."
+    results: dict = {}
+
+    def save():
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(results, f, indent=1)
+
+    return results, save
+
+
 def run_parts(parts, results: dict, save) -> None:
     """Call each part; a failure is recorded in ``results["errors"]`` and printed, and the
     next part still runs. ``save()`` writes the results after every part."""

@@ -14,7 +14,6 @@
 
     python3 benchmarks/probes/explore5.py OUT_DIR
 """
-import json
 import os
 import sys
 
@@ -23,16 +22,10 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from _parts import load_variant, mlp_case, ms, run_parts  # noqa: E402
+from _parts import load_variant, mlp_case, ms, results_file, run_parts  # noqa: E402
 from matmul import M, precision  # noqa: E402
 
-OUT = sys.argv[1] if len(sys.argv) > 1 else "."
-R = {}
-
-
-def save():
-    with open(os.path.join(OUT, "explore5.json"), "w") as f:
-        json.dump(R, f, indent=1)
+R, save = results_file("explore5.json")
 
 
 KERNEL = """import triton

@@ -10,7 +10,6 @@ of the list that its validity rule accepts, in the list's order, timed, with a c
 
     python3 benchmarks/probes/explore6.py OUT_DIR
 """
-import json
 import os
 import sys
 
@@ -19,20 +18,14 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import autofuser  # noqa: E402
-from _parts import ms, run_parts  # noqa: E402
+from _parts import ms, results_file, run_parts  # noqa: E402
 from matmul import M  # noqa: E402
 
 from autofuser_core.launch import cast_inputs  # noqa: E402
 from autofuser_core.planner import plan_fusion_groups  # noqa: E402
 from autofuser_plugins.reduction import strategy as rows  # noqa: E402
 
-OUT = sys.argv[1] if len(sys.argv) > 1 else "."
-R = {}
-
-
-def save():
-    with open(os.path.join(OUT, "explore6.json"), "w") as f:
-        json.dump(R, f, indent=1)
+R, save = results_file("explore6.json")
 
 
 class NormTo(torch.nn.Module):
