@@ -211,12 +211,7 @@ def host_scalars(program: GroupProgram, inputs: Sequence[torch.Tensor], device: 
 
 def to_device(inputs: Sequence[torch.Tensor], slots: Sequence[int], device: torch.device) -> Sequence[torch.Tensor]:
     """``inputs`` with those of ``slots`` copied to ``device``."""
-    if not slots:
-        return inputs
-    inputs = list(inputs)
-    for slot in slots:
-        inputs[slot] = inputs[slot].to(device)
-    return inputs
+    return cast_inputs(inputs, [(slot, device) for slot in slots])
 
 
 def input_casts(program: GroupProgram) -> list[tuple[int, torch.dtype]]:
@@ -224,13 +219,15 @@ def input_casts(program: GroupProgram) -> list[tuple[int, torch.dtype]]:
     return [(slot, t.dtype) for slot, t in enumerate(program.inputs) if t.cast_from is not None]
 
 
-def cast_inputs(inputs: Sequence[torch.Tensor], casts: list[tuple[int, torch.dtype]]) -> Sequence[torch.Tensor]:
-    """``inputs`` with those of ``casts`` converted to the dtype the kernel reads."""
+def cast_inputs(inputs: Sequence[torch.Tensor],
+                casts: Sequence[tuple[int, "torch.dtype | torch.device"]]) -> Sequence[torch.Tensor]:
+    """``inputs`` with those of ``casts`` converted to the dtype the kernel reads (or
+    moved to the device it runs on); ``inputs`` itself where there is none."""
     if not casts:
         return inputs
     inputs = list(inputs)
-    for slot, dtype in casts:
-        inputs[slot] = inputs[slot].to(dtype)
+    for slot, target in casts:
+        inputs[slot] = inputs[slot].to(target)
     return inputs
 
 

@@ -10,7 +10,6 @@ For widths 128 and 256, under bf16 autocast and with TF32:
   tuned config and the kernel itself are from what cuBLAS and the best config give.
 
     python3 benchmarks/probes/explore4.py OUT_DIR [WIDTH,...]"""
-import json
 import os
 import sys
 
@@ -19,10 +18,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import autofuser  # noqa: E402
-from _parts import ms, run_parts  # noqa: E402
+from _parts import ms, results_file, run_parts  # noqa: E402
+
+from autofuser_core.launch import cast_inputs  # noqa: E402
 from matmul import M, Mlp, precision  # noqa: E402
 
-OUT = sys.argv[1]
 WIDTHS = [int(w) for w in (sys.argv[2] if len(sys.argv) > 2 else "128,256").split(",")]
 WITHOUT_MLP = ["elementwise", "reduction", "matmul", "attention", "conv", "mxint8"]
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the matmul strategy's list and more.
@@ -31,29 +31,28 @@ SWEEP = [(128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (64, 128, 32, 4, 4), (128, 
          (64, 256, 32, 8, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 2),
          (128, 256, 64, 8, 4), (128, 256, 128, 8, 2), (256, 128, 32, 8, 3), (64, 256, 64, 4, 3),
          (128, 64, 64, 4, 4), (64, 128, 64, 4, 3), (128, 128, 32, 4, 4), (256, 64, 64, 8, 3)]
-R = {}
-
-
-def save():
-    with open(os.path.join(OUT, "explore4.json"), "w") as f:
-        json.dump(R, f, indent=1)
+R, save = results_file("explore4.json")
 
 
 def recorded_launches(fused, x):
     """Each kernel of ``fused`` (no CUDA graph) with the arguments one forward launched it
-    with: (kernel, launch args, the output it wrote, copied)."""
+    with: (kernel, launch args, the output it wrote, copied). Recorded at
+    ``FusedKernel.launch``, the one path every launch takes (on a GPU it calls the compiled
+    kernel itself, not ``launcher``); the arguments are its inputs as the launcher
+    converts them, then its outputs."""
     kernels = fused.kernels()
     seen = {}
     for k in kernels:
-        def record(*args, _k=k, _launcher=k.launcher, **kw):
-            seen[_k.source.name] = list(args)
-            return _launcher(*args, **kw)
-        k.launcher = record
+        def record(*inputs, _k=k, _launch=k.launch):
+            outputs = _launch(*inputs)
+            seen[_k.source.name] = [*cast_inputs(inputs, _k.casts), *outputs]
+            return outputs
+        k.launch = record
     fused(x)
     torch.cuda.synchronize()
     out = []
     for k in kernels:
-        k.launcher = k.kernel[k.grid]
+        del k.launch  # the class's method again
         args = seen[k.source.name]
         out.append((k, args, args[-1].clone()))
     return out
