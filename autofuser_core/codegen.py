@@ -55,10 +55,24 @@ class KernelSource:
     layout: str  # "flat" | "rows"
     grid: Callable[[dict], tuple[int, ...]]
     constexprs: dict[str, int] = field(default_factory=dict)  # fixed by the layout, not tuned
+    # Configs whose kernel converts the inputs the launcher would convert
+    # (``KernelTensor.cast_from``) itself: they take them as they arrive.
+    converts_casts: Callable[[dict], bool] = lambda config: False
 
     def launch_args(self, config: dict) -> dict:
         """The keyword arguments of a launch with ``config``: the layout's fixed sizes win over a config's."""
         return {**config, **self.constexprs}
+
+    def casts(self, program, config: dict) -> list:
+        """(slot, dtype) of each input the launcher converts before a launch with ``config``."""
+        if self.converts_casts(config):
+            return []
+        return [(slot, t.dtype) for slot, t in enumerate(program.inputs) if t.cast_from is not None]
+
+    def input_dtypes(self, program, config: dict) -> list:
+        """What the kernel itself takes with ``config``: each input's dtype after the launcher's casts."""
+        converted = dict(self.casts(program, config))
+        return [converted.get(slot, t.cast_from or t.dtype) for slot, t in enumerate(program.inputs)]
 
     @property
     def source_hash(self) -> str:

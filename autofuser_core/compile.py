@@ -40,7 +40,7 @@ from .capture import frozen_state
 from .cache import cache_dir, load_kernel_module, read_tuning, tuning_lock, write_tuning
 from .group import ROUNDED_DTYPES, GroupProgram, attr_tensor, product_count, reduction_prologue
 from .ir import AttrRef
-from .launch import FusedKernel, cast_inputs, host_scalars, input_casts, to_device
+from .launch import FusedKernel, cast_inputs, host_scalars, to_device
 from .planner import SPLIT_RULES, Candidate, Plan, SplitRule, barrier_reason, plan_fusion_groups
 from .precompile import CompileJob, Compiling, launch_items, start as start_compiling
 from .registry import describe_target
@@ -395,7 +395,7 @@ def _precompile_untuned(jobs: list, device: torch.device, options, progress) -> 
     if not _can_tune(device, options):
         return None
     root = cache_dir(options.cache_dir)
-    work: dict[str, CompileJob] = {}
+    work: dict[str, list[CompileJob]] = {}
     tuned: set[str] = set()  # kernels with a cached config (repeated layers share one: read it once)
     for job in jobs:
         if job.source.name in work or job.source.name in tuned:
@@ -405,11 +405,17 @@ def _precompile_untuned(jobs: list, device: torch.device, options, progress) -> 
             continue
         program = job.candidate.program
         job.configs = _tuning_configs(job.candidate, options.tune_all_configs)  # tuning reads them again
-        work[job.source.name] = CompileJob(
-            path=job.kernel_path, name=job.source.name,
-            dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in (*program.inputs, *program.outputs)),
-            launches=tuple(launch_items(job.source.launch_args(c)) for c in job.configs[0]))
-    return start_compiling(list(work.values()), progress)
+        # One job per set of argument dtypes: configs that convert the launcher's casts
+        # themselves take those inputs unconverted.
+        by_dtypes: dict[tuple, list] = {}
+        for config in job.configs[0]:
+            dtypes = (*job.source.input_dtypes(program, config), *(t.dtype for t in program.outputs))
+            by_dtypes.setdefault(dtypes, []).append(launch_items(job.source.launch_args(config)))
+        work[job.source.name] = [
+            CompileJob(path=job.kernel_path, name=job.source.name,
+                       dtypes=tuple(str(d).removeprefix("torch.") for d in dtypes), launches=tuple(launches))
+            for dtypes, launches in by_dtypes.items()]
+    return start_compiling([j for kernel_jobs in work.values() for j in kernel_jobs], progress)
 
 
 def _finish_compiling(compiling: Optional[Compiling], report) -> None:
@@ -476,7 +482,7 @@ def _tune(candidate: Candidate, source, kernel, inputs, device, options, progres
     timings = []
     best, best_ms = default, float("inf")
     outputs = [torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device=device) for t in program.outputs]
-    inputs = cast_inputs(inputs, input_casts(program))
+    converted = {}  # the inputs as each config's launcher converts them, converted once per set of casts
     waited = 0.0
     for config in configs:
         if time.perf_counter() - start - waited > options.tune_budget_s and timings:
@@ -487,8 +493,12 @@ def _tune(candidate: Candidate, source, kernel, inputs, device, options, progres
             ready(launch)
             waited += time.perf_counter() - begin
         grid = source.grid(config)
+        casts = tuple(source.casts(program, config))
+        if casts not in converted:
+            converted[casts] = cast_inputs(inputs, casts)
+        args = converted[casts]
         try:
-            ms = _bench(lambda: kernel[grid](*inputs, *outputs, **launch), rep_ms=TUNING_REP_MS)
+            ms = _bench(lambda: kernel[grid](*args, *outputs, **launch), rep_ms=TUNING_REP_MS)
         except Exception as err:  # a config the compiler rejects (resources) is just not a candidate
             logger.debug("config %s of %s failed: %s", config, source.name, err)
             continue

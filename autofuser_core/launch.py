@@ -44,7 +44,7 @@ class FusedKernel:
         # What each input must arrive as: the kernel's dtype, or the dtype the launcher
         # converts from (a weight converted once per call).
         self.input_dtypes = [t.cast_from or t.dtype for t in program.inputs]
-        self.casts = input_casts(program)
+        self.casts = source.casts(program, self.config)
         # One-element inputs that arrive in host memory (``host_scalars``, see that function),
         # copied to the kernel's ``device`` before each launch.
         self.host_scalars, self.device = list(host_scalars), device
@@ -212,11 +212,6 @@ def host_scalars(program: GroupProgram, inputs: Sequence[torch.Tensor], device: 
 def to_device(inputs: Sequence[torch.Tensor], slots: Sequence[int], device: torch.device) -> Sequence[torch.Tensor]:
     """``inputs`` with those of ``slots`` copied to ``device``."""
     return cast_inputs(inputs, [(slot, device) for slot in slots])
-
-
-def input_casts(program: GroupProgram) -> list[tuple[int, torch.dtype]]:
-    """(slot, dtype) of each input the launcher converts before a launch (``KernelTensor.cast_from``)."""
-    return [(slot, t.dtype) for slot, t in enumerate(program.inputs) if t.cast_from is not None]
 
 
 def cast_inputs(inputs: Sequence[torch.Tensor],

@@ -380,7 +380,8 @@ def convert_weight_once(program: GroupProgram, load: Value, operand: Optional[to
     launcher, once per call, rather than by each program of the kernel: every program
     reads the whole weight, so a kernel of 2000 programs reads it 2000 times from L2,
     and in fp32 that is twice the bytes. Rounding is the same (to nearest even, as
-    autocast's own cast)."""
+    autocast's own cast). A kernel's configs that read the weight once per program
+    anyway convert it themselves (``KernelSource.converts_casts``)."""
     slot = program.input_of_load[load.uid]
     tensor = program.inputs[slot]
     if operand is None or load.packed is not None or tensor.dtype != torch.float32 or tensor.cast_from is not None:

@@ -195,25 +195,37 @@ def test_attention_chains_after_passes_compile_for_sm90(mode, tmp_path, monkeypa
     _compile_for_sm90(jobs, tmp_path)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, "autocast"], ids=str)
 def test_persistent_mlp_compiles_for_sm90(dtype, tmp_path, monkeypatch):
     """The MLP kernel's persistent form (both weights in shared memory) at width 128, with
-    each of its configs that the validity rule keeps; and the streamed form beside it."""
+    each of its configs that the validity rule keeps, split tail or not; and the streamed
+    form beside it. Under autocast, the persistent configs take the fp32 weights, the
+    streamed one weights the launcher converted."""
     from autofuser_plugins.mlp import mlp_layout, strategy as mlp
 
     monkeypatch.setattr(mlp_layout, "PERSISTENT_MIN_ROWS", 1)  # offered from 67584 rows; compiled here on 663
-    model = nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128)).to(dtype)
+    autocast = dtype == "autocast"
+    model = nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
+    model = model if autocast else model.to(dtype)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # planned too as for a GPU: the rounding between ops is planned
-    gm = autofuser.capture(model, torch.randn(3, 221, 128, dtype=dtype))
-    plan, kept = _kept(gm, ("mlp",), 1)
-    ((candidate, source),) = _written_for_gpu(plan, kept, monkeypatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        gm = autofuser.capture(model, torch.randn(3, 221, 128, dtype=torch.float32 if autocast else dtype))
+        plan, kept = _kept(gm, ("mlp",), 1)
+        ((candidate, source),) = _written_for_gpu(plan, kept, monkeypatch)
     program = candidate.program
     configs = [c for c in mlp.configs(program) if mlp.is_valid(program, c) is None]
     persistent = [c for c in configs if c["PERSISTENT"]]
     assert len(persistent) >= 3, configs
+    persistent += [{**persistent[0], "SPLIT_TAIL": 1 - persistent[0]["SPLIT_TAIL"]}]
     jobs = []
-    for config in persistent + [configs[len(persistent)]]:
-        job = _job(tmp_path, source, [t.dtype for t in program.inputs], [t.dtype for t in program.outputs],
+    for config in persistent + [configs[len(persistent) - 1]]:
+        dtypes = source.input_dtypes(program, config)
+        weights = {dtypes[slot] for slot, t in enumerate(program.inputs) if t.cast_from is not None}
+        if autocast:  # fc1's and fc2's weights
+            assert weights == {torch.float32 if config["PERSISTENT"] else torch.bfloat16}, (config, dtypes)
+        else:
+            assert not weights
+        job = _job(tmp_path, source, dtypes, [t.dtype for t in program.outputs],
                    {**config, **source.constexprs})
         # As launched: the persistent form needs nearly all of a block's shared memory.
         job["options"] = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}

@@ -54,8 +54,9 @@ def mlp_kernel(fused) -> FusedKernel:
     return kernel
 
 
-def run_config(kernel: FusedKernel, x: torch.Tensor, config: dict) -> torch.Tensor:
-    inputs = cast_inputs(kernel.with_live_attrs([x]), kernel.casts)
+def run_config(kernel: FusedKernel, program, x: torch.Tensor, config: dict) -> torch.Tensor:
+    """The kernel launched with ``config``, its inputs converted as that config's launcher converts them."""
+    inputs = cast_inputs(kernel.with_live_attrs([x]), kernel.source.casts(program, config))
     ((shape, stride, dtype),) = kernel.output_layout
     out = torch.empty_strided(shape, stride, dtype=dtype, device=x.device)
     kernel.kernel[kernel.source.grid(config)](*inputs, out, **kernel.source.launch_args(config))
@@ -84,30 +85,66 @@ def test_every_persistent_config_matches_eager(dtype, rows, width, hidden, norm,
     program_configs = [c for c in mlp.configs(program) if c.get("PERSISTENT")]
     assert program_configs, "the weights fit: the persistent form must be offered"
     assert "if PERSISTENT:" in kernel.source.source
-    ran = 0
+    ran = split_ran = 0
     for config in program_configs:
         if mlp.is_valid(program, config) is not None:
             continue
         blocks = -(-rows // config["BLOCK_M"])
-        assert kernel.source.grid(config) == (min(blocks, config["PROGRAMS"]),)
-        got = run_config(kernel, x, config)
-        torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[dtype])
+        split_fits = mlp.is_valid(program, {**config, "SPLIT_TAIL": 1}) is None
+        assert config["SPLIT_TAIL"] == (mlp.split_tail(rows, config["BLOCK_M"], config["PROGRAMS"]) and split_fits)
+        # Either way round where it fits, also where the strategy would not split (no whole
+        # round, or half blocks for more than one round): the split is a matter of speed only.
+        for split in (0, 1) if split_fits else (0,):
+            config = {**config, "SPLIT_TAIL": split}
+            programs = config["PROGRAMS"] if split else min(blocks, config["PROGRAMS"])
+            assert kernel.source.grid(config) == (programs,)
+            got = run_config(kernel, program, x, config)
+            torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[dtype])
+            split_ran += split
         ran += 1
     assert ran >= 2
+    assert split_ran or rows < 4 * 128, "the split tail must run where there are whole rounds"
     # The other form, from the same source, still agrees.
     regular = [c for c in mlp.configs(program) if not c.get("PERSISTENT")][0]
-    torch.testing.assert_close(run_config(kernel, x, regular).float(), expected.float(), **TOLERANCES[dtype])
+    torch.testing.assert_close(run_config(kernel, program, x, regular).float(), expected.float(), **TOLERANCES[dtype])
 
 
-def test_persistent_form_under_autocast_reads_weights_converted_once(device):
-    """Autocast over fp32 weights: the launcher converts them once, the persistent form keeps them."""
+def test_split_tail_where_the_last_round_is_shorter_as_half_blocks():
+    # 705 blocks of 128 rows on 132 programs: 5 whole rounds, then 89 half blocks (one round).
+    assert mlp.split_tail(90168, 128, 132)
+    # Blocks of 64: 1409 on 132 programs, the rest 178 half blocks - two rounds, no shorter.
+    assert not mlp.split_tail(90168, 64, 132)
+    assert not mlp.split_tail(132 * 128 * 5, 128, 132)  # no last round to shorten
+    assert not mlp.split_tail(100 * 128, 128, 132)  # no whole round: one block per program already
+    assert not mlp.split_tail(132 * 32 + 5, 16, 132)  # half blocks of 8 rows: too short for a product
+
+
+def test_persistent_form_under_autocast_converts_its_weights_itself(device):
+    """Autocast over fp32 weights: the streamed form reads them converted once by the
+    launcher; the persistent form reads them as they are and converts them in its prologue."""
     model = Mlp(64, 160, norm=False).to(device).eval()
     x = torch.randn(300, 64, device=device)
     kernel, program, expected = fused_mlp(model, x, autocast=True)
-    assert kernel.casts, "the fp32 weights are converted by the launcher"
-    config = next(c for c in mlp.configs(program) if c.get("PERSISTENT"))
-    got = run_config(kernel, x, config)
-    torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[torch.bfloat16])
+    streamed = next(c for c in mlp.configs(program) if not c.get("PERSISTENT"))
+    persistent = next(c for c in mlp.configs(program) if c.get("PERSISTENT"))
+    weights = {"fc1.weight", "fc2.weight"}
+    assert {kernel.attr_inputs[slot] for slot, _ in kernel.source.casts(program, streamed)} == weights
+    assert kernel.source.casts(program, persistent) == []
+    for config in (streamed, persistent):
+        got = run_config(kernel, program, x, config)
+        torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[torch.bfloat16])
+    # The same rounding either way (to nearest even): the two forms agree to the bit
+    # wherever their products agree, so the persistent form launched on weights the
+    # launcher converted gives what it gives on the fp32 ones.
+    converted = cast_inputs(kernel.with_live_attrs([x]), kernel.source.casts(program, streamed))
+    ((shape, stride, dtype),) = kernel.output_layout
+    out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    kernel.kernel[kernel.source.grid(persistent)](*converted, out, **kernel.source.launch_args(persistent))
+    assert torch.equal(out, run_config(kernel, program, x, persistent))
+    # A kernel made for the persistent config converts nothing at launch, and runs right.
+    fused = FusedKernel(kernel.kernel, kernel.source, persistent, program, kernel.eager, model)
+    assert fused.casts == [] and fused.kernel_dtypes[1] == torch.float32
+    torch.testing.assert_close(fused(x).float(), expected.float(), **TOLERANCES[torch.bfloat16])
 
 
 @pytest.mark.parametrize("case", ["fp32", "tf32", "too_wide"])

@@ -14,6 +14,7 @@ fit in shared memory the kernel has a second, persistent form
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 from autofuser_core.codegen import KernelSource, emit_offsets, triton_cdiv
@@ -70,24 +71,46 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     if L.persistent:
         w = MatmulWriter(program)
         weights = _write_weights(w, program)
-        w.emit(f"for tile in range(tl.program_id(0), tl.cdiv({L.rows}, BLOCK_M), PROGRAMS):")
-        looped = MatmulWriter(program)
-        _write_rows(looped, program, "tile", weights)
-        persistent = w.lines + ["    " + line for line in looped.lines]
+        # SPLIT_TAIL: the rounds in which every program has a whole row block, then the
+        # rest as half blocks, so the last round is half as long (``strategy.split_tail``
+        # says where it is shorter).
+        whole, halves = MatmulWriter(program), MatmulWriter(program)
+        _write_rows(whole, program, "tile", weights)
+        _write_rows(halves, program, "(2 * whole + tile)", weights)
+        w.emit("if SPLIT_TAIL:  # whole row blocks while every program has one, then half blocks")
+        w.emit(f"whole = {L.rows} // BLOCK_M // PROGRAMS * PROGRAMS", 2)
+        w.emit("for tile in range(tl.program_id(0), whole, PROGRAMS):", 2)
+        w.lines += ["        " + line for line in whole.lines]
+        w.emit(f"for tile in range(tl.program_id(0), tl.cdiv({L.rows} - whole * BLOCK_M, BLOCK_M // 2), "
+               "PROGRAMS):", 2)
+        w.lines += ["        " + re.sub(r"\bBLOCK_M\b", "(BLOCK_M // 2)", line) for line in halves.lines]
+        w.emit("else:")
+        w.emit(f"for tile in range(tl.program_id(0), tl.cdiv({L.rows}, BLOCK_M), PROGRAMS):", 2)
+        w.lines += ["        " + line for line in whole.lines]
+        persistent = w.lines
         w.lines = (["    if PERSISTENT:  # weights in shared memory, row blocks in a loop"]
                    + ["    " + line for line in persistent]
                    + ["    else:  # one row block per program, weight slices from memory"]
                    + ["    " + line for line in streamed.lines])
-        blocks += ["PERSISTENT: tl.constexpr", "PROGRAMS: tl.constexpr"]
+        blocks += ["PERSISTENT: tl.constexpr", "PROGRAMS: tl.constexpr", "SPLIT_TAIL: tl.constexpr"]
     source, name = assemble_kernel(program, w, blocks, helpers, "mlp", strategy,
                              f"# MLP: rows {L.rows} x K {L.k} -> hidden {L.h} -> N {L.n}, operands "
                              f"{[str(d).removeprefix('torch.') if d else L.precision for d in L.operand_dtypes]}")
 
     def grid(config, rows=L.rows):
         blocks = triton_cdiv(rows, config["BLOCK_M"])
-        return (min(blocks, config["PROGRAMS"]) if config.get("PERSISTENT") else blocks,)
+        if not config.get("PERSISTENT"):
+            return (blocks,)
+        # Split, each loop's stride is PROGRAMS: every one of them must run (some may find no block).
+        return (config["PROGRAMS"] if config.get("SPLIT_TAIL") else min(blocks, config["PROGRAMS"]),)
 
-    return KernelSource(name=name, source=source, layout="mlp", grid=grid, constexprs=constexprs)
+    # The persistent form reads each weight once per program, in its prologue, and converts
+    # it there: the launcher's conversion (two more launches per call) buys it nothing.
+    # H200, 2026-11-30 (benchmarks/probes/explore8.py), width-128 MLP in bf16: 0.0821 ms
+    # reading the fp32 weights, 0.0807 reading bf16 ones plus 0.0076 converting them.
+    converts = (lambda config: bool(config.get("PERSISTENT"))) if L.persistent else (lambda config: False)
+    return KernelSource(name=name, source=source, layout="mlp", grid=grid, constexprs=constexprs,
+                        converts_casts=converts)
 
 
 def _weight_names(program: GroupProgram):

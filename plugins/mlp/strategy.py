@@ -8,6 +8,7 @@ kernel is ``mlp_kernel.write_mlp_kernel``."""
 from __future__ import annotations
 
 from autofuser import StrategySpec
+from autofuser_core.codegen import triton_cdiv
 from autofuser_core.codegen_matmul import all_values, dot_block
 from autofuser_core.group import GroupRefused
 from autofuser_core.matmul_layout import multiprocessors
@@ -36,7 +37,24 @@ CONFIGS = [
 #: the best of CONFIGS (benchmarks/probes/explore.py).
 PERSISTENT_CONFIGS = [(128, 8, 3), (128, 8, 2), (64, 4, 3), (64, 4, 2), (128, 8, 1)]
 #: What a config of the streamed form adds where the kernel also has the persistent one.
-STREAMED = {"PERSISTENT": 0, "PROGRAMS": 1}
+STREAMED = {"PERSISTENT": 0, "PROGRAMS": 1, "SPLIT_TAIL": 0}
+
+
+def split_tail(rows: int, block_m: int, programs: int) -> bool:
+    """Whether the persistent form's last round is shorter as half row blocks.
+
+    The form's programs walk row blocks ``tile, tile + PROGRAMS, ...``. Where the blocks
+    are not a multiple of the programs, the last round keeps some programs busy for a
+    whole block while the others are done: at 90168 rows, 705 blocks of 128 on 132
+    programs take 6 rounds, the 6th with 45 blocks. Split, the programs first walk the
+    whole rounds (5), then the rest as half blocks (89 of 64 rows): one round of half
+    length. H200, 2026-11-30 (``benchmarks/probes/explore8.py``): width-128 MLP in bf16,
+    0.0776 ms against 0.0821. Split where the half blocks take a single round (more would
+    take as long as a whole round, with smaller products) and there are whole rounds."""
+    half = block_m // 2
+    whole = rows // block_m // programs * programs
+    rest = rows - whole * block_m
+    return half >= 16 and whole > 0 and 0 < triton_cdiv(rest, half) <= programs
 
 
 def propose(view):
@@ -71,9 +89,16 @@ def configs(program):
     programs = multiprocessors(without_gpu=4)
     # (BLOCK_K is a placeholder: the persistent form keeps A's rows on chip, and the kernel's
     # own BLOCK_K, the whole padded K, replaces it at launch)
-    return ([{"BLOCK_M": m, "BLOCK_H": PERSISTENT_BLOCK_H, "BLOCK_K": 64, "num_warps": warps, "num_stages": stages,
-              "PERSISTENT": 1, "PROGRAMS": programs} for m, warps, stages in PERSISTENT_CONFIGS]
-            + [{**config, **STREAMED} for config in listed])
+    rows = program.matmul.rows
+    persistent = []
+    for m, warps, stages in PERSISTENT_CONFIGS:
+        config = {"BLOCK_M": m, "BLOCK_H": PERSISTENT_BLOCK_H, "BLOCK_K": 64, "num_warps": warps,
+                  "num_stages": stages, "PERSISTENT": 1, "PROGRAMS": programs, "SPLIT_TAIL": 1}
+        # Split where it shortens the last round and still fits (else the config as it was).
+        if not split_tail(rows, m, programs) or is_valid(program, config) is not None:
+            config["SPLIT_TAIL"] = 0
+        persistent.append(config)
+    return persistent + [{**config, **STREAMED} for config in listed]
 
 
 def is_valid(program, config):
@@ -90,7 +115,12 @@ def is_valid(program, config):
         return "too many values held per thread (accumulators and resident rows)"
     if config.get("PERSISTENT"):
         # A's row blocks are pipelined as stored: fp32 activations under autocast take twice the room.
-        smem = layout.weight_bytes + config["BLOCK_M"] * block_k * _a_bytes(program) * config["num_stages"]
+        pipelined = config["BLOCK_M"] * block_k * _a_bytes(program) * config["num_stages"]
+        if config.get("SPLIT_TAIL") and config["num_stages"] > 1:
+            # The half blocks' loop is pipelined apart, in buffers of its own: 296 KiB for
+            # a config of 224 KiB unsplit (H200, weights 128 KiB, 3 stages of 32 KiB).
+            pipelined *= 2
+        smem = layout.weight_bytes + pipelined
         if smem > BLOCK_SMEM_LIMIT:
             return (f"{smem // 1024} KiB of shared memory (both weights, pipelined rows) exceeds "
                     f"{BLOCK_SMEM_LIMIT // 1024} KiB")
