@@ -40,6 +40,13 @@ PERSISTENT_CONFIGS = [(128, 8, 3), (128, 8, 2), (64, 4, 3), (64, 4, 2), (128, 8,
 STREAMED = {"PERSISTENT": 0, "PROGRAMS": 1, "SPLIT_TAIL": 0}
 
 
+#: The fewest rows of a half block: below 64, a warp group's products are no longer
+#: ``wgmma`` (64 rows at least) but the older form, which wants the weights laid out
+#: otherwise in shared memory - a second copy of both. sm_90 compiles (Triton 3.9):
+#: 128-row blocks, 160 KiB split or not; 64-row blocks, 144 KiB unsplit and 272 KiB split.
+SPLIT_MIN_ROWS = 64
+
+
 def split_tail(rows: int, block_m: int, programs: int) -> bool:
     """Whether the persistent form's last round is shorter as half row blocks.
 
@@ -50,11 +57,12 @@ def split_tail(rows: int, block_m: int, programs: int) -> bool:
     whole rounds (5), then the rest as half blocks (89 of 64 rows): one round of half
     length. H200, 2026-11-30 (``benchmarks/probes/explore8.py``): width-128 MLP in bf16,
     0.0776 ms against 0.0821. Split where the half blocks take a single round (more would
-    take as long as a whole round, with smaller products) and there are whole rounds."""
+    take as long as a whole round, with smaller products), there are whole rounds, and the
+    half blocks have ``SPLIT_MIN_ROWS``."""
     half = block_m // 2
     whole = rows // block_m // programs * programs
     rest = rows - whole * block_m
-    return half >= 16 and whole > 0 and 0 < triton_cdiv(rest, half) <= programs
+    return half >= SPLIT_MIN_ROWS and whole > 0 and 0 < triton_cdiv(rest, half) <= programs
 
 
 def propose(view):
@@ -115,12 +123,10 @@ def is_valid(program, config):
         return "too many values held per thread (accumulators and resident rows)"
     if config.get("PERSISTENT"):
         # A's row blocks are pipelined as stored: fp32 activations under autocast take twice the room.
-        pipelined = config["BLOCK_M"] * block_k * _a_bytes(program) * config["num_stages"]
-        if config.get("SPLIT_TAIL") and config["num_stages"] > 1:
-            # The half blocks' loop is pipelined apart, in buffers of its own: 296 KiB for
-            # a config of 224 KiB unsplit (H200, weights 128 KiB, 3 stages of 32 KiB).
-            pipelined *= 2
-        smem = layout.weight_bytes + pipelined
+        smem = layout.weight_bytes + config["BLOCK_M"] * block_k * _a_bytes(program) * config["num_stages"]
+        if config.get("SPLIT_TAIL") and config["BLOCK_M"] // 2 < SPLIT_MIN_ROWS:
+            return (f"half row blocks of {config['BLOCK_M'] // 2} rows run their products in another "
+                    "instruction form, which holds both weights again")
         if smem > BLOCK_SMEM_LIMIT:
             return (f"{smem // 1024} KiB of shared memory (both weights, pipelined rows) exceeds "
                     f"{BLOCK_SMEM_LIMIT // 1024} KiB")
