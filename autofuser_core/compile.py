@@ -482,7 +482,6 @@ def _tune(candidate: Candidate, source, kernel, inputs, device, options, progres
     timings = []
     best, best_ms = default, float("inf")
     outputs = [torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device=device) for t in program.outputs]
-    converted = {}  # the inputs as each config's launcher converts them, converted once per set of casts
     waited = 0.0
     for config in configs:
         if time.perf_counter() - start - waited > options.tune_budget_s and timings:
@@ -493,12 +492,12 @@ def _tune(candidate: Candidate, source, kernel, inputs, device, options, progres
             ready(launch)
             waited += time.perf_counter() - begin
         grid = source.grid(config)
-        casts = tuple(source.casts(program, config))
-        if casts not in converted:
-            converted[casts] = cast_inputs(inputs, casts)
-        args = converted[casts]
+        # Timed with the launcher's conversions, as the forward runs them: a config that
+        # converts its inputs itself (``KernelSource.converts_casts``) competes fairly.
+        casts = source.casts(program, config)
         try:
-            ms = _bench(lambda: kernel[grid](*args, *outputs, **launch), rep_ms=TUNING_REP_MS)
+            ms = _bench(lambda: kernel[grid](*cast_inputs(inputs, casts), *outputs, **launch),
+                        rep_ms=TUNING_REP_MS)
         except Exception as err:  # a config the compiler rejects (resources) is just not a candidate
             logger.debug("config %s of %s failed: %s", config, source.name, err)
             continue

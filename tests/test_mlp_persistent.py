@@ -149,6 +149,44 @@ def test_persistent_form_under_autocast_converts_its_weights_itself(device):
     torch.testing.assert_close(fused(x).float(), expected.float(), **TOLERANCES[torch.bfloat16])
 
 
+def test_tuning_times_each_config_with_the_conversions_its_forward_makes(monkeypatch, tmp_path):
+    """A streamed config is timed with the launcher's two weight conversions, as the forward
+    runs it; a persistent one without them (its prologue converts): the two compete fairly."""
+    import autofuser_core.compile as compile_module
+    from autofuser_core.fuse import FuseOptions
+
+    model = Mlp(64, 160, norm=False).eval()
+    x = torch.randn(300, 64)
+    kernel, _, _ = fused_mlp(model, x, autocast=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = plan_fusion_groups(autofuser.capture(model, x), autofuser.load_plugins().registry)
+    (candidate,) = [c for c in plan.kept if c.strategy.name == "mlp"]
+    program = candidate.program
+    streamed = next(c for c in mlp.configs(program) if not c.get("PERSISTENT"))
+    persistent = next(c for c in mlp.configs(program) if c.get("PERSISTENT"))
+    converted, made = [], []
+    real_to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        out = real_to(self, *args, **kwargs)
+        if self.dtype == torch.float32 and out.dtype == torch.bfloat16:
+            converted.append(tuple(self.shape))
+        return out
+
+    def bench(fn, *args, **timing):
+        before = len(converted)
+        fn()
+        made.append(sorted(converted[before:]))
+        return float(len(made))
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    monkeypatch.setattr(compile_module, "_bench", bench)
+    inputs = kernel.with_live_attrs([x])
+    compile_module._tune(candidate, kernel.source, kernel.kernel, inputs, x.device, FuseOptions(), lambda m: None,
+                         tmp_path, {"kernel": "test"}, configs=([streamed, persistent], None))
+    assert made == [[(64, 160), (160, 64)], []]
+
+
 @pytest.mark.parametrize("case", ["fp32", "tf32", "too_wide"])
 def test_persistent_form_only_where_both_weights_fit(case):
     """fp32 operands (strict or TF32) and weights over the shared-memory budget (width 256:
