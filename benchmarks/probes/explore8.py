@@ -25,22 +25,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from _parts import edit, load_variant, mlp_case, ms, results_file, run_parts, time_variants  # noqa: E402
+from autofuser_plugins.elementwise.ops._common import _GELU_SOURCE  # noqa: E402
 
 R, save = results_file("explore8.json")
-GELU = '''
-@triton.jit
-def gelu(x):
-    t = tl.abs(x * 0.7071067811865476)
-    q = t * -4.535645348369144e-05 + 0.00044549000449478626
-    q = q * t + -0.001489384681917727
-    q = q * t + -0.0007747217314317822
-    q = q * t + 0.028253760188817978
-    q = q * t + -0.14848165214061737
-    q = q * t + -0.9184163808822632
-    q = q * t + -1.6279085874557495
-    e = tl.exp2(t * q - 1.0)
-    return x * tl.where(x < 0, e, 1.0 - e)
-'''
+# The generated kernels' GELU helper, as the elementwise plugin writes it.
+GELU = _GELU_SOURCE.replace("def elementwise_gelu(", "def gelu(")
 
 
 def persistent_source(rows: int, width: int, bh: int, order: str, tail: bool) -> str:
