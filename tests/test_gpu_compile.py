@@ -216,9 +216,12 @@ def test_persistent_mlp_compiles_for_sm90(dtype, tmp_path, monkeypatch):
     configs = [c for c in mlp.configs(program) if mlp.is_valid(program, c) is None]
     persistent = [c for c in configs if c["PERSISTENT"]]
     assert len(persistent) >= 3, configs
-    persistent += [{**persistent[0], "SPLIT_TAIL": 1 - persistent[0]["SPLIT_TAIL"]}]
+    flipped = [{**c, "SPLIT_TAIL": 1 - c["SPLIT_TAIL"]} for c in persistent]
+    flipped = [c for c in flipped if mlp.is_valid(program, c) is None]
+    assert any(c["SPLIT_TAIL"] for c in persistent + flipped), "a split config must be compiled"
+    streamed = next(c for c in configs if not c["PERSISTENT"])
     jobs = []
-    for config in persistent + [configs[len(persistent) - 1]]:
+    for config in persistent + flipped + [streamed]:
         dtypes = source.input_dtypes(program, config)
         weights = {dtypes[slot] for slot, t in enumerate(program.inputs) if t.cast_from is not None}
         if autocast:  # fc1's and fc2's weights

@@ -109,11 +109,29 @@ def test_every_persistent_config_matches_eager(dtype, rows, width, hidden, norm,
     torch.testing.assert_close(run_config(kernel, program, x, regular).float(), expected.float(), **TOLERANCES[dtype])
 
 
+def test_persistent_form_with_64_bit_offsets(monkeypatch, device):
+    """Past 2^31 elements the row offsets are 64-bit: the persistent form's row blocks
+    (split or not) cast their index as the streamed form casts its program id."""
+    from autofuser_plugins.mlp import mlp_kernel as kernel_module
+
+    monkeypatch.setattr(kernel_module, "needs_int64", lambda program: True)
+    model = Mlp(96, 200, norm=False).to(device, torch.bfloat16).eval()
+    x = torch.randn(3 * 221, 96, dtype=torch.bfloat16, device=device)
+    kernel, program, expected = fused_mlp(model, x, autocast=False)
+    assert "pid_m = tl.cast((2 * whole + tile), tl.int64)" in kernel.source.source
+    configs = [c for c in mlp.configs(program) if c.get("PERSISTENT") and mlp.is_valid(program, c) is None]
+    assert any(c["SPLIT_TAIL"] for c in configs)
+    for config in configs:
+        for split in (0, 1) if mlp.is_valid(program, {**config, "SPLIT_TAIL": 1}) is None else (0,):
+            got = run_config(kernel, program, x, {**config, "SPLIT_TAIL": split})
+            torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[torch.bfloat16])
+
+
 def test_split_tail_where_the_last_round_is_shorter_as_half_blocks():
     # 705 blocks of 128 rows on 132 programs: 5 whole rounds, then 89 half blocks (one round).
     assert mlp.split_tail(90168, 128, 132)
-    # Blocks of 64: 1409 on 132 programs, the rest 178 half blocks - two rounds, no shorter.
-    assert not mlp.split_tail(90168, 64, 132)
+    # 738 blocks of 128: 5 whole rounds, then 157 half blocks - two rounds, no shorter.
+    assert not mlp.split_tail(94480, 128, 132)
     assert not mlp.split_tail(132 * 128 * 5, 128, 132)  # no last round to shorten
     assert not mlp.split_tail(100 * 128, 128, 132)  # no whole round: one block per program already
     # Half blocks of 32 rows (one round of 2 here) run their products in another form: not split.
@@ -149,16 +167,16 @@ def test_persistent_form_under_autocast_converts_its_weights_itself(device):
     torch.testing.assert_close(fused(x).float(), expected.float(), **TOLERANCES[torch.bfloat16])
 
 
-def test_tuning_times_each_config_with_the_conversions_its_forward_makes(monkeypatch, tmp_path):
+def test_tuning_times_each_config_with_the_conversions_its_forward_makes(monkeypatch, tmp_path, device):
     """A streamed config is timed with the launcher's two weight conversions, as the forward
     runs it; a persistent one without them (its prologue converts): the two compete fairly."""
     import autofuser_core.compile as compile_module
     from autofuser_core.fuse import FuseOptions
 
-    model = Mlp(64, 160, norm=False).eval()
-    x = torch.randn(300, 64)
+    model = Mlp(64, 160, norm=False).to(device).eval()
+    x = torch.randn(300, 64, device=device)
     kernel, _, _ = fused_mlp(model, x, autocast=True)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
         plan = plan_fusion_groups(autofuser.capture(model, x), autofuser.load_plugins().registry)
     (candidate,) = [c for c in plan.kept if c.strategy.name == "mlp"]
     program = candidate.program
@@ -185,6 +203,37 @@ def test_tuning_times_each_config_with_the_conversions_its_forward_makes(monkeyp
     compile_module._tune(candidate, kernel.source, kernel.kernel, inputs, x.device, FuseOptions(), lambda m: None,
                          tmp_path, {"kernel": "test"}, configs=([streamed, persistent], None))
     assert made == [[(64, 160), (160, 64)], []]
+
+
+def test_configs_are_compiled_ahead_for_the_dtypes_they_take(monkeypatch, tmp_path, device):
+    """Compiling ahead: the persistent configs for the fp32 weights they take, the streamed
+    ones for the bf16 weights the launcher converts (one job per set of argument dtypes)."""
+    import autofuser_core.compile as compile_module
+    from autofuser_core.precompile import Compiling
+
+    started = []
+
+    def start(jobs, progress, target=None):
+        started.extend(jobs)
+        return Compiling([], progress)  # nothing compiled: tuning compiles as it launches
+
+    monkeypatch.setattr(compile_module, "start_compiling", start)
+    monkeypatch.setattr(compile_module, "_can_tune", lambda device, options: options.tune)
+    monkeypatch.setattr(compile_module, "_bench", lambda fn, *args, **timing: 1.0)
+    model = Mlp(64, 160, norm=False).to(device).eval()
+    x = torch.randn(300, 64, device=device)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        fused = autofuser.fuse(model, progress=False, verify_speed=False, cache_dir=str(tmp_path))
+        fused(x)
+    kernel = mlp_kernel(fused)
+    jobs = [j for j in started if j.name == kernel.source.name]
+    weights = [slot for slot in kernel.attr_inputs if kernel.attr_inputs[slot].endswith("weight")]
+    by_weight_dtype = {tuple(j.dtypes[slot] for slot in weights): j for j in jobs}
+    assert set(by_weight_dtype) == {("float32", "float32"), ("bfloat16", "bfloat16")}, jobs
+    persistent = [dict(launch) for launch in by_weight_dtype[("float32", "float32")].launches]
+    streamed = [dict(launch) for launch in by_weight_dtype[("bfloat16", "bfloat16")].launches]
+    assert persistent and all(launch["PERSISTENT"] for launch in persistent)
+    assert streamed and not any(launch["PERSISTENT"] for launch in streamed)
 
 
 @pytest.mark.parametrize("case", ["fp32", "tf32", "too_wide"])

@@ -60,7 +60,8 @@ def load_variant(source: str, tag: str):
 def mlp_case(setup: str, width: int = 128) -> dict:
     """benchmarks/matmul.py's MLP (M rows) fused without tuning under ``setup`` ("autocast":
     fp32 model under bf16 autocast, "bf16_model", "tf32"): its MLP kernel, the kernel's
-    inputs (converted as the launcher converts them), outputs to write, eager's result and time."""
+    inputs (converted as its own config's launcher converts them; ``raw``: as they arrive,
+    for configs that convert them themselves), outputs to write, eager's result and time."""
     import torch
     import autofuser
     from autofuser_core.launch import cast_inputs
@@ -78,9 +79,11 @@ def mlp_case(setup: str, width: int = 128) -> dict:
         fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
         fused(x)
     (kernel,) = [k for k in fused.kernels() if k.source.layout == "mlp"]
-    inputs = cast_inputs(kernel.with_live_attrs([x]), kernel.casts)
+    raw = kernel.with_live_attrs([x])
+    inputs = cast_inputs(raw, kernel.casts)
     outputs = [torch.empty_strided(s, st, dtype=d, device=dev) for s, st, d in kernel.output_layout]
-    return {"kernel": kernel, "inputs": inputs, "outputs": outputs, "expected": expected, "eager_ms": eager_ms}
+    return {"kernel": kernel, "inputs": inputs, "raw": raw, "outputs": outputs, "expected": expected,
+            "eager_ms": eager_ms}
 
 
 def time_variants(case: dict, variants: dict, configs: list, res: dict, label: str, save, skip=lambda tag, cfg: False):
@@ -98,7 +101,8 @@ def time_variants(case: dict, variants: dict, configs: list, res: dict, label: s
             try:
                 for o in outs:
                     o.fill_(float("nan"))
-                g = lambda: kern[k.source.grid(cfg)](*inputs, *outs, **k.source.launch_args(cfg))
+                args = case["raw"] if k.source.converts_casts(cfg) else inputs  # as that config's launcher
+                g = lambda: kern[k.source.grid(cfg)](*args, *outs, **k.source.launch_args(cfg))
                 g()
                 torch.cuda.synchronize()
                 err = float((outs[0].float() - expected.float()).norm() / expected.float().norm())

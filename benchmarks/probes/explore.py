@@ -26,10 +26,12 @@ def save():
 
 def sweep(k, inputs, configs, expected=None, tol=None):
     """Time kernel k over configs; compile them in threads first."""
-    inputs = cast_inputs(k.with_live_attrs(inputs), k.casts)
+    raw = k.with_live_attrs(inputs)
+    inputs = cast_inputs(raw, k.casts)  # as the kernel's own config's launcher converts them
     outs = [torch.empty_strided(s, st, dtype=d, device=dev) for s, st, d in k.output_layout]
-    def launch(cfg):
-        k.kernel[k.source.grid(cfg)](*inputs, *outs, **k.source.launch_args(cfg))
+    def launch(cfg):  # a config that converts its inputs itself takes them unconverted
+        args = raw if k.source.converts_casts(cfg) else inputs
+        k.kernel[k.source.grid(cfg)](*args, *outs, **k.source.launch_args(cfg))
     res = []
     for cfg in configs:
         try:

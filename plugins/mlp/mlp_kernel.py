@@ -31,8 +31,8 @@ HIDDEN_AXIS = ("hs", "h_mask", "BLOCK_H")
 def _emit_rows(w: MatmulWriter, out_domain, rows: int, sites: list, strides: list, wide: bool,
                tile: str = "tl.program_id(0)") -> None:
     """The row block ``tile`` -> ``rows`` tiles (all ``BLOCK_N`` columns), masks, and each site's row offset."""
-    cast = ".to(tl.int64)" if wide else ""
-    w.emit(f"pid_m = {tile}{cast}")
+    # tl.cast, not .to: the persistent form's tile is a Python int under the interpreter
+    w.emit(f"pid_m = tl.cast({tile}, tl.int64)" if wide else f"pid_m = {tile}")
     w.emit("cols = tl.arange(0, BLOCK_N)[None, :]")
     w.emit("rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]")
     w.emit(f"row_mask = rows < {rows}")
@@ -58,7 +58,9 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     multiprocessor) that each load both weights once - slice by slice, written
     out - and then walk row blocks ``tile, tile + PROGRAMS, ...``. Every row
     block then reads only its rows from memory: the weights come from shared
-    memory, not again from L2 for each block.
+    memory, not again from L2 for each block. With ``SPLIT_TAIL`` the programs
+    (exactly ``PROGRAMS`` of them) walk the rounds in which each has a whole
+    block, then the rest of the rows as half blocks (``strategy.split_tail``).
     """
     L = program.matmul
     constexprs = {"BLOCK_N": dot_block(L.n)}

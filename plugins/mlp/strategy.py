@@ -42,8 +42,11 @@ STREAMED = {"PERSISTENT": 0, "PROGRAMS": 1, "SPLIT_TAIL": 0}
 
 #: The fewest rows of a half block: below 64, a warp group's products are no longer
 #: ``wgmma`` (64 rows at least) but the older form, which wants the weights laid out
-#: otherwise in shared memory - a second copy of both. sm_90 compiles (Triton 3.9):
-#: 128-row blocks, 160 KiB split or not; 64-row blocks, 144 KiB unsplit and 272 KiB split.
+#: otherwise in shared memory - a second copy of both. Compiled for an H200 by its Triton
+#: 3.6 (``benchmarks/probes/persistent_smem.py``, width 128, bf16, without launching):
+#: 128-row blocks 160 KiB split or not; 64-row blocks of 4 warps 144 KiB unsplit, 272 KiB
+#: split. Launched (pointers specialised on their alignment, more again), the tests'
+#: 64-row splits asked for 296 and 304 KiB and failed (runs 30-31).
 SPLIT_MIN_ROWS = 64
 
 
