@@ -360,3 +360,31 @@ def test_planning_runs_with_the_cyclic_collector_paused_and_restores_it(monkeypa
         assert not gc.isenabled()
         raise RuntimeError("a planning error")
     assert gc.isenabled()
+
+
+class _NormBetweenProducts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_in, self.lin1, self.lin2 = nn.LayerNorm(24), nn.Linear(24, 40), nn.Linear(40, 24)
+        self.ln_mid, self.lin3 = nn.LayerNorm(24), nn.Linear(24, 16)
+
+    def forward(self, x):
+        return self.lin3(self.ln_mid(self.lin2(torch.nn.functional.gelu(self.lin1(self.ln_in(x))))))
+
+
+def test_reduction_prologue_is_a_row_reduction_that_no_product_precedes():
+    """``group.reduction_prologue``: a norm in front of a group's first product is one; a
+    norm between products (one precedes it) is not."""
+    from autofuser_core.group import reduction_prologue
+    from autofuser_plugins.mlp.chain_layout import lay_out_chain
+
+    view = _view(_NormBetweenProducts(), torch.randn(3, 5, 24))
+    chain = [n.name for n in view.nodes if n.op in ("call_module", "call_function")]
+    assert chain == ["ln_in", "lin1", "gelu", "lin2", "ln_mid", "lin3"], chain
+    # Several products with a norm between them: laid out as a row-tiled chain.
+    assert reduction_prologue(view.compose(_nodes(view, *chain), lay_out=lay_out_chain))
+    assert not reduction_prologue(view.compose(_nodes(view, *chain[1:]), lay_out=lay_out_chain))
+    assert reduction_prologue(view.compose(_nodes(view, "ln_mid", "lin3")))
+    assert not reduction_prologue(view.compose(_nodes(view, "lin2", "ln_mid")))
+    assert not reduction_prologue(view.compose(_nodes(view, "lin1")))
+    assert not reduction_prologue(None)
