@@ -48,6 +48,7 @@ class FusedKernel:
         # One-element inputs that arrive in host memory (``host_scalars``, see that function),
         # copied to the kernel's ``device`` before each launch.
         self.host_scalars, self.device = list(host_scalars), device
+        self.host_moves = [(slot, device) for slot in self.host_scalars]  # built once, not per call
         self.output_layout = [(t.shape, t.stride, t.dtype) for t in program.outputs]
         self.single_output = len(program.outputs) == 1
         # Parameters and buffers are fetched from their live module on every call,
@@ -79,8 +80,8 @@ class FusedKernel:
         return True
 
     def launch(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
-        if self.host_scalars:
-            inputs = to_device(inputs, self.host_scalars, self.device)
+        if self.host_moves:
+            inputs = cast_inputs(inputs, self.host_moves)
         device = inputs[0].device
         outputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                    for shape, stride, dtype in self.output_layout]
