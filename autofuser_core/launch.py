@@ -45,6 +45,8 @@ class FusedKernel:
         # converts from (a weight converted once per call).
         self.input_dtypes = [t.cast_from or t.dtype for t in program.inputs]
         self.casts = source.casts(program, self.config)
+        # What the kernel itself takes: each input's dtype after the launcher's casts.
+        self.kernel_dtypes = source.input_dtypes(program, self.config)
         # One-element inputs that arrive in host memory (``host_scalars``, see that function),
         # copied to the kernel's ``device`` before each launch.
         self.host_scalars, self.device = list(host_scalars), device
@@ -64,12 +66,6 @@ class FusedKernel:
         self.attr_inputs = {k: t.source.path for k, t in enumerate(program.inputs) if isinstance(t.source, AttrRef)}
         self.__name__ = source.name
         self.__qualname__ = source.name
-
-    @property
-    def kernel_dtypes(self) -> list[torch.dtype]:
-        """What the kernel itself takes: each input's dtype after the launcher's casts."""
-        casts = dict(self.casts)
-        return [casts.get(slot, dtype) for slot, dtype in enumerate(self.input_dtypes)]
 
     def matches(self, inputs: Sequence[torch.Tensor]) -> bool:
         """Whether ``inputs`` are what the kernel was made for: shapes, strides and dtypes

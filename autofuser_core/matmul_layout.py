@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from .codegen import next_power_of_2
+from .codegen import next_power_of_2, triton_cdiv
 from .group import GroupProgram, GroupRefused, domain_strides, read_view
 from .ir import AttrRef, Value
 
@@ -234,7 +234,7 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value],
 
     layout.operand_dtype = product_operand_dtype(dot)
     layout.precision = dot.fp32_precision or fp32_precision()
-    if math.prod(b.shape) * -(-layout.rows // WEIGHT_READ_ROWS) >= CONVERT_ONCE_MIN_READS:
+    if math.prod(b.shape) * triton_cdiv(layout.rows, WEIGHT_READ_ROWS) >= CONVERT_ONCE_MIN_READS:
         convert_weight_once(program, b, layout.operand_dtype)
 
     layout.epilogue_reduces = any(v.op == "reduce" and v.uid not in prologue for v in values.values())

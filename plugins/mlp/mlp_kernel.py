@@ -110,9 +110,8 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     # it there: the launcher's conversion (two more launches per call) buys it nothing.
     # H200, 2026-11-30 (benchmarks/probes/explore8.py), width-128 MLP in bf16: 0.0821 ms
     # reading the fp32 weights, 0.0807 reading bf16 ones plus 0.0076 converting them.
-    converts = (lambda config: bool(config.get("PERSISTENT"))) if L.persistent else (lambda config: False)
     return KernelSource(name=name, source=source, layout="mlp", grid=grid, constexprs=constexprs,
-                        converts_casts=converts)
+                        converts_casts=lambda config: bool(config.get("PERSISTENT")))
 
 
 def _weight_names(program: GroupProgram):
