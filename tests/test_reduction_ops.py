@@ -94,6 +94,7 @@ class _TorchAsTl:
     """What the lowerings' templates use of ``triton.language``, in torch."""
 
     exp, log, sqrt, rsqrt, abs = torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.abs
+    exp2, log2, floor = torch.exp2, torch.log2, torch.floor
     where, maximum, minimum = torch.where, torch.maximum, torch.minimum
     float32, float16, bfloat16 = torch.float32, torch.float16, torch.bfloat16
 

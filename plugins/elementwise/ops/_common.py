@@ -103,14 +103,15 @@ _TANH_SOURCE = '''@triton.jit
 def elementwise_tanh(x):
     # tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) <= 1: nothing overflows,
     # and NaN passes through. Near 0, 1 - e cancels, so |x| < 0.1 uses the odd
-    # Taylor series (next term ~ 0.02 x^9: below fp32 resolution there).
+    # Taylor series (next term ~ 0.02 x^9: below fp32 resolution there), whose
+    # -0.0 + (+0.0) would turn tanh(-0.0) into +0.0: an exact zero is returned as it is.
     ax = tl.abs(x)
     e = tl.exp(-2.0 * ax)
     large = (1.0 - e) / (1.0 + e)
     large = tl.where(x < 0, -large, large)
     x2 = x * x
     small = x + x * x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397))
-    return tl.where(ax < 0.1, small, large)
+    return tl.where(x == 0.0, x, tl.where(ax < 0.1, small, large))
 '''
 
 LOG1P = "elementwise_log1p"

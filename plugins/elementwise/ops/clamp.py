@@ -11,8 +11,11 @@ from autofuser import LoweringSpec, Sample
 
 from ._common import lowering, randn, refuse_out, require_float_output, with_nans
 
-MAXIMUM = "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)"
-MINIMUM = "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)"
+# A bound equal to x keeps x, as eager does (clamp(-0.0, min=0.0) is -0.0; tl.maximum
+# orders -0.0 below +0.0), and a NaN in either operand gives NaN (x < NaN is false,
+# so the first where picks a NaN bound).
+MAXIMUM = "tl.where({1} != {1}, {1}, tl.where({0} < {1}, {1}, {0}))"
+MINIMUM = "tl.where({1} != {1}, {1}, tl.where({1} < {0}, {1}, {0}))"
 
 
 @lowering

@@ -60,6 +60,10 @@ def normalize(ctx, x, dims, n, eps, weight, bias):
         out = ctx.pointwise("{0} * {1}", out, weight)
     if bias is not None:
         out = ctx.pointwise("{0} + {1}", out, bias)
+    else:
+        # Eager's exact zeros are +0.0 (it adds a shift, 0 without a bias); a zero deviation
+        # times rstd and a negative weight, or a row of -0.0, would give -0.0 here.
+        out = ctx.pointwise("{0} + 0.0", out)
     return out
 
 

@@ -4,13 +4,13 @@ import torch
 
 from autofuser import LoweringSpec, Sample
 
-from .var import deviations
+from .var import deviations, scaled_variance
 
 
 def lower_std(ctx, *args, **kwargs):
     deviation, dims, denominator, keepdim = deviations(ctx, "std", args, kwargs)
-    squares = ctx.reduce("sum", ctx.pointwise("{0} * {0}", deviation), dims, keepdim=keepdim)
-    return ctx.pointwise("tl.sqrt({0} / %r)" % denominator, squares)
+    return scaled_variance(ctx, deviation, dims, denominator, keepdim,
+                           lambda m, p: ctx.pointwise("tl.sqrt({0}) * {1}", m, p))
 
 
 def _samples(dtype):

@@ -49,10 +49,30 @@ def deviations(ctx, op, args, kwargs):
     return ctx.pointwise("{0} - {1}", x, mean), dims, float(n - correction), bool(b["keepdim"])
 
 
+def scaled_variance(ctx, deviation, dims, denominator, keepdim, finish):
+    """``finish(m, p)`` over ``dims``, where ``m = sum(d^2) / denominator`` with
+    ``d = deviation / p`` and ``p`` a power of two near the largest ``|deviation|``:
+    the variance is ``m * p * p``, the standard deviation ``sqrt(m) * p``.
+
+    Squares past ~1.8e19 overflow fp32 where the variance or the deviation may not
+    (eager accumulates in double on CPU: rows of +-1e38 have a finite std). Dividing
+    by a power of two is exact, so every other input rounds exactly as the unscaled
+    sum would. ``p`` is 1 for a row of equal values and NaN past a NaN (whose
+    deviations are NaN anyway); an infinite ``p`` gives NaN, as eager does.
+    """
+    largest = ctx.reduce("max", ctx.pointwise("tl.abs({0})", deviation), dims, keepdim=True)
+    power = ctx.pointwise("tl.where({0} > 0.0, {0}, 1.0)", ctx.pointwise("tl.exp2(tl.floor(tl.log2({0})))", largest))
+    squares = ctx.pointwise("({0} / {1}) * ({0} / {1})", deviation, power)
+    mean_square = ctx.pointwise("{0} / %r" % denominator, ctx.reduce("sum", squares, dims, keepdim=True))
+    result = finish(mean_square, power)
+    # One value per row already: a max over the kept dims only drops them (NaN kept).
+    return result if keepdim else ctx.reduce("max", result, dims, keepdim=False)
+
+
 def lower_var(ctx, *args, **kwargs):
     deviation, dims, denominator, keepdim = deviations(ctx, "var", args, kwargs)
-    squares = ctx.reduce("sum", ctx.pointwise("{0} * {0}", deviation), dims, keepdim=keepdim)
-    return ctx.pointwise("{0} / %r" % denominator, squares)
+    return scaled_variance(ctx, deviation, dims, denominator, keepdim,
+                           lambda m, p: ctx.pointwise("{0} * {1} * {1}", m, p))
 
 
 def _samples(dtype):
