@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import triton
+from torch.nn.utils import parametrize
 from triton import knobs
 from triton.runtime.driver import driver
 
@@ -223,6 +224,33 @@ def cast_inputs(inputs: Sequence[torch.Tensor],
     return inputs
 
 
+@contextlib.contextmanager
+def _substituted_parametrizations(substitutes: Sequence[tuple[torch.nn.Module, str, torch.Tensor]]):
+    """While open, ``module.<name>`` is the given tensor for each parametrized tensor of
+    ``substitutes`` (``weight_norm``'s weight, any ``register_parametrization``).
+
+    ``functional_call`` can't substitute those: it assigns the attribute, which runs the
+    parametrization's ``right_inverse`` and writes the user's originals in place. Instead
+    the tensor is filed in ``parametrize.cached()``'s cache, which the parametrized
+    attribute reads first; an entry the caller's own ``cached()`` held is put back after.
+    """
+    if not substitutes:
+        yield
+        return
+    with parametrize.cached():
+        cache = parametrize._cache  # rebound when the outermost cached() ends: read it here
+        keys = [(id(module), name) for module, name, _ in substitutes]
+        before = {key: cache[key] for key in keys if key in cache}
+        for key, (_, _, tensor) in zip(keys, substitutes):
+            cache[key] = tensor
+        try:
+            yield
+        finally:
+            for key in keys:
+                cache.pop(key, None)
+            cache.update(before)
+
+
 class RecomputeForBackward(torch.autograd.Function):
     """Forward by the fused kernel; backward by recomputing the group's eager ops.
 
@@ -247,12 +275,18 @@ class RecomputeForBackward(torch.autograd.Function):
         inputs = list(ctx.saved_tensors)
         if not higher_order:
             inputs = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
-        params = {path: inputs[k] for k, path in ctx.fused.attr_inputs.items()}
-        with torch.enable_grad(), contextlib.ExitStack() as autocast:
+        params, parametrized = {}, []
+        for slot, module, name in ctx.fused.live_attrs:
+            if parametrize.is_parametrized(module, name):
+                parametrized.append((module, name, inputs[slot]))
+            else:
+                params[ctx.fused.attr_inputs[slot]] = inputs[slot]
+        with torch.enable_grad(), contextlib.ExitStack() as stack:
             # Exactly the forward's autocast state, whatever is in force around backward().
             for device in ("cpu", "cuda"):
                 enabled = device in ctx.autocast
-                autocast.enter_context(torch.autocast(device, dtype=ctx.autocast.get(device), enabled=enabled))
+                stack.enter_context(torch.autocast(device, dtype=ctx.autocast.get(device), enabled=enabled))
+            stack.enter_context(_substituted_parametrizations(parametrized))
             outputs = torch.func.functional_call(ctx.fused.eager, params, tuple(inputs))
         if not isinstance(outputs, (tuple, list)):
             outputs = (outputs,)
