@@ -25,14 +25,23 @@ on it.  Capture traces with *concrete* proxies instead:
    opaque (a ``call_module`` leaf, run eagerly) and the trace is retried.  If
    the culprit is the root itself, the result is one ``call_module`` of the
    unchanged model and a ``UserWarning`` says so.
-5. Tracing and the final shape pass run with the RNG state and all
-   buffers saved and restored, so capture leaves the model and inputs as they
-   were; real values are dropped from ``node.meta`` to bound memory.
+5. Tracing and the final shape pass run on copies of the inputs with the
+   inputs' own strides (an expanded or sliced input stays so, and the graph
+   records the strides kernels will be launched with), with the RNG state, the
+   contents of buffers and every attribute of every module saved and restored
+   (``_ModuleAttributes``: ``self.cache = ...`` or ``register_buffer`` in forward
+   leaves no proxy behind), so capture leaves the model and inputs as they were;
+   real values are dropped from ``node.meta`` to bound memory.
+6. Captures serialize on one process-wide lock, and every patch they make is
+   thread-aware (it acts for the capturing thread only), so other threads'
+   ``torch.zeros`` or ``module(x)`` run as always while a capture runs.
+7. An exception the model raises when run whole on the example inputs is
+   raised as it is (with a note), not wrapped.
 
 Limits: ``isinstance(proxy, torch.Tensor)`` is False while tracing (as in fx);
-factories are patched on the ``torch`` module, process-wide for the duration
-of a trace, so ``from torch import zeros`` aliases are not recorded and capture
-is not thread-safe; non-tensor inputs get no runtime guard.
+factories are patched on the ``torch`` module for the duration of a trace, so
+``from torch import zeros`` aliases are not recorded; non-tensor inputs get no
+runtime guard.
 
 Results: ``gm.meta["autofuser_opaque"]`` maps each opaque module path ("" for
 the root) to its reason, ``gm.meta["autofuser_input_names"]`` lists the
@@ -47,6 +56,7 @@ import functools
 import inspect
 import logging
 import operator
+import threading
 import warnings
 import weakref
 from typing import Any, Optional
@@ -110,11 +120,29 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
+def clone_with_strides(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``tensor`` with ``tensor``'s own strides.
+
+    ``clone()`` keeps the strides of a dense tensor (a transpose) but makes an
+    expanded (stride 0) or sliced (``x[:, ::2]``) one contiguous: a graph traced and
+    measured on such a copy records strides the real input doesn't have, and a kernel
+    generated from them would read the real input out of bounds. So the memory the
+    tensor spans is copied and viewed with the same strides.
+    """
+    copy = tensor.detach().clone()
+    if tensor.layout != torch.strided or copy.stride() == tensor.stride() or tensor.numel() == 0:
+        return copy
+    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    region = tensor.detach().as_strided((span,), (1,), tensor.storage_offset()).clone()
+    return region.as_strided(tensor.shape, tensor.stride(), 0)
+
+
 def _clone_tree(values: Any) -> Any:
-    """Fresh copies of every tensor, so neither tracing nor the shape pass touches user inputs."""
+    """Fresh copies of every tensor (same strides), so neither tracing nor the shape
+    pass touches user inputs."""
     def clone(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            return v.detach().clone().requires_grad_(v.requires_grad)
+            return clone_with_strides(v).requires_grad_(v.requires_grad)
         return v
     return pytree.tree_map(clone, values)
 
@@ -267,7 +295,6 @@ class _ConcreteTracer(torch.fx.Tracer):
         super().__init__()
         self.inputs, self.opaque = inputs, opaque
         self.leaf_paths: set[str] = set()
-        self.added_attrs: list[str] = []  # tensor constants fx stows on the root
         self.executing = 0
 
     def proxy(self, node: torch.fx.Node) -> ConcreteProxy:
@@ -284,11 +311,6 @@ class _ConcreteTracer(torch.fx.Tracer):
         # A module with hooks stays one call, so its hooks run (tracing through would skip them).
         hooked = bool(m._forward_hooks or m._forward_pre_hooks)
         return path in self.opaque or hooked or super().is_leaf_module(m, path)
-
-    def get_fresh_qualname(self, prefix: str) -> str:
-        name = super().get_fresh_qualname(prefix)
-        self.added_attrs.append(name)
-        return name
 
     def call_module(self, m, forward, args, kwargs):  # type: ignore[override]
         path = self.path_of_module(m)
@@ -313,7 +335,13 @@ class _ConcreteTracer(torch.fx.Tracer):
                 if not any(isinstance(v, torch.Tensor) for v in leaves):
                     return a._real()
             return a
-        return fn, [specialise(a) for a in args]
+
+        @functools.wraps(fn)
+        def traced_root(*args: Any) -> Any:
+            # trace() calls this once its patches are in place: make them this thread's.
+            _thread_aware_fx_patches()
+            return fn(*args)
+        return traced_root, [specialise(a) for a in args]
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):  # type: ignore[override]
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
@@ -390,54 +418,125 @@ class _ProxyEinopsBackend(_einops_backends.TorchBackend if _einops_backends else
         return tuple(x.shape)
 
 
+# Capture patches process-wide names (torch's factories, grad-mode switches, and fx's
+# own nn.Module.__call__/__getattr__ patches) for the length of a trace. Each patched
+# name is thread-aware: it acts for the capturing thread only and is the original for
+# every other thread; and captures serialize on one lock, so two capturing threads never
+# patch at once (fx's patches of module globals such as ``math.sqrt`` only act on
+# proxies, so other threads never see them act).
+_CAPTURE_LOCK = threading.RLock()  # re-entrant: a forward run eagerly during capture may capture
+_THIS_THREAD = threading.local()  # .tracer: the tracer of the capture running in this thread
+_ORIGINAL = "_autofuser_original"  # marks a thread-aware patch, naming what it replaces
+
+
+def _tracer_of_this_thread() -> Optional["_ConcreteTracer"]:
+    """The tracer recording in this thread, if any and not running real computations."""
+    tracer = getattr(_THIS_THREAD, "tracer", None)
+    return None if tracer is None or tracer.executing else tracer
+
+
+def _recording_factory(original):
+    """``torch.<factory>`` that records a node when this thread traces, else ``original``."""
+    @functools.wraps(original)
+    def factory(*args, **kwargs):
+        tracer = _tracer_of_this_thread()
+        if tracer is None:
+            return original(*args, **kwargs)
+        return tracer.create_proxy("call_function", original, args, kwargs)
+    setattr(factory, _ORIGINAL, original)
+    return factory
+
+
+def _refusing_switch(cls, original):
+    """A grad-mode/autocast method that fails the trace when this thread traces."""
+    @functools.wraps(original)
+    def switch(self, *args, **kwargs):
+        if _tracer_of_this_thread() is None:
+            return original(self, *args, **kwargs)
+        raise torch.fx.proxy.TraceError(
+            f"{cls.__name__} inside forward changes grad mode or autocast, which a graph can't record")
+    setattr(switch, _ORIGINAL, original)
+    return switch
+
+
+class _TracingInThisThread:
+    """fx's "is tracing" flag, true for the capturing thread only (``Tracer.trace`` sets a
+    process-wide True, which other threads would see: ``torch.compile`` refuses to run
+    under an fx trace)."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+
+    def __bool__(self) -> bool:
+        return threading.get_ident() == self.thread
+
+
+def _thread_aware_fx_patches() -> None:
+    """Make fx's patches of ``nn.Module.__call__``/``__getattr__`` act for this thread only.
+
+    ``Tracer.trace`` patches both on the class while it traces, so any other thread's
+    ``module(x)`` would be recorded into this trace. Called from inside ``trace``, once
+    its patches are in place: each is replaced (in the patcher's own list, which undoes
+    and redoes them around real computations and when the trace ends) by a method that
+    calls fx's for this thread and the original for others.
+    """
+    patcher = getattr(_fx_trace, "CURRENT_PATCHER", None)
+    set_attr = getattr(_fx_trace, "_PatchedFnSetAttr", None)
+    if patcher is None or set_attr is None:  # pragma: no cover - an fx without them
+        return
+    thread = threading.get_ident()
+    for i, patch in enumerate(patcher.patches_made):
+        if not isinstance(patch, set_attr) or patch.frame_dict is not torch.nn.Module or hasattr(patch.new_fn, _ORIGINAL):
+            continue
+        traced, original = patch.new_fn, patch.orig_fn
+
+        def method(*args, _traced=traced, _original=original, **kwargs):
+            if threading.get_ident() == thread:
+                return _traced(*args, **kwargs)
+            return _original(*args, **kwargs)
+
+        functools.update_wrapper(method, traced)
+        setattr(method, _ORIGINAL, original)
+        patcher.patches_made[i] = patch._replace(new_fn=method)
+        patcher.patches_made[i].patch()
+    if _fx_trace._is_fx_tracing_flag is True:
+        _fx_trace._is_fx_tracing_flag = _TracingInThisThread()  # trace() restores the old value
+
+
 @contextlib.contextmanager
 def _tracing_patches(tracer: _ConcreteTracer):
-    """Record tensor factories and route einops on proxies through torch ops."""
-    originals = {n: getattr(torch, n) for n in _FACTORIES if hasattr(torch, n)}
-
-    def recorder(orig):
-        @functools.wraps(orig)
-        def factory(*args, **kwargs):
-            if tracer.executing:  # a real computation (e.g. an opaque module) is running
-                return orig(*args, **kwargs)
-            return tracer.create_proxy("call_function", orig, args, kwargs)
-        return factory
-
-    registry = _einops_backends._type2backend if _einops_backends else {}
-    proxy_types = (ConcreteProxy, ConcreteAttribute) if _einops_backends else ()
+    """Record tensor factories and route einops on proxies through torch ops (for the
+    capturing thread; see ``_CAPTURE_LOCK``)."""
     # Grad mode and autocast switched inside forward would not be recorded in the graph:
     # the module doing it must stay opaque, run as it is (with its own context managers).
     mode_switches = [(cls, name) for cls, name in (
         (torch.autograd.grad_mode.no_grad, "__enter__"), (torch.autograd.grad_mode.enable_grad, "__enter__"),
         (torch.autograd.grad_mode.set_grad_enabled, "__init__"), (torch.autograd.grad_mode.inference_mode, "__enter__"),
         (torch.amp.autocast_mode.autocast, "__enter__"),
-    )]
-    switch_originals = {(cls, name): cls.__dict__[name] for cls, name in mode_switches if name in cls.__dict__}
-
-    def refusing(cls, original):
-        @functools.wraps(original)
-        def switch(self, *args, **kwargs):
-            if tracer.executing:
-                return original(self, *args, **kwargs)
-            raise torch.fx.proxy.TraceError(
-                f"{cls.__name__} inside forward changes grad mode or autocast, which a graph can't record")
-        return switch
-
+    ) if name in cls.__dict__]
+    # (owner, name, patched value); names already patched by an enclosing capture of this
+    # thread act for its tracer, whichever is current, and are left to it.
+    patches = [(torch, n, _recording_factory(getattr(torch, n))) for n in _FACTORIES
+               if hasattr(torch, n) and not hasattr(getattr(torch, n), _ORIGINAL)]
+    patches += [(cls, name, _refusing_switch(cls, cls.__dict__[name])) for cls, name in mode_switches
+                if not hasattr(cls.__dict__[name], _ORIGINAL)]
+    registry = _einops_backends._type2backend if _einops_backends else {}
+    proxy_types = (ConcreteProxy, ConcreteAttribute) if _einops_backends else ()
+    outer = getattr(_THIS_THREAD, "tracer", None)
+    _THIS_THREAD.tracer = tracer
     try:
-        for n, f in originals.items():
-            setattr(torch, n, recorder(f))
-        for t in proxy_types:
+        for owner, name, patched in patches:
+            setattr(owner, name, patched)
+        for t in proxy_types:  # only proxies ever reach these entries
             registry[t] = _ProxyEinopsBackend()
-        for (cls, name), original in switch_originals.items():
-            setattr(cls, name, refusing(cls, original))
         yield
     finally:
-        for n, f in originals.items():
-            setattr(torch, n, f)
-        for t in proxy_types:
-            registry.pop(t, None)
-        for (cls, name), original in switch_originals.items():
-            setattr(cls, name, original)
+        for owner, name, patched in reversed(patches):
+            setattr(owner, name, getattr(patched, _ORIGINAL))
+        if outer is None:
+            for t in proxy_types:
+                registry.pop(t, None)
+        _THIS_THREAD.tracer = outer
 
 
 def frozen_state(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -448,28 +547,70 @@ def frozen_state(module: torch.nn.Module) -> list[torch.Tensor]:
     return list(module.buffers()) + [p for p in module.parameters() if not p.requires_grad] + plain
 
 
+_MISSING = object()
+
+
+class _ModuleAttributes:
+    """Every attribute of every module of a model, as it is now, to put back later.
+
+    A forward may assign to ``self`` (a lazy ``self.pos = torch.arange(n)``, a stored
+    ``self.last = y.detach()``, ``register_buffer``, a counter): while tracing, those
+    values are proxies, and left there they break the model for eager use, ``torch.save``
+    and ``deepcopy``. Kept per module: its ``__dict__`` entries (objects, so added ones
+    are deleted and replaced or deleted ones put back) and the contents of the
+    containers among them (``_parameters``, ``_buffers``, ``_modules``, hook dicts, the
+    user's own dicts, lists and sets; one level deep).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.saved = []
+        for module in model.modules():
+            entries = dict(module.__dict__)
+            contents = {}
+            for name, value in entries.items():
+                if isinstance(value, dict):
+                    contents[name] = dict(value)
+                elif isinstance(value, (list, set)):
+                    contents[name] = value.copy()
+            self.saved.append((module, entries, contents))
+
+    def restore(self) -> None:
+        for module, entries, contents in self.saved:
+            current = module.__dict__
+            for name in [n for n in current if n not in entries]:
+                del current[name]
+            for name, value in entries.items():
+                if current.get(name, _MISSING) is not value:
+                    current[name] = value
+            for name, saved in contents.items():
+                container = entries[name]
+                if isinstance(container, list):
+                    container[:] = saved
+                else:  # a dict or set: cleared and refilled keeps its type and order
+                    container.clear()
+                    container.update(saved)
+
+
 @contextlib.contextmanager
 def _preserved_state(model: torch.nn.Module):
-    """Restore RNG states and every buffer (object and contents) on exit."""
+    """Restore RNG states, every module attribute (``_ModuleAttributes``) and the contents
+    of every buffer and frozen tensor on exit."""
     cpu_rng = torch.get_rng_state()
     cuda_rng = (torch.cuda.get_rng_state_all()
                 if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
-    saved = [(mod, name, buf, buf.detach().clone())
-             for mod in model.modules() for name, buf in mod._buffers.items() if buf is not None]
-    # Parameters that don't train and plain tensor attributes may be updated in forward
-    # (an EMA codebook, a counter): restore them too.
-    frozen = [(t, t.detach().clone()) for t in frozen_state(model)]
+    attributes = _ModuleAttributes(model)
+    # Buffers, parameters that don't train and plain tensor attributes may be updated in
+    # place in forward (an EMA codebook, a counter): restore their contents too.
+    frozen = {id(t): (t, t.detach().clone()) for t in frozen_state(model)}
     try:
         yield
     finally:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+        attributes.restore()
         with torch.no_grad():
-            for mod, name, buf, copy in saved:
-                mod._buffers[name] = buf  # undo re-assignments such as `self.buf = new`
-                buf.copy_(copy)
-            for tensor, copy in frozen:
+            for tensor, copy in frozen.values():
                 tensor.copy_(copy)
 
 
@@ -526,23 +667,22 @@ def _trace_once(model, arguments, opaque) -> tuple[torch.fx.GraphModule | None, 
     """One tracing attempt: (graph module, None, "") or (None, culprit path, reason)."""
     tracer = _ConcreteTracer(arguments, opaque)
     try:
-        with _preserved_state(model), _tracing_patches(tracer):
-            graph = tracer.trace(model)
-        for node in graph.nodes:  # real values would keep every activation alive
-            node.meta.pop(_REAL, None)
-            node.meta.pop(_HOLD, None)
-            node.meta.pop(_DYN, None)
-        return torch.fx.GraphModule(tracer.root, graph, class_name=type(model).__name__), None, ""
+        # The graph module is built before the model's attributes are put back: it takes
+        # the tensor constants fx stowed on the root (``_tensor_constant0``), which then go.
+        with _preserved_state(model):
+            with _tracing_patches(tracer):
+                graph = tracer.trace(model)
+            for node in graph.nodes:  # real values would keep every activation alive
+                node.meta.pop(_REAL, None)
+                node.meta.pop(_HOLD, None)
+                node.meta.pop(_DYN, None)
+            return torch.fx.GraphModule(tracer.root, graph, class_name=type(model).__name__), None, ""
     except Exception as exc:
         culprit = getattr(exc, "_autofuser_culprit", "")
         # A leaf (or already opaque) module failing on real values means its caller is at fault.
         while culprit and (culprit in opaque or culprit in tracer.leaf_paths):
             culprit = culprit.rpartition(".")[0]
         return None, culprit, _reason(exc)
-    finally:
-        for name in tracer.added_attrs:  # fx stows constants on the root: do not leave them there
-            if name in model.__dict__:
-                delattr(model, name)
 
 
 class _ShapeRecorder(torch.fx.Interpreter):
@@ -579,20 +719,14 @@ def _propagate_shapes(gm: torch.fx.GraphModule, model: torch.nn.Module, inputs: 
         _ShapeRecorder(gm).run(*_clone_tree(inputs))
 
 
-def capture(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any) -> torch.fx.GraphModule:
-    """Trace ``model`` into one GraphModule specialised on the example inputs' shapes.
+def _trace(model: torch.nn.Module, sig: inspect.Signature, arguments: dict,
+           flat_inputs: list) -> tuple[torch.fx.GraphModule, dict[str, str]]:
+    """Trace, making culprit modules opaque one by one, then propagate shapes.
 
-    Call the result with the inputs in the order of ``gm.meta["autofuser_input_names"]``.
-    Submodules that cannot be traced stay opaque ``call_module`` nodes (see
-    ``gm.meta["autofuser_opaque"]``); if the root cannot be traced, the model runs unchanged.
+    An exception the model itself raises on the example inputs (run whole, eagerly)
+    propagates as it is, with a note, so ``except IndexError`` around ``fuse`` or
+    ``capture`` still sees the model's ``IndexError``.
     """
-    if not isinstance(model, torch.nn.Module):
-        hint = (f" {model.__name__} is a class: instantiate it first, e.g. capture({model.__name__}(...), x)."
-                if isinstance(model, type) else "")
-        raise CaptureError(f"capture() needs an nn.Module instance, got {type(model).__name__}: "
-                           f"pass an nn.Module instance.{hint}")
-    sig, arguments, flat_inputs = bind_inputs(model, example_inputs, example_kwargs)
-
     opaque: dict[str, str] = {}
     gm, reason = None, None
     if model._forward_hooks or model._forward_pre_hooks or "forward" in model.__dict__:
@@ -610,13 +744,46 @@ def capture(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
 
     try:
         _propagate_shapes(gm, model, flat_inputs)
+        return gm, opaque
     except Exception as exc:
         if "" in opaque:
-            raise CaptureError(f"{type(model).__name__} raised {type(exc).__name__} when run "
-                               f"on the example inputs: {exc}") from exc
-        # The traced graph does not run (it should): fall back to the untouched model.
-        gm, opaque = _opaque_root(model, sig, arguments), {"": _reason(exc)}
+            _note_model_error(exc, model)
+            raise
+        failure = exc
+    # The traced graph does not run (it should): fall back to the untouched model.
+    gm, opaque = _opaque_root(model, sig, arguments), {"": _reason(failure)}
+    try:
         _propagate_shapes(gm, model, flat_inputs)
+    except Exception as exc:
+        _note_model_error(exc, model)
+        raise
+    return gm, opaque
+
+
+def _note_model_error(exc: BaseException, model: torch.nn.Module) -> None:
+    """Say, on the model's own exception, where it came from (Python 3.11+ shows notes)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"AutoFuser: {type(model).__name__} raised this when run eagerly on the example "
+                     "inputs it was being captured with, so it fails on them without AutoFuser too: "
+                     "fix the model or the inputs.")
+
+
+def capture(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any) -> torch.fx.GraphModule:
+    """Trace ``model`` into one GraphModule specialised on the example inputs' shapes.
+
+    Call the result with the inputs in the order of ``gm.meta["autofuser_input_names"]``.
+    Submodules that cannot be traced stay opaque ``call_module`` nodes (see
+    ``gm.meta["autofuser_opaque"]``); if the root cannot be traced, the model runs unchanged.
+    """
+    if not isinstance(model, torch.nn.Module):
+        hint = (f" {model.__name__} is a class: instantiate it first, e.g. capture({model.__name__}(...), x)."
+                if isinstance(model, type) else "")
+        raise CaptureError(f"capture() needs an nn.Module instance, got {type(model).__name__}: "
+                           f"pass an nn.Module instance.{hint}")
+    sig, arguments, flat_inputs = bind_inputs(model, example_inputs, example_kwargs)
+
+    with _CAPTURE_LOCK:  # see _CAPTURE_LOCK: the patches tracing makes are process-wide
+        gm, opaque = _trace(model, sig, arguments, flat_inputs)
 
     # Only report paths that are call_module nodes (not those inside an opaque parent).
     targets = {n.target for n in gm.graph.nodes if n.op == "call_module"}
