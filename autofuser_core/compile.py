@@ -450,7 +450,8 @@ def _pick_config(candidate: Candidate, source, kernel, inputs, device, options, 
 def _valid_entry(candidate: Candidate, entry: Optional[dict], warn: bool = True) -> Optional[dict]:
     """A cached tuning entry whose config the strategy still accepts, else ``None`` (tune again):
     a validity rule added since the entry was written (a config found to fault, say) holds
-    for cached configs too."""
+    for cached configs too, and the config must be one the strategy lists now (or its
+    default): an entry selects among the strategy's configs, it never adds one."""
     if entry is None:
         return None
     if entry.get("config_limit") is not None and _CONFIG_LIMIT.get() is None:
@@ -466,6 +467,13 @@ def _valid_entry(candidate: Candidate, entry: Optional[dict], warn: bool = True)
         if warn:
             logger.warning("cached config %s of %s is no longer valid (%s); tuning again", entry["config"],
                            candidate.strategy.name, why)
+        return None
+    # A cache entry only chooses among the strategy's own configs: one it doesn't list (an
+    # older list, or an entry written by hand) could launch with block sizes nobody checked.
+    if entry["config"] not in strategy.configs(program):
+        if warn:
+            logger.warning("cached config %s of %s is not one of the strategy's configs; tuning again",
+                           entry["config"], candidate.strategy.name)
         return None
     return entry
 
