@@ -4,10 +4,12 @@ Layout under ``cache_dir()`` (``$AUTOFUSER_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/autofuser``, else ``~/.cache/autofuser``; created private to
 the user, mode 0700):
 
-- ``kernels/<name>.py`` - generated Triton source (Triton needs a real file).
-  The source is always regenerated from the graph; a file on disk is imported
-  only if its bytes hash to what was just generated, so a writable cache
-  folder cannot inject code.
+- ``kernels/<name>.py`` - generated Triton source, kept for people to read.
+  Nothing is ever imported from it: the source is always regenerated from the
+  graph, written to a private folder of the process (``private_kernel_dir()``)
+  and run from the text in memory, which is also what Triton reads back as the
+  kernel's source (``module_from_source``). A process that rewrites a file here,
+  at any time, changes nothing that runs.
 - ``tuning/<key-hash>.json`` - one tuning result: the full key (kernel
   source hash, GPU name and capability, torch and Triton versions), the
   winning config and its timings, and the group's fused-vs-eager times, so a
@@ -18,8 +20,19 @@ the user, mode 0700):
   rewritten graph's code, its kernels and configs, the input signature and the
   GPU and versions, so a warm cache skips the whole-forward measurement too.
 
-Every write goes to a temporary file in the same folder and is renamed over
-the target (atomic on POSIX), so concurrent processes never read half a file.
+Every write goes to a temporary file in the same folder (created anew, never
+through a link) and is renamed over the target (atomic on POSIX), so
+concurrent processes never read half a file. Entries are read without
+following a symbolic link and without blocking on a FIFO; anything but a
+regular file of at most ``MAX_ENTRY_BYTES`` is ignored with a warning.
+
+Only folders no other user can write are used (POSIX). The cache folder and
+its subfolders must be real folders (a subfolder that is a symbolic link is
+refused) owned by this user (or by root) and not writable by group or others:
+one of this user's that others may write is made private (mode 0700, said
+once); one that belongs to another user, or can't be made private, is not used
+at all - one warning, and the process runs as with an unwritable folder. See
+``docs/cache.md`` for the threat model.
 
 Several processes (the ranks of a distributed job, say) sharing one folder
 tune each kernel once: a process that misses an entry takes the entry's lock
@@ -30,18 +43,22 @@ an entry appears only by the final rename, so a process killed while tuning
 leaves nothing a later run trusts (only a stray ``*.tmp``, removed later).
 
 A folder that can't be written (read-only, full disk) is not an error: one
-warning, tuning results are kept in memory for the process, and kernel sources
-go to a private temporary folder.
+warning, and tuning results are kept in memory for the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import json
+import linecache
 import logging
 import os
+import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -60,12 +77,19 @@ ENTRY_VERSION = 1
 LOCK_TIMEOUT_S = 600.0
 #: A temporary file this old is left over from a process that died while writing.
 STALE_TMP_S = 60.0
+#: The largest entry file read: a tuning entry with every config's timing is a few KiB.
+MAX_ENTRY_BYTES = 4 << 20
 
 # Tuning results this process could not write, by (folder, key hash): reused by
 # later compilations in the same process.
 _unwritten: dict[tuple[str, str], dict[str, Any]] = {}
 _warned_unwritable: set[str] = set()
-_private_kernel_dir: Optional[Path] = None
+_warned_folders: set[str] = set()  # folders refused or made private: said once each
+# This process's private kernel folder, with the pid that made it (a fork makes its own).
+_private_kernel_dir: Optional[tuple[int, Path]] = None
+_private_files: dict[str, str] = {}  # file name in that folder -> sha256 of the text written there
+# (cache folder, kernel name) whose readable copy this process wrote or found identical.
+_readable_copies: set[tuple[str, str]] = set()
 
 
 def cache_dir(override: Optional[str] = None) -> Path:
@@ -90,11 +114,118 @@ def _warn_unwritable(root: Path, err: OSError) -> None:
         return
     _warned_unwritable.add(str(root))
     warnings.warn(f"AutoFuser: cannot write to the cache folder {root} ({err}); tuning results are kept in "
-                  "memory for this process only, and kernel sources go to a private temporary folder. Point "
-                  "AUTOFUSER_CACHE_DIR (or fuse(cache_dir=...)) at a writable folder to keep them.", stacklevel=3)
+                  "memory for this process only. Point AUTOFUSER_CACHE_DIR (or fuse(cache_dir=...)) at a "
+                  "writable folder to keep them.", stacklevel=3)
+
+
+# ---------------------------------------------------------------------------
+# Whose folder it is
+# ---------------------------------------------------------------------------
+
+
+def _usable(root: Path, sub: str) -> bool:
+    """Whether ``root/sub`` may be read and written: each of the two, where it exists, is
+    a folder (``root`` may be reached through a symbolic link, ``sub`` may not) that
+    belongs to this user or to root and that no other user can write. A folder of this
+    user's that group or others may write is made private first (mode 0700). Refusals
+    warn once per folder. A missing folder is usable: it is created private when written."""
+    if os.name != "posix":
+        return True  # no owners and modes to check (docs/cache.md: what is not protected)
+    return (_folder_ok(root, link_allowed=True, instead=_INSTEAD[""])
+            and _folder_ok(root / sub, link_allowed=False, instead=_INSTEAD[sub]))
+
+
+#: What happens instead when a folder is not used.
+_INSTEAD = {
+    "": "nothing is read from it or written to it; tuning results are kept in memory for this process only",
+    "tuning": "tuning results are kept in memory for this process only",
+    "verdicts": "whole-forward timings are kept in memory for this process only",
+    "kernels": "generated kernel sources are not copied there (they run from a private folder either way)",
+}
+
+
+def _folder_ok(path: Path, link_allowed: bool, instead: str) -> bool:
+    try:
+        st = os.stat(path) if link_allowed else os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:  # unreachable (a parent without search permission): reads and writes fail as usual
+        return True
+    if stat.S_ISLNK(st.st_mode):
+        return _refuse(path, "is a symbolic link", instead, "replace the link by a folder of your own")
+    if not stat.S_ISDIR(st.st_mode):
+        return _refuse(path, "is not a folder", instead, "remove it")
+    if st.st_uid not in _trusted_owners():
+        return _refuse(path, f"belongs to another user (uid {st.st_uid})", instead, "use a folder of your own")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        if st.st_uid != os.getuid():
+            return _refuse(path, "can be written by other users", instead, "use a folder of your own")
+        try:
+            os.chmod(path, 0o700)
+        except OSError as err:
+            return _refuse(path, f"can be written by other users and can't be made private ({err})", instead,
+                           "make it mode 0700")
+        if str(path) not in _warned_folders:
+            _warned_folders.add(str(path))
+            logger.warning("made the cache folder %s private (mode %o -> 700): other users could write to it, "
+                           "and so choose which configs tuning keeps", path, stat.S_IMODE(st.st_mode))
+    return True
+
+
+def _trusted_owners() -> set[int]:
+    """Who may own the cache's folders: this user, and root (who can change any file
+    anyway; a read-only cache that root installed is used as it is)."""
+    return {os.getuid(), 0}
+
+
+def _refuse(path: Path, why: str, instead: str, fix: str) -> bool:
+    if str(path) not in _warned_folders:
+        _warned_folders.add(str(path))
+        warnings.warn(f"AutoFuser: not using the cache folder {path}: it {why}; {instead}. To keep them, {fix}, "
+                      "or point AUTOFUSER_CACHE_DIR (or fuse(cache_dir=...)) at one.", stacklevel=5)
+    return False
+
+
+# ---------------------------------------------------------------------------
+# Reading and writing files
+# ---------------------------------------------------------------------------
+
+
+def read_regular_file(path: Path, limit: int) -> bytes:
+    """The bytes of ``path`` where it is a regular file of at most ``limit`` bytes.
+
+    Opened without following a symbolic link and without blocking (a FIFO would
+    block an ordinary ``open`` until someone writes to it), then checked on the open
+    descriptor. Raises ``FileNotFoundError`` where it is missing, ``CacheError``
+    (saying what it is) where it is a link, not a regular file or too large, and
+    ``OSError`` where it can't be read."""
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    if not nofollow and os.path.islink(path):
+        raise CacheError("it is a symbolic link")
+    flags = os.O_RDONLY | nofollow | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) \
+        | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        if nofollow and err.errno in (errno.ELOOP, errno.EMLINK):  # EMLINK: the BSDs' answer
+            raise CacheError("it is a symbolic link") from None
+        raise
+    with os.fdopen(fd, "rb") as handle:
+        st = os.fstat(handle.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise CacheError("it is not a regular file")
+        if st.st_size > limit:
+            raise CacheError(f"it is larger than {limit} bytes")
+        data = handle.read(limit + 1)
+    if len(data) > limit:  # it grew while read
+        raise CacheError(f"it is larger than {limit} bytes")
+    return data
 
 
 def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a new temporary file (``mkstemp``: created
+    exclusively, mode 0600, never through a planted link) renamed over it; a link or
+    anything else at ``path`` is replaced, not written through."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -109,57 +240,119 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
+# ---------------------------------------------------------------------------
+# Kernel sources: only the text just generated is ever run
+# ---------------------------------------------------------------------------
+
+
 def load_kernel_module(name: str, source: str, root: Path):
-    """Write ``source`` to ``kernels/<name>.py`` (unless an identical file is
-    there) and import it; returns the module.
+    """Import the generated ``source`` as module ``autofuser_kernels.<name>``, and keep
+    a copy in ``kernels/<name>.py`` of the cache folder for people to read; returns the
+    module.
+
+    What runs, and what Triton reads back as the kernel's source (the JIT when it
+    decorates, the interpreter at the first launch), is ``source`` itself: the module
+    is compiled from the text in memory, filed under a file this process writes in its
+    private folder (``private_kernel_dir()``), and that text is registered in
+    ``linecache`` under the file's name (``module_from_source``). The copy in the cache
+    folder is never read back to run, so rewriting it, before or after this call, changes
+    nothing that runs.
 
     A module this process already imported under ``name`` is returned as it is:
     the name hashes the code, so it differs from ``source`` at most in the
     header comment naming the fx nodes (another copy of a repeated layer), and
-    its file in this folder, still in place, is left alone rather than written
+    its copy in this folder, still in place, is left alone rather than written
     again for every copy."""
-    path = root / "kernels" / f"{name}.py"
-    module = sys.modules.get(f"autofuser_kernels.{name}")
-    if module is not None and module.__file__ == str(path) and path.is_file():
-        return module
     digest = hashlib.sha256(source.encode()).hexdigest()
-    try:
-        on_disk = path.read_bytes()
-        trusted = hashlib.sha256(on_disk).hexdigest() == digest
-    except OSError:
-        trusted = False
-    if not trusted:
-        try:
-            atomic_write(path, source)
-        except OSError as err:
-            _warn_unwritable(root, err)
-            path = _private_kernels() / f"{name}.py"
-            atomic_write(path, source)
+    _write_readable_copy(root, name, source, digest)
     module_name = f"autofuser_kernels.{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    module = module_from_source(module_name, source, path)
+    module = sys.modules.get(module_name)
+    if module is not None:
+        return module
+    module = module_from_source(module_name, source, _private_kernel_file(name, source, digest))
     sys.modules[module_name] = module
     return module
 
 
+def _write_readable_copy(root: Path, name: str, source: str, digest: str) -> None:
+    """``kernels/<name>.py``, unless this process wrote it already or an identical file is there."""
+    path = root / "kernels" / f"{name}.py"
+    slot = (str(root), name)
+    if slot in _readable_copies and os.path.lexists(path):
+        return
+    if not _usable(root, "kernels"):
+        return
+    try:
+        identical = hashlib.sha256(read_regular_file(path, len(source.encode()))).hexdigest() == digest
+    except (OSError, CacheError):
+        identical = False
+    if not identical:
+        try:
+            atomic_write(path, source)
+        except OSError as err:
+            _warn_unwritable(root, err)
+            return
+    _readable_copies.add(slot)
+
+
 def module_from_source(module_name: str, source: str, path: Path):
-    """A module made by running ``source``, filed as ``path`` (Triton reads a kernel's
-    source back from its file). The text itself runs, not the import system's pick: it
-    would take a ``__pycache__/*.pyc`` planted next to the file over the file."""
-    spec = importlib.util.spec_from_file_location(module_name, path)
+    """A module made by running ``source``, filed as ``path``.
+
+    The text itself runs, not the import system's pick (it would take a
+    ``__pycache__/*.pyc`` planted next to the file over the file), and the same
+    text is registered in ``linecache`` under ``path``: Triton gets a kernel's
+    source through ``inspect``, which reads ``linecache`` first, so it compiles
+    what ran here whatever the file holds by then. (An entry without a
+    modification time is one ``linecache.checkcache`` keeps; if something clears
+    the whole cache, ``inspect`` reads the file again.)"""
+    filename = str(path)
+    spec = importlib.util.spec_from_file_location(module_name, filename)
     module = importlib.util.module_from_spec(spec)
-    exec(compile(source, str(path), "exec"), module.__dict__)
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), module.__dict__)
     return module
 
 
-def _private_kernels() -> Path:
-    """A private temporary folder for kernel sources when the cache folder can't
-    take them (Triton reads a kernel's source through its file)."""
+def private_kernel_dir() -> Path:
+    """This process's private folder for the kernel files it imports: made by
+    ``tempfile.mkdtemp`` (a new name, mode 0700, ours), removed when the process exits.
+    A forked child that loads kernels makes its own."""
     global _private_kernel_dir
-    if _private_kernel_dir is None:
-        _private_kernel_dir = Path(tempfile.mkdtemp(prefix="autofuser-kernels-"))
-    return _private_kernel_dir
+    pid = os.getpid()
+    if _private_kernel_dir is None or _private_kernel_dir[0] != pid:
+        folder = Path(tempfile.mkdtemp(prefix="autofuser-kernels-"))
+        _private_kernel_dir = (pid, folder)
+        _private_files.clear()
+        atexit.register(_remove_private_dir, pid, folder)
+    return _private_kernel_dir[1]
+
+
+def _remove_private_dir(pid: int, folder: Path) -> None:
+    if os.getpid() == pid:  # not from a forked child that inherited the exit hook
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _private_kernel_file(name: str, source: str, digest: str) -> Path:
+    """The private file holding ``source`` (written here, exclusively): ``<name>.py``, or
+    where this process already wrote other text under that name (another header),
+    ``<name>_<hash>.py``, so that a file never changes under a module filed as it."""
+    folder = private_kernel_dir()
+    file_name = f"{name}.py"
+    if _private_files.get(file_name, digest) != digest:
+        file_name = f"{name}_{digest[:16]}.py"
+    path = folder / file_name
+    if _private_files.get(file_name) != digest:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0), 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(source)
+        _private_files[file_name] = digest
+    return path
+
+
+# ---------------------------------------------------------------------------
+# Tuning entries and whole-forward verdicts
+# ---------------------------------------------------------------------------
 
 
 def key_digest(key: dict[str, Any]) -> str:
@@ -168,8 +361,11 @@ def key_digest(key: dict[str, Any]) -> str:
 
 def read_tuning(root: Path, key: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The stored result for ``key``, or ``None`` (missing, or unusable: warned).
-    Where the file has none, a result this process tuned but could not write."""
-    entry = _read_entry_file(root / "tuning" / f"{key_digest(key)}.json", key, _check_tuning, "re-tuning")
+    Where the file has none (or the folder is not used: ``_usable``), a result this
+    process tuned but could not write."""
+    entry = None
+    if _usable(root, "tuning"):
+        entry = _read_entry_file(root / "tuning" / f"{key_digest(key)}.json", key, _check_tuning, "re-tuning")
     if entry is None:
         entry = _unwritten.get((str(root), key_digest(key)))
     return entry
@@ -179,6 +375,8 @@ def _check_tuning(entry: dict[str, Any]) -> None:
     config = entry.get("config")
     if not isinstance(config, dict) or not all(isinstance(v, int) for v in config.values()):
         raise CacheError("its config is not a mapping of integers")
+    if not isinstance(entry.get("timings", []), list):
+        raise CacheError("its timings are not a list")
     speed = entry.get("speed")
     if speed is not None and not (isinstance(speed, dict) and set(speed) == {"fused_ms", "eager_ms"}
                                   and all(isinstance(v, (int, float)) and v > 0 for v in speed.values())):
@@ -194,13 +392,18 @@ def _check_verdict(entry: dict[str, Any]) -> None:
 def _read_entry_file(path: Path, key: dict[str, Any], check: Callable[[dict[str, Any]], None],
                      redo: str) -> Optional[dict[str, Any]]:
     """The entry in ``path`` if it is whole, of this version, for ``key`` and passes ``check``;
-    else ``None`` (a missing file silently, anything else with a warning saying ``redo``)."""
+    else ``None`` (a missing file silently, anything else with a warning saying ``redo``).
+    A link is not followed, and a FIFO or anything else that is not a regular file is
+    not read (``read_regular_file``)."""
     try:
-        text = path.read_text()
+        text = read_regular_file(path, MAX_ENTRY_BYTES).decode()
     except FileNotFoundError:
         return None
     except OSError as err:
         warnings.warn(f"AutoFuser: cannot read cache entry {path}: {err}; {redo}.")
+        return None
+    except (CacheError, ValueError) as err:  # ValueError: not UTF-8
+        warnings.warn(f"AutoFuser: ignoring corrupt or foreign cache entry {path} ({err}); {redo}.")
         return None
     try:
         entry = json.loads(text)
@@ -225,6 +428,9 @@ def write_tuning(root: Path, key: dict[str, Any], config: dict[str, int], timing
     if config_limit is not None:
         entry["config_limit"] = config_limit
     path = root / "tuning" / f"{key_digest(key)}.json"
+    if not _usable(root, "tuning"):
+        _unwritten[(str(root), key_digest(key))] = entry  # the refusal was warned about
+        return
     try:
         atomic_write(path, json.dumps(entry, indent=1, sort_keys=True))
     except OSError as err:
@@ -247,7 +453,10 @@ def read_verdict(root: Path, key: dict[str, Any]) -> dict[str, float]:
     decides without timing the forward again. Where the file has none, timings this
     process measured but could not write.
     """
-    entry = _read_entry_file(root / "verdicts" / f"{key_digest(key)}.json", key, _check_verdict, "timing again")
+    entry = None
+    if _usable(root, "verdicts"):
+        entry = _read_entry_file(root / "verdicts" / f"{key_digest(key)}.json", key, _check_verdict,
+                                 "timing again")
     if entry is None:
         entry = _unwritten.get((str(root), f"verdict-{key_digest(key)}"), {})
     return {str(k): float(v) for k, v in entry.get("times", {}).items()}
@@ -255,6 +464,9 @@ def read_verdict(root: Path, key: dict[str, Any]) -> dict[str, float]:
 
 def write_verdict(root: Path, key: dict[str, Any], times: dict[str, float]) -> None:
     path = root / "verdicts" / f"{key_digest(key)}.json"
+    if not _usable(root, "verdicts"):
+        _unwritten[(str(root), f"verdict-{key_digest(key)}")] = {"times": times}
+        return
     try:
         atomic_write(path, json.dumps({"version": ENTRY_VERSION, "key": key, "times": times}, indent=1,
                                       sort_keys=True))
@@ -268,21 +480,29 @@ def tuning_lock(root: Path, key: dict[str, Any], on_wait: Optional[Callable[[], 
     """Hold ``key``'s entry lock, so that one process at a time tunes it.
 
     Yields ``True`` while the lock is held, ``False`` where there is no lock to
-    take (no ``fcntl``, a folder that can't be written, a file system without
-    locks, or ``timeout_s`` - default ``LOCK_TIMEOUT_S`` - spent waiting): the
-    caller then tunes on its own, which is only slower. ``on_wait`` is called
-    once if another process holds the lock.
+    take (no ``fcntl``, a folder that can't be written or is not used, a lock
+    path that is a link or not a regular file, a file system without locks, or
+    ``timeout_s`` - default ``LOCK_TIMEOUT_S`` - spent waiting): the caller then
+    tunes on its own, which is only slower. ``on_wait`` is called once if another
+    process holds the lock.
     """
     try:
         import fcntl
     except ImportError:  # not POSIX: each process tunes; atomic writes still keep entries whole
         yield False
         return
+    if not _usable(root, "tuning"):
+        yield False
+        return
     digest = key_digest(key)
     path = root / "tuning" / f"{digest}.lock"
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = _open_lock(path)
+    except CacheError as err:
+        _warn_no_lock(path, str(err))
+        yield False
+        return
     except OSError as err:
         _warn_unwritable(root, err)
         yield False
@@ -294,6 +514,30 @@ def tuning_lock(root: Path, key: dict[str, Any], on_wait: Optional[Callable[[], 
         yield held
     finally:
         os.close(fd)  # closing drops the lock
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file's descriptor: opened without following a link and without blocking
+    (a FIFO), and refused (``CacheError``) unless it is a regular file."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.EMLINK):
+            raise CacheError("it is a symbolic link") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CacheError("it is not a regular file")
+    return fd
+
+
+def _warn_no_lock(path: Path, why: str) -> None:
+    if str(path) not in _warned_folders:
+        _warned_folders.add(str(path))
+        warnings.warn(f"AutoFuser: not using the tuning lock {path}: {why}; tuning without it (other processes "
+                      "sharing the cache may tune the same kernel too). Remove it to share tuning again.",
+                      stacklevel=4)
 
 
 def _acquire(fcntl, fd: int, path: Path, on_wait, timeout_s: float) -> bool:
@@ -324,7 +568,7 @@ def _remove_stale_temporaries(folder: Path, prefix: str) -> None:
     now = time.time()
     for tmp in folder.glob(f"{prefix}*.tmp"):
         try:
-            if now - tmp.stat().st_mtime > STALE_TMP_S:
+            if now - tmp.lstat().st_mtime > STALE_TMP_S:
                 tmp.unlink()
         except OSError:
             pass

@@ -182,7 +182,9 @@ def test_tampered_kernel_file_is_rewritten_before_import(tmp_path, kernel_name):
     assert not marker.exists()
     assert module.VALUE == 42 and module.kernel() == 42
     assert path.read_text() == GENERATED
-    assert module.__file__ == str(path)  # Triton reads kernel source through the file
+    # The module is filed under this process's private copy, never the cache folder's file.
+    assert Path(module.__file__).parent == cache.private_kernel_dir()
+    assert Path(module.__file__).read_text() == GENERATED
     assert leftovers(path.parent) == []
 
 
@@ -665,8 +667,15 @@ def test_a_shipped_cache_is_used_on_the_same_gpu_and_versions_and_ignored_elsewh
                 return original(path, *args, **kwargs)
             return call
 
+        def refuse_writes(original):
+            def call(path, flags, *args, **kwargs):
+                if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and Path(path).is_relative_to(shipped):
+                    pytest.fail(f"opened {path} for writing")
+                return original(path, flags, *args, **kwargs)
+            return call
+
         read_only.setattr(cache, "atomic_write", refuse(cache.atomic_write))
-        read_only.setattr(cache.os, "open", refuse(os.open))  # the entry lock
+        read_only.setattr(cache.os, "open", refuse_writes(os.open))  # the entry lock (entries are read)
         warnings.simplefilter("error")
         same, got, expected = fuse_norm_gelu(shipped, x)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
