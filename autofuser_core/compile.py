@@ -670,7 +670,7 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
                 job.source = candidate.strategy.generate(program, view.helpers)
                 job.entry.kernel_source = job.source.source
                 module = load_kernel_module(job.source.name, job.source.source, cache_dir(options.cache_dir))
-                job.kernel_path = module.__file__  # not in the cache folder where that can't be written
+                job.kernel_path = module.__file__  # the private copy that ran (compile children read it)
                 job.kernel = getattr(module, job.source.name)
                 job.eager = extract_group_module(gm, program)
             except Exception as err:
