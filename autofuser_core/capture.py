@@ -486,7 +486,8 @@ def _thread_aware_fx_patches() -> None:
         return
     thread = threading.get_ident()
     for i, patch in enumerate(patcher.patches_made):
-        if not isinstance(patch, set_attr) or patch.frame_dict is not torch.nn.Module or hasattr(patch.new_fn, _ORIGINAL):
+        ours = hasattr(patch.new_fn, _ORIGINAL)
+        if not isinstance(patch, set_attr) or patch.frame_dict is not torch.nn.Module or ours:
             continue
         traced, original = patch.new_fn, patch.orig_fn
 
@@ -589,6 +590,17 @@ class _ModuleAttributes:
                 else:  # a dict or set: cleared and refilled keeps its type and order
                     container.clear()
                     container.update(saved)
+
+
+@contextlib.contextmanager
+def preserved_attributes(model: torch.nn.Module):
+    """Every attribute of every module of ``model`` put back on exit (``_ModuleAttributes``),
+    for code that runs the user's forward without meaning to change the model."""
+    attributes = _ModuleAttributes(model)
+    try:
+        yield
+    finally:
+        attributes.restore()
 
 
 @contextlib.contextmanager
