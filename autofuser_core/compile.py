@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 from dataclasses import dataclass, field
 import gc
 import logging
 import math
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx
@@ -43,7 +44,7 @@ from .ir import AttrRef
 from .launch import FusedKernel, cast_inputs, host_scalars, to_device
 from .planner import SPLIT_RULES, Candidate, Plan, SplitRule, barrier_reason, plan_fusion_groups
 from .precompile import CompileJob, Compiling, launch_items, start as start_compiling
-from .registry import describe_target
+from .registry import PLUGIN_FAULTS, PluginFault, PluginHookError, describe_target, record_fault
 from .report import FusionReport, GroupEntry, NodeEntry, describe_graph
 from .matmul_layout import MAX_PRODUCTS, STRICT_FP32
 from .rounding import interpreting
@@ -400,11 +401,14 @@ def _precompile_untuned(jobs: list, device: torch.device, options, progress) -> 
     for job in jobs:
         if job.source.name in work or job.source.name in tuned:
             continue
-        if _valid_entry(job.candidate, read_tuning(root, _tuning_key(job.source, device, options)), warn=False):
-            tuned.add(job.source.name)
-            continue
+        try:
+            if _valid_entry(job.candidate, read_tuning(root, _tuning_key(job.source, device, options)), warn=False):
+                tuned.add(job.source.name)
+                continue
+            job.configs = _tuning_configs(job.candidate, options.tune_all_configs)  # tuning reads them again
+        except PluginHookError:
+            continue  # the strategy's configs raised: its check refuses the group, naming it
         program = job.candidate.program
-        job.configs = _tuning_configs(job.candidate, options.tune_all_configs)  # tuning reads them again
         # One job per set of argument dtypes: configs that convert the launcher's casts
         # themselves take those inputs unconverted.
         by_dtypes: dict[tuple, list] = {}
@@ -527,12 +531,60 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
     ``backward``: the graph will run with gradients on, so every group must be
     able to recompute its ops for backward from its saved inputs.
     """
+    # Plugin code that raises is contained (registry.py, PluginFault): the node or group it
+    # concerned stays eager, and the compile returns normally, so the caller keeps its
+    # verdict instead of compiling, and failing, again on every call.
+    faults: list[PluginFault] = []
+    token = PLUGIN_FAULTS.set(faults)
+    try:
+        new_gm, report = _compile_graph(gm, inputs, plugin_set, options, progress, backward)
+    finally:
+        PLUGIN_FAULTS.reset(token)
+    report.notes.extend(fault.sentence for fault in faults)
+    return new_gm, report
+
+
+def _transform_graph(gm: torch.fx.GraphModule, plugin_set, options) -> None:
+    """Step 1: every plugin's ``autofuser_transform_graph``. A pass that raises is undone (the graph as it was before it) and reported; the graph then
+    still computes the model's function, without that pass."""
+    for impl in plugin_set.manager.hook.autofuser_transform_graph.get_hookimpls():
+        before = copy.deepcopy(gm.graph)
+        try:
+            impl.function(*[{"gm": gm, "options": options}[a] for a in impl.argnames])
+            gm.recompile()
+        except Exception as err:
+            gm.graph = before  # recompiles
+            record_fault(impl.plugin_name, "autofuser_transform_graph", err,
+                         "its rewrite of the graph was undone and the graph is planned without it")
+
+
+def _veto(plugin_set, candidate: Candidate, options) -> Optional[str]:
+    """The ``autofuser_veto_fusion`` hook, first non-``None`` answer wins (pluggy's
+    order); an implementation that raises vetoes the group, naming itself."""
+    impls = plugin_set.manager.hook.autofuser_veto_fusion.get_hookimpls()
+    if any(impl.hookwrapper or getattr(impl, "wrapper", False) for impl in impls):
+        try:  # wrappers need pluggy's own call; a fault is then one of these plugins'
+            return plugin_set.manager.hook.autofuser_veto_fusion(group=candidate, options=options)
+        except Exception as err:
+            names = ", ".join(sorted({impl.plugin_name for impl in impls}))
+            return record_fault(names, "autofuser_veto_fusion", err, "the group runs eager").sentence
+    for impl in reversed(impls):
+        try:
+            answer = impl.function(*[{"group": candidate, "options": options}[a] for a in impl.argnames])
+        except Exception as err:
+            return record_fault(impl.plugin_name, "autofuser_veto_fusion", err, "the group runs eager").sentence
+        if answer is not None:
+            return answer
+    return None
+
+
+def _compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, progress,
+                   backward: bool) -> tuple[torch.fx.GraphModule, FusionReport]:
     started = time.perf_counter()
     report = FusionReport(plugins=list(plugin_set.names), opaque=dict(gm.meta.get("autofuser_opaque", {})))
-    for impl in plugin_set.manager.hook.autofuser_transform_graph.get_hookimpls():
-        impl.function(*[{"gm": gm, "options": options}[a] for a in impl.argnames])
-        gm.recompile()
+    _transform_graph(gm, plugin_set, options)
     report.graph = describe_graph(gm)
+    registry = plugin_set.registry.guarded()
 
     device = _device_of(inputs)
     taken: set[torch.fx.Node] = set()
@@ -567,14 +619,14 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
                 return "decided in an earlier round"
             if (candidate.strategy.name, frozenset(candidate.nodes)) in lost:
                 return "decided in an earlier round"
-            return plugin_set.manager.hook.autofuser_veto_fusion(group=candidate, options=options)
+            return _veto(plugin_set, candidate, options)
 
         tokens = (STRICT_FP32.set(options.strict_fp32_products), MAX_PRODUCTS.set(max_products),
                   SPLIT_RULES.set(rules))
         step = time.perf_counter()
         try:
             with gc_paused():
-                plan = plan_fusion_groups(gm, plugin_set.registry, veto=veto, options=options, earlier=plan)
+                plan = plan_fusion_groups(gm, registry, veto=veto, options=options, earlier=plan)
         finally:
             SPLIT_RULES.reset(tokens[2])
             MAX_PRODUCTS.reset(tokens[1])
@@ -832,6 +884,8 @@ def _settle(held: list[_Job], jobs: list[_Job]) -> list[_Job]:
 
 
 def _refuse_job(job: _Job, code: str, err: Exception) -> None:
+    if isinstance(err, PluginHookError):
+        code = "plugin_failed"  # the plugin's own code raised; the message names it and the hook
     job.entry.fused, job.entry.reason_code = False, code
     job.entry.reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     logger.warning("group %s could not be compiled: %s", job.entry.nodes, job.entry.reason)

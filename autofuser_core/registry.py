@@ -12,16 +12,26 @@ Rules, each enforced when a spec is registered:
    that means to replace a bundled lowering registers with a higher
    ``priority``. The same holds for two product layouts for one number of
    products.
+
+While a graph compiles, the core plans with ``Registry.guarded()``: the same
+specs, with the plugin code they carry wrapped so that an exception names its
+plugin and hook and is answered the safe way (the node or group stays eager)
+instead of reaching the user bare; see ``PluginFault``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Type, TypeVar
+import contextvars
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Type, TypeVar
 
 import torch
 from pydantic import ValidationError
 
-from .errors import SpecError
+from .errors import PluginError, SpecError
+from .group import GroupRefused
+from .ir import LoweringRefused
 from .specs import LoweringSpec, ProductLayoutSpec, QuantizerSpec, Spec, StrategySpec
 
 SpecT = TypeVar("SpecT", bound=Spec)
@@ -54,6 +64,7 @@ class Registry:
         self.product_layout_specs: dict[str, ProductLayoutSpec] = {}
         self._by_target: dict[tuple[str, Any], LoweringSpec] = {}
         self._claims: dict[tuple[str, Any], list[LoweringSpec]] = {}
+        self._guarded: Optional[Registry] = None
 
     # -- registration -------------------------------------------------------
 
@@ -134,6 +145,30 @@ class Registry:
         self._add_unique(self.quantizers, quantizer, "quantizer")
         return quantizer
 
+    # -- compiling with plugin faults contained ------------------------------
+
+    def guarded(self) -> "Registry":
+        """This registry with every spec's compile-time plugin code guarded
+        (``_GUARDED_FIELDS``): made once, after registration, and planned with by
+        every compile of this plugin set. An exception a guarded function raises
+        is recorded (``PluginFault``, warned once per compile) and answered as
+        ``_answer_fault`` says; a hook's own refusals (``ctx.refuse``,
+        ``GroupRefused``) pass through unchanged."""
+        if self._guarded is not None:
+            return self._guarded
+        guarded = Registry()
+        copies: dict[int, Spec] = {}
+        for table, copy_table in ((self.lowerings, guarded.lowerings), (self.strategies, guarded.strategies),
+                                  (self.product_layout_specs, guarded.product_layout_specs)):
+            for name, spec in table.items():
+                copies[id(spec)] = copy_table[name] = _guarded_spec(spec)
+        guarded.quantizers = dict(self.quantizers)  # used before compiling, by ``fuse()``
+        guarded._claims = {key: [copies[id(s)] for s in claims] for key, claims in self._claims.items()}
+        guarded._by_target = {key: copies[id(spec)] for key, spec in self._by_target.items()}
+        guarded._guarded = guarded
+        self._guarded = guarded
+        return guarded
+
     # -- look-ups ------------------------------------------------------------
 
     def lowering_for(self, node: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> Optional[LoweringSpec]:
@@ -175,3 +210,111 @@ def _check_tie(claims: list, what: str, claimed: str) -> None:
             f"{what} {a.name!r} of plugin {a.plugin!r} both claim it at priority {top}. Give the one "
             "that should win a higher `priority`, or load only one of the two plugins."
         )
+
+
+# ---------------------------------------------------------------------------
+# Plugin faults while a graph compiles
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PluginFault:
+    """Plugin code that raised while a graph compiled: which plugin, which hook
+    (``where``: a spec's field such as ``lowering 'x.abs' (LoweringSpec.lower)``,
+    or a hook name such as ``autofuser_veto_fusion``), and the sentence the report
+    and the warning show."""
+
+    plugin: str
+    where: str
+    sentence: str
+    spec: Optional[str] = None  # the name of the spec whose code raised, if a spec's
+
+
+#: The faults of the compile in progress (``compile_graph`` sets a fresh list); one
+#: entry per plugin and hook, in the order they first happened.
+PLUGIN_FAULTS: contextvars.ContextVar[Optional[list[PluginFault]]] = contextvars.ContextVar(
+    "autofuser_plugin_faults", default=None)
+
+
+class PluginHookError(PluginError):
+    """Plugin code raised while a graph compiled. The message names the plugin and
+    the hook; ``__cause__`` is the plugin's own exception."""
+
+    def __init__(self, fault: PluginFault):
+        super().__init__(fault.sentence)
+        self.fault = fault
+
+
+def record_fault(plugin: str, where: str, err: BaseException, outcome: str,
+                 spec: Optional[str] = None) -> PluginFault:
+    """Note that ``plugin``'s ``where`` raised ``err`` (``outcome``: what the core
+    does instead, e.g. "the node runs eager"), and warn the first time this plugin
+    and hook fail in the compile in progress."""
+    message = str(err).splitlines()[0] if str(err) else ""
+    fault = PluginFault(plugin, where, (
+        f"plugin {plugin!r} raised {type(err).__name__}{': ' + message if message else ''} in {where}; "
+        f"{outcome}. Fix the plugin, or leave it out of plugins=[...]"), spec)
+    faults = PLUGIN_FAULTS.get()
+    if faults is not None and any(f.plugin == plugin and f.where == where for f in faults):
+        return fault
+    if faults is not None:
+        faults.append(fault)
+    warnings.warn(f"AutoFuser: {fault.sentence}", stacklevel=2)
+    return fault
+
+
+def _faulted(spec: Spec) -> bool:
+    """Whether code of ``spec`` has already raised in the compile in progress."""
+    faults = PLUGIN_FAULTS.get() or ()
+    return any(f.plugin == spec.plugin and f.spec == spec.name for f in faults)
+
+
+#: The plugin code of each spec type that compiling a graph calls, and what the core does
+#: when it raises: "refuse_node" (the node stays eager, ``LoweringRefused``), "no_groups"
+#: (the strategy proposes nothing), "refuse_group" (``accepts`` answers a refusal), or
+#: "raise" (a ``PluginHookError``, which the planner and the verifier turn into a group
+#: that stays eager with the message as its reason).
+_GUARDED_FIELDS: dict[type, dict[str, str]] = {
+    LoweringSpec: {"lower": "refuse_node"},
+    StrategySpec: {"propose": "no_groups", "compose": "raise", "accepts": "refuse_group", "configs": "raise",
+                   "default_config": "raise", "is_valid": "raise", "generate": "raise"},
+    ProductLayoutSpec: {"lay_out": "raise"},
+}
+_KINDS = {LoweringSpec: "lowering", StrategySpec: "strategy", ProductLayoutSpec: "product layout"}
+_OUTCOMES = {"refuse_node": "the node runs eager", "no_groups": "the strategy proposes no groups for this graph",
+             "refuse_group": "the group runs eager", "raise": "the group runs eager"}
+
+
+def _guarded_spec(spec: Spec) -> Spec:
+    fields = _GUARDED_FIELDS[type(spec)] if type(spec) in _GUARDED_FIELDS else next(
+        fields for base, fields in _GUARDED_FIELDS.items() if isinstance(spec, base))
+    kind = next(name for base, name in _KINDS.items() if isinstance(spec, base))
+    update = {}
+    for name, answer in fields.items():
+        function = getattr(spec, name)
+        if function is not None:
+            update[name] = _guard(spec, f"{kind} {spec.name!r} ({type(spec).__name__}.{name})", function, answer)
+    return spec.model_copy(update=update)
+
+
+def _guard(spec: Spec, where: str, function: Callable[..., Any], answer: str) -> Callable[..., Any]:
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if answer == "no_groups" and _faulted(spec):
+            return []  # a strategy that failed once in this compile proposes nothing more
+        try:
+            return function(*args, **kwargs)
+        except (LoweringRefused, GroupRefused):
+            raise  # the hook's own answer
+        except Exception as err:
+            fault = record_fault(spec.plugin or "?", where, err, _OUTCOMES[answer], spec.name)
+            if answer == "refuse_node":
+                raise LoweringRefused("plugin_failed", fault.sentence) from err
+            if answer == "no_groups":
+                return []
+            if answer == "refuse_group":
+                return "plugin_failed", fault.sentence
+            raise PluginHookError(fault) from err
+
+    guarded.__wrapped__ = function
+    guarded.__name__ = getattr(function, "__name__", "guarded")
+    return guarded
