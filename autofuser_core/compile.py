@@ -245,20 +245,31 @@ def _tolerance(candidate: Candidate, view) -> Tolerance:
     return Tolerance(atol=max(t.atol for t in tols), rtol=max(t.rtol for t in tols))
 
 
-def _max_error(fused: torch.Tensor, eager: torch.Tensor, tol: Tolerance) -> tuple[bool, float]:
+def _max_error(fused: torch.Tensor, eager: torch.Tensor, tol: Tolerance,
+               scale_rows: bool = False) -> tuple[bool, float]:
+    """Whether ``fused`` is within ``tol`` of ``eager``, and the largest difference.
+    ``scale_rows``: ``atol`` relative to each row's largest magnitude (``_half_scale``) and
+    the mean error held to the plain bound whatever the dtype, as fp16/bf16 always are."""
     if fused.dtype == torch.bool or eager.dtype == torch.bool:
         ok = torch.equal(fused, eager)
         return ok, 0.0 if ok else 1.0
     # fp32 is exact enough to compare fp32/fp16/bf16 results, and half the memory of fp64.
     a, b = fused.float(), eager.float()
+    # Where either side is not finite, both must be the same: NaN where eager has NaN, the
+    # same infinity where it has one. (A tolerance of rtol * inf would let any finite
+    # number, or the other infinity, pass.)
     nan_a, nan_b = torch.isnan(a), torch.isnan(b)
     if not torch.equal(nan_a, nan_b):
         return False, float("nan")
-    a, b = a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0)
-    same_inf = (a == b)  # infinities must match exactly
-    diff = torch.where(same_inf, torch.zeros_like(a), (a - b).abs())
-    ok = bool((diff <= tol.atol * _half_scale(eager, b) + tol.rtol * b.abs()).all())
-    if ok and eager.dtype in ROUNDED_DTYPES and diff.numel():
+    unequal_inf = (torch.isinf(a) | torch.isinf(b)) & (a != b)
+    if bool(unequal_inf.any()):
+        return False, float("inf")
+    finite = torch.isfinite(b)
+    a, b = a.masked_fill(~finite, 0), b.masked_fill(~finite, 0)
+    diff = (a - b).abs()
+    scaled = scale_rows or eager.dtype in ROUNDED_DTYPES
+    ok = bool((diff <= tol.atol * (_half_scale(eager, b) if scaled else 1.0) + tol.rtol * b.abs()).all())
+    if ok and scaled and diff.numel():
         # The scaled bound above is per element; on average the error must still meet the
         # plain one, which a kernel that is wrong across the board does not.
         ok = float(diff.mean()) <= tol.atol + tol.rtol * float(b.abs().mean())
@@ -266,12 +277,13 @@ def _max_error(fused: torch.Tensor, eager: torch.Tensor, tol: Tolerance) -> tupl
 
 
 def _half_scale(eager: torch.Tensor, values: torch.Tensor):
-    """What ``atol`` is relative to: 1, or for fp16/bf16 outputs each row's largest
-    magnitude when above 1 (docs/architecture.md, Tolerances: eager rounds each
-    intermediate to the half type, so the two sides differ by roundings of the terms
-    summed into an element, which can be far larger than the element). Values past half
-    the dtype's range (masking sentinels such as ``finfo.min``) and infinities don't count."""
-    if eager.dtype not in ROUNDED_DTYPES or values.numel() == 0:
+    """What ``atol`` is relative to where rows are scaled (``_max_error``): each row's
+    largest magnitude when above 1. Asked for fp16/bf16 outputs (docs/architecture.md,
+    Tolerances: eager rounds each intermediate to the half type, so the two sides differ
+    by roundings of the terms summed into an element, which can be far larger than the
+    element), and by the synthetic check for every dtype. Values past half the dtype's
+    range (masking sentinels such as ``finfo.min``) and infinities don't count."""
+    if values.numel() == 0:
         return 1.0
     magnitude = values.abs()
     sentinel = torch.finfo(eager.dtype).max / 2
@@ -279,6 +291,119 @@ def _half_scale(eager: torch.Tensor, values: torch.Tensor):
     rows = magnitude.reshape(-1, magnitude.shape[-1]) if magnitude.dim() else magnitude.reshape(1, 1)
     scale = rows.amax(dim=1, keepdim=True).clamp_min(1.0)
     return scale.expand_as(rows).reshape(values.shape)
+
+
+#: Synthetic verification (docs/verification.md). Real inputs of one batch may all be
+#: positive, or small, and a lowering wrong only elsewhere would pass on them; so each group
+#: is also run once on drawn inputs and compared with its own eager ops on the same ones.
+#: Seeded: the same group gets the same draws on every compile.
+SYNTHETIC_SEED = 1234
+#: Per kind of special value (+large, -large, +tiny, -tiny), one element in this many.
+SYNTHETIC_SPECIAL_EVERY = 64
+#: "Large" is this many times the real input's largest finite magnitude ...
+SYNTHETIC_LARGE = 2.0
+#: ... and "tiny" this share of its root mean square.
+SYNTHETIC_TINY = 1e-6
+
+
+def _synthetic_like(real: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A floating tensor with ``real``'s shape, strides, dtype and device, drawn to cover
+    what one real batch may not: ``randn`` times the real values' root mean square (so
+    both signs, at their scale), a few values of twice their largest magnitude and a few
+    of a millionth of their scale, each of either sign, and an exact zero. Half types keep
+    the large values below half the square root of their range, where eager squaring one
+    would overflow while a kernel computing in fp32 would not (a difference that says
+    nothing about the kernel)."""
+    values = real.detach()
+    finite = values[torch.isfinite(values)].float()
+    peak = float(finite.abs().max()) if finite.numel() else 0.0
+    scale = float(finite.square().mean().sqrt()) if finite.numel() else 0.0
+    if not (math.isfinite(scale) and scale > 0):
+        scale = peak if math.isfinite(peak) and peak > 0 else 1.0
+    large = SYNTHETIC_LARGE * max(peak, scale)
+    if real.dtype in ROUNDED_DTYPES:
+        large = min(large, max(peak, math.sqrt(torch.finfo(real.dtype).max) / 2))
+    # Drawn over the memory the strides span, then viewed alike: an expanded input stays
+    # expanded (each drawn value seen at every position that shares it), as the kernel expects.
+    span = 1 + sum((size - 1) * stride for size, stride in zip(real.shape, real.stride()))
+    drawn = torch.randn(span, generator=generator, device=real.device, dtype=torch.float32) * scale
+    if span >= 8:
+        count = max(1, span // SYNTHETIC_SPECIAL_EVERY)
+        where = torch.randint(0, span, (4 * count + 1,), generator=generator, device=real.device)
+        special = torch.tensor([large, -large, scale * SYNTHETIC_TINY, -scale * SYNTHETIC_TINY],
+                               device=real.device).repeat_interleave(count)
+        drawn[where[:-1]] = special
+        drawn[where[-1:]] = 0.0
+    return drawn.to(real.dtype).as_strided(real.shape, real.stride())
+
+
+def _synthetic_inputs(program: GroupProgram, kernel_inputs: Sequence[Any]) -> Optional[list]:
+    """The group's inputs for its synthetic check, or ``None`` where none is drawn.
+
+    Only floating activations (values the graph computes or takes as inputs) are drawn;
+    parameters and buffers keep their real values (eager reads a module's own parameters,
+    ``self.ln(x)``, and the kernel reads the same), and integer and bool inputs keep theirs
+    (indices must stay in range, masks and counts mean what they mean). A group with a
+    node of integer result gets no draws at all: the values it turns into integers could
+    be positions."""
+    for node in program.nodes:
+        meta = node.meta.get("tensor_meta")
+        dtype = getattr(meta, "dtype", None)
+        if dtype is not None and not dtype.is_floating_point and dtype != torch.bool:
+            return None
+    drawn, any_drawn = [], False
+    generators: dict[torch.device, torch.Generator] = {}
+    for tensor, real in zip(program.inputs, kernel_inputs):
+        activation = isinstance(tensor.source, torch.fx.Node) and tensor.source.op != "get_attr"
+        if activation and isinstance(real, torch.Tensor) and real.is_floating_point() and real.numel():
+            if real.device not in generators:
+                generators[real.device] = torch.Generator(device=real.device)
+                generators[real.device].manual_seed(SYNTHETIC_SEED)
+            drawn.append(_synthetic_like(real, generators[real.device]))
+            any_drawn = True
+        else:
+            drawn.append(real)
+    return drawn if any_drawn else None
+
+
+def _synthetic_mismatch(job: _Job, kernel_inputs: Sequence[Any], tol: Tolerance) -> Optional[str]:
+    """Why the group's kernel disagrees with its own eager ops on synthetic inputs
+    (``_synthetic_inputs``), compared as fp16/bf16 results are on the real ones
+    (``_max_error`` with ``scale_rows``), or ``None``.
+
+    Eager runs first: inputs it refuses (outside an op's domain) say nothing about the
+    kernel, and the kernel is then not launched on them."""
+    program = job.candidate.program
+    drawn = _synthetic_inputs(program, kernel_inputs)
+    if drawn is None:
+        return None
+    try:
+        # Through the interpreter, node by node, as the real check's eager values came: the
+        # group module's generated Python can differ from its nodes (fx prints
+        # ``operator.pow(-2.0, y)`` as ``-2.0 ** y``, which Python reads as ``-(2.0 ** y)``).
+        expected = torch.fx.Interpreter(job.eager).run(*drawn)
+    except Exception as err:
+        logger.debug("group %s: eager refuses the synthetic inputs (%s); checked on the real ones only",
+                     job.entry.nodes, err)
+        return None
+    expected = [expected] if len(program.outputs) == 1 else list(expected)
+    try:
+        outputs = job.fused.launch(*drawn)
+    except Exception as err:
+        return (f"the kernel failed on synthetic inputs, where eager runs: {type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}; kept eager")
+    for out_tensor, eager_tensor, meta in zip(outputs, expected, program.outputs):
+        # atol relative to each output row's largest magnitude, whatever the dtype: the draws
+        # are at the real inputs' scale, which may be far from 1, and with both signs and a
+        # few large values their sums cancel more than real data does, so an element can be
+        # much smaller than the terms whose roundings it carries. A wrong kernel is wrong by
+        # about the values themselves, and the mean error is still held to the plain bound.
+        ok, err = _max_error(out_tensor, eager_tensor, tol, scale_rows=True)
+        if not ok:
+            return (f"output {meta.name} matches eager on the real inputs but differs from it by {err:.3g} on "
+                    f"synthetic ones (drawn at each floating input's scale, both signs, with large and tiny "
+                    f"values; docs/verification.md; tolerance atol {tol.atol:g}, rtol {tol.rtol:g}); kept eager")
+    return None
 
 
 #: Most timed calls per measurement. On the GPU side a call is tens of microseconds; on the
@@ -773,6 +898,11 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
                                 f"(tolerance atol {tol.atol:g}, rtol {tol.rtol:g}); kept eager")
                 break
         entry.max_error = worst
+        del outputs
+        if entry.fused:
+            refusal = _synthetic_mismatch(job, kernel_inputs, tol)
+            if refusal is not None:
+                entry.fused, entry.reason_code, entry.reason = False, "mismatch", refusal
         if entry.fused and _can_time(device, options):
             if tuned.speed is not None:  # measured when this kernel was tuned for this GPU and these versions
                 entry.time_fused_ms, entry.time_eager_ms = tuned.speed["fused_ms"], tuned.speed["eager_ms"]
