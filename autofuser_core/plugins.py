@@ -95,13 +95,17 @@ def _resolve(item: Any, available: dict[str, importlib.metadata.EntryPoint]) -> 
         )
     if isinstance(item, ModuleType):
         return item.__name__, item
-    name = getattr(item, "__name__", None) or type(item).__name__
-    if not any(n.startswith(HOOK_PREFIX) for n in dir(item)):
-        raise PluginError(
-            f"{item!r} is not a plugin: it has no {HOOK_PREFIX}* hook implementations. Pass a module "
-            "or object with hooks (see autofuser_core/hookspecs.py), or an entry-point name."
-        )
-    return name, item
+    return getattr(item, "__name__", None) or type(item).__name__, item
+
+
+def _not_a_plugin(name: str, plugin: Any) -> PluginError:
+    what = f"module {plugin.__name__!r}" if isinstance(plugin, ModuleType) else repr(plugin)
+    return PluginError(
+        f"{name!r} is not a plugin: {what} has no {HOOK_PREFIX}* hook implementations (functions named after "
+        f"the hooks in autofuser_core/hookspecs.py, such as autofuser_register_lowerings). Pass the module "
+        "that implements the hooks, or an installed plugin's entry-point name; docs/writing-a-plugin.md "
+        "shows how to write a plugin."
+    )
 
 
 def load_plugins(plugins: Optional[Sequence[Any]] = None) -> PluginSet:
@@ -109,8 +113,9 @@ def load_plugins(plugins: Optional[Sequence[Any]] = None) -> PluginSet:
 
     :param plugins: ``None`` for every installed plugin, else a list of
         modules, hook-carrying objects or entry-point names.
-    :raises PluginError: an unknown name, a misspelled hook, a hook with the
-        wrong arguments, or a plugin whose registration hook failed.
+    :raises PluginError: an unknown name, a module or object implementing no
+        hook, a misspelled hook, a hook with the wrong arguments, or a plugin
+        whose registration hook failed.
     :raises SpecError: an invalid, duplicate or tied spec.
     """
     available = installed_entry_points()
@@ -141,6 +146,12 @@ def load_plugins(plugins: Optional[Sequence[Any]] = None) -> PluginSet:
     except pluggy.PluginValidationError as err:
         known = ", ".join(sorted(n for n in dir(hookspecs) if n.startswith(HOOK_PREFIX)))
         raise PluginError(f"{err}. Known hooks: {known}. Rename the function to one of them.") from None
+    for name in names:
+        # An importable module that is no plugin (plugins=["os.path"]) would otherwise load
+        # and do nothing, silently.
+        plugin = manager.get_plugin(name)
+        if not manager.get_hookcallers(plugin):
+            raise _not_a_plugin(name, plugin)
 
     registry = Registry()
     for hook_name, method in _REGISTRATION_HOOKS.items():
