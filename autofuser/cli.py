@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -87,7 +88,30 @@ def _load_factory(spec: str):
     return factory
 
 
+def _output_path(option: str, value: str) -> Path:
+    """``value`` as a file ``report`` can write, checked before anything is compiled (a
+    compile can take minutes): missing parent folders are made now; a folder, or a
+    parent that can't be made or written to, fails at once."""
+    path = Path(value)
+    if path.is_dir():
+        raise SystemExit(f"autofuser report: {option} {value} is a folder; give a file name, such as "
+                         f"{path / ('report.json' if option == '--json' else 'report.html')}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"autofuser report: can't make the folder {path.parent} for {option} "
+                         f"({err.strerror or err}); choose another path") from None
+    if not os.access(path.parent, os.W_OK):
+        raise SystemExit(f"autofuser report: the folder {path.parent} for {option} is not writable; "
+                         "choose another path")
+    return path
+
+
 def _report(args: argparse.Namespace) -> int:
+    _output_path("--out", args.out)
+    if args.json:
+        _output_path("--json", args.json)
+
     import torch
 
     import autofuser
@@ -126,8 +150,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = commands.add_parser("report", help="fuse a model and write its report as an HTML page",
                                  description=REPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     report.add_argument("factory", metavar="MODULE:FACTORY", help="function returning (model, inputs)")
-    report.add_argument("--out", default="autofuser-report.html", help="the HTML page to write")
-    report.add_argument("--json", help="also write the report as JSON here")
+    report.add_argument("--out", default="autofuser-report.html",
+                        help="the HTML page to write (missing folders are made)")
+    report.add_argument("--json", help="also write the report as JSON here (missing folders are made)")
     report.add_argument("--plugins", help="comma-separated plugin names (default: every installed plugin)")
     report.set_defaults(run=_report)
     args = parser.parse_args(argv)
