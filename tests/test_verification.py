@@ -1,0 +1,349 @@
+"""Trusting what runs: verification on synthetic inputs (``compile._synthetic_mismatch``),
+the comparison's rules for NaN and infinity (``compile._max_error``), plugin code that
+raises while a graph compiles (``registry.Registry.guarded``, ``compile._veto``,
+``compile._transform_graph``), plugins that implement no hook, and the ``report``
+command's output paths. docs/verification.md says what verification checks.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+import zlib
+
+import pytest
+import torch
+
+import autofuser
+from autofuser import LoweringSpec, PluginError, StrategySpec
+from autofuser.cli import main as cli_main
+from autofuser_core import compile as compile_module
+from autofuser_core.compile import _max_error
+from autofuser_core.specs import DEFAULT_TOLERANCES
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """Fresh random data in every test, reproducible from the test's name."""
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+def plugin_module(name: str, **hooks) -> types.ModuleType:
+    module = types.ModuleType(name)
+    for hook_name, function in hooks.items():
+        setattr(module, hook_name, function)
+    return module
+
+
+class AbsChain(torch.nn.Module):
+    def forward(self, x):
+        return torch.abs(x) * 2.0 + 0.5
+
+
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=4e-2)}
+
+
+# ---------------------------------------------------------------------------
+# Synthetic inputs: a lowering wrong only where the first batch never went
+# ---------------------------------------------------------------------------
+
+def _positive_only_abs(ctx, input):
+    return ctx.pointwise("{0}", input)  # |x| for x >= 0 only: the planted bug
+
+
+def _register_positive_only_abs(register):
+    register(LoweringSpec(name="positiveabs.abs", targets=(torch.abs,), kind="pointwise", lower=_positive_only_abs,
+                          priority=1))
+
+
+POSITIVE_ONLY_ABS = plugin_module("positiveabs", autofuser_register_lowerings=_register_positive_only_abs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 37), (3, 5, 129)])
+def test_a_lowering_wrong_for_negatives_is_refused_on_an_all_positive_first_batch(dtype, shape):
+    model = AbsChain()
+    fused = autofuser.fuse(model, plugins=["elementwise", POSITIVE_ONLY_ABS], progress=False)
+    first = torch.rand(shape, dtype=dtype) + 0.01  # every value positive: the bug can't show on it
+    torch.testing.assert_close(fused(first), model(first), **TOLERANCE[dtype])
+    report = fused.report()
+    group = next(g for g in report.groups if "positiveabs.abs" in g.ops)
+    assert not group.fused and group.reason_code == "mismatch", str(report)
+    assert "synthetic" in group.reason and "verification.md" in group.reason
+    assert "mismatch" in str(report)
+    second = torch.randn(shape, dtype=dtype)  # same signature: the verdict above is reused
+    assert (second < 0).any()
+    torch.testing.assert_close(fused(second), model(second), **TOLERANCE[dtype])
+    assert len(fused.reports()) == 1
+
+
+@pytest.mark.parametrize("op", [torch.abs, torch.log, torch.sqrt], ids=["abs", "log", "sqrt"])
+def test_correct_lowerings_still_fuse_on_an_all_positive_first_batch(op):
+    """Negative synthetic values make log and sqrt NaN on both sides: NaN where eager
+    has NaN is agreement, not a mismatch."""
+
+    class Chain(torch.nn.Module):
+        def forward(self, x):
+            return op(x) * 3.0 - 1.0
+
+    model = Chain()
+    fused = autofuser.fuse(model, plugins=["elementwise"], progress=False)
+    x = torch.rand(4, 33) + 0.01
+    torch.testing.assert_close(fused(x), model(x))
+    report = fused.report()
+    assert report.fused and not report.skipped, str(report)
+
+
+def test_weights_and_integer_or_bool_inputs_keep_their_real_values(monkeypatch):
+    """Only floating activations are drawn: the linear's weight and bias, and the bool
+    mask, reach the synthetic run as they are."""
+    drawn = []
+    original = compile_module._synthetic_like
+
+    def recording(real, generator):
+        drawn.append(real)
+        return original(real, generator)
+
+    monkeypatch.setattr(compile_module, "_synthetic_like", recording)
+
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(12, 7)
+
+        def forward(self, x, mask):
+            y = self.proj(x)
+            return torch.where(mask, torch.relu(y), y * 0.5)
+
+    model = Masked()
+    x, mask = torch.randn(5, 12), torch.randn(5, 7) > 0
+    fused = autofuser.fuse(model, plugins=["elementwise", "matmul"], progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x, mask), model(x, mask), atol=1e-4, rtol=1e-4)
+    assert fused.report().fused, str(fused.report())
+    assert drawn and all(t.is_floating_point() for t in drawn)
+    parameters = {p.data_ptr() for p in model.parameters()}
+    assert not any(t.data_ptr() in parameters for t in drawn)
+    assert not any(t.dtype == torch.bool for t in drawn)
+
+
+def test_synthetic_draws_cover_both_signs_and_the_real_scale():
+    real = torch.rand(3, 200) * 50 + 10  # positive, away from zero
+    generator = torch.Generator().manual_seed(0)
+    drawn = compile_module._synthetic_like(real, generator)
+    assert drawn.shape == real.shape and drawn.stride() == real.stride() and drawn.dtype == real.dtype
+    assert (drawn < 0).any() and (drawn > 0).any() and (drawn == 0).any()
+    assert drawn.abs().max() >= 1.5 * real.abs().max()  # a few large values
+    assert (drawn.abs() < 1e-3).sum() >= 4  # and tiny ones
+    expanded = torch.randn(1, 9).expand(4, 9)  # a broadcast (1, C) operand keeps its strides
+    again = compile_module._synthetic_like(expanded, generator)
+    assert again.stride() == expanded.stride() and torch.equal(again[0], again[3])
+    assert compile_module._synthetic_like(torch.zeros(64), generator).abs().max() > 0  # never only zeros
+
+
+# ---------------------------------------------------------------------------
+# The comparison: NaN where eager has NaN, the same infinity where it has one
+# ---------------------------------------------------------------------------
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("fused, eager, ok", [
+    ([1.0, 2.0], [1.0, 2.0], True),
+    ([1.0, INF], [1.0, INF], True),
+    ([1.0, NAN], [1.0, NAN], True),
+    ([1.0, 3.0e38], [1.0, INF], False),  # finite where eager overflows
+    ([1.0, -INF], [1.0, INF], False),  # the other infinity
+    ([1.0, INF], [1.0, 3.0e38], False),
+    ([1.0, 0.0], [1.0, NAN], False),
+    ([1.0, NAN], [1.0, INF], False),
+], ids=["equal", "same-inf", "same-nan", "finite-for-inf", "wrong-inf", "inf-for-finite", "finite-for-nan",
+        "nan-for-inf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_values_must_match_exactly(fused, eager, ok, dtype):
+    tol = DEFAULT_TOLERANCES["float32" if dtype == torch.float32 else "bfloat16"]
+    a = torch.tensor([fused, fused], dtype=torch.float32).to(dtype)
+    b = torch.tensor([eager, eager], dtype=torch.float32).to(dtype)
+    assert _max_error(a, b, tol)[0] is ok
+
+
+# ---------------------------------------------------------------------------
+# Plugin code that raises while a graph compiles
+# ---------------------------------------------------------------------------
+
+def _check_contained(fused, model, plugin: str, hook: str, caught, calls: list, shape=(3, 41)):
+    """The model computed right, the fault named in a warning and in the report, and
+    a second call with the same signature calling the plugin no more."""
+    messages = [str(w.message) for w in caught if plugin in str(w.message)]
+    assert messages and hook in messages[0], [str(w.message) for w in caught]
+    report = fused.report()
+    assert any(plugin in note and hook in note for note in report.notes), report.notes
+    assert calls, "the plugin's code was never called"
+    before = len(calls)
+    x = torch.randn(shape)
+    torch.testing.assert_close(fused(x), model(x))
+    assert len(calls) == before, "the plugin was called again on a compiled signature"
+    return report
+
+
+def test_a_lowering_that_raises_leaves_its_node_eager_and_names_plugin_and_hook():
+    calls = []
+
+    def lower(ctx, input):
+        calls.append(1)
+        raise ValueError("lowering bug")
+
+    def register(register):
+        register(LoweringSpec(name="brokenabs.abs", targets=(torch.abs,), kind="pointwise", lower=lower,
+                              priority=1))
+
+    model = AbsChain()
+    fused = autofuser.fuse(model, plugins=["elementwise", plugin_module("brokenabs",
+                                                                        autofuser_register_lowerings=register)],
+                           progress=False)
+    x = torch.randn(3, 41)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(fused(x), model(x))
+    report = _check_contained(fused, model, "'brokenabs'", "LoweringSpec.lower", caught, calls)
+    node = next(n for n in report.unfused_nodes if n.target.endswith("abs"))
+    assert node.reason_code == "plugin_failed" and "'brokenabs'" in node.reason and "lowering bug" in node.reason
+    assert report.fused  # the ops around it still fuse
+
+
+def _strategy_plugin(name: str, failing: str, calls: list) -> types.ModuleType:
+    """A strategy taking every pointwise chain (like the bundled one, at a higher
+    priority) whose ``failing`` hook raises; ``calls`` counts that hook's calls."""
+    from autofuser_plugins.elementwise.strategy import ELEMENTWISE_STRATEGY as bundled
+
+    hooks = dict(propose=bundled.propose, accepts=bundled.accepts, configs=bundled.configs,
+                 default_config=bundled.default_config, is_valid=bundled.is_valid, generate=bundled.generate)
+
+    def raising(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError(f"{failing} bug")
+
+    hooks[failing] = raising
+
+    def register(register):
+        register(StrategySpec(name=f"{name}.pointwise", priority=1, block_params=bundled.block_params, **hooks))
+
+    return plugin_module(name, autofuser_register_strategies=register)
+
+
+@pytest.mark.parametrize("failing", ["propose", "compose", "accepts", "default_config", "generate"])
+def test_a_strategy_hook_that_raises_leaves_its_groups_eager_and_names_plugin_and_hook(failing):
+    calls = []
+    plugin = _strategy_plugin("brokenstrategy", failing, calls)
+    model = AbsChain()
+    fused = autofuser.fuse(model, plugins=["elementwise", plugin], progress=False)
+    x = torch.randn(3, 41)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(fused(x), model(x))
+    report = _check_contained(fused, model, "'brokenstrategy'", f"StrategySpec.{failing}", caught, calls)
+    mine = [g for g in report.groups if g.strategy == "brokenstrategy.pointwise"]
+    assert not any(g.fused for g in mine), str(report)
+    if failing != "propose":
+        assert mine and all("'brokenstrategy'" in g.reason and failing in g.reason for g in mine), str(report)
+    if failing in ("accepts", "default_config", "generate"):
+        assert mine[0].reason_code == "plugin_failed"
+    # The bundled strategy fuses the chain instead, in the same or a later round.
+    assert any(g.fused and g.strategy != "brokenstrategy.pointwise" for g in report.groups), str(report)
+
+
+def test_a_veto_hook_that_raises_keeps_groups_eager_and_names_plugin_and_hook():
+    calls = []
+
+    def autofuser_veto_fusion(group, options):
+        calls.append(1)
+        raise KeyError("veto bug")
+
+    model = AbsChain()
+    fused = autofuser.fuse(model, plugins=["elementwise", plugin_module("brokenveto",
+                                                                        autofuser_veto_fusion=autofuser_veto_fusion)],
+                           progress=False)
+    x = torch.randn(3, 41)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(fused(x), model(x))
+    report = _check_contained(fused, model, "'brokenveto'", "autofuser_veto_fusion", caught, calls)
+    assert not report.fused
+    assert all(g.reason_code == "vetoed" and "'brokenveto'" in g.reason for g in report.groups), str(report)
+
+
+def test_a_graph_pass_that_raises_halfway_is_undone():
+    """The pass changes the graph (every add becomes a sub), then raises: the graph
+    it left would compute something else, so it is restored."""
+    calls = []
+
+    def autofuser_transform_graph(gm, options):
+        calls.append(1)
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "add" in str(node.target):
+                node.target = torch.sub
+        raise RuntimeError("pass bug")
+
+    model = AbsChain()
+    plugin = plugin_module("brokenpass", autofuser_transform_graph=autofuser_transform_graph)
+    fused = autofuser.fuse(model, plugins=["elementwise", plugin], progress=False)
+    x = torch.randn(3, 41)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(fused(x), model(x))
+    report = _check_contained(fused, model, "'brokenpass'", "autofuser_transform_graph", caught, calls)
+    assert report.fused, str(report)
+
+
+# ---------------------------------------------------------------------------
+# Loading: a module that implements no hook is no plugin
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("item", ["os.path", types.ModuleType("emptyplugin")], ids=["name", "module"])
+def test_a_module_implementing_no_hook_is_refused(item):
+    with pytest.raises(PluginError) as caught:
+        autofuser.load_plugins([item])
+    message = str(caught.value)
+    assert "not a plugin" in message and "autofuser_*" in message and "docs/writing-a-plugin.md" in message
+    assert ("os.path" if isinstance(item, str) else "emptyplugin") in message
+    with pytest.raises(PluginError, match="not a plugin"):
+        autofuser.fuse(AbsChain(), plugins=["elementwise", item])
+
+
+# ---------------------------------------------------------------------------
+# The report command checks where it writes before compiling
+# ---------------------------------------------------------------------------
+
+FACTORY = '''
+import pathlib
+import torch
+
+
+def make():
+    pathlib.Path(__file__).with_name("factory-ran").write_text("yes")
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.GELU()).eval(), torch.randn(3, 6)
+'''
+
+
+def test_report_makes_missing_folders_for_its_outputs(tmp_path):
+    (tmp_path / "small_factory.py").write_text(FACTORY)
+    out, as_json = tmp_path / "new" / "deeper" / "report.html", tmp_path / "other" / "report.json"
+    assert cli_main(["report", f"{tmp_path / 'small_factory.py'}:make", "--out", str(out), "--json", str(as_json),
+                     "--plugins", "elementwise,matmul"]) == 0
+    assert "</html>" in out.read_text() and as_json.read_text().startswith("{")
+
+
+@pytest.mark.parametrize("where", ["folder", "under-a-file", "json-folder"])
+def test_report_refuses_an_unwritable_output_before_compiling(tmp_path, where):
+    (tmp_path / "small_factory.py").write_text(FACTORY)
+    (tmp_path / "a-file").write_text("")
+    out = {"folder": tmp_path, "under-a-file": tmp_path / "a-file" / "report.html"}.get(where, tmp_path / "r.html")
+    argv = ["report", f"{tmp_path / 'small_factory.py'}:make", "--out", str(out), "--plugins", "elementwise"]
+    if where == "json-folder":
+        argv += ["--json", str(tmp_path)]
+    with pytest.raises(SystemExit) as caught:
+        cli_main(argv)
+    message = str(caught.value)
+    assert ("is a folder" if where != "under-a-file" else "can't make the folder") in message
+    assert "--json" in message if where == "json-folder" else "--out" in message
+    assert not (tmp_path / "factory-ran").exists()  # refused before the model was even built
