@@ -67,18 +67,46 @@ def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+#: Module names an error about an unmatched pattern lists, at most.
+_NAMES_SHOWN = 8
+
+
+def _check_patterns_match(model: torch.nn.Module, options: QuantizeOptions, module_types: Any) -> None:
+    """Refuse an ``include`` or ``exclude`` pattern that matches no module of ``model``: a
+    misspelt name would otherwise quantise nothing (or everything) without a word.
+
+    :raises AutoFuserError: naming the pattern and some of the model's module names,
+        those the quantiser can replace first.
+    """
+    names = [name or "<model>" for name, _ in model.named_modules()]
+    for key in ("include", "exclude"):
+        for pattern in getattr(options, key):
+            if any(fnmatch.fnmatchcase(name, pattern) for name in names):
+                continue
+            layers = [name or "<model>" for name, m in model.named_modules() if type(m) in module_types]
+            shown = (layers or names)[:_NAMES_SHOWN]
+            kind = "layers it can quantise" if layers else "modules"
+            more = ", ..." if len(layers or names) > len(shown) else ""
+            raise AutoFuserError(
+                f"quantize {key} pattern {pattern!r} matches no module of {type(model).__name__}. Patterns are "
+                f"fnmatch patterns over qualified module names ('<model>' for the model itself); its "
+                f"{kind}: {', '.join(shown)}{more}. Fix the pattern, or drop it.")
+
+
 def quantize_model(model: torch.nn.Module, options: QuantizeOptions,
                    registry: Registry) -> tuple[torch.nn.Module, list[QuantizedLayer]]:
     """A copy of ``model`` with the selected layers replaced by ``options.format``'s quantised layers.
 
-    :raises AutoFuserError: no loaded plugin provides the format, or a layer's
-        weight can't be encoded (the message names the layer).
+    :raises AutoFuserError: no loaded plugin provides the format, an ``include`` or
+        ``exclude`` pattern matches no module, or a layer's weight can't be encoded
+        (the message names the layer).
     """
     spec = next((q for q in registry.quantizers.values() if q.format == options.format), None)
     if spec is None:
         known = sorted(q.format for q in registry.quantizers.values())
         raise AutoFuserError(f"no loaded plugin provides the weight format {options.format!r} "
                              f"(available: {', '.join(known) or 'none'}); load the plugin that registers it.")
+    _check_patterns_match(model, options, spec.module_types)
     selected = {}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
