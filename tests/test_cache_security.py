@@ -443,7 +443,7 @@ def gpu_tuning(monkeypatch):
 
 def fuse_and_run(root: Path, x: torch.Tensor):
     torch.manual_seed(0)
-    model = ScaleNormGelu()
+    model = ScaleNormGelu().to(x.device)
     with torch.no_grad():
         fused = autofuser.fuse(model, progress=False, cache_dir=str(root))
         got = fused(x)
@@ -451,11 +451,11 @@ def fuse_and_run(root: Path, x: torch.Tensor):
     return fused.report()
 
 
-def test_a_cached_config_the_strategy_does_not_list_is_tuned_again(tmp_path, gpu_tuning, caplog):
+def test_a_cached_config_the_strategy_does_not_list_is_tuned_again(tmp_path, gpu_tuning, caplog, device):
     """An entry that passes the strategy's validity rules but names a config the strategy
     never offers (written by hand, or by someone else) is a miss: tuned again, replaced."""
     torch.manual_seed(1)
-    x = torch.randn(1, 5, 37)
+    x = torch.randn(1, 5, 37, device=device)
     first = fuse_and_run(tmp_path, x)
     (path,) = [p for p in (tmp_path / "tuning").glob("*.json")
                if set(json.loads(p.read_text())["config"]) == {"BLOCK", "num_warps"}]
@@ -473,10 +473,10 @@ def test_a_cached_config_the_strategy_does_not_list_is_tuned_again(tmp_path, gpu
 
 
 @posix_only
-def test_fifos_at_every_tuning_entry_do_not_hang_fuse(tmp_path, gpu_tuning):
+def test_fifos_at_every_tuning_entry_do_not_hang_fuse(tmp_path, gpu_tuning, device):
     """A FIFO where an entry should be used to block ``fuse`` forever in ``open``."""
     torch.manual_seed(2)
-    x = torch.randn(3, 7, 37)
+    x = torch.randn(3, 7, 37, device=device)
     fuse_and_run(tmp_path, x)
     entries = sorted((tmp_path / "tuning").glob("*.json"))
     assert entries
