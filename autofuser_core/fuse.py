@@ -1,12 +1,15 @@
 """``fuse()``: the user's entry point, and the module it returns.
 
 ``FusedModule`` compiles lazily: the first forward with a new *signature*
-(input shapes, dtypes, devices and strides; grad mode; autocast state; the
-train/eval flags of every submodule; torch's fp32 matmul and cuDNN TF32 settings) captures the model on those inputs,
-plans, generates, tunes, verifies and rewrites it, and keeps the result. Later
-forwards with the same signature reuse it. Up to ``max_signatures`` compiled
-versions are kept; past that, new signatures run the original model, with one
-warning.
+(input shapes, dtypes, devices and strides; non-tensor arguments by value; grad
+mode; autocast state; the train/eval flags of every submodule; torch's fp32
+matmul and cuDNN TF32 settings; the values of the model's plain attributes)
+captures the model on those inputs, plans, generates, tunes, verifies and
+rewrites it, and keeps the result. Later forwards with the same signature reuse
+it. A submodule, parameter, buffer or other attribute object replaced, or a
+hook registered, drops every compiled version (``_ModelState``). Up to
+``max_signatures`` compiled versions are kept; past that, new signatures run
+the original model, with one warning. docs/guard.md lists what the guard sees.
 
 The wrapper owns no parameters of its own: it shares the original model's,
 so ``state_dict``, ``load_state_dict``, ``.to()``, ``eval()`` and optimisers
@@ -17,24 +20,32 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import enum
 import hashlib
+import importlib
 import inspect
 import json
 import logging
+import operator
+import os
+import pickle
 import sys
 import time
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
+from types import ModuleType
 from typing import Any, Literal, Optional, Sequence
 
 import torch
+from torch.utils.hooks import RemovableHandle
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .capture import bind_inputs, capture
 from .cache import cache_dir, read_verdict, write_verdict
 from .compile import _device_of, _snapshot, compile_graph, device_key, median_call_ms, preserved_state
 from .cudagraphs import CudaGraphRunner, try_cuda_graph
-from .errors import AutoFuserError, CaptureError
+from .errors import AutoFuserError, CaptureError, PluginError
 from .launch import FusedKernel
 from .plugins import load_plugins
 from .quantize import QuantizedLayer, QuantizeOptions, parse_quantize, quantize_model
@@ -44,23 +55,32 @@ logger = logging.getLogger("autofuser")
 
 
 class FuseOptions(BaseModel):
-    """Options of ``fuse()``; unknown names are refused."""
+    """Options of ``fuse()``; unknown names are refused.
+
+    Flags and counts are strict: ``tune="yes"``, ``verify_speed=1`` or
+    ``max_signatures="8"`` are refused rather than read as something the caller may
+    not have meant. Durations take any number (``tune_budget_s=5``).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    cache_dir: Optional[str] = Field(None, description="Cache folder; default $AUTOFUSER_CACHE_DIR or ~/.cache/autofuser.")
-    max_signatures: int = Field(8, ge=1, description="Compiled signatures kept; later new ones run eager.")
-    tune: bool = Field(True, description="Benchmark each kernel's configs on a GPU (cached).")
-    tune_budget_s: float = Field(20.0, gt=0, description="Tuning time per group, seconds.")
+    cache_dir: Optional[str] = Field(None, strict=True,
+                                     description="Cache folder; default $AUTOFUSER_CACHE_DIR or ~/.cache/autofuser.")
+    max_signatures: int = Field(8, ge=1, strict=True, description="Compiled signatures kept; later new ones run eager.")
+    tune: bool = Field(True, strict=True, description="Benchmark each kernel's configs on a GPU (cached).")
+    tune_budget_s: float = Field(20.0, gt=0, strict=True, description="Tuning time per group, seconds.")
     tune_all_configs: bool = Field(
-        False, description="Tune every valid config, also past the few that strategies with large kernels tune "
-                           "(their max_tuned_configs): longer cold compiles, for gathering tuning statistics "
-                           "(benchmarks/tuning_stats.py). Cached apart from capped tuning.")
-    verify_speed: bool = Field(True, description="On a GPU, time each group fused vs eager and keep the faster; "
-                                                 "run the original model unless the whole fused forward is at "
-                                                 "least FORWARD_MARGIN (2%) faster.")
-    progress: bool = Field(True, description="Print progress lines to stderr while compiling.")
-    cuda_graphs: bool = Field(True, description="For inference on CUDA, replay each compiled forward as a CUDA graph "
-                                                "where that is measured to be faster.")
+        False, strict=True,
+        description="Tune every valid config, also past the few that strategies with large kernels tune "
+                    "(their max_tuned_configs): longer cold compiles, for gathering tuning statistics "
+                    "(benchmarks/tuning_stats.py). Cached apart from capped tuning.")
+    verify_speed: bool = Field(True, strict=True,
+                               description="On a GPU, time each group fused vs eager and keep the faster; "
+                                           "run the original model unless the whole fused forward is at "
+                                           "least FORWARD_MARGIN (2%) faster.")
+    progress: bool = Field(True, strict=True, description="Print progress lines to stderr while compiling.")
+    cuda_graphs: bool = Field(True, strict=True,
+                              description="For inference on CUDA, replay each compiled forward as a CUDA graph "
+                                          "where that is measured to be faster.")
     quantize: Optional[QuantizeOptions] = Field(
         None, description="Quantise weights first: a format name ('mxint8'), or a dict / QuantizeOptions "
                           "naming the format and which layers (include, exclude, min_numel).")
@@ -68,10 +88,15 @@ class FuseOptions(BaseModel):
         "tf32x3", description="fp32 products where torch disallows TF32: 3xTF32 (fp32-level error, tensor cores) "
                               "or plain fp32 FMAs.")
     reassociate_products: bool = Field(
-        False, description="Let strategies reorder a chain of matrix products where exact arithmetic gives the same "
-                           "result ((q @ k^T) @ v as q @ (k^T @ v)): rounding differs and the cost changes, often "
-                           "from quadratic to linear in the sequence length. Off: products run as written.")
+        False, strict=True,
+        description="Let strategies reorder a chain of matrix products where exact arithmetic gives the same "
+                    "result ((q @ k^T) @ v as q @ (k^T @ v)): rounding differs and the cost changes, often "
+                    "from quadratic to linear in the sequence length. Off: products run as written.")
 
+    @field_validator("cache_dir", mode="before")
+    @classmethod
+    def _folder_as_text(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
 
     @field_validator("quantize", mode="before")
     @classmethod
@@ -79,8 +104,240 @@ class FuseOptions(BaseModel):
         return parse_quantize(value)
 
 
+#: What a refused option value should have been, by pydantic's error type.
+_ALLOWED_VALUES = {
+    "bool_type": "give True or False",
+    "int_type": "give an int (not a str, float or bool)",
+    "float_type": "give a number (int or float)",
+    "string_type": "give a str (a folder path) or None",
+}
+
+
+def _option_problems(err: ValidationError) -> str:
+    """Each refused option as ``name=value (type): what is wrong; what is allowed``."""
+    problems = []
+    for e in err.errors():
+        name = ".".join(map(str, e["loc"]))
+        given = e.get("input")
+        hint = _ALLOWED_VALUES.get(e["type"])
+        problems.append(f"{name}={given!r} ({type(given).__name__}): {e['msg']}" + (f"; {hint}" if hint else ""))
+    return "; ".join(problems)
+
+
 class _Unguardable(Exception):
-    """A call argument the signature guard can't compare (unhashable, not a tensor)."""
+    """A call argument the signature guard can't compare; the message says why and what to pass instead."""
+
+
+# -- the signature guard: call arguments --------------------------------------------
+
+#: Values compared by value whose type is part of the key: ``1 == True == 1.0``, but code may
+#: tell them apart.
+_PLAIN_TYPES = (bool, int, str, bytes, torch.dtype, torch.device, torch.memory_format, torch.layout, enum.Enum)
+
+
+def _constant_key(x: Any) -> Any:
+    """A hashable key that two values share only when no code reading them can tell them
+    apart: equal plain values of one type (a float by its bits, so NaN matches NaN and
+    -0.0 is not 0.0), and tuples, lists, sets, dicts, NamedTuples and frozen dataclasses of
+    them, by content. Recomputed on every call, so a list changed in place changes it.
+
+    :raises _Unguardable: ``x`` is (or holds) anything else - an object whose attributes may
+        change between calls unseen (one that compares by identity, or by a value it may
+        change), or a tensor inside a container that capture keeps whole (a set, a dataclass).
+    """
+    if x is None or x is Ellipsis:
+        return x
+    kind = type(x)
+    if isinstance(x, float):
+        return kind, x.hex()
+    if isinstance(x, complex):
+        return kind, x.real.hex(), x.imag.hex()
+    if isinstance(x, _PLAIN_TYPES):
+        return kind, x
+    if isinstance(x, (tuple, list)):  # torch.Size and NamedTuples too
+        return kind, tuple(map(_constant_key, x))
+    if isinstance(x, (set, frozenset)):
+        return kind, frozenset(map(_constant_key, x))
+    if isinstance(x, dict):
+        return kind, tuple((_constant_key(k), _constant_key(v)) for k, v in x.items())
+    if kind is slice:
+        return kind, _constant_key(x.start), _constant_key(x.stop), _constant_key(x.step)
+    if kind is range:
+        return kind, x.start, x.stop, x.step
+    if dataclasses.is_dataclass(x) and not isinstance(x, type) and kind.__dataclass_params__.frozen:
+        return kind, tuple(_constant_key(getattr(x, f.name)) for f in dataclasses.fields(x))
+    if isinstance(x, torch.Tensor):
+        raise _Unguardable("a tensor inside a container capture keeps whole is read as a constant; pass "
+                           "the tensor as an argument of its own, or in a tuple, list or dict")
+    try:
+        hash(x)
+    except Exception:
+        raise _Unguardable(f"a {kind.__name__} can't be hashed, so a compiled graph can't tell when it "
+                           "changes; pass a tensor or plain numbers instead") from None
+    raise _Unguardable(
+        f"a {kind.__name__} object is neither a plain value nor a frozen container of them: a compiled graph "
+        "would keep what forward read from it on the first call, and a later change inside it "
+        "(obj.scale = 5.0) would go unseen. To fuse, pass the values themselves (numbers, strings, tuples), "
+        "or a frozen dataclass or NamedTuple of them")
+
+
+def _argument_key(x: Any) -> Any:
+    """The signature key of one call argument: a tensor by shape, dtype, device, strides and
+    ``requires_grad`` (it is a graph input), containers capture flattens by their items,
+    anything else by ``_constant_key`` (capture reads it as a constant)."""
+    if isinstance(x, torch.Tensor):
+        return "T", tuple(x.shape), x.dtype, x.device, x.stride(), x.requires_grad
+    kind = type(x)
+    if kind is tuple or kind is list or (isinstance(x, tuple) and hasattr(kind, "_fields")):
+        return kind, tuple(map(_argument_key, x))
+    if kind in _FLATTENED_DICTS:
+        return kind, tuple((_constant_key(k), _argument_key(v)) for k, v in x.items())
+    return _constant_key(x)
+
+
+#: Dicts whose tensors capture takes as inputs (torch's pytree flattens them).
+_FLATTENED_DICTS = (dict, OrderedDict, defaultdict)
+
+
+# -- the signature guard: the model's own state -------------------------------------
+
+#: nn.Module's bookkeeping in every module's ``__dict__`` (the parameter, buffer, submodule
+#: and hook dicts; the train/eval flag): watched through those dicts and the signature.
+_MODULE_BOOKKEEPING = frozenset(torch.nn.Module().__dict__)
+
+#: Names of torch's process-wide module hooks (``register_module_forward_hook`` and kin),
+#: which fire on every module called.
+_GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                      "_global_backward_pre_hooks", "_global_backward_hooks")
+_GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOK_DICTS
+                      if hasattr(torch.nn.modules.module, name))
+
+
+def _global_module_hooks() -> bool:
+    """Whether any process-wide module hook is registered."""
+    return any(_GLOBAL_HOOKS)
+
+
+def _hook_dicts(module: torch.nn.Module) -> tuple:
+    return (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks)
+
+
+def _hook_count() -> int:
+    """Every hook torch registers (on a module, a tensor or globally) takes its handle's id
+    from one counter: a new value means some hook was registered since."""
+    return RemovableHandle.next_id
+
+
+#: Changes of the model's state between calls (other than plain attribute values) that
+#: each recompile; past this many, calls run the original model (``reset()`` restarts).
+STATE_CHANGE_LIMIT = 8
+
+
+class _ModelState:
+    """The model's own state that a compiled graph may have baked in, and a cheap test of
+    whether it changed since it was last taken. docs/guard.md lists what is seen.
+
+    Taken for every module of the model: which submodules, parameters and buffers it
+    holds and every attribute in its ``__dict__`` but nn.Module's bookkeeping (the objects
+    themselves), how many entries each of those four dicts has, the hooks of each module,
+    and the counter that every hook registered anywhere counts up. ``unchanged`` compares
+    the objects by identity, the counts and the counter, in passes that run in C (it runs
+    on every call); a hook removed alone is not seen by it (the module it was on keeps
+    running unchanged, which is right, until the next change). ``take`` looks closer: it
+    tells an attribute given a new but equal plain value (no change) from one given
+    another value (the ``constants`` key changes: the signature differs, and each value
+    compiles on its own) from everything else (``take`` returns it: compiled graphs hold
+    the old objects, so they must go).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._entries: Optional[dict] = None
+        self.take()
+
+    def unchanged(self) -> bool:
+        if _hook_count() != self._hooks_counted:
+            return False
+        try:
+            if not all(map(operator.is_, map(operator.getitem, self._dicts, self._keys), self._values)):
+                return False
+        except KeyError:  # an entry was deleted
+            return False
+        return tuple(map(len, self._sized)) == self._lens
+
+    def count_hooks(self) -> None:
+        """Note the hooks registered so far as seen: after a call, whose own hooks (on
+        tensors, inside parts that run unchanged) need no recompile."""
+        self._hooks_counted = _hook_count()
+
+    def absorb(self) -> None:
+        """Take the state anew without calling anything a change: after a call, whose
+        opaque parts (run unchanged, reading their state live) may have updated it."""
+        self.count_hooks()
+        if not self.unchanged():
+            self.take()
+
+    def take(self) -> list[str]:
+        """Take the state anew. Returns the changes since the last take that compiled
+        graphs can't follow (a submodule, parameter, buffer or non-constant attribute
+        replaced, added or removed; hooks added or removed), one phrase each."""
+        entries: dict[tuple[str, str, str], Any] = {}
+        dicts, keys, sized, hooks = [], [], [], {}
+        named = list(self.model.named_modules())
+        self.modules = [module for _, module in named]
+        for path, module in named:
+            for kind, table in (("attribute", module.__dict__), ("submodule", module._modules),
+                                ("parameter", module._parameters), ("buffer", module._buffers)):
+                for name in table:
+                    if kind == "attribute" and name in _MODULE_BOOKKEEPING:
+                        continue
+                    entries[(path, kind, name)] = table[name]
+                    dicts.append(table)
+                    keys.append(name)
+                sized.append(table)
+            hooks[path] = tuple(tuple(d) for d in _hook_dicts(module))
+        changes = self._changes(entries, hooks) if self._entries is not None else []
+        self._entries, self._hooks = entries, hooks
+        self._dicts, self._keys, self._sized = dicts, keys, sized
+        self._values = tuple(map(operator.getitem, dicts, keys))
+        self._lens = tuple(map(len, sized))
+        self._hooks_counted = _hook_count()
+        constants = []
+        for (path, kind, name), value in entries.items():
+            if kind == "attribute":
+                with contextlib.suppress(_Unguardable):
+                    constants.append((path, name, _constant_key(value)))
+        self.constants = tuple(constants)
+        self.backward_hooked = [path or "<model>" for path, (_, _, pre, post) in hooks.items() if pre or post]
+        return changes
+
+    def _changes(self, entries: dict, hooks: dict) -> list[str]:
+        changes = []
+        for where in [*self._entries, *(w for w in entries if w not in self._entries)]:
+            before, now = self._entries.get(where, _MISSING), entries.get(where, _MISSING)
+            if before is now or (where[1] == "attribute" and _both_constants(before, now)):
+                continue
+            path, kind, name = where
+            qualified = f"{path}.{name}" if path else name
+            what = f"{kind} {qualified!r}"
+            changes.append(f"{what} added" if before is _MISSING else f"{what} removed" if now is _MISSING
+                           else f"{what} replaced")
+        for path in hooks.keys() | self._hooks.keys():
+            if hooks.get(path) != self._hooks.get(path):
+                changes.append(f"hooks of {path or '<model>'!r} added or removed")
+        return changes
+
+
+_MISSING = object()
+
+
+def _both_constants(a: Any, b: Any) -> bool:
+    """Whether both are plain constants (their values go into the signature, not a recompile)."""
+    try:
+        _constant_key(a), _constant_key(b)
+    except _Unguardable:
+        return False
+    return True
 
 
 class FusedModule(torch.nn.Module):
@@ -99,9 +356,8 @@ class FusedModule(torch.nn.Module):
         self._options = options
         self._compiled: "OrderedDict[Any, tuple[Any, FusionReport]]" = OrderedDict()
         self._last_report: Optional[FusionReport] = None
-        self._warned_full = False
-        self._warned_unguardable = False
-        self._all_modules = list(model.modules())
+        self._warned: set[str] = set()
+        self._watch_state()
         self._forward_signature = inspect.signature(model.forward)
         forward_parameters = self._forward_signature.parameters.values()
         # Calls that pass exactly the positional parameters need no binding.
@@ -154,14 +410,45 @@ class FusedModule(torch.nn.Module):
         # .to()/.cuda()/.half() move the model; compiled graphs hold its tensors, so drop them.
         self._model._apply(fn, *args, **kwargs)
         self._compiled.clear()
+        self._state.take()  # parameters may be new objects now; nothing compiled holds the old ones
+        self._state_key = _StateKey(self._state.constants)
         return self
 
     def __repr__(self) -> str:
         return f"FusedModule({self._model!r})"
 
+    # -- attributes: reads fall through to the model ----------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached where normal lookup failed: the wrapper has no such attribute.
+        try:
+            return super().__getattr__(name)  # the wrapper's own parameters, buffers, submodules (none)
+        except AttributeError:
+            pass
+        model = self.__dict__.get("_model")  # absent while unpickling: no recursion
+        if model is None:
+            raise AttributeError(f"'FusedModule' object has no attribute {name!r}")
+        if name.startswith("_"):
+            # Private names stay the wrapper's: torch and other libraries probe them on the
+            # module they were given, and must not find the model's bookkeeping there.
+            raise AttributeError(f"'FusedModule' object has no attribute {name!r}; the wrapped model's "
+                                 f"attributes are at fused.model.{name}")
+        return getattr(model, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        model = self.__dict__.get("_model")
+        if (model is not None and not name.startswith("_") and name not in self.__dict__
+                and not hasattr(type(self), name) and hasattr(model, name)):
+            # Set on the wrapper, it would shadow the model's attribute for reads through
+            # the wrapper, and forward would never see it.
+            raise AttributeError(f"fused.{name} = ... would set an attribute of the FusedModule wrapper, not of "
+                                 f"the {type(model).__name__} it runs; set fused.model.{name} instead (the "
+                                 "guard sees the change).")
+        super().__setattr__(name, value)
+
     # -- copying and saving: compiled kernels and loaded plugins are per process ---
 
-    _PER_PROCESS = ("_plugin_set", "_compiled", "_last_report", "_forward_signature")
+    _PER_PROCESS = ("_plugin_set", "_compiled", "_last_report", "_forward_signature", "_state", "_state_key")
 
     def __deepcopy__(self, memo):
         clone = type(self).__new__(type(self))
@@ -171,75 +458,155 @@ class FusedModule(torch.nn.Module):
         clone.__dict__.update(copy.deepcopy(state, memo))
         clone._plugins = self._plugins
         object.__setattr__(clone, "_model", copy.deepcopy(self._model, memo))
-        clone._all_modules = list(clone._model.modules())
         clone._plugin_set, clone._compiled, clone._last_report = self._plugin_set, OrderedDict(), None
+        clone._watch_state()
         clone._forward_signature = inspect.signature(clone._model.forward)
         return clone
 
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS}
-        state["_plugins"] = list(self._plugin_set.names)  # names load again in another process
+        state["_plugins"] = _plugins_to_save(self._plugins, self._plugin_set.names)
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self._plugins = _plugins_to_load(self._plugins)
         self._plugin_set = _load_plugins_quietly(self._plugins)
         self._compiled, self._last_report = OrderedDict(), None
+        self._warned = set(state.get("_warned", ()))
+        self._watch_state()
         self._forward_signature = inspect.signature(self._model.forward)
 
     # -- signatures -----------------------------------------------------------
 
-    def _signature(self, args: tuple, kwargs: dict) -> Any:
-        def describe(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                return ("T", tuple(x.shape), x.dtype, x.device, tuple(x.stride()), x.requires_grad)
-            if isinstance(x, (list, tuple)):
-                return (type(x).__name__, tuple(describe(v) for v in x))
-            if isinstance(x, dict):
-                return ("dict", tuple(sorted((k, describe(v)) for k, v in x.items())))
-            try:
-                hash(x)
-            except TypeError:
-                raise _Unguardable(type(x).__name__) from None
-            return ("V", type(x), x)  # the type too: 1 == True == 1.0, but code may tell them apart
+    def _watch_state(self) -> None:
+        """Start watching the model's own state afresh (docs/guard.md)."""
+        self._state = _ModelState(self._model)
+        self._state_key = _StateKey(self._state.constants)
+        self._state_changes = 0  # changes that recompiled
 
+    def _signature(self, args: tuple, kwargs: dict) -> Any:
         autocast = tuple(
             (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")
         )
-        modes = tuple(m.training for m in self._all_modules)
+        modes = tuple(map(_training, self._state.modules))
         precision = _fp32_settings()
-        return (describe(args), describe(kwargs), torch.is_grad_enabled(), autocast, modes, precision)
+        arguments = tuple(map(_argument_key, args))
+        keywords = tuple((name, _argument_key(value)) for name, value in kwargs.items()) if kwargs else ()
+        return (arguments, keywords, torch.is_grad_enabled(), autocast, modes, precision, self._state_key)
+
+    def _state_changed(self) -> None:
+        """The model's state is not what it was at the last call: see what changed."""
+        changes = self._state.take()
+        self._state_key = _StateKey(self._state.constants)
+        if not changes:
+            return  # plain attribute values only: they are in the signature
+        self._compiled.clear()  # compiled graphs hold the old objects
+        self._last_report = None
+        self._state_changes += 1
+        shown = "; ".join(changes[:3]) + ("; ..." if len(changes) > 3 else "")
+        logger.info("the model changed between calls (%s): compiling again", shown)
+        if self._state_changes > STATE_CHANGE_LIMIT:
+            self._warn_once("state", (
+                f"AutoFuser: the model changed between calls {self._state_changes} times in ways that each "
+                f"need a recompile (the last: {shown}); calls now run the original model. After a change "
+                "meant to last, call fused.reset(); values that change from call to call belong in "
+                "forward's arguments."))
+
+    def _why_original(self) -> Optional[tuple[str, str]]:
+        """Why this call must run the original model - (kind, warning) - or ``None``."""
+        if _global_module_hooks():
+            # They fire on every module called; traced or fused modules are never called.
+            return ("global", "AutoFuser: a global module hook is registered (register_module_forward_hook "
+                              "or kin), which must see every module called; while one is, calls run the "
+                              "original model.")
+        if self._state.backward_hooked and torch.is_grad_enabled():
+            # A traced or fused module never runs its backward hooks.
+            names = ", ".join(self._state.backward_hooked[:3])
+            return ("backward", f"AutoFuser: module(s) {names} have backward hooks, which a fused forward "
+                                "would not run; with gradients enabled, calls run the original model "
+                                "(under torch.no_grad() they fuse).")
+        if self._state_changes > STATE_CHANGE_LIMIT:
+            return ("state", "")
+        return None
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned and message:
+            warnings.warn(message)
+            self._warned.add(kind)
+
+    def _run_original(self, args: tuple, kwargs: dict):
+        try:
+            return self._model(*args, **kwargs)
+        finally:
+            self._state.absorb()
 
     # -- forward ----------------------------------------------------------------
 
+    def __call__(self, *args, **kwargs):
+        if _global_module_hooks() and not any(_hook_dicts(self)):
+            # nn.Module.__call__ would fire the global hooks on this wrapper too, a module eager
+            # doesn't have; forward runs the model, whose own call fires them on each module.
+            return self.forward(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
     def forward(self, *args, **kwargs):
+        if not self._state.unchanged():
+            self._state_changed()
+        why = self._why_original()
+        if why is not None:
+            self._warn_once(*why)
+            return self._run_original(args, kwargs)
         try:
             key = self._signature(args, kwargs)
         except _Unguardable as err:
             # The graph bakes in non-tensor arguments; one that can't be compared can't be guarded.
-            if not self._warned_unguardable:
-                warnings.warn(f"AutoFuser: an argument of type {err} can't be hashed, so a compiled graph "
-                              "can't tell when it changes; these calls run the original model.")
-                self._warned_unguardable = True
-            return self._model(*args, **kwargs)
+            where = self._unguardable_argument(args, kwargs)
+            self._warn_once("argument", f"AutoFuser: argument {where} can't be guarded: {err}. Calls "
+                                        "passing such an argument run the original model.")
+            return self._run_original(args, kwargs)
         entry = self._compiled.get(key)
         if entry is None:
             if len(self._compiled) >= self._options.max_signatures:
-                if not self._warned_full:
-                    warnings.warn(
-                        f"AutoFuser: {self._options.max_signatures} input signatures are already compiled "
-                        "(max_signatures); new ones run the original model. Raise max_signatures to compile more."
-                    )
-                    self._warned_full = True
-                return self._model(*args, **kwargs)
-            entry = self._compile(args, kwargs, key)
+                self._warn_once("full", (
+                    f"AutoFuser: {self._options.max_signatures} signatures are already compiled "
+                    "(max_signatures); new ones - new input shapes, dtypes or non-tensor arguments, or new "
+                    "values of the model's plain attributes - run the original model. Raise max_signatures "
+                    "to compile more."))
+                return self._run_original(args, kwargs)
+            try:
+                entry = self._compile(args, kwargs, key)
+            finally:
+                self._state.absorb()  # capture and verification ran the forward a few times
         else:
             self._compiled.move_to_end(key)
         graph_module, report = entry
         self._last_report = report
         if graph_module is None:
-            return self._model(*args, **kwargs)
-        return graph_module(*self._flatten(args, kwargs))
+            return self._run_original(args, kwargs)
+        try:
+            return graph_module(*self._flatten(args, kwargs))
+        finally:
+            if entry.runs_model_code:
+                self._state.absorb()  # parts that run unchanged may update the state they read live
+            else:
+                self._state.count_hooks()  # kernels may register hooks on tensors: no change
+
+    def _unguardable_argument(self, args: tuple, kwargs: dict) -> str:
+        """Which argument the guard refused, for the warning: its parameter name."""
+        names = [p.name for p in self._forward_signature.parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        for index, value in enumerate(args):
+            try:
+                _argument_key(value)
+            except _Unguardable:
+                return repr(names[index]) if index < len(names) else f"number {index + 1}"
+        for name, value in kwargs.items():
+            try:
+                _argument_key(value)
+            except _Unguardable:
+                return repr(name)
+        return "?"
 
     def _flatten(self, args: tuple, kwargs: dict) -> tuple:
         """The call's inputs in the captured graph's placeholder order, defaults filled in."""
@@ -256,13 +623,18 @@ class FusedModule(torch.nn.Module):
         start = time.perf_counter()
         name = type(self._model).__name__
         self._progress(f"compiling {name} for {_describe_inputs(args)}")
-        gm = capture(self._model, *args, **kwargs)
+        with warnings.catch_warnings():
+            # Tracing through a module with backward hooks (they do nothing without gradients)
+            # makes torch warn that its output is no tensor: it is a proxy.
+            warnings.filterwarnings("ignore", "For backward hooks to be called")
+            gm = capture(self._model, *args, **kwargs)
         captured_s = time.perf_counter() - start
         flat = self._flatten(args, kwargs)
         if list(gm.meta.get("autofuser_opaque", {})) == [""]:
             report = FusionReport(plugins=self._plugin_set.names, opaque=dict(gm.meta["autofuser_opaque"]),
                                   notes=["the model could not be traced at all; it runs unchanged"])
             entry = (None, report)
+            runs_model_code = True
         else:
             grad = torch.is_grad_enabled()
             with torch.no_grad():
@@ -272,7 +644,7 @@ class FusedModule(torch.nn.Module):
             runner = fused_gm
             # Graph capture and timing run the forward many times: only for inference
             # (eval mode, no grad), and leaving buffers and RNG state as they were.
-            inference = not grad and not any(m.training for m in self._all_modules)
+            inference = not grad and not any(m.training for m in self._state.modules)
             step = time.perf_counter()
             device = _device_of(flat)
             cuda = device.type == "cuda"
@@ -348,11 +720,12 @@ class FusedModule(torch.nn.Module):
                     write_verdict(root, vkey, times)
             report.add_phase("forward_check", time.perf_counter() - step)
             entry = (runner, report)
+            runs_model_code = runner is None or _calls_model_code(fused_gm)
         report.quantized = list(self._quantized)
         report.signature = _describe_inputs(args)
         report.device = str(_device_of(flat))
         report.compile_s = time.perf_counter() - start
-        self._compiled[key] = entry
+        entry = self._compiled[key] = _Compiled(entry, runs_model_code)
         self._progress(f"compiled {name} in {report.compile_s:.1f} s: {len(report.fused)} fused group(s), "
                        f"{len(report.skipped)} skipped")
         return entry
@@ -360,12 +733,16 @@ class FusedModule(torch.nn.Module):
     def reset(self) -> None:
         """Forget every compiled signature; the next call compiles again.
 
-        Needed after changes a guard doesn't see: a submodule or parameter
-        replaced by a new object (in-place updates and ``load_state_dict`` are
-        seen), or a Python attribute that ``forward`` reads changed.
+        Needed after changes the guard doesn't see (docs/guard.md): a value
+        changed inside an object that ``forward`` reads (``self.cfg.scale = 2``,
+        a list attribute changed in place), a class attribute or a global.
+        Also starts the count of model changes afresh, after which calls ran
+        the original model.
         """
         self._compiled.clear()
         self._last_report = None
+        self._watch_state()
+        self._warned.discard("state")
 
     def report(self) -> FusionReport:
         """The report of the most recently used compiled signature."""
@@ -391,6 +768,107 @@ class FusedModule(torch.nn.Module):
             for kernel in fused_kernels(graph_module):
                 found.setdefault(kernel.source.name, kernel)
         return list(found.values())
+
+
+class _Compiled(tuple):
+    """``(runner, report)`` of one compiled signature. ``runs_model_code``: whether calling
+    the runner runs some of the model's own Python - the whole model, or a part kept
+    opaque - which may update the state the guard watches (a counter, a cache)."""
+
+    runs_model_code: bool
+
+    def __new__(cls, entry: tuple, runs_model_code: bool):
+        made = super().__new__(cls, entry)
+        made.runs_model_code = runs_model_code
+        return made
+
+
+def _calls_model_code(graph_module: torch.fx.GraphModule) -> bool:
+    """Whether the rewritten graph calls a module holding one whose class is not torch's own
+    (torch's modules leave the attributes the guard watches alone)."""
+    return any(not type(inner).__module__.startswith("torch.")
+               for node in graph_module.graph.nodes if node.op == "call_module"
+               for inner in graph_module.get_submodule(node.target).modules())
+
+
+_training = operator.attrgetter("training")
+
+
+class _StateKey:
+    """The model's plain attribute values in a signature, hashed once (a signature is
+    hashed on every call)."""
+
+    __slots__ = ("constants", "_hash")
+
+    def __init__(self, constants: tuple) -> None:
+        self.constants, self._hash = constants, hash(constants)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: Any) -> bool:
+        return self is other or (isinstance(other, _StateKey) and self._hash == other._hash
+                                 and self.constants == other.constants)
+
+
+# -- saving: plugins given as modules or objects -------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _SavedPluginModule:
+    """A plugin given as a module object, saved by the name it imports under."""
+
+    name: str
+
+
+def _plugins_to_save(plugins: Optional[Sequence[Any]], loaded_names: Sequence[str]) -> list:
+    """``plugins=`` in a form another process can load: names as they are, modules by
+    their import name, objects as themselves (pickled by their class).
+
+    :raises AutoFuserError: a plugin module that can't be imported by name, or an object
+        that can't be pickled; the message says how to give the plugin instead.
+    """
+    if plugins is None:
+        return list(loaded_names)  # every plugin installed here, by entry-point name
+    saved = []
+    for item in plugins:
+        if isinstance(item, str):
+            saved.append(item)
+        elif isinstance(item, ModuleType):
+            spec = getattr(item, "__spec__", None)
+            name = spec.name if spec is not None else None
+            if name is None or sys.modules.get(name) is not item:
+                raise AutoFuserError(
+                    f"can't save this FusedModule: its plugin module {item.__name__!r} was not imported from a "
+                    "file, so loading could not import it again. Put the plugin in an importable module and "
+                    "give it by name (plugins=['package.plugin']) or as that imported module.")
+            saved.append(_SavedPluginModule(name))
+        else:
+            try:
+                pickle.dumps(item)
+            except Exception as err:
+                raise AutoFuserError(
+                    f"can't save this FusedModule: its plugin object {item!r} can't be pickled "
+                    f"({type(err).__name__}: {err}). Define the plugin's class at the top level of an importable "
+                    "module, or give the plugin as a module or by name (plugins=['package.plugin']).") from None
+            saved.append(item)
+    return saved
+
+
+def _plugins_to_load(saved: Optional[Sequence[Any]]) -> Optional[list]:
+    """The inverse of ``_plugins_to_save``, in the loading process."""
+    if saved is None:
+        return None
+    plugins = []
+    for item in saved:
+        if isinstance(item, _SavedPluginModule):
+            try:
+                item = importlib.import_module(item.name)
+            except ImportError as err:
+                raise PluginError(f"the saved FusedModule's plugin module {item.name!r} can't be imported here "
+                                  f"({err}); install or add to sys.path the package that holds it.") from None
+        plugins.append(item)
+    return plugins
 
 
 def fused_kernels(graph_module: torch.fx.GraphModule) -> list[FusedKernel]:
@@ -569,6 +1047,5 @@ def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **opti
         parsed = FuseOptions(**options)
     except ValidationError as err:
         known = ", ".join(FuseOptions.model_fields)
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
-        raise AutoFuserError(f"invalid fuse() option(s): {problems}. Known options: {known}.") from None
+        raise AutoFuserError(f"invalid fuse() option(s): {_option_problems(err)}. Known options: {known}.") from None
     return FusedModule(model, plugins, parsed)
