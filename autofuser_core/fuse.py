@@ -499,8 +499,8 @@ class FusedModule(torch.nn.Module):
         """The model's state is not what it was at the last call: see what changed."""
         changes = self._state.take()
         self._state_key = _StateKey(self._state.constants)
-        if not changes:
-            return  # plain attribute values only: they are in the signature
+        if not changes or not self._compiled:
+            return  # plain attribute values only (they are in the signature), or nothing to drop
         self._compiled.clear()  # compiled graphs hold the old objects
         self._last_report = None
         self._state_changes += 1
