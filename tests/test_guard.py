@@ -28,6 +28,8 @@ import autofuser
 from autofuser import LoweringSpec, Sample
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-4)
+#: Where the models run: the GPU where there is one, else the CPU under Triton's interpreter.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +58,12 @@ class Net(torch.nn.Module):
         return torch.tanh(self.act(self.fc(x)) + 1) * self.temperature
 
 
+def _randn(*shape, **kwargs):
+    return torch.randn(*shape, device=DEVICE, **kwargs)
+
+
 def _fused(model, *inputs, **options):
+    model.to(DEVICE)
     fused = autofuser.fuse(model, progress=False, **options)
     with torch.no_grad():
         torch.testing.assert_close(fused(*inputs), model(*inputs), **TOLERANCE)
@@ -65,7 +72,7 @@ def _fused(model, *inputs, **options):
 
 
 def _same_as_eager(fused, model, *shape):
-    x = torch.randn(*shape)
+    x = _randn(*shape)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), model(x), **TOLERANCE)
 
@@ -82,7 +89,7 @@ def _double(module, inputs, output):
 @pytest.mark.parametrize("where", ["act", "fc", "root"])
 def test_a_forward_hook_registered_after_the_first_call_runs(where):
     model = Net()
-    fused = _fused(model, torch.randn(1, 13))
+    fused = _fused(model, _randn(1, 13))
     target = model if where == "root" else getattr(model, where)
     handle = target.register_forward_hook(_double)
     with warnings.catch_warnings():
@@ -94,14 +101,14 @@ def test_a_forward_hook_registered_after_the_first_call_runs(where):
 
 def test_a_forward_pre_hook_registered_after_the_first_call_runs():
     model = Net()
-    fused = _fused(model, torch.randn(5, 13))
+    fused = _fused(model, _randn(5, 13))
     model.act.register_forward_pre_hook(lambda module, args: (args[0] - 1,))
     _same_as_eager(fused, model, 5, 13)
 
 
 def test_a_global_module_hook_runs_on_every_module_and_not_on_the_wrapper():
     model = Net()
-    fused = _fused(model, torch.randn(3, 13))
+    fused = _fused(model, _randn(3, 13))
     calls = []
 
     def double_and_count(module, inputs, output):
@@ -110,7 +117,7 @@ def test_a_global_module_hook_runs_on_every_module_and_not_on_the_wrapper():
 
     handle = module_hooks.register_module_forward_hook(double_and_count)
     try:
-        x = torch.randn(3, 13)
+        x = _randn(3, 13)
         with torch.no_grad():
             expected = model(x)
             eager_calls, calls[:] = list(calls), []
@@ -128,10 +135,10 @@ def test_a_global_module_hook_runs_on_every_module_and_not_on_the_wrapper():
 
 def test_a_backward_hook_runs_when_gradients_are_enabled():
     model = Net()
-    fused = _fused(model, torch.randn(4, 13))
+    fused = _fused(model, _randn(4, 13))
     seen = []
     model.act.register_full_backward_hook(lambda module, grad_in, grad_out: seen.append(grad_out[0].shape))
-    x = torch.randn(4, 13, requires_grad=True)
+    x = _randn(4, 13, requires_grad=True)
     with pytest.warns(UserWarning, match="backward hooks"):
         fused(x).sum().backward()
     fused_grad, x.grad = x.grad, None
@@ -149,8 +156,8 @@ def test_a_backward_hook_runs_when_gradients_are_enabled():
 
 def test_a_replaced_submodule_is_seen():
     model = Net()
-    fused = _fused(model, torch.randn(6, 13))
-    model.fc = torch.nn.Linear(13, 7)
+    fused = _fused(model, _randn(6, 13))
+    model.fc = torch.nn.Linear(13, 7, device=DEVICE)
     _same_as_eager(fused, model, 6, 13)
 
 
@@ -164,14 +171,14 @@ def test_a_replaced_parameter_is_seen():
             return torch.sigmoid(x * self.gain) + 1
 
     model = Gain()
-    fused = _fused(model, torch.randn(6, 7))
-    model.gain = torch.nn.Parameter(torch.randn(7))
+    fused = _fused(model, _randn(6, 7))
+    model.gain = torch.nn.Parameter(_randn(7))
     _same_as_eager(fused, model, 6, 7)
 
 
 def test_a_changed_plain_attribute_is_seen_and_each_value_compiles_once():
     model = Net()
-    fused = _fused(model, torch.randn(2, 13))
+    fused = _fused(model, _randn(2, 13))
     model.temperature = 0.5
     _same_as_eager(fused, model, 2, 13)
     model.temperature = 1.0
@@ -192,7 +199,7 @@ def test_a_changed_attribute_of_a_fused_submodule_is_seen():
             return self.act(self.fc(x) * 2)
 
     model = Leaky()
-    fused = _fused(model, torch.randn(3, 9))
+    fused = _fused(model, _randn(3, 9))
     model.act.negative_slope = 0.7
     _same_as_eager(fused, model, 3, 9)
 
@@ -217,12 +224,12 @@ def test_state_a_forward_updates_itself_compiles_once():
         def forward(self, x):
             return torch.tanh(self.count(torch.sigmoid(x) + 1) * 3)
 
-    model = Outer()
+    model = Outer().to(DEVICE)
     twin = copy.deepcopy(model)  # eager calls of the model itself would be changes between calls
     fused = autofuser.fuse(model, progress=False)
     with torch.no_grad():
         for _ in range(3):
-            x = torch.randn(4, 6)
+            x = _randn(4, 6)
             torch.testing.assert_close(fused(x), twin(x), **TOLERANCE)
     assert fused.report().fused and len(fused.reports()) == 1
     assert model.count.calls > twin.count.calls == 3  # capture and verification ran it too
@@ -233,10 +240,10 @@ def test_changes_past_the_limit_run_the_original_with_one_warning(monkeypatch):
 
     monkeypatch.setattr(fuse_module, "STATE_CHANGE_LIMIT", 1)
     model = Net()
-    fused = _fused(model, torch.randn(2, 13))
-    model.fc = torch.nn.Linear(13, 7)
+    fused = _fused(model, _randn(2, 13))
+    model.fc = torch.nn.Linear(13, 7, device=DEVICE)
     _same_as_eager(fused, model, 2, 13)
-    model.fc = torch.nn.Linear(13, 7)
+    model.fc = torch.nn.Linear(13, 7, device=DEVICE)
     with pytest.warns(UserWarning, match=r"changed between calls 2 times.*submodule 'fc' replaced"):
         _same_as_eager(fused, model, 2, 13)
     fused.reset()
@@ -271,7 +278,7 @@ class TupleConfig(NamedTuple):
 
 
 def test_a_mutable_object_argument_runs_the_original_with_one_warning():
-    model, x = Scaled(), torch.randn(3, 11)
+    model, x = Scaled(), _randn(3, 11)
     fused = autofuser.fuse(model, progress=False)
     cfg = Config(2.0, 1.0)
     with torch.no_grad(), pytest.warns(UserWarning, match=r"argument 's'.*Config.*frozen dataclass") as record:
@@ -283,7 +290,7 @@ def test_a_mutable_object_argument_runs_the_original_with_one_warning():
 
 @pytest.mark.parametrize("kind", [FrozenConfig, TupleConfig])
 def test_a_frozen_dataclass_or_named_tuple_argument_fuses_per_value(kind):
-    model, x = Scaled(), torch.randn(3, 11)
+    model, x = Scaled(), _randn(3, 11)
     fused = _fused(model, x, kind(2.0, 1.0))
     with torch.no_grad():
         torch.testing.assert_close(fused(x, kind(5.0, 1.0)), model(x, kind(5.0, 1.0)), **TOLERANCE)
@@ -298,7 +305,7 @@ class Signed(torch.nn.Module):
 
 
 def test_a_nan_argument_compiles_once_and_minus_zero_is_not_zero():
-    model, x = Signed(), torch.randn(1, 7)
+    model, x = Signed(), _randn(1, 7)
     fused = _fused(model, x, float("nan"))
     with torch.no_grad():
         fused(x, float("nan"))
@@ -345,7 +352,7 @@ class ErfPlugin:
 @pytest.mark.parametrize("plugin", ["module", "object"])
 def test_a_fused_model_with_a_module_or_object_plugin_saves_and_loads(plugin, tmp_path):
     given = sys.modules[__name__] if plugin == "module" else ErfPlugin()
-    model, x = Erf(), torch.randn(5, 9)
+    model, x = Erf(), _randn(5, 9)
     fused = _fused(model, x, plugins=["elementwise", given])
     torch.save(fused, tmp_path / "fused.pt")
     loaded = torch.load(tmp_path / "fused.pt", weights_only=False)
@@ -374,7 +381,7 @@ def test_saving_refuses_plugins_another_process_could_not_load(tmp_path):
 
 def test_attribute_reads_fall_through_to_the_model():
     model = Net()
-    fused = _fused(model, torch.randn(2, 13))
+    fused = _fused(model, _randn(2, 13))
     assert fused.fc is model.fc and fused.temperature == 1.0
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         fused.nope
