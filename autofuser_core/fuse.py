@@ -305,7 +305,7 @@ class _ModelState:
         constants = []
         for (path, kind, name), value in entries.items():
             if kind == "attribute":
-                with contextlib.suppress(_Unguardable):
+                with contextlib.suppress(_Unguardable, RecursionError):  # a list holding itself
                     constants.append((path, name, _constant_key(value)))
         self.constants = tuple(constants)
         self.backward_hooked = [path or "<model>" for path, (_, _, pre, post) in hooks.items() if pre or post]
@@ -335,7 +335,7 @@ def _both_constants(a: Any, b: Any) -> bool:
     """Whether both are plain constants (their values go into the signature, not a recompile)."""
     try:
         _constant_key(a), _constant_key(b)
-    except _Unguardable:
+    except (_Unguardable, RecursionError):
         return False
     return True
 
