@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import gc
 import logging
 import math
+import operator
 import statistics
 import time
 from typing import Any, Optional, Sequence
@@ -683,6 +684,21 @@ def _transform_graph(gm: torch.fx.GraphModule, plugin_set, options) -> None:
                          "its rewrite of the graph was undone and the graph is planned without it")
 
 
+def _spell_negative_bases(gm: torch.fx.GraphModule) -> None:
+    """``operator.pow`` of a negative number base as ``torch.pow``: fx writes the node
+    ``operator.pow(-2.0, y)`` as ``-2.0 ** y``, which Python reads as ``-(2.0 ** y)``, so
+    the rewritten graph's eager parts (and a group's eager fallback) would compute another
+    function than the graph's nodes. A call is written as a call."""
+    changed = False
+    for node in gm.graph.nodes:
+        base = node.args[0] if node.op == "call_function" and node.target is operator.pow and node.args else None
+        if isinstance(base, (int, float)) and not isinstance(base, bool) and math.copysign(1.0, base) < 0:
+            node.target = torch.pow
+            changed = True
+    if changed:
+        gm.recompile()
+
+
 def _veto(plugin_set, candidate: Candidate, options) -> Optional[str]:
     """The ``autofuser_veto_fusion`` hook, first non-``None`` answer wins (pluggy's
     order); an implementation that raises vetoes the group, naming itself."""
@@ -708,6 +724,7 @@ def _compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options,
     started = time.perf_counter()
     report = FusionReport(plugins=list(plugin_set.names), opaque=dict(gm.meta.get("autofuser_opaque", {})))
     _transform_graph(gm, plugin_set, options)
+    _spell_negative_bases(gm)
     report.graph = describe_graph(gm)
     registry = plugin_set.registry.guarded()
 

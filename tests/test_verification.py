@@ -1,4 +1,5 @@
 """Trusting what runs: verification on synthetic inputs (``compile._synthetic_mismatch``),
+a graph whose generated code computes what its nodes do (``compile._spell_negative_bases``),
 the comparison's rules for NaN and infinity (``compile._max_error``), plugin code that
 raises while a graph compiles (``registry.Registry.guarded``, ``compile._veto``,
 ``compile._transform_graph``), plugins that implement no hook, and the ``report``
@@ -139,6 +140,23 @@ def test_synthetic_draws_cover_both_signs_and_the_real_scale():
     again = compile_module._synthetic_like(expanded, generator)
     assert again.stride() == expanded.stride() and torch.equal(again[0], again[3])
     assert compile_module._synthetic_like(torch.zeros(64), generator).abs().max() > 0  # never only zeros
+
+
+@pytest.mark.parametrize("plugins", [["reduction"], None], ids=["pow-eager", "pow-fused"])
+@pytest.mark.parametrize("base", [-2.0, -3, -0.5])
+def test_a_negative_number_base_keeps_its_sign_in_the_rewritten_graph(plugins, base):
+    """fx writes ``operator.pow(-2.0, y)`` as ``-2.0 ** y``, which Python reads as
+    ``-(2.0 ** y)``: the rewritten graph, where the power runs eager, would compute that."""
+
+    class NegativeBase(torch.nn.Module):
+        def forward(self, x):
+            return base ** x + x.sum(-1, keepdim=True)
+
+    model = NegativeBase()
+    x = torch.randn(3, 17) * 2
+    x[0, :4] = torch.tensor([2.0, 3.0, 0.5, -1.0])  # integer exponents: finite, of either sign
+    fused = autofuser.fuse(model, plugins=plugins, progress=False)
+    torch.testing.assert_close(fused(x), model(x), equal_nan=True, atol=1e-5, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------
