@@ -593,20 +593,11 @@ class _ModuleAttributes:
 
 
 @contextlib.contextmanager
-def preserved_attributes(model: torch.nn.Module):
-    """Every attribute of every module of ``model`` put back on exit (``_ModuleAttributes``),
-    for code that runs the user's forward without meaning to change the model."""
-    attributes = _ModuleAttributes(model)
-    try:
-        yield
-    finally:
-        attributes.restore()
-
-
-@contextlib.contextmanager
-def _preserved_state(model: torch.nn.Module):
-    """Restore RNG states, every module attribute (``_ModuleAttributes``) and the contents
-    of every buffer and frozen tensor on exit."""
+def preserved_state(model: torch.nn.Module):
+    """Run code on ``model`` without leaving a trace (capture, verification and timing
+    run the user's forward more than once): RNG states, every module attribute
+    (``_ModuleAttributes``) and the contents of every buffer and frozen tensor are
+    restored on exit (BatchNorm statistics, an EMA codebook, a lazy cache, dropout draws)."""
     cpu_rng = torch.get_rng_state()
     cuda_rng = (torch.cuda.get_rng_state_all()
                 if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
@@ -681,7 +672,7 @@ def _trace_once(model, arguments, opaque) -> tuple[torch.fx.GraphModule | None, 
     try:
         # The graph module is built before the model's attributes are put back: it takes
         # the tensor constants fx stowed on the root (``_tensor_constant0``), which then go.
-        with _preserved_state(model):
+        with preserved_state(model):
             with _tracing_patches(tracer):
                 graph = tracer.trace(model)
             for node in graph.nodes:  # real values would keep every activation alive
@@ -727,7 +718,7 @@ class _ShapeRecorder(torch.fx.Interpreter):
 
 def _propagate_shapes(gm: torch.fx.GraphModule, model: torch.nn.Module, inputs: list) -> None:
     """node.meta["tensor_meta"] everywhere, on input clones, leaving RNG and buffers as they were."""
-    with _preserved_state(model):
+    with preserved_state(model):
         _ShapeRecorder(gm).run(*_clone_tree(inputs))
 
 

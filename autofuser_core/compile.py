@@ -38,7 +38,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx
 
-from .capture import frozen_state
+from .capture import preserved_state
 from .cache import cache_dir, load_kernel_module, read_tuning, tuning_lock, write_tuning
 from .group import ROUNDED_DTYPES, GroupProgram, attr_tensor, product_count, reduction_prologue
 from .ir import AttrRef
@@ -53,26 +53,6 @@ from .rewrite import extract_group_module, rewrite_graph
 from .specs import DEFAULT_TOLERANCES, Tolerance, dtype_name
 
 logger = logging.getLogger("autofuser")
-
-
-@contextlib.contextmanager
-def preserved_state(module: torch.nn.Module):
-    """Run code on ``module`` without leaving a trace: buffers, frozen parameters
-    and RNG state are restored afterwards (BatchNorm statistics, an EMA codebook
-    kept as a frozen parameter, dropout draws)."""
-    state = frozen_state(module)
-    saved = [t.detach().clone() for t in state]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for t, copy in zip(state, saved):
-                t.copy_(copy)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 @contextlib.contextmanager

@@ -23,3 +23,8 @@ class CaptureError(AutoFuserError):
 
 class CacheError(AutoFuserError):
     """A cache entry is unusable (corrupt, foreign, or written for another key)."""
+
+
+class CompileFailedWarning(UserWarning):
+    """Compiling one input signature failed inside AutoFuser (a bug, or a device fault):
+    that signature runs the original model. The test suite turns it into an error."""

@@ -41,11 +41,11 @@ import torch
 from torch.utils.hooks import RemovableHandle
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .capture import bind_inputs, capture
+from .capture import bind_inputs, capture, preserved_state
 from .cache import cache_dir, read_verdict, write_verdict
-from .compile import _device_of, _snapshot, compile_graph, device_key, median_call_ms, preserved_state
+from .compile import _device_of, _snapshot, compile_graph, device_key, median_call_ms
 from .cudagraphs import CudaGraphRunner, try_cuda_graph
-from .errors import AutoFuserError, CaptureError, PluginError
+from .errors import AutoFuserError, CaptureError, CompileFailedWarning, PluginError
 from .launch import FusedKernel
 from .plugins import load_plugins
 from .quantize import QuantizedLayer, QuantizeOptions, parse_quantize, quantize_model
@@ -637,9 +637,12 @@ class FusedModule(torch.nn.Module):
             runs_model_code = True
         else:
             grad = torch.is_grad_enabled()
-            with torch.no_grad():
-                fused_gm, report = compile_graph(gm, flat, self._plugin_set, self._options, self._progress,
-                                                 backward=grad)
+            try:
+                with torch.no_grad():
+                    fused_gm, report = compile_graph(gm, flat, self._plugin_set, self._options, self._progress,
+                                                     backward=grad)
+            except Exception as err:  # noqa: BLE001 - a fault of ours must not cost the user's call
+                return self._compile_failed(key, args, flat, start, err)
             report.phases = {"capture": captured_s, **report.phases}
             runner = fused_gm
             # Graph capture and timing run the forward many times: only for inference
@@ -728,6 +731,25 @@ class FusedModule(torch.nn.Module):
         entry = self._compiled[key] = _Compiled(entry, runs_model_code)
         self._progress(f"compiled {name} in {report.compile_s:.1f} s: {len(report.fused)} fused group(s), "
                        f"{len(report.skipped)} skipped")
+        return entry
+
+    def _compile_failed(self, key: Any, args: tuple, flat: Sequence[Any], start: float, err: Exception):
+        """Keep a signature whose compile raised as one that runs the original model: one
+        warning with the error, and no second attempt on every later call."""
+        name = type(self._model).__name__
+        why = f"{type(err).__name__}: {err}"
+        logger.debug("compiling %s failed", name, exc_info=err)
+        warnings.warn(f"AutoFuser: compiling {name} for {_describe_inputs(args)} failed ({why}); these inputs run "
+                      "the original model. This is a bug in AutoFuser or one of its plugins: please report it "
+                      "with the traceback (logging.getLogger('autofuser') at DEBUG shows it).",
+                      CompileFailedWarning, stacklevel=4)
+        report = FusionReport(plugins=self._plugin_set.names,
+                              notes=[f"compiling failed ({why}); the original model runs"])
+        report.quantized = list(self._quantized)
+        report.signature = _describe_inputs(args)
+        report.device = str(_device_of(flat))
+        report.compile_s = time.perf_counter() - start
+        entry = self._compiled[key] = _Compiled((None, report), True)
         return entry
 
     def reset(self) -> None:
