@@ -1,0 +1,93 @@
+"""The chart in BENCHMARKS.md: speedup over eager of AutoFuser and ``torch.compile`` on
+every zoo model, fp32 and bf16, from one zoo run of ``benchmarks/results/zoo.json``.
+
+Plain SVG written by hand (no plotting library needed); the speedup axis is
+logarithmic, so 0.5x and 2x sit equally far from eager's 1x.
+
+    python benchmarks/chart.py [--summary benchmarks/results/zoo.json] [--run M] [--out benchmarks/results/zoo.svg]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SYSTEMS = (("autofuser", "AutoFuser", "#1f77b4"), ("torch.compile", "torch.compile (default)", "#ff7f0e"))
+TICKS = (0.25, 0.5, 1, 2, 4, 8, 16, 32)
+BAR, GAP, LABEL_W, PLOT_W, PANEL_GAP = 9, 8, 200, 330, 40
+
+
+def _esc(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def render(run: dict) -> str:
+    dtypes = [d for d in ("fp32", "bf16") if any(r["dtype"] == d for r in run["rows"])]
+    speedups = [r[s]["speedup"] for r in run["rows"] for s, _, _ in SYSTEMS if r[s].get("speedup")]
+    lo = max(t for t in TICKS if t <= min(speedups + [1]))
+    hi = min(t for t in TICKS if t >= max(speedups + [1]))
+
+    def x(value: float) -> float:
+        return LABEL_W + PLOT_W * (math.log2(value) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+
+    models = list(dict.fromkeys(r["model"] for r in run["rows"]))
+    panel_h = len(models) * (len(SYSTEMS) * BAR + GAP)
+    top = 60
+    height = top + len(dtypes) * (panel_h + PANEL_GAP) + 20
+    width = LABEL_W + PLOT_W + 70
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="11">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">Speedup over eager, zoo run '
+           f'{_esc(str(run["run"]))} ({_esc(run["gpu"])}, commit {_esc(run["commit"])})</text>']
+    for i, (_, name, colour) in enumerate(SYSTEMS):
+        lx = LABEL_W + i * 120
+        out.append(f'<rect x="{lx}" y="28" width="10" height="10" fill="{colour}"/>'
+                   f'<text x="{lx + 14}" y="37">{_esc(name)}</text>')
+    y0 = top
+    for dtype in dtypes:
+        rows = {r["model"]: r for r in run["rows"] if r["dtype"] == dtype}
+        out.append(f'<text x="4" y="{y0 - 6}" font-weight="bold">{dtype}</text>')
+        for t in TICKS:
+            if lo <= t <= hi:
+                style = 'stroke="#444"' if t == 1 else 'stroke="#ddd"'
+                out.append(f'<line x1="{x(t):.1f}" y1="{y0}" x2="{x(t):.1f}" y2="{y0 + panel_h}" {style}/>'
+                           f'<text x="{x(t):.1f}" y="{y0 + panel_h + 12}" text-anchor="middle" fill="#444">'
+                           f'{t:g}x</text>')
+        y = y0
+        for model in models:
+            row = rows.get(model)
+            out.append(f'<text x="{LABEL_W - 6}" y="{y + BAR + 3}" text-anchor="end">'
+                       f'{_esc(row["title"] if row else model)}</text>')
+            for key, _, colour in SYSTEMS:
+                value = row[key].get("speedup") if row else None
+                if value:
+                    x1, x2 = sorted((x(1), x(value)))
+                    out.append(f'<rect x="{x1:.1f}" y="{y}" width="{max(x2 - x1, 1):.1f}" height="{BAR - 1}" '
+                               f'fill="{colour}"/><text x="{max(x(value), x(1)) + 3:.1f}" y="{y + BAR - 1}" '
+                               f'font-size="9">{value:.2f}x</text>')
+                y += BAR
+            y += GAP
+        y0 += panel_h + PANEL_GAP
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--summary", type=Path, default=HERE / "results" / "zoo.json")
+    parser.add_argument("--run", default="M", help="which run of the summary (its 'run' field)")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "zoo.svg")
+    args = parser.parse_args(argv)
+    runs = json.loads(args.summary.read_text())["runs"]
+    (run,) = [r for r in runs if str(r["run"]) == args.run]
+    args.out.write_text(render(run))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
