@@ -113,7 +113,7 @@ FORMS = ["sdpa", "sdpa_bool_mask", "sdpa_float_mask", "sdpa_causal", "written_sc
 def eager_zeroes_keyless_rows(dtype) -> bool:
     """Whether eager SDPA gives 0 for a query row whose bool mask admits no key, as torch
     documents. Its default CUDA backend doesn't in fp16/bf16 (torch 2.11 on an H200;
-    its math backend does: benchmarks/probes/check_sdpa_mask.py), and the fused
+    its math backend does: BENCHMARKS.md, "Measurements behind rules in the code"), and the fused
     model follows eager as the user runs it (test_keyless_query_row_in_half_precision...)."""
     return DEVICE.type == "cpu" or dtype == torch.float32
 

@@ -101,7 +101,7 @@ def test_lowering_matches_eager(spec_name, dtype_name, sample_index, form_index)
         # Off eager by more than the tolerance: right only if eager is the one further from
         # the exact result. (Eager's CUDA fp16 group norm rounds where the kernel does not:
         # 289 of 540 elements differ, its largest error 0.0030 against the kernel's 0.0019,
-        # benchmarks/probes/check_group_norm.py.)
+        # BENCHMARKS.md, "Measurements behind rules in the code".)
         exact = _in_float64(spec.references[form_index], args, kwargs)
         ours, theirs = (got.double() - exact).abs(), (expected.double() - exact).abs()
         assert ours.max() <= theirs.max() and ours.mean() <= theirs.mean(), (
