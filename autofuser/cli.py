@@ -1,6 +1,6 @@
 """The ``autofuser`` command.
 
-    autofuser bench --models fno,transolver --device cuda --dtype bf16 --out results/
+    autofuser bench --models fno,transolver --device cuda --dtype bf16 --out bench-results/
     autofuser models [--config tiny]
     autofuser report mypackage.models:make_example --out report.html
 

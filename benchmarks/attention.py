@@ -17,7 +17,7 @@ failed check is marked in the table). Beside each case: its FLOP count and the
 time those FLOPs take at the matrix rate of that precision, measured in the
 same run with a large ``torch.matmul``.
 
-    python benchmarks/attention.py --out results/ [--widths 16,64] [--forms softmax,galerkin,slice]
+    python benchmarks/attention.py --out bench-results/ [--widths 16,64] [--forms softmax,galerkin,slice]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ the median of Triton's ``do_bench``. Every output is checked against eager
 before it is timed. Prints a markdown table and writes ``bandwidth.json`` and
 ``bandwidth.md`` to ``--out``.
 
-    python benchmarks/bandwidth.py --out results/
+    python benchmarks/bandwidth.py --out bench-results/
 """
 
 from __future__ import annotations

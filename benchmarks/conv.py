@@ -16,7 +16,7 @@ under ``torch.autocast``; under eager, ``torch.compile`` and AutoFuser. Every
 output is checked against eager before it is timed; the floor is the bytes
 the block must move at the measured copy bandwidth.
 
-    python benchmarks/conv.py --out results/
+    python benchmarks/conv.py --out bench-results/
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ The report of the ``fft`` run is saved too, so the table can be checked
 against what was fused.
 
     pip install ./examples/autofuser-plugin-fft
-    python benchmarks/fft_plugin.py --out results/fft
+    python benchmarks/fft_plugin.py --out bench-results/fft
 
 Writes ``fft_plugin.json`` and ``fft_plugin.md`` to ``--out``; progress on stderr.
 """

@@ -17,7 +17,7 @@ output is checked against eager before it is timed. Beside each case: its
 roofline floor, ``max(bytes / copy bandwidth, FLOPs / matrix rate)``, with the
 bandwidth and the matrix rate of each precision measured in the same run.
 
-    python benchmarks/matmul.py --out results/ [--max-autotune] [--cases "block tail,post-attention"]
+    python benchmarks/matmul.py --out bench-results/ [--max-autotune] [--cases "block tail,post-attention"]
 """
 
 from __future__ import annotations

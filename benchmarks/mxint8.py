@@ -19,7 +19,7 @@ tolerance); each row also gives the error against fp32 eager (for MXINT8,
 the quantisation error), the weight bytes (parameters and buffers), and the
 speed-up over eager.
 
-    python benchmarks/mxint8.py --out results/ [--models galerkin] [--widths 128,256]
+    python benchmarks/mxint8.py --out bench-results/ [--models galerkin] [--widths 128,256]
 
 Writes ``mxint8.json`` and ``mxint8.md`` to ``--out``; prints progress to stderr.
 ``--device cpu`` is a smoke run of the same code under Triton's interpreter
