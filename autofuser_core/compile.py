@@ -285,25 +285,37 @@ SYNTHETIC_SPECIAL_EVERY = 64
 SYNTHETIC_LARGE = 2.0
 #: ... and "tiny" this share of its root mean square.
 SYNTHETIC_TINY = 1e-6
+#: The largest magnitude drawn for fp32 and wider: squares and sums of thousands of
+#: squares stay finite in fp32 (sqrt of fp32's largest, 1.8e19, over 2048).
+SYNTHETIC_WIDE_LIMIT = 9e15
 
 
 def _synthetic_like(real: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """A floating tensor with ``real``'s shape, strides, dtype and device, drawn to cover
     what one real batch may not: ``randn`` times the real values' root mean square (so
     both signs, at their scale), a few values of twice their largest magnitude and a few
-    of a millionth of their scale, each of either sign, and an exact zero. Half types keep
-    the large values below half the square root of their range, where eager squaring one
-    would overflow while a kernel computing in fp32 would not (a difference that says
-    nothing about the kernel)."""
+    of a millionth of their scale, each of either sign, and an exact zero.
+
+    Draws stay well inside the dtype's range, where eager and a kernel may part for
+    reasons that say nothing about the kernel: half types keep the large values below
+    half the square root of their range (eager squaring one in fp16 overflows where a
+    kernel computing in fp32 does not), or at the real values' largest; for fp32 and
+    wider, real values beyond ``SYNTHETIC_WIDE_LIMIT`` are drawn scaled down to it (near
+    fp32's range, eager on CPU accumulating in double stays finite where an fp32 sum
+    overflows)."""
     values = real.detach()
     finite = values[torch.isfinite(values)].float()
     peak = float(finite.abs().max()) if finite.numel() else 0.0
     scale = float(finite.square().mean().sqrt()) if finite.numel() else 0.0
     if not (math.isfinite(scale) and scale > 0):
         scale = peak if math.isfinite(peak) and peak > 0 else 1.0
+    if real.dtype not in ROUNDED_DTYPES and peak > SYNTHETIC_WIDE_LIMIT:
+        scale, peak = scale * (SYNTHETIC_WIDE_LIMIT / peak), SYNTHETIC_WIDE_LIMIT
     large = SYNTHETIC_LARGE * max(peak, scale)
     if real.dtype in ROUNDED_DTYPES:
         large = min(large, max(peak, math.sqrt(torch.finfo(real.dtype).max) / 2))
+    else:
+        large = min(large, SYNTHETIC_WIDE_LIMIT)
     # Drawn over the memory the strides span, then viewed alike: an expanded input stays
     # expanded (each drawn value seen at every position that shares it), as the kernel expects.
     span = 1 + sum((size - 1) * stride for size, stride in zip(real.shape, real.stride()))

@@ -27,6 +27,8 @@ import autofuser
 from autofuser_core import cache
 from autofuser_core.cache import cache_dir, key_digest, load_kernel_module, read_tuning, write_tuning
 
+from _helpers import NormGelu, stand_in_tuning
+
 KEY = {"kernel": "af_flat_mul_add_0123456789", "source_sha256": "ab" * 32, "torch": "2.13.0", "triton": "3.9.0",
        "gpu": "NVIDIA H200", "capability": "9.0"}
 CONFIG = {"BLOCK": 1024, "num_warps": 4}
@@ -532,29 +534,10 @@ def test_a_process_killed_while_tuning_leaves_nothing_a_later_run_trusts(tmp_pat
     assert leftovers(cache_root / "tuning") == []  # the dead writer's temporary file is cleaned up
 
 
-class NormGelu(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln = torch.nn.LayerNorm(37)
-
-    def forward(self, x):
-        return torch.nn.functional.gelu(self.ln(x * 2 + 1)).transpose(1, 2) * 3
-
-
 @pytest.fixture
 def gpu_tuning(monkeypatch):
     """Tuning as on a GPU, with a stand-in timer; returns the list of timed launches."""
-    import autofuser_core.compile as compile_module
-
-    timed = []
-
-    def bench(fn, *args, **timing):
-        timed.append(fn)
-        return 1.0 + (0.1 * len(timed)) % 0.7  # configs differ, so a winner is picked
-
-    monkeypatch.setattr(compile_module, "_can_tune", lambda device, options: options.tune)
-    monkeypatch.setattr(compile_module, "_bench", bench)
-    return timed
+    return stand_in_tuning(monkeypatch)
 
 
 def fuse_norm_gelu(root: Path, x: torch.Tensor):

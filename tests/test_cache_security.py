@@ -23,6 +23,8 @@ import autofuser
 from autofuser_core import cache
 from autofuser_core.cache import key_digest, load_kernel_module, read_tuning, read_verdict, tuning_lock, write_tuning
 
+from _helpers import NormGelu, stand_in_tuning
+
 posix_only = pytest.mark.skipif(os.name != "posix", reason="owners, modes, FIFOs and O_NOFOLLOW are POSIX")
 
 KEY = {"kernel": "af_flat_mul_add_0123456789", "source_sha256": "cd" * 32, "torch": "2.13.0", "triton": "3.9.0",
@@ -416,34 +418,15 @@ def test_a_lock_path_that_is_not_a_regular_file_is_not_used(tmp_path, kind):
 # ---------------------------------------------------------------------------
 
 
-class ScaleNormGelu(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln = torch.nn.LayerNorm(37)
-
-    def forward(self, x):
-        return torch.nn.functional.gelu(self.ln(x * 2 + 1)).transpose(1, 2) * 3
-
-
 @pytest.fixture
 def gpu_tuning(monkeypatch):
     """Tuning as on a GPU, with a stand-in timer."""
-    import autofuser_core.compile as compile_module
-
-    timed = []
-
-    def bench(fn, *args, **timing):
-        timed.append(fn)
-        return 1.0 + (0.1 * len(timed)) % 0.7
-
-    monkeypatch.setattr(compile_module, "_can_tune", lambda device, options: options.tune)
-    monkeypatch.setattr(compile_module, "_bench", bench)
-    return timed
+    return stand_in_tuning(monkeypatch)
 
 
 def fuse_and_run(root: Path, x: torch.Tensor):
     torch.manual_seed(0)
-    model = ScaleNormGelu().to(x.device)
+    model = NormGelu().to(x.device)
     with torch.no_grad():
         fused = autofuser.fuse(model, progress=False, cache_dir=str(root))
         got = fused(x)

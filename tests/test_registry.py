@@ -22,6 +22,8 @@ import autofuser
 from autofuser import LoweringSpec, PluginError, Sample, SpecError, StrategySpec
 from autofuser_core.plugins import AUTOLOAD_ENV, ENTRY_POINT_GROUP, installed_entry_points
 
+from _helpers import plugin_module
+
 BUNDLED = ["attention", "conv", "elementwise", "matmul", "mlp", "mxint8", "reduction"]
 KNOWN_HOOKS = (
     "autofuser_register_lowerings",
@@ -43,13 +45,6 @@ def _seed(request):
     """Fresh random data in every test, reproducible from the test's name."""
     torch.manual_seed(zlib.crc32(request.node.name.encode()))
 
-
-def plugin_module(name: str, **hooks) -> types.ModuleType:
-    """A plugin as a third party writes one: a module named ``name`` with ``hooks``."""
-    module = types.ModuleType(name)
-    for hook_name, function in hooks.items():
-        setattr(module, hook_name, function)
-    return module
 
 
 def registering(**fields):

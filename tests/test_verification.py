@@ -22,18 +22,13 @@ from autofuser_core import compile as compile_module
 from autofuser_core.compile import _max_error
 from autofuser_core.specs import DEFAULT_TOLERANCES
 
+from _helpers import plugin_module
+
 
 @pytest.fixture(autouse=True)
 def _seed(request):
     """Fresh random data in every test, reproducible from the test's name."""
     torch.manual_seed(zlib.crc32(request.node.name.encode()))
-
-
-def plugin_module(name: str, **hooks) -> types.ModuleType:
-    module = types.ModuleType(name)
-    for hook_name, function in hooks.items():
-        setattr(module, hook_name, function)
-    return module
 
 
 class AbsChain(torch.nn.Module):
@@ -219,14 +214,20 @@ def test_a_lowering_that_raises_leaves_its_node_eager_and_names_plugin_and_hook(
     fused = autofuser.fuse(model, plugins=["elementwise", plugin_module("brokenabs",
                                                                         autofuser_register_lowerings=register)],
                            progress=False)
-    x = torch.randn(3, 41)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.testing.assert_close(fused(x), model(x))
+    caught = _run_recording_warnings(fused, model)
     report = _check_contained(fused, model, "'brokenabs'", "LoweringSpec.lower", caught, calls)
     node = next(n for n in report.unfused_nodes if n.target.endswith("abs"))
     assert node.reason_code == "plugin_failed" and "'brokenabs'" in node.reason and "lowering bug" in node.reason
     assert report.fused  # the ops around it still fuse
+
+
+def _run_recording_warnings(fused, model) -> list:
+    """Call ``fused`` once on fresh inputs, checking it against ``model``; the warnings given."""
+    x = torch.randn(3, 41)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(fused(x), model(x))
+    return caught
 
 
 def _strategy_plugin(name: str, failing: str, calls: list) -> types.ModuleType:
@@ -255,10 +256,7 @@ def test_a_strategy_hook_that_raises_leaves_its_groups_eager_and_names_plugin_an
     plugin = _strategy_plugin("brokenstrategy", failing, calls)
     model = AbsChain()
     fused = autofuser.fuse(model, plugins=["elementwise", plugin], progress=False)
-    x = torch.randn(3, 41)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.testing.assert_close(fused(x), model(x))
+    caught = _run_recording_warnings(fused, model)
     report = _check_contained(fused, model, "'brokenstrategy'", f"StrategySpec.{failing}", caught, calls)
     mine = [g for g in report.groups if g.strategy == "brokenstrategy.pointwise"]
     assert not any(g.fused for g in mine), str(report)
@@ -281,10 +279,7 @@ def test_a_veto_hook_that_raises_keeps_groups_eager_and_names_plugin_and_hook():
     fused = autofuser.fuse(model, plugins=["elementwise", plugin_module("brokenveto",
                                                                         autofuser_veto_fusion=autofuser_veto_fusion)],
                            progress=False)
-    x = torch.randn(3, 41)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.testing.assert_close(fused(x), model(x))
+    caught = _run_recording_warnings(fused, model)
     report = _check_contained(fused, model, "'brokenveto'", "autofuser_veto_fusion", caught, calls)
     assert not report.fused
     assert all(g.reason_code == "vetoed" and "'brokenveto'" in g.reason for g in report.groups), str(report)
@@ -305,10 +300,7 @@ def test_a_graph_pass_that_raises_halfway_is_undone():
     model = AbsChain()
     plugin = plugin_module("brokenpass", autofuser_transform_graph=autofuser_transform_graph)
     fused = autofuser.fuse(model, plugins=["elementwise", plugin], progress=False)
-    x = torch.randn(3, 41)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.testing.assert_close(fused(x), model(x))
+    caught = _run_recording_warnings(fused, model)
     report = _check_contained(fused, model, "'brokenpass'", "autofuser_transform_graph", caught, calls)
     assert report.fused, str(report)
 
