@@ -118,9 +118,9 @@ class FusedKernel:
 class DirectLaunch:
     """A compiled kernel launched as Triton's own ``JITFunction.run`` launches it once it
     has found the kernel in its cache, without binding and specialising the arguments
-    again on every call: about 25 us of host time per launch on an H200's host (Triton
-    3.6; ``benchmarks/probes/launch_overhead.py``, 2026-11-30), which a forward of a few
-    short kernels can spend more of than the GPU spends running them.
+    again on every call: host time per launch that a forward of a few short kernels can
+    spend more of than the GPU spends running them (BENCHMARKS.md, "Measurements behind
+    rules in the code": Direct launch).
 
     It serves only calls Triton would send to the same compiled kernel: the same current
     device, every tensor argument of the same dtype and as aligned to 16 bytes as when it
