@@ -9,9 +9,9 @@ timing loop then finds each binary there instead of compiling it.
 
 The children are forks of this process, made when a planning round has
 configs to compile and gone when it has compiled them. A fork starts in
-milliseconds with torch, Triton and the kernels' imports already done (fresh
-interpreters spent 4-5 s importing torch alone on the GPU machines we measured,
-and 1.5 s more making the GPU current when 16 started at once). A fork of a
+milliseconds with torch, Triton and the kernels' imports already done, where a
+fresh interpreter spends seconds importing torch and making the GPU current
+(BENCHMARKS.md, "Measurements behind rules in the code"). A fork of a
 process that uses CUDA must not use CUDA itself, and these don't: compiling
 needs only the GPU's target (architecture and warp size), which this process
 reads before forking and hands to Triton in each child through a driver that
