@@ -50,8 +50,9 @@ class PackedOperand:
 
 #: Bytes of one row of A (K padded to a power of 2) up to which a program keeps its
 #: rows of A on chip instead of streaming them in BLOCK_K steps, and computes their
-#: norm in one go: K <= 256 for 16-bit operands, K <= 128 for fp32 (measured on an
-#: H200: fp32 rows of 256 spill and run 3x slower than streaming).
+#: norm in one go: K <= 256 for 16-bit operands, K <= 128 for fp32 (fp32 rows of 256
+#: spill registers and lose to streaming: BENCHMARKS.md, "Measurements behind rules in
+#: the code").
 RESIDENT_ROW_BYTES = 512
 
 
@@ -138,10 +139,9 @@ class MatmulLayout:
 #: (``convert_weight_once``) where its programs would read at least this many weight
 #: elements in all: the weight's elements times its row tiles of WEIGHT_READ_ROWS rows
 #: (every row tile reads the weight's columns it needs in fp32 and converts them).
-#: Below, the conversion's own launch (a few us) costs more than it saves. H200,
-#: 2026-11-30, linear + GELU of 90168 x 256 -> 512 (benchmarks/probes/explore5.py, about
-#: 9e7 element reads): 0.134 ms reading fp32 weights and 0.105 reading bf16 ones, best
-#: config of each; 0.151 eager.
+#: Below, the conversion's own launch costs more than it saves; well above it (linear +
+#: GELU of 90168 x 256 -> 512 reads about 9e7), reading the weight in bf16 is clearly
+#: faster: BENCHMARKS.md, "Measurements behind rules in the code".
 CONVERT_ONCE_MIN_READS = 1 << 24
 WEIGHT_READ_ROWS = 128
 
