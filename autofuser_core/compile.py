@@ -399,9 +399,10 @@ def _synthetic_mismatch(job: _Job, kernel_inputs: Sequence[Any], tol: Tolerance)
     return None
 
 
-#: Most timed calls per measurement. On the GPU side a call is tens of microseconds; on the
-#: host, launching it and its two events takes about 0.2 ms (Triton 3.6's launcher), so the
-#: number of calls, not ``rep_ms``, sets how long tuning takes. 30 calls give a stable median.
+#: Most timed calls per measurement. A typical fused kernel runs for less time on the GPU than
+#: the host takes to launch it and its two events, so the number of calls, not ``rep_ms``,
+#: sets how long tuning takes (BENCHMARKS.md, "Measurements behind rules in the code"). 30
+#: calls give a stable median.
 BENCH_MAX_CALLS = 30
 
 
@@ -969,8 +970,8 @@ def _split_rules(job: _Job, round_number: int) -> list[SplitRule]:
     shorter ones); where a row reduction feeds one of its products, then also with
     that reduction in a group of its own (an MLP behind its layer norm as the norm and
     two linear kernels: with the norm fused, the first linear's kernel recomputes it
-    for every column tile; at width 256 in bf16 on an H200 the split with the norm
-    fused lost to the MLP kernel where this one beat it, BENCHMARKS.md, run 22). One
+    for every column tile, so the split with the norm fused can lose to the MLP kernel
+    where this one beats it: BENCHMARKS.md, "Measurements behind rules in the code"). One
     whose product a row reduction feeds: with that reduction in a group of its own, and
     otherwise as it is (a layer norm as its own kernel can beat the same norm
     recomputed for every column tile of the product, or held in registers beside it)."""
