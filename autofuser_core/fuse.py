@@ -918,8 +918,8 @@ FORWARD_BUDGET_MS = 25.0
 CLEAR_GAP = 0.2
 #: A fused forward over FORWARD_BUDGET_MS that is more than this share faster than one
 #: eager call is kept without timing eager further: the eager calls of a long forward cost
-#: seconds (a transformer over every mesh point runs 0.3 s), and no slow moment of the GPU
-#: doubles a forward that long.
+#: seconds (softmax attention over every mesh point: the zoo's Transformer, BENCHMARKS.md,
+#: Model zoo), and no slow moment of the GPU doubles a forward that long.
 WIDE_GAP = 0.5
 FORWARD_TIMING = (f"back-to-back events, fused first, best of {FORWARD_ROUNDS} rounds "
                   f"(one past a {CLEAR_GAP:.0%} gap), 3 calls for a forward over {FORWARD_BUDGET_MS:g} ms, "
@@ -1005,8 +1005,8 @@ def _time(fn, args: tuple, once_ms: Optional[float] = None) -> float:
     with _on_device(args):
         if once_ms is None:
             _, once_ms = _once(fn, args)
-        # A forward longer than the budget on its own: 3 calls after 1 warm-up (a transformer
-        # over every mesh point runs 0.3 s eager; 5 calls and 2 warm-ups cost seconds).
+        # A forward longer than the budget on its own: 3 calls after 1 warm-up (5 calls and 2
+        # warm-ups of the zoo's eager Transformer would cost seconds: BENCHMARKS.md, Model zoo).
         slow = once_ms > FORWARD_BUDGET_MS
         calls = 3 if slow else max(5, min(100, int(FORWARD_BUDGET_MS / max(once_ms, 1e-3))))
         return median_call_ms(lambda: fn(*args), calls, warmup=1 if slow else 2)
