@@ -65,8 +65,8 @@ def _element(dtype) -> int:
 
 def _miscomputed(L, warps: int, stages: int) -> bool:
     """On an H200 with Triton 3.6 the 3xFP16 kernel gave wrong results at head width 64 with
-    8 warps and 2 stages (benchmarks/probes/check_chain.py; right under the interpreter and
-    with 3 stages)."""
+    8 warps and 2 stages, and right results under the interpreter and with 3 stages
+    (BENCHMARKS.md, "Measurements behind rules in the code")."""
     return pass_modes(L)["v"] == "split" and warps == 8 and stages == 2
 
 
@@ -90,9 +90,9 @@ def is_valid(program, config):
     return None
 
 
-#: Tuning times the first this many valid CONFIGS: on the zoo's attention kernels (H200,
-#: fp32 and bf16, four runs; benchmarks/tuning_stats.py) the winner was always one of the
-#: first three. These are the largest kernels AutoFuser compiles.
+#: Tuning times the first this many valid CONFIGS: on the zoo's attention kernels (fp32 and
+#: bf16, ``benchmarks/tuning_stats.py``; BENCHMARKS.md, Tuning lists) the winner was always
+#: one of the first three. These are the largest kernels AutoFuser compiles.
 MAX_TUNED_CONFIGS = 3
 
 
