@@ -39,13 +39,12 @@ FUNCTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 MODULES = {torch.nn.Conv1d: 1, torch.nn.Conv2d: 2, torch.nn.Conv3d: 3}
 #: Kernel volumes fused (3x3x3 = 27; larger kernels are cuDNN's).
 MAX_KERNEL_VOLUME = 27
-#: Longest reduction (input channels x taps) the implicit-GEMM kernel is tried for.
-#: Measured on an H200 over U-Net and LSM, fp32 and bf16 (benchmarks/results/
-#: zoo-2026-11-29-later/runA): of 45 distinct kernels with a reduction of 288 or more,
-#: 44 lost to cuDNN's product plus a fused epilogue, by 1.15x to 15.6x, and one won by
-#: 5%; the one with a reduction of 36 won by 2x. Past the limit the group is refused up
-#: front: its kernel is neither compiled nor tuned, and the epilogue fuses on its own
-#: in the first planning round instead of a later one.
+#: Longest reduction (input channels x taps) the implicit-GEMM kernel is tried for: on the
+#: zoo's convolutions, longer reductions all but always lost to cuDNN's product plus a fused
+#: epilogue, and a short one won (docs/conv.md; BENCHMARKS.md, "Measurements behind rules
+#: in the code"). Past the limit the group is refused up front: its kernel is neither
+#: compiled nor tuned, and the epilogue fuses on its own in the first planning round
+#: instead of a later one.
 MAX_REDUCTION = 144
 #: CUDA's limit on the grid's second axis, which walks the batch.
 MAX_GRID_Y = 65535
