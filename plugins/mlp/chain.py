@@ -125,9 +125,9 @@ def _chunk_sizes(layout: ChainLayout, chunk: int, widest_step=None) -> dict[str,
 #: then the rest of BLOCK_M x num_warps x CHUNKS.
 FIRST_CONFIGS = ((32, 64, 4), (64, 32, 4), (16, 64, 4), (32, 128, 8), (64, 64, 4), (32, 32, 4), (128, 64, 8),
                  (128, 32, 8))
-#: Chain kernels are large (1.5-2 s to compile each on an H200 host): tuning times the first
-#: this many valid configs. Every winner the zoo's chains recorded is in FIRST_CONFIGS; with
-#: the earlier order, the first 8 already lost only 1.2% of kernel time on average.
+#: Chain kernels are large and slow to compile: tuning times the first this many valid
+#: configs. Every winner the zoo's chains recorded is in FIRST_CONFIGS, and even the earlier
+#: order lost little at this cap (BENCHMARKS.md, "Measurements behind rules in the code").
 MAX_TUNED_CONFIGS = 8
 
 
