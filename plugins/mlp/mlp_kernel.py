@@ -107,9 +107,8 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
         return (config["PROGRAMS"] if config.get("SPLIT_TAIL") else min(blocks, config["PROGRAMS"]),)
 
     # The persistent form reads each weight once per program, in its prologue, and converts
-    # it there: the launcher's conversion (two more launches per call) buys it nothing.
-    # H200, 2026-11-30 (benchmarks/probes/explore8.py), width-128 MLP in bf16: 0.0821 ms
-    # reading the fp32 weights, 0.0807 reading bf16 ones plus 0.0076 converting them.
+    # it there: the launcher's conversion (two more launches per call) costs more than it
+    # saves the kernel (BENCHMARKS.md, "Measurements behind rules in the code").
     return KernelSource(name=name, source=source, layout="mlp", grid=grid, constexprs=constexprs,
                         converts_casts=lambda config: bool(config.get("PERSISTENT")))
 
