@@ -33,8 +33,8 @@ CONFIGS = [
 
 
 #: The persistent form's configs, (BLOCK_M, num_warps, num_stages), listed first where it
-#: exists: at width 128 in bf16 (H200, M = 90168) its best ran in 87 us against 103 us for
-#: the best of CONFIGS (benchmarks/probes/explore.py).
+#: exists: its best beat the best of CONFIGS where it was measured (BENCHMARKS.md,
+#: "Measurements behind rules in the code").
 PERSISTENT_CONFIGS = [(128, 8, 3), (128, 8, 2), (64, 4, 3), (64, 4, 2), (128, 8, 1)]
 #: What a config of the streamed form adds where the kernel also has the persistent one.
 STREAMED = {"PERSISTENT": 0, "PROGRAMS": 1, "SPLIT_TAIL": 0}
@@ -42,11 +42,9 @@ STREAMED = {"PERSISTENT": 0, "PROGRAMS": 1, "SPLIT_TAIL": 0}
 
 #: The fewest rows of a half block: below 64, a warp group's products are no longer
 #: ``wgmma`` (64 rows at least) but the older form, which wants the weights laid out
-#: otherwise in shared memory - a second copy of both. Compiled for an H200 by its Triton
-#: 3.6 (``benchmarks/probes/persistent_smem.py``, width 128, bf16, without launching):
-#: 128-row blocks 160 KiB split or not; 64-row blocks of 4 warps 144 KiB unsplit, 272 KiB
-#: split. Launched (pointers specialised on their alignment, more again), the tests'
-#: 64-row splits asked for 296 and 304 KiB and failed (runs 30-31).
+#: otherwise in shared memory - a second copy of both, more than a multiprocessor has (the
+#: sizes Triton 3.6 compiled for an H200: BENCHMARKS.md, "Measurements behind rules in the
+#: code").
 SPLIT_MIN_ROWS = 64
 
 
@@ -58,10 +56,10 @@ def split_tail(rows: int, block_m: int, programs: int) -> bool:
     whole block while the others are done: at 90168 rows, 705 blocks of 128 on 132
     programs take 6 rounds, the 6th with 45 blocks. Split, the programs first walk the
     whole rounds (5), then the rest as half blocks (89 of 64 rows): one round of half
-    length. H200, 2026-11-30 (``benchmarks/probes/explore8.py``): width-128 MLP in bf16,
-    0.0776 ms against 0.0821. Split where the half blocks take a single round (more would
-    take as long as a whole round, with smaller products), there are whole rounds, and the
-    half blocks have ``SPLIT_MIN_ROWS``."""
+    length (BENCHMARKS.md, "Measurements behind rules in the code": Split tail). Split
+    where the half blocks take a single round (more would take as long as a whole round,
+    with smaller products), there are whole rounds, and the half blocks have
+    ``SPLIT_MIN_ROWS``."""
     half = block_m // 2
     whole = rows // block_m // programs * programs
     rest = rows - whole * block_m
