@@ -49,9 +49,8 @@ def _tile(program, config) -> tuple[int, float]:
 def configs(program):
     """Every row block and warp count, the most promising first: a re-planning round
     tunes only the first few (``compile.LATER_ROUND_CONFIGS``), and one row per program
-    on one warp (the old head of the list) left a layer norm of 90k rows of 256 at
-    0.061 ms on an H200 against a 0.044 ms copy (``benchmarks/matmul.py``, run 15 of
-    2026-11-30; 0.050 ms with this order, run 16)."""
+    on one warp (the old head of the list) left a wide layer norm well short of a copy
+    of its bytes (BENCHMARKS.md, "Measurements behind rules in the code")."""
     def distance(config):
         tile, per_thread = _tile(program, config)
         return abs(math.log2(per_thread / PER_THREAD)), abs(math.log2(tile / TILE))
