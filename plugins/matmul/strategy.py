@@ -80,8 +80,9 @@ def configs(program):
     return sorted(out, key=lambda config: _fit(program.matmul, config, fewest))
 
 
-#: Product kernels compile in about a second each; tuning times the first this many valid
-#: configs of the sorted list. On the zoo's products (H200) the winner was among them.
+#: Each product config tuned is a Triton compile; tuning times the first this many valid
+#: configs of the sorted list, among which the zoo's product winners were (BENCHMARKS.md,
+#: Tuning lists).
 MAX_TUNED_CONFIGS = 6
 
 
