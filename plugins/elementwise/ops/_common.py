@@ -158,19 +158,23 @@ def elementwise_pow(a, b):
 '''
 
 GELU = "elementwise_gelu"
+# The exact GELU, x * Phi(x) with Phi(x) = erfc(-x / sqrt(2)) / 2, without an erf: with
+# t = |x| / sqrt(2), erfc(t) / 2 = 2^(t * q(t) - 1), q a degree-7 fit of log2(erfc(t)) / t
+# on [0, 4] (weighted by erfc, so Phi's absolute error stays below 1e-8 before rounding).
+# Phi = e for x < 0 (no cancellation, where eager's 1 + erf cancels: Phi's relative error
+# stays below 2e-6 down to x = -3, 1% at -4.9; past that only the absolute error, below
+# 1e-8, is bounded) and 1 - e for x >= 0. One polynomial, one exp2 and a select, where
+# libdevice's erff picks one of two coefficient sets per element and runs an exp2 for one
+# of them: compiled for a tile, predicated moves of both sets. Past t = 4 the fit falls
+# faster than log2(erfc) to -inf, so Phi goes to 0 and 1; inf gives inf, -inf and NaN give
+# NaN, as x * (1 + erf) does. benchmarks/gelu_accuracy.py checks every fp32 x of 41
+# binades, both signs, against float64 (BENCHMARKS.md, GELU accuracy; docs/architecture.md,
+# "Tolerances").
 _GELU_SOURCE = '''@triton.jit
 def elementwise_gelu(x):
-    # x * Phi(x), Phi(x) = erfc(-x / sqrt(2)) / 2, without an erf: with t = |x| / sqrt(2),
-    # erfc(t) / 2 = 2^(t * q(t) - 1), q a degree-7 fit of log2(erfc(t)) / t on [0, 4]
-    # (weighted by erfc, so Phi's absolute error stays below 1e-8 before rounding).
-    # Phi = e for x < 0 (no cancellation, where eager's 1 + erf cancels: Phi's relative
-    # error stays below 2e-6 down to x = -3, 1% at -4.9; past that only the absolute
-    # error, below 1e-8, is bounded) and 1 - e for x >= 0. One polynomial, one exp2 and
-    # a select, where libdevice's erff picks one of two coefficient sets per element and
-    # runs an exp2 for one of them: compiled for a tile, predicated moves of both sets.
-    # Past t = 4 the fit falls faster than log2(erfc) to -inf, so Phi goes to 0
-    # and 1; inf gives inf, -inf and NaN give NaN, as x * (1 + erf) does.
-    # benchmarks/gelu_accuracy.py checks every fp32 x of 41 binades, both signs, against float64.
+    # x * Phi(x) without an erf: Phi = e = 2^(t * q(t) - 1) for x < 0 and 1 - e for x >= 0,
+    # t = |x| / sqrt(2), q a degree-7 fit of log2(erfc(t)) / t. How and how accurate:
+    # the comment above _GELU_SOURCE in autofuser_plugins/elementwise/ops/_common.py.
     t = tl.abs(x * 0.7071067811865476)
     q = t * -4.535645348369144e-05 + 0.00044549000449478626
     q = q * t + -0.001489384681917727
