@@ -22,6 +22,7 @@ from autofuser_core.ir import LoweringContext, Value, broadcast_shapes, describe
 from autofuser_core.plugins import load_plugins
 from autofuser_core.specs import LoweringSpec, ProductLayoutSpec, QuantizerSpec, Sample, StrategySpec, Tolerance
 
+# The one place the version is written: pyproject.toml reads it from here.
 __version__ = "0.1.0"
 
 __all__ = [
