@@ -5,7 +5,7 @@
     autofuser report mypackage.models:make_example --out report.html
 
 ``bench`` runs the model zoo under eager PyTorch, torch.compile and AutoFuser
-(``autofuser_zoo.harness``); ``models`` lists the zoo; ``report`` fuses one
+(``autofuser.zoo.harness``); ``models`` lists the zoo; ``report`` fuses one
 model on example inputs and writes its report as one HTML page.
 """
 
@@ -20,29 +20,8 @@ from pathlib import Path
 from typing import Optional
 
 
-def _import_zoo():
-    """``autofuser_zoo``; from a source checkout's ``zoo/`` when the installed
-    package predates it (an editable install made before zoo/ was mapped)."""
-    try:
-        return importlib.import_module("autofuser_zoo")
-    except ModuleNotFoundError as err:
-        if err.name != "autofuser_zoo":
-            raise
-        source = Path(__file__).resolve().parent.parent / "zoo" / "__init__.py"
-        if not source.exists():
-            raise ModuleNotFoundError("autofuser_zoo is not installed: run `pip install -e .` in the "
-                                      "AutoFuser checkout", name="autofuser_zoo") from None
-        spec = importlib.util.spec_from_file_location("autofuser_zoo", source,
-                                                      submodule_search_locations=[str(source.parent)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["autofuser_zoo"] = module
-        spec.loader.exec_module(module)
-        return module
-
-
 def _list_models(args: argparse.Namespace) -> int:
-    _import_zoo()
-    from autofuser_zoo.models import MESHES, MODELS, parameter_count
+    from autofuser.zoo.models import MESHES, MODELS, parameter_count
 
     mesh = MESHES[args.config]
     print(f"{'name':<12}{'model':<34}{'family':<17}{'layout':<8}{'batch':>6}{'params':>12}  config ({args.config}, "
@@ -135,15 +114,18 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    _import_zoo()
-    from autofuser_zoo import harness
-
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="autofuser", description="AutoFuser: fuse PyTorch models into Triton kernels.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    bench = commands.add_parser("bench", help="benchmark the model zoo: eager vs torch.compile vs AutoFuser",
-                                description=harness.__doc__.split("\n\n")[0])
-    harness.add_arguments(bench)
-    bench.set_defaults(run=harness.run_from_args)
+    bench = commands.add_parser("bench", help="benchmark the model zoo: eager vs torch.compile vs AutoFuser")
+    # The zoo (its models, einops, the harness) is imported only when bench runs: the
+    # harness declares bench's options, and no other command needs them.
+    if argv[:1] == ["bench"]:
+        from autofuser.zoo import harness
+
+        bench.description = harness.__doc__.split("\n\n")[0]
+        harness.add_arguments(bench)
+        bench.set_defaults(run=harness.run_from_args)
     models = commands.add_parser("models", help="list the model zoo")
     models.add_argument("--config", choices=("airfoil", "tiny"), default="airfoil")
     models.set_defaults(run=_list_models)

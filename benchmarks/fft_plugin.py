@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 import autofuser
-from autofuser_zoo.harness import first_call_s, median_ms, relative_error
-from autofuser_zoo.models import MESHES, MODELS
+from autofuser.zoo.harness import first_call_s, median_ms, relative_error
+from autofuser.zoo.models import MESHES, MODELS
 
 BUNDLED = ["elementwise", "reduction", "matmul", "mlp", "attention"]
 SYSTEMS = ("eager", "torch.compile", "autofuser (bundled)", "autofuser + fft")

@@ -40,7 +40,7 @@ import triton
 import triton.testing
 
 import autofuser
-from autofuser_zoo.models import MESHES, MODELS
+from autofuser.zoo.models import MESHES, MODELS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matmul import CASES, M  # noqa: E402  (the product chains of the matmul benchmark)

@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autofuser_zoo import airfoil
-from autofuser_zoo.models import MESHES, MODELS, TINY_BATCH
+from autofuser.zoo import airfoil
+from autofuser.zoo.models import MESHES, MODELS, TINY_BATCH
 
 
 class FeedForward(nn.Module):

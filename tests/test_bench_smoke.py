@@ -16,7 +16,7 @@ import pytest
 
 import autofuser
 from autofuser.cli import main
-from autofuser_zoo import harness
+from autofuser.zoo import harness
 
 MODELS = ["galerkin", "fno"]
 SMOKE = ["--device", "cpu", "--config", "tiny", "--iters", "2", "--warmup", "1", "--no-compile"]
@@ -153,7 +153,7 @@ def test_fresh_first_calls_run_in_their_own_processes_and_errors_are_cells(tmp_p
     """``--fresh-first-calls``: AutoFuser's cold first call is timed again in a new process
     (its own empty caches; the harness's own cache folder stays untouched), and a fresh
     process that fails becomes an error in the table, not a crash."""
-    from autofuser_zoo import first_call
+    from autofuser.zoo import first_call
 
     cpu = harness.torch.device("cpu")
     result = harness.run_bench(["fno"], device=cpu, config="tiny", iters=1, warmup=0, out=tmp_path / "a",

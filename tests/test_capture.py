@@ -504,7 +504,7 @@ COLD_COMPILE_SCRIPT = r"""
 import sys
 import torch
 import autofuser
-from autofuser_zoo.models import MODELS
+from autofuser.zoo.models import MODELS
 
 for name in ("fno", "lsm", "transolver"):
     entry = MODELS[name]

@@ -416,7 +416,7 @@ def test_fno_layer_1x1_path_is_one_product_with_residual_and_gelu(dtype):
 
 @pytest.mark.parametrize("name", ["unet", "fno"])
 def test_zoo_models_fuse_their_convolutional_parts(name):
-    from autofuser_zoo.models import MODELS
+    from autofuser.zoo.models import MODELS
 
     model = MODELS[name].make("tiny").eval()
     fused = fuse_and_run(model, tiny_input(name))

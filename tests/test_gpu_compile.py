@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 import autofuser
 from autofuser_core.planner import plan_fusion_groups
-from autofuser_zoo.models import MODELS
-from autofuser_zoo.models.transolver import PhysicsAttention
+from autofuser.zoo.models import MODELS
+from autofuser.zoo.models.transolver import PhysicsAttention
 
 
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.bool: "*i1",

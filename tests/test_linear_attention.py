@@ -20,7 +20,7 @@ import torch.nn as nn
 from einops import rearrange
 
 import autofuser
-from autofuser_zoo.models import MODELS
+from autofuser.zoo.models import MODELS
 from test_attention import TOLERANCES  # the softmax attention tests' tolerances
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

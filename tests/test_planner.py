@@ -20,7 +20,7 @@ from autofuser_core.group import GroupRefused, compose_group
 from autofuser_core.matmul_layout import MAX_PRODUCTS, MatmulLayout
 from autofuser_core.planner import PlanningView, plan_fusion_groups
 from autofuser_plugins.mlp.mlp_layout import MlpLayout
-from autofuser_zoo.models import MODELS
+from autofuser.zoo.models import MODELS
 
 from _models import FeedForward, tiny_input
 

@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - a set-up error, reported as a failure
     pytest.fail("autofuser-plugin-fft is not installed: run `pip install ./examples/autofuser-plugin-fft` "
                 "(the README's test command does)", pytrace=False)
 
-from autofuser_zoo.models import MESHES, MODELS, TINY_BATCH
+from autofuser.zoo.models import MESHES, MODELS, TINY_BATCH
 
 BUNDLED = ["elementwise", "reduction", "matmul", "mlp", "attention"]
 WITH_FFT = BUNDLED + ["fft"]

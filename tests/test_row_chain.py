@@ -318,7 +318,7 @@ def test_validity_rule_bounds_registers_and_shared_memory():
 
 
 def test_zoo_transformer_fuses_each_block_tail_into_one_chain():
-    from autofuser_zoo.models import MODELS
+    from autofuser.zoo.models import MODELS
 
     entry = MODELS["transformer"]
     model = entry.make("tiny").eval()

@@ -19,8 +19,8 @@ import torch
 
 import autofuser
 from autofuser_plugins.attention import strategy as S
-from autofuser_zoo.models import MODELS
-from autofuser_zoo.models.transolver import PhysicsAttention
+from autofuser.zoo.models import MODELS
+from autofuser.zoo.models.transolver import PhysicsAttention
 from test_attention import TOLERANCES  # the softmax attention tests' tolerances
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

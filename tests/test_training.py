@@ -19,8 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autofuser
-from autofuser_zoo import airfoil
-from autofuser_zoo.models import MESHES, MODELS
+from autofuser.zoo import airfoil
+from autofuser.zoo.models import MESHES, MODELS
 from _models import FeedForward
 
 FP32 = dict(atol=1e-5, rtol=1e-4)

@@ -175,7 +175,7 @@ def test_tune_all_configs_tunes_past_the_cap_and_is_cached_apart():
 def test_bench_passes_tune_all_configs_to_fuse(monkeypatch):
     import argparse
 
-    from autofuser_zoo import harness
+    from autofuser.zoo import harness
 
     seen = {}
     monkeypatch.setattr(harness, "run_bench", lambda names, **kwargs: seen.update(kwargs) or {"markdown": ""})

@@ -1,4 +1,4 @@
-"""The model zoo (``autofuser_zoo.models``) and the synthetic airfoil task (``autofuser_zoo.airfoil``).
+"""The model zoo (``autofuser.zoo.models``) and the synthetic airfoil task (``autofuser.zoo.airfoil``).
 
 Every model, in its tiny configuration: builds, runs eager with the right
 output shape (fp32 and bf16 autocast), and is captured by AutoFuser as one
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import autofuser
-from autofuser_zoo import airfoil
-from autofuser_zoo.models import MESHES, MODELS, TINY_BATCH, parameter_count
+from autofuser.zoo import airfoil
+from autofuser.zoo.models import MESHES, MODELS, TINY_BATCH, parameter_count
 
 from _conv_checks import assert_3x3_convs_split_at_max_reduction
 from _models import tiny_input
@@ -121,7 +121,7 @@ def test_tiny_model_is_captured_whole_and_bit_exact(name):
 
 
 def test_lsm_airfoil_pads_to_224_by_64_and_every_scale_splits_into_14_by_4_patches():
-    from autofuser_zoo.models.lsm import NeuralSpectralBlock2d
+    from autofuser.zoo.models.lsm import NeuralSpectralBlock2d
 
     model = MODELS["lsm"].make("airfoil").eval()
     assert [block.to_query.in_channels for block in model.process] == [32, 64, 128, 256, 256]
@@ -142,7 +142,7 @@ def test_lsm_airfoil_pads_to_224_by_64_and_every_scale_splits_into_14_by_4_patch
 def test_lsm_spectral_block_works_patch_by_patch():
     # Split and merge put every patch back where it came from: the block on the whole map
     # equals the block on each patch alone, and a change in one patch changes only that patch.
-    from autofuser_zoo.models.lsm import NeuralSpectralBlock2d
+    from autofuser.zoo.models.lsm import NeuralSpectralBlock2d
 
     torch.manual_seed(0)
     block = NeuralSpectralBlock2d(width=8, num_basis=4, num_token=3, heads=2).eval()

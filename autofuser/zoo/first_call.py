@@ -12,7 +12,7 @@ compiled), runs eager once (as the harness does before either system: cuDNN,
 cuBLAS and the CUDA context are warm), then times the system's first call, and
 prints one JSON line: ``{"first_call_s": ...}`` or ``{"error": ...}``.
 
-    python -m autofuser_zoo.first_call --model fno --system autofuser --device cuda
+    python -m autofuser.zoo.first_call --model fno --system autofuser --device cuda
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def measure_in_fresh_process(name: str, system: str, *, device: str, dtype: str,
         env = dict(os.environ, TRITON_CACHE_DIR=str(Path(scratch) / "triton"),
                    TORCHINDUCTOR_CACHE_DIR=str(Path(scratch) / "inductor"),
                    AUTOFUSER_CACHE_DIR=str(Path(scratch) / "autofuser"))
-        command = [sys.executable, "-m", "autofuser_zoo.first_call", "--model", name, "--system", system,
+        command = [sys.executable, "-m", "autofuser.zoo.first_call", "--model", name, "--system", system,
                    "--device", device, "--dtype", dtype, "--config", config, "--batch", str(batch),
                    "--compile-mode", compile_mode]
         if tune_budget is not None:
@@ -83,7 +83,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _first_call(args: argparse.Namespace) -> float:
     import torch
 
-    from autofuser_zoo.models import MODELS
+    from autofuser.zoo.models import MODELS
 
     from .harness import build, first_call_s, forward_call
 

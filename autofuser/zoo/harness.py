@@ -48,9 +48,9 @@ import torch
 
 import autofuser
 from autofuser_core.fuse import median_call_ms
-from autofuser_zoo.airfoil import TRAIN_SEED, make_dataset, relative_l2, test_set
-from autofuser_zoo.first_call import measure_in_fresh_process
-from autofuser_zoo.models import MESHES, MODELS, ModelEntry, parameter_count
+from autofuser.zoo.airfoil import TRAIN_SEED, make_dataset, relative_l2, test_set
+from autofuser.zoo.first_call import measure_in_fresh_process
+from autofuser.zoo.models import MESHES, MODELS, ModelEntry, parameter_count
 
 SYSTEMS = ("eager", "torch.compile", "autofuser")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tune_all_configs): for benchmarks/tuning_stats.py, not for timing first calls")
     parser.add_argument("--fresh-first-calls", action="store_true",
                         help="also time AutoFuser's cold first call and torch.compile's first call each in a new "
-                             "process with empty caches (autofuser_zoo.first_call), as a user's first run of a "
+                             "process with empty caches (autofuser.zoo.first_call), as a user's first run of a "
                              "script pays them")
     parser.add_argument("--cache-dir", default=None,
                         help="parent of the per-model AutoFuser cache folders (default: OUT/autofuser-cache); "
