@@ -14,8 +14,7 @@ refusal with a reason code) and ``KernelSource`` (what it wrote).
 """
 
 from autofuser_core.codegen import KernelSource
-from autofuser_core.errors import (AutoFuserError, CacheError, CaptureError, CompileFailedWarning, PluginError,
-                                   SpecError)
+from autofuser_core.errors import AutoFuserError, CacheError, CaptureError, CompileFailedWarning, PluginError, SpecError
 from autofuser_core.group import GroupProgram, GroupRefused, KernelTensor, program_from_nodes
 from autofuser_core.hookspecs import hookimpl
 from autofuser_core.ir import LoweringContext, Value, broadcast_shapes, describe_tensor

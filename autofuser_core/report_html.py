@@ -16,7 +16,7 @@ import html
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from .report import FusionReport, GroupEntry
+    from .report import FusionReport
 
 #: Fill colours of fused groups, in turn (readable with black text).
 PALETTE = ("#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5",

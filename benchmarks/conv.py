@@ -33,7 +33,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 import triton
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matmul import _flat, _line, _ms, measure  # noqa: E402  (shared timing, checks and table row)
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 import autofuser
+from autofuser_core.fuse import _time as forward_time
+
 from attention import FORMS, Softmax, _inputs
 from matmul import CASES, CHAIN_CASES, M, _ms, precision
-
-from autofuser_core.fuse import _time as forward_time
 
 
 def main(argv=None) -> int:

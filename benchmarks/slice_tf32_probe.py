@@ -39,8 +39,9 @@ def _child(configs, n, width, mode, device):
 
     sys.path.insert(0, HERE)
     import autofuser
-    from attention import HEADS, BATCH, Slice
     from autofuser_plugins.attention import strategy as S
+
+    from attention import BATCH, HEADS, Slice
     from matmul import precision
 
     class Probe:

@@ -20,10 +20,9 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
+from test_attention import TOLERANCES, Attention, attention_function, extras_for, make_input, run_fused
 
 import autofuser
-
-from test_attention import TOLERANCES, Attention, attention_function, extras_for, make_input, run_fused
 
 N, M = 300, 277  # 300 queries: passes run; 277 keys: the last key block is partial
 

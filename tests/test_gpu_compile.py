@@ -21,10 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autofuser
-from autofuser_core.planner import plan_fusion_groups
 from autofuser.zoo.models import MODELS
 from autofuser.zoo.models.transolver import PhysicsAttention
-
+from autofuser_core.planner import plan_fusion_groups
 
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.bool: "*i1",
                  torch.int8: "*i8", torch.uint8: "*u8"}
@@ -201,7 +200,8 @@ def test_persistent_mlp_compiles_for_sm90(dtype, tmp_path, monkeypatch):
     each of its configs that the validity rule keeps, split tail or not; and the streamed
     form beside it. Under autocast, the persistent configs take the fp32 weights, the
     streamed one weights the launcher converted."""
-    from autofuser_plugins.mlp import mlp_layout, strategy as mlp
+    from autofuser_plugins.mlp import mlp_layout
+    from autofuser_plugins.mlp import strategy as mlp
 
     monkeypatch.setattr(mlp_layout, "PERSISTENT_MIN_ROWS", 1)  # offered from 67584 rows; compiled here on 663
     autocast = dtype == "autocast"

@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.nn as nn
 from einops import rearrange
+from test_attention import TOLERANCES  # the softmax attention tests' tolerances
 
 import autofuser
 from autofuser.zoo.models import MODELS
-from test_attention import TOLERANCES  # the softmax attention tests' tolerances
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HEADS = 2

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
-import types
 import zlib
 
 import pytest

@@ -16,12 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_attention import TOLERANCES  # the softmax attention tests' tolerances
 
 import autofuser
-from autofuser_plugins.attention import strategy as S
 from autofuser.zoo.models import MODELS
 from autofuser.zoo.models.transolver import PhysicsAttention
-from test_attention import TOLERANCES  # the softmax attention tests' tolerances
+from autofuser_plugins.attention import strategy as S
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import autofuser
 from autofuser.zoo import airfoil
 from autofuser.zoo.models import MESHES, MODELS
+
 from _models import FeedForward
 
 FP32 = dict(atol=1e-5, rtol=1e-4)
