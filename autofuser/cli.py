@@ -115,7 +115,8 @@ def _report(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="autofuser", description="AutoFuser: fuse PyTorch models into Triton kernels.")
+    parser = argparse.ArgumentParser(prog="autofuser",
+                                     description="AutoFuser: fuse PyTorch models into Triton kernels.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     bench = commands.add_parser("bench", help="benchmark the model zoo: eager vs torch.compile vs AutoFuser")
     # The zoo (its models, einops, the harness) is imported only when bench runs: the

@@ -174,7 +174,8 @@ class DirectLaunch:
             values[slot] = value
         for slot, aligned, dtype in self.tensor_slots:
             tensor = values[slot]
-            if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or (tensor.data_ptr() % 16 == 0) != aligned:
+            if (not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype
+                    or (tensor.data_ptr() % 16 == 0) != aligned):
                 return None
         for slot, value in self.others:
             if type(values[slot]) is not type(value) or values[slot] != value:

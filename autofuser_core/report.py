@@ -110,7 +110,8 @@ class FusionReport(BaseModel):
             lines.append("compile steps: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.phases.items()))
         fused = self.fused
         saved = sum(g.bytes_before - g.bytes_after for g in fused)
-        lines.append(f"{len(fused)} fused group(s), {len(self.skipped)} skipped; predicted traffic saved {_bytes(saved)}")
+        lines.append(f"{len(fused)} fused group(s), {len(self.skipped)} skipped; "
+                     f"predicted traffic saved {_bytes(saved)}")
         if self.groups:
             lines.append("")
             lines.append(f"{'':2}{'strategy':<18}{'ops':<44}{'bytes before->after':<24}{'eager/fused ms':<18}reason")

@@ -205,7 +205,8 @@ def _line(row: dict) -> str:
     q_bytes = row.get("autofuser-mxint8", {}).get("weight_bytes")
     weights = f"{_size(fp32_bytes)} -> {_size(q_bytes)}" if fp32_bytes and q_bytes else "-"
     err = row.get("autofuser-mxint8", {}).get("rel_err_vs_fp32")
-    return f"| {row['case']} | " + " | ".join(cells) + f" | {weights} | " + (f"{err:.2e}" if err is not None else "-") + " |"
+    error = f"{err:.2e}" if err is not None else "-"
+    return f"| {row['case']} | " + " | ".join(cells) + f" | {weights} | {error} |"
 
 
 if __name__ == "__main__":

@@ -299,7 +299,8 @@ def test_velocity_is_the_derivative_of_the_complex_potential():
         rotation = torch.exp(1j * alpha)
         return rel * rotation.conj() + radius**2 * rotation / rel + 1j * gamma / (2 * math.pi) * torch.log(rel)
 
-    zeta = mu + radius * torch.tensor([1.3, 2.0, 5.0], dtype=torch.float64) * torch.exp(1j * torch.tensor([0.4, 2.0, -2.5]))
+    angles = torch.tensor([0.4, 2.0, -2.5])
+    zeta = mu + radius * torch.tensor([1.3, 2.0, 5.0], dtype=torch.float64) * torch.exp(1j * angles)
     h = 1e-6
     numeric = (potential(zeta + h) - potential(zeta - h)) / (2 * h)
     torch.testing.assert_close(airfoil.circle_velocity(zeta, alpha, mu), numeric, rtol=1e-7, atol=1e-8)

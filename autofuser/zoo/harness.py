@@ -254,7 +254,8 @@ def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warm
     }
     autofuser_cell = row["systems"]["autofuser"]
     autofuser_cell.update(first_call_cold_s=None, first_call_warm_s=None, fused_groups=None, skipped_groups=None,
-                          warm_cache_hits=None, warm_phases=None, unfused_nodes=None, opaque=None, report=None, report_text=None)
+                          warm_cache_hits=None, warm_phases=None, unfused_nodes=None, opaque=None, report=None,
+                          report_text=None)
     row["systems"]["torch.compile"]["mode"] = compile_mode
     if dtype not in entry.dtypes:
         for cell in row["systems"].values():
@@ -337,7 +338,8 @@ def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warm
 
     if no_compile:
         compile_cell.update(status="skipped", error=NO_COMPILE)
-    runs = [("eager", run_eager), ("autofuser", run_autofuser)] + ([] if no_compile else [("torch.compile", run_compile)])
+    runs = [("eager", run_eager), ("autofuser", run_autofuser)]
+    runs += [] if no_compile else [("torch.compile", run_compile)]
     for system, run in runs:
         cell = row["systems"][system]
         try:
@@ -366,7 +368,7 @@ def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warm
         if cell["ms"] and eager_cell["ms"]:
             cell["speedup"] = eager_cell["ms"] / cell["ms"]
     eager_cell["speedup"] = 1.0 if eager_cell["ms"] else None
-    del model, x, target, reference
+    model = x = target = reference = None  # the closures hold them: freed before _release empties the cache
     _release(device)
     return row
 
@@ -434,7 +436,8 @@ def run_bench(names: list[str], *, device: torch.device, dtype: str = "fp32", it
     markdown = render_markdown(result)
     (out / "bench.json").write_text(json.dumps(result, indent=1, default=str))
     (out / "bench.md").write_text(markdown + "\n")
-    progress(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + (f", {out / 'bench.png'}" if result["plot"] == "bench.png" else ""))
+    plot = f", {out / 'bench.png'}" if result["plot"] == "bench.png" else ""
+    progress(f"wrote {out / 'bench.json'}, {out / 'bench.md'}{plot}")
     return {**result, "markdown": markdown}
 
 
@@ -524,7 +527,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {row['model']} | {fresh[0]} | {fresh[1]} |")
     if errors:
         lines += ["", "Errors (type: message; tracebacks in bench.json):", *errors]
-    lines += ["", "bench.png: speedups over eager." if result["plot"] == "bench.png" else f"bench.png: {result['plot']}"]
+    lines += ["", "bench.png: speedups over eager." if result["plot"] == "bench.png"
+              else f"bench.png: {result['plot']}"]
     return "\n".join(lines)
 
 

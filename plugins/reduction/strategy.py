@@ -18,7 +18,8 @@ WARPS = (1, 2, 4, 8, 16)
 
 def propose(view):
     # Groups with a product belong to the matmul and mlp strategies.
-    return [group for group in view.space_groups() if "reduction" in view.kinds(group) and "matmul" not in view.kinds(group)]
+    return [group for group in view.space_groups()
+            if "reduction" in view.kinds(group) and "matmul" not in view.kinds(group)]
 
 
 def accepts(program):

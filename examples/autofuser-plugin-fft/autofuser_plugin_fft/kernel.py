@@ -236,7 +236,10 @@ def write_spectral_kernel(program: SpectralProgram) -> KernelSource:
                       f"over spatial dims {list(weight_dims)}")
     source = ("\n".join(header) + "\nimport triton\nimport triton.language as tl\n\n\n"
               f"@triton.jit\ndef {name}({', '.join(params)}):\n{body}\n")
-    grid = lambda config: (-(-modes // config["BLOCK_P"]), -(-out_channels // config["BLOCK_O"]), batch)
+
+    def grid(config):
+        return (-(-modes // config["BLOCK_P"]), -(-out_channels // config["BLOCK_O"]), batch)
+
     return KernelSource(name=name, source=source, layout="spectral", grid=grid)
 
 

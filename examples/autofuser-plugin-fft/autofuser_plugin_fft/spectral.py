@@ -182,7 +182,8 @@ def _match(buffer: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Optional[S
         equation, sliced, weight = operands
         weight_dims = _weight_dims(equation, len(shape))
         if (weight_dims is None or not isinstance(sliced, torch.fx.Node) or sliced.op != "call_function"
-                or sliced.target is not operator.getitem or len(sliced.users) != 1 or not isinstance(weight, torch.fx.Node)):
+                or sliced.target is not operator.getitem or len(sliced.users) != 1
+                or not isinstance(weight, torch.fx.Node)):
             return None
         source, source_index = sliced.args
         source_meta, weight_meta = _meta(source), _meta(weight)

@@ -245,14 +245,16 @@ def binary_samples(dtype: torch.dtype, *, scale: float = 1.0, nans: bool = False
                    shapes: Sequence[tuple[Sequence[int], Sequence[int]]] = BINARY_SHAPES,
                    positive: tuple[bool, bool] = (False, False)) -> list[Sample]:
     samples = [
-        Sample(args=(randn(a, dtype, scale=scale, positive=positive[0]), randn(b, dtype, scale=scale, positive=positive[1])),
+        Sample(args=(randn(a, dtype, scale=scale, positive=positive[0]),
+                     randn(b, dtype, scale=scale, positive=positive[1])),
                note=f"{tuple(a)} with {tuple(b)}")
         for a, b in shapes
     ]
     if nans:
         samples.append(Sample(
             # NaNs in both operands, partly at the same positions.
-            args=(with_nans(randn((3, 37), dtype, scale=scale)), with_nans(randn((3, 37), dtype, scale=scale)).flip(-1)),
+            args=(with_nans(randn((3, 37), dtype, scale=scale)),
+                  with_nans(randn((3, 37), dtype, scale=scale)).flip(-1)),
             note="NaNs propagate",
         ))
     return samples
