@@ -52,6 +52,8 @@ def _load_factory(spec: str):
         if not path.is_file():
             raise SystemExit(f"autofuser report: no file {module_name}")
         loader_spec = importlib.util.spec_from_file_location(path.stem, path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise SystemExit(f"autofuser report: {module_name} can't be loaded as a Python module")
         module = importlib.util.module_from_spec(loader_spec)
         sys.modules[path.stem] = module
         loader_spec.loader.exec_module(module)

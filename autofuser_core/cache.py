@@ -307,6 +307,7 @@ def module_from_source(module_name: str, source: str, path: Path):
     the whole cache, ``inspect`` reads the file again.)"""
     filename = str(path)
     spec = importlib.util.spec_from_file_location(module_name, filename)
+    assert spec is not None  # a path ending in .py always has one
     module = importlib.util.module_from_spec(spec)
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), module.__dict__)

@@ -84,7 +84,7 @@ class FusedKernel:
                    for shape, stride, dtype in self.output_layout]
         args = (*cast_inputs(inputs, self.casts), *outputs)
         values = self.direct.values(args) if self.direct is not None else None
-        if values is not None:
+        if values is not None and self.direct is not None:
             self.direct.launch(values)
         elif isinstance(self.kernel, triton.runtime.JITFunction):
             compiled = self.kernel.run(*args, grid=self.grid, warmup=False, **self.launch_args)

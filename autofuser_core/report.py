@@ -174,7 +174,7 @@ def describe_graph(gm) -> list[GraphNode]:
     return nodes
 
 
-def _bytes(n: int) -> str:
+def _bytes(n: float) -> str:
     sign = "-" if n < 0 else ""
     n = abs(n)
     for unit in ("B", "KiB", "MiB", "GiB"):

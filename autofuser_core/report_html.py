@@ -58,7 +58,7 @@ def _ms(value: Optional[float]) -> str:
 
 def _group_colours(report: "FusionReport") -> dict[int, str]:
     """Group index -> fill colour, for fused groups."""
-    colours = {}
+    colours: dict[int, str] = {}
     for k, group in enumerate(report.groups):
         if group.fused:
             colours[k] = PALETTE[len(colours) % len(PALETTE)]
@@ -76,11 +76,11 @@ def _layers(report: "FusionReport") -> dict[str, int]:
 def render_svg(report: "FusionReport") -> str:
     """The graph as an inline SVG: boxes in layers, edges as lines, fill by group."""
     colours = _group_colours(report)
-    group_of = {}
-    for k, group in enumerate(report.groups):
+    group_of: dict[str, int] = {}
+    for index, group in enumerate(report.groups):
         if group.fused:
             for name in group.nodes:
-                group_of[name] = k
+                group_of[name] = index
     depth = _layers(report)
     rows: dict[int, list[str]] = {}
     for node in report.graph:

@@ -116,7 +116,7 @@ def test_set(n: int = 8, mesh: tuple[int, int] = (221, 51)) -> tuple[torch.Tenso
     return make_dataset(n, TEST_SEED, mesh)
 
 
-test_set.__test__ = False  # not a pytest test
+test_set.__test__ = False  # type: ignore[attr-defined]  # not a pytest test
 
 
 def relative_l2(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,8 @@ def rotate_half(t: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al., RoFormer) of a 1-D coordinate."""
 
+    inv_freq: torch.Tensor  # a buffer (registered in __init__)
+
     def __init__(self, dim: int, scale: float = 64.0):
         super().__init__()
         self.scale = scale  # coordinates in [0, 1] are stretched to [0, scale]

@@ -63,6 +63,8 @@ class NeuralSpectralBlock2d(nn.Module):
     """Patchwise latent tokens, a learned combination of trigonometric basis
     functions on them, and attention back to the points (residual)."""
 
+    frequencies: torch.Tensor  # a buffer (registered in __init__)
+
     def __init__(self, width: int, num_basis: int, num_token: int, heads: int):
         super().__init__()
         if width % heads:

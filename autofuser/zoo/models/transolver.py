@@ -37,6 +37,8 @@ class PhysicsAttention(nn.Module):
         self.heads, self.mesh = heads, mesh
         head_dim = width // heads
         self.scale = head_dim ** -0.5
+        self.project_x: nn.Module
+        self.project_fx: nn.Module
         if mesh is None:
             self.project_x = nn.Linear(width, width)
             self.project_fx = nn.Linear(width, width)
