@@ -293,7 +293,7 @@ class RecomputeForBackward(torch.autograd.Function):
             outputs = (outputs,)
         wanted = [t for t in inputs if t.requires_grad]
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
-        found = [None] * len(wanted)
+        found: Sequence[Optional[torch.Tensor]] = [None] * len(wanted)
         if pairs and wanted:
             found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True,
                                         create_graph=higher_order)

@@ -123,6 +123,7 @@ def quantize_model(model: torch.nn.Module, options: QuantizeOptions,
     for name in selected:
         module = copied.get_submodule(name) if name else copied
         weight = module.weight
+        assert isinstance(weight, torch.Tensor)  # how the layer was selected
         try:
             replacement = spec.replace(module)
         except ValueError as err:

@@ -26,8 +26,13 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from .group import GroupProgram
-from .ir import AttrRef
+from .group import GroupProgram, KernelTensor
+
+
+def _output_node(tensor: KernelTensor) -> torch.fx.Node:
+    """The node a group output stands for: only inputs can be parameters (``AttrRef``)."""
+    assert isinstance(tensor.source, torch.fx.Node), tensor.source
+    return tensor.source
 
 
 def extract_group_module(gm: torch.fx.GraphModule, program: GroupProgram) -> torch.fx.GraphModule:
@@ -40,7 +45,7 @@ def extract_group_module(gm: torch.fx.GraphModule, program: GroupProgram) -> tor
             env[tensor.source] = placeholder
     for node in program.nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
-    outs = [env[t.source] for t in program.outputs]
+    outs = [env[_output_node(t)] for t in program.outputs]
     graph.output(outs[0] if len(outs) == 1 else tuple(outs))
     return torch.fx.GraphModule(gm, graph, class_name="EagerGroup")
 
@@ -80,16 +85,18 @@ def rewrite_graph(gm: torch.fx.GraphModule, groups: Sequence[tuple[GroupProgram,
         if isinstance(unit, tuple):
             program, fused = groups[unit[1]]
             # Parameters are not graph inputs: the FusedKernel reads them live.
-            args = [env[t.source] for t in program.inputs if not isinstance(t.source, AttrRef)]
+            args = [env[t.source] for t in program.inputs if isinstance(t.source, torch.fx.Node)]
             call = graph.call_function(fused, tuple(args))
             if len(program.outputs) == 1:
-                env[program.outputs[0].source] = call
-                call.meta.update(program.outputs[0].source.meta)
+                source = _output_node(program.outputs[0])
+                env[source] = call
+                call.meta.update(source.meta)
             else:
                 for k, out in enumerate(program.outputs):
+                    source = _output_node(out)
                     item = graph.call_function(operator.getitem, (call, k))
-                    item.meta.update(out.source.meta)
-                    env[out.source] = item
+                    item.meta.update(source.meta)
+                    env[source] = item
         else:
             env[unit] = graph.node_copy(unit, lambda n: env[n])
         for user in users[unit]:
