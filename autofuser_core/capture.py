@@ -74,7 +74,7 @@ from autofuser_core.ir import describe_tensor
 try:  # einops is optional: without it there is simply nothing to lower.
     from einops import _backends as _einops_backends
 except ImportError:  # pragma: no cover
-    _einops_backends = None
+    _einops_backends = None  # type: ignore[assignment]
 
 log = logging.getLogger("autofuser")
 
@@ -266,7 +266,8 @@ class ConcreteAttribute(ConcreteProxy):
     """``proxy.attr``: a method call if called, else a lazily recorded getattr node."""
 
     def __init__(self, root: ConcreteProxy, attr: str) -> None:
-        self.root, self.attr, self.tracer, self._node = root, attr, root.tracer, None
+        self.root, self.attr, self.tracer = root, attr, root.tracer
+        self._node: Optional[torch.fx.Node] = None
 
     @property
     def node(self) -> torch.fx.Node:  # type: ignore[override]
@@ -517,7 +518,7 @@ def _tracing_patches(tracer: _ConcreteTracer):
     ) if name in cls.__dict__]
     # (owner, name, patched value); names already patched by an enclosing capture of this
     # thread act for its tracer, whichever is current, and are left to it.
-    patches = [(torch, n, _recording_factory(getattr(torch, n))) for n in _FACTORIES
+    patches: list[tuple[Any, str, Any]] = [(torch, n, _recording_factory(getattr(torch, n))) for n in _FACTORIES
                if hasattr(torch, n) and not hasattr(getattr(torch, n), _ORIGINAL)]
     patches += [(cls, name, _refusing_switch(cls, cls.__dict__[name])) for cls, name in mode_switches
                 if not hasattr(cls.__dict__[name], _ORIGINAL)]
@@ -567,7 +568,7 @@ class _ModuleAttributes:
         self.saved = []
         for module in model.modules():
             entries = dict(module.__dict__)
-            contents = {}
+            contents: dict[str, Any] = {}
             for name, value in entries.items():
                 if isinstance(value, dict):
                     contents[name] = dict(value)
@@ -659,7 +660,7 @@ def _opaque_root(model: torch.nn.Module, sig: inspect.Signature, arguments: dict
     varargs = [graph.placeholder(f"{p.name}_{i}") for p in sig.parameters.values()
                if p.kind is p.VAR_POSITIONAL for i in range(len(arguments[p.name]))]
     args = [nodes[p.name] for p in params if p.kind is not p.KEYWORD_ONLY] + varargs
-    kwargs = {p.name: nodes[p.name] for p in params if p.kind is p.KEYWORD_ONLY}
+    kwargs: dict[str, Any] = {p.name: nodes[p.name] for p in params if p.kind is p.KEYWORD_ONLY}
     graph.output(graph.call_module(ROOT_ATTR, tuple(args), kwargs))
     holder = torch.nn.Module()
     holder.add_module(ROOT_ATTR, model)
