@@ -40,14 +40,14 @@ import torch.fx
 
 from .capture import preserved_state
 from .cache import cache_dir, load_kernel_module, read_tuning, tuning_lock, write_tuning
-from .group import ROUNDED_DTYPES, GroupProgram, attr_tensor, product_count, reduction_prologue
+from .group import (MAX_PRODUCTS, ROUNDED_DTYPES, STRICT_FP32, GroupProgram, attr_tensor, product_count,
+                    reduction_prologue)
 from .ir import AttrRef
 from .launch import FusedKernel, cast_inputs, host_scalars, to_device
 from .planner import SPLIT_RULES, Candidate, Plan, SplitRule, barrier_reason, plan_fusion_groups
 from .precompile import CompileJob, Compiling, launch_items, start as start_compiling
 from .registry import PLUGIN_FAULTS, PluginFault, PluginHookError, describe_target, record_fault
 from .report import FusionReport, GroupEntry, NodeEntry, describe_graph
-from .matmul_layout import MAX_PRODUCTS, STRICT_FP32
 from .rounding import interpreting
 from .rewrite import extract_group_module, rewrite_graph
 from .specs import DEFAULT_TOLERANCES, Tolerance, dtype_name

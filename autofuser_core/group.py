@@ -28,8 +28,9 @@ group's external inputs and outputs, without IR values.
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.fx
@@ -37,10 +38,34 @@ import torch.fx
 from .ir import AttrRef, Value, tensor_meta
 from .rounding import rounded
 
-if TYPE_CHECKING:
-    from .matmul_layout import MatmulLayout
-
 ROUNDED_DTYPES = (torch.float16, torch.bfloat16)
+
+#: How fp32 products run when torch does not allow TF32: "tf32x3" (each operand split
+#: into two TF32 parts, three tensor-core products, fp32 accumulation: error at fp32
+#: level, checked against eager at fp32 tolerance) or "ieee" (plain fp32 FMAs, slow).
+STRICT_FP32 = contextvars.ContextVar("autofuser_strict_fp32", default="tf32x3")
+#: Products one group may hold (several only where a plugin lays them out). Lowered when
+#: re-planning the nodes of a multi-product group that stayed eager, so they still
+#: fuse in smaller groups (``autofuser_core.compile``).
+MAX_PRODUCTS = contextvars.ContextVar("autofuser_max_products", default=8)
+
+
+def layout_settings() -> tuple:
+    """What laying out a group's products depends on besides its IR (products per
+    group, how fp32 products run): composed groups stay valid while it stays."""
+    return MAX_PRODUCTS.get(), fp32_precision()
+
+
+def fp32_precision() -> str:
+    """Torch's own rule for fp32 matrix products: TF32 only where it is allowed."""
+    allowed = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    return "tf32" if allowed else STRICT_FP32.get()
+
+
+#: A plugin's layout of groups with a given number of matrix products
+#: (``ProductLayoutSpec.lay_out``): ``lay_out(program, values)`` sets the program's
+#: domain, strides and ``matmul``, or raises ``GroupRefused``.
+ProductLayout = Callable[["GroupProgram", dict[int, Value]], None]
 
 
 class GroupRefused(Exception):
@@ -90,7 +115,9 @@ class GroupProgram:
     input_of_load: dict[int, int] = field(default_factory=dict)  # load uid -> input index
     scales_of_load: dict[int, int] = field(default_factory=dict)  # packed weight load uid -> its scales' input index
     op_names: list[str] = field(default_factory=list)
-    matmul: Optional["MatmulLayout"] = None  # set when the group contains a matrix product
+    # Set when the group contains matrix products: the layout object of the product layout
+    # that laid it out (``ProductLayoutSpec``), which its strategy reads.
+    matmul: Optional[Any] = None
     identity_reduces: set[int] = field(default_factory=set)  # reductions over size-1 dims only
     # fp32 products of a group laid out without a ``MatmulLayout`` (a strategy's own
     # compose): "tf32" where torch allows it, else "tf32x3"/"ieee"; None without products.
@@ -164,7 +191,7 @@ def compose_group(
     op_names: Optional[dict[torch.fx.Node, str]] = None,
     lay_out: Optional[Callable[[GroupProgram, dict[int, Value]], None]] = None,
     attr_cache: Optional[dict[str, TensorDescription]] = None,
-    product_layouts: Optional[Mapping[int, Callable[[GroupProgram, dict[int, Value]], None]]] = None,
+    product_layouts: Optional[Mapping[int, ProductLayout]] = None,
 ) -> GroupProgram:
     """Compose ``nodes`` (in graph order) into a ``GroupProgram``; see module doc.
 
@@ -175,8 +202,8 @@ def compose_group(
     parameters already read, by path, shared by calls on the same ``root``
     while its parameters stay as they are (a parametrised weight is computed
     each time it is read). ``product_layouts``: the plugins' layouts of groups
-    with several matrix products, by count (``Registry.product_layouts()``; the
-    rule is ``ProductLayoutSpec``'s)."""
+    with matrix products, by count (``Registry.product_layouts()``; the rule is
+    ``ProductLayoutSpec``'s): without one for a group's count, the group is refused."""
     members = set(nodes)
     composed: dict[torch.fx.Node, Value] = {}
     memo: dict[int, Value] = {}
@@ -401,16 +428,15 @@ def _args_first(values: dict[int, Value]) -> list[Value]:
     return order
 
 
-def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Callable]] = None) -> None:
+def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, ProductLayout]] = None) -> None:
     """Steps 3 and 4 of the module doc: the domain, the reduced dims, strides
-    (groups with products: ``matmul_layout.lay_out_matmul``)."""
+    (groups with products: the plugins' layout for their count, ``_lay_out_products``)."""
     values = collect_values(program.output_values)  # no extern op: compose_group refused those
-    if not any(v.op == "dot" for v in values.values()) and any(v.packed is not None for v in values.values()):
+    products = sum(v.op == "dot" for v in values.values())
+    if not products and any(v.packed is not None for v in values.values()):
         raise GroupRefused("packed_weight", "a quantised weight is decoded only inside a matrix product's kernel")
-    if any(v.op == "dot" for v in values.values()):
-        from .matmul_layout import lay_out_matmul
-
-        lay_out_matmul(program, values, product_layouts)
+    if products:
+        _lay_out_products(program, values, products, product_layouts or {})
         return
 
     # A reduction without keepdim drops its dims: it and pointwise ops over only
@@ -516,6 +542,20 @@ def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Calla
         reduced_full = [shape_s[d] == program.domain[d] for d in reduced if program.domain[d] != 1]
         if reduced_full and any(reduced_full) and not all(reduced_full):
             raise GroupRefused("output_broadcasts", f"output {tensor.name} is partly reduced")
+
+
+def _lay_out_products(program: GroupProgram, values: dict[int, Value], products: int,
+                      product_layouts: Mapping[int, ProductLayout]) -> None:
+    """A group with ``products`` matrix products, laid out by the plugins' layout for that
+    count; one product always may be, several only up to ``MAX_PRODUCTS``."""
+    lay_out = product_layouts.get(products) if products <= max(1, MAX_PRODUCTS.get()) else None
+    if lay_out is not None:
+        lay_out(program, values)
+    elif products > 1:
+        raise GroupRefused("several_products", f"{products} matrix products in one group")
+    else:
+        raise GroupRefused("no_product_layout", "no loaded plugin lays out a group with a matrix product "
+                                                "(the bundled one is the matmul plugin's)")
 
 
 def read_view(tensor: KernelTensor, shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -72,8 +72,9 @@ def autofuser_register_quantizers(register):
 
 @hookspec
 def autofuser_register_product_layouts(register):
-    """Register layouts for groups with several matrix products (``ProductLayoutSpec``,
-    whose docstring states how the generic composition uses them).
+    """Register layouts for groups with matrix products (``ProductLayoutSpec``, whose
+    docstring states how the generic composition uses them), one per number of
+    products: the matmul plugin registers one product's, the mlp plugin two's.
 
     Called once per plugin when it is loaded. A strategy then finds such groups
     composed with the layout's object as ``program.matmul``.

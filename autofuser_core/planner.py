@@ -34,9 +34,8 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from .group import GroupProgram, GroupRefused, compose_group, product_count, reduction_prologue
+from .group import GroupProgram, GroupRefused, compose_group, layout_settings, product_count, reduction_prologue
 from .ir import LoweringContext, LoweringRefused, Value, tensor_meta
-from .matmul_layout import layout_settings
 from .registry import Registry, describe_target
 from .specs import LoweringSpec, StrategySpec, dtype_name
 
@@ -172,7 +171,7 @@ class PlanningView:
         self.nodes: list[torch.fx.Node] = list(gm.graph.nodes)
         self.order = {n: i for i, n in enumerate(self.nodes)}
         self._space_groups: Optional[list[list[torch.fx.Node]]] = None
-        self.product_layouts = registry.product_layouts()  # compose_group's layouts for several products
+        self.product_layouts = registry.product_layouts()  # compose_group's layouts of groups with products
         if earlier is not None and (earlier.gm is not gm or earlier.registry is not registry
                                     or earlier.nodes != self.nodes):
             raise ValueError("a planning view can reuse only the view of the same graph and plugins")
@@ -294,7 +293,7 @@ class PlanningView:
     def compose(self, nodes: list[torch.fx.Node], lay_out=None) -> GroupProgram:
         """``nodes`` composed into one program (``compose_group``; ``lay_out``: a
         strategy's own layout of the composed values instead of the generic one;
-        see ``ProductLayoutSpec`` for groups of several products).
+        see ``ProductLayoutSpec`` for groups with products).
 
         Composed once per planning (and ``layout_settings()``): asked again, it
         returns the same program (don't change it) or raises the same refusal.

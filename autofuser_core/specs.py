@@ -210,17 +210,18 @@ class QuantizerSpec(Spec):
 class ProductLayoutSpec(Spec):
     """How the generic composition lays out a group with ``products`` matrix products.
 
-    ``compose_group`` lays out a group with one product itself; for a group
-    with ``products`` (2 or more, at most ``MAX_PRODUCTS``) it calls
+    For a group with ``products`` (one, or several up to
+    ``autofuser_core.group.MAX_PRODUCTS``) ``compose_group`` calls
     ``lay_out(program, values)`` of the layout registered for that count
     (``values``: every IR value of the group, by uid), which sets the
     program's ``domain``, output strides and ``matmul`` (the layout object its
     strategy's ``accepts``/``generate`` read), or raises
     ``autofuser_core.group.GroupRefused``. Groups grown by
     ``PlanningView.space_groups()`` take such unions in through it. With no
-    layout for the count, the group is refused (``several_products``). The
+    layout for the count, the group is refused (``several_products``, or
+    ``no_product_layout`` for one product). The
     highest ``priority`` for a count wins; equal is a tie and an error.
     """
 
-    products: int = Field(ge=2, description="The number of matrix products in the groups it lays out.")
+    products: int = Field(ge=1, description="The number of matrix products in the groups it lays out.")
     lay_out: Callable[..., None]

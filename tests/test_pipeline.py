@@ -1044,7 +1044,7 @@ def test_autocast_linear_weight_is_converted_once_past_its_reads(monkeypatch, sh
     per call when its row tiles would read the weight often enough
     (``CONVERT_ONCE_MIN_READS``; lowered here so small shapes cross it), else each tile
     converts what it reads. Both match eager; only the first hands the kernel bf16."""
-    from autofuser_core import matmul_layout
+    from autofuser_plugins.matmul import layout as matmul_layout
     from autofuser_core.launch import FusedKernel
 
     reads = 36 * 20 * -(-(3 * 37) // matmul_layout.WEIGHT_READ_ROWS)  # weight elements x row tiles

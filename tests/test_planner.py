@@ -2,8 +2,8 @@
 composed once per planning, a refusal is raised again as it was, other layout
 settings compose afresh, a later round reuses the first round's lowering, and a
 zoo model's plans, round after round, are the same as with everything lowered and
-composed anew. Planning runs with the cyclic garbage collector paused. Groups of
-several products are laid out only by a loaded plugin's ``ProductLayoutSpec``."""
+composed anew. Planning runs with the cyclic garbage collector paused. Groups with
+products are laid out only by a loaded plugin's ``ProductLayoutSpec``."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import torch.nn as nn
 import autofuser
 import autofuser_core.planner as planner
 from autofuser import SpecError
-from autofuser_core.group import GroupRefused, compose_group
-from autofuser_core.matmul_layout import MAX_PRODUCTS, MatmulLayout
-from autofuser_core.planner import PlanningView, plan_fusion_groups
-from autofuser_plugins.mlp.mlp_layout import MlpLayout
 from autofuser.zoo.models import MODELS
+from autofuser_core.group import MAX_PRODUCTS, GroupRefused, compose_group
+from autofuser_core.planner import PlanningView, plan_fusion_groups
+from autofuser_plugins.matmul.layout import MatmulLayout
+from autofuser_plugins.mlp.mlp_layout import MlpLayout
 
 from _models import FeedForward, tiny_input
 
@@ -123,7 +123,7 @@ def test_without_the_mlp_plugin_two_products_are_refused_and_fuse_one_at_a_time(
     x = torch.randn(batch, 11, 24)
     gm = autofuser.capture(model, x)
     plugin_set = autofuser.load_plugins(WITHOUT_MLP)
-    assert plugin_set.registry.product_layouts() == {}
+    assert list(plugin_set.registry.product_layouts()) == [1]  # the matmul plugin's, for one product
     view = PlanningView(gm, plugin_set.registry)
     with pytest.raises(GroupRefused) as refused:
         view.compose(_nodes(view, "fc1", "gelu", "fc2"))
@@ -141,6 +141,31 @@ def test_without_the_mlp_plugin_two_products_are_refused_and_fuse_one_at_a_time(
     for group in report.fused:
         assert sum(node in ("fc1", "fc2") for node in group.nodes) <= 1, str(report)
     assert {"fc1", "fc2"} <= {n for g in report.fused for n in g.nodes}, str(report)
+
+
+def test_without_a_product_layout_a_group_with_a_product_is_refused_with_a_reason():
+    """The core lays out no product itself: with a plugin lowering ``@`` but no plugin
+    laying out one product (the matmul plugin's layout), the group is refused with its
+    reason and the model runs its products eager."""
+    products = types.ModuleType("products_only")
+    products.autofuser_register_lowerings = lambda register: register(
+        name="mine.matmul", targets=(torch.matmul,), kind="matmul", lower=lambda ctx, a, b: ctx.matmul(a, b))
+    class ProductRelu(nn.Module):
+        def forward(self, a, b):
+            return torch.relu(torch.matmul(a, b))
+
+    a, b = torch.randn(7, 24), torch.randn(24, 5)
+    gm = autofuser.capture(ProductRelu(), a, b)
+    plugin_set = autofuser.load_plugins(["elementwise", products])
+    assert plugin_set.registry.product_layouts() == {}
+    view = PlanningView(gm, plugin_set.registry)
+    for nodes in (list(view.lowered), [n for n in view.lowered if view.lowered[n].op == "dot"]):
+        with pytest.raises(GroupRefused) as refused:
+            view.compose(nodes)
+        assert refused.value.code == "no_product_layout" and "matmul plugin" in refused.value.reason
+    fused = autofuser.fuse(ProductRelu(), plugins=["elementwise", products], progress=False)
+    torch.testing.assert_close(fused(a, b), torch.relu(a @ b))
+    assert not any("mine.matmul" in group.ops for group in fused.report().fused), str(fused.report())
 
 
 def test_a_plugins_product_layout_lays_out_groups_of_its_count_only():
@@ -161,7 +186,7 @@ def test_a_plugins_product_layout_lays_out_groups_of_its_count_only():
     with pytest.raises(GroupRefused) as refused:
         view.compose(_nodes(view, "fc1", "gelu", "fc2"))
     assert refused.value.code == "mine" and seen == [["dot", "dot"]]
-    view.compose(_nodes(view, "fc1", "gelu"))  # one product: the core's own layout
+    view.compose(_nodes(view, "fc1", "gelu"))  # one product: the matmul plugin's layout
     assert seen == [["dot", "dot"]]
 
 
@@ -169,10 +194,10 @@ def test_product_layout_specs_are_validated_and_ties_refused():
     def lay_out(program, values):
         raise GroupRefused("unused", "never called")
 
-    one = types.ModuleType("oneproduct")
-    one.autofuser_register_product_layouts = lambda register: register(name="one", products=1, lay_out=lay_out)
+    none = types.ModuleType("noproduct")
+    none.autofuser_register_product_layouts = lambda register: register(name="none", products=0, lay_out=lay_out)
     with pytest.raises(SpecError, match="products"):
-        autofuser.load_plugins([one])
+        autofuser.load_plugins([none])
     tied = types.ModuleType("tied")
     tied.autofuser_register_product_layouts = lambda register: register(name="tied.two", products=2, lay_out=lay_out)
     with pytest.raises(SpecError) as caught:

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autofuser
-from autofuser_core.matmul_layout import STRICT_FP32
+from autofuser_core.group import STRICT_FP32
 from autofuser_core.planner import plan_fusion_groups
 
 TOLERANCES = {

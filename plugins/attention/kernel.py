@@ -33,9 +33,9 @@ import torch
 
 from autofuser_core.codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, emit_offsets,
                                     kernel_header as core_kernel_header, literal, op_label, triton_cdiv, used_helpers)
-from autofuser_core.codegen_matmul import as_operand, dot_block, dot_line, index_term
 from autofuser_core.ir import Value
 from autofuser_core.rounding import interpreting, rounded, stored
+from autofuser_plugins.matmul.kernel import as_operand, dot_block, dot_line, index_term
 
 from .chain import POINTER_TYPES, chain_module, chain_stages, digest
 from .layout import AttentionLayout, Operand, Step

@@ -38,9 +38,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from autofuser_core.group import GroupRefused, KernelTensor, attr_tensor, program_from_nodes
+from autofuser_core.group import GroupRefused, KernelTensor, attr_tensor, fp32_precision, program_from_nodes
 from autofuser_core.ir import AttrRef, tensor_meta
-from autofuser_core.matmul_layout import fp32_precision
 
 from .layout import AttentionLayout, AttentionProgram, LinearAttentionLayout, RowNorm
 from .match import (MAX_SCORE_STEPS, _head_widths, _is_pointwise, _operand, _operand_dtype, _values,

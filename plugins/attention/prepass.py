@@ -50,8 +50,8 @@ from typing import Optional
 import torch
 
 from autofuser_core.codegen import TL_DTYPES, emit_offsets
-from autofuser_core.codegen_matmul import index_term
 from autofuser_core.rounding import stored
+from autofuser_plugins.matmul.kernel import index_term
 
 from .layout import AttentionLayout, Operand
 

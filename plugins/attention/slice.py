@@ -23,9 +23,8 @@ from typing import Optional
 import torch
 import torch.fx
 
-from autofuser_core.group import GroupRefused, KernelTensor, attr_tensor, program_from_nodes
+from autofuser_core.group import GroupRefused, KernelTensor, attr_tensor, fp32_precision, program_from_nodes
 from autofuser_core.ir import AttrRef, tensor_meta
-from autofuser_core.matmul_layout import fp32_precision
 
 from .layout import AttentionProgram, LinearMap, SliceLayout
 from .linear import _constant_step, check_private, transposed_a_einsum

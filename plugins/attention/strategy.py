@@ -17,7 +17,7 @@ from typing import Optional
 
 from autofuser import StrategySpec
 from autofuser_core.codegen import next_power_of_2
-from autofuser_core.codegen_matmul import dot_block
+from autofuser_plugins.matmul.kernel import dot_block
 
 from .kernel import write_attention_kernel
 from .layout import AttentionProgram

@@ -27,11 +27,10 @@ import torch.nn.functional as F
 
 from autofuser import StrategySpec
 from autofuser_core.codegen import KernelSource, triton_cdiv
-from autofuser_core.codegen_matmul import dot_block, dot_line, needs_int64
-from autofuser_core.group import GroupRefused, KernelTensor, attr_tensor, program_from_nodes
+from autofuser_core.group import STRICT_FP32, GroupRefused, KernelTensor, attr_tensor, program_from_nodes
 from autofuser_core.ir import AttrRef, tensor_meta
-from autofuser_core.matmul_layout import STRICT_FP32
 from autofuser_core.rounding import rounded
+from autofuser_plugins.matmul.kernel import dot_block, dot_line, needs_int64
 
 from .strategy import ChainWriter, ResampleProgram, compose_members, follow_chain, single_output
 

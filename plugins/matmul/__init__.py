@@ -1,12 +1,14 @@
 """Matrix products (nn.Linear, F.linear, matmul, @, mm, bmm, matmul-shaped einsum)
 and the strategies that fuse them with what comes before and after: matmul,
-linear + epilogue, layer norm + linear."""
+linear + epilogue, layer norm + linear; the layout of a group with one product
+(``layout.py``) and its kernel writer (``kernel.py``)."""
 
 from autofuser import hookimpl
 from autofuser_core.oplib import collect_specs
 
 from . import ops
 from .autocast import make_autocast_casts_explicit
+from .layout import PRODUCT_LAYOUT
 from .strategy import STRATEGIES
 
 
@@ -19,6 +21,11 @@ def autofuser_transform_graph(gm, options):
 def autofuser_register_lowerings(register):
     for spec in collect_specs(ops):
         register(spec)
+
+
+@hookimpl
+def autofuser_register_product_layouts(register):
+    register(PRODUCT_LAYOUT)
 
 
 @hookimpl

@@ -21,7 +21,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from autofuser_core.matmul_layout import contiguous_strides
+from .layout import contiguous_strides
 
 
 def _calls(gm: torch.fx.GraphModule, node: torch.fx.Node, function, module_type) -> bool:

@@ -1,6 +1,6 @@
 """Strategies for groups around one matrix product.
 
-All three write the same kind of kernel (``autofuser_core.codegen_matmul``:
+All three write the same kind of kernel (``kernel.py``:
 2-D output tiles, a K loop, grouped launch order) and differ in the groups
 they claim:
 
@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from autofuser import StrategySpec
 from autofuser_core.codegen import next_power_of_2, triton_cdiv
-from autofuser_core.codegen_matmul import dot_block, write_matmul_kernel
 from autofuser_core.group import GroupRefused
-from autofuser_core.matmul_layout import MatmulLayout, multiprocessors
+
+from .kernel import write_matmul_kernel
+from .layout import MatmulLayout, dot_block, multiprocessors
 
 #: Shared memory one program may use for its pipelined A and B tiles (H100/H200: 228 KiB per SM).
 SMEM_LIMIT = 200 * 1024

@@ -22,8 +22,7 @@ from __future__ import annotations
 import itertools
 
 from autofuser import StrategySpec
-from autofuser_core.group import GroupRefused
-from autofuser_core.matmul_layout import MAX_PRODUCTS
+from autofuser_core.group import MAX_PRODUCTS, GroupRefused
 
 from .chain_kernel import write_chain_kernel
 from .chain_layout import ChainLayout, lay_out_chain, padded

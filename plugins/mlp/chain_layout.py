@@ -36,10 +36,9 @@ from typing import Optional
 
 import torch
 
-from autofuser_core.codegen_matmul import dot_block
-from autofuser_core.group import GroupProgram, GroupRefused, collect_values, domain_strides
+from autofuser_core.group import GroupProgram, GroupRefused, collect_values, domain_strides, fp32_precision
 from autofuser_core.ir import Value
-from autofuser_core.matmul_layout import check_fits, convert_weight_once, fp32_precision, product_operand_dtype
+from autofuser_plugins.matmul.layout import check_fits, convert_weight_once, dot_block, product_operand_dtype
 
 from .mlp_layout import weight_strides
 

@@ -6,7 +6,7 @@ product's result, with the pointwise ops between the products applied, is
 consumed by the second product at once, so the hidden activation never
 reaches memory. The prologue (passes over ``K`` for a norm's statistics, or
 rows of A kept on chip), the epilogue and the stores are the single-product
-writer's (``autofuser_core.codegen_matmul``), as are the indexing scheme and
+writer's (``autofuser_plugins.matmul.kernel``), as are the indexing scheme and
 the kernel's name (``af_mlp_<ops>_<hash of the source>``). Where both weights
 fit in shared memory the kernel has a second, persistent form
 (``write_mlp_kernel``).
@@ -18,9 +18,10 @@ import re
 from typing import Optional
 
 from autofuser_core.codegen import KernelSource, emit_offsets, triton_cdiv
-from autofuser_core.codegen_matmul import (DagBlock, MatmulWriter, all_values, as_operand, assemble_kernel, dot_block,
-                                           dot_line, emit_prepasses, emit_stores, index_term, needs_int64, weight_tile)
 from autofuser_core.group import GroupProgram
+from autofuser_plugins.matmul.kernel import (DagBlock, MatmulWriter, all_values, as_operand, assemble_kernel,
+                                             dot_block, dot_line, emit_prepasses, emit_stores, index_term, needs_int64,
+                                             weight_tile)
 
 from .mlp_layout import PERSISTENT_BLOCK_H
 

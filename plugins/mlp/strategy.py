@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from autofuser import StrategySpec
 from autofuser_core.codegen import triton_cdiv
-from autofuser_core.codegen_matmul import all_values, dot_block
 from autofuser_core.group import GroupRefused
-from autofuser_core.matmul_layout import multiprocessors
+from autofuser_plugins.matmul.kernel import all_values
+from autofuser_plugins.matmul.layout import dot_block, multiprocessors
 
 from .mlp_kernel import write_mlp_kernel
 from .mlp_layout import BLOCK_SMEM_LIMIT, PERSISTENT_BLOCK_H, MlpLayout

@@ -17,7 +17,7 @@ The kernel computes ``C[rows, cols]`` tiles of ``BLOCK_M x BLOCK_N``:
    through its own strides.
 
 The indexing of rows, batch, ``K`` and ``N`` uses the same coordinate and
-stride scheme as ``codegen.py``.
+stride scheme as ``autofuser_core/codegen.py``.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from typing import Optional
 
 import torch
 
-from .codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, _header, _short, emit_offsets, literal, row_reduction,
-                      triton_cdiv, used_helpers)
-from .group import GroupProgram, collect_values
-from .ir import Value
-from .matmul_layout import PackedOperand, dot_block
-from .rounding import interpreting, rounded, stored
+from autofuser_core.codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, _header, _short, emit_offsets, literal,
+                                   row_reduction, triton_cdiv, used_helpers)
+from autofuser_core.group import GroupProgram, collect_values
+from autofuser_core.ir import Value
+from autofuser_core.rounding import interpreting, rounded, stored
+
+from .layout import PackedOperand, dot_block
 
 _NEUTRAL = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
 _COMBINE = {"sum": "{0} + {1}", "max": "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",

@@ -22,18 +22,18 @@ grid axis. Each load gets strides for the domain it is read in, so one input
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Optional
 
 import torch
 
-from .codegen import next_power_of_2, triton_cdiv
-from .group import GroupProgram, GroupRefused, domain_strides, read_view
-from .ir import AttrRef, Value
+from autofuser import ProductLayoutSpec
+from autofuser_core.codegen import next_power_of_2, triton_cdiv
+from autofuser_core.group import GroupProgram, GroupRefused, domain_strides, fp32_precision, read_view
+from autofuser_core.ir import AttrRef, Value
 
 
 @dataclass
@@ -95,7 +95,7 @@ class MatmulLayout:
     load_strides: dict[int, tuple[int, ...]] = field(default_factory=dict)  # load uid -> strides over its domain
     b_strides: tuple[int, ...] = ()  # over out_domain[:-2] + (K, N)
     operand_dtype: Optional[torch.dtype] = None  # None: fp32 operands
-    precision: str = "ieee"  # fp32 products: "tf32" where torch allows it, else STRICT_FP32
+    precision: str = "ieee"  # fp32 products: "tf32" where torch allows it, else STRICT_FP32 (autofuser_core.group)
     epilogue_reduces: bool = False  # a reduction over N after the product: one program holds all of N
     prologue_reduces: bool = False  # a norm over K before the product
     b_packed: Optional[PackedOperand] = None  # B stored quantised
@@ -145,42 +145,11 @@ class MatmulLayout:
 CONVERT_ONCE_MIN_READS = 1 << 24
 WEIGHT_READ_ROWS = 128
 
-#: How fp32 products run when torch does not allow TF32: "tf32x3" (each operand split
-#: into two TF32 parts, three tensor-core products, fp32 accumulation: error at fp32
-#: level, checked against eager at fp32 tolerance) or "ieee" (plain fp32 FMAs, slow).
-STRICT_FP32 = contextvars.ContextVar("autofuser_strict_fp32", default="tf32x3")
-#: Products one group may hold (several only where a plugin lays them out). Lowered when
-#: re-planning the nodes of a multi-product group that stayed eager, so they still
-#: fuse in smaller groups (``autofuser_core.compile``).
-MAX_PRODUCTS = contextvars.ContextVar("autofuser_max_products", default=8)
 
-
-def layout_settings() -> tuple:
-    """What laying out a group's products depends on besides its IR (products per
-    group, how fp32 products run): composed groups stay valid while it stays."""
-    return MAX_PRODUCTS.get(), fp32_precision()
-
-
-def fp32_precision() -> str:
-    """Torch's own rule for fp32 matrix products: TF32 only where it is allowed."""
-    allowed = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
-    return "tf32" if allowed else STRICT_FP32.get()
-
-
-#: A layout for groups with several products: ``lay_out(program, values)`` sets the
-#: program's domain, strides and ``matmul``, or raises ``GroupRefused``.
-ProductLayout = Callable[[GroupProgram, dict[int, Value]], None]
-
-
-def lay_out_matmul(program: GroupProgram, values: dict[int, Value],
-                   product_layouts: Optional[Mapping[int, ProductLayout]] = None) -> None:
-    """Lay out a group with matrix products: one product here (see module doc),
-    several by ``product_layouts`` as ``ProductLayoutSpec`` says."""
+def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
+    """Lay out a group with one matrix product (see module doc); registered as the
+    ``ProductLayoutSpec`` for one product (``PRODUCT_LAYOUT``)."""
     dots = [v for v in values.values() if v.op == "dot"]
-    several = (product_layouts or {}).get(len(dots)) if 2 <= len(dots) <= MAX_PRODUCTS.get() else None
-    if several is not None:
-        several(program, values)
-        return
     if len(dots) != 1:
         raise GroupRefused("several_products", f"{len(dots)} matrix products in one group")
     dot = dots[0]
@@ -189,8 +158,6 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value],
         raise GroupRefused("computed_weight", "the product's second operand must be read from memory")
 
     prologue = set(collect_uids(a))
-    if any(values[u].op == "dot" for u in prologue):
-        raise GroupRefused("several_products", "a product feeds another product")
     depends = depending_on(values, dot)
     outputs_from(program, values, depends, dot, prologue, "the product")
 
@@ -393,3 +360,11 @@ def convert_weight_once(program: GroupProgram, load: Value, operand: Optional[to
     if sum(1 for k in program.input_of_load.values() if k == slot) != 1:
         return  # read elsewhere in the group too, in fp32
     program.inputs[slot] = dataclasses.replace(tensor, dtype=operand, cast_from=torch.float32)
+
+
+PRODUCT_LAYOUT = ProductLayoutSpec(
+    name="matmul",
+    description="one product: a prologue in A's domain, the weight read from memory, an epilogue in C's domain.",
+    products=1,
+    lay_out=lay_out_matmul,
+)
