@@ -38,18 +38,21 @@ from types import ModuleType
 from typing import Any, Literal, Optional, Sequence
 
 import torch
-from torch.utils.hooks import RemovableHandle
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from torch.utils.hooks import RemovableHandle
 
-from .capture import bind_inputs, capture, preserved_state
 from .cache import cache_dir, read_verdict, write_verdict
-from .compile import _device_of, _snapshot, compile_graph, device_key, median_call_ms
+from .capture import bind_inputs, capture, preserved_state
+from .compile import _device_of, compile_graph
 from .cudagraphs import CudaGraphRunner, try_cuda_graph
 from .errors import AutoFuserError, CaptureError, CompileFailedWarning, PluginError
 from .launch import FusedKernel
 from .plugins import load_plugins
 from .quantize import QuantizedLayer, QuantizeOptions, parse_quantize, quantize_model
 from .report import FusionReport
+from .timing import median_call_ms
+from .tuning import device_key
+from .verify import snapshot
 
 logger = logging.getLogger("autofuser")
 
@@ -930,7 +933,7 @@ def writes_into_inputs(forward, flat: Sequence[Any]) -> bool:
     """Whether ``forward`` writes into the memory of one of its tensor inputs, through any
     view or any call (an opaque part included): it runs once on copies of the inputs (the
     caller's tensors are left alone), and an in-place write shows in a copy's version counter."""
-    copies = [_snapshot(x) for x in flat]
+    copies = [snapshot(x) for x in flat]
     before = [(c, c._version) for c in copies if isinstance(c, torch.Tensor)]
     with torch.no_grad():
         forward(*copies)

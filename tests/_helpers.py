@@ -7,6 +7,8 @@ import types
 
 import torch
 
+from autofuser_core.timing import Timer
+
 
 def plugin_module(name: str, **hooks) -> types.ModuleType:
     """A plugin as a third party writes one: a module named ``name`` with ``hooks``."""
@@ -27,16 +29,26 @@ class NormGelu(torch.nn.Module):
         return torch.nn.functional.gelu(self.ln(x * 2 + 1)).transpose(1, 2) * 3
 
 
-def stand_in_tuning(monkeypatch) -> list:
-    """Tuning as on a GPU, with a stand-in timer; returns the list of timed launches."""
-    import autofuser_core.compile as compile_module
+class StandInTimer(Timer):
+    """Tuning as on a GPU on any device, with a stand-in clock (``timing.using``, or the
+    ``use_timer`` and ``stand_in_timer`` fixtures). Each measurement's callable is kept in
+    ``timed``; ``bench(fn, *args)`` gives its milliseconds (by default 1.0 and up,
+    different from one launch to the next, so a winner is picked). ``tune``/``time``:
+    whether configs are tuned (where ``options.tune``) and groups timed against eager
+    (where ``options.verify_speed``)."""
 
-    timed = []
+    def __init__(self, bench=None, tune: bool = True, time: bool = False):
+        self.timed: list = []
+        self._ms, self._tune, self._time = bench, tune, time
 
-    def bench(fn, *args, **timing):
-        timed.append(fn)
-        return 1.0 + (0.1 * len(timed)) % 0.7  # configs differ, so a winner is picked
+    def bench(self, fn, *args, rep_ms: float = 20) -> float:
+        self.timed.append(fn)
+        if self._ms is not None:
+            return self._ms(fn, *args)
+        return 1.0 + (0.1 * len(self.timed)) % 0.7
 
-    monkeypatch.setattr(compile_module, "_can_tune", lambda device, options: options.tune)
-    monkeypatch.setattr(compile_module, "_bench", bench)
-    return timed
+    def can_tune(self, device, options) -> bool:
+        return self._tune and options.tune
+
+    def can_time(self, device, options) -> bool:
+        return self._time and options.verify_speed

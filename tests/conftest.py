@@ -1,6 +1,8 @@
 """Test settings: kernels run under Triton's interpreter when there is no GPU,
-only the bundled plugins load, and the cache lives in a temporary folder."""
+only the bundled plugins load, and the cache lives in a temporary folder; fixtures
+that put a stand-in timer in place for a test."""
 
+import contextlib
 import os
 import tempfile
 
@@ -18,3 +20,22 @@ import pytest  # noqa: E402
 @pytest.fixture
 def device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def use_timer():
+    """``use_timer(timer)``: compiling measures with ``timer`` for the rest of the test
+    (``autofuser_core.timing.using``); returns it. A later call takes over from an earlier."""
+    from autofuser_core import timing
+
+    with contextlib.ExitStack() as stack:
+        yield lambda timer: stack.enter_context(timing.using(timer))
+
+
+@pytest.fixture
+def stand_in_timer(use_timer):
+    """Tuning as on a GPU, with a stand-in clock (``_helpers.StandInTimer``); its
+    ``timed`` lists the timed launches."""
+    from _helpers import StandInTimer
+
+    return use_timer(StandInTimer())

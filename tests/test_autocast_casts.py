@@ -58,7 +58,7 @@ def test_without_autocast_nothing_changes():
         assert make_autocast_casts_explicit(gm) == 0
 
 
-def test_a_layer_norm_split_off_its_linear_writes_what_the_product_reads(monkeypatch):
+def test_a_layer_norm_split_off_its_linear_writes_what_the_product_reads(use_timer):
     """Timed as on a GPU (the norm + linear kernel slower than the norm's own kernel and
     the linear's): the norm's group takes the conversion and writes bf16."""
     from test_pipeline import _stand_in_timer
@@ -66,7 +66,7 @@ def test_a_layer_norm_split_off_its_linear_writes_what_the_product_reads(monkeyp
     torch.manual_seed(3)
     model = nn.Sequential(nn.LayerNorm(24), nn.Linear(24, 40)).eval()
     x = torch.randn(3, 19, 24)
-    _stand_in_timer(monkeypatch, lambda layout, normed: 0.6 if layout == "matmul" and normed else 0.1)
+    _stand_in_timer(use_timer, lambda layout, normed: 0.6 if layout == "matmul" and normed else 0.1)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         fused = autofuser.fuse(model, progress=False)
         got, want = fused(x), model(x)

@@ -27,7 +27,7 @@ import autofuser
 from autofuser_core import cache
 from autofuser_core.cache import cache_dir, key_digest, load_kernel_module, read_tuning, write_tuning
 
-from _helpers import NormGelu, stand_in_tuning
+from _helpers import NormGelu
 
 KEY = {"kernel": "af_flat_mul_add_0123456789", "source_sha256": "ab" * 32, "torch": "2.13.0", "triton": "3.9.0",
        "gpu": "NVIDIA H200", "capability": "9.0"}
@@ -248,16 +248,19 @@ TUNING_SCRIPT = textwrap.dedent('''
     import torch
     import torch.nn.functional as F
     import autofuser
-    import autofuser_core.compile as compile_module
+    from autofuser_core import timing
 
-    def cpu_bench(fn, *args, rep_ms=20):
-        start = time.perf_counter()
-        for _ in range(2):
-            fn(*args)
-        return (time.perf_counter() - start) / 2 * 1e3
+    class CpuTimer(timing.Timer):
+        def bench(self, fn, *args, rep_ms=20):
+            start = time.perf_counter()
+            for _ in range(2):
+                fn(*args)
+            return (time.perf_counter() - start) / 2 * 1e3
 
-    compile_module._bench = cpu_bench
-    compile_module._can_tune = lambda device, options: options.tune
+        def can_tune(self, device, options):
+            return options.tune
+
+    timer = CpuTimer()
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -271,7 +274,7 @@ TUNING_SCRIPT = textwrap.dedent('''
     torch.manual_seed(0)
     model = Model()
     x, y = torch.randn(3, 37, 5), torch.randn(37, 5)
-    with torch.no_grad():
+    with torch.no_grad(), timing.using(timer):
         fused = autofuser.fuse(model, progress=False, tune_budget_s=1.0)
         got, expected = fused(x, y), model(x, y)
     report = fused.report()
@@ -334,9 +337,7 @@ def test_a_warm_cache_reuses_the_fused_vs_eager_verdict(tmp_path):
     process neither tunes nor times again, and reaches the same verdicts."""
     script = tmp_path / "time_once.py"
     script.write_text(TUNING_SCRIPT.replace(
-        "compile_module._can_tune = lambda device, options: options.tune",
-        "compile_module._can_tune = lambda device, options: options.tune\n"
-        "compile_module._can_time = lambda device, options: options.verify_speed"))
+        "timer = CpuTimer()", "timer = CpuTimer()\ntimer.can_time = lambda device, options: options.verify_speed"))
     cache_root = tmp_path / "cache"
     first, _ = run_tuning_process(script, cache_root)
     timed = [g for g in first["groups"] if g["time_fused_ms"] is not None]
@@ -469,7 +470,7 @@ def test_a_fused_forward_within_the_margin_of_eager_leaves_the_original_running(
 # in the timer (holding the entry's lock), or inside the write (the entry's
 # temporary file complete, the rename not yet done).
 STOP_POINTS = {
-    "while-tuning": ("compile_module._bench", "lambda fn, *args, **timing: stop()"),
+    "while-tuning": ("timer.bench", "lambda fn, *args, **kwargs: stop()"),
     "while-writing": ("cache.os.replace",
                       "lambda src, dst, replace=os.replace: stop() if str(dst).endswith('.json') else replace(src, dst)"),
 }
@@ -477,15 +478,14 @@ STOP_POINTS = {
 
 def stopping_script(where: str, marker: Path) -> str:
     target, replacement = STOP_POINTS[where]
-    return TUNING_SCRIPT.replace("import autofuser_core.compile as compile_module", textwrap.dedent(f'''
+    return TUNING_SCRIPT.replace("from autofuser_core import timing", textwrap.dedent(f'''
         import os
-        import autofuser_core.compile as compile_module
-        from autofuser_core import cache
+        from autofuser_core import cache, timing
 
         def stop():
             open({str(marker)!r}, "w").close()
             time.sleep(600)
-    ''')).replace("compile_module._bench = cpu_bench", f"compile_module._bench = cpu_bench\n{target} = {replacement}")
+    ''')).replace("timer = CpuTimer()", f"timer = CpuTimer()\n{target} = {replacement}")
 
 
 def lock_is_free(path: Path) -> bool:
@@ -535,9 +535,9 @@ def test_a_process_killed_while_tuning_leaves_nothing_a_later_run_trusts(tmp_pat
 
 
 @pytest.fixture
-def gpu_tuning(monkeypatch):
+def gpu_tuning(stand_in_timer):
     """Tuning as on a GPU, with a stand-in timer; returns the list of timed launches."""
-    return stand_in_tuning(monkeypatch)
+    return stand_in_timer.timed
 
 
 def fuse_norm_gelu(root: Path, x: torch.Tensor):
@@ -552,16 +552,16 @@ def fuse_norm_gelu(root: Path, x: torch.Tensor):
 
 def test_a_kernels_tuning_configs_are_worked_out_once(tmp_path, gpu_tuning, monkeypatch):
     """Compiling ahead and tuning time the same list: it is built once per kernel, not twice."""
-    import autofuser_core.compile as compile_module
+    import autofuser_core.tuning as tuning_module
 
     built = []
-    real = compile_module._tuning_configs
+    real = tuning_module._tuning_configs
 
     def counting(candidate, every=False):
         built.append(candidate)
         return real(candidate, every)
 
-    monkeypatch.setattr(compile_module, "_tuning_configs", counting)
+    monkeypatch.setattr(tuning_module, "_tuning_configs", counting)
     report, got, expected = fuse_norm_gelu(tmp_path, torch.randn(3, 5, 37))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     tuned = [g for g in report.fused if not g.cache_hit]
@@ -625,10 +625,10 @@ def test_an_unwritable_cache_folder_means_tuning_in_memory_with_one_warning(tmp_
 
 
 def test_a_shipped_cache_is_used_on_the_same_gpu_and_versions_and_ignored_elsewhere(tmp_path, monkeypatch, gpu_tuning):
-    import autofuser_core.compile as compile_module
+    import autofuser_core.tuning as tuning_module
 
     machine = {"gpu": "NVIDIA H200", "capability": "9.0", "torch": "2.11.0", "triton": "3.6.0"}
-    monkeypatch.setattr(compile_module, "device_key", lambda device: dict(machine))
+    monkeypatch.setattr(tuning_module, "device_key", lambda device: dict(machine))
     x = torch.randn(2, 5, 37)
     built = tmp_path / "built"
     tuned, _, _ = fuse_norm_gelu(built, x)
@@ -667,7 +667,7 @@ def test_a_shipped_cache_is_used_on_the_same_gpu_and_versions_and_ignored_elsewh
 
     for field, other in [("gpu", "NVIDIA A100-SXM4-80GB"), ("capability", "8.0"), ("torch", "2.12.0"),
                          ("triton", "3.7.0")]:
-        monkeypatch.setattr(compile_module, "device_key", lambda device: {**machine, field: other})
+        monkeypatch.setattr(tuning_module, "device_key", lambda device: {**machine, field: other})
         elsewhere, got, expected = fuse_norm_gelu(shipped, x)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
         assert all(not g.cache_hit and g.tuning_s > 0 for g in elsewhere.fused), field
@@ -853,10 +853,10 @@ def test_compile_children_are_as_many_as_there_are_configs(monkeypatch):
 def test_a_warm_cache_compiles_nothing_ahead(tmp_path, monkeypatch, gpu_tuning):
     """Every kernel of a cold cache is handed over to compile ahead; on a cache that holds
     every kernel this model needs, none; with new shapes, only the new kernels."""
-    import autofuser_core.compile as compile_module
+    import autofuser_core.tuning as tuning_module
 
     asked = []
-    monkeypatch.setattr(compile_module, "start_compiling", lambda jobs, progress: asked.append(jobs) or None)
+    monkeypatch.setattr(tuning_module, "start_compiling", lambda jobs, progress: asked.append(jobs) or None)
 
     cold, _, _ = fuse_norm_gelu(tmp_path, torch.randn(2, 5, 37))
     assert len(asked) == 1 and len(asked[0]) == len(cold.fused) > 1
@@ -885,12 +885,12 @@ class RepeatedBlocks(torch.nn.Module):
 def test_a_warm_compile_reads_each_tuning_entry_once_per_group(tmp_path, monkeypatch, gpu_tuning):
     """Repeated layers share one kernel and one entry: deciding what to compile reads it
     once, and each group reads it when it picks its config."""
-    import autofuser_core.compile as compile_module
+    import autofuser_core.tuning as tuning_module
 
     x = torch.randn(4, 33)
     for _ in range(2):
         reads = []
-        monkeypatch.setattr(compile_module, "read_tuning", lambda root, key: reads.append(key["kernel"]) or
+        monkeypatch.setattr(tuning_module, "read_tuning", lambda root, key: reads.append(key["kernel"]) or
                             cache.read_tuning(root, key))
         with torch.no_grad():
             fused = autofuser.fuse(RepeatedBlocks(), progress=False, cache_dir=str(tmp_path))
@@ -903,7 +903,8 @@ def test_a_warm_compile_reads_each_tuning_entry_once_per_group(tmp_path, monkeyp
 def test_a_failed_compile_stops_its_compile_children(tmp_path, monkeypatch, gpu_tuning):
     """An error (or Ctrl-C) while the kernels are checked stops the children at once
     instead of waiting for configs nobody will time."""
-    import autofuser_core.compile as compile_module
+    import autofuser_core.tuning as tuning_module
+    import autofuser_core.verify as verify_module
 
     calls = []
 
@@ -923,8 +924,8 @@ def test_a_failed_compile_stops_its_compile_children(tmp_path, monkeypatch, gpu_
     def interrupted(self, *args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(compile_module, "start_compiling", lambda jobs, progress: FakeCompiling())
-    monkeypatch.setattr(compile_module._Verifier, "run", interrupted)
+    monkeypatch.setattr(tuning_module, "start_compiling", lambda jobs, progress: FakeCompiling())
+    monkeypatch.setattr(verify_module.Verifier, "run", interrupted)
     with pytest.raises(KeyboardInterrupt):
         fuse_norm_gelu(tmp_path, torch.randn(2, 5, 37))
     assert calls == ["abort", "finish"]
@@ -933,7 +934,7 @@ def test_a_failed_compile_stops_its_compile_children(tmp_path, monkeypatch, gpu_
 def test_each_config_is_timed_once_it_is_compiled_ahead(tmp_path, monkeypatch, gpu_tuning):
     """Tuning waits for each config it times, by its launch arguments, not for the whole
     kernel; the waits count as compiling, not as tuning."""
-    import autofuser_core.compile as compile_module
+    import autofuser_core.tuning as tuning_module
     from autofuser_core import precompile
 
     waits = []
@@ -944,7 +945,7 @@ def test_each_config_is_timed_once_it_is_compiled_ahead(tmp_path, monkeypatch, g
             time.sleep(0.05)
             self.waited_s += 0.05
 
-    monkeypatch.setattr(compile_module, "start_compiling", lambda jobs, progress: SlowCompiling([], progress))
+    monkeypatch.setattr(tuning_module, "start_compiling", lambda jobs, progress: SlowCompiling([], progress))
     report, got, expected = fuse_norm_gelu(tmp_path, torch.randn(2, 5, 37))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     kernels = {name for name, _ in waits}

@@ -4,6 +4,7 @@ links, FIFOs and oversized files inside the cache are never followed or read."""
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import json
 import logging
@@ -23,7 +24,7 @@ import autofuser
 from autofuser_core import cache
 from autofuser_core.cache import key_digest, load_kernel_module, read_tuning, read_verdict, tuning_lock, write_tuning
 
-from _helpers import NormGelu, stand_in_tuning
+from _helpers import NormGelu
 
 posix_only = pytest.mark.skipif(os.name != "posix", reason="owners, modes, FIFOs and O_NOFOLLOW are POSIX")
 
@@ -299,7 +300,8 @@ def entry_path(root: Path, folder: str = "tuning") -> Path:
 
 def finishes(fn, timeout_s: float = 20.0, unblock: Path | None = None):
     """``fn()``'s result, or a failure if it is still running after ``timeout_s`` (blocked
-    opening a FIFO: ``unblock`` is then opened for writing, which frees it)."""
+    opening a FIFO: ``unblock`` is then opened for writing, which frees it). Run in a copy
+    of the caller's context, so a timer put in place for the test (``timing.using``) holds."""
     result, error = [], []
 
     def run():
@@ -308,7 +310,7 @@ def finishes(fn, timeout_s: float = 20.0, unblock: Path | None = None):
         except BaseException as err:  # reported by the caller
             error.append(err)
 
-    thread = threading.Thread(target=run, daemon=True)
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(run,), daemon=True)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
@@ -419,9 +421,9 @@ def test_a_lock_path_that_is_not_a_regular_file_is_not_used(tmp_path, kind):
 
 
 @pytest.fixture
-def gpu_tuning(monkeypatch):
+def gpu_tuning(stand_in_timer):
     """Tuning as on a GPU, with a stand-in timer."""
-    return stand_in_tuning(monkeypatch)
+    return stand_in_timer.timed
 
 
 def fuse_and_run(root: Path, x: torch.Tensor):

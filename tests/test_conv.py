@@ -190,14 +190,14 @@ def test_a_convolution_that_loses_to_eager_leaves_its_epilogue_to_fuse_alone(mon
     from autofuser_core.specs import Tolerance
     from autofuser_plugins.conv.convolution import ConvProgram
 
-    real_tolerance = compile_module._tolerance
+    real_tolerance = compile_module.tolerance
 
     def impossible_for_convolutions(candidate, view):
         if isinstance(candidate.program, ConvProgram):
             return Tolerance.model_construct(atol=-1.0, rtol=0.0)  # nothing passes
         return real_tolerance(candidate, view)
 
-    monkeypatch.setattr(compile_module, "_tolerance", impossible_for_convolutions)
+    monkeypatch.setattr(compile_module, "tolerance", impossible_for_convolutions)
     model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), trained_norm(nn.BatchNorm2d(8)), nn.GELU()).eval()
     fused = fuse_and_run(model, torch.randn(2, 4, 13, 7))
     report = fused.report()

@@ -234,16 +234,16 @@ def test_writes_into_fresh_tensors_allow_a_graph_and_writes_into_inputs_forbid_i
 
 
 def test_the_tuning_timer_agrees_with_tritons():
-    """``compile._bench`` (a capped number of calls, L2 flushed before each) measures what
+    """``timing.bench`` (a capped number of calls, L2 flushed before each) measures what
     Triton's ``do_bench`` does, for a memory-bound op of about 0.1 ms and a tiny one, and
     (three calls only) for a product longer than ``rep_ms``."""
     import triton.testing
 
-    from autofuser_core.compile import _bench
+    from autofuser_core.timing import bench
 
     for numel in (24 << 20, 1 << 12):
         x = torch.randn(numel, device="cuda")
-        ours = _bench(torch.mul, x, 2.0, rep_ms=20)
+        ours = bench(torch.mul, x, 2.0, rep_ms=20)
         theirs = float(triton.testing.do_bench(lambda: torch.mul(x, 2.0), warmup=25, rep=100, return_mode="median"))
         assert abs(ours - theirs) <= 0.15 * theirs + 0.003, (numel, ours, theirs)
     a = torch.randn(6144, 6144, device="cuda")
@@ -254,7 +254,7 @@ def test_the_tuning_timer_agrees_with_tritons():
         return m @ m
 
     theirs = float(triton.testing.do_bench(lambda: a @ a, warmup=25, rep=100, return_mode="median"))
-    ours = _bench(product, a, rep_ms=theirs / 2)  # a call longer than rep_ms, whatever the precision
+    ours = bench(product, a, rep_ms=theirs / 2)  # a call longer than rep_ms, whatever the precision
     assert len(calls) == 4, len(calls)  # one untimed call, three timed
     assert abs(ours - theirs) <= 0.1 * theirs, (ours, theirs)
 

@@ -41,16 +41,17 @@ RANK_SCRIPT = COMMON + textwrap.dedent('''
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
     import autofuser
-    import autofuser_core.compile as compile_module
+    from autofuser_core import timing
 
     # Tuning needs a GPU. Here a stand-in timer that takes a while makes both ranks
     # reach each kernel's tuning together, which is what the lock is for.
-    def slow_bench(fn, *args, **timing):
-        time.sleep(0.05)
-        return 1.0
+    class SlowTimer(timing.Timer):
+        def bench(self, fn, *args, rep_ms=20):
+            time.sleep(0.05)
+            return 1.0
 
-    compile_module._bench = slow_bench
-    compile_module._can_tune = lambda device, options: options.tune
+        def can_tune(self, device, options):
+            return options.tune
 
     rank, world, steps, rendezvous, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
@@ -61,12 +62,13 @@ RANK_SCRIPT = COMMON + textwrap.dedent('''
     x, y = make_data(world, steps)
     dist.barrier()  # both ranks compile, and so tune, at the same time
     losses = []
-    for step in range(steps):
-        loss = F.mse_loss(ddp(x[rank, step]), y[rank, step])
-        optimiser.zero_grad()
-        loss.backward()
-        optimiser.step()
-        losses.append(loss.item())
+    with timing.using(SlowTimer()):
+        for step in range(steps):
+            loss = F.mse_loss(ddp(x[rank, step]), y[rank, step])
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+            losses.append(loss.item())
     dist.destroy_process_group()
     with open(out, "w") as handle:
         json.dump({"losses": losses, "weights": [p.tolist() for p in model.parameters()],

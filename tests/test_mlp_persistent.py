@@ -167,11 +167,13 @@ def test_persistent_form_under_autocast_converts_its_weights_itself(device):
     torch.testing.assert_close(fused(x).float(), expected.float(), **TOLERANCES[torch.bfloat16])
 
 
-def test_tuning_times_each_config_with_the_conversions_its_forward_makes(monkeypatch, tmp_path, device):
+def test_tuning_times_each_config_with_the_conversions_its_forward_makes(monkeypatch, use_timer, tmp_path, device):
     """A streamed config is timed with the launcher's two weight conversions, as the forward
     runs it; a persistent one without them (its prologue converts): the two compete fairly."""
-    import autofuser_core.compile as compile_module
+    import autofuser_core.tuning as tuning_module
     from autofuser_core.fuse import FuseOptions
+
+    from _helpers import StandInTimer
 
     model = Mlp(64, 160, norm=False).to(device).eval()
     x = torch.randn(300, 64, device=device)
@@ -191,25 +193,27 @@ def test_tuning_times_each_config_with_the_conversions_its_forward_makes(monkeyp
             converted.append(tuple(self.shape))
         return out
 
-    def bench(fn, *args, **timing):
+    def bench(fn, *args):
         before = len(converted)
         fn()
         made.append(sorted(converted[before:]))
         return float(len(made))
 
     monkeypatch.setattr(torch.Tensor, "to", counting_to)
-    monkeypatch.setattr(compile_module, "_bench", bench)
+    use_timer(StandInTimer(bench))
     inputs = kernel.with_live_attrs([x])
-    compile_module._tune(candidate, kernel.source, kernel.kernel, inputs, x.device, FuseOptions(), lambda m: None,
-                         tmp_path, {"kernel": "test"}, configs=([streamed, persistent], None))
+    tuning_module._tune(candidate, kernel.source, kernel.kernel, inputs, x.device, FuseOptions(), lambda m: None,
+                        tmp_path, {"kernel": "test"}, configs=([streamed, persistent], None))
     assert made == [[(64, 160), (160, 64)], []]
 
 
-def test_configs_are_compiled_ahead_for_the_dtypes_they_take(monkeypatch, tmp_path, device):
+def test_configs_are_compiled_ahead_for_the_dtypes_they_take(monkeypatch, use_timer, tmp_path, device):
     """Compiling ahead: the persistent configs for the fp32 weights they take, the streamed
     ones for the bf16 weights the launcher converts (one job per set of argument dtypes)."""
-    import autofuser_core.compile as compile_module
+    import autofuser_core.tuning as tuning_module
     from autofuser_core.precompile import Compiling
+
+    from _helpers import StandInTimer
 
     started = []
 
@@ -217,9 +221,8 @@ def test_configs_are_compiled_ahead_for_the_dtypes_they_take(monkeypatch, tmp_pa
         started.extend(jobs)
         return Compiling([], progress)  # nothing compiled: tuning compiles as it launches
 
-    monkeypatch.setattr(compile_module, "start_compiling", start)
-    monkeypatch.setattr(compile_module, "_can_tune", lambda device, options: options.tune)
-    monkeypatch.setattr(compile_module, "_bench", lambda fn, *args, **timing: 1.0)
+    monkeypatch.setattr(tuning_module, "start_compiling", start)
+    use_timer(StandInTimer(lambda fn, *args: 1.0))
     model = Mlp(64, 160, norm=False).to(device).eval()
     x = torch.randn(300, 64, device=device)
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):

@@ -621,41 +621,43 @@ def _fused_feedforward(seed: int):
 
 def test_an_mlp_that_fails_verification_is_replanned_one_product_per_group(monkeypatch):
     import autofuser_core.compile as compile_module
-    from autofuser_plugins.mlp.mlp_layout import MlpLayout
+    import autofuser_core.tuning as tuning_module
     from autofuser_core.specs import Tolerance
+    from autofuser_plugins.mlp.mlp_layout import MlpLayout
 
-    real_tolerance = compile_module._tolerance
+    real_tolerance = compile_module.tolerance
 
     def impossible_for_mlps(candidate, view):
         if isinstance(candidate.program.matmul, MlpLayout):
             return Tolerance.model_construct(atol=-1.0, rtol=0.0)  # nothing passes
         return real_tolerance(candidate, view)
 
-    monkeypatch.setattr(compile_module, "_tolerance", impossible_for_mlps)
+    monkeypatch.setattr(compile_module, "tolerance", impossible_for_mlps)
     limits = []  # the tuning-config limit each planning round ran under
     real_round = compile_module._verify_round
 
     def recording_round(*args, **kwargs):
-        limits.append(compile_module._CONFIG_LIMIT.get())
+        limits.append(tuning_module.CONFIG_LIMIT.get())
         return real_round(*args, **kwargs)
 
     monkeypatch.setattr(compile_module, "_verify_round", recording_round)
     report, mlp = _fused_feedforward(seed=7)
     assert mlp and not mlp[0].fused and mlp[0].reason_code == "mismatch"
     # Round 1 tunes every valid config; the re-planning round only the first few of each list.
-    assert limits == [None, compile_module.LATER_ROUND_CONFIGS], limits
+    assert limits == [None, tuning_module.LATER_ROUND_CONFIGS], limits
     strategies = sorted(g.strategy for g in report.fused)
     assert strategies == ["layernorm_linear", "linear_epilogue"], str(report)
     covered = {n for g in report.fused for n in g.nodes}
     assert {"fc1", "fc2"} <= covered
 
 
-def _stand_in_timer(monkeypatch, kernel_ms):
-    """Time groups as on a GPU by a stand-in: a kernel takes ``kernel_ms(layout, normed)``
-    ms (its source's layout; whether its ops include a layer norm), every eager group 1 ms."""
-    import autofuser_core.compile as compile_module
+def _stand_in_timer(use_timer, kernel_ms):
+    """Time groups as on a GPU by a stand-in (``use_timer``, the fixture): a kernel takes
+    ``kernel_ms(layout, normed)`` ms (its source's layout; whether its ops include a layer
+    norm), every eager group 1 ms. Configs are not tuned."""
+    from _helpers import StandInTimer
 
-    def bench(fn, *args, **timing):
+    def bench(fn, *args):
         kernel = getattr(fn, "__self__", None)
         if kernel is None:
             return 1.0
@@ -665,11 +667,10 @@ def _stand_in_timer(monkeypatch, kernel_ms):
                      for c in called)
         return kernel_ms(kernel.source.layout, normed)
 
-    monkeypatch.setattr(compile_module, "_can_time", lambda device, options: options.verify_speed)
-    monkeypatch.setattr(compile_module, "_bench", bench)
+    use_timer(StandInTimer(bench, tune=False, time=True))
 
 
-def _timed_feedforward(monkeypatch, mlp_ms: float, part_ms: float, norm_ms: float = 0.3,
+def _timed_feedforward(use_timer, mlp_ms: float, part_ms: float, norm_ms: float = 0.3,
                        bare_mlp_ms: Optional[float] = None, normed_part_ms: Optional[float] = None):
     """``_fused_feedforward`` under ``_stand_in_timer``: a kernel of two products takes
     ``mlp_ms`` (``bare_mlp_ms`` without the layer norm; the same by default), one of one
@@ -677,27 +678,27 @@ def _timed_feedforward(monkeypatch, mlp_ms: float, part_ms: float, norm_ms: floa
     layer norm alone ``norm_ms``."""
     bare = mlp_ms if bare_mlp_ms is None else bare_mlp_ms
     normed_part = part_ms if normed_part_ms is None else normed_part_ms
-    _stand_in_timer(monkeypatch, lambda layout, normed: ((mlp_ms if normed else bare) if layout == "mlp" else
-                                                         (normed_part if normed else part_ms) if layout == "matmul"
-                                                         else norm_ms))
+    _stand_in_timer(use_timer, lambda layout, normed: ((mlp_ms if normed else bare) if layout == "mlp" else
+                                                       (normed_part if normed else part_ms) if layout == "matmul"
+                                                       else norm_ms))
     return _fused_feedforward(seed=7)
 
 
-def test_a_kept_mlp_runs_as_its_split_when_the_split_is_faster(monkeypatch):
+def test_a_kept_mlp_runs_as_its_split_when_the_split_is_faster(use_timer):
     """The MLP kernel beats eager (0.8 against 1 ms), but its two single-product groups
     together take 0.3 + 0.3 ms, and their ops' eager time (1 + 1 ms) covers the whole MLP's:
     the split runs, and the report says why the MLP group does not."""
-    report, mlp = _timed_feedforward(monkeypatch, mlp_ms=0.8, part_ms=0.3)
+    report, mlp = _timed_feedforward(use_timer, mlp_ms=0.8, part_ms=0.3)
     assert mlp and not mlp[0].fused and mlp[0].reason_code == "split_faster", str(report)
     assert "0.8000 ms vs 0.6000 ms as 2 shorter group(s)" in mlp[0].reason
     assert sorted(g.strategy for g in report.fused) == ["layernorm_linear", "linear_epilogue"], str(report)
 
 
-def test_a_kept_mlp_faster_than_its_split_stays_one_kernel(monkeypatch):
+def test_a_kept_mlp_faster_than_its_split_stays_one_kernel(use_timer):
     """Split by products (0.3 + 0.3 ms), then by products with the layer norm apart too
     (0.3 + 0.3 + 0.3), then with only the norm apart (0.3 + the MLP kernel's 0.5 ms
     without the norm): all slower than the kernel's 0.5 ms."""
-    report, mlp = _timed_feedforward(monkeypatch, mlp_ms=0.5, part_ms=0.3)
+    report, mlp = _timed_feedforward(use_timer, mlp_ms=0.5, part_ms=0.3)
     assert [g.strategy for g in report.fused] == ["mlp"], str(report)
     parts = [g for g in report.groups if g.reason_code == "larger_group_faster"]
     splits = {}
@@ -710,11 +711,11 @@ def test_a_kept_mlp_faster_than_its_split_stays_one_kernel(monkeypatch):
     assert all("(0.5000 ms vs" in g.reason for g in parts)
 
 
-def test_a_kept_mlp_runs_as_its_finest_split_when_that_is_faster(monkeypatch):
+def test_a_kept_mlp_runs_as_its_finest_split_when_that_is_faster(use_timer):
     """The MLP kernel with its layer norm (0.8 ms) beats its split by products with the
     norm in the first linear's kernel (0.6 + 0.3 ms: that kernel recomputes the norm), then
     loses to the norm's own kernel (0.1 ms) and the two linear kernels (0.3 + 0.3)."""
-    report, mlp = _timed_feedforward(monkeypatch, mlp_ms=0.8, part_ms=0.3, norm_ms=0.1, normed_part_ms=0.6)
+    report, mlp = _timed_feedforward(use_timer, mlp_ms=0.8, part_ms=0.3, norm_ms=0.1, normed_part_ms=0.6)
     assert sorted(g.strategy for g in report.fused) == ["linear_epilogue", "linear_epilogue", "row_reduction"], \
         str(report)
     assert len(mlp) == 1 and mlp[0].reason_code == "split_faster", str(report)
@@ -723,11 +724,11 @@ def test_a_kept_mlp_runs_as_its_finest_split_when_that_is_faster(monkeypatch):
     assert sorted(g.strategy for g in by_products) == ["layernorm_linear", "linear_epilogue"], str(report)
 
 
-def test_a_kept_mlp_runs_apart_from_its_layer_norm_when_that_is_faster(monkeypatch):
+def test_a_kept_mlp_runs_apart_from_its_layer_norm_when_that_is_faster(use_timer):
     """The MLP kernel with its layer norm (0.8 ms) beats its split by products (0.5 + 0.5
     ms), and that split with the norm apart too (0.1 + 0.5 + 0.5), then loses to the
     norm's own kernel (0.1 ms) and the MLP kernel without it (0.3)."""
-    report, mlp = _timed_feedforward(monkeypatch, mlp_ms=0.8, part_ms=0.5, norm_ms=0.1, bare_mlp_ms=0.3)
+    report, mlp = _timed_feedforward(use_timer, mlp_ms=0.8, part_ms=0.5, norm_ms=0.1, bare_mlp_ms=0.3)
     assert sorted(g.strategy for g in report.fused) == ["mlp", "row_reduction"], str(report)
     whole = [g for g in mlp if "reduction.layer_norm_module" in g.ops]
     assert len(whole) == 1 and whole[0].reason_code == "split_faster", str(report)
@@ -737,7 +738,7 @@ def test_a_kept_mlp_runs_apart_from_its_layer_norm_when_that_is_faster(monkeypat
                                                        "linear_epilogue", "row_reduction"], str(report)
 
 
-def test_a_layer_norm_runs_as_its_own_kernel_when_that_is_faster_than_in_the_product(monkeypatch):
+def test_a_layer_norm_runs_as_its_own_kernel_when_that_is_faster_than_in_the_product(use_timer):
     """A layer norm + linear kernel that beats eager (0.6 against 1 ms) but loses to the
     norm's own kernel (0.1 ms) followed by the linear's (0.2 ms): the two run, and the
     report says why the larger group does not."""
@@ -746,8 +747,8 @@ def test_a_layer_norm_runs_as_its_own_kernel_when_that_is_faster_than_in_the_pro
     x = torch.randn(3, 19, 24)
 
     def run(prologue_ms):
-        _stand_in_timer(monkeypatch, lambda layout, normed: (prologue_ms if layout == "matmul" and normed else
-                                                             0.2 if layout == "matmul" else 0.1))
+        _stand_in_timer(use_timer, lambda layout, normed: (prologue_ms if layout == "matmul" and normed else
+                                                           0.2 if layout == "matmul" else 0.1))
         with torch.no_grad():
             fused = autofuser.fuse(model, progress=False)
             torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
@@ -766,7 +767,7 @@ def test_a_layer_norm_runs_as_its_own_kernel_when_that_is_faster_than_in_the_pro
 
 
 def test_tuning_configs_are_the_valid_ones_first_few_under_a_limit():
-    import autofuser_core.compile as compile_module
+    import autofuser_core.tuning as tuning_module
 
     strategy = types.SimpleNamespace(
         configs=lambda program: [{"BLOCK": b} for b in (8, 16, 32, 64, 128, 256)],
@@ -775,13 +776,13 @@ def test_tuning_configs_are_the_valid_ones_first_few_under_a_limit():
     candidate = types.SimpleNamespace(strategy=strategy, program=None)
 
     def tuned():
-        configs, cut = compile_module._tuning_configs(candidate)
+        configs, cut = tuning_module._tuning_configs(candidate)
         return [c["BLOCK"] for c in configs], cut
 
     assert tuned() == ([8, 32, 64, 256], None)
     strategy.max_tuned_configs = 3  # the strategy's own cap counts valid configs only
     assert tuned() == ([8, 32, 64], None)
-    token = compile_module._CONFIG_LIMIT.set(2)  # a re-planning round's, when smaller: recorded as a cut
+    token = tuning_module.CONFIG_LIMIT.set(2)  # a re-planning round's, when smaller: recorded as a cut
     try:
         assert tuned() == ([8, 32], 2)
         strategy.max_tuned_configs = 1  # the strategy's, when smaller: the round cut nothing
@@ -789,28 +790,28 @@ def test_tuning_configs_are_the_valid_ones_first_few_under_a_limit():
         strategy.is_valid = lambda program, config: "none fits"
         assert tuned() == ([4], None)  # the default, as without a limit
     finally:
-        compile_module._CONFIG_LIMIT.reset(token)
+        tuning_module.CONFIG_LIMIT.reset(token)
 
 
 def test_an_entry_tuned_over_a_few_configs_is_tuned_again_by_a_first_round():
     """A re-planning round tunes only a few configs and records that; a later first round
     (another compile meeting the same kernel) tunes it over every config instead of
     keeping the capped result for good."""
-    import autofuser_core.compile as compile_module
+    import autofuser_core.tuning as tuning_module
 
     strategy = types.SimpleNamespace(configs=lambda program: [{"BLOCK": b} for b in (8, 16, 32, 64, 128)],
                                      is_valid=lambda program, config: None,
                                      default_config=lambda program: {"BLOCK": 4}, max_tuned_configs=None)
     candidate = types.SimpleNamespace(strategy=strategy, program=None)
-    capped = {"config": {"BLOCK": 16}, "timings": [], "config_limit": compile_module.LATER_ROUND_CONFIGS}
+    capped = {"config": {"BLOCK": 16}, "timings": [], "config_limit": tuning_module.LATER_ROUND_CONFIGS}
     full = {"config": {"BLOCK": 16}, "timings": []}
-    assert compile_module._valid_entry(candidate, capped) is None
-    assert compile_module._valid_entry(candidate, full) is full
-    token = compile_module._CONFIG_LIMIT.set(compile_module.LATER_ROUND_CONFIGS)
+    assert tuning_module._valid_entry(candidate, capped) is None
+    assert tuning_module._valid_entry(candidate, full) is full
+    token = tuning_module.CONFIG_LIMIT.set(tuning_module.LATER_ROUND_CONFIGS)
     try:
-        assert compile_module._valid_entry(candidate, capped) is capped
+        assert tuning_module._valid_entry(candidate, capped) is capped
     finally:
-        compile_module._CONFIG_LIMIT.reset(token)
+        tuning_module.CONFIG_LIMIT.reset(token)
 
 
 def test_repeated_layers_share_one_kernel_and_one_tuning_key():
@@ -963,8 +964,8 @@ def test_half_precision_checks_allow_roundings_of_the_tensor_scale_only(dtype):
     """A residual stream near 16 in bf16 that cancels to about 0.5 at one element: one
     rounding of the stream (16 * 2**-8 = 0.0625 in bf16) is not an error of the kernel;
     an error of the size of the values is. fp32 keeps the plain elementwise rule."""
-    from autofuser_core.compile import _max_error
     from autofuser_core.specs import DEFAULT_TOLERANCES, dtype_name
+    from autofuser_core.verify import max_error
 
     tol = DEFAULT_TOLERANCES[dtype_name(dtype)]
     ulp = 16 * torch.finfo(dtype).eps  # the spacing at 16: two roundings of half a spacing
@@ -972,33 +973,33 @@ def test_half_precision_checks_allow_roundings_of_the_tensor_scale_only(dtype):
     eager = torch.cat([scale, torch.tensor([0.5])]).to(dtype)
     rounded_apart = eager.clone()
     rounded_apart[-1] += ulp  # the cancelled element off by two roundings of the stream
-    ok, err = _max_error(rounded_apart, eager, tol)
+    ok, err = max_error(rounded_apart, eager, tol)
     assert ok and err > tol.atol + tol.rtol * 0.5, err  # the old, unscaled rule refused this
     wrong = eager.clone()
     wrong[-1] += 0.1 * float(eager.float().abs().max())  # 10% of the values' size: a wrong kernel
-    assert not _max_error(wrong, eager, tol)[0]
+    assert not max_error(wrong, eager, tol)[0]
     with_inf = torch.cat([rounded_apart, torch.tensor([float("inf")], dtype=dtype)])
-    assert _max_error(with_inf, torch.cat([eager, torch.tensor([float("inf")], dtype=dtype)]), tol)[0]
+    assert max_error(with_inf, torch.cat([eager, torch.tensor([float("inf")], dtype=dtype)]), tol)[0]
     wrong_inf = torch.cat([wrong, torch.tensor([float("inf")], dtype=dtype)])  # inf does not widen the scale
-    assert not _max_error(wrong_inf, torch.cat([eager, torch.tensor([float("inf")], dtype=dtype)]), tol)[0]
+    assert not max_error(wrong_inf, torch.cat([eager, torch.tensor([float("inf")], dtype=dtype)]), tol)[0]
     # One large value (or a masking sentinel) does not loosen the check for the rest.
     ones = torch.ones(1000, dtype=dtype)
     ones[0] = 1e4
     half_wrong = ones.clone()
     half_wrong[1::2] = 2.0  # every other element wrong by 1: the mean error gives it away
-    assert not _max_error(half_wrong, ones, tol)[0]
+    assert not max_error(half_wrong, ones, tol)[0]
     scores = torch.randn(64, 64).to(dtype)
     scores[:, 5] = torch.finfo(dtype).min  # masked out
     garbage = scores.clone()
     garbage[:, 6:] = garbage[:, 6:] * 100
-    assert not _max_error(garbage, scores, tol)[0]
-    assert _max_error(scores.clone(), scores, tol)[0]
+    assert not max_error(garbage, scores, tol)[0]
+    assert max_error(scores.clone(), scores, tol)[0]
     # fp32 outputs: atol is absolute.
     fp32_tol = DEFAULT_TOLERANCES["float32"]
     eager32 = eager.float()
     off32 = eager32.clone()
     off32[-1] += 1e-3
-    assert not _max_error(off32, eager32, fp32_tol)[0]
+    assert not max_error(off32, eager32, fp32_tol)[0]
 
 
 def _mlp_kernel(fused):
@@ -1108,7 +1109,7 @@ def test_one_element_host_tensors_move_to_the_kernels_device():
     assert to_device(host, [], meta) is host
 
 
-def test_a_split_counts_the_measured_eager_time_of_a_part_that_stayed_eager(monkeypatch):
+def test_a_split_counts_the_measured_eager_time_of_a_part_that_stayed_eager(use_timer):
     """The norm's own kernel takes 0.1 ms, the linear's kernel 1.2 ms, slower than its eager
     1 ms, so the linear stays eager: the split costs 0.1 + 1 ms, more than the 0.6 ms of the
     norm + linear kernel, which runs. (Estimated as the larger group's eager time less the
@@ -1116,7 +1117,7 @@ def test_a_split_counts_the_measured_eager_time_of_a_part_that_stayed_eager(monk
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.LayerNorm(24), torch.nn.Linear(24, 40)).eval()
     x = torch.randn(3, 19, 24)
-    _stand_in_timer(monkeypatch, lambda layout, normed: (0.6 if normed else 1.2) if layout == "matmul" else 0.1)
+    _stand_in_timer(use_timer, lambda layout, normed: (0.6 if normed else 1.2) if layout == "matmul" else 0.1)
     with torch.no_grad():
         fused = autofuser.fuse(model, progress=False)
         torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)

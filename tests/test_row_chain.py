@@ -225,14 +225,14 @@ def test_a_chain_that_fails_verification_is_replanned_in_smaller_groups(monkeypa
     from autofuser_core.specs import Tolerance
     from autofuser_plugins.mlp.chain_layout import ChainLayout
 
-    real_tolerance = compile_module._tolerance
+    real_tolerance = compile_module.tolerance
 
     def impossible_for_chains(candidate, view):
         if isinstance(candidate.program.matmul, ChainLayout):
             return Tolerance.model_construct(atol=-1.0, rtol=0.0)  # nothing passes
         return real_tolerance(candidate, view)
 
-    monkeypatch.setattr(compile_module, "_tolerance", impossible_for_chains)
+    monkeypatch.setattr(compile_module, "tolerance", impossible_for_chains)
     model = _randomise(BlockTail(attn_width=24, width=24))
     x, attn = torch.randn(3, 11, 24), torch.randn(3, 11, 24)
     fused, got, expected = _run(model, x, attn)

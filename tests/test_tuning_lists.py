@@ -11,8 +11,8 @@ import torch.nn as nn
 
 import autofuser
 from autofuser import StrategySpec
-from autofuser_core.compile import _tuning_configs
 from autofuser_core.planner import plan_fusion_groups
+from autofuser_core.tuning import _tuning_configs
 from autofuser_plugins.attention import strategy as attention
 from autofuser_plugins.matmul import strategy as products
 from autofuser_plugins.mlp import chain
@@ -159,8 +159,8 @@ def test_tuning_stats_reports_winners_caps_and_writes_every_timing(tmp_path, cap
 def test_tune_all_configs_tunes_past_the_cap_and_is_cached_apart():
     import types
 
-    from autofuser_core.compile import _tuning_key
     from autofuser_core.fuse import FuseOptions
+    from autofuser_core.tuning import _tuning_key
 
     [candidate] = _kept(_chain_block(), torch.randn(2, 37, 64), "row_chain")
     capped, _ = _tuning_configs(candidate)

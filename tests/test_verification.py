@@ -1,6 +1,6 @@
-"""Trusting what runs: verification on synthetic inputs (``compile._synthetic_mismatch``),
+"""Trusting what runs: verification on synthetic inputs (``verify.synthetic_mismatch``),
 a graph whose generated code computes what its nodes do (``compile._spell_negative_bases``),
-the comparison's rules for NaN and infinity (``compile._max_error``), plugin code that
+the comparison's rules for NaN and infinity (``verify.max_error``), plugin code that
 raises while a graph compiles (``registry.Registry.guarded``, ``compile._veto``,
 ``compile._transform_graph``), plugins that implement no hook, and the ``report``
 command's output paths. docs/verification.md says what verification checks.
@@ -18,9 +18,9 @@ import torch
 import autofuser
 from autofuser import LoweringSpec, PluginError, StrategySpec
 from autofuser.cli import main as cli_main
-from autofuser_core import compile as compile_module
-from autofuser_core.compile import _max_error
+from autofuser_core import verify as verify_module
 from autofuser_core.specs import DEFAULT_TOLERANCES
+from autofuser_core.verify import max_error
 
 from _helpers import plugin_module
 
@@ -94,13 +94,13 @@ def test_weights_and_integer_or_bool_inputs_keep_their_real_values(monkeypatch):
     """Only floating activations are drawn: the linear's weight and bias, and the bool
     mask, reach the synthetic run as they are."""
     drawn = []
-    original = compile_module._synthetic_like
+    original = verify_module._synthetic_like
 
     def recording(real, generator):
         drawn.append(real)
         return original(real, generator)
 
-    monkeypatch.setattr(compile_module, "_synthetic_like", recording)
+    monkeypatch.setattr(verify_module, "_synthetic_like", recording)
 
     class Masked(torch.nn.Module):
         def __init__(self):
@@ -126,15 +126,15 @@ def test_weights_and_integer_or_bool_inputs_keep_their_real_values(monkeypatch):
 def test_synthetic_draws_cover_both_signs_and_the_real_scale():
     real = torch.rand(3, 200) * 50 + 10  # positive, away from zero
     generator = torch.Generator().manual_seed(0)
-    drawn = compile_module._synthetic_like(real, generator)
+    drawn = verify_module._synthetic_like(real, generator)
     assert drawn.shape == real.shape and drawn.stride() == real.stride() and drawn.dtype == real.dtype
     assert (drawn < 0).any() and (drawn > 0).any() and (drawn == 0).any()
     assert drawn.abs().max() >= 1.5 * real.abs().max()  # a few large values
     assert (drawn.abs() < 1e-3).sum() >= 4  # and tiny ones
     expanded = torch.randn(1, 9).expand(4, 9)  # a broadcast (1, C) operand keeps its strides
-    again = compile_module._synthetic_like(expanded, generator)
+    again = verify_module._synthetic_like(expanded, generator)
     assert again.stride() == expanded.stride() and torch.equal(again[0], again[3])
-    assert compile_module._synthetic_like(torch.zeros(64), generator).abs().max() > 0  # never only zeros
+    assert verify_module._synthetic_like(torch.zeros(64), generator).abs().max() > 0  # never only zeros
 
 
 @pytest.mark.parametrize("plugins", [["reduction"], None], ids=["pow-eager", "pow-fused"])
@@ -177,7 +177,7 @@ def test_non_finite_values_must_match_exactly(fused, eager, ok, dtype):
     tol = DEFAULT_TOLERANCES["float32" if dtype == torch.float32 else "bfloat16"]
     a = torch.tensor([fused, fused], dtype=torch.float32).to(dtype)
     b = torch.tensor([eager, eager], dtype=torch.float32).to(dtype)
-    assert _max_error(a, b, tol)[0] is ok
+    assert max_error(a, b, tol)[0] is ok
 
 
 # ---------------------------------------------------------------------------

@@ -50,7 +50,7 @@ import autofuser
 from autofuser.zoo.airfoil import TRAIN_SEED, make_dataset, relative_l2, test_set
 from autofuser.zoo.first_call import measure_in_fresh_process
 from autofuser.zoo.models import MESHES, MODELS, ModelEntry, parameter_count
-from autofuser_core.fuse import median_call_ms
+from autofuser_core.timing import median_call_ms
 
 SYSTEMS = ("eager", "torch.compile", "autofuser")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}

@@ -49,7 +49,7 @@ def _tile(program, config) -> tuple[int, float]:
 
 def configs(program):
     """Every row block and warp count, the most promising first: a re-planning round
-    tunes only the first few (``compile.LATER_ROUND_CONFIGS``), and one row per program
+    tunes only the first few (``tuning.LATER_ROUND_CONFIGS``), and one row per program
     on one warp (the old head of the list) left a wide layer norm well short of a copy
     of its bytes (BENCHMARKS.md, "Measurements behind rules in the code")."""
     def distance(config):
