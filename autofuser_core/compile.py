@@ -11,13 +11,12 @@
    run it on the real inputs and compare with eager within the dtype's
    tolerance - a mismatch un-fuses that group only; on a GPU, also time fused
    against eager and keep the faster;
-4b. on a GPU, a kept group is timed against a split of its nodes made in the
-   next round, and the faster side is kept (``_settle``): a group of several
-   products that round 1 kept against shorter groups of fewer products (then, where a
-   row reduction feeds a product, against those with the reduction apart too); a
-   group whose product is fed by a row reduction (a layer norm) against the same
-   nodes with the reduction in a group of its own, once; one split per round, while
-   the group keeps winning; groups that stayed eager are re-planned in the same rounds;
+4b. on a GPU, a kept group is timed against the splits of its nodes that its
+   strategy declares (``StrategySpec.split_rules``: the matmul and mlp plugins'
+   split a layer norm from the product it feeds, and a group of several products
+   into groups of fewer), each made in a later round, and the faster side is kept
+   (``_settle``); one split per round, while the group keeps winning; groups that
+   stayed eager are re-planned in the same rounds;
 5. ``rewrite_graph``: every surviving group becomes one call.
 
 This module drives those steps and writes the report's entries; the checks of step 4
@@ -43,10 +42,10 @@ import torch.fx
 from .capture import preserved_state
 from . import timing
 from .cache import cache_dir, load_kernel_module, write_tuning
-from .group import MAX_PRODUCTS, STRICT_FP32, GroupProgram, attr_tensor, product_count, reduction_prologue
+from .group import MAX_PRODUCTS, STRICT_FP32, GroupProgram, attr_tensor, product_count
 from .ir import AttrRef
 from .launch import FusedKernel, host_scalars, to_device
-from .planner import SPLIT_RULES, Candidate, Plan, SplitRule, plan_fusion_groups
+from .planner import SPLIT_RULES, Candidate, Plan, Split, plan_fusion_groups
 from .precompile import launch_items
 from .registry import PLUGIN_FAULTS, PluginFault, PluginHookError, describe_target, record_fault
 from .report import FusionReport, GroupEntry, NodeEntry, describe_graph
@@ -197,8 +196,8 @@ def _compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options,
     round_number = 0
     plan: Optional[Plan] = None
     held: list[_Job] = []  # kept groups awaiting their split's timing
-    rules: tuple[SplitRule, ...] = ()  # how the next round splits each held group's nodes
-    pending: dict[frozenset, list[SplitRule]] = {}  # each kept group's splits not yet timed (``_split_rules``)
+    rules: tuple[Split, ...] = ()  # how the next round splits each held group's nodes
+    pending: dict[frozenset, list[Split]] = {}  # each kept group's splits not yet timed (``_split_rules``)
     while True:
         round_number += 1
 
@@ -280,13 +279,9 @@ def _compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options,
         if failed:
             progress(f"re-planning the nodes of {len(failed)} group(s) that stayed eager, at most "
                      f"{max_products} product(s) per group")
-        several = sum(rule.max_products < product_count(job.candidate.program) for job, rule in rules_of.items())
-        if several:
-            progress(f"timing {several} group(s) of several products against their split into groups of "
-                     f"fewer products")
-        if len(rules) > several:
-            progress(f"timing {len(rules) - several} group(s) with a row reduction before a product against "
-                     f"their split with the reduction on its own")
+        for description in dict.fromkeys(split.rule.description for split in rules):
+            count = sum(split.rule.description == description for split in rules)
+            progress(f"timing {count} group(s) against their split {description}")
 
     step = time.perf_counter()
     new_gm = rewrite_graph(gm, [(c.program, f) for c, f in survivors])
@@ -419,34 +414,21 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
 
 
 
-def _split_rules(job: _Job, round_number: int) -> list[SplitRule]:
+def _split_rules(job: _Job, round_number: int) -> list[Split]:
     """The splits of ``job``'s nodes to time it against, in order: the next round
     re-plans them under the first, and while the group keeps winning, each round after
     under the next.
 
-    Only kept groups timed against eager are split. One of several products that
-    round 1 kept: into groups of fewer products (the row-tiled kernel may lose to
-    shorter ones); where a row reduction feeds one of its products, then also with
-    that reduction in a group of its own (an MLP behind its layer norm as the norm and
-    two linear kernels: with the norm fused, the first linear's kernel recomputes it
-    for every column tile, so the split with the norm fused can lose to the MLP kernel
-    where this one beats it: BENCHMARKS.md, "Measurements behind rules in the code"). One
-    whose product a row reduction feeds: with that reduction in a group of its own, and
-    otherwise as it is (a layer norm as its own kernel can beat the same norm
-    recomputed for every column tile of the product, or held in registers beside it)."""
+    Only kept groups timed against eager are split, by the rules their strategy
+    declares (``StrategySpec.split_rules``) that apply to their program; a rule
+    ``first_round_only`` only for a group kept in round 1."""
     if not job.entry.fused or job.entry.time_fused_ms is None:
         return []
+    program = job.candidate.program
     nodes = frozenset(job.candidate.nodes)
-    products = product_count(job.candidate.program)
-    prologue = reduction_prologue(job.candidate.program)
-    rules = []
-    if products > 1 and round_number == 1:
-        rules.append(SplitRule(nodes, products - 1))
-        if prologue:
-            rules.append(SplitRule(nodes, products - 1, prologues=False))
-    if prologue:
-        rules.append(SplitRule(nodes, products, prologues=False))
-    return rules
+    products = product_count(program)
+    return [Split(nodes, products - rule.fewer_products, rule) for rule in job.candidate.strategy.split_rules
+            if (round_number == 1 or not rule.first_round_only) and rule.applies(program)]
 
 
 def _settle(held: list[_Job], jobs: list[_Job]) -> list[_Job]:

@@ -395,39 +395,6 @@ def product_count(program: Optional[GroupProgram]) -> int:
     return sum(v.op == "dot" for v in collect_values(program.output_values).values())
 
 
-def reduction_prologue(program: Optional[GroupProgram]) -> bool:
-    """Whether a row reduction computed before any of the group's products feeds one
-    (a layer norm in front of a linear): a reduction that no product precedes."""
-    if program is None:
-        return False
-    values = collect_values(program.output_values)
-    # Whether a product is upstream of each value: every value once, args before their users.
-    after_product: dict[int, bool] = {}
-    for v in _args_first(values):
-        after_product[v.uid] = any(a.op == "dot" or after_product[a.uid] for a in v.args)
-    return any(v.op == "reduce" and not after_product[v.uid]
-               for dot in values.values() if dot.op == "dot" for v in collect_values(dot.args).values())
-
-
-def _args_first(values: dict[int, Value]) -> list[Value]:
-    """``values`` ordered so that each comes after every one of its args."""
-    order: list[Value] = []
-    placed: set[int] = set()
-    for root in values.values():
-        stack = [(root, False)]
-        while stack:
-            v, expanded = stack.pop()
-            if v.uid in placed:
-                continue
-            if expanded:
-                placed.add(v.uid)
-                order.append(v)
-                continue
-            stack.append((v, True))
-            stack.extend((a, False) for a in v.args if a.uid not in placed)
-    return order
-
-
 def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, ProductLayout]] = None) -> None:
     """Steps 3 and 4 of the module doc: the domain, the reduced dims, strides
     (groups with products: the plugins' layout for their count, ``_lay_out_products``)."""

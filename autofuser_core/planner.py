@@ -34,10 +34,10 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from .group import GroupProgram, GroupRefused, compose_group, layout_settings, product_count, reduction_prologue
+from .group import GroupProgram, GroupRefused, compose_group, layout_settings, product_count
 from .ir import LoweringContext, LoweringRefused, Value, tensor_meta
 from .registry import Registry, describe_target
-from .specs import LoweringSpec, StrategySpec, dtype_name
+from .specs import LoweringSpec, SplitRule, StrategySpec, dtype_name
 
 logger = logging.getLogger("autofuser")
 
@@ -105,15 +105,15 @@ def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple
 
 
 @dataclass(frozen=True)
-class SplitRule:
+class Split:
     """While a kept group is timed against a split of its nodes (``compile``), the
     limits on every group grown or proposed over ``nodes``: it stays inside them,
-    holds at most ``max_products`` products and, without ``prologues``, no row
-    reduction that feeds a product (the norm in front of a linear runs on its own)."""
+    holds at most ``max_products`` products, and ``rule`` (its strategy's
+    ``SplitRule``) refuses what it refuses."""
 
     nodes: frozenset
     max_products: int
-    prologues: bool = True
+    rule: SplitRule
 
     def refusal(self, nodes, program: GroupProgram) -> Optional[GroupRefused]:
         if self.nodes.isdisjoint(nodes):
@@ -122,12 +122,13 @@ class SplitRule:
             return GroupRefused("split_boundary", "a group being split is timed on its own nodes only")
         if product_count(program) > self.max_products:
             return GroupRefused("split_products", f"split into groups of at most {self.max_products} product(s)")
-        if not self.prologues and reduction_prologue(program):
-            return GroupRefused("split_prologue", "split with its row reduction apart from the product it feeds")
+        refused = self.rule.refuse(program) if self.rule.refuse is not None else None
+        if refused is not None:
+            return GroupRefused(*refused)
         return None
 
 
-#: The ``SplitRule``s of the planning round in progress.
+#: The ``Split``s of the planning round in progress.
 SPLIT_RULES: contextvars.ContextVar[tuple] = contextvars.ContextVar("autofuser_split_rules", default=())
 
 

@@ -137,6 +137,28 @@ class LoweringSpec(Spec):
         return self.tolerances.get(dtype_name(dtype), DEFAULT_TOLERANCES["float32"])
 
 
+class SplitRule(BaseModel):
+    """A split of a strategy's kept group that the group is timed against (on a GPU).
+
+    ``autofuser_core.compile`` holds a kept group that beat eager back while the
+    next planning round re-plans its nodes under the first of its strategy's
+    ``split_rules`` that ``applies(program)`` to it (its composed program), then,
+    while the group keeps winning, each round after under the next; the faster
+    side runs. In such a round every group grown or proposed over the held
+    group's nodes stays inside them, holds at most ``fewer_products`` products
+    fewer than the held group, and is refused where ``refuse(program)`` returns
+    ``(reason_code, sentence)``. ``first_round_only``: only for groups kept in the
+    first round. ``description`` completes "timing N group(s) against their split ...".
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    description: str = Field(min_length=1)
+    applies: Callable[..., bool]
+    fewer_products: int = Field(0, ge=0)
+    refuse: Optional[Callable[..., Any]] = None
+    first_round_only: bool = False
+
+
 class StrategySpec(Spec):
     """A tiling strategy: which groups it can generate, and how.
 
@@ -170,6 +192,8 @@ class StrategySpec(Spec):
     4. ``generate(program, helpers)`` -> ``autofuser_core.codegen.KernelSource``
        (``helpers``: the ``@triton.jit`` helper functions lowerings asked for,
        by name).
+    5. ``split_rules``: on a GPU, the splits of a kept group's nodes it is timed
+       against, in order (``SplitRule``); none by default.
     """
 
     block_params: tuple[str, ...] = ()
@@ -181,6 +205,7 @@ class StrategySpec(Spec):
     is_valid: Callable[..., Optional[str]] = Field(default=lambda program, config: None)
     max_tuned_configs: Optional[int] = Field(default=None, ge=1)
     generate: Callable[..., Any]
+    split_rules: tuple[SplitRule, ...] = ()
 
 
 class QuantizerSpec(Spec):

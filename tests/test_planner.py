@@ -398,9 +398,9 @@ class _NormBetweenProducts(nn.Module):
 
 
 def test_reduction_prologue_is_a_row_reduction_that_no_product_precedes():
-    """``group.reduction_prologue``: a norm in front of a group's first product is one; a
-    norm between products (one precedes it) is not."""
-    from autofuser_core.group import reduction_prologue
+    """``reduction_prologue`` (the matmul plugin's split rules use it): a norm in front
+    of a group's first product is one; a norm between products (one precedes it) is not."""
+    from autofuser_plugins.matmul.split import reduction_prologue
     from autofuser_plugins.mlp.chain_layout import lay_out_chain
 
     view = _view(_NormBetweenProducts(), torch.randn(3, 5, 24))
@@ -413,3 +413,20 @@ def test_reduction_prologue_is_a_row_reduction_that_no_product_precedes():
     assert not reduction_prologue(view.compose(_nodes(view, "lin2", "ln_mid")))
     assert not reduction_prologue(view.compose(_nodes(view, "lin1")))
     assert not reduction_prologue(None)
+
+
+def test_split_rules_are_declared_by_the_strategies_and_validated():
+    """The splits a kept group is timed against are its strategy's ``split_rules``: the
+    matmul strategies split a norm from their product, the mlp plugin's also their
+    products apart; a rule is validated like a spec."""
+    from autofuser_core.specs import SplitRule
+    from autofuser_plugins.matmul.split import FEWER_PRODUCTS, FEWER_PRODUCTS_NORM_APART, NORM_APART
+
+    strategies = autofuser.load_plugins().registry.strategies
+    for name in ("matmul", "linear_epilogue", "layernorm_linear"):
+        assert strategies[name].split_rules == (NORM_APART,)
+    for name in ("mlp", "row_chain"):
+        assert strategies[name].split_rules == (FEWER_PRODUCTS, FEWER_PRODUCTS_NORM_APART, NORM_APART)
+    assert not strategies["elementwise"].split_rules and not strategies["softmax_attention"].split_rules
+    with pytest.raises(ValueError, match="fewer_product"):
+        SplitRule(description="by one", applies=lambda program: True, fewer_product=1)

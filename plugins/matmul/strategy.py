@@ -20,6 +20,7 @@ from autofuser_core.group import GroupRefused
 
 from .kernel import write_matmul_kernel
 from .layout import MatmulLayout, dot_block, multiprocessors
+from .split import NORM_APART
 
 #: Shared memory one program may use for its pipelined A and B tiles (H100/H200: 228 KiB per SM).
 SMEM_LIMIT = 200 * 1024
@@ -165,6 +166,7 @@ def _strategy(name, description):
         max_tuned_configs=MAX_TUNED_CONFIGS,
         default_config=default_config,
         generate=generate,
+        split_rules=(NORM_APART,),  # one product: only a norm in front of it can go apart
     )
 
 

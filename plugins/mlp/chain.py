@@ -23,6 +23,7 @@ import itertools
 
 from autofuser import StrategySpec
 from autofuser_core.group import MAX_PRODUCTS, GroupRefused
+from autofuser_plugins.matmul.split import FEWER_PRODUCTS, FEWER_PRODUCTS_NORM_APART, NORM_APART
 
 from .chain_kernel import write_chain_kernel
 from .chain_layout import ChainLayout, lay_out_chain, padded
@@ -210,4 +211,6 @@ CHAIN_STRATEGY = StrategySpec(
     max_tuned_configs=MAX_TUNED_CONFIGS,
     default_config=default_config,
     generate=generate,
+    # As the MLP strategy's: shorter chains, then also its norms apart, then only its norms apart.
+    split_rules=(FEWER_PRODUCTS, FEWER_PRODUCTS_NORM_APART, NORM_APART),
 )

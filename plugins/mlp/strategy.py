@@ -12,6 +12,7 @@ from autofuser_core.codegen import triton_cdiv
 from autofuser_core.group import GroupRefused
 from autofuser_plugins.matmul.kernel import all_values
 from autofuser_plugins.matmul.layout import dot_block, multiprocessors
+from autofuser_plugins.matmul.split import FEWER_PRODUCTS, FEWER_PRODUCTS_NORM_APART, NORM_APART
 
 from .mlp_kernel import write_mlp_kernel
 from .mlp_layout import BLOCK_SMEM_LIMIT, PERSISTENT_BLOCK_H, MlpLayout
@@ -172,4 +173,6 @@ MLP_STRATEGY = StrategySpec(
     is_valid=is_valid,
     default_config=default_config,
     generate=generate,
+    # Timed against its products apart, then also its norm apart, then only its norm apart.
+    split_rules=(FEWER_PRODUCTS, FEWER_PRODUCTS_NORM_APART, NORM_APART),
 )
