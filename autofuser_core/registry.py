@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from .errors import PluginError, SpecError
 from .group import GroupRefused
 from .ir import LoweringRefused
-from .specs import LoweringSpec, ProductLayoutSpec, QuantizerSpec, Spec, StrategySpec
+from .specs import LoweringSpec, ProductLayoutSpec, QuantizerSpec, Spec, SplitRule, StrategySpec
 
 SpecT = TypeVar("SpecT", bound=Spec)
 
@@ -282,7 +282,8 @@ _GUARDED_FIELDS: dict[type, dict[str, str]] = {
 }
 _KINDS = {LoweringSpec: "lowering", StrategySpec: "strategy", ProductLayoutSpec: "product layout"}
 _OUTCOMES = {"refuse_node": "the node runs eager", "no_groups": "the strategy proposes no groups for this graph",
-             "refuse_group": "the group runs eager", "raise": "the group runs eager"}
+             "refuse_group": "the group runs eager", "raise": "the group runs eager",
+             "not_applied": "the group is not timed against this split"}
 
 
 def _guarded_spec(spec: Spec) -> Spec:
@@ -294,7 +295,19 @@ def _guarded_spec(spec: Spec) -> Spec:
         function = getattr(spec, name)
         if function is not None:
             update[name] = _guard(spec, f"{kind} {spec.name!r} ({type(spec).__name__}.{name})", function, answer)
+    if isinstance(spec, StrategySpec) and spec.split_rules:
+        # A split rule's applies() that raises times the group against no such split; its
+        # refuse() that raises refuses the group it was asked about.
+        update["split_rules"] = tuple(_guarded_split_rule(spec, rule) for rule in spec.split_rules)
     return spec.model_copy(update=update)
+
+
+def _guarded_split_rule(spec: StrategySpec, rule: SplitRule) -> SplitRule:
+    where = f"strategy {spec.name!r} (split rule {rule.description!r}, SplitRule."
+    update = {"applies": _guard(spec, where + "applies)", rule.applies, "not_applied")}
+    if rule.refuse is not None:
+        update["refuse"] = _guard(spec, where + "refuse)", rule.refuse, "refuse_group")
+    return rule.model_copy(update=update)
 
 
 def _guard(spec: Spec, where: str, function: Callable[..., Any], answer: str) -> Callable[..., Any]:
@@ -313,6 +326,8 @@ def _guard(spec: Spec, where: str, function: Callable[..., Any], answer: str) ->
                 return []
             if answer == "refuse_group":
                 return "plugin_failed", fault.sentence
+            if answer == "not_applied":
+                return False
             raise PluginHookError(fault) from err
 
     guarded.__wrapped__ = function

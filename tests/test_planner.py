@@ -430,3 +430,25 @@ def test_split_rules_are_declared_by_the_strategies_and_validated():
     assert not strategies["elementwise"].split_rules and not strategies["softmax_attention"].split_rules
     with pytest.raises(ValueError, match="fewer_product"):
         SplitRule(description="by one", applies=lambda program: True, fewer_product=1)
+
+
+def test_a_split_rule_that_raises_is_answered_the_safe_way():
+    """A plugin's split rule runs while a graph compiles: an ``applies`` that raises times
+    the group against no such split, a ``refuse`` that raises refuses the group asked
+    about; both name the plugin and the rule."""
+    from autofuser_core.specs import SplitRule
+
+    def broken(program):
+        raise RuntimeError("bug")
+
+    rule = SplitRule(description="by a broken rule", applies=broken, refuse=broken)
+    mine = types.ModuleType("brokensplit")
+    mine.autofuser_register_strategies = lambda register: register(
+        name="mine.split", propose=lambda view: [], configs=lambda program: [{}],
+        default_config=lambda program: {}, generate=lambda program, helpers: None, split_rules=(rule,))
+    (guarded,) = autofuser.load_plugins([mine]).registry.guarded().strategies["mine.split"].split_rules
+    with pytest.warns(UserWarning, match="brokensplit.*split rule 'by a broken rule'"):
+        assert guarded.applies(None) is False
+    with pytest.warns(UserWarning, match="SplitRule.refuse"):
+        code, sentence = guarded.refuse(None)
+    assert code == "plugin_failed" and "brokensplit" in sentence
