@@ -33,8 +33,7 @@ from autofuser_core.codegen import TL_DTYPES, KernelSource, emit_offsets, litera
 from autofuser_core.group import GroupProgram
 from autofuser_core.ir import Value
 from autofuser_core.rounding import stored
-from autofuser_plugins.matmul.kernel import (MatmulWriter, as_operand, assemble_kernel, dot_line, index_term,
-                                             needs_int64)
+from autofuser_plugins.matmul.kernel import MatmulWriter, as_operand, assemble_kernel, dot_line, index_term, needs_int64
 
 from .chain_layout import ChainLayout, ChainStep, padded
 
