@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -23,6 +24,9 @@ from triton.runtime.driver import driver
 from .codegen import KernelSource
 from .group import GroupProgram
 from .ir import AttrRef
+
+
+_INTERPRETER_LOCK = threading.Lock()
 
 
 class FusedKernel:
@@ -91,7 +95,10 @@ class FusedKernel:
             if self.direct is None:  # the first call's kernel; others (another alignment) go through Triton
                 self.direct = DirectLaunch.of(self.kernel, compiled, args, self.launch_args, self.grid)
         else:  # the interpreter's kernels
-            self.launcher(*args, **self.launch_args)
+            # The interpreter swaps triton.language's functions for its own while a kernel
+            # runs, for the whole process: two threads interpreting at once break each other.
+            with _INTERPRETER_LOCK:
+                self.launcher(*args, **self.launch_args)
         return outputs
 
     def with_live_attrs(self, graph_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
