@@ -290,7 +290,7 @@ def _guarded_spec(spec: Spec) -> Spec:
     fields = _GUARDED_FIELDS[type(spec)] if type(spec) in _GUARDED_FIELDS else next(
         fields for base, fields in _GUARDED_FIELDS.items() if isinstance(spec, base))
     kind = next(name for base, name in _KINDS.items() if isinstance(spec, base))
-    update = {}
+    update: dict[str, Any] = {}
     for name, answer in fields.items():
         function = getattr(spec, name)
         if function is not None:
