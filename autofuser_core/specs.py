@@ -64,8 +64,9 @@ class Sample(BaseModel):
 
 
 #: What a lowering's op is, for strategies choosing groups (``PlanningView.kinds``).
-#: "attention" ops are extern (``ctx.extern()``): only a strategy with its own compose takes them.
-LoweringKind = Literal["pointwise", "reduction", "matmul", "attention", "layout", "opaque"]
+#: "opaque": none of the others, e.g. an op lowered as ``ctx.extern()`` (a whole attention,
+#: an FFT block), which only a strategy with its own compose takes.
+LoweringKind = Literal["pointwise", "reduction", "matmul", "layout", "opaque"]
 
 
 class LoweringSpec(Spec):
