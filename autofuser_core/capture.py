@@ -309,8 +309,9 @@ class _ConcreteTracer(torch.fx.Tracer):
         return proxy
 
     def is_leaf_module(self, m: torch.nn.Module, path: str) -> bool:
-        # A module with hooks stays one call, so its hooks run (tracing through would skip them).
-        hooked = bool(m._forward_hooks or m._forward_pre_hooks)
+        # A module with hooks stays one call, so its hooks run (tracing through would skip them);
+        # backward hooks matter only where gradients are recorded (the signature keys grad mode).
+        hooked = bool(m._forward_hooks or m._forward_pre_hooks or _backward_hooked(m))
         return path in self.opaque or hooked or super().is_leaf_module(m, path)
 
     def call_module(self, m, forward, args, kwargs):  # type: ignore[override]
@@ -733,10 +734,10 @@ def _trace(model: torch.nn.Module, sig: inspect.Signature, arguments: dict,
     """
     opaque: dict[str, str] = {}
     gm, reason = None, None
-    if model._forward_hooks or model._forward_pre_hooks or "forward" in model.__dict__:
+    if model._forward_hooks or model._forward_pre_hooks or _backward_hooked(model) or "forward" in model.__dict__:
         # fx traces type(model).forward itself: root hooks or an instance-level forward
         # would be silently skipped, so keep such a root whole.
-        reason = "the root module has forward hooks or an instance-level forward"
+        reason = "the root module has hooks or an instance-level forward"
     for _ in range(0 if reason else len(list(model.modules())) + 1):
         gm, culprit, reason = _trace_once(model, arguments, opaque)
         if gm is not None or not culprit:
@@ -772,6 +773,11 @@ def _note_model_error(exc: BaseException, model: torch.nn.Module) -> None:
                      "fix the model or the inputs.")
 
 
+def _backward_hooked(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has backward hooks that a call now would run (gradients on)."""
+    return torch.is_grad_enabled() and bool(module._backward_hooks or module._backward_pre_hooks)
+
+
 def capture(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any) -> torch.fx.GraphModule:
     """Trace ``model`` into one GraphModule specialised on the example inputs' shapes.
 
@@ -792,6 +798,11 @@ def capture(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
     # Only report paths that are call_module nodes (not those inside an opaque parent).
     targets = {n.target for n in gm.graph.nodes if n.op == "call_module"}
     opaque = {p: r for p, r in opaque.items() if p == "" or p in targets}
+    if "" not in opaque:
+        for path in sorted(targets - set(opaque)):
+            module = model.get_submodule(path)
+            if module._forward_hooks or module._forward_pre_hooks or _backward_hooked(module):
+                opaque[path] = "it has hooks, which run only when the module itself is called"
     for node in gm.graph.nodes:
         if node.op == "call_module" and (node.target in opaque or "" in opaque):
             node.meta[OPAQUE_REASON_KEY] = opaque.get(node.target, opaque.get(""))

@@ -523,12 +523,6 @@ class FusedModule(torch.nn.Module):
             return ("global", "AutoFuser: a global module hook is registered (register_module_forward_hook "
                               "or kin), which must see every module called; while one is, calls run the "
                               "original model.")
-        if self._state.backward_hooked and torch.is_grad_enabled():
-            # A traced or fused module never runs its backward hooks.
-            names = ", ".join(self._state.backward_hooked[:3])
-            return ("backward", f"AutoFuser: module(s) {names} have backward hooks, which a fused forward "
-                                "would not run; with gradients enabled, calls run the original model "
-                                "(under torch.no_grad() they fuse).")
         if self._state_changes > STATE_CHANGE_LIMIT:
             return ("state", "")
         return None
