@@ -278,7 +278,8 @@ def write_kernel(program: GroupProgram, layout: str, strategy: str, helpers: Opt
         for k, (t, off, res) in enumerate(zip(program.outputs, out_offsets, results)):
             store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
             w.emit(f"tl.store(out{k} + {off or 'offs * 0'}, tl.broadcast_to({store}, (BLOCK,)), mask=mask)")
-        grid = lambda config, n=n_outer: (triton_cdiv(n, config["BLOCK"]),)
+        def grid(config, n=n_outer):
+            return (triton_cdiv(n, config["BLOCK"]),)
     else:
         n_cols = program.reduced_numel
         block_r = next_power_of_2(n_cols)
@@ -314,7 +315,8 @@ def write_kernel(program: GroupProgram, layout: str, strategy: str, helpers: Opt
             else:
                 off = " + ".join(x for x in (ro, co) if x) or "rows * 0 + cols * 0"
                 w.emit(f"tl.store(out{k} + {off}, tl.broadcast_to({store}, (BLOCK_M, BLOCK_R)), mask=mask)")
-        grid = lambda config, n=n_outer: (triton_cdiv(n, config["BLOCK_M"]),)
+        def grid(config, n=n_outer):
+            return (triton_cdiv(n, config["BLOCK_M"]),)
 
     params = [f"in{k}" for k in range(len(program.inputs))] + [f"out{k}" for k in range(len(program.outputs))]
     blocks = ["BLOCK: tl.constexpr"] if layout == "flat" else ["BLOCK_M: tl.constexpr", "BLOCK_R: tl.constexpr"]

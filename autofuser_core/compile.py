@@ -28,20 +28,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass, field
 import gc
 import logging
 import math
 import operator
 import time
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.fx
 
-from .capture import preserved_state
 from . import timing
 from .cache import cache_dir, load_kernel_module, write_tuning
+from .capture import preserved_state
 from .group import MAX_PRODUCTS, STRICT_FP32, GroupProgram, attr_tensor, product_count
 from .ir import AttrRef
 from .launch import FusedKernel, host_scalars, to_device
@@ -49,8 +49,8 @@ from .planner import SPLIT_RULES, Candidate, Plan, Split, plan_fusion_groups
 from .precompile import launch_items
 from .registry import PLUGIN_FAULTS, PluginFault, PluginHookError, describe_target, record_fault
 from .report import FusionReport, GroupEntry, NodeEntry, describe_graph
-from .rounding import interpreting
 from .rewrite import extract_group_module, rewrite_graph
+from .rounding import interpreting
 from .tuning import CONFIG_LIMIT, LATER_ROUND_CONFIGS, finish_compiling, pick_config, precompile_untuned
 from .verify import Verifier, max_error, snapshot, synthetic_mismatch, tolerance
 

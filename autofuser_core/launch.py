@@ -25,7 +25,6 @@ from .codegen import KernelSource
 from .group import GroupProgram
 from .ir import AttrRef
 
-
 _INTERPRETER_LOCK = threading.Lock()
 
 

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 import autofuser
 from autofuser_core.launch import FusedKernel, cast_inputs
 from autofuser_core.planner import plan_fusion_groups
-from autofuser_plugins.mlp import mlp_layout, strategy as mlp
+from autofuser_plugins.mlp import mlp_layout
+from autofuser_plugins.mlp import strategy as mlp
 
 TOLERANCES = {torch.float16: dict(atol=2e-3, rtol=1e-2), torch.bfloat16: dict(atol=2e-2, rtol=4e-2)}
 

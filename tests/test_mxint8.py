@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import autofuser
 from autofuser_plugins.mxint8 import MXInt8Linear, dequantize_mxint8, quantize_mxint8
 from autofuser_plugins.mxint8 import layer as mxint8_layer
+
 from _models import FeedForward
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=4e-2)}

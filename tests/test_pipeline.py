@@ -12,6 +12,7 @@ import re
 import types
 import warnings
 import zlib
+from typing import Optional
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 import autofuser
 from autofuser_core.report import FusionReport
+
 from _models import FeedForward
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -1045,8 +1047,8 @@ def test_autocast_linear_weight_is_converted_once_past_its_reads(monkeypatch, sh
     per call when its row tiles would read the weight often enough
     (``CONVERT_ONCE_MIN_READS``; lowered here so small shapes cross it), else each tile
     converts what it reads. Both match eager; only the first hands the kernel bf16."""
-    from autofuser_plugins.matmul import layout as matmul_layout
     from autofuser_core.launch import FusedKernel
+    from autofuser_plugins.matmul import layout as matmul_layout
 
     reads = 36 * 20 * -(-(3 * 37) // matmul_layout.WEIGHT_READ_ROWS)  # weight elements x row tiles
     monkeypatch.setattr(matmul_layout, "CONVERT_ONCE_MIN_READS", reads + short)

@@ -31,16 +31,33 @@ from typing import Optional
 
 import torch
 
-from autofuser_core.codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, emit_offsets,
-                                    kernel_header as core_kernel_header, literal, op_label, triton_cdiv, used_helpers)
+from autofuser_core.codegen import (
+    INT32_LIMIT,
+    TL_DTYPES,
+    KernelSource,
+    emit_offsets,
+    literal,
+    op_label,
+    triton_cdiv,
+    used_helpers,
+)
+from autofuser_core.codegen import kernel_header as core_kernel_header
 from autofuser_core.ir import Value
 from autofuser_core.rounding import interpreting, rounded, stored
 from autofuser_plugins.matmul.kernel import as_operand, dot_block, dot_line, index_term
 
 from .chain import POINTER_TYPES, chain_module, chain_stages, digest
 from .layout import AttentionLayout, Operand, Step
-from .prepass import (PASS_ROWS, SPLIT_DTYPE, SPLIT_EXPONENT, pass_modes, power_of_two, split_lines, write_max_pass,
-                      write_pass)
+from .prepass import (
+    PASS_ROWS,
+    SPLIT_DTYPE,
+    SPLIT_EXPONENT,
+    pass_modes,
+    power_of_two,
+    split_lines,
+    write_max_pass,
+    write_pass,
+)
 
 LOG2E = 1.4426950408889634
 ROUNDED = (torch.float16, torch.bfloat16)

@@ -42,8 +42,17 @@ from autofuser_core.group import GroupRefused, KernelTensor, attr_tensor, fp32_p
 from autofuser_core.ir import AttrRef, tensor_meta
 
 from .layout import AttentionLayout, AttentionProgram, LinearAttentionLayout, RowNorm
-from .match import (MAX_SCORE_STEPS, _head_widths, _is_pointwise, _operand, _operand_dtype, _values,
-                    product, score_steps, steps_after)
+from .match import (
+    MAX_SCORE_STEPS,
+    _head_widths,
+    _is_pointwise,
+    _operand,
+    _operand_dtype,
+    _values,
+    product,
+    score_steps,
+    steps_after,
+)
 
 #: Ops on a chain value by constants that the walks pass through.
 MAX_CONSTANT_STEPS = 4

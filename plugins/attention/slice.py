@@ -28,8 +28,19 @@ from autofuser_core.ir import AttrRef, tensor_meta
 
 from .layout import AttentionProgram, LinearMap, SliceLayout
 from .linear import _constant_step, check_private, transposed_a_einsum
-from .match import (FLOATS, MAX_SCORE_STEPS, _is_pointwise, _operand, _roles, _step, _values, product, softmax_dim,
-                    steps_after, written_out_chain)
+from .match import (
+    FLOATS,
+    MAX_SCORE_STEPS,
+    _is_pointwise,
+    _operand,
+    _roles,
+    _step,
+    _values,
+    product,
+    softmax_dim,
+    steps_after,
+    written_out_chain,
+)
 
 #: Widest slice count and head width the kernels keep in registers.
 MAX_SLICES = 128

@@ -271,7 +271,6 @@ def _decompose(emit, index: str, sizes: tuple[int, ...], prefix: str) -> list[st
 
 def write_conv_kernel(program: ConvProgram, strategy: str, helpers=None) -> KernelSource:
     conv = program.conv
-    out = program.outputs[0]
     x_index, w_index = program.slot[conv.x], program.slot[conv.weight]
     x_t, w_t = program.inputs[x_index], program.inputs[w_index]
     batch = x_t.shape[0]

@@ -30,8 +30,15 @@ import torch
 
 from autofuser import StrategySpec
 from autofuser_core.codegen import TL_DTYPES, KernelSource, literal, triton_cdiv, used_helpers
-from autofuser_core.group import (GroupProgram, GroupRefused, KernelTensor, attr_tensor, collect_values,
-                                  program_from_nodes, read_view)
+from autofuser_core.group import (
+    GroupProgram,
+    GroupRefused,
+    KernelTensor,
+    attr_tensor,
+    collect_values,
+    program_from_nodes,
+    read_view,
+)
 from autofuser_core.ir import AttrRef, Value, tensor_meta
 from autofuser_core.rounding import rounded, stored
 from autofuser_plugins.matmul.kernel import needs_int64

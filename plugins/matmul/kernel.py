@@ -28,8 +28,18 @@ from typing import Optional
 
 import torch
 
-from autofuser_core.codegen import (INT32_LIMIT, TL_DTYPES, KernelSource, _header, _short, emit_offsets, literal,
-                                   row_reduction, triton_cdiv, used_helpers)
+from autofuser_core.codegen import (
+    INT32_LIMIT,
+    TL_DTYPES,
+    KernelSource,
+    _header,
+    _short,
+    emit_offsets,
+    literal,
+    row_reduction,
+    triton_cdiv,
+    used_helpers,
+)
 from autofuser_core.group import GroupProgram, collect_values
 from autofuser_core.ir import Value
 from autofuser_core.rounding import interpreting, rounded, stored

@@ -19,9 +19,20 @@ from typing import Optional
 
 from autofuser_core.codegen import KernelSource, emit_offsets, triton_cdiv
 from autofuser_core.group import GroupProgram
-from autofuser_plugins.matmul.kernel import (DagBlock, MatmulWriter, all_values, as_operand, assemble_kernel,
-                                             dot_block, dot_line, emit_prepasses, emit_stores, index_term, needs_int64,
-                                             weight_tile)
+from autofuser_plugins.matmul.kernel import (
+    DagBlock,
+    MatmulWriter,
+    all_values,
+    as_operand,
+    assemble_kernel,
+    dot_block,
+    dot_line,
+    emit_prepasses,
+    emit_stores,
+    index_term,
+    needs_int64,
+    weight_tile,
+)
 
 from .mlp_layout import PERSISTENT_BLOCK_H
 

@@ -23,11 +23,21 @@ from autofuser import ProductLayoutSpec
 from autofuser_core.codegen import triton_cdiv
 from autofuser_core.group import ROUNDED_DTYPES, GroupProgram, GroupRefused, domain_strides, fp32_precision, read_view
 from autofuser_core.ir import Value
-from autofuser_plugins.matmul.layout import (PackedOperand, check_fits, collect_uids, convert_weight_once,
-                                             depending_on, dot_block, install_layout, keeps_rows, multiprocessors,
-                                             outputs_from, packed_only_as_weights, product_operand_dtype,
-                                             weight_operand)
-
+from autofuser_plugins.matmul.layout import (
+    PackedOperand,
+    check_fits,
+    collect_uids,
+    convert_weight_once,
+    depending_on,
+    dot_block,
+    install_layout,
+    keeps_rows,
+    multiprocessors,
+    outputs_from,
+    packed_only_as_weights,
+    product_operand_dtype,
+    weight_operand,
+)
 
 #: The hidden slice of the MLP kernel's persistent form (its slices are written out one by one).
 PERSISTENT_BLOCK_H = 64
