@@ -19,7 +19,15 @@ from autofuser_core.group import GroupProgram, GroupRefused, KernelTensor, progr
 from autofuser_core.hookspecs import hookimpl
 from autofuser_core.ir import LoweringContext, Value, broadcast_shapes, describe_tensor
 from autofuser_core.plugins import load_plugins
-from autofuser_core.specs import LoweringSpec, ProductLayoutSpec, QuantizerSpec, Sample, StrategySpec, Tolerance
+from autofuser_core.specs import (
+    LoweringSpec,
+    ProductLayoutSpec,
+    QuantizerSpec,
+    Sample,
+    SplitRule,
+    StrategySpec,
+    Tolerance,
+)
 
 # The one place the version is written: pyproject.toml reads it from here.
 __version__ = "0.1.0"
@@ -40,6 +48,7 @@ __all__ = [
     "QuantizerSpec",
     "Sample",
     "SpecError",
+    "SplitRule",
     "StrategySpec",
     "Tolerance",
     "Value",

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from autofuser import SplitRule
 from autofuser_core.group import GroupProgram, collect_values, product_count
 from autofuser_core.ir import Value
-from autofuser_core.specs import SplitRule
 
 
 def reduction_prologue(program: Optional[GroupProgram]) -> bool:
