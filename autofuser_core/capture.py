@@ -59,7 +59,7 @@ import operator
 import threading
 import warnings
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.fx
@@ -203,7 +203,7 @@ class ConcreteProxy(torch.fx.Proxy):
         # Lengths are static (shapes are concrete), so iteration unrolls into getitems.
         value = self._static("iteration")
         if isinstance(value, (torch.Tensor, tuple, list)):
-            return (self[i] for i in range(len(value)))
+            return (self[i] for i in range(len(value)))  # type: ignore[index]  # fx adds Proxy.__getitem__ at import
         if isinstance(value, dict):
             return iter(list(value))
         return self.tracer.iter(self)
@@ -252,7 +252,8 @@ def _define_inplace(name: str) -> None:
     op = getattr(operator, f"i{name}")
 
     def inplace(self: ConcreteProxy, other: Any) -> ConcreteProxy:
-        return self.tracer.create_proxy("call_function", op, (self, other), {})
+        # The tracer is a _ConcreteTracer: its proxies are ConcreteProxies.
+        return cast(ConcreteProxy, self.tracer.create_proxy("call_function", op, (self, other), {}))
 
     setattr(ConcreteProxy, f"__i{name}__", inplace)
 
@@ -284,7 +285,7 @@ class ConcreteAttribute(ConcreteProxy):
         return self.root._is_data_dependent()
 
     def __call__(self, *args: Any, **kwargs: Any) -> ConcreteProxy:
-        return self.tracer.create_proxy("call_method", self.attr, (self.root, *args), kwargs)
+        return cast(ConcreteProxy, self.tracer.create_proxy("call_method", self.attr, (self.root, *args), kwargs))
 
 
 class _ConcreteTracer(torch.fx.Tracer):
@@ -377,7 +378,9 @@ class _ConcreteTracer(torch.fx.Tracer):
         kwargs = map_arg(node.kwargs, _real_value)
         with self.running_eagerly():
             if node.op == "call_function":
+                assert callable(node.target)  # fx: a call_function's target is the function
                 return node.target(*args, **kwargs)
+            assert isinstance(node.target, str)  # the other ops' targets are names and paths
             if node.op == "call_method":
                 return getattr(args[0], node.target)(*args[1:], **kwargs)
             if node.op == "call_module":
@@ -404,7 +407,10 @@ class _ConcreteTracer(torch.fx.Tracer):
         return not (name in _ARITHMETIC and scalars_only and isinstance(value, torch.Tensor))
 
 
-class _ProxyEinopsBackend(_einops_backends.TorchBackend if _einops_backends else object):
+_EinopsBackendBase: Any = _einops_backends.TorchBackend if _einops_backends else object  # einops is optional
+
+
+class _ProxyEinopsBackend(_EinopsBackendBase):
     """einops backend for proxies: torch's backend (reshape/permute/expand/sum ...) as is.
 
     The framework name is not an importable module, so einops never picks this
@@ -503,7 +509,8 @@ def _thread_aware_fx_patches() -> None:
         patcher.patches_made[i] = patch._replace(new_fn=method)
         patcher.patches_made[i].patch()
     if _fx_trace._is_fx_tracing_flag is True:
-        _fx_trace._is_fx_tracing_flag = _TracingInThisThread()  # trace() restores the old value
+        # trace() restores the old value; fx declares a bool, and reads only its truth
+        _fx_trace._is_fx_tracing_flag = _TracingInThisThread()  # type: ignore[assignment]
 
 
 @contextlib.contextmanager
@@ -733,7 +740,7 @@ def _trace(model: torch.nn.Module, sig: inspect.Signature, arguments: dict,
     ``capture`` still sees the model's ``IndexError``.
     """
     opaque: dict[str, str] = {}
-    gm, reason = None, None
+    gm, reason = None, ""  # the loop sets reason whenever no hook does
     if model._forward_hooks or model._forward_pre_hooks or _backward_hooked(model) or "forward" in model.__dict__:
         # fx traces type(model).forward itself: root hooks or an instance-level forward
         # would be silently skipped, so keep such a root whole.

@@ -35,7 +35,7 @@ import time
 import warnings
 from collections import OrderedDict, defaultdict
 from types import ModuleType
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -315,6 +315,7 @@ class _ModelState:
         return changes
 
     def _changes(self, entries: dict, hooks: dict) -> list[str]:
+        assert self._entries is not None  # called only once there is a snapshot to compare with
         changes = []
         for where in [*self._entries, *(w for w in entries if w not in self._entries)]:
             before, now = self._entries.get(where, _MISSING), entries.get(where, _MISSING)
@@ -630,7 +631,7 @@ class FusedModule(torch.nn.Module):
         if list(gm.meta.get("autofuser_opaque", {})) == [""]:
             report = FusionReport(plugins=self._plugin_set.names, opaque=dict(gm.meta["autofuser_opaque"]),
                                   notes=["the model could not be traced at all; it runs unchanged"])
-            entry = (None, report)
+            entry: tuple[Union[torch.fx.GraphModule, CudaGraphRunner, None], FusionReport] = (None, report)
             runs_model_code = True
         else:
             grad = torch.is_grad_enabled()
@@ -641,7 +642,7 @@ class FusedModule(torch.nn.Module):
             except Exception as err:  # noqa: BLE001 - a fault of ours must not cost the user's call
                 return self._compile_failed(key, args, flat, start, err)
             report.phases = {"capture": captured_s, **report.phases}
-            runner = fused_gm
+            runner: Union[torch.fx.GraphModule, CudaGraphRunner, None] = fused_gm
             # Graph capture and timing run the forward many times: only for inference
             # (eval mode, no grad), and leaving buffers and RNG state as they were.
             inference = not grad and not any(m.training for m in self._state.modules)
@@ -716,7 +717,7 @@ class FusedModule(torch.nn.Module):
                     report.notes.append(f"forward: {fused_ms:.3f} ms fused vs {eager_ms:.3f} ms eager")
                 if known:
                     report.notes.append("whole-forward times read from the cache (measured when first compiled)")
-                if times != known:
+                if times != known and vkey is not None:  # None: nothing fused, never cached
                     write_verdict(root, vkey, times)
             report.add_phase("forward_check", time.perf_counter() - step)
             entry = (runner, report)
@@ -730,7 +731,7 @@ class FusedModule(torch.nn.Module):
                        f"{len(report.skipped)} skipped")
         return entry
 
-    def _compile_failed(self, key: Any, args: tuple, flat: Sequence[Any], start: float, err: Exception):
+    def _compile_failed(self, key: Any, args: tuple, flat: tuple, start: float, err: Exception):
         """Keep a signature whose compile raised as one that runs the original model: one
         warning with the error, and no second attempt on every later call."""
         name = type(self._model).__name__
@@ -784,6 +785,7 @@ class FusedModule(torch.nn.Module):
             graph_module = runner.forward if isinstance(runner, CudaGraphRunner) else runner
             if graph_module is None:
                 continue
+            assert isinstance(graph_module, torch.fx.GraphModule)  # a compiled forward, or the one a graph replays
             for kernel in fused_kernels(graph_module):
                 found.setdefault(kernel.source.name, kernel)
         return list(found.values())
@@ -849,7 +851,7 @@ def _plugins_to_save(plugins: Optional[Sequence[Any]], loaded_names: Sequence[st
     """
     if plugins is None:
         return list(loaded_names)  # every plugin installed here, by entry-point name
-    saved = []
+    saved: list[Any] = []
     for item in plugins:
         if isinstance(item, str):
             saved.append(item)
@@ -992,7 +994,7 @@ def _once(fn, args: Sequence[Any]) -> tuple[float, float]:
         return (queued - begin) * 1e3, (time.perf_counter() - begin) * 1e3
 
 
-def _time(fn, args: tuple, once_ms: Optional[float] = None) -> float:
+def _time(fn, args: Sequence[Any], once_ms: Optional[float] = None) -> float:
     """Median ms per call of ``fn(*args)`` called back to back, as a loop of forwards runs:
     each call between two CUDA events, no cache flush between calls (a flush would also
     give the host a head start, hiding launch overhead), about ``FORWARD_BUDGET_MS`` of calls
@@ -1020,7 +1022,7 @@ def _fp32_settings() -> tuple:
             torch.backends.cudnn.allow_tf32)
 
 
-def _verdict_key(fused_gm: torch.fx.GraphModule, fused: bool, kwargs: dict, flat: list) -> Optional[dict]:
+def _verdict_key(fused_gm: torch.fx.GraphModule, fused: bool, kwargs: dict, flat: tuple) -> Optional[dict]:
     """What the whole-forward timings depend on: the rewritten graph, each kernel and
     config, the inputs' shapes, dtypes and strides, the GPU and the versions.
     ``None`` (never cached) when nothing was fused."""

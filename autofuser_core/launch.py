@@ -79,9 +79,8 @@ class FusedKernel:
                 return False
         return True
 
-    def launch(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
-        if self.host_moves:
-            inputs = cast_inputs(inputs, self.host_moves)
+    def launch(self, *given: torch.Tensor) -> list[torch.Tensor]:
+        inputs: Sequence[torch.Tensor] = cast_inputs(given, self.host_moves) if self.host_moves else given
         device = inputs[0].device
         outputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                    for shape, stride, dtype in self.output_layout]
@@ -220,7 +219,7 @@ def to_device(inputs: Sequence[torch.Tensor], slots: Sequence[int], device: torc
 
 
 def cast_inputs(inputs: Sequence[torch.Tensor],
-                casts: Sequence[tuple[int, "torch.dtype | torch.device"]]) -> Sequence[torch.Tensor]:
+                casts: Sequence[tuple[int, "torch.dtype | torch.device | None"]]) -> Sequence[torch.Tensor]:
     """``inputs`` with those of ``casts`` converted to the dtype the kernel reads (or
     moved to the device it runs on); ``inputs`` itself where there is none."""
     if not casts:

@@ -157,11 +157,10 @@ class Registry:
         if self._guarded is not None:
             return self._guarded
         guarded = Registry()
-        copies: dict[int, Spec] = {}
-        for table, copy_table in ((self.lowerings, guarded.lowerings), (self.strategies, guarded.strategies),
-                                  (self.product_layout_specs, guarded.product_layout_specs)):
-            for name, spec in table.items():
-                copies[id(spec)] = copy_table[name] = _guarded_spec(spec)
+        copies = {id(spec): _guarded_spec(spec) for spec in self.lowerings.values()}  # claims, targets: lowerings
+        guarded.lowerings = {name: copies[id(spec)] for name, spec in self.lowerings.items()}
+        guarded.strategies = {name: _guarded_spec(spec) for name, spec in self.strategies.items()}
+        guarded.product_layout_specs = {name: _guarded_spec(spec) for name, spec in self.product_layout_specs.items()}
         guarded.quantizers = dict(self.quantizers)  # used before compiling, by ``fuse()``
         guarded._claims = {key: [copies[id(s)] for s in claims] for key, claims in self._claims.items()}
         guarded._by_target = {key: copies[id(spec)] for key, spec in self._by_target.items()}
@@ -178,6 +177,7 @@ class Registry:
         if node.op == "call_method":
             return self._by_target.get(("call_method", node.target))
         if node.op == "call_module" and root is not None:
+            assert isinstance(node.target, str)  # fx: a call_module's target is the module's path
             module_type = type(root.get_submodule(node.target))
             # An exact type match first, then the nearest registered base class.
             for klass in module_type.__mro__:
@@ -286,7 +286,7 @@ _OUTCOMES = {"refuse_node": "the node runs eager", "no_groups": "the strategy pr
              "not_applied": "the group is not timed against this split"}
 
 
-def _guarded_spec(spec: Spec) -> Spec:
+def _guarded_spec(spec: SpecT) -> SpecT:
     fields = _GUARDED_FIELDS[type(spec)] if type(spec) in _GUARDED_FIELDS else next(
         fields for base, fields in _GUARDED_FIELDS.items() if isinstance(spec, base))
     kind = next(name for base, name in _KINDS.items() if isinstance(spec, base))
@@ -330,6 +330,6 @@ def _guard(spec: Spec, where: str, function: Callable[..., Any], answer: str) ->
                 return False
             raise PluginHookError(fault) from err
 
-    guarded.__wrapped__ = function
+    setattr(guarded, "__wrapped__", function)  # a function takes attributes; mypy has no way to say so
     guarded.__name__ = getattr(function, "__name__", "guarded")
     return guarded
