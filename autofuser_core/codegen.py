@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import torch
 import torch.fx
@@ -91,8 +91,11 @@ def op_label(node: torch.fx.Node) -> str:
     a layer, where its name is not. The comments are part of the kernel's name digest and
     of Triton's cache key, so a node name there would compile each layer's copy again."""
     if node.op == "call_module":
+        owner = node.graph.owning_module
+        if owner is None:  # a graph outside any module: nothing to name
+            return "module"
         try:
-            return type(node.graph.owning_module.get_submodule(node.target)).__name__
+            return type(owner.get_submodule(cast(str, node.target))).__name__
         except (AttributeError, TypeError):
             return "module"
     if node.op == "call_method":

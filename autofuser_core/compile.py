@@ -34,7 +34,7 @@ import math
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx
@@ -94,6 +94,12 @@ class _Job:
     watched: list = field(default_factory=list)  # its input tensors, for opaque parts' writes (version counters)
     overwritten_by: Optional[str] = None  # a later in-place op that writes into one of its inputs
     configs: Optional[tuple] = None  # tuning._tuning_configs' answer, where compiling ahead asked for it
+
+
+def _program(candidate: Candidate) -> GroupProgram:
+    """A kept candidate's program: the planner keeps only candidates that composed."""
+    assert candidate.program is not None
+    return candidate.program
 
 
 #: Planning rounds at most: each later one re-plans what the groups that lost covered.
@@ -182,7 +188,7 @@ def _compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options,
     taken: set[torch.fx.Node] = set()
     retry: Optional[set[torch.fx.Node]] = None  # later rounds: only the nodes of groups that stayed eager
     lost: set[tuple[str, frozenset]] = set()  # (strategy, nodes) of the groups that stayed eager
-    survivors: list[tuple[Candidate, FusedKernel]] = []
+    survivors: list[tuple[Candidate, Optional[FusedKernel]]] = []  # as _Job.fused holds it
     # Round 1 plans freely. A group of several ops that turns out wrong or slower
     # would leave all its nodes eager, so each later round re-plans the nodes no
     # kept group covers, without the groups that lost, and with fewer products per
@@ -230,9 +236,9 @@ def _compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options,
                 report.unfused_nodes.append(NodeEntry(node=entry.node, target=entry.target,
                                                       reason_code=entry.reason_code, reason=entry.reason))
             # An extern op only a specialised strategy can generate, which none took, runs eager too.
-            kept = {n for candidate in plan.kept for n in candidate.nodes}
+            kept_nodes = {n for candidate in plan.kept for n in candidate.nodes}
             for node, value in view.lowered.items():
-                if value.op == "extern" and node not in kept:
+                if value.op == "extern" and node not in kept_nodes:
                     report.unfused_nodes.append(NodeEntry(
                         node=node.name, target=describe_target(node.target), reason_code="extern_not_taken",
                         reason=f"{view.lowering_of[node].name} is lowered for a strategy with its own compose, "
@@ -284,7 +290,7 @@ def _compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options,
             progress(f"timing {count} group(s) against their split {description}")
 
     step = time.perf_counter()
-    new_gm = rewrite_graph(gm, [(c.program, f) for c, f in survivors])
+    new_gm = rewrite_graph(gm, [(_program(c), f) for c, f in survivors])
     report.add_phase("rewrite", time.perf_counter() - step)
     report.compile_s = time.perf_counter() - started
     return new_gm, report
@@ -304,7 +310,7 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
     step = time.perf_counter()
     with gc_paused():
         for candidate in plan.kept:
-            program: GroupProgram = candidate.program
+            program = _program(candidate)
             job = _Job(candidate, _entry(candidate.strategy.name, candidate.nodes, view, True, "fused", "", program))
             try:
                 job.source = candidate.strategy.generate(program, view.helpers)
@@ -325,7 +331,7 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
     step = time.perf_counter()
     # Kernels are checked (and tuned) as the graph reaches their groups' last nodes:
     # compiled in that order, the first ones are timed while the rest still compile.
-    by_use = sorted(jobs, key=lambda job: view.order.get(job.candidate.program.nodes[-1], 0))
+    by_use = sorted(jobs, key=lambda job: view.order.get(_program(job.candidate).nodes[-1], 0))
     compiling = precompile_untuned(by_use, device, options, progress)
     started_s = time.perf_counter() - step
     step = time.perf_counter()
@@ -333,7 +339,8 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
 
     def check(job: _Job) -> None:
         index = jobs.index(job) + 1
-        program, entry = job.candidate.program, job.entry
+        program, entry = _program(job.candidate), job.entry
+        kernel_inputs: Sequence[torch.Tensor]
         # Each config is timed as soon as it is compiled ahead, while the children go on.
         ready = None if compiling is None else (
             lambda launch: compiling.wait_for(job.source.name, launch_items(launch)))
@@ -354,11 +361,11 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
         worst = 0.0
         tol = tolerance(job.candidate, view)
         for out_tensor, meta in zip(outputs, program.outputs):
-            ok, err = max_error(out_tensor, job.outputs[meta.source], tol)
-            worst = max(worst, err) if err == err else err
+            ok, error = max_error(out_tensor, job.outputs[meta.source], tol)
+            worst = max(worst, error) if error == error else error
             if not ok:
                 entry.fused, entry.reason_code = False, "mismatch"
-                entry.reason = (f"output {meta.name} differs from eager by {err:.3g} "
+                entry.reason = (f"output {meta.name} differs from eager by {error:.3g} "
                                 f"(tolerance atol {tol.atol:g}, rtol {tol.rtol:g}); kept eager")
                 break
         entry.max_error = worst
@@ -446,10 +453,12 @@ def _settle(held: list[_Job], jobs: list[_Job]) -> list[_Job]:
         slower = [job for job in inside if job.entry.reason_code == "slower" and job.entry.time_eager_ms is not None]
         timed = parts and all(job.entry.time_fused_ms is not None for job in parts)
         # Without a fused part (or with one untimed) the held group stands.
-        split_ms = (sum(job.entry.time_fused_ms for job in parts) + sum(job.entry.time_eager_ms for job in slower)
-                    + max(0.0, big.entry.time_eager_ms - sum(job.entry.time_eager_ms for job in parts + slower))
+        split_ms = (sum(_ms(job.entry.time_fused_ms) for job in parts)
+                    + sum(_ms(job.entry.time_eager_ms) for job in slower)
+                    + max(0.0, _ms(big.entry.time_eager_ms)
+                          - sum(_ms(job.entry.time_eager_ms) for job in parts + slower))
                     if timed else math.inf)
-        if split_ms < big.entry.time_fused_ms:
+        if split_ms < _ms(big.entry.time_fused_ms):
             big.entry.fused, big.entry.reason_code = False, "split_faster"
             big.entry.reason = (f"fused {big.entry.time_fused_ms:.4f} ms vs {split_ms:.4f} ms as {len(parts)} "
                                 f"shorter group(s) of its ops: the shorter groups run")
@@ -462,6 +471,13 @@ def _settle(held: list[_Job], jobs: list[_Job]) -> list[_Job]:
                                     f"({big.entry.time_fused_ms:.4f} ms vs {split_ms:.4f} ms for the split)")
         out.append(big)
     return out
+
+
+def _ms(value: Optional[float]) -> float:
+    """A time ``_settle`` reads: a held group and the fused parts of its split were timed,
+    fused and eager together, and the slower groups were filtered on theirs."""
+    assert value is not None
+    return value
 
 
 def _refuse_job(job: _Job, code: str, err: Exception) -> None:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence, cast
 
 import torch
 import torch.fx
@@ -157,7 +157,8 @@ class LoweringContext:
     def __init__(self, node: torch.fx.Node, root: torch.nn.Module, helpers: dict[str, str]):
         self.node = node
         self.root = root
-        self.module: Optional[torch.nn.Module] = root.get_submodule(node.target) if node.op == "call_module" else None
+        self.module: Optional[torch.nn.Module] = (
+            root.get_submodule(cast(str, node.target)) if node.op == "call_module" else None)
         self._helpers = helpers
         meta = tensor_meta(node)
         self.out_shape: Optional[tuple[int, ...]] = tuple(meta.shape) if meta is not None else None

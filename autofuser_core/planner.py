@@ -29,7 +29,7 @@ import itertools
 import logging
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.fx
@@ -91,7 +91,7 @@ def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple
         if callable(target) and _bound_argument(target, node, "inplace", False) is True:
             return "mutation", f"{describe_target(target)}(inplace=True) writes into its input"
     elif node.op == "call_module":
-        module = root.get_submodule(node.target)
+        module = root.get_submodule(cast(str, node.target))  # a call_module node's target is its path
         if module._forward_hooks or module._forward_pre_hooks:
             return "opaque", f"{type(module).__name__} has forward hooks, which must run as registered"
         if (isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.training
@@ -176,6 +176,16 @@ class PlanningView:
         if earlier is not None and (earlier.gm is not gm or earlier.registry is not registry
                                     or earlier.nodes != self.nodes):
             raise ValueError("a planning view can reuse only the view of the same graph and plugins")
+        self.lowered: dict[torch.fx.Node, Value]
+        self.lowering_of: dict[torch.fx.Node, LoweringSpec]
+        self.barriers: dict[torch.fx.Node, tuple[str, str]]
+        self.skipped: list[SkippedNode]
+        self.helpers: dict[str, str]
+        # compose() results (a program, or the exception it raised) by nodes, lay_out and
+        # layout settings: strategies ask about the same groups again and again while
+        # proposing, the planner once more for each candidate, and a later round again.
+        self._composed: dict[tuple, Any]
+        self._attr_cache: dict[str, tuple]  # compose_group's parameter descriptions
         if earlier is not None:
             # Everything below depends on the graph, the plugins and the parameters alone,
             # none of which change between the planning rounds of one compile.
@@ -183,16 +193,13 @@ class PlanningView:
             self.skipped, self.helpers = earlier.skipped, earlier.helpers
             self._composed, self._attr_cache = earlier._composed, earlier._attr_cache
         else:
-            self.lowered: dict[torch.fx.Node, Value] = {}
-            self.lowering_of: dict[torch.fx.Node, LoweringSpec] = {}
-            self.barriers: dict[torch.fx.Node, tuple[str, str]] = {}
-            self.skipped: list[SkippedNode] = []
-            self.helpers: dict[str, str] = {}
-            # compose() results (a program, or the exception it raised) by nodes, lay_out and
-            # layout settings: strategies ask about the same groups again and again while
-            # proposing, the planner once more for each candidate, and a later round again.
-            self._composed: dict[tuple, Any] = {}
-            self._attr_cache: dict[str, tuple] = {}  # compose_group's parameter descriptions
+            self.lowered = {}
+            self.lowering_of = {}
+            self.barriers = {}
+            self.skipped = []
+            self.helpers = {}
+            self._composed = {}
+            self._attr_cache = {}
             self._lower_all()
         self._barrier_positions = sorted(self.order[n] for n in self.barriers)
 
@@ -207,7 +214,7 @@ class PlanningView:
         for node in self.nodes:
             if node.op not in ("call_function", "call_method", "call_module"):
                 continue
-            target = node.target if node.op != "call_module" else type(self.gm.get_submodule(node.target))
+            target = node.target if node.op != "call_module" else type(self.gm.get_submodule(cast(str, node.target)))
             barrier = barrier_reason(node, self.gm)
             if barrier is not None:
                 self.barriers[node] = barrier
@@ -255,8 +262,8 @@ class PlanningView:
         last = max(self.order[n] for n in nodes)
         return any(first < p < last for p in self._barrier_positions)
 
-    def creates_cycle(self, nodes: set[torch.fx.Node], kept: dict[torch.fx.Node, int] = None,
-                      kept_groups: dict[int, set[torch.fx.Node]] = None) -> bool:
+    def creates_cycle(self, nodes: set[torch.fx.Node], kept: Optional[dict[torch.fx.Node, int]] = None,
+                      kept_groups: Optional[dict[int, set[torch.fx.Node]]] = None) -> bool:
         """Would contracting ``nodes`` (with the ``kept`` groups already contracted) make a cycle?"""
         kept = kept or {}
         kept_groups = kept_groups or {}

@@ -195,11 +195,12 @@ def _tune(candidate: Candidate, source, kernel, inputs, device, options, progres
     """Time the strategy's valid configs within the budget; store and return the fastest.
     ``ready(launch_args)``: wait until that config is compiled ahead (not counted as tuning)."""
     program = candidate.program
+    assert program is not None  # only a kept candidate, so a composed one, has a kernel to tune
     default = candidate.strategy.default_config(program)
     configs, limit = configs or _tuning_configs(candidate, options.tune_all_configs)
     progress(f"tuning {source.name}: {len(configs)} configs")
     start = time.perf_counter()
-    timings = []
+    timings: list[dict[str, Any]] = []
     best, best_ms = default, float("inf")
     timer = timing.current()
     outputs = [torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device=device) for t in program.outputs]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import torch
 import torch.fx
@@ -137,7 +137,7 @@ def _written_tensors(node: torch.fx.Node, args: tuple, kwargs: dict, root: torch
     else:
         candidates = list(args[:1])
     if node.op == "call_module":
-        candidates += list(root.get_submodule(node.target).buffers())
+        candidates += list(root.get_submodule(cast(str, node.target)).buffers())  # call_module: a path
     return [t for t in candidates if isinstance(t, torch.Tensor)]
 
 
@@ -326,9 +326,9 @@ def synthetic_mismatch(job, kernel_inputs: Sequence[Any], tol: Tolerance) -> Opt
         # few large values their sums cancel more than real data does, so an element can be
         # much smaller than the terms whose roundings it carries. A wrong kernel is wrong by
         # about the values themselves, and the mean error is still held to the plain bound.
-        ok, err = max_error(out_tensor, eager_tensor, tol, scale_rows=True)
+        ok, error = max_error(out_tensor, eager_tensor, tol, scale_rows=True)
         if not ok:
-            return (f"output {meta.name} matches eager on the real inputs but differs from it by {err:.3g} on "
+            return (f"output {meta.name} matches eager on the real inputs but differs from it by {error:.3g} on "
                     f"synthetic ones (drawn at each floating input's scale, both signs, with large and tiny "
                     f"values; docs/verification.md; tolerance atol {tol.atol:g}, rtol {tol.rtol:g}); kept eager")
     return None
