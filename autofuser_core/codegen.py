@@ -209,7 +209,8 @@ class _Writer:
 
     # -- indexing -----------------------------------------------------------
 
-    def axis_offsets(self, dims: list[int], index: str, prefix: str, tensors: list[KernelTensor]) -> list[Optional[str]]:
+    def axis_offsets(self, dims: list[int], index: str, prefix: str,
+                     tensors: list[KernelTensor]) -> list[Optional[str]]:
         """Coordinates along ``dims`` from the linear ``index``; returns each tensor's offset expr."""
         sizes = [self.program.domain[d] for d in dims]
         strides = [[t.domain_stride[d] for d in dims] for t in tensors]
@@ -244,7 +245,8 @@ class _Writer:
         return name
 
 
-def write_kernel(program: GroupProgram, layout: str, strategy: str, helpers: Optional[dict[str, str]] = None) -> KernelSource:
+def write_kernel(program: GroupProgram, layout: str, strategy: str,
+                 helpers: Optional[dict[str, str]] = None) -> KernelSource:
     """Write the Triton source for ``program`` in ``layout`` (``flat`` or ``rows``)."""
     if layout not in ("flat", "rows"):
         raise ValueError(f"unknown layout {layout!r}")
@@ -253,7 +255,8 @@ def write_kernel(program: GroupProgram, layout: str, strategy: str, helpers: Opt
     w = _Writer(program, layout)
     tensors = program.inputs + program.outputs
     max_extent = max(
-        [math.prod(program.domain)] + [sum((s - 1) * abs(st) for s, st in zip(program.domain, t.domain_stride)) + 1 for t in tensors]
+        [math.prod(program.domain)]
+        + [sum((s - 1) * abs(st) for s, st in zip(program.domain, t.domain_stride)) + 1 for t in tensors]
     )
     wide = max_extent > INT32_LIMIT
     pid = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"

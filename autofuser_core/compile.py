@@ -127,7 +127,8 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, 
 
 
 def _transform_graph(gm: torch.fx.GraphModule, plugin_set, options) -> None:
-    """Step 1: every plugin's ``autofuser_transform_graph``. A pass that raises is undone (the graph as it was before it) and reported; the graph then
+    """Step 1: every plugin's ``autofuser_transform_graph``. A pass that raises is undone (the graph as it was before
+    it) and reported; the graph then
     still computes the model's function, without that pass."""
     for impl in plugin_set.manager.hook.autofuser_transform_graph.get_hookimpls():
         before = copy.deepcopy(gm.graph)
@@ -357,7 +358,9 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
         except Exception as err:
             _refuse_job(job, "codegen_failed", err)
             return
-        entry.kernel, entry.config, entry.cache_hit, entry.tuning_s = job.source.name, config, tuned.cache_hit, tuned.seconds
+        entry.kernel, entry.config, entry.cache_hit, entry.tuning_s = (
+            job.source.name, config, tuned.cache_hit, tuned.seconds
+        )
         worst = 0.0
         tol = tolerance(job.candidate, view)
         for out_tensor, meta in zip(outputs, program.outputs):
@@ -495,7 +498,8 @@ def _device_of(inputs: tuple) -> torch.device:
     return torch.device("cpu")
 
 
-def _entry(strategy: str, nodes, view, fused: bool, code: str, reason: str, program: Optional[GroupProgram]) -> GroupEntry:
+def _entry(strategy: str, nodes, view, fused: bool, code: str, reason: str,
+           program: Optional[GroupProgram]) -> GroupEntry:
     before = 0
     for node in nodes:
         meta = node.meta.get("tensor_meta")
@@ -508,7 +512,8 @@ def _entry(strategy: str, nodes, view, fused: bool, code: str, reason: str, prog
             if m is not None and hasattr(m, "shape"):
                 before += _numel(m.shape) * torch.empty((), dtype=m.dtype).element_size()
         if node.op == "call_module":
-            before += sum(p.numel() * p.element_size() for p in view.gm.get_submodule(node.target).parameters(recurse=False))
+            before += sum(p.numel() * p.element_size()
+                          for p in view.gm.get_submodule(node.target).parameters(recurse=False))
     ops = [view.lowering_of[n].name if n in view.lowering_of else n.name for n in nodes]
     if fused and not reason and program is not None:
         reason = program.summary  # what the strategy recognised, where it said

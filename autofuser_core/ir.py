@@ -264,7 +264,8 @@ class LoweringContext:
         if transpose_b:
             kb, columns, b_batch = b.shape[-1], (b.shape[-2],), b.shape[:-2]
         else:
-            kb, columns, b_batch = b.shape[-1 - column_dims], b.shape[len(b.shape) - column_dims:], b.shape[:-1 - column_dims]
+            kb, columns, b_batch = (b.shape[-1 - column_dims], b.shape[len(b.shape) - column_dims:],
+                                    b.shape[:-1 - column_dims])
         if k != kb:
             self.refuse("shape_mismatch", f"inner dims {k} and {kb} differ")
         try:

@@ -234,7 +234,8 @@ class PlanningView:
             foreign = sorted(d for d in dtypes if d not in spec.dtypes and d != "bool")
             if foreign:
                 self.skipped.append(SkippedNode(node.name, describe_target(target), "unsupported_dtype",
-                                                f"{spec.name} handles {', '.join(spec.dtypes)}, not {', '.join(foreign)}"))
+                                                f"{spec.name} handles {', '.join(spec.dtypes)}, "
+                                                f"not {', '.join(foreign)}"))
                 continue
             try:
                 value = spec.lower(LoweringContext(node, self.gm, self.helpers), *node.args, **node.kwargs)
@@ -244,13 +245,16 @@ class PlanningView:
                 continue
             except Exception as err:  # a plugin bug must not break the user's model
                 self.skipped.append(SkippedNode(node.name, describe_target(target), "lowering_failed",
-                                                f"{spec.name} (plugin {spec.plugin}) raised {type(err).__name__}: {err}"))
+                                                f"{spec.name} (plugin {spec.plugin}) raised "
+                                                f"{type(err).__name__}: {err}"))
                 logger.warning("lowering %s of plugin %s failed on %s: %s", spec.name, spec.plugin, node.name, err)
                 continue
-            if not isinstance(value, Value) or tuple(value.shape) != tuple(meta.shape) or value.is_bool != (meta.dtype == torch.bool):
+            if (not isinstance(value, Value) or tuple(value.shape) != tuple(meta.shape)
+                    or value.is_bool != (meta.dtype == torch.bool)):
                 got = getattr(value, "shape", type(value).__name__)
                 self.skipped.append(SkippedNode(node.name, describe_target(target), "lowering_mismatch",
-                                                f"{spec.name} produced {got}, but eager gives {list(meta.shape)} {meta.dtype}"))
+                                                f"{spec.name} produced {got}, "
+                                                f"but eager gives {list(meta.shape)} {meta.dtype}"))
                 continue
             self.lowered[node] = value
             self.lowering_of[node] = spec
@@ -418,8 +422,10 @@ def plan_fusion_groups(gm: torch.fx.GraphModule, registry: Registry, veto=None, 
     kept_groups: dict[int, set[torch.fx.Node]] = {}
 
     def refuse(candidate: Candidate, code: str, reason: str) -> None:
-        plan.decisions.append(Decision(candidate.strategy.name, candidate.nodes, False, code, reason, candidate.program))
-        logger.debug("not fusing %s with %s: [%s] %s", [n.name for n in candidate.nodes], candidate.strategy.name, code, reason)
+        plan.decisions.append(Decision(candidate.strategy.name, candidate.nodes, False, code, reason,
+                                       candidate.program))
+        logger.debug("not fusing %s with %s: [%s] %s", [n.name for n in candidate.nodes], candidate.strategy.name,
+                     code, reason)
 
     for candidate in candidates:
         nodes = candidate.nodes

@@ -30,7 +30,8 @@ class Spec(BaseModel):
 
     name: str = Field(min_length=1, description="Unique name, e.g. 'elementwise.gelu'.")
     description: str = ""
-    priority: int = Field(0, description="Higher wins when two specs claim the same target; equal is a tie and an error.")
+    priority: int = Field(0, description="Higher wins when two specs claim the same target; "
+                                         "equal is a tie and an error.")
     plugin: Optional[str] = Field(None, description="Set by the registry: the plugin that registered this spec.")
 
 

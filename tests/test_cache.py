@@ -77,7 +77,8 @@ def _valid_entry(**changes) -> str:
     [
         pytest.param('{"version": 1, "key": {"kernel": ', "Expecting", id="truncated-json"),
         pytest.param("\x00\x01 not json at all", "Expecting value", id="garbage"),
-        pytest.param(_valid_entry(key={**KEY, "gpu": "another GPU"}), "another kernel, GPU or software", id="other-key"),
+        pytest.param(_valid_entry(key={**KEY, "gpu": "another GPU"}), "another kernel, GPU or software",
+                     id="other-key"),
         pytest.param(_valid_entry(version=cache.ENTRY_VERSION + 1), "unknown format version", id="newer-version"),
         pytest.param(_valid_entry(version=None), "unknown format version", id="no-version"),
         pytest.param("[1, 2, 3]", "unknown format version", id="not-an-object"),
@@ -472,7 +473,8 @@ def test_a_fused_forward_within_the_margin_of_eager_leaves_the_original_running(
 STOP_POINTS = {
     "while-tuning": ("timer.bench", "lambda fn, *args, **kwargs: stop()"),
     "while-writing": ("cache.os.replace",
-                      "lambda src, dst, replace=os.replace: stop() if str(dst).endswith('.json') else replace(src, dst)"),
+                      "lambda src, dst, replace=os.replace: stop() "
+                      "if str(dst).endswith('.json') else replace(src, dst)"),
 }
 
 

@@ -49,7 +49,8 @@ def test_cuda_graph_replay_is_right_and_never_overwrites_results():
     with torch.no_grad():
         x, r = _inputs()
         first = fused(x, r)
-        assert any("CUDA graph" in note and "no CUDA graph" not in note for note in fused.report().notes), fused.report()
+        assert any("CUDA graph" in note and "no CUDA graph" not in note
+                   for note in fused.report().notes), fused.report()
         # the kernels inside the captured forward are still listed
         assert {k.__name__ for k in fused.kernels()} == {g.kernel for g in fused.report().fused}, fused.report()
         keep = first.clone()

@@ -1010,7 +1010,8 @@ def _mlp_kernel(fused):
 
     (mlp,) = [g for g in fused.report().fused if g.strategy == "mlp"]
     (gm, _), = fused._compiled.values()
-    (kernel,) = [n.target for n in gm.graph.nodes if isinstance(n.target, FusedKernel) and n.target.source.name == mlp.kernel]
+    (kernel,) = [n.target for n in gm.graph.nodes
+                 if isinstance(n.target, FusedKernel) and n.target.source.name == mlp.kernel]
     return kernel
 
 

@@ -293,7 +293,8 @@ def test_a_zoo_plan_is_the_same_as_with_every_group_composed_anew(monkeypatch, n
 
         def compose_anew(self, nodes, lay_out=None):
             ordered = sorted(nodes, key=self.order.__getitem__)
-            return compose_group(ordered, self.lowered, self.gm, {n: self.lowering_of[n].name for n in ordered}, lay_out,
+            return compose_group(ordered, self.lowered, self.gm,
+                                 {n: self.lowering_of[n].name for n in ordered}, lay_out,
                                  product_layouts=self.product_layouts)
 
         monkeypatch.setattr(PlanningView, "compose", compose_anew)

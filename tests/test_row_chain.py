@@ -190,7 +190,8 @@ def test_chain_kernel_source_names_its_steps_and_precision(tmp_path):
     _assert_close(got, expected)
     [chain] = _chains(fused.report())
     source = (tmp_path / "kernels" / f"{chain.kernel}.py").read_text()
-    assert "# row-tiled chain: rows 10; steps: streamed 32->32, hidden 32->64, accumulated 64->32, tail 32->96" in source
+    assert ("# row-tiled chain: rows 10; steps: streamed 32->32, hidden 32->64, accumulated 64->32, "
+            "tail 32->96") in source
     assert "operands ['tf32x3', 'tf32x3', 'tf32x3', 'tf32x3']" in source  # strict fp32: torch's default
     assert {"BLOCK_M", "BLOCK_S0", "BLOCK_S1", "BLOCK_S3"} == set(k for k in chain.config if k.startswith("BLOCK"))
 
@@ -327,7 +328,8 @@ def test_zoo_transformer_fuses_each_block_tail_into_one_chain():
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     chains = [g for g in fused.report().fused if g.strategy == "row_chain"]
     tail = [g for g in chains if "blocks_0_attention_to_out" in g.nodes]
-    assert tail and {"blocks_0_feed_forward_0", "blocks_0_feed_forward_2", "blocks_1_attention_to_qkv"} <= set(tail[0].nodes)
+    assert tail and {"blocks_0_feed_forward_0", "blocks_0_feed_forward_2",
+                     "blocks_1_attention_to_qkv"} <= set(tail[0].nodes)
 
 
 def test_products_over_quantised_weights_stay_with_the_product_strategies():

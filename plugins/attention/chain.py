@@ -3,7 +3,8 @@
 A group's kernel module names one entry point, which the core launches as
 ``entry[grid](*inputs, *outputs, **config)`` - exactly how a ``@triton.jit``
 function is launched. For a chain, the entry is a small host-side launcher
-with that interface (and ``warmup``, to be compiled ahead of its first launch): it allocates the chain's scratch buffers (partial
+with that interface (and ``warmup``, to be compiled ahead of its first launch): it allocates the chain's
+scratch buffers (partial
 results or split operands, a few KiB to MiB), launches each stage with its own grid and ignores
 the grid it is given. Tuning times the whole chain, and verification checks
 its outputs, like any kernel's.
@@ -68,7 +69,8 @@ def chain_module(header: str, helper_text: str, functions: list[str], entry: str
         + (helper_text + "\n\n\n" if helper_text else "")
         + "\n\n".join(functions)
         + "\n\nclass _Chain:\n"
-        + f'    """Launches the chain {", ".join(s["name"] for s in stages)}; indexed like a kernel, the grid unused."""\n\n'
+        + f'    """Launches the chain {", ".join(s["name"] for s in stages)}; '
+          f'indexed like a kernel, the grid unused."""\n\n'
         + "    def __getitem__(self, grid):\n        return self.launch\n\n"
         + f"    def launch(self, {signature}):\n{body}\n\n"
         + "    def stages(self, config):\n"

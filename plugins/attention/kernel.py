@@ -129,7 +129,8 @@ class _Writer:
                     op = tiles[v.source]
                     name = f"x{op.index}"
                     cast = "" if op.dtype == torch.bool else ".to(tl.float32)"
-                    self.emit(f"{name} = {self.tile_load(op, self.bases[id(op)], 'rows', 'keys', ('row_mask', 'key_mask'), cast)}", indent)
+                    tile = self.tile_load(op, self.bases[id(op)], "rows", "keys", ("row_mask", "key_mask"), cast)
+                    self.emit(f"{name} = {tile}", indent)
                     loaded[v.source] = name
                 return loaded[v.source]
             return current  # the previous step's result
@@ -216,7 +217,8 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
         w.emit("out = tl.where(l_i == 0, 0.0, acc / l_i)  # all keys masked: 0, as torch gives (NaN stays NaN)")
     else:
         w.emit("out = acc / l_i  # a row whose scores are all -inf gives NaN, as eager's softmax does")
-    out_off = " + ".join([index_term("rows", L.out.row_stride) or "rows * 0", index_term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
+    out_off = " + ".join([index_term("rows", L.out.row_stride) or "rows * 0",
+                          index_term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
     out_mask = _all([m for m in ("row_mask", dv_mask) if m])
     w.emit(f"tl.store(out_base + {out_off}, {stored('out', L.out.dtype, TL_DTYPES[L.out.dtype])}, mask={out_mask})")
     if any(w.modes.values()):
@@ -252,7 +254,8 @@ def _key_block(w: _Writer, L: AttentionLayout, dr_mask) -> None:
 def _load_v(w: _Writer, L: AttentionLayout, dv_mask) -> None:
     if w.modes["v"] is None:
         v_cast = load_cast(L.v.dtype, L.pv_dtype)
-        w.emit(f"v = {w.tile_load(L.v, 'v_base', 'key_rows', 'dv_cols', (f'key_rows < {L.m}', dv_mask), v_cast, full=True)}", 2)
+        v_tile = w.tile_load(L.v, "v_base", "key_rows", "dv_cols", (f"key_rows < {L.m}", dv_mask), v_cast, full=True)
+        w.emit(f"v = {v_tile}", 2)
     else:  # the copy made by the pass: contiguous, and 0 past the head width
         w.emit(f"v = tl.load(va_base + key_rows * BLOCK_DV + dv_cols, mask=key_rows < {L.m}, other=0)"
                f"{load_cast(L.pv_dtype, L.pv_dtype)}", 2)
@@ -317,7 +320,8 @@ def _softmax_loop(w: _Writer, L: AttentionLayout, dr_mask, dv_mask) -> None:
         w.steps(L.score_steps, "s", L.tiles, 2)
         w.emit(f"s = s * {LOG2E!r}  # base 2 for exp2", 2)
     keep = "key_mask & (keys <= rows)" if L.causal else "key_mask"
-    w.emit(f'''s = tl.where({keep}, s, float("-inf"))  # keys past M{" or after the query" if L.causal else ""} weigh nothing''', 2)
+    w.emit(f'''s = tl.where({keep}, s, float("-inf"))  # keys past M'''
+           f'''{" or after the query" if L.causal else ""} weigh nothing''', 2)
     w.emit("m_new = tl.maximum(m_i, tl.max(s, axis=1)[:, None])", 2)
     w.emit('m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2(-inf) = 0, not NaN', 2)
     w.emit("alpha = tl.exp2(m_i - m_safe)  # rescales what was summed under the old max", 2)

@@ -267,7 +267,8 @@ def _read_sdpa(node: torch.fx.Node, index: dict):
         causal=a["is_causal"], empty_rows_zero=True,
     )
     kind = "no mask" if mask is None else "bool mask" if mask.dtype == torch.bool else "additive mask"
-    summary = (f"form softmax (sdpa): scaled_dot_product_attention ({kind}{', causal' if a['is_causal'] else ''}) as one "
+    summary = (f"form softmax (sdpa): scaled_dot_product_attention "
+               f"({kind}{', causal' if a['is_causal'] else ''}) as one "
                f"online-softmax kernel over {n} queries x {m} keys per head, head width {d}; the scores never "
                "reach memory")
     return layout, summary
@@ -333,7 +334,8 @@ def _read_written_out(view, nodes: list[torch.fx.Node], index: dict):
     layout.q_steps = steps_after(view, a_source, prologue)
     layout.score_steps = score_steps(view, layout, scores, steps, index)
     ops = " -> ".join(view.lowering_of[n].name.rsplit(".", 1)[-1] for n in nodes)
-    summary = (f"form softmax (written out): softmax attention ({ops}) as one online-softmax kernel over {n} queries x {m} "
+    summary = (f"form softmax (written out): softmax attention ({ops}) as one online-softmax kernel "
+               f"over {n} queries x {m} "
                f"keys per head, head width {d}; the scores never reach memory")
     return layout, summary
 
@@ -376,5 +378,6 @@ def score_steps(view, layout: AttentionLayout, scores: torch.fx.Node, steps, ind
     shape = tuple(tensor_meta(scores).shape)
     for node in steps:
         if tuple(tensor_meta(node).shape) != shape:
-            raise GroupRefused("shape_mismatch", f"{node.name} broadcasts the scores to {list(tensor_meta(node).shape)}")
+            raise GroupRefused("shape_mismatch",
+                               f"{node.name} broadcasts the scores to {list(tensor_meta(node).shape)}")
     return steps_after(view, scores, steps, index, (layout.batch, layout.n, layout.m, layout.tiles))

@@ -58,8 +58,8 @@ def _linear(w: _Writer, result: str, tile: str, linear: LinearMap, in_block: str
 def _weights(w: _Writer, L: SliceLayout, indent: int) -> None:
     """``w`` [rows, BLOCK_G]: the slice weights of this block of points (``rows``, ``row_mask``)."""
     x_cast = load_cast(L.x.dtype, None, need_fp32=True)
-    w.emit(f"x = {w.tile_load(L.x, 'x_base', 'rows', 'dx_cols', ('row_mask', _mask('dx_cols', L.dx)), x_cast, full=True)}",
-           indent)
+    x_tile = w.tile_load(L.x, "x_base", "rows", "dx_cols", ("row_mask", _mask("dx_cols", L.dx)), x_cast, full=True)
+    w.emit(f"x = {x_tile}", indent)
     _linear(w, "logits", "x", L.to_slice, "BLOCK_DX", "BLOCK_G", L.precision, indent)
     w.steps(L.logit_steps, "logits", L.logit_tiles, indent)
     w.emit('logits = tl.where(key_mask, logits, float("-inf"))', indent)
@@ -104,7 +104,8 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     _weights(a, L, 2)
     agg_operand = _fp32_or(L.agg_dtype)
     fx_cast = load_cast(L.fx.dtype, agg_operand)
-    a.emit(f"fx = {a.tile_load(L.fx, 'fx_base', 'rows', 'df_cols', ('row_mask', _mask('df_cols', L.df)), fx_cast, full=True)}", 2)
+    fx_tile = a.tile_load(L.fx, "fx_base", "rows", "df_cols", ("row_mask", _mask("df_cols", L.df)), fx_cast, full=True)
+    a.emit(f"fx = {fx_tile}", 2)
     a.emit(f"agg += {dot_line('tl.trans(wts)', 'fx', agg_operand, L.precision)}", 2)
     a.emit("sums += tl.sum(wts, axis=0)", 2)
     a.emit(f"tl.store(partial + (batch * SPLITS + split) * {agg_size} + tl.arange(0, BLOCK_G)[:, None] * BLOCK_DF "
@@ -133,7 +134,9 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     _linear(m, "k", "tokens", L.to_k, "BLOCK_DF", "BLOCK_DQ", L.precision, 1)
     _linear(m, "v", "tokens", L.to_v, "BLOCK_DF", "BLOCK_DV", L.precision, 1)
     scores_operand = _fp32_or(L.scores_dtype)
-    m.emit(f"s = {dot_line(as_operand('q', scores_operand), as_operand('tl.trans(k)', scores_operand), scores_operand, L.precision)}"
+    s_dot = dot_line(as_operand("q", scores_operand), as_operand("tl.trans(k)", scores_operand), scores_operand,
+                     L.precision)
+    m.emit(f"s = {s_dot}"
            "  # q @ k^T among the slices")
     _round(m, "s", L.scores_dtype, "the scores' dtype", 1)
     m.steps(L.score_steps, "s", {}, 1)
@@ -142,7 +145,8 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     m.emit("p = e / tl.sum(e, axis=1)[:, None]")
     _round(m, "p", L.probs_dtype, "the softmax's dtype", 1)
     mixed_operand = _fp32_or(L.mixed_dtype)
-    m.emit(f"mixed = {dot_line(as_operand('p', mixed_operand), as_operand('v', mixed_operand), mixed_operand, L.precision)}")
+    mixed_dot = dot_line(as_operand("p", mixed_operand), as_operand("v", mixed_operand), mixed_operand, L.precision)
+    m.emit(f"mixed = {mixed_dot}")
     _round(m, "mixed", L.mixed_dtype, "the product's dtype", 1)
     m.emit(f"mixed = tl.where(g_rows < {L.g}, mixed, 0.0)")
     m.emit(f"tl.store(mixed_tokens + batch * {bg * bdv} + g_rows * BLOCK_DV + tl.arange(0, BLOCK_DV)[None, :], mixed)")
@@ -161,9 +165,11 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     c.emit("dv_cols = tl.arange(0, BLOCK_DV)[None, :]")
     c.emit(f"mixed = tl.load(mixed_tokens + batch * {bg * bdv} + tl.arange(0, BLOCK_G)[:, None] * BLOCK_DV + dv_cols)")
     out_operand = _fp32_or(L.out_dtype)
-    c.emit(f"out = {dot_line(as_operand('wts', out_operand), as_operand('mixed', out_operand), out_operand, L.precision)}"
+    out_dot = dot_line(as_operand("wts", out_operand), as_operand("mixed", out_operand), out_operand, L.precision)
+    c.emit(f"out = {out_dot}"
            "  # w @ t'")
-    out_off = " + ".join([index_term("rows", L.out.row_stride) or "rows * 0", index_term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
+    out_off = " + ".join([index_term("rows", L.out.row_stride) or "rows * 0",
+                          index_term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
     c.emit(f"tl.store(out_base + {out_off}, {stored('out', L.out.dtype, TL_DTYPES[L.out.dtype])}, "
            f"mask={_all([x for x in ('row_mask', _mask('dv_cols', L.dv)) if x])})")
     scatter = (inputs + ["mixed_tokens", "out0"], ["BLOCK_M", "BLOCK_G", "BLOCK_DX", "BLOCK_DV"], c.lines)

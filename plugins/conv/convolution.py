@@ -240,7 +240,8 @@ def configs(program):
 
 def default_config(program):
     conv = program.conv
-    return {"BLOCK_M": min(64, dot_block(conv.out_channels)), "BLOCK_N": min(128, dot_block(math.prod(conv.out_spatial))),
+    return {"BLOCK_M": min(64, dot_block(conv.out_channels)),
+            "BLOCK_N": min(128, dot_block(math.prod(conv.out_spatial))),
             "BLOCK_K": min(64, dot_block(conv.reduction)), "num_warps": 4}
 
 

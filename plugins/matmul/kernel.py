@@ -183,12 +183,15 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     w.emit(f"cols = (pid_n{cast} * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]")
     w.emit(f"row_mask = rows < {L.rows}")
     w.emit(f"col_mask = cols < {L.n}")
-    row_offs = emit_offsets(w.emit, [L.out_domain[d] for d in row_dims], [[st[d] for d in row_dims] for st in strides], "rows", "r")
+    row_offs = emit_offsets(w.emit, [L.out_domain[d] for d in row_dims], [[st[d] for d in row_dims] for st in strides],
+                            "rows", "r")
     b_row = None
     if batch_dims:
         w.emit(f"batch = tl.program_id(1){cast}")
         batch_sizes = [L.out_domain[d] for d in batch_dims]
-        batch_offs = emit_offsets(w.emit, batch_sizes, [[st[d] for d in batch_dims] for st in strides] + [[L.b_strides[d] for d in batch_dims]], "batch", "b")
+        batch_offs = emit_offsets(w.emit, batch_sizes,
+                                  [[st[d] for d in batch_dims] for st in strides]
+                                  + [[L.b_strides[d] for d in batch_dims]], "batch", "b")
         b_row = batch_offs[-1]
     else:
         batch_offs = [None] * (len(strides) + 1)
@@ -237,7 +240,8 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr", "GROUP_M: tl.constexpr"]
     source, name = assemble_kernel(program, w, blocks, helpers, "mm", strategy,
                              f"# product: rows {L.rows} x K {L.k} x N {L.n}, batch {L.batch}, "
-                             f"operands {str(L.operand_dtype).removeprefix('torch.') if L.operand_dtype else L.precision}")
+                             f"operands "
+                             f"{str(L.operand_dtype).removeprefix('torch.') if L.operand_dtype else L.precision}")
 
     def grid(config, rows=L.rows, n=L.n, batch=L.batch):
         block_n = constexprs.get("BLOCK_N", config.get("BLOCK_N"))
@@ -260,7 +264,8 @@ def weight_tile(target: str, index: int, dtype: torch.dtype, offset: str, mask: 
         return [f"{target} = tl.load(in{index} + {offset}, mask={mask}, other=0){cast}"]
     blocks = f"{target}_blocks"
     # The block term always appears (times 0 for one block), so the pointers form a tile.
-    s_terms = [index_term(blocks, packed.strides[-2]) or f"{blocks} * 0"] + [t for t in [index_term(across, packed.strides[-1])] if t]
+    s_terms = ([index_term(blocks, packed.strides[-2]) or f"{blocks} * 0"]
+               + [t for t in [index_term(across, packed.strides[-1])] if t])
     return [
         f"{blocks} = {start} // {packed.block} + tl.arange(0, {width} // {packed.block})[:, None]",
         f"{target}_scales = tl.load(in{packed.scales} + {' + '.join(s_terms)}, "

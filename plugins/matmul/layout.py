@@ -308,7 +308,8 @@ def install_layout(program: GroupProgram, layout, out_domain: tuple[int, ...], c
 def check_fits(shape, domain) -> None:
     pad = len(domain) - len(shape)
     if pad < 0 or any(s not in (1, d) for s, d in zip(shape, domain[pad:])):
-        raise GroupRefused("shape_mismatch", f"a tensor of shape {list(shape)} does not fit the product's {list(domain)}")
+        raise GroupRefused("shape_mismatch",
+                           f"a tensor of shape {list(shape)} does not fit the product's {list(domain)}")
 
 
 def collect_uids(root: Value) -> list[int]:

@@ -116,7 +116,8 @@ def accepts(program):
 
 
 def _chunk_sizes(layout: ChainLayout, chunk: int, widest_step=None) -> dict[str, int]:
-    return {f"BLOCK_S{s.index}": padded(s.chunked_width) if s.index == widest_step else min(chunk, padded(s.chunked_width))
+    return {f"BLOCK_S{s.index}": padded(s.chunked_width) if s.index == widest_step
+            else min(chunk, padded(s.chunked_width))
             for s in layout.steps if s.chunked}
 
 

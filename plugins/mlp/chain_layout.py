@@ -127,7 +127,8 @@ def lay_out_chain(program: GroupProgram, values: dict[int, Value]) -> None:
         if v.op == "reduce":
             last = len(v.args[0].shape) - 1
             if v.dims != (last,) or not v.keepdim or v.args[0].shape[-1] == 1:
-                raise GroupRefused("unsupported_reduction", "a chain's reductions must run over the last dim with keepdim")
+                raise GroupRefused("unsupported_reduction",
+                                   "a chain's reductions must run over the last dim with keepdim")
             reductions += 1
 
     layout = ChainLayout(lead=lead_t, steps=[], width=width, reductions=reductions)
@@ -172,7 +173,8 @@ def lay_out_chain(program: GroupProgram, values: dict[int, Value]) -> None:
     in_loops |= set().union(*[_collect(s.dot.args[0]) for s in layout.steps if s.mode == "streamed"])
     layout.row_widths = {width[v.uid] for v in ordered_rows
                          if v.op != "const" and width[v.uid] > 1
-                         and (any(u.uid not in in_loops for u in users[v.uid]) if v.op == "load" else v.uid not in in_loops)}
+                         and (any(u.uid not in in_loops for u in users[v.uid]) if v.op == "load"
+                              else v.uid not in in_loops)}
     layout.precision = fp32_precision()
 
     for tensor, value in zip(program.outputs, program.output_values):

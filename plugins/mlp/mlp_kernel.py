@@ -50,7 +50,8 @@ def _emit_rows(w: MatmulWriter, out_domain, rows: int, sites: list, strides: lis
     w.emit(f"row_mask = rows < {rows}")
     w.emit(f"col_mask = cols < {out_domain[-1]}")
     row_dims = list(range(len(out_domain) - 1))
-    offsets = emit_offsets(w.emit, [out_domain[d] for d in row_dims], [[st[d] for d in row_dims] for st in strides], "rows", "r")
+    offsets = emit_offsets(w.emit, [out_domain[d] for d in row_dims], [[st[d] for d in row_dims] for st in strides],
+                           "rows", "r")
     for site, ro in zip(sites, offsets):
         w.site_offsets[site] = (ro, None)
 

@@ -117,7 +117,8 @@ def is_valid(program, config):
     threads = 32 * config["num_warps"]
     resident = layout.resident
     block_k = layout.block_k or config["BLOCK_K"]
-    for packed, block, name in ((layout.w1_packed, block_k, "BLOCK_K"), (layout.w2_packed, config["BLOCK_H"], "BLOCK_H")):
+    for packed, block, name in ((layout.w1_packed, block_k, "BLOCK_K"),
+                                (layout.w2_packed, config["BLOCK_H"], "BLOCK_H")):
         if packed is not None and block % packed.block:
             return f"{name} {block} is not a multiple of the quantised weight's block of {packed.block}"
     held = config["BLOCK_M"] * (block_n + config["BLOCK_H"] + (block_k if resident else 0))

@@ -34,7 +34,8 @@ def _is_unsqueeze_index(index) -> bool:
 
 
 def _is_sum(node) -> bool:
-    return (node.op == "call_method" and node.target == "sum") or (node.op == "call_function" and node.target is torch.sum)
+    return ((node.op == "call_method" and node.target == "sum")
+            or (node.op == "call_function" and node.target is torch.sum))
 
 
 def _is_map(ctx, node) -> bool:

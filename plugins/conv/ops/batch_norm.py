@@ -123,7 +123,8 @@ SPECS = [
         kind="pointwise",
         lower=lower_batch_norm_module,
         samples=_module_samples,
-        references=(_trained(torch.nn.BatchNorm2d(6)), _trained(torch.nn.BatchNorm2d(6, affine=False, eps=1e-2), seed=1)),
+        references=(_trained(torch.nn.BatchNorm2d(6)),
+                    _trained(torch.nn.BatchNorm2d(6, affine=False, eps=1e-2), seed=1)),
         tolerances=TOLERANCES,
     ),
 ]
