@@ -24,13 +24,17 @@ def _list_models(args: argparse.Namespace) -> int:
     from autofuser.zoo.models import MESHES, MODELS, parameter_count
 
     mesh = MESHES[args.config]
-    print(f"{'name':<12}{'model':<34}{'family':<17}{'layout':<8}{'batch':>6}{'params':>12}  config ({args.config}, "
-          f"mesh {mesh[0]} x {mesh[1]})")
+    print(
+        f"{'name':<12}{'model':<34}{'family':<17}{'layout':<8}{'batch':>6}{'params':>12}  config ({args.config}, "
+        f"mesh {mesh[0]} x {mesh[1]})"
+    )
     for name, entry in MODELS.items():
         params = parameter_count(entry.make(args.config))
         settings = ", ".join(f"{k}={v}" for k, v in entry.configs[args.config].items())
-        print(f"{name:<12}{entry.title:<34}{entry.family:<17}{entry.layout:<8}{entry.batch(args.config):>6}"
-              f"{params:>12,}  {settings}")
+        print(
+            f"{name:<12}{entry.title:<34}{entry.family:<17}{entry.layout:<8}{entry.batch(args.config):>6}"
+            f"{params:>12,}  {settings}"
+        )
     return 0
 
 
@@ -45,8 +49,10 @@ under torch.no_grad(), in the train/eval mode the factory left it in."""
 def _load_factory(spec: str):
     module_name, sep, attribute = spec.rpartition(":")
     if not sep or not module_name or not attribute:
-        raise SystemExit(f"autofuser report: {spec!r} is not MODULE:FACTORY (e.g. mypackage.models:make_example "
-                         "or path/to/file.py:make_example)")
+        raise SystemExit(
+            f"autofuser report: {spec!r} is not MODULE:FACTORY (e.g. mypackage.models:make_example "
+            "or path/to/file.py:make_example)"
+        )
     if module_name.endswith(".py"):
         path = Path(module_name)
         if not path.is_file():
@@ -61,8 +67,9 @@ def _load_factory(spec: str):
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as err:
-            raise SystemExit(f"autofuser report: can't import {module_name!r} ({err}); check the name, or pass "
-                             "a .py file") from None
+            raise SystemExit(
+                f"autofuser report: can't import {module_name!r} ({err}); check the name, or pass a .py file"
+            ) from None
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise SystemExit(f"autofuser report: {module_name} has no function {attribute!r}")
@@ -75,16 +82,21 @@ def _output_path(option: str, value: str) -> Path:
     parent that can't be made or written to, fails at once."""
     path = Path(value)
     if path.is_dir():
-        raise SystemExit(f"autofuser report: {option} {value} is a folder; give a file name, such as "
-                         f"{path / ('report.json' if option == '--json' else 'report.html')}")
+        raise SystemExit(
+            f"autofuser report: {option} {value} is a folder; give a file name, such as "
+            f"{path / ('report.json' if option == '--json' else 'report.html')}"
+        )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise SystemExit(f"autofuser report: can't make the folder {path.parent} for {option} "
-                         f"({err.strerror or err}); choose another path") from None
+        raise SystemExit(
+            f"autofuser report: can't make the folder {path.parent} for {option} "
+            f"({err.strerror or err}); choose another path"
+        ) from None
     if not os.access(path.parent, os.W_OK):
-        raise SystemExit(f"autofuser report: the folder {path.parent} for {option} is not writable; "
-                         "choose another path")
+        raise SystemExit(
+            f"autofuser report: the folder {path.parent} for {option} is not writable; choose another path"
+        )
     return path
 
 
@@ -99,8 +111,10 @@ def _report(args: argparse.Namespace) -> int:
 
     made = _load_factory(args.factory)()
     if not isinstance(made, tuple) or len(made) not in (2, 3) or not isinstance(made[0], torch.nn.Module):
-        raise SystemExit(f"autofuser report: {args.factory} must return (model, inputs) or (model, args, kwargs), "
-                         f"got {type(made).__name__}")
+        raise SystemExit(
+            f"autofuser report: {args.factory} must return (model, inputs) or (model, args, kwargs), "
+            f"got {type(made).__name__}"
+        )
     model, inputs, kwargs = made[0], made[1], made[2] if len(made) == 3 else {}
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     plugins = None if args.plugins is None else [p for p in args.plugins.split(",") if p]
@@ -117,8 +131,9 @@ def _report(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="autofuser",
-                                     description="AutoFuser: fuse PyTorch models into Triton kernels.")
+    parser = argparse.ArgumentParser(
+        prog="autofuser", description="AutoFuser: fuse PyTorch models into Triton kernels."
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     bench = commands.add_parser("bench", help="benchmark the model zoo: eager vs torch.compile vs AutoFuser")
     # The zoo (its models, einops, the harness) is imported only when bench runs: the
@@ -132,11 +147,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     models = commands.add_parser("models", help="list the model zoo")
     models.add_argument("--config", choices=("airfoil", "tiny"), default="airfoil")
     models.set_defaults(run=_list_models)
-    report = commands.add_parser("report", help="fuse a model and write its report as an HTML page",
-                                 description=REPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    report = commands.add_parser(
+        "report",
+        help="fuse a model and write its report as an HTML page",
+        description=REPORT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     report.add_argument("factory", metavar="MODULE:FACTORY", help="function returning (model, inputs)")
-    report.add_argument("--out", default="autofuser-report.html",
-                        help="the HTML page to write (missing folders are made)")
+    report.add_argument(
+        "--out", default="autofuser-report.html", help="the HTML page to write (missing folders are made)"
+    )
     report.add_argument("--json", help="also write the report as JSON here (missing folders are made)")
     report.add_argument("--plugins", help="comma-separated plugin names (default: every installed plugin)")
     report.set_defaults(run=_report)

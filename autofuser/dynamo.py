@@ -31,8 +31,13 @@ from autofuser_core.fuse import FusedModule, fuse
 _compiled: list[weakref.ref] = []
 
 
-def autofuser_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: Optional[str] = None,
-                      options: Optional[dict[str, Any]] = None) -> Callable[..., Any]:
+def autofuser_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    mode: Optional[str] = None,
+    options: Optional[dict[str, Any]] = None,
+) -> Callable[..., Any]:
     """The backend function torch.compile calls with each graph Dynamo captured.
 
     :param gm: Dynamo's graph; its placeholders are the graph's tensor (and
@@ -45,8 +50,10 @@ def autofuser_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *
     :return: a callable running the fused graph.
     """
     if mode not in (None, "default"):
-        warnings.warn(f"AutoFuser: torch.compile mode {mode!r} has no meaning for the autofuser backend; ignored. "
-                      "Pass AutoFuser's options through options={...}.")
+        warnings.warn(
+            f"AutoFuser: torch.compile mode {mode!r} has no meaning for the autofuser backend; ignored. "
+            "Pass AutoFuser's options through options={...}."
+        )
     if options is not None and not isinstance(options, dict):
         raise AutoFuserError(f"torch.compile(backend='autofuser', options=...) takes a dict, not {options!r}")
     options = dict(options or {})

@@ -113,9 +113,12 @@ def _warn_unwritable(root: Path, err: OSError) -> None:
         logger.debug("cache folder %s: %s", root, err)
         return
     _warned_unwritable.add(str(root))
-    warnings.warn(f"AutoFuser: cannot write to the cache folder {root} ({err}); tuning results are kept in "
-                  "memory for this process only. Point AUTOFUSER_CACHE_DIR (or fuse(cache_dir=...)) at a "
-                  "writable folder to keep them.", stacklevel=3)
+    warnings.warn(
+        f"AutoFuser: cannot write to the cache folder {root} ({err}); tuning results are kept in "
+        "memory for this process only. Point AUTOFUSER_CACHE_DIR (or fuse(cache_dir=...)) at a "
+        "writable folder to keep them.",
+        stacklevel=3,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -131,8 +134,9 @@ def _usable(root: Path, sub: str) -> bool:
     warn once per folder. A missing folder is usable: it is created private when written."""
     if os.name != "posix":
         return True  # no owners and modes to check (docs/cache.md: what is not protected)
-    return (_folder_ok(root, link_allowed=True, instead=_INSTEAD[""])
-            and _folder_ok(root / sub, link_allowed=False, instead=_INSTEAD[sub]))
+    return _folder_ok(root, link_allowed=True, instead=_INSTEAD[""]) and _folder_ok(
+        root / sub, link_allowed=False, instead=_INSTEAD[sub]
+    )
 
 
 #: What happens instead when a folder is not used.
@@ -163,12 +167,17 @@ def _folder_ok(path: Path, link_allowed: bool, instead: str) -> bool:
         try:
             os.chmod(path, 0o700)
         except OSError as err:
-            return _refuse(path, f"can be written by other users and can't be made private ({err})", instead,
-                           "make it mode 0700")
+            return _refuse(
+                path, f"can be written by other users and can't be made private ({err})", instead, "make it mode 0700"
+            )
         if str(path) not in _warned_folders:
             _warned_folders.add(str(path))
-            logger.warning("made the cache folder %s private (mode %o -> 700): other users could write to it, "
-                           "and so choose which configs tuning keeps", path, stat.S_IMODE(st.st_mode))
+            logger.warning(
+                "made the cache folder %s private (mode %o -> 700): other users could write to it, "
+                "and so choose which configs tuning keeps",
+                path,
+                stat.S_IMODE(st.st_mode),
+            )
     return True
 
 
@@ -181,8 +190,11 @@ def _trusted_owners() -> set[int]:
 def _refuse(path: Path, why: str, instead: str, fix: str) -> bool:
     if str(path) not in _warned_folders:
         _warned_folders.add(str(path))
-        warnings.warn(f"AutoFuser: not using the cache folder {path}: it {why}; {instead}. To keep them, {fix}, "
-                      "or point AUTOFUSER_CACHE_DIR (or fuse(cache_dir=...)) at one.", stacklevel=5)
+        warnings.warn(
+            f"AutoFuser: not using the cache folder {path}: it {why}; {instead}. To keep them, {fix}, "
+            "or point AUTOFUSER_CACHE_DIR (or fuse(cache_dir=...)) at one.",
+            stacklevel=5,
+        )
     return False
 
 
@@ -202,8 +214,9 @@ def read_regular_file(path: Path, limit: int) -> bytes:
     nofollow = getattr(os, "O_NOFOLLOW", 0)
     if not nofollow and os.path.islink(path):
         raise CacheError("it is a symbolic link")
-    flags = os.O_RDONLY | nofollow | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) \
-        | getattr(os, "O_BINARY", 0)
+    flags = (
+        os.O_RDONLY | nofollow | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    )
     try:
         fd = os.open(path, flags)
     except OSError as err:
@@ -343,8 +356,11 @@ def _private_kernel_file(name: str, source: str, digest: str) -> Path:
         file_name = f"{name}_{digest[:16]}.py"
     path = folder / file_name
     if _private_files.get(file_name) != digest:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-                     | getattr(os, "O_CLOEXEC", 0), 0o600)
+        fd = os.open(
+            path,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+            0o600,
+        )
         with os.fdopen(fd, "w") as handle:
             handle.write(source)
         _private_files[file_name] = digest
@@ -379,8 +395,11 @@ def _check_tuning(entry: dict[str, Any]) -> None:
     if not isinstance(entry.get("timings", []), list):
         raise CacheError("its timings are not a list")
     speed = entry.get("speed")
-    if speed is not None and not (isinstance(speed, dict) and set(speed) == {"fused_ms", "eager_ms"}
-                                  and all(isinstance(v, (int, float)) and v > 0 for v in speed.values())):
+    if speed is not None and not (
+        isinstance(speed, dict)
+        and set(speed) == {"fused_ms", "eager_ms"}
+        and all(isinstance(v, (int, float)) and v > 0 for v in speed.values())
+    ):
         raise CacheError("its fused-vs-eager timing is malformed")
 
 
@@ -390,8 +409,9 @@ def _check_verdict(entry: dict[str, Any]) -> None:
         raise CacheError("its timings are malformed")
 
 
-def _read_entry_file(path: Path, key: dict[str, Any], check: Callable[[dict[str, Any]], None],
-                     redo: str) -> Optional[dict[str, Any]]:
+def _read_entry_file(
+    path: Path, key: dict[str, Any], check: Callable[[dict[str, Any]], None], redo: str
+) -> Optional[dict[str, Any]]:
     """The entry in ``path`` if it is whole, of this version, for ``key`` and passes ``check``;
     else ``None`` (a missing file silently, anything else with a warning saying ``redo``).
     A link is not followed, and a FIFO or anything else that is not a regular file is
@@ -419,8 +439,14 @@ def _read_entry_file(path: Path, key: dict[str, Any], check: Callable[[dict[str,
         return None
 
 
-def write_tuning(root: Path, key: dict[str, Any], config: dict[str, int], timings: list[dict[str, Any]],
-                 speed: Optional[dict[str, float]] = None, config_limit: Optional[int] = None) -> None:
+def write_tuning(
+    root: Path,
+    key: dict[str, Any],
+    config: dict[str, int],
+    timings: list[dict[str, Any]],
+    speed: Optional[dict[str, float]] = None,
+    config_limit: Optional[int] = None,
+) -> None:
     """Store a tuning result; ``speed`` is the group's measured fused and eager times, so a
     warm cache skips re-timing them; ``config_limit``: only that many configs were tried."""
     entry = {"version": ENTRY_VERSION, "key": key, "config": config, "timings": timings}
@@ -456,8 +482,7 @@ def read_verdict(root: Path, key: dict[str, Any]) -> dict[str, float]:
     """
     entry = None
     if _usable(root, "verdicts"):
-        entry = _read_entry_file(root / "verdicts" / f"{key_digest(key)}.json", key, _check_verdict,
-                                 "timing again")
+        entry = _read_entry_file(root / "verdicts" / f"{key_digest(key)}.json", key, _check_verdict, "timing again")
     if entry is None:
         entry = _unwritten.get((str(root), f"verdict-{key_digest(key)}"), {})
     return {str(k): float(v) for k, v in entry.get("times", {}).items()}
@@ -469,15 +494,15 @@ def write_verdict(root: Path, key: dict[str, Any], times: dict[str, float]) -> N
         _unwritten[(str(root), f"verdict-{key_digest(key)}")] = {"times": times}
         return
     try:
-        atomic_write(path, json.dumps({"version": ENTRY_VERSION, "key": key, "times": times}, indent=1,
-                                      sort_keys=True))
+        atomic_write(path, json.dumps({"version": ENTRY_VERSION, "key": key, "times": times}, indent=1, sort_keys=True))
     except OSError as err:
         _keep_in_memory(root, f"verdict-{key_digest(key)}", {"times": times}, path, err)
 
 
 @contextlib.contextmanager
-def tuning_lock(root: Path, key: dict[str, Any], on_wait: Optional[Callable[[], None]] = None,
-                timeout_s: Optional[float] = None) -> Iterator[bool]:
+def tuning_lock(
+    root: Path, key: dict[str, Any], on_wait: Optional[Callable[[], None]] = None, timeout_s: Optional[float] = None
+) -> Iterator[bool]:
     """Hold ``key``'s entry lock, so that one process at a time tunes it.
 
     Yields ``True`` while the lock is held, ``False`` where there is no lock to
@@ -536,9 +561,11 @@ def _open_lock(path: Path) -> int:
 def _warn_no_lock(path: Path, why: str) -> None:
     if str(path) not in _warned_folders:
         _warned_folders.add(str(path))
-        warnings.warn(f"AutoFuser: not using the tuning lock {path}: {why}; tuning without it (other processes "
-                      "sharing the cache may tune the same kernel too). Remove it to share tuning again.",
-                      stacklevel=4)
+        warnings.warn(
+            f"AutoFuser: not using the tuning lock {path}: {why}; tuning without it (other processes "
+            "sharing the cache may tune the same kernel too). Remove it to share tuning again.",
+            stacklevel=4,
+        )
 
 
 def _acquire(fcntl, fd: int, path: Path, on_wait, timeout_s: float) -> bool:
@@ -557,8 +584,10 @@ def _acquire(fcntl, fd: int, path: Path, on_wait, timeout_s: float) -> bool:
             on_wait()
             on_wait = None
         if time.monotonic() >= deadline:
-            warnings.warn(f"AutoFuser: waited {timeout_s:.0f} s for another process to finish tuning "
-                          f"({path}); tuning here as well.")
+            warnings.warn(
+                f"AutoFuser: waited {timeout_s:.0f} s for another process to finish tuning "
+                f"({path}); tuning here as well."
+            )
             return False
         time.sleep(delay)
         delay = min(delay * 2, 0.5)

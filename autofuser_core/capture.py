@@ -89,24 +89,83 @@ _DYN = "_autofuser_data_dependent"
 
 # Factories are recorded (not baked as constants) so random draws stay fresh.
 _FACTORIES = (
-    "zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "arange",
-    "linspace", "logspace", "eye", "zeros_like", "ones_like", "empty_like", "full_like",
-    "rand_like", "randn_like", "randint_like",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "arange",
+    "linspace",
+    "logspace",
+    "eye",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "randint_like",
 )
 # Ops whose output shape (or value, for item/tolist) depends on tensor data.
-_DATA_DEPENDENT = {"nonzero", "argwhere", "unique", "unique_consecutive", "masked_select",
-                   "bincount", "repeat_interleave", "item", "tolist", "histc"}
+_DATA_DEPENDENT = {
+    "nonzero",
+    "argwhere",
+    "unique",
+    "unique_consecutive",
+    "masked_select",
+    "bincount",
+    "repeat_interleave",
+    "item",
+    "tolist",
+    "histc",
+}
 # Arithmetic keeps its tensor operand's shape even when the other operand is a
 # data-dependent Python number (``x * s.item()``).
-_ARITHMETIC = {"add", "sub", "mul", "truediv", "div", "floordiv", "mod", "pow", "neg",
-               "eq", "ne", "lt", "le", "gt", "ge", "clamp", "clip", "masked_fill",
-               "iadd", "isub", "imul", "itruediv", "add_", "sub_", "mul_", "div_", "fill_"}
-_METADATA_TYPES = (bool, int, float, str, torch.dtype, torch.device, torch.layout,
-                   torch.memory_format, type(None))
+_ARITHMETIC = {
+    "add",
+    "sub",
+    "mul",
+    "truediv",
+    "div",
+    "floordiv",
+    "mod",
+    "pow",
+    "neg",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "clamp",
+    "clip",
+    "masked_fill",
+    "iadd",
+    "isub",
+    "imul",
+    "itruediv",
+    "add_",
+    "sub_",
+    "mul_",
+    "div_",
+    "fill_",
+}
+_METADATA_TYPES = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
 _METADATA_FUNCTIONS = {
-    torch.numel, torch.is_complex, torch.is_floating_point, torch.Tensor.size,
-    torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride, torch.Tensor.is_contiguous,
-    torch.Tensor.element_size, torch.Tensor.is_complex, torch.Tensor.is_floating_point,
+    torch.numel,
+    torch.is_complex,
+    torch.is_floating_point,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.Tensor.stride,
+    torch.Tensor.is_contiguous,
+    torch.Tensor.element_size,
+    torch.Tensor.is_complex,
+    torch.Tensor.is_floating_point,
 }
 
 
@@ -140,10 +199,12 @@ def clone_with_strides(tensor: torch.Tensor) -> torch.Tensor:
 def _clone_tree(values: Any) -> Any:
     """Fresh copies of every tensor (same strides), so neither tracing nor the shape
     pass touches user inputs."""
+
     def clone(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             return clone_with_strides(v).requires_grad_(v.requires_grad)
         return v
+
     return pytree.tree_map(clone, values)
 
 
@@ -227,8 +288,9 @@ class ConcreteProxy(torch.fx.Proxy):
     @classmethod
     def __torch_function__(cls, orig_method, types, args=(), kwargs=None):  # type: ignore[override]
         if orig_method in _METADATA_FUNCTIONS:
-            args = pytree.tree_map(lambda a: a._static(orig_method.__name__)
-                                   if isinstance(a, ConcreteProxy) else a, tuple(args))
+            args = pytree.tree_map(
+                lambda a: a._static(orig_method.__name__) if isinstance(a, ConcreteProxy) else a, tuple(args)
+            )
             return orig_method(*args, **(kwargs or {}))
         return super().__torch_function__(orig_method, types, args, kwargs)
 
@@ -258,8 +320,7 @@ def _define_inplace(name: str) -> None:
     setattr(ConcreteProxy, f"__i{name}__", inplace)
 
 
-for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
-              "lshift", "rshift"):
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift"):
     _define_inplace(_name)
 
 
@@ -330,6 +391,7 @@ class _ConcreteTracer(torch.fx.Tracer):
 
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):  # type: ignore[override]
         fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+
         # Non-tensor inputs (None, flags, sizes) are specialised to their example
         # value, so `if mask is not None:` takes the branch eager mode takes.
         def specialise(a: Any) -> Any:
@@ -344,6 +406,7 @@ class _ConcreteTracer(torch.fx.Tracer):
             # trace() calls this once its patches are in place: make them this thread's.
             _thread_aware_fx_patches()
             return fn(*args)
+
         return traced_root, [specialise(a) for a in args]
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):  # type: ignore[override]
@@ -397,8 +460,9 @@ class _ConcreteTracer(torch.fx.Tracer):
             return True
         if node.target is operator.getitem:  # boolean-mask indexing
             index = map_arg(node.args[1], _real_value)
-            if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-                   for i in pytree.tree_leaves(index)):
+            if any(
+                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in pytree.tree_leaves(index)
+            ):
                 return True
         dynamic = [n for n in node.all_input_nodes if n.meta.get(_DYN)]
         if not dynamic:
@@ -445,24 +509,29 @@ def _tracer_of_this_thread() -> Optional["_ConcreteTracer"]:
 
 def _recording_factory(original):
     """``torch.<factory>`` that records a node when this thread traces, else ``original``."""
+
     @functools.wraps(original)
     def factory(*args, **kwargs):
         tracer = _tracer_of_this_thread()
         if tracer is None:
             return original(*args, **kwargs)
         return tracer.create_proxy("call_function", original, args, kwargs)
+
     setattr(factory, _ORIGINAL, original)
     return factory
 
 
 def _refusing_switch(cls, original):
     """A grad-mode/autocast method that fails the trace when this thread traces."""
+
     @functools.wraps(original)
     def switch(self, *args, **kwargs):
         if _tracer_of_this_thread() is None:
             return original(self, *args, **kwargs)
         raise torch.fx.proxy.TraceError(
-            f"{cls.__name__} inside forward changes grad mode or autocast, which a graph can't record")
+            f"{cls.__name__} inside forward changes grad mode or autocast, which a graph can't record"
+        )
+
     setattr(switch, _ORIGINAL, original)
     return switch
 
@@ -519,17 +588,29 @@ def _tracing_patches(tracer: _ConcreteTracer):
     capturing thread; see ``_CAPTURE_LOCK``)."""
     # Grad mode and autocast switched inside forward would not be recorded in the graph:
     # the module doing it must stay opaque, run as it is (with its own context managers).
-    mode_switches = [(cls, name) for cls, name in (
-        (torch.autograd.grad_mode.no_grad, "__enter__"), (torch.autograd.grad_mode.enable_grad, "__enter__"),
-        (torch.autograd.grad_mode.set_grad_enabled, "__init__"), (torch.autograd.grad_mode.inference_mode, "__enter__"),
-        (torch.amp.autocast_mode.autocast, "__enter__"),
-    ) if name in cls.__dict__]
+    mode_switches = [
+        (cls, name)
+        for cls, name in (
+            (torch.autograd.grad_mode.no_grad, "__enter__"),
+            (torch.autograd.grad_mode.enable_grad, "__enter__"),
+            (torch.autograd.grad_mode.set_grad_enabled, "__init__"),
+            (torch.autograd.grad_mode.inference_mode, "__enter__"),
+            (torch.amp.autocast_mode.autocast, "__enter__"),
+        )
+        if name in cls.__dict__
+    ]
     # (owner, name, patched value); names already patched by an enclosing capture of this
     # thread act for its tracer, whichever is current, and are left to it.
-    patches: list[tuple[Any, str, Any]] = [(torch, n, _recording_factory(getattr(torch, n))) for n in _FACTORIES
-               if hasattr(torch, n) and not hasattr(getattr(torch, n), _ORIGINAL)]
-    patches += [(cls, name, _refusing_switch(cls, cls.__dict__[name])) for cls, name in mode_switches
-                if not hasattr(cls.__dict__[name], _ORIGINAL)]
+    patches: list[tuple[Any, str, Any]] = [
+        (torch, n, _recording_factory(getattr(torch, n)))
+        for n in _FACTORIES
+        if hasattr(torch, n) and not hasattr(getattr(torch, n), _ORIGINAL)
+    ]
+    patches += [
+        (cls, name, _refusing_switch(cls, cls.__dict__[name]))
+        for cls, name in mode_switches
+        if not hasattr(cls.__dict__[name], _ORIGINAL)
+    ]
     registry = _einops_backends._type2backend if _einops_backends else {}
     proxy_types = (ConcreteProxy, ConcreteAttribute) if _einops_backends else ()
     outer = getattr(_THIS_THREAD, "tracer", None)
@@ -608,8 +689,7 @@ def preserved_state(model: torch.nn.Module):
     (``_ModuleAttributes``) and the contents of every buffer and frozen tensor are
     restored on exit (BatchNorm statistics, an EMA codebook, a lazy cache, dropout draws)."""
     cpu_rng = torch.get_rng_state()
-    cuda_rng = (torch.cuda.get_rng_state_all()
-                if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     attributes = _ModuleAttributes(model)
     # Buffers, parameters that don't train and plain tensor attributes may be updated in
     # place in forward (an EMA codebook, a counter): restore their contents too.
@@ -636,23 +716,28 @@ def bind_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, sig: Optional
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:
-        params = [p for p in sig.parameters.values()
-                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        params = [p for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         required = sum(p.default is p.empty for p in params)
         count = f"{required}" if required == len(params) else f"{required} to {len(params)}"
         names = ", ".join(p.name for p in params)
         raise CaptureError(
             f"{type(model).__name__}.forward takes {count} input(s) ({names}) but "
             f"{len(args) + len(kwargs)} were given ({exc}); pass one example input per "
-            "forward argument.") from None
+            "forward argument."
+        ) from None
     bound.apply_defaults()
     params = list(sig.parameters.values())
     for p in params:
         if p.kind is p.VAR_KEYWORD and bound.arguments[p.name]:
-            raise CaptureError(f"{type(model).__name__}.forward takes **{p.name}; capture "
-                               "cannot pass extra keyword inputs, name them in the signature.")
-    flat = [bound.arguments[p.name] for p in sorted(params, key=lambda p: p.kind is p.KEYWORD_ONLY)
-            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]  # sort is stable
+            raise CaptureError(
+                f"{type(model).__name__}.forward takes **{p.name}; capture "
+                "cannot pass extra keyword inputs, name them in the signature."
+            )
+    flat = [
+        bound.arguments[p.name]
+        for p in sorted(params, key=lambda p: p.kind is p.KEYWORD_ONLY)
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]  # sort is stable
     for p in params:
         if p.kind is p.VAR_POSITIONAL:
             flat += list(bound.arguments[p.name])
@@ -663,10 +748,16 @@ def _opaque_root(model: torch.nn.Module, sig: inspect.Signature, arguments: dict
     """placeholders -> call_module(the whole model) -> output, in fx's placeholder order."""
     graph = torch.fx.Graph()
     params = [p for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    nodes = {p.name: graph.placeholder(p.name, default_value=p.default)
-             for p in sorted(params, key=lambda p: p.kind is p.KEYWORD_ONLY)}
-    varargs = [graph.placeholder(f"{p.name}_{i}") for p in sig.parameters.values()
-               if p.kind is p.VAR_POSITIONAL for i in range(len(arguments[p.name]))]
+    nodes = {
+        p.name: graph.placeholder(p.name, default_value=p.default)
+        for p in sorted(params, key=lambda p: p.kind is p.KEYWORD_ONLY)
+    }
+    varargs = [
+        graph.placeholder(f"{p.name}_{i}")
+        for p in sig.parameters.values()
+        if p.kind is p.VAR_POSITIONAL
+        for i in range(len(arguments[p.name]))
+    ]
     args = [nodes[p.name] for p in params if p.kind is not p.KEYWORD_ONLY] + varargs
     kwargs: dict[str, Any] = {p.name: nodes[p.name] for p in params if p.kind is p.KEYWORD_ONLY}
     graph.output(graph.call_module(ROOT_ATTR, tuple(args), kwargs))
@@ -731,8 +822,9 @@ def _propagate_shapes(gm: torch.fx.GraphModule, model: torch.nn.Module, inputs: 
         _ShapeRecorder(gm).run(*_clone_tree(inputs))
 
 
-def _trace(model: torch.nn.Module, sig: inspect.Signature, arguments: dict,
-           flat_inputs: list) -> tuple[torch.fx.GraphModule, dict[str, str]]:
+def _trace(
+    model: torch.nn.Module, sig: inspect.Signature, arguments: dict, flat_inputs: list
+) -> tuple[torch.fx.GraphModule, dict[str, str]]:
     """Trace, making culprit modules opaque one by one, then propagate shapes.
 
     An exception the model itself raises on the example inputs (run whole, eagerly)
@@ -775,9 +867,11 @@ def _trace(model: torch.nn.Module, sig: inspect.Signature, arguments: dict,
 def _note_model_error(exc: BaseException, model: torch.nn.Module) -> None:
     """Say, on the model's own exception, where it came from (Python 3.11+ shows notes)."""
     if hasattr(exc, "add_note"):
-        exc.add_note(f"AutoFuser: {type(model).__name__} raised this when run eagerly on the example "
-                     "inputs it was being captured with, so it fails on them without AutoFuser too: "
-                     "fix the model or the inputs.")
+        exc.add_note(
+            f"AutoFuser: {type(model).__name__} raised this when run eagerly on the example "
+            "inputs it was being captured with, so it fails on them without AutoFuser too: "
+            "fix the model or the inputs."
+        )
 
 
 def _backward_hooked(module: torch.nn.Module) -> bool:
@@ -793,10 +887,14 @@ def capture(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
     ``gm.meta["autofuser_opaque"]``); if the root cannot be traced, the model runs unchanged.
     """
     if not isinstance(model, torch.nn.Module):
-        hint = (f" {model.__name__} is a class: instantiate it first, e.g. capture({model.__name__}(...), x)."
-                if isinstance(model, type) else "")
-        raise CaptureError(f"capture() needs an nn.Module instance, got {type(model).__name__}: "
-                           f"pass an nn.Module instance.{hint}")
+        hint = (
+            f" {model.__name__} is a class: instantiate it first, e.g. capture({model.__name__}(...), x)."
+            if isinstance(model, type)
+            else ""
+        )
+        raise CaptureError(
+            f"capture() needs an nn.Module instance, got {type(model).__name__}: pass an nn.Module instance.{hint}"
+        )
     sig, arguments, flat_inputs = bind_inputs(model, example_inputs, example_kwargs)
 
     with _CAPTURE_LOCK:  # see _CAPTURE_LOCK: the patches tracing makes are process-wide
@@ -818,9 +916,16 @@ def capture(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
 
     name = type(model).__name__
     if "" in opaque:
-        warnings.warn(f"AutoFuser could not trace {name} ({opaque['']}); it will run unchanged "
-                      "(eager), without fusion.", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"AutoFuser could not trace {name} ({opaque['']}); it will run unchanged (eager), without fusion.",
+            UserWarning,
+            stacklevel=2,
+        )
     elif opaque:
-        log.info("autofuser: %s captured; %d part(s) stay opaque (run eagerly): %s", name,
-                 len(opaque), "; ".join(f"{p}: {r}" for p, r in opaque.items()))
+        log.info(
+            "autofuser: %s captured; %d part(s) stay opaque (run eagerly): %s",
+            name,
+            len(opaque),
+            "; ".join(f"{p}: {r}" for p, r in opaque.items()),
+        )
     return gm

@@ -148,14 +148,15 @@ def memory_order(dims: list[int], program: GroupProgram) -> list[int]:
     return sorted(dims, key=key)
 
 
-def emit_offsets(emit: Callable[[str], None], sizes: list[int], site_strides: list[list[int]], index: str,
-                 prefix: str) -> list[Optional[str]]:
+def emit_offsets(
+    emit: Callable[[str], None], sizes: list[int], site_strides: list[list[int]], index: str, prefix: str
+) -> list[Optional[str]]:
     """Emit the coordinates of ``index`` over dims of ``sizes`` (outer to inner) and
     return, per site, the offset expression ``sum(coord * stride)`` (``None``: 0)."""
     sizes, strides = _coalesce(list(sizes), [list(t) for t in site_strides])
     coords = []
     for i, size in enumerate(sizes):
-        divisor = math.prod(sizes[i + 1:])
+        divisor = math.prod(sizes[i + 1 :])
         expr = index if divisor == 1 else f"({index} // {divisor})"
         if i > 0:
             expr = f"({expr} % {size})"
@@ -179,7 +180,7 @@ def row_reduction(op: str, full: str, mask: str) -> str:
     if op == "sum":
         return reduced
     has_nan = f"tl.max(tl.where({mask} & ({full} != {full}), 1, 0), axis=1)[:, None] > 0"
-    return f"tl.where({has_nan}, float(\"nan\"), {reduced})"
+    return f'tl.where({has_nan}, float("nan"), {reduced})'
 
 
 def literal(value) -> str:
@@ -209,8 +210,9 @@ class _Writer:
 
     # -- indexing -----------------------------------------------------------
 
-    def axis_offsets(self, dims: list[int], index: str, prefix: str,
-                     tensors: list[KernelTensor]) -> list[Optional[str]]:
+    def axis_offsets(
+        self, dims: list[int], index: str, prefix: str, tensors: list[KernelTensor]
+    ) -> list[Optional[str]]:
         """Coordinates along ``dims`` from the linear ``index``; returns each tensor's offset expr."""
         sizes = [self.program.domain[d] for d in dims]
         strides = [[t.domain_stride[d] for d in dims] for t in tensors]
@@ -245,8 +247,9 @@ class _Writer:
         return name
 
 
-def write_kernel(program: GroupProgram, layout: str, strategy: str,
-                 helpers: Optional[dict[str, str]] = None) -> KernelSource:
+def write_kernel(
+    program: GroupProgram, layout: str, strategy: str, helpers: Optional[dict[str, str]] = None
+) -> KernelSource:
     """Write the Triton source for ``program`` in ``layout`` (``flat`` or ``rows``)."""
     if layout not in ("flat", "rows"):
         raise ValueError(f"unknown layout {layout!r}")
@@ -279,11 +282,12 @@ def write_kernel(program: GroupProgram, layout: str, strategy: str,
             else:
                 w.emit(f"x{k} = tl.load({name} + {off}, mask=mask, other=0){cast}")
             loads[k] = f"x{k}"
-        out_offsets = offsets[len(program.inputs):]
+        out_offsets = offsets[len(program.inputs) :]
         results = [w.value(v, loads) for v in program.output_values]
         for k, (t, off, res) in enumerate(zip(program.outputs, out_offsets, results)):
             store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
             w.emit(f"tl.store(out{k} + {off or 'offs * 0'}, tl.broadcast_to({store}, (BLOCK,)), mask=mask)")
+
         def grid(config, n=n_outer):
             return (triton_cdiv(n, config["BLOCK"]),)
     else:
@@ -321,6 +325,7 @@ def write_kernel(program: GroupProgram, layout: str, strategy: str,
             else:
                 off = " + ".join(x for x in (ro, co) if x) or "rows * 0 + cols * 0"
                 w.emit(f"tl.store(out{k} + {off}, tl.broadcast_to({store}, (BLOCK_M, BLOCK_R)), mask=mask)")
+
         def grid(config, n=n_outer):
             return (triton_cdiv(n, config["BLOCK_M"]),)
 
@@ -346,8 +351,11 @@ def _short(op_name: str) -> str:
 
 
 def _header(program: GroupProgram, layout: str, strategy: str) -> str:
-    return kernel_header(program, f"{strategy} strategy, {layout} layout",
-                         [f"domain {list(program.domain)}, reduced dims {list(program.reduced_dims)}"])
+    return kernel_header(
+        program,
+        f"{strategy} strategy, {layout} layout",
+        [f"domain {list(program.domain)}, reduced dims {list(program.reduced_dims)}"],
+    )
 
 
 def kernel_header(program: GroupProgram, title: str, details: list[str]) -> str:
@@ -361,8 +369,12 @@ def kernel_header(program: GroupProgram, title: str, details: list[str]) -> str:
         dtype = str(meta.dtype).removeprefix("torch.") if meta is not None else "?"
         lines.append(f"#   {node.name:<24} {op:<28} {shape} {dtype}")
     lines += [f"# {line}" for line in details]
-    lines.append("# inputs:  " + ", ".join(f"in{k}={t.name}{list(t.shape)}" + ("" if t.read else " (not read)")
-                                          for k, t in enumerate(program.inputs)))
+    lines.append(
+        "# inputs:  "
+        + ", ".join(
+            f"in{k}={t.name}{list(t.shape)}" + ("" if t.read else " (not read)") for k, t in enumerate(program.inputs)
+        )
+    )
     lines.append("# outputs: " + ", ".join(f"out{k}={t.name}{list(t.shape)}" for k, t in enumerate(program.outputs)))
     return "\n".join(lines)
 

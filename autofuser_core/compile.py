@@ -106,8 +106,9 @@ def _program(candidate: Candidate) -> GroupProgram:
 MAX_ROUNDS = 6
 
 
-def compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, progress,
-                  backward: bool = False) -> tuple[torch.fx.GraphModule, FusionReport]:
+def compile_graph(
+    gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, progress, backward: bool = False
+) -> tuple[torch.fx.GraphModule, FusionReport]:
     """Steps 1-5 of the module doc; returns the rewritten module and its report.
 
     ``backward``: the graph will run with gradients on, so every group must be
@@ -137,8 +138,12 @@ def _transform_graph(gm: torch.fx.GraphModule, plugin_set, options) -> None:
             gm.recompile()
         except Exception as err:
             gm.graph = before  # recompiles
-            record_fault(impl.plugin_name, "autofuser_transform_graph", err,
-                         "its rewrite of the graph was undone and the graph is planned without it")
+            record_fault(
+                impl.plugin_name,
+                "autofuser_transform_graph",
+                err,
+                "its rewrite of the graph was undone and the graph is planned without it",
+            )
 
 
 def _spell_negative_bases(gm: torch.fx.GraphModule) -> None:
@@ -176,8 +181,9 @@ def _veto(plugin_set, candidate: Candidate, options) -> Optional[str]:
     return None
 
 
-def _compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, progress,
-                   backward: bool) -> tuple[torch.fx.GraphModule, FusionReport]:
+def _compile_graph(
+    gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, progress, backward: bool
+) -> tuple[torch.fx.GraphModule, FusionReport]:
     started = time.perf_counter()
     report = FusionReport(plugins=list(plugin_set.names), opaque=dict(gm.meta.get("autofuser_opaque", {})))
     _transform_graph(gm, plugin_set, options)
@@ -220,8 +226,7 @@ def _compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options,
                 return "decided in an earlier round"
             return _veto(plugin_set, candidate, options)
 
-        tokens = (STRICT_FP32.set(options.strict_fp32_products), MAX_PRODUCTS.set(max_products),
-                  SPLIT_RULES.set(rules))
+        tokens = (STRICT_FP32.set(options.strict_fp32_products), MAX_PRODUCTS.set(max_products), SPLIT_RULES.set(rules))
         step = time.perf_counter()
         try:
             with gc_paused():
@@ -234,25 +239,49 @@ def _compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options,
         view = plan.view
         if round_number == 1:
             for entry in view.skipped:
-                report.unfused_nodes.append(NodeEntry(node=entry.node, target=entry.target,
-                                                      reason_code=entry.reason_code, reason=entry.reason))
+                report.unfused_nodes.append(
+                    NodeEntry(node=entry.node, target=entry.target, reason_code=entry.reason_code, reason=entry.reason)
+                )
             # An extern op only a specialised strategy can generate, which none took, runs eager too.
             kept_nodes = {n for candidate in plan.kept for n in candidate.nodes}
             for node, value in view.lowered.items():
                 if value.op == "extern" and node not in kept_nodes:
-                    report.unfused_nodes.append(NodeEntry(
-                        node=node.name, target=describe_target(node.target), reason_code="extern_not_taken",
-                        reason=f"{view.lowering_of[node].name} is lowered for a strategy with its own compose, "
-                               "and no such strategy took this node (see its refused groups); it runs eager"))
+                    report.unfused_nodes.append(
+                        NodeEntry(
+                            node=node.name,
+                            target=describe_target(node.target),
+                            reason_code="extern_not_taken",
+                            reason=f"{view.lowering_of[node].name} is lowered for a strategy with its own compose, "
+                            "and no such strategy took this node (see its refused groups); it runs eager",
+                        )
+                    )
         for decision in plan.decisions:
             if round_number == 1 or decision.reason != "decided in an earlier round":
-                report.groups.append(_entry(decision.strategy, decision.nodes, view, False, decision.reason_code,
-                                            decision.reason, decision.program))
+                report.groups.append(
+                    _entry(
+                        decision.strategy,
+                        decision.nodes,
+                        view,
+                        False,
+                        decision.reason_code,
+                        decision.reason,
+                        decision.program,
+                    )
+                )
         if device.type != "cuda" and not interpreting():
             report.notes.append("no CUDA device and TRITON_INTERPRET is not 1: every group stays eager")
             for candidate in plan.kept:
-                report.groups.append(_entry(candidate.strategy.name, candidate.nodes, view, False, "no_device",
-                                            "Triton needs a CUDA device (or TRITON_INTERPRET=1)", candidate.program))
+                report.groups.append(
+                    _entry(
+                        candidate.strategy.name,
+                        candidate.nodes,
+                        view,
+                        False,
+                        "no_device",
+                        "Triton needs a CUDA device (or TRITON_INTERPRET=1)",
+                        candidate.program,
+                    )
+                )
             break
         limit = CONFIG_LIMIT.set(LATER_ROUND_CONFIGS if round_number > 1 else None)
         try:
@@ -284,8 +313,10 @@ def _compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options,
         if most > 1:
             max_products = min(max_products, most) - 1
         if failed:
-            progress(f"re-planning the nodes of {len(failed)} group(s) that stayed eager, at most "
-                     f"{max_products} product(s) per group")
+            progress(
+                f"re-planning the nodes of {len(failed)} group(s) that stayed eager, at most "
+                f"{max_products} product(s) per group"
+            )
         for description in dict.fromkeys(split.rule.description for split in rules):
             count = sum(split.rule.description == description for split in rules)
             progress(f"timing {count} group(s) against their split {description}")
@@ -297,8 +328,9 @@ def _compile_graph(gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options,
     return new_gm, report
 
 
-def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, progress, report,
-                  backward: bool = False) -> list[_Job]:
+def _verify_round(
+    gm, plan: Plan, inputs: tuple, device: torch.device, options, progress, report, backward: bool = False
+) -> list[_Job]:
     """Generate, load, tune and check every kept group of ``plan`` in one recording pass.
 
     Returns every job, those whose code could not be generated included (not fused),
@@ -343,15 +375,27 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
         program, entry = _program(job.candidate), job.entry
         kernel_inputs: Sequence[torch.Tensor]
         # Each config is timed as soon as it is compiled ahead, while the children go on.
-        ready = None if compiling is None else (
-            lambda launch: compiling.wait_for(job.source.name, launch_items(launch)))
+        ready = (
+            None if compiling is None else (lambda launch: compiling.wait_for(job.source.name, launch_items(launch)))
+        )
         try:
-            kernel_inputs = [attr_tensor(gm, t.source.path) if isinstance(t.source, AttrRef) else job.inputs[t.source]
-                             for t in program.inputs]
+            kernel_inputs = [
+                attr_tensor(gm, t.source.path) if isinstance(t.source, AttrRef) else job.inputs[t.source]
+                for t in program.inputs
+            ]
             hosted = host_scalars(program, kernel_inputs, device)
             kernel_inputs = to_device(kernel_inputs, hosted, device)
-            tuned = pick_config(job.candidate, job.source, job.kernel, kernel_inputs, device, options,
-                                 lambda msg: progress(f"[{index}/{total}] {msg}"), ready, job.configs)
+            tuned = pick_config(
+                job.candidate,
+                job.source,
+                job.kernel,
+                kernel_inputs,
+                device,
+                options,
+                lambda msg: progress(f"[{index}/{total}] {msg}"),
+                ready,
+                job.configs,
+            )
             config = tuned.config
             job.fused = FusedKernel(job.kernel, job.source, config, program, job.eager, gm, hosted, device)
             outputs = job.fused.launch(*kernel_inputs)
@@ -359,7 +403,10 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
             _refuse_job(job, "codegen_failed", err)
             return
         entry.kernel, entry.config, entry.cache_hit, entry.tuning_s = (
-            job.source.name, config, tuned.cache_hit, tuned.seconds
+            job.source.name,
+            config,
+            tuned.cache_hit,
+            tuned.seconds,
         )
         worst = 0.0
         tol = tolerance(job.candidate, view)
@@ -368,8 +415,10 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
             worst = max(worst, error) if error == error else error
             if not ok:
                 entry.fused, entry.reason_code = False, "mismatch"
-                entry.reason = (f"output {meta.name} differs from eager by {error:.3g} "
-                                f"(tolerance atol {tol.atol:g}, rtol {tol.rtol:g}); kept eager")
+                entry.reason = (
+                    f"output {meta.name} differs from eager by {error:.3g} "
+                    f"(tolerance atol {tol.atol:g}, rtol {tol.rtol:g}); kept eager"
+                )
                 break
         entry.max_error = worst
         del outputs
@@ -384,13 +433,19 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
                 entry.time_fused_ms = timer.bench(job.fused.launch, *kernel_inputs)
                 entry.time_eager_ms = timer.bench(job.eager, *kernel_inputs)
                 if tuned.key is not None:
-                    write_tuning(cache_dir(options.cache_dir), tuned.key, config, tuned.timings,
-                                 speed={"fused_ms": entry.time_fused_ms, "eager_ms": entry.time_eager_ms},
-                                 config_limit=tuned.config_limit)
+                    write_tuning(
+                        cache_dir(options.cache_dir),
+                        tuned.key,
+                        config,
+                        tuned.timings,
+                        speed={"fused_ms": entry.time_fused_ms, "eager_ms": entry.time_eager_ms},
+                        config_limit=tuned.config_limit,
+                    )
             if entry.time_fused_ms >= entry.time_eager_ms:
                 entry.fused, entry.reason_code = False, "slower"
-                entry.reason = (f"fused {entry.time_fused_ms:.4f} ms vs eager {entry.time_eager_ms:.4f} ms: "
-                                "kept eager for speed")
+                entry.reason = (
+                    f"fused {entry.time_fused_ms:.4f} ms vs eager {entry.time_eager_ms:.4f} ms: kept eager for speed"
+                )
 
     try:
         verifier = Verifier(gm, jobs, check, track_writes=backward)
@@ -417,11 +472,12 @@ def _verify_round(gm, plan: Plan, inputs: tuple, device: torch.device, options, 
             _refuse_job(job, "not_verified", RuntimeError("the group's outputs were never produced"))
         if job.overwritten_by is not None and job.entry.fused:
             job.entry.fused, job.entry.reason_code = False, "overwritten_before_backward"
-            job.entry.reason = (f"{job.overwritten_by} later writes into one of its inputs, which its backward "
-                                "would recompute from; kept eager while gradients are on")
+            job.entry.reason = (
+                f"{job.overwritten_by} later writes into one of its inputs, which its backward "
+                "would recompute from; kept eager while gradients are on"
+            )
         report.groups.append(job.entry)
     return jobs + not_generated
-
 
 
 def _split_rules(job: _Job, round_number: int) -> list[Split]:
@@ -437,8 +493,11 @@ def _split_rules(job: _Job, round_number: int) -> list[Split]:
     program = job.candidate.program
     nodes = frozenset(job.candidate.nodes)
     products = product_count(program)
-    return [Split(nodes, products - rule.fewer_products, rule) for rule in job.candidate.strategy.split_rules
-            if (round_number == 1 or not rule.first_round_only) and rule.applies(program)]
+    return [
+        Split(nodes, products - rule.fewer_products, rule)
+        for rule in job.candidate.strategy.split_rules
+        if (round_number == 1 or not rule.first_round_only) and rule.applies(program)
+    ]
 
 
 def _settle(held: list[_Job], jobs: list[_Job]) -> list[_Job]:
@@ -456,22 +515,28 @@ def _settle(held: list[_Job], jobs: list[_Job]) -> list[_Job]:
         slower = [job for job in inside if job.entry.reason_code == "slower" and job.entry.time_eager_ms is not None]
         timed = parts and all(job.entry.time_fused_ms is not None for job in parts)
         # Without a fused part (or with one untimed) the held group stands.
-        split_ms = (sum(_ms(job.entry.time_fused_ms) for job in parts)
-                    + sum(_ms(job.entry.time_eager_ms) for job in slower)
-                    + max(0.0, _ms(big.entry.time_eager_ms)
-                          - sum(_ms(job.entry.time_eager_ms) for job in parts + slower))
-                    if timed else math.inf)
+        split_ms = (
+            sum(_ms(job.entry.time_fused_ms) for job in parts)
+            + sum(_ms(job.entry.time_eager_ms) for job in slower)
+            + max(0.0, _ms(big.entry.time_eager_ms) - sum(_ms(job.entry.time_eager_ms) for job in parts + slower))
+            if timed
+            else math.inf
+        )
         if split_ms < _ms(big.entry.time_fused_ms):
             big.entry.fused, big.entry.reason_code = False, "split_faster"
-            big.entry.reason = (f"fused {big.entry.time_fused_ms:.4f} ms vs {split_ms:.4f} ms as {len(parts)} "
-                                f"shorter group(s) of its ops: the shorter groups run")
+            big.entry.reason = (
+                f"fused {big.entry.time_fused_ms:.4f} ms vs {split_ms:.4f} ms as {len(parts)} "
+                f"shorter group(s) of its ops: the shorter groups run"
+            )
             continue
         for job in inside:
             out.remove(job)  # the held group covers these nodes; nothing of them is re-planned
             if job.entry.fused:
                 job.entry.fused, job.entry.reason_code = False, "larger_group_faster"
-                job.entry.reason = (f"part of a split of a group that ran faster "
-                                    f"({big.entry.time_fused_ms:.4f} ms vs {split_ms:.4f} ms for the split)")
+                job.entry.reason = (
+                    f"part of a split of a group that ran faster "
+                    f"({big.entry.time_fused_ms:.4f} ms vs {split_ms:.4f} ms for the split)"
+                )
         out.append(big)
     return out
 
@@ -498,8 +563,9 @@ def _device_of(inputs: tuple) -> torch.device:
     return torch.device("cpu")
 
 
-def _entry(strategy: str, nodes, view, fused: bool, code: str, reason: str,
-           program: Optional[GroupProgram]) -> GroupEntry:
+def _entry(
+    strategy: str, nodes, view, fused: bool, code: str, reason: str, program: Optional[GroupProgram]
+) -> GroupEntry:
     before = 0
     for node in nodes:
         meta = node.meta.get("tensor_meta")
@@ -512,13 +578,22 @@ def _entry(strategy: str, nodes, view, fused: bool, code: str, reason: str,
             if m is not None and hasattr(m, "shape"):
                 before += _numel(m.shape) * torch.empty((), dtype=m.dtype).element_size()
         if node.op == "call_module":
-            before += sum(p.numel() * p.element_size()
-                          for p in view.gm.get_submodule(node.target).parameters(recurse=False))
+            before += sum(
+                p.numel() * p.element_size() for p in view.gm.get_submodule(node.target).parameters(recurse=False)
+            )
     ops = [view.lowering_of[n].name if n in view.lowering_of else n.name for n in nodes]
     if fused and not reason and program is not None:
         reason = program.summary  # what the strategy recognised, where it said
-    return GroupEntry(strategy=strategy, nodes=[n.name for n in nodes], ops=ops, fused=fused, reason_code=code,
-                      reason=reason, bytes_before=before, bytes_after=program.bytes_after() if program else 0)
+    return GroupEntry(
+        strategy=strategy,
+        nodes=[n.name for n in nodes],
+        ops=ops,
+        fused=fused,
+        reason_code=code,
+        reason=reason,
+        bytes_before=before,
+        bytes_after=program.bytes_after() if program else 0,
+    )
 
 
 def _numel(shape) -> int:

@@ -109,8 +109,9 @@ def _bit_equal(a: Any, b: Any) -> bool:
     return a == b
 
 
-def try_cuda_graph(forward: Callable[..., Any], inputs: tuple,
-                   model: torch.nn.Module) -> tuple[Optional[CudaGraphRunner], str]:
+def try_cuda_graph(
+    forward: Callable[..., Any], inputs: tuple, model: torch.nn.Module
+) -> tuple[Optional[CudaGraphRunner], str]:
     """A runner, or ``None`` and the reason capture is not possible."""
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     if not tensors or any(t.device.type != "cuda" for t in tensors):

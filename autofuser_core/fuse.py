@@ -66,35 +66,50 @@ class FuseOptions(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    cache_dir: Optional[str] = Field(None, strict=True,
-                                     description="Cache folder; default $AUTOFUSER_CACHE_DIR or ~/.cache/autofuser.")
+    cache_dir: Optional[str] = Field(
+        None, strict=True, description="Cache folder; default $AUTOFUSER_CACHE_DIR or ~/.cache/autofuser."
+    )
     max_signatures: int = Field(8, ge=1, strict=True, description="Compiled signatures kept; later new ones run eager.")
     tune: bool = Field(True, strict=True, description="Benchmark each kernel's configs on a GPU (cached).")
     tune_budget_s: float = Field(20.0, gt=0, strict=True, description="Tuning time per group, seconds.")
     tune_all_configs: bool = Field(
-        False, strict=True,
+        False,
+        strict=True,
         description="Tune every valid config, also past the few that strategies with large kernels tune "
-                    "(their max_tuned_configs): longer cold compiles, for gathering tuning statistics "
-                    "(benchmarks/tuning_stats.py). Cached apart from capped tuning.")
-    verify_speed: bool = Field(True, strict=True,
-                               description="On a GPU, time each group fused vs eager and keep the faster; "
-                                           "run the original model unless the whole fused forward is at "
-                                           "least FORWARD_MARGIN (2%) faster.")
+        "(their max_tuned_configs): longer cold compiles, for gathering tuning statistics "
+        "(benchmarks/tuning_stats.py). Cached apart from capped tuning.",
+    )
+    verify_speed: bool = Field(
+        True,
+        strict=True,
+        description="On a GPU, time each group fused vs eager and keep the faster; "
+        "run the original model unless the whole fused forward is at "
+        "least FORWARD_MARGIN (2%) faster.",
+    )
     progress: bool = Field(True, strict=True, description="Print progress lines to stderr while compiling.")
-    cuda_graphs: bool = Field(True, strict=True,
-                              description="For inference on CUDA, replay each compiled forward as a CUDA graph "
-                                          "where that is measured to be faster.")
+    cuda_graphs: bool = Field(
+        True,
+        strict=True,
+        description="For inference on CUDA, replay each compiled forward as a CUDA graph "
+        "where that is measured to be faster.",
+    )
     quantize: Optional[QuantizeOptions] = Field(
-        None, description="Quantise weights first: a format name ('mxint8'), or a dict / QuantizeOptions "
-                          "naming the format and which layers (include, exclude, min_numel).")
+        None,
+        description="Quantise weights first: a format name ('mxint8'), or a dict / QuantizeOptions "
+        "naming the format and which layers (include, exclude, min_numel).",
+    )
     strict_fp32_products: Literal["tf32x3", "ieee"] = Field(
-        "tf32x3", description="fp32 products where torch disallows TF32: 3xTF32 (fp32-level error, tensor cores) "
-                              "or plain fp32 FMAs.")
+        "tf32x3",
+        description="fp32 products where torch disallows TF32: 3xTF32 (fp32-level error, tensor cores) "
+        "or plain fp32 FMAs.",
+    )
     reassociate_products: bool = Field(
-        False, strict=True,
+        False,
+        strict=True,
         description="Let strategies reorder a chain of matrix products where exact arithmetic gives the same "
-                    "result ((q @ k^T) @ v as q @ (k^T @ v)): rounding differs and the cost changes, often "
-                    "from quadratic to linear in the sequence length. Off: products run as written.")
+        "result ((q @ k^T) @ v as q @ (k^T @ v)): rounding differs and the cost changes, often "
+        "from quadratic to linear in the sequence length. Off: products run as written.",
+    )
 
     @field_validator("cache_dir", mode="before")
     @classmethod
@@ -170,18 +185,23 @@ def _constant_key(x: Any) -> Any:
     if dataclasses.is_dataclass(x) and not isinstance(x, type) and kind.__dataclass_params__.frozen:
         return kind, tuple(_constant_key(getattr(x, f.name)) for f in dataclasses.fields(x))
     if isinstance(x, torch.Tensor):
-        raise _Unguardable("a tensor inside a container capture keeps whole is read as a constant; pass "
-                           "the tensor as an argument of its own, or in a tuple, list or dict")
+        raise _Unguardable(
+            "a tensor inside a container capture keeps whole is read as a constant; pass "
+            "the tensor as an argument of its own, or in a tuple, list or dict"
+        )
     try:
         hash(x)
     except Exception:
-        raise _Unguardable(f"a {kind.__name__} can't be hashed, so a compiled graph can't tell when it "
-                           "changes; pass a tensor or plain numbers instead") from None
+        raise _Unguardable(
+            f"a {kind.__name__} can't be hashed, so a compiled graph can't tell when it "
+            "changes; pass a tensor or plain numbers instead"
+        ) from None
     raise _Unguardable(
         f"a {kind.__name__} object is neither a plain value nor a frozen container of them: a compiled graph "
         "would keep what forward read from it on the first call, and a later change inside it "
         "(obj.scale = 5.0) would go unseen. To fuse, pass the values themselves (numbers, strings, tuples), "
-        "or a frozen dataclass or NamedTuple of them")
+        "or a frozen dataclass or NamedTuple of them"
+    )
 
 
 def _argument_key(x: Any) -> Any:
@@ -210,10 +230,15 @@ _MODULE_BOOKKEEPING = frozenset(torch.nn.Module().__dict__)
 
 #: Names of torch's process-wide module hooks (``register_module_forward_hook`` and kin),
 #: which fire on every module called.
-_GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks",
-                      "_global_backward_pre_hooks", "_global_backward_hooks")
-_GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOK_DICTS
-                      if hasattr(torch.nn.modules.module, name))
+_GLOBAL_HOOK_DICTS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+_GLOBAL_HOOKS = tuple(
+    getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOK_DICTS if hasattr(torch.nn.modules.module, name)
+)
 
 
 def _global_module_hooks() -> bool:
@@ -289,8 +314,12 @@ class _ModelState:
         named = list(self.model.named_modules())
         self.modules = [module for _, module in named]
         for path, module in named:
-            for kind, table in (("attribute", module.__dict__), ("submodule", module._modules),
-                                ("parameter", module._parameters), ("buffer", module._buffers)):
+            for kind, table in (
+                ("attribute", module.__dict__),
+                ("submodule", module._modules),
+                ("parameter", module._parameters),
+                ("buffer", module._buffers),
+            ):
                 for name in table:
                     if kind == "attribute" and name in _MODULE_BOOKKEEPING:
                         continue
@@ -324,8 +353,9 @@ class _ModelState:
             path, kind, name = where
             qualified = f"{path}.{name}" if path else name
             what = f"{kind} {qualified!r}"
-            changes.append(f"{what} added" if before is _MISSING else f"{what} removed" if now is _MISSING
-                           else f"{what} replaced")
+            changes.append(
+                f"{what} added" if before is _MISSING else f"{what} removed" if now is _MISSING else f"{what} replaced"
+            )
         for path in hooks.keys() | self._hooks.keys():
             if hooks.get(path) != self._hooks.get(path):
                 changes.append(f"hooks of {path or '<model>'!r} added or removed")
@@ -366,8 +396,10 @@ class FusedModule(torch.nn.Module):
         forward_parameters = self._forward_signature.parameters.values()
         # Calls that pass exactly the positional parameters need no binding.
         self._positional_count = (
-            -1 if any(p.kind in (p.VAR_POSITIONAL, p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in forward_parameters)
-            else len(forward_parameters))
+            -1
+            if any(p.kind in (p.VAR_POSITIONAL, p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in forward_parameters)
+            else len(forward_parameters)
+        )
 
     # -- nn.Module plumbing: everything that holds state is the model's ------
 
@@ -435,19 +467,28 @@ class FusedModule(torch.nn.Module):
         if name.startswith("_"):
             # Private names stay the wrapper's: torch and other libraries probe them on the
             # module they were given, and must not find the model's bookkeeping there.
-            raise AttributeError(f"'FusedModule' object has no attribute {name!r}; the wrapped model's "
-                                 f"attributes are at fused.model.{name}")
+            raise AttributeError(
+                f"'FusedModule' object has no attribute {name!r}; the wrapped model's "
+                f"attributes are at fused.model.{name}"
+            )
         return getattr(model, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         model = self.__dict__.get("_model")
-        if (model is not None and not name.startswith("_") and name not in self.__dict__
-                and not hasattr(type(self), name) and hasattr(model, name)):
+        if (
+            model is not None
+            and not name.startswith("_")
+            and name not in self.__dict__
+            and not hasattr(type(self), name)
+            and hasattr(model, name)
+        ):
             # Set on the wrapper, it would shadow the model's attribute for reads through
             # the wrapper, and forward would never see it.
-            raise AttributeError(f"fused.{name} = ... would set an attribute of the FusedModule wrapper, not of "
-                                 f"the {type(model).__name__} it runs; set fused.model.{name} instead (the "
-                                 "guard sees the change).")
+            raise AttributeError(
+                f"fused.{name} = ... would set an attribute of the FusedModule wrapper, not of "
+                f"the {type(model).__name__} it runs; set fused.model.{name} instead (the "
+                "guard sees the change)."
+            )
         super().__setattr__(name, value)
 
     # -- copying and saving: compiled kernels and loaded plugins are per process ---
@@ -511,19 +552,26 @@ class FusedModule(torch.nn.Module):
         shown = "; ".join(changes[:3]) + ("; ..." if len(changes) > 3 else "")
         logger.info("the model changed between calls (%s): compiling again", shown)
         if self._state_changes > STATE_CHANGE_LIMIT:
-            self._warn_once("state", (
-                f"AutoFuser: the model changed between calls {self._state_changes} times in ways that each "
-                f"need a recompile (the last: {shown}); calls now run the original model. After a change "
-                "meant to last, call fused.reset(); values that change from call to call belong in "
-                "forward's arguments."))
+            self._warn_once(
+                "state",
+                (
+                    f"AutoFuser: the model changed between calls {self._state_changes} times in ways that each "
+                    f"need a recompile (the last: {shown}); calls now run the original model. After a change "
+                    "meant to last, call fused.reset(); values that change from call to call belong in "
+                    "forward's arguments."
+                ),
+            )
 
     def _why_original(self) -> Optional[tuple[str, str]]:
         """Why this call must run the original model - (kind, warning) - or ``None``."""
         if _global_module_hooks():
             # They fire on every module called; traced or fused modules are never called.
-            return ("global", "AutoFuser: a global module hook is registered (register_module_forward_hook "
-                              "or kin), which must see every module called; while one is, calls run the "
-                              "original model.")
+            return (
+                "global",
+                "AutoFuser: a global module hook is registered (register_module_forward_hook "
+                "or kin), which must see every module called; while one is, calls run the "
+                "original model.",
+            )
         if self._state_changes > STATE_CHANGE_LIMIT:
             return ("state", "")
         return None
@@ -560,17 +608,24 @@ class FusedModule(torch.nn.Module):
         except _Unguardable as err:
             # The graph bakes in non-tensor arguments; one that can't be compared can't be guarded.
             where = self._unguardable_argument(args, kwargs)
-            self._warn_once("argument", f"AutoFuser: argument {where} can't be guarded: {err}. Calls "
-                                        "passing such an argument run the original model.")
+            self._warn_once(
+                "argument",
+                f"AutoFuser: argument {where} can't be guarded: {err}. Calls "
+                "passing such an argument run the original model.",
+            )
             return self._run_original(args, kwargs)
         entry = self._compiled.get(key)
         if entry is None:
             if len(self._compiled) >= self._options.max_signatures:
-                self._warn_once("full", (
-                    f"AutoFuser: {self._options.max_signatures} signatures are already compiled "
-                    "(max_signatures); new ones - new input shapes, dtypes or non-tensor arguments, or new "
-                    "values of the model's plain attributes - run the original model. Raise max_signatures "
-                    "to compile more."))
+                self._warn_once(
+                    "full",
+                    (
+                        f"AutoFuser: {self._options.max_signatures} signatures are already compiled "
+                        "(max_signatures); new ones - new input shapes, dtypes or non-tensor arguments, or new "
+                        "values of the model's plain attributes - run the original model. Raise max_signatures "
+                        "to compile more."
+                    ),
+                )
                 return self._run_original(args, kwargs)
             try:
                 entry = self._compile(args, kwargs, key)
@@ -592,8 +647,11 @@ class FusedModule(torch.nn.Module):
 
     def _unguardable_argument(self, args: tuple, kwargs: dict) -> str:
         """Which argument the guard refused, for the warning: its parameter name."""
-        names = [p.name for p in self._forward_signature.parameters.values()
-                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names = [
+            p.name
+            for p in self._forward_signature.parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
         for index, value in enumerate(args):
             try:
                 _argument_key(value)
@@ -629,16 +687,20 @@ class FusedModule(torch.nn.Module):
         captured_s = time.perf_counter() - start
         flat = self._flatten(args, kwargs)
         if list(gm.meta.get("autofuser_opaque", {})) == [""]:
-            report = FusionReport(plugins=self._plugin_set.names, opaque=dict(gm.meta["autofuser_opaque"]),
-                                  notes=["the model could not be traced at all; it runs unchanged"])
+            report = FusionReport(
+                plugins=self._plugin_set.names,
+                opaque=dict(gm.meta["autofuser_opaque"]),
+                notes=["the model could not be traced at all; it runs unchanged"],
+            )
             entry: tuple[Union[torch.fx.GraphModule, CudaGraphRunner, None], FusionReport] = (None, report)
             runs_model_code = True
         else:
             grad = torch.is_grad_enabled()
             try:
                 with torch.no_grad():
-                    fused_gm, report = compile_graph(gm, flat, self._plugin_set, self._options, self._progress,
-                                                     backward=grad)
+                    fused_gm, report = compile_graph(
+                        gm, flat, self._plugin_set, self._options, self._progress, backward=grad
+                    )
             except Exception as err:  # noqa: BLE001 - a fault of ours must not cost the user's call
                 return self._compile_failed(key, args, flat, start, err)
             report.phases = {"capture": captured_s, **report.phases}
@@ -662,8 +724,10 @@ class FusedModule(torch.nn.Module):
                 elif any(kernel.host_scalars for kernel in fused_kernels(fused_gm)):
                     # A copy from host memory can't be captured: capture would fail, and torch warn.
                     no_graph = True
-                    report.notes.append("no CUDA graph: a kernel reads a one-element tensor the forward makes "
-                                        "in host memory (torch.tensor(2.5)), copied to the GPU on every call")
+                    report.notes.append(
+                        "no CUDA graph: a kernel reads a one-element tensor the forward makes "
+                        "in host memory (torch.tensor(2.5)), copied to the GPU on every call"
+                    )
             measured = self._options.verify_speed and inference and _can_time_forward(device)
             vkey = _verdict_key(fused_gm, bool(report.fused), kwargs, flat) if measured else None
             root = cache_dir(self._options.cache_dir)
@@ -688,14 +752,20 @@ class FusedModule(torch.nn.Module):
                     plain_ms, graph_ms = times["plain_ms"], times["graph_ms"]
                     if graph_ms < plain_ms:
                         runner = graph
-                        report.notes.append(f"the compiled forward replays as one CUDA graph "
-                                            f"({graph_ms:.3f} ms vs {plain_ms:.3f} ms launched op by op)")
+                        report.notes.append(
+                            f"the compiled forward replays as one CUDA graph "
+                            f"({graph_ms:.3f} ms vs {plain_ms:.3f} ms launched op by op)"
+                        )
                     else:
-                        report.notes.append(f"no CUDA graph: replaying it ({graph_ms:.3f} ms, with input copies and "
-                                            f"output clones) is not faster than launching ({plain_ms:.3f} ms)")
+                        report.notes.append(
+                            f"no CUDA graph: replaying it ({graph_ms:.3f} ms, with input copies and "
+                            f"output clones) is not faster than launching ({plain_ms:.3f} ms)"
+                        )
                 elif slower_before:
-                    report.notes.append(f"no CUDA graph: replaying it ({known['graph_ms']:.3f} ms) was measured "
-                                        f"not faster than launching ({known.get('plain_ms', 0.0):.3f} ms)")
+                    report.notes.append(
+                        f"no CUDA graph: replaying it ({known['graph_ms']:.3f} ms) was measured "
+                        f"not faster than launching ({known.get('plain_ms', 0.0):.3f} ms)"
+                    )
                 else:
                     report.notes.append(f"no CUDA graph ({why}); kernels launch one by one")
             report.add_phase("cuda_graph", time.perf_counter() - step)
@@ -706,12 +776,15 @@ class FusedModule(torch.nn.Module):
                 if f"{use}_fused_ms" not in times or "eager_ms" not in times:
                     with torch.no_grad(), preserved_state(self._model):
                         times[f"{use}_fused_ms"], times["eager_ms"] = _forward_times(
-                            runner, lambda *a: self._model(*args, **kwargs), flat)
+                            runner, lambda *a: self._model(*args, **kwargs), flat
+                        )
                 eager_ms, fused_ms = times["eager_ms"], times[f"{use}_fused_ms"]
                 if fused_ms >= eager_ms * (1.0 - FORWARD_MARGIN):
-                    report.notes.append(f"the fused forward ({fused_ms:.3f} ms) was not at least "
-                                        f"{100 * FORWARD_MARGIN:.0f}% faster than the original ({eager_ms:.3f} ms) "
-                                        "for these inputs: the original runs")
+                    report.notes.append(
+                        f"the fused forward ({fused_ms:.3f} ms) was not at least "
+                        f"{100 * FORWARD_MARGIN:.0f}% faster than the original ({eager_ms:.3f} ms) "
+                        "for these inputs: the original runs"
+                    )
                     runner = None
                 else:
                     report.notes.append(f"forward: {fused_ms:.3f} ms fused vs {eager_ms:.3f} ms eager")
@@ -727,8 +800,10 @@ class FusedModule(torch.nn.Module):
         report.device = str(_device_of(flat))
         report.compile_s = time.perf_counter() - start
         entry = self._compiled[key] = _Compiled(entry, runs_model_code)
-        self._progress(f"compiled {name} in {report.compile_s:.1f} s: {len(report.fused)} fused group(s), "
-                       f"{len(report.skipped)} skipped")
+        self._progress(
+            f"compiled {name} in {report.compile_s:.1f} s: {len(report.fused)} fused group(s), "
+            f"{len(report.skipped)} skipped"
+        )
         return entry
 
     def _compile_failed(self, key: Any, args: tuple, flat: tuple, start: float, err: Exception):
@@ -737,12 +812,16 @@ class FusedModule(torch.nn.Module):
         name = type(self._model).__name__
         why = f"{type(err).__name__}: {err}"
         logger.debug("compiling %s failed", name, exc_info=err)
-        warnings.warn(f"AutoFuser: compiling {name} for {_describe_inputs(args)} failed ({why}); these inputs run "
-                      "the original model. This is a bug in AutoFuser or one of its plugins: please report it "
-                      "with the traceback (logging.getLogger('autofuser') at DEBUG shows it).",
-                      CompileFailedWarning, stacklevel=4)
-        report = FusionReport(plugins=self._plugin_set.names,
-                              notes=[f"compiling failed ({why}); the original model runs"])
+        warnings.warn(
+            f"AutoFuser: compiling {name} for {_describe_inputs(args)} failed ({why}); these inputs run "
+            "the original model. This is a bug in AutoFuser or one of its plugins: please report it "
+            "with the traceback (logging.getLogger('autofuser') at DEBUG shows it).",
+            CompileFailedWarning,
+            stacklevel=4,
+        )
+        report = FusionReport(
+            plugins=self._plugin_set.names, notes=[f"compiling failed ({why}); the original model runs"]
+        )
         report.quantized = list(self._quantized)
         report.signature = _describe_inputs(args)
         report.device = str(_device_of(flat))
@@ -807,9 +886,12 @@ class _Compiled(tuple):
 def _calls_model_code(graph_module: torch.fx.GraphModule) -> bool:
     """Whether the rewritten graph calls a module holding one whose class is not torch's own
     (torch's modules leave the attributes the guard watches alone)."""
-    return any(not type(inner).__module__.startswith("torch.")
-               for node in graph_module.graph.nodes if node.op == "call_module"
-               for inner in graph_module.get_submodule(node.target).modules())
+    return any(
+        not type(inner).__module__.startswith("torch.")
+        for node in graph_module.graph.nodes
+        if node.op == "call_module"
+        for inner in graph_module.get_submodule(node.target).modules()
+    )
 
 
 _training = operator.attrgetter("training")
@@ -828,8 +910,9 @@ class _StateKey:
         return self._hash
 
     def __eq__(self, other: Any) -> bool:
-        return self is other or (isinstance(other, _StateKey) and self._hash == other._hash
-                                 and self.constants == other.constants)
+        return self is other or (
+            isinstance(other, _StateKey) and self._hash == other._hash and self.constants == other.constants
+        )
 
 
 # -- saving: plugins given as modules or objects -------------------------------------
@@ -862,7 +945,8 @@ def _plugins_to_save(plugins: Optional[Sequence[Any]], loaded_names: Sequence[st
                 raise AutoFuserError(
                     f"can't save this FusedModule: its plugin module {item.__name__!r} was not imported from a "
                     "file, so loading could not import it again. Put the plugin in an importable module and "
-                    "give it by name (plugins=['package.plugin']) or as that imported module.")
+                    "give it by name (plugins=['package.plugin']) or as that imported module."
+                )
             saved.append(_SavedPluginModule(name))
         else:
             try:
@@ -871,7 +955,8 @@ def _plugins_to_save(plugins: Optional[Sequence[Any]], loaded_names: Sequence[st
                 raise AutoFuserError(
                     f"can't save this FusedModule: its plugin object {item!r} can't be pickled "
                     f"({type(err).__name__}: {err}). Define the plugin's class at the top level of an importable "
-                    "module, or give the plugin as a module or by name (plugins=['package.plugin']).") from None
+                    "module, or give the plugin as a module or by name (plugins=['package.plugin'])."
+                ) from None
             saved.append(item)
     return saved
 
@@ -886,16 +971,21 @@ def _plugins_to_load(saved: Optional[Sequence[Any]]) -> Optional[list]:
             try:
                 item = importlib.import_module(item.name)
             except ImportError as err:
-                raise PluginError(f"the saved FusedModule's plugin module {item.name!r} can't be imported here "
-                                  f"({err}); install or add to sys.path the package that holds it.") from None
+                raise PluginError(
+                    f"the saved FusedModule's plugin module {item.name!r} can't be imported here "
+                    f"({err}); install or add to sys.path the package that holds it."
+                ) from None
         plugins.append(item)
     return plugins
 
 
 def fused_kernels(graph_module: torch.fx.GraphModule) -> list[FusedKernel]:
     """The ``FusedKernel`` each call of a rewritten graph runs, in graph order."""
-    return [node.target for node in graph_module.graph.nodes
-            if node.op == "call_function" and isinstance(node.target, FusedKernel)]
+    return [
+        node.target
+        for node in graph_module.graph.nodes
+        if node.op == "call_function" and isinstance(node.target, FusedKernel)
+    ]
 
 
 def _load_plugins_quietly(plugins):
@@ -920,9 +1010,11 @@ CLEAR_GAP = 0.2
 #: seconds (softmax attention over every mesh point: the zoo's Transformer, BENCHMARKS.md,
 #: Model zoo), and no slow moment of the GPU doubles a forward that long.
 WIDE_GAP = 0.5
-FORWARD_TIMING = (f"back-to-back events, fused first, best of {FORWARD_ROUNDS} rounds "
-                  f"(one past a {CLEAR_GAP:.0%} gap), 3 calls for a forward over {FORWARD_BUDGET_MS:g} ms, "
-                  f"one eager call over that past a {WIDE_GAP:.0%} gap")
+FORWARD_TIMING = (
+    f"back-to-back events, fused first, best of {FORWARD_ROUNDS} rounds "
+    f"(one past a {CLEAR_GAP:.0%} gap), 3 calls for a forward over {FORWARD_BUDGET_MS:g} ms, "
+    f"one eager call over that past a {WIDE_GAP:.0%} gap"
+)
 
 
 def writes_into_inputs(forward, flat: Sequence[Any]) -> bool:
@@ -970,8 +1062,10 @@ def _gpu_bound(forward: torch.fx.GraphModule, flat: Sequence[Any]) -> Optional[s
     caller ran the forward just before (``writes_into_inputs``), so its kernels are loaded."""
     queued_ms, total_ms = _once(forward, flat)
     if total_ms > FORWARD_BUDGET_MS and queued_ms < HOST_SHARE_GPU_BOUND * total_ms:
-        return (f"the forward is GPU-bound: the host queues it in {queued_ms:.1f} of its {total_ms:.1f} ms, "
-                "so a replay would save no launch time")
+        return (
+            f"the forward is GPU-bound: the host queues it in {queued_ms:.1f} of its {total_ms:.1f} ms, "
+            "so a replay would save no launch time"
+        )
     return None
 
 
@@ -1018,8 +1112,11 @@ def _can_time_forward(device: torch.device) -> bool:
 
 def _fp32_settings() -> tuple:
     """How eager multiplies fp32 (matmuls, and cuDNN's convolutions): kernels are written to match it."""
-    return (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
-            torch.backends.cudnn.allow_tf32)
+    return (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.get_float32_matmul_precision(),
+        torch.backends.cudnn.allow_tf32,
+    )
 
 
 def _verdict_key(fused_gm: torch.fx.GraphModule, fused: bool, kwargs: dict, flat: tuple) -> Optional[dict]:
@@ -1029,8 +1126,7 @@ def _verdict_key(fused_gm: torch.fx.GraphModule, fused: bool, kwargs: dict, flat
     if not fused:
         return None
     kernels = [[k.source.name, k.source.source_hash, sorted(k.config.items())] for k in fused_kernels(fused_gm)]
-    inputs = [[str(x.dtype), list(x.shape), list(x.stride())] if isinstance(x, torch.Tensor) else repr(x)
-              for x in flat]
+    inputs = [[str(x.dtype), list(x.shape), list(x.stride())] if isinstance(x, torch.Tensor) else repr(x) for x in flat]
     precision = _fp32_settings()  # they change eager's own time
     # The timing method is part of the key: verdicts timed another way are not reused.
     text = json.dumps([fused_gm.code, kernels, inputs, sorted(kwargs), precision, FORWARD_TIMING], default=str)

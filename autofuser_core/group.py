@@ -163,8 +163,9 @@ class GroupProgram:
 TensorDescription = tuple[tuple[int, ...], torch.dtype, tuple[int, ...]]
 
 
-def _dtype_of(source: Any, root: torch.nn.Module,
-              attr_cache: Optional[dict[str, TensorDescription]] = None) -> TensorDescription:
+def _dtype_of(
+    source: Any, root: torch.nn.Module, attr_cache: Optional[dict[str, TensorDescription]] = None
+) -> TensorDescription:
     if isinstance(source, AttrRef):
         if attr_cache is not None and source.path in attr_cache:
             return attr_cache[source.path]
@@ -240,9 +241,18 @@ def compose_group(
                 scales_of_load[out.uid] = input_for(v.packed.scales)
         elif v.args:
             out = Value(
-                v.op, v.shape, is_bool=v.is_bool, args=tuple(rebuild(a, node) for a in v.args), template=v.template,
-                constant=v.constant, reduce_op=v.reduce_op, dims=v.dims, keepdim=v.keepdim,
-                transpose_b=v.transpose_b, column_dims=v.column_dims, fp32_precision=v.fp32_precision,
+                v.op,
+                v.shape,
+                is_bool=v.is_bool,
+                args=tuple(rebuild(a, node) for a in v.args),
+                template=v.template,
+                constant=v.constant,
+                reduce_op=v.reduce_op,
+                dims=v.dims,
+                keepdim=v.keepdim,
+                transpose_b=v.transpose_b,
+                column_dims=v.column_dims,
+                fp32_precision=v.fp32_precision,
                 dtype=v.dtype,
             )
         else:
@@ -258,8 +268,10 @@ def compose_group(
             # A no-op (x.float() on fp32, eval dropout, Identity) returns its input itself in
             # eager; a kernel output would be a copy, and an in-place op on one name would no
             # longer reach the other.
-            raise GroupRefused("alias_output", f"{node.name} is its input itself in eager; "
-                                                "a copy made by a kernel would break that alias")
+            raise GroupRefused(
+                "alias_output",
+                f"{node.name} is its input itself in eager; a copy made by a kernel would break that alias",
+            )
         _stamp_dot_dtype(value, meta.dtype, stamped)
         # A packed weight is only ever a product's operand, which rounds to its dtype itself.
         if meta.dtype in ROUNDED_DTYPES and not value.is_bool and value.packed is None:
@@ -289,8 +301,14 @@ def compose_group(
         raise GroupRefused("no_outputs", "no value of the group is used outside it")
 
     program = GroupProgram(
-        nodes=list(nodes), inputs=inputs, outputs=outputs, output_values=output_values,
-        domain=(), reduced_dims=(), input_of_load=input_of_load, scales_of_load=scales_of_load,
+        nodes=list(nodes),
+        inputs=inputs,
+        outputs=outputs,
+        output_values=output_values,
+        domain=(),
+        reduced_dims=(),
+        input_of_load=input_of_load,
+        scales_of_load=scales_of_load,
         op_names=[(op_names or {}).get(n, n.name) for n in nodes],
     )
     if lay_out is None:
@@ -346,9 +364,15 @@ def program_from_nodes(
     if not outputs:
         raise GroupRefused("no_outputs", "no value of the group is used outside it")
     return GroupProgram(
-        nodes=list(nodes), inputs=inputs, outputs=outputs, output_values=[], domain=outputs[0].shape,
-        reduced_dims=(), op_names=[(op_names or {}).get(n, n.name) for n in nodes],
-        products_precision=products_precision, summary=summary,
+        nodes=list(nodes),
+        inputs=inputs,
+        outputs=outputs,
+        output_values=[],
+        domain=outputs[0].shape,
+        reduced_dims=(),
+        op_names=[(op_names or {}).get(n, n.name) for n in nodes],
+        products_precision=products_precision,
+        summary=summary,
     )
 
 
@@ -511,8 +535,9 @@ def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Produ
             raise GroupRefused("output_broadcasts", f"output {tensor.name} is partly reduced")
 
 
-def _lay_out_products(program: GroupProgram, values: dict[int, Value], products: int,
-                      product_layouts: Mapping[int, ProductLayout]) -> None:
+def _lay_out_products(
+    program: GroupProgram, values: dict[int, Value], products: int, product_layouts: Mapping[int, ProductLayout]
+) -> None:
     """A group with ``products`` matrix products, laid out by the plugins' layout for that
     count; one product always may be, several only up to ``MAX_PRODUCTS``."""
     lay_out = product_layouts.get(products) if products <= max(1, MAX_PRODUCTS.get()) else None
@@ -521,8 +546,10 @@ def _lay_out_products(program: GroupProgram, values: dict[int, Value], products:
     elif products > 1:
         raise GroupRefused("several_products", f"{products} matrix products in one group")
     else:
-        raise GroupRefused("no_product_layout", "no loaded plugin lays out a group with a matrix product "
-                                                "(the bundled one is the matmul plugin's)")
+        raise GroupRefused(
+            "no_product_layout",
+            "no loaded plugin lays out a group with a matrix product (the bundled one is the matmul plugin's)",
+        )
 
 
 def read_view(tensor: KernelTensor, shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -125,9 +125,11 @@ def broadcast_shapes(*shapes: Sequence[int] | int) -> tuple[int, ...]:
         out = [1] * (len(shape) - len(out)) + out
         for i, size in enumerate(shape, start=len(out) - len(shape)):
             if size != out[i] and out[i] != 1 and size != 1:
-                raise RuntimeError(f"shape {shape} cannot be broadcast with {so_far} (the shapes before it "
-                                   f"broadcast together): size {size} against {out[i]}, "
-                                   f"{len(out) - i} dimension(s) from the end")
+                raise RuntimeError(
+                    f"shape {shape} cannot be broadcast with {so_far} (the shapes before it "
+                    f"broadcast together): size {size} against {out[i]}, "
+                    f"{len(out) - i} dimension(s) from the end"
+                )
             out[i] = out[i] if size == 1 else size
     return tuple(out)
 
@@ -158,7 +160,8 @@ class LoweringContext:
         self.node = node
         self.root = root
         self.module: Optional[torch.nn.Module] = (
-            root.get_submodule(cast(str, node.target)) if node.op == "call_module" else None)
+            root.get_submodule(cast(str, node.target)) if node.op == "call_module" else None
+        )
         self._helpers = helpers
         meta = tensor_meta(node)
         self.out_shape: Optional[tuple[int, ...]] = tuple(meta.shape) if meta is not None else None
@@ -244,8 +247,9 @@ class LoweringContext:
             shape = tuple(s for i, s in enumerate(value.shape) if i not in norm)
         return Value("reduce", shape, args=(value,), reduce_op=op, dims=norm, keepdim=keepdim)
 
-    def matmul(self, a: Any, b: Any, transpose_b: bool = False, column_dims: int = 1,
-               fp32_precision: Optional[str] = None) -> Value:
+    def matmul(
+        self, a: Any, b: Any, transpose_b: bool = False, column_dims: int = 1, fp32_precision: Optional[str] = None
+    ) -> Value:
         """``a @ b`` (``a @ b.transpose(-2, -1)`` with ``transpose_b``) over the last two dims.
 
         ``column_dims=c`` lets the columns span ``b``'s last ``c`` dims: ``a``
@@ -264,16 +268,25 @@ class LoweringContext:
         if transpose_b:
             kb, columns, b_batch = b.shape[-1], (b.shape[-2],), b.shape[:-2]
         else:
-            kb, columns, b_batch = (b.shape[-1 - column_dims], b.shape[len(b.shape) - column_dims:],
-                                    b.shape[:-1 - column_dims])
+            kb, columns, b_batch = (
+                b.shape[-1 - column_dims],
+                b.shape[len(b.shape) - column_dims :],
+                b.shape[: -1 - column_dims],
+            )
         if k != kb:
             self.refuse("shape_mismatch", f"inner dims {k} and {kb} differ")
         try:
             batch = broadcast_shapes(a.shape[:-2], b_batch)
         except RuntimeError as err:
             self.refuse("shape_mismatch", str(err))
-        return Value("dot", batch + (m,) + tuple(columns), args=(a, b), transpose_b=transpose_b,
-                     column_dims=column_dims, fp32_precision=fp32_precision)
+        return Value(
+            "dot",
+            batch + (m,) + tuple(columns),
+            args=(a, b),
+            transpose_b=transpose_b,
+            column_dims=column_dims,
+            fp32_precision=fp32_precision,
+        )
 
     def read_as(self, arg: Any, shape: Sequence[int]) -> Value:
         """Read tensor ``arg`` (an fx node or a loaded ``Value``) as ``shape``: its own
@@ -285,12 +298,23 @@ class LoweringContext:
         if value.op != "load":
             self.refuse("unsupported_argument", "only tensors read from memory can be re-read with another shape")
         if [s for s in shape if s != 1] != [s for s in value.shape if s != 1]:
-            self.refuse("shape_mismatch", f"{list(value.shape)} can't be read as {list(shape)}: only size-1 dims "
-                                          "may be inserted or removed")
+            self.refuse(
+                "shape_mismatch",
+                f"{list(value.shape)} can't be read as {list(shape)}: only size-1 dims may be inserted or removed",
+            )
         return Value("load", shape, is_bool=value.is_bool, source=value.source)
 
-    def packed_weight(self, data: Any, scales: Any, shape: Sequence[int], block: int, decode: str,
-                      dtype: torch.dtype, format: str = "", exact_tf32: bool = False) -> Value:
+    def packed_weight(
+        self,
+        data: Any,
+        scales: Any,
+        shape: Sequence[int],
+        block: int,
+        decode: str,
+        dtype: torch.dtype,
+        format: str = "",
+        exact_tf32: bool = False,
+    ) -> Value:
         """A quantised weight of logical ``shape`` (reduction dim last), stored as
         ``data`` (int8/uint8 elements, reduction dim padded to a multiple of
         ``block``) and ``scales`` (one per ``block`` elements): see ``PackedWeight``.
@@ -305,15 +329,27 @@ class LoweringContext:
         data_shape, scale_shape = tensor_meta(data).shape, tensor_meta(scales).shape
         shape = tuple(shape)
         padded = -(-shape[-1] // block) * block
-        if (len(data_shape) != len(shape) or tuple(data_shape[:-1]) != shape[:-1] or data_shape[-1] != padded
-                or tuple(scale_shape) != shape[:-1] + (padded // block,)):
-            self.refuse("shape_mismatch", f"packed weight of shape {list(shape)} stored as {list(data_shape)} "
-                                          f"elements and {list(scale_shape)} scales (block {block})")
+        if (
+            len(data_shape) != len(shape)
+            or tuple(data_shape[:-1]) != shape[:-1]
+            or data_shape[-1] != padded
+            or tuple(scale_shape) != shape[:-1] + (padded // block,)
+        ):
+            self.refuse(
+                "shape_mismatch",
+                f"packed weight of shape {list(shape)} stored as {list(data_shape)} "
+                f"elements and {list(scale_shape)} scales (block {block})",
+            )
         if decode not in self._helpers:
             raise ValueError(f"packed weight decoder {decode!r} is not a helper: register it with ctx.helper first")
-        return Value("load", shape, source=data,
-                     packed=PackedWeight(scales=scales, block=block, decode=decode, dtype=dtype, format=format,
-                                         exact_tf32=exact_tf32))
+        return Value(
+            "load",
+            shape,
+            source=data,
+            packed=PackedWeight(
+                scales=scales, block=block, decode=decode, dtype=dtype, format=format, exact_tf32=exact_tf32
+            ),
+        )
 
     def extern(self) -> Value:
         """This node as one opaque value of its own output shape.

@@ -31,9 +31,17 @@ _INTERPRETER_LOCK = threading.Lock()
 class FusedKernel:
     """Callable that runs one fused group."""
 
-    def __init__(self, kernel: Any, source: KernelSource, config: dict, program: GroupProgram,
-                 eager: Callable[..., Any], root: torch.nn.Module, host_scalars: Sequence[int] = (),
-                 device: Optional[torch.device] = None):
+    def __init__(
+        self,
+        kernel: Any,
+        source: KernelSource,
+        config: dict,
+        program: GroupProgram,
+        eager: Callable[..., Any],
+        root: torch.nn.Module,
+        host_scalars: Sequence[int] = (),
+        device: Optional[torch.device] = None,
+    ):
         self.kernel = kernel
         self.source = source
         self.config = dict(config)
@@ -43,8 +51,9 @@ class FusedKernel:
         self.launcher = kernel[self.grid]  # indexing a Triton kernel by its grid builds a launcher: once
         self.direct: Optional[DirectLaunch] = None  # the compiled kernel, once a launch has compiled it
         # (shape, strides or None where a single element makes strides meaningless)
-        self.input_layout = [(torch.Size(t.shape), tuple(t.stride) if math.prod(t.shape) > 1 else None)
-                             for t in program.inputs]
+        self.input_layout = [
+            (torch.Size(t.shape), tuple(t.stride) if math.prod(t.shape) > 1 else None) for t in program.inputs
+        ]
         # What each input must arrive as: the kernel's dtype, or the dtype the launcher
         # converts from (a weight converted once per call).
         self.input_dtypes = [t.cast_from or t.dtype for t in program.inputs]
@@ -82,8 +91,10 @@ class FusedKernel:
     def launch(self, *given: torch.Tensor) -> list[torch.Tensor]:
         inputs: Sequence[torch.Tensor] = cast_inputs(given, self.host_moves) if self.host_moves else given
         device = inputs[0].device
-        outputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                   for shape, stride, dtype in self.output_layout]
+        outputs = [
+            torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            for shape, stride, dtype in self.output_layout
+        ]
         args = (*cast_inputs(inputs, self.casts), *outputs)
         values = self.direct.values(args) if self.direct is not None else None
         if values is not None and self.direct is not None:
@@ -135,8 +146,15 @@ class DirectLaunch:
     globals the kernel read are unchanged, debug and instrumentation settings read per
     call - concerns no kernel AutoFuser writes."""
 
-    def __init__(self, compiled, template: list, tensor_slots: list[tuple[int, bool, torch.dtype]],
-                 others: list[tuple[int, Any]], grid: tuple, device: int):
+    def __init__(
+        self,
+        compiled,
+        template: list,
+        tensor_slots: list[tuple[int, bool, torch.dtype]],
+        others: list[tuple[int, Any]],
+        grid: tuple,
+        device: int,
+    ):
         self.compiled, self.template, self.tensor_slots, self.others = compiled, template, tensor_slots, others
         self.slots = sorted([slot for slot, _, _ in tensor_slots] + [slot for slot, _ in others])
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
@@ -179,8 +197,11 @@ class DirectLaunch:
             values[slot] = value
         for slot, aligned, dtype in self.tensor_slots:
             tensor = values[slot]
-            if (not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype
-                    or (tensor.data_ptr() % 16 == 0) != aligned):
+            if (
+                not isinstance(tensor, torch.Tensor)
+                or tensor.dtype != dtype
+                or (tensor.data_ptr() % 16 == 0) != aligned
+            ):
                 return None
         for slot, value in self.others:
             if type(values[slot]) is not type(value) or values[slot] != value:
@@ -198,8 +219,10 @@ class DirectLaunch:
 def _hooked() -> bool:
     """Whether a launch hook (a profiler's) is set: then every launch goes through Triton.
     (A hook is a function, or from Triton 3.7 or so a chain of them, empty when unset.)"""
-    return any(hook is not None and getattr(hook, "calls", True)
-               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+    return any(
+        hook is not None and getattr(hook, "calls", True)
+        for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    )
 
 
 def host_scalars(program: GroupProgram, inputs: Sequence[torch.Tensor], device: torch.device) -> list[int]:
@@ -209,8 +232,9 @@ def host_scalars(program: GroupProgram, inputs: Sequence[torch.Tensor], device: 
     the slots found with the compile's inputs hold for every call."""
     if device.type == "cpu":
         return []
-    return [slot for slot, t in enumerate(program.inputs)
-            if math.prod(t.shape) == 1 and inputs[slot].device.type == "cpu"]
+    return [
+        slot for slot, t in enumerate(program.inputs) if math.prod(t.shape) == 1 and inputs[slot].device.type == "cpu"
+    ]
 
 
 def to_device(inputs: Sequence[torch.Tensor], slots: Sequence[int], device: torch.device) -> Sequence[torch.Tensor]:
@@ -218,8 +242,9 @@ def to_device(inputs: Sequence[torch.Tensor], slots: Sequence[int], device: torc
     return cast_inputs(inputs, [(slot, device) for slot in slots])
 
 
-def cast_inputs(inputs: Sequence[torch.Tensor],
-                casts: Sequence[tuple[int, "torch.dtype | torch.device | None"]]) -> Sequence[torch.Tensor]:
+def cast_inputs(
+    inputs: Sequence[torch.Tensor], casts: Sequence[tuple[int, "torch.dtype | torch.device | None"]]
+) -> Sequence[torch.Tensor]:
     """``inputs`` with those of ``casts`` converted to the dtype the kernel reads (or
     moved to the device it runs on); ``inputs`` itself where there is none."""
     if not casts:
@@ -270,8 +295,9 @@ class RecomputeForBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fused: FusedKernel, *inputs: torch.Tensor):
         ctx.fused = fused
-        ctx.autocast = {device: torch.get_autocast_dtype(device) for device in ("cpu", "cuda")
-                        if torch.is_autocast_enabled(device)}
+        ctx.autocast = {
+            device: torch.get_autocast_dtype(device) for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)
+        }
         ctx.save_for_backward(*inputs)
         return tuple(fused.launch(*inputs))
 
@@ -300,7 +326,8 @@ class RecomputeForBackward(torch.autograd.Function):
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         found: Sequence[Optional[torch.Tensor]] = [None] * len(wanted)
         if pairs and wanted:
-            found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True,
-                                        create_graph=higher_order)
+            found = torch.autograd.grad(
+                [o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True, create_graph=higher_order
+            )
         it = iter(found)
         return (None, *[next(it) if t.requires_grad else None for t in inputs])

@@ -42,14 +42,36 @@ from .specs import LoweringSpec, SplitRule, StrategySpec, dtype_name
 logger = logging.getLogger("autofuser")
 
 _RANDOM_FUNCTIONS = {
-    torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
-    torch.bernoulli, torch.normal, torch.multinomial, torch.randperm, torch.poisson,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.rand_like,
+    torch.randn_like,
+    torch.randint_like,
+    torch.bernoulli,
+    torch.normal,
+    torch.multinomial,
+    torch.randperm,
+    torch.poisson,
 }
-_RANDOM_METHODS = {"bernoulli", "multinomial", "random_", "uniform_", "normal_", "exponential_", "geometric_",
-                   "cauchy_", "log_normal_"}
+_RANDOM_METHODS = {
+    "bernoulli",
+    "multinomial",
+    "random_",
+    "uniform_",
+    "normal_",
+    "exponential_",
+    "geometric_",
+    "cauchy_",
+    "log_normal_",
+}
 _DROPOUT_FUNCTIONS = {
-    torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
-    torch.nn.functional.dropout3d, torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
+    torch.nn.functional.dropout,
+    torch.nn.functional.dropout1d,
+    torch.nn.functional.dropout2d,
+    torch.nn.functional.dropout3d,
+    torch.nn.functional.alpha_dropout,
+    torch.nn.functional.feature_alpha_dropout,
 }
 _MUTATING_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
@@ -83,8 +105,11 @@ def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple
             return "random", f"{describe_target(target)} draws random numbers"
         if target is torch.nn.functional.rrelu and _bound_argument(target, node, "training", False):
             return "random", "rrelu in training mode draws random numbers"
-        if (target in _DROPOUT_FUNCTIONS and _bound_argument(target, node, "training", True)
-                and _bound_argument(target, node, "p", 0.5) != 0):
+        if (
+            target in _DROPOUT_FUNCTIONS
+            and _bound_argument(target, node, "training", True)
+            and _bound_argument(target, node, "p", 0.5) != 0
+        ):
             return "random", "dropout in training mode draws random numbers"
         if getattr(target, "__name__", "").endswith("_") and not getattr(target, "__name__", "").startswith("__"):
             return "mutation", f"{describe_target(target)} writes into its input"
@@ -94,8 +119,7 @@ def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple
         module = root.get_submodule(cast(str, node.target))  # a call_module node's target is its path
         if module._forward_hooks or module._forward_pre_hooks:
             return "opaque", f"{type(module).__name__} has forward hooks, which must run as registered"
-        if (isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.training
-                and module.track_running_stats):
+        if isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.training and module.track_running_stats:
             return "mutation", f"{type(module).__name__} in training mode updates its running statistics"
         if getattr(module, "inplace", False) is True:
             return "mutation", f"{type(module).__name__}(inplace=True) writes into its input"
@@ -162,8 +186,9 @@ class SkippedNode:
 class PlanningView:
     """What strategies see: the graph, each node's lowering, and the barriers."""
 
-    def __init__(self, gm: torch.fx.GraphModule, registry: Registry, options=None,
-                 earlier: Optional["PlanningView"] = None):
+    def __init__(
+        self, gm: torch.fx.GraphModule, registry: Registry, options=None, earlier: Optional["PlanningView"] = None
+    ):
         """``earlier``: the view of an earlier planning round of the same graph and
         plugins; its lowering and the groups it composed are reused."""
         self.gm = gm
@@ -173,8 +198,9 @@ class PlanningView:
         self.order = {n: i for i, n in enumerate(self.nodes)}
         self._space_groups: Optional[list[list[torch.fx.Node]]] = None
         self.product_layouts = registry.product_layouts()  # compose_group's layouts of groups with products
-        if earlier is not None and (earlier.gm is not gm or earlier.registry is not registry
-                                    or earlier.nodes != self.nodes):
+        if earlier is not None and (
+            earlier.gm is not gm or earlier.registry is not registry or earlier.nodes != self.nodes
+        ):
             raise ValueError("a planning view can reuse only the view of the same graph and plugins")
         self.lowered: dict[torch.fx.Node, Value]
         self.lowering_of: dict[torch.fx.Node, LoweringSpec]
@@ -222,39 +248,65 @@ class PlanningView:
                 continue
             spec = self.registry.lowering_for(node, self.gm)
             if spec is None:
-                self.skipped.append(SkippedNode(node.name, describe_target(target), "no_lowering",
-                                                "no loaded plugin lowers this op; it runs eager"))
+                self.skipped.append(
+                    SkippedNode(
+                        node.name,
+                        describe_target(target),
+                        "no_lowering",
+                        "no loaded plugin lowers this op; it runs eager",
+                    )
+                )
                 continue
             meta = tensor_meta(node)
             if meta is None:
-                self.skipped.append(SkippedNode(node.name, describe_target(target), "not_a_tensor",
-                                                "its result is not a single tensor"))
+                self.skipped.append(
+                    SkippedNode(node.name, describe_target(target), "not_a_tensor", "its result is not a single tensor")
+                )
                 continue
             dtypes = {dtype_name(m.dtype) for m in [meta, *map(tensor_meta, node.all_input_nodes)] if m is not None}
             foreign = sorted(d for d in dtypes if d not in spec.dtypes and d != "bool")
             if foreign:
-                self.skipped.append(SkippedNode(node.name, describe_target(target), "unsupported_dtype",
-                                                f"{spec.name} handles {', '.join(spec.dtypes)}, "
-                                                f"not {', '.join(foreign)}"))
+                self.skipped.append(
+                    SkippedNode(
+                        node.name,
+                        describe_target(target),
+                        "unsupported_dtype",
+                        f"{spec.name} handles {', '.join(spec.dtypes)}, not {', '.join(foreign)}",
+                    )
+                )
                 continue
             try:
                 value = spec.lower(LoweringContext(node, self.gm, self.helpers), *node.args, **node.kwargs)
             except LoweringRefused as refusal:
-                self.skipped.append(SkippedNode(node.name, describe_target(target), refusal.code,
-                                                f"{spec.name}: {refusal.reason}"))
+                self.skipped.append(
+                    SkippedNode(node.name, describe_target(target), refusal.code, f"{spec.name}: {refusal.reason}")
+                )
                 continue
             except Exception as err:  # a plugin bug must not break the user's model
-                self.skipped.append(SkippedNode(node.name, describe_target(target), "lowering_failed",
-                                                f"{spec.name} (plugin {spec.plugin}) raised "
-                                                f"{type(err).__name__}: {err}"))
+                self.skipped.append(
+                    SkippedNode(
+                        node.name,
+                        describe_target(target),
+                        "lowering_failed",
+                        f"{spec.name} (plugin {spec.plugin}) raised {type(err).__name__}: {err}",
+                    )
+                )
                 logger.warning("lowering %s of plugin %s failed on %s: %s", spec.name, spec.plugin, node.name, err)
                 continue
-            if (not isinstance(value, Value) or tuple(value.shape) != tuple(meta.shape)
-                    or value.is_bool != (meta.dtype == torch.bool)):
+            if (
+                not isinstance(value, Value)
+                or tuple(value.shape) != tuple(meta.shape)
+                or value.is_bool != (meta.dtype == torch.bool)
+            ):
                 got = getattr(value, "shape", type(value).__name__)
-                self.skipped.append(SkippedNode(node.name, describe_target(target), "lowering_mismatch",
-                                                f"{spec.name} produced {got}, "
-                                                f"but eager gives {list(meta.shape)} {meta.dtype}"))
+                self.skipped.append(
+                    SkippedNode(
+                        node.name,
+                        describe_target(target),
+                        "lowering_mismatch",
+                        f"{spec.name} produced {got}, but eager gives {list(meta.shape)} {meta.dtype}",
+                    )
+                )
                 continue
             self.lowered[node] = value
             self.lowering_of[node] = spec
@@ -266,8 +318,12 @@ class PlanningView:
         last = max(self.order[n] for n in nodes)
         return any(first < p < last for p in self._barrier_positions)
 
-    def creates_cycle(self, nodes: set[torch.fx.Node], kept: Optional[dict[torch.fx.Node, int]] = None,
-                      kept_groups: Optional[dict[int, set[torch.fx.Node]]] = None) -> bool:
+    def creates_cycle(
+        self,
+        nodes: set[torch.fx.Node],
+        kept: Optional[dict[torch.fx.Node, int]] = None,
+        kept_groups: Optional[dict[int, set[torch.fx.Node]]] = None,
+    ) -> bool:
         """Would contracting ``nodes`` (with the ``kept`` groups already contracted) make a cycle?"""
         kept = kept or {}
         kept_groups = kept_groups or {}
@@ -315,8 +371,15 @@ class PlanningView:
         known = self._composed.get(key)
         if known is None:
             try:
-                known = compose_group(ordered, self.lowered, self.gm, {n: self.lowering_of[n].name for n in ordered},
-                                      lay_out, self._attr_cache, self.product_layouts)
+                known = compose_group(
+                    ordered,
+                    self.lowered,
+                    self.gm,
+                    {n: self.lowering_of[n].name for n in ordered},
+                    lay_out,
+                    self._attr_cache,
+                    self.product_layouts,
+                )
             except Exception as err:
                 known = err.with_traceback(None)  # kept without the frames of the compose that raised
             self._composed[key] = known
@@ -337,8 +400,10 @@ class PlanningView:
             return self.compose(nodes)
         program = strategy.compose(self, sorted(nodes, key=self.order.__getitem__))
         if not isinstance(program, GroupProgram):
-            raise TypeError(f"strategy {strategy.name} (plugin {strategy.plugin}) composed a "
-                            f"{type(program).__name__}, not a GroupProgram")
+            raise TypeError(
+                f"strategy {strategy.name} (plugin {strategy.plugin}) composed a "
+                f"{type(program).__name__}, not a GroupProgram"
+            )
         return program
 
     # -- step 2 helper ------------------------------------------------------------
@@ -401,8 +466,9 @@ class Plan:
     decisions: list[Decision] = field(default_factory=list)
 
 
-def plan_fusion_groups(gm: torch.fx.GraphModule, registry: Registry, veto=None, options=None,
-                       earlier: Optional[Plan] = None) -> Plan:
+def plan_fusion_groups(
+    gm: torch.fx.GraphModule, registry: Registry, veto=None, options=None, earlier: Optional[Plan] = None
+) -> Plan:
     """Steps 1-3 of the module doc. ``veto(candidate)`` returns a reason or ``None``;
     ``earlier``: the plan of an earlier round on the same graph, whose lowering and
     composed groups are reused (``PlanningView``)."""
@@ -422,10 +488,12 @@ def plan_fusion_groups(gm: torch.fx.GraphModule, registry: Registry, veto=None, 
     kept_groups: dict[int, set[torch.fx.Node]] = {}
 
     def refuse(candidate: Candidate, code: str, reason: str) -> None:
-        plan.decisions.append(Decision(candidate.strategy.name, candidate.nodes, False, code, reason,
-                                       candidate.program))
-        logger.debug("not fusing %s with %s: [%s] %s", [n.name for n in candidate.nodes], candidate.strategy.name,
-                     code, reason)
+        plan.decisions.append(
+            Decision(candidate.strategy.name, candidate.nodes, False, code, reason, candidate.program)
+        )
+        logger.debug(
+            "not fusing %s with %s: [%s] %s", [n.name for n in candidate.nodes], candidate.strategy.name, code, reason
+        )
 
     for candidate in candidates:
         nodes = candidate.nodes

@@ -139,8 +139,11 @@ def start(jobs: list[CompileJob], progress, target=None) -> "Compiling":
     """
     global last_answered, last_slowest
     last_answered, last_slowest = 0, {}
-    tasks = [{"path": j.path, "name": j.name, "dtypes": list(j.dtypes), "launch": dict(launch)}
-             for j in jobs for launch in j.launches][:MAX_TASKS]
+    tasks = [
+        {"path": j.path, "name": j.name, "dtypes": list(j.dtypes), "launch": dict(launch)}
+        for j in jobs
+        for launch in j.launches
+    ][:MAX_TASKS]
     if not _enabled() or not tasks:
         return Compiling([], progress)
     target = target if target is not None else current_target()
@@ -161,11 +164,13 @@ def start(jobs: list[CompileJob], progress, target=None) -> "Compiling":
             written = os.write(queue_write, records)
         except BlockingIOError:
             written = 0
-        tasks = tasks[:written // _RECORD.size]
+        tasks = tasks[: written // _RECORD.size]
         count = min(workers(), len(tasks))
         if tasks:
-            progress(f"compiling {len(tasks)} config(s) of {len({t['name'] for t in tasks})} kernel(s) "
-                     f"in {count} child process(es)")
+            progress(
+                f"compiling {len(tasks)} config(s) of {len({t['name'] for t in tasks})} kernel(s) "
+                f"in {count} child process(es)"
+            )
         # The children must not collect this process's garbage: a finaliser there (a CUDA
         # tensor's, a loaded kernel's) would call CUDA in a fork. Frozen objects are not collected.
         gc.freeze()
@@ -264,11 +269,16 @@ class Compiling:
                 _reap(pid)
         self.waited_s += time.monotonic() - begin
         last_answered = sum(a.get("tried", 0) for a in self.summaries)
-        last_slowest = max(({k: float(a.get(f"{k}_s", 0.0)) for k in ("setup", "compile")} for a in self.summaries),
-                           key=lambda t: t["setup"] + t["compile"], default={})
+        last_slowest = max(
+            ({k: float(a.get(f"{k}_s", 0.0)) for k in ("setup", "compile")} for a in self.summaries),
+            key=lambda t: t["setup"] + t["compile"],
+            default={},
+        )
         if last_slowest:
-            self.progress(f"compile processes done; the slowest spent {last_slowest['setup']:.1f} s starting "
-                          f"and {last_slowest['compile']:.1f} s compiling")
+            self.progress(
+                f"compile processes done; the slowest spent {last_slowest['setup']:.1f} s starting "
+                f"and {last_slowest['compile']:.1f} s compiling"
+            )
         return sum(a.get("compiled", 0) for a in self.summaries)
 
     def _read(self) -> bool:
@@ -280,8 +290,9 @@ class Compiling:
         poller = select.poll()  # not select(): it refuses descriptors past 1023
         poller.register(self._fd, select.POLLIN)
         if not poller.poll(STALL_S * 1000):
-            logger.warning("compile processes answered nothing for %d s; stopping them (their configs "
-                           "compile when timed)", STALL_S)
+            logger.warning(
+                "compile processes answered nothing for %d s; stopping them (their configs compile when timed)", STALL_S
+            )
             self.abort()
             return False
         chunk = os.read(self._fd, 65536)
@@ -428,8 +439,9 @@ def _child(tasks: list[dict], target, queue: int, answers: int) -> None:
             try:
                 if task["path"] not in modules:
                     with open(task["path"]) as handle:
-                        modules[task["path"]] = module_from_source(f"autofuser_kernels.{task['name']}",
-                                                                   handle.read(), task["path"])
+                        modules[task["path"]] = module_from_source(
+                            f"autofuser_kernels.{task['name']}", handle.read(), task["path"]
+                        )
                 kernel = getattr(modules[task["path"]], task["name"])
                 kernel.warmup(*[getattr(torch, d) for d in task["dtypes"]], grid=(1,), **task["launch"])
                 compiled += 1
@@ -437,6 +449,15 @@ def _child(tasks: list[dict], target, queue: int, answers: int) -> None:
                 pass
             os.write(answers, (json.dumps({"task": index}) + "\n").encode())
     finally:
-        line = json.dumps({"compiled": compiled, "tried": tried, "setup_s": round(setup_s, 4),
-                           "compile_s": round(time.perf_counter() - start - setup_s, 4)}) + "\n"
+        line = (
+            json.dumps(
+                {
+                    "compiled": compiled,
+                    "tried": tried,
+                    "setup_s": round(setup_s, 4),
+                    "compile_s": round(time.perf_counter() - start - setup_s, 4),
+                }
+            )
+            + "\n"
+        )
         os.write(answers, line.encode())

@@ -58,8 +58,9 @@ def parse_quantize(value: Union[None, str, dict, QuantizeOptions]) -> Optional[Q
             return QuantizeOptions(**value)
     except ValidationError as err:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
-        raise AutoFuserError(f"invalid quantize= setting: {problems}. Known keys: "
-                             f"{', '.join(QuantizeOptions.model_fields)}.") from None
+        raise AutoFuserError(
+            f"invalid quantize= setting: {problems}. Known keys: {', '.join(QuantizeOptions.model_fields)}."
+        ) from None
     raise AutoFuserError(f"quantize= takes a format name, a dict or QuantizeOptions, not {type(value).__name__}.")
 
 
@@ -90,11 +91,13 @@ def _check_patterns_match(model: torch.nn.Module, options: QuantizeOptions, modu
             raise AutoFuserError(
                 f"quantize {key} pattern {pattern!r} matches no module of {type(model).__name__}. Patterns are "
                 f"fnmatch patterns over qualified module names ('<model>' for the model itself); its "
-                f"{kind}: {', '.join(shown)}{more}. Fix the pattern, or drop it.")
+                f"{kind}: {', '.join(shown)}{more}. Fix the pattern, or drop it."
+            )
 
 
-def quantize_model(model: torch.nn.Module, options: QuantizeOptions,
-                   registry: Registry) -> tuple[torch.nn.Module, list[QuantizedLayer]]:
+def quantize_model(
+    model: torch.nn.Module, options: QuantizeOptions, registry: Registry
+) -> tuple[torch.nn.Module, list[QuantizedLayer]]:
     """A copy of ``model`` with the selected layers replaced by ``options.format``'s quantised layers.
 
     :raises AutoFuserError: no loaded plugin provides the format, an ``include`` or
@@ -104,16 +107,21 @@ def quantize_model(model: torch.nn.Module, options: QuantizeOptions,
     spec = next((q for q in registry.quantizers.values() if q.format == options.format), None)
     if spec is None:
         known = sorted(q.format for q in registry.quantizers.values())
-        raise AutoFuserError(f"no loaded plugin provides the weight format {options.format!r} "
-                             f"(available: {', '.join(known) or 'none'}); load the plugin that registers it.")
+        raise AutoFuserError(
+            f"no loaded plugin provides the weight format {options.format!r} "
+            f"(available: {', '.join(known) or 'none'}); load the plugin that registers it."
+        )
     _check_patterns_match(model, options, spec.module_types)
     selected = {}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if (type(module) in spec.module_types and isinstance(weight, torch.Tensor)
-                and weight.numel() >= options.min_numel
-                and any(fnmatch.fnmatchcase(name or "<model>", p) for p in options.include)
-                and not any(fnmatch.fnmatchcase(name or "<model>", p) for p in options.exclude)):
+        if (
+            type(module) in spec.module_types
+            and isinstance(weight, torch.Tensor)
+            and weight.numel() >= options.min_numel
+            and any(fnmatch.fnmatchcase(name or "<model>", p) for p in options.include)
+            and not any(fnmatch.fnmatchcase(name or "<model>", p) for p in options.exclude)
+        ):
             selected[name] = module
     # A full copy, except the float weights about to be replaced: those are only read. A
     # weight another (unselected) module also holds - tied weights - is copied too.
@@ -127,16 +135,24 @@ def quantize_model(model: torch.nn.Module, options: QuantizeOptions,
         try:
             replacement = spec.replace(module)
         except ValueError as err:
-            raise AutoFuserError(f"cannot quantise layer {name or '<model>'!r} ({type(module).__name__}, weight "
-                                 f"{list(weight.shape)}) to {options.format}: {err}. Fix the weights, or leave "
-                                 f"the layer in floating point with quantize={{'format': {options.format!r}, "
-                                 f"'exclude': [{name or '<model>'!r}]}}.") from None
+            raise AutoFuserError(
+                f"cannot quantise layer {name or '<model>'!r} ({type(module).__name__}, weight "
+                f"{list(weight.shape)}) to {options.format}: {err}. Fix the weights, or leave "
+                f"the layer in floating point with quantize={{'format': {options.format!r}, "
+                f"'exclude': [{name or '<model>'!r}]}}."
+            ) from None
         owner, _, attr = name.rpartition(".")
         if not name:
             copied = replacement  # the model is one layer
         else:
             setattr(copied.get_submodule(owner) if owner else copied, attr, replacement)
-        layers.append(QuantizedLayer(name=name or "<model>", format=options.format, shape=list(weight.shape),
-                                     bytes_before=_nbytes([weight]),
-                                     bytes_after=_nbytes(replacement.buffers(recurse=False))))  # the packed tensors
+        layers.append(
+            QuantizedLayer(
+                name=name or "<model>",
+                format=options.format,
+                shape=list(weight.shape),
+                bytes_before=_nbytes([weight]),
+                bytes_after=_nbytes(replacement.buffers(recurse=False)),
+            )
+        )  # the packed tensors
     return copied, layers

@@ -90,9 +90,7 @@ class Registry:
         try:
             return spec_type.model_validate({**raw, "plugin": plugin})
         except ValidationError as err:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or '(spec)'}: {e['msg']}" for e in err.errors()
-            )
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(spec)'}: {e['msg']}" for e in err.errors())
             raise SpecError(
                 f"plugin {plugin!r} registered an invalid {spec_type.__name__} "
                 f"{raw.get('name', '<unnamed>')!r} from {hook}: {problems}. "
@@ -127,8 +125,11 @@ class Registry:
         for (_, target), claims in self._claims.items():
             _check_tie(claims, "lowering", f"target {describe_target(target)}")
         for count in sorted({s.products for s in self.product_layout_specs.values()}):
-            _check_tie([s for s in self.product_layout_specs.values() if s.products == count], "product layout",
-                       f"groups of {count} products")
+            _check_tie(
+                [s for s in self.product_layout_specs.values() if s.products == count],
+                "product layout",
+                f"groups of {count} products",
+            )
 
     def register_strategy(self, plugin: str, /, spec: Any = None, **fields: Any) -> StrategySpec:
         strategy = self._validate(StrategySpec, plugin, "autofuser_register_strategies", spec, fields)
@@ -233,7 +234,8 @@ class PluginFault:
 #: The faults of the compile in progress (``compile_graph`` sets a fresh list); one
 #: entry per plugin and hook, in the order they first happened.
 PLUGIN_FAULTS: contextvars.ContextVar[Optional[list[PluginFault]]] = contextvars.ContextVar(
-    "autofuser_plugin_faults", default=None)
+    "autofuser_plugin_faults", default=None
+)
 
 
 class PluginHookError(PluginError):
@@ -245,15 +247,20 @@ class PluginHookError(PluginError):
         self.fault = fault
 
 
-def record_fault(plugin: str, where: str, err: BaseException, outcome: str,
-                 spec: Optional[str] = None) -> PluginFault:
+def record_fault(plugin: str, where: str, err: BaseException, outcome: str, spec: Optional[str] = None) -> PluginFault:
     """Note that ``plugin``'s ``where`` raised ``err`` (``outcome``: what the core
     does instead, e.g. "the node runs eager"), and warn the first time this plugin
     and hook fail in the compile in progress."""
     message = str(err).splitlines()[0] if str(err) else ""
-    fault = PluginFault(plugin, where, (
-        f"plugin {plugin!r} raised {type(err).__name__}{': ' + message if message else ''} in {where}; "
-        f"{outcome}. Fix the plugin, or leave it out of plugins=[...]"), spec)
+    fault = PluginFault(
+        plugin,
+        where,
+        (
+            f"plugin {plugin!r} raised {type(err).__name__}{': ' + message if message else ''} in {where}; "
+            f"{outcome}. Fix the plugin, or leave it out of plugins=[...]"
+        ),
+        spec,
+    )
     faults = PLUGIN_FAULTS.get()
     if faults is not None and any(f.plugin == plugin and f.where == where for f in faults):
         return fault
@@ -276,19 +283,33 @@ def _faulted(spec: Spec) -> bool:
 #: that stays eager with the message as its reason).
 _GUARDED_FIELDS: dict[type, dict[str, str]] = {
     LoweringSpec: {"lower": "refuse_node"},
-    StrategySpec: {"propose": "no_groups", "compose": "raise", "accepts": "refuse_group", "configs": "raise",
-                   "default_config": "raise", "is_valid": "raise", "generate": "raise"},
+    StrategySpec: {
+        "propose": "no_groups",
+        "compose": "raise",
+        "accepts": "refuse_group",
+        "configs": "raise",
+        "default_config": "raise",
+        "is_valid": "raise",
+        "generate": "raise",
+    },
     ProductLayoutSpec: {"lay_out": "raise"},
 }
 _KINDS = {LoweringSpec: "lowering", StrategySpec: "strategy", ProductLayoutSpec: "product layout"}
-_OUTCOMES = {"refuse_node": "the node runs eager", "no_groups": "the strategy proposes no groups for this graph",
-             "refuse_group": "the group runs eager", "raise": "the group runs eager",
-             "not_applied": "the group is not timed against this split"}
+_OUTCOMES = {
+    "refuse_node": "the node runs eager",
+    "no_groups": "the strategy proposes no groups for this graph",
+    "refuse_group": "the group runs eager",
+    "raise": "the group runs eager",
+    "not_applied": "the group is not timed against this split",
+}
 
 
 def _guarded_spec(spec: SpecT) -> SpecT:
-    fields = _GUARDED_FIELDS[type(spec)] if type(spec) in _GUARDED_FIELDS else next(
-        fields for base, fields in _GUARDED_FIELDS.items() if isinstance(spec, base))
+    fields = (
+        _GUARDED_FIELDS[type(spec)]
+        if type(spec) in _GUARDED_FIELDS
+        else next(fields for base, fields in _GUARDED_FIELDS.items() if isinstance(spec, base))
+    )
     kind = next(name for base, name in _KINDS.items() if isinstance(spec, base))
     update: dict[str, Any] = {}
     for name, answer in fields.items():

@@ -110,8 +110,9 @@ class FusionReport(BaseModel):
             lines.append("compile steps: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.phases.items()))
         fused = self.fused
         saved = sum(g.bytes_before - g.bytes_after for g in fused)
-        lines.append(f"{len(fused)} fused group(s), {len(self.skipped)} skipped; "
-                     f"predicted traffic saved {_bytes(saved)}")
+        lines.append(
+            f"{len(fused)} fused group(s), {len(self.skipped)} skipped; predicted traffic saved {_bytes(saved)}"
+        )
         if self.groups:
             lines.append("")
             lines.append(f"{'':2}{'strategy':<18}{'ops':<44}{'bytes before->after':<24}{'eager/fused ms':<18}reason")
@@ -120,8 +121,11 @@ class FusionReport(BaseModel):
                 ops = " > ".join(g.ops)
                 if len(ops) > 42:
                     ops = ops[:39] + "..."
-                times = (f"{g.time_eager_ms:.3f}/{g.time_fused_ms:.3f}"
-                         if g.time_eager_ms is not None and g.time_fused_ms is not None else "-")
+                times = (
+                    f"{g.time_eager_ms:.3f}/{g.time_fused_ms:.3f}"
+                    if g.time_eager_ms is not None and g.time_fused_ms is not None
+                    else "-"
+                )
                 traffic = f"{_bytes(g.bytes_before)} -> {_bytes(g.bytes_after)}"
                 why = g.reason_code + (f": {g.reason}" if g.reason else "")
                 if g.cache_hit:
@@ -169,8 +173,16 @@ def describe_graph(gm) -> list[GraphNode]:
         meta = node.meta.get("tensor_meta")
         shape = list(meta.shape) if hasattr(meta, "shape") else None
         dtype = str(meta.dtype).removeprefix("torch.") if hasattr(meta, "dtype") else None
-        nodes.append(GraphNode(name=node.name, op=node.op, target=target,
-                               inputs=[n.name for n in node.all_input_nodes], shape=shape, dtype=dtype))
+        nodes.append(
+            GraphNode(
+                name=node.name,
+                op=node.op,
+                target=target,
+                inputs=[n.name for n in node.all_input_nodes],
+                shape=shape,
+                dtype=dtype,
+            )
+        )
     return nodes
 
 

@@ -19,8 +19,24 @@ if TYPE_CHECKING:
     from .report import FusionReport
 
 #: Fill colours of fused groups, in turn (readable with black text).
-PALETTE = ("#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5",
-           "#bc80bd", "#ccebc5", "#ffed6f", "#a6cee3", "#b2df8a", "#fdbf6f", "#cab2d6", "#e5c494")
+PALETTE = (
+    "#8dd3c7",
+    "#ffffb3",
+    "#bebada",
+    "#fb8072",
+    "#80b1d3",
+    "#fdb462",
+    "#b3de69",
+    "#fccde5",
+    "#bc80bd",
+    "#ccebc5",
+    "#ffed6f",
+    "#a6cee3",
+    "#b2df8a",
+    "#fdbf6f",
+    "#cab2d6",
+    "#e5c494",
+)
 EAGER_FILL = "#e8e8e8"
 IO_FILL = "#ffffff"
 
@@ -91,17 +107,21 @@ def render_svg(report: "FusionReport") -> str:
             position[name] = (MARGIN + column * (NODE_W + GAP_X), MARGIN + layer * (NODE_H + GAP_Y))
     width = MARGIN * 2 + max((len(n) for n in rows.values()), default=1) * (NODE_W + GAP_X)
     height = MARGIN * 2 + max(len(rows), 1) * (NODE_H + GAP_Y)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'viewBox="0 0 {width} {height}" role="img" aria-label="the graph, coloured by fusion group">',
-             '<defs><marker id="arrow" viewBox="0 0 8 8" refX="8" refY="4" markerWidth="6" markerHeight="6" '
-             'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#777"/></marker></defs>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="the graph, coloured by fusion group">',
+        '<defs><marker id="arrow" viewBox="0 0 8 8" refX="8" refY="4" markerWidth="6" markerHeight="6" '
+        'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#777"/></marker></defs>',
+    ]
     for node in report.graph:
         x, y = position[node.name]
         for source in node.inputs:
             if source in position:
                 sx, sy = position[source]
-                parts.append(f'<line x1="{sx + NODE_W / 2}" y1="{sy + NODE_H}" x2="{x + NODE_W / 2}" y2="{y}" '
-                             'stroke="#999" stroke-width="1" marker-end="url(#arrow)"/>')
+                parts.append(
+                    f'<line x1="{sx + NODE_W / 2}" y1="{sy + NODE_H}" x2="{x + NODE_W / 2}" y2="{y}" '
+                    'stroke="#999" stroke-width="1" marker-end="url(#arrow)"/>'
+                )
     for node in report.graph:
         x, y = position[node.name]
         k = group_of.get(node.name)
@@ -117,11 +137,12 @@ def render_svg(report: "FusionReport") -> str:
             label = f"#{k} {label}"
         parts.append(
             f'<g class="{group_class}" data-node="{_e(node.name)}"><title>{_e(node.name)} = {_e(node.op)} '
-            f'{_e(node.target)}{_e(shape)}; {_e(where)}</title>'
+            f"{_e(node.target)}{_e(shape)}; {_e(where)}</title>"
             f'<rect x="{x}" y="{y}" width="{NODE_W}" height="{NODE_H}" rx="5" fill="{fill}" '
             f'stroke="{"#333" if k is not None else "#999"}"/>'
             f'<text x="{x + 6}" y="{y + 14}">{_e(node.name[:24])}</text>'
-            f'<text x="{x + 6}" y="{y + 27}" fill="#555">{_e(label[:26])}</text></g>')
+            f'<text x="{x + 6}" y="{y + 27}" fill="#555">{_e(label[:26])}</text></g>'
+        )
     parts.append("</svg>")
     return "".join(parts)
 
@@ -132,16 +153,20 @@ def _group_rows(report: "FusionReport", colours: dict[int, str]) -> list[str]:
         swatch = f'<span class="swatch" style="background:{colours[k]}"></span> ' if k in colours else ""
         fate = '<span class="fused">fused</span>' if g.fused else '<span class="skipped">skipped</span>'
         reason = _e(g.reason_code) + (f": {_e(g.reason)}" if g.reason else "")
-        timing = (f"{_ms(g.time_eager_ms)} / {_ms(g.time_fused_ms)}"
-                  if g.time_eager_ms is not None or g.time_fused_ms is not None else "not measured")
+        timing = (
+            f"{_ms(g.time_eager_ms)} / {_ms(g.time_fused_ms)}"
+            if g.time_eager_ms is not None or g.time_fused_ms is not None
+            else "not measured"
+        )
         kernel = f'<a href="#kernel-{k}"><code>{_e(g.kernel)}</code></a>' if g.kernel_source else _e(g.kernel or "-")
         error = "-" if g.max_error is None else f"{g.max_error:.3g}"
         rows.append(
             f'<tr id="group-{k}"><td>{swatch}#{k}</td><td>{_e(g.strategy)}</td><td>{fate}</td><td>{reason}</td>'
-            f'<td>{_e(" > ".join(g.ops))}<br><small>{_e(", ".join(g.nodes))}</small></td>'
+            f"<td>{_e(' > '.join(g.ops))}<br><small>{_e(', '.join(g.nodes))}</small></td>"
             f'<td class="num">{_bytes(g.bytes_before)} -> {_bytes(g.bytes_after)}</td>'
             f'<td class="num">{timing}</td><td class="num">{error}</td><td>{kernel}'
-            f'{" (cache hit)" if g.cache_hit else ""}</td></tr>')
+            f"{' (cache hit)' if g.cache_hit else ''}</td></tr>"
+        )
     return rows
 
 
@@ -150,37 +175,46 @@ def render_html(report: "FusionReport", title: str = "") -> str:
     fused, skipped = report.fused, report.skipped
     saved = sum(g.bytes_before - g.bytes_after for g in fused)
     heading = title or "AutoFuser report"
-    out = [f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_e(heading)}</title>',
-           f"<style>{CSS}</style></head><body>",
-           f"<h1>{_e(heading)}</h1>",
-           "<table>",
-           f"<tr><th>inputs</th><td>{_e(report.signature or '-')}</td></tr>",
-           f"<tr><th>device</th><td>{_e(report.device or '-')}</td></tr>",
-           f"<tr><th>plugins</th><td>{_e(', '.join(report.plugins) or 'none')}</td></tr>",
-           f"<tr><th>compile time</th><td>{report.compile_s:.2f} s"
-           + (" (" + ", ".join(f"{_e(k)} {v:.2f} s" for k, v in report.phases.items()) + ")" if report.phases else "")
-           + "</td></tr>",
-           f'<tr><th>groups</th><td id="summary">{len(fused)} fused, {len(skipped)} skipped; predicted traffic '
-           f"saved {_bytes(saved)}</td></tr>",
-           "</table>"]
+    out = [
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_e(heading)}</title>',
+        f"<style>{CSS}</style></head><body>",
+        f"<h1>{_e(heading)}</h1>",
+        "<table>",
+        f"<tr><th>inputs</th><td>{_e(report.signature or '-')}</td></tr>",
+        f"<tr><th>device</th><td>{_e(report.device or '-')}</td></tr>",
+        f"<tr><th>plugins</th><td>{_e(', '.join(report.plugins) or 'none')}</td></tr>",
+        f"<tr><th>compile time</th><td>{report.compile_s:.2f} s"
+        + (" (" + ", ".join(f"{_e(k)} {v:.2f} s" for k, v in report.phases.items()) + ")" if report.phases else "")
+        + "</td></tr>",
+        f'<tr><th>groups</th><td id="summary">{len(fused)} fused, {len(skipped)} skipped; predicted traffic '
+        f"saved {_bytes(saved)}</td></tr>",
+        "</table>",
+    ]
     if report.notes:
         out.append("<ul>" + "".join(f"<li>{_e(n)}</li>" for n in report.notes) + "</ul>")
 
     out.append(f'<h2 id="graph">Graph ({len(report.graph)} nodes)</h2>')
     if report.graph:
-        legend = " ".join(f'<span class="swatch" style="background:{c}"></span> <a href="#group-{k}">#{k} '
-                          f"{_e(report.groups[k].strategy)}</a>" for k, c in colours.items())
-        out.append(f'<p>Each fused group has its colour; grey nodes run eager, white ones are inputs, parameters '
-                   f"and the output. Hover a node for its op, shape and group.</p><p>{legend}</p>")
+        legend = " ".join(
+            f'<span class="swatch" style="background:{c}"></span> <a href="#group-{k}">#{k} '
+            f"{_e(report.groups[k].strategy)}</a>"
+            for k, c in colours.items()
+        )
+        out.append(
+            f"<p>Each fused group has its colour; grey nodes run eager, white ones are inputs, parameters "
+            f"and the output. Hover a node for its op, shape and group.</p><p>{legend}</p>"
+        )
         out.append(f'<div class="graph">{render_svg(report)}</div>')
     else:
         out.append("<p>No graph was recorded (the model could not be traced).</p>")
 
     out.append('<h2 id="groups">Fusion groups</h2>')
     if report.groups:
-        out.append("<table><tr><th>group</th><th>strategy</th><th>fate</th><th>reason</th><th>ops / nodes</th>"
-                   "<th>bytes before -> after (predicted)</th><th>eager / fused ms</th><th>max error</th>"
-                   "<th>kernel</th></tr>")
+        out.append(
+            "<table><tr><th>group</th><th>strategy</th><th>fate</th><th>reason</th><th>ops / nodes</th>"
+            "<th>bytes before -> after (predicted)</th><th>eager / fused ms</th><th>max error</th>"
+            "<th>kernel</th></tr>"
+        )
         out += _group_rows(report, colours)
         out.append("</table>")
     else:
@@ -191,8 +225,10 @@ def render_html(report: "FusionReport", title: str = "") -> str:
         out.append("<ul>")
         for k, g in enumerate(report.groups):
             if not g.fused:
-                out.append(f'<li><a href="#group-{k}">#{k}</a> {_e(g.strategy)} over {_e(", ".join(g.nodes))}: '
-                           f"<b>{_e(g.reason_code)}</b>{': ' + _e(g.reason) if g.reason else ''}</li>")
+                out.append(
+                    f'<li><a href="#group-{k}">#{k}</a> {_e(g.strategy)} over {_e(", ".join(g.nodes))}: '
+                    f"<b>{_e(g.reason_code)}</b>{': ' + _e(g.reason) if g.reason else ''}</li>"
+                )
         out.append("</ul>")
     else:
         out.append("<p>None.</p>")
@@ -200,8 +236,10 @@ def render_html(report: "FusionReport", title: str = "") -> str:
     out.append(f'<h2 id="eager">Nodes left eager ({len(report.unfused_nodes)})</h2>')
     if report.unfused_nodes:
         out.append("<table><tr><th>node</th><th>op</th><th>reason</th></tr>")
-        out += [f"<tr><td>{_e(n.node)}</td><td>{_e(n.target)}</td><td><b>{_e(n.reason_code)}</b>: {_e(n.reason)}"
-                "</td></tr>" for n in report.unfused_nodes]
+        out += [
+            f"<tr><td>{_e(n.node)}</td><td>{_e(n.target)}</td><td><b>{_e(n.reason_code)}</b>: {_e(n.reason)}</td></tr>"
+            for n in report.unfused_nodes
+        ]
         out.append("</table>")
     if report.opaque:
         out.append('<h2 id="opaque">Opaque parts (run as they are)</h2><ul>')
@@ -214,7 +252,9 @@ def render_html(report: "FusionReport", title: str = "") -> str:
         out.append("<p>No kernel was generated.</p>")
     for k, g in written:
         fate = "fused" if g.fused else f"not used: {g.reason_code}"
-        out.append(f'<h3 id="kernel-{k}">#{k} {_e(g.strategy)}: <code>{_e(g.kernel or "")}</code> ({_e(fate)})</h3>'
-                   f'<pre class="kernel-source">{_e(g.kernel_source)}</pre>')
+        out.append(
+            f'<h3 id="kernel-{k}">#{k} {_e(g.strategy)}: <code>{_e(g.kernel or "")}</code> ({_e(fate)})</h3>'
+            f'<pre class="kernel-source">{_e(g.kernel_source)}</pre>'
+        )
     out.append("</body></html>")
     return "\n".join(out)

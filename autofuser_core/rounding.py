@@ -14,12 +14,12 @@ import os
 
 import torch
 
-ROUND_BF16_HELPER = '''@triton.jit
+ROUND_BF16_HELPER = """@triton.jit
 def _af_round_bf16(x):
     # Round-to-nearest-even from fp32 to bf16 on the bits (NaN passes through).
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))'''
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))"""
 
 #: Helpers every kernel module may use; included only where referenced.
 CORE_HELPERS = {"_af_round_bf16": ROUND_BF16_HELPER}

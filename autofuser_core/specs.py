@@ -30,8 +30,9 @@ class Spec(BaseModel):
 
     name: str = Field(min_length=1, description="Unique name, e.g. 'elementwise.gelu'.")
     description: str = ""
-    priority: int = Field(0, description="Higher wins when two specs claim the same target; "
-                                         "equal is a tie and an error.")
+    priority: int = Field(
+        0, description="Higher wins when two specs claim the same target; equal is a tie and an error."
+    )
     plugin: Optional[str] = Field(None, description="Set by the registry: the plugin that registered this spec.")
 
 
@@ -108,9 +109,7 @@ class LoweringSpec(Spec):
                 if not issubclass(target, torch.nn.Module):
                     raise ValueError(f"class target {target.__name__} is not an nn.Module subclass")
             elif not callable(target):
-                raise ValueError(
-                    f"target {target!r} is neither a callable, a method name nor an nn.Module subclass"
-                )
+                raise ValueError(f"target {target!r} is neither a callable, a method name nor an nn.Module subclass")
         return targets
 
     @field_validator("dtypes")

@@ -83,7 +83,7 @@ def _tuning_configs(candidate: Candidate, every: bool = False) -> tuple[list[dic
     round would try is tuned again by one (``_valid_entry``)."""
     strategy, program = candidate.strategy, candidate.program
     valid = [c for c in strategy.configs(program) if strategy.is_valid(program, c) is None]
-    valid = valid if every else valid[:strategy.max_tuned_configs]
+    valid = valid if every else valid[: strategy.max_tuned_configs]
     limit = CONFIG_LIMIT.get()
     cut = limit if limit is not None and len(valid) > limit else None
     return valid[:limit] or [strategy.default_config(program)], cut
@@ -124,9 +124,14 @@ def precompile_untuned(jobs: list, device: torch.device, options, progress) -> O
             dtypes = (*job.source.input_dtypes(program, config), *(t.dtype for t in program.outputs))
             by_dtypes.setdefault(dtypes, []).append(launch_items(job.source.launch_args(config)))
         work[job.source.name] = [
-            CompileJob(path=job.kernel_path, name=job.source.name,
-                       dtypes=tuple(str(d).removeprefix("torch.") for d in dtypes), launches=tuple(launches))
-            for dtypes, launches in by_dtypes.items()]
+            CompileJob(
+                path=job.kernel_path,
+                name=job.source.name,
+                dtypes=tuple(str(d).removeprefix("torch.") for d in dtypes),
+                launches=tuple(launches),
+            )
+            for dtypes, launches in by_dtypes.items()
+        ]
     return start_compiling([j for kernel_jobs in work.values() for j in kernel_jobs], progress)
 
 
@@ -135,12 +140,14 @@ def finish_compiling(compiling: Optional[Compiling], report) -> None:
         return
     compiled = compiling.finish()
     if compiled:
-        report.notes.append(f"compiled {compiled} of {len(compiling.launches)} tuning config(s) in parallel "
-                            "before timing")
+        report.notes.append(
+            f"compiled {compiled} of {len(compiling.launches)} tuning config(s) in parallel before timing"
+        )
 
 
-def pick_config(candidate: Candidate, source, kernel, inputs, device, options, progress, ready=None,
-                 configs=None) -> Tuned:
+def pick_config(
+    candidate: Candidate, source, kernel, inputs, device, options, progress, ready=None, configs=None
+) -> Tuned:
     """The config to launch with: the cached one, else tuned (``configs``: ``_tuning_configs``'
     answer where already known)."""
     if not timing.current().can_tune(device, options):
@@ -155,8 +162,9 @@ def pick_config(candidate: Candidate, source, kernel, inputs, device, options, p
             entry = _valid_entry(candidate, read_tuning(root, key))
             if entry is None:
                 return _tune(candidate, source, kernel, inputs, device, options, progress, root, key, ready, configs)
-    return Tuned(entry["config"], True, 0.0, entry.get("timings", []), key, entry.get("speed"),
-                  entry.get("config_limit"))
+    return Tuned(
+        entry["config"], True, 0.0, entry.get("timings", []), key, entry.get("speed"), entry.get("config_limit")
+    )
 
 
 def _valid_entry(candidate: Candidate, entry: Optional[dict], warn: bool = True) -> Optional[dict]:
@@ -177,21 +185,29 @@ def _valid_entry(candidate: Candidate, entry: Optional[dict], warn: bool = True)
         why = f"its validity check failed: {type(err).__name__}: {err}"
     if why is not None:
         if warn:
-            logger.warning("cached config %s of %s is no longer valid (%s); tuning again", entry["config"],
-                           candidate.strategy.name, why)
+            logger.warning(
+                "cached config %s of %s is no longer valid (%s); tuning again",
+                entry["config"],
+                candidate.strategy.name,
+                why,
+            )
         return None
     # A cache entry only chooses among the strategy's own configs: one it doesn't list (an
     # older list, or an entry written by hand) could launch with block sizes nobody checked.
     if entry["config"] not in strategy.configs(program):
         if warn:
-            logger.warning("cached config %s of %s is not one of the strategy's configs; tuning again",
-                           entry["config"], candidate.strategy.name)
+            logger.warning(
+                "cached config %s of %s is not one of the strategy's configs; tuning again",
+                entry["config"],
+                candidate.strategy.name,
+            )
         return None
     return entry
 
 
-def _tune(candidate: Candidate, source, kernel, inputs, device, options, progress, root, key,
-          ready=None, configs=None) -> Tuned:
+def _tune(
+    candidate: Candidate, source, kernel, inputs, device, options, progress, root, key, ready=None, configs=None
+) -> Tuned:
     """Time the strategy's valid configs within the budget; store and return the fastest.
     ``ready(launch_args)``: wait until that config is compiled ahead (not counted as tuning)."""
     program = candidate.program
@@ -218,8 +234,9 @@ def _tune(candidate: Candidate, source, kernel, inputs, device, options, progres
         # converts its inputs itself (``KernelSource.converts_casts``) competes fairly.
         casts = source.casts(program, config)
         try:
-            ms = timer.bench(lambda: kernel[grid](*cast_inputs(inputs, casts), *outputs, **launch),
-                             rep_ms=TUNING_REP_MS)
+            ms = timer.bench(
+                lambda: kernel[grid](*cast_inputs(inputs, casts), *outputs, **launch), rep_ms=TUNING_REP_MS
+            )
         except Exception as err:  # a config the compiler rejects (resources) is just not a candidate
             logger.debug("config %s of %s failed: %s", config, source.name, err)
             continue
@@ -228,5 +245,3 @@ def _tune(candidate: Candidate, source, kernel, inputs, device, options, progres
             best, best_ms = config, ms
     write_tuning(root, key, best, timings, config_limit=limit)
     return Tuned(best, False, time.perf_counter() - start - waited, timings, key, config_limit=limit)
-
-

@@ -103,8 +103,16 @@ class Verifier(torch.fx.Interpreter):
                 for job in self.jobs:
                     if job.started and job.overwritten_by is None and ptr in job.storages:
                         job.overwritten_by = f"{n.name} ({self.writers[n]})"
-        watched = [(job, t, t._version) for job in self.jobs if job.started and job.overwritten_by is None
-                   for t in job.watched] if n in self.opaque else []
+        watched = (
+            [
+                (job, t, t._version)
+                for job in self.jobs
+                if job.started and job.overwritten_by is None
+                for t in job.watched
+            ]
+            if n in self.opaque
+            else []
+        )
         result = super().run_node(n)
         for job, tensor, version in watched:
             if tensor._version != version and job.overwritten_by is None:
@@ -161,8 +169,7 @@ def tolerance(candidate: Candidate, view) -> Tolerance:
     return Tolerance(atol=max(t.atol for t in tols), rtol=max(t.rtol for t in tols))
 
 
-def max_error(fused: torch.Tensor, eager: torch.Tensor, tol: Tolerance,
-               scale_rows: bool = False) -> tuple[bool, float]:
+def max_error(fused: torch.Tensor, eager: torch.Tensor, tol: Tolerance, scale_rows: bool = False) -> tuple[bool, float]:
     """Whether ``fused`` is within ``tol`` of ``eager``, and the largest difference.
     ``scale_rows``: ``atol`` relative to each row's largest magnitude (``_half_scale``) and
     the mean error held to the plain bound whatever the dtype, as fp16/bf16 always are."""
@@ -258,8 +265,9 @@ def _synthetic_like(real: torch.Tensor, generator: torch.Generator) -> torch.Ten
     if span >= 8:
         count = max(1, span // SYNTHETIC_SPECIAL_EVERY)
         where = torch.randint(0, span, (4 * count + 1,), generator=generator, device=real.device)
-        special = torch.tensor([large, -large, scale * SYNTHETIC_TINY, -scale * SYNTHETIC_TINY],
-                               device=real.device).repeat_interleave(count)
+        special = torch.tensor(
+            [large, -large, scale * SYNTHETIC_TINY, -scale * SYNTHETIC_TINY], device=real.device
+        ).repeat_interleave(count)
         drawn[where[:-1]] = special
         drawn[where[-1:]] = 0.0
     return drawn.to(real.dtype).as_strided(real.shape, real.stride())
@@ -311,15 +319,18 @@ def synthetic_mismatch(job, kernel_inputs: Sequence[Any], tol: Tolerance) -> Opt
         # ``operator.pow(-2.0, y)`` as ``-2.0 ** y``, which Python reads as ``-(2.0 ** y)``).
         expected = torch.fx.Interpreter(job.eager).run(*drawn)
     except Exception as err:
-        logger.debug("group %s: eager refuses the synthetic inputs (%s); checked on the real ones only",
-                     job.entry.nodes, err)
+        logger.debug(
+            "group %s: eager refuses the synthetic inputs (%s); checked on the real ones only", job.entry.nodes, err
+        )
         return None
     expected = [expected] if len(program.outputs) == 1 else list(expected)
     try:
         outputs = job.fused.launch(*drawn)
     except Exception as err:
-        return (f"the kernel failed on synthetic inputs, where eager runs: {type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}; kept eager")
+        return (
+            f"the kernel failed on synthetic inputs, where eager runs: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}; kept eager"
+        )
     for out_tensor, eager_tensor, meta in zip(outputs, expected, program.outputs):
         # atol relative to each output row's largest magnitude, whatever the dtype: the draws
         # are at the real inputs' scale, which may be far from 1, and with both signs and a
@@ -328,9 +339,9 @@ def synthetic_mismatch(job, kernel_inputs: Sequence[Any], tol: Tolerance) -> Opt
         # about the values themselves, and the mean error is still held to the plain bound.
         ok, error = max_error(out_tensor, eager_tensor, tol, scale_rows=True)
         if not ok:
-            return (f"output {meta.name} matches eager on the real inputs but differs from it by {error:.3g} on "
-                    f"synthetic ones (drawn at each floating input's scale, both signs, with large and tiny "
-                    f"values; docs/verification.md; tolerance atol {tol.atol:g}, rtol {tol.rtol:g}); kept eager")
+            return (
+                f"output {meta.name} matches eager on the real inputs but differs from it by {error:.3g} on "
+                f"synthetic ones (drawn at each floating input's scale, both signs, with large and tiny "
+                f"values; docs/verification.md; tolerance atol {tol.atol:g}, rtol {tol.rtol:g}); kept eager"
+            )
     return None
-
-

@@ -71,7 +71,7 @@ class Slice(nn.Module):
 
     def __init__(self, width: int):
         super().__init__()
-        self.scale = width ** -0.5
+        self.scale = width**-0.5
         self.to_slice = nn.Linear(width, SLICES)
         nn.init.orthogonal_(self.to_slice.weight)
         self.temperature = nn.Parameter(torch.full((1, HEADS, 1, 1), 0.5))
@@ -127,8 +127,12 @@ def main(argv=None) -> int:
     parser.add_argument("--forms", default="softmax,galerkin,slice")
     parser.add_argument("--modes", default="fp32,tf32,bf16")
     parser.add_argument("--tune-budget", type=float, default=5.0, help="AutoFuser tuning seconds per group")
-    parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="start no new case after this many seconds (the rest are listed as not run)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="start no new case after this many seconds (the rest are listed as not run)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("attention.py needs a CUDA GPU", file=sys.stderr)
@@ -148,8 +152,13 @@ def main(argv=None) -> int:
             inputs = _inputs(form, width, device)
             for mode in args.modes.split(","):
                 flops = _flops(form, width)
-                row = {"form": form, "width": width, "mode": mode, "GFLOP": flops / 1e9,
-                       "at_matrix_rate_ms": 1e3 * flops / rates[mode]}
+                row = {
+                    "form": form,
+                    "width": width,
+                    "mode": mode,
+                    "GFLOP": flops / 1e9,
+                    "at_matrix_rate_ms": 1e3 * flops / rates[mode],
+                }
                 if time.perf_counter() - started > args.budget_s:
                     row.update({s: {"error": f"not run: past --budget-s {args.budget_s:g}"} for s in systems})
                     rows.append(row)
@@ -157,8 +166,9 @@ def main(argv=None) -> int:
                 with precision(mode), torch.no_grad():
                     expected = _flat(model(*inputs))
                     for system in systems:
-                        row[system] = measure(system, model, inputs, expected, args.tune_budget,
-                                              keep=lambda g: "attention" in g.strategy)
+                        row[system] = measure(
+                            system, model, inputs, expected, args.tune_budget, keep=lambda g: "attention" in g.strategy
+                        )
                         if "rel_err" in row[system]:
                             row[system]["checked"] = row[system]["rel_err"] <= CHECK[mode]
                 rows.append(row)
@@ -168,19 +178,33 @@ def main(argv=None) -> int:
             torch._dynamo.reset()
             torch.cuda.empty_cache()
     result = {
-        "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "triton": triton.__version__, "matmul_TFLOP/s": {k: v / 1e12 for k, v in rates.items()},
-        "points": N, "batch": BATCH, "heads": HEADS, "slices": SLICES, "cases": rows,
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "matmul_TFLOP/s": {k: v / 1e12 for k, v in rates.items()},
+        "points": N,
+        "batch": BATCH,
+        "heads": HEADS,
+        "slices": SLICES,
+        "cases": rows,
         "seconds": time.perf_counter() - started,
     }
     (out / "attention.json").write_text(json.dumps(result, indent=1))
-    header = (f"N = {N} points, batch {BATCH}, {HEADS} heads ({SLICES} slices); {result['gpu']}, {result['date']}, "
-              f"torch {result['torch']}, Triton {result['triton']}; matrix rate fp32 {rates['fp32'] / 1e12:.0f}, "
-              f"tf32 {rates['tf32'] / 1e12:.0f}, bf16 {rates['bf16'] / 1e12:.0f} TFLOP/s. Time in ms (speedup over "
-              "eager); 'at matrix rate': the form's FLOPs at that rate; '!' marks an output that failed its check "
-              "against eager; AutoFuser's group column: the form recognised (fused) or why not.")
-    lines = [header, "", "| form | head width | precision | GFLOP | at matrix rate | eager | torch.compile | "
-             "AutoFuser | AutoFuser's group |", "|---|---|---|---|---|---|---|---|---|"]
+    header = (
+        f"N = {N} points, batch {BATCH}, {HEADS} heads ({SLICES} slices); {result['gpu']}, {result['date']}, "
+        f"torch {result['torch']}, Triton {result['triton']}; matrix rate fp32 {rates['fp32'] / 1e12:.0f}, "
+        f"tf32 {rates['tf32'] / 1e12:.0f}, bf16 {rates['bf16'] / 1e12:.0f} TFLOP/s. Time in ms (speedup over "
+        "eager); 'at matrix rate': the form's FLOPs at that rate; '!' marks an output that failed its check "
+        "against eager; AutoFuser's group column: the form recognised (fused) or why not."
+    )
+    lines = [
+        header,
+        "",
+        "| form | head width | precision | GFLOP | at matrix rate | eager | torch.compile | "
+        "AutoFuser | AutoFuser's group |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     lines += [_line(row, systems) for row in rows]
     table = "\n".join(lines)
     (out / "attention.md").write_text(table + "\n")
@@ -192,10 +216,12 @@ def _line(row, systems):
     cells = _cells(row, systems)
     groups = row.get("autofuser", {}).get("groups", [])
     group = next((g for g in groups if g["fused"]), groups[0] if groups else None)
-    what = "-" if group is None else (group["summary"].split(":")[0] if group["fused"] else
-                                      f"eager: {group['reason']}")
-    return (f"| {row['form']} | {row['width']} | {row['mode']} | {row['GFLOP']:.2f} | {row['at_matrix_rate_ms']:.3f} | "
-            + " | ".join(cells) + f" | {what} |")
+    what = "-" if group is None else (group["summary"].split(":")[0] if group["fused"] else f"eager: {group['reason']}")
+    return (
+        f"| {row['form']} | {row['width']} | {row['mode']} | {row['GFLOP']:.2f} | {row['at_matrix_rate_ms']:.3f} | "
+        + " | ".join(cells)
+        + f" | {what} |"
+    )
 
 
 if __name__ == "__main__":

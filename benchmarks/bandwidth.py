@@ -91,8 +91,12 @@ def main(argv=None) -> int:
                 got = fn(*inputs)
                 err = float((got - expected).abs().max() / expected.abs().max())
                 ms = _ms(fn, *inputs)
-                row[label] = {"ms": ms, "GB/s": nbytes / (ms * 1e-3) / 1e9,
-                              "of_copy": nbytes / (ms * 1e-3) / 1e9 / peak, "max_rel_err": err}
+                row[label] = {
+                    "ms": ms,
+                    "GB/s": nbytes / (ms * 1e-3) / 1e9,
+                    "of_copy": nbytes / (ms * 1e-3) / 1e9 / peak,
+                    "max_rel_err": err,
+                }
             row["report"] = json.loads(fused.report().to_json())
         rows.append(row)
     result = {

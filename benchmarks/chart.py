@@ -38,15 +38,19 @@ def render(run: dict) -> str:
     top = 60
     height = top + len(dtypes) * (panel_h + PANEL_GAP) + 20
     width = LABEL_W + PLOT_W + 70
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'font-family="sans-serif" font-size="11">',
-           f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">Speedup over eager, zoo run '
-           f'{_esc(str(run["run"]))} ({_esc(run["gpu"])}, commit {_esc(run["commit"])})</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'font-family="sans-serif" font-size="11">',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">Speedup over eager, zoo run '
+        f"{_esc(str(run['run']))} ({_esc(run['gpu'])}, commit {_esc(run['commit'])})</text>",
+    ]
     for i, (_, name, colour) in enumerate(SYSTEMS):
         lx = LABEL_W + i * 120
-        out.append(f'<rect x="{lx}" y="28" width="10" height="10" fill="{colour}"/>'
-                   f'<text x="{lx + 14}" y="37">{_esc(name)}</text>')
+        out.append(
+            f'<rect x="{lx}" y="28" width="10" height="10" fill="{colour}"/>'
+            f'<text x="{lx + 14}" y="37">{_esc(name)}</text>'
+        )
     y0 = top
     for dtype in dtypes:
         rows = {r["model"]: r for r in run["rows"] if r["dtype"] == dtype}
@@ -54,21 +58,27 @@ def render(run: dict) -> str:
         for t in TICKS:
             if lo <= t <= hi:
                 style = 'stroke="#444"' if t == 1 else 'stroke="#ddd"'
-                out.append(f'<line x1="{x(t):.1f}" y1="{y0}" x2="{x(t):.1f}" y2="{y0 + panel_h}" {style}/>'
-                           f'<text x="{x(t):.1f}" y="{y0 + panel_h + 12}" text-anchor="middle" fill="#444">'
-                           f'{t:g}x</text>')
+                out.append(
+                    f'<line x1="{x(t):.1f}" y1="{y0}" x2="{x(t):.1f}" y2="{y0 + panel_h}" {style}/>'
+                    f'<text x="{x(t):.1f}" y="{y0 + panel_h + 12}" text-anchor="middle" fill="#444">'
+                    f"{t:g}x</text>"
+                )
         y = y0
         for model in models:
             row = rows.get(model)
-            out.append(f'<text x="{LABEL_W - 6}" y="{y + BAR + 3}" text-anchor="end">'
-                       f'{_esc(row["title"] if row else model)}</text>')
+            out.append(
+                f'<text x="{LABEL_W - 6}" y="{y + BAR + 3}" text-anchor="end">'
+                f"{_esc(row['title'] if row else model)}</text>"
+            )
             for key, _, colour in SYSTEMS:
                 value = row[key].get("speedup") if row else None
                 if value:
                     x1, x2 = sorted((x(1), x(value)))
-                    out.append(f'<rect x="{x1:.1f}" y="{y}" width="{max(x2 - x1, 1):.1f}" height="{BAR - 1}" '
-                               f'fill="{colour}"/><text x="{max(x(value), x(1)) + 3:.1f}" y="{y + BAR - 1}" '
-                               f'font-size="9">{value:.2f}x</text>')
+                    out.append(
+                        f'<rect x="{x1:.1f}" y="{y}" width="{max(x2 - x1, 1):.1f}" height="{BAR - 1}" '
+                        f'fill="{colour}"/><text x="{max(x(value), x(1)) + 3:.1f}" y="{y + BAR - 1}" '
+                        f'font-size="9">{value:.2f}x</text>'
+                    )
                 y += BAR
             y += GAP
         y0 += panel_h + PANEL_GAP

@@ -81,6 +81,7 @@ class InstanceNormGelu(nn.Module):
 
 def _cases(device):
     """(name, width, model, inputs, bytes moved at fp32)."""
+
     def rand(*shape):
         return torch.randn(*shape, device=device)
 
@@ -143,15 +144,27 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{_line(row, systems)} kept: {row.get('kept', '-')}", file=sys.stderr, flush=True)
             (out / "conv.partial.json").write_text(json.dumps(rows, indent=1))
-    result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "triton": triton.__version__, "copy_GB/s": bandwidth / 1e9,
-              "shape": [BATCH, "C", H, W], "cases": rows}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_GB/s": bandwidth / 1e9,
+        "shape": [BATCH, "C", H, W],
+        "cases": rows,
+    }
     (out / "conv.json").write_text(json.dumps(result, indent=1))
-    header = (f"B x C x {H} x {W}, B = {BATCH}; {result['gpu']}, {result['date']}, torch {result['torch']}, "
-              f"Triton {result['triton']}; copy {bandwidth / 1e9:.0f} GB/s. Time in ms (speedup over eager); "
-              "'kept': AutoFuser's fused groups.")
-    lines = [header, "", "| case | C | precision | floor | eager | torch.compile | AutoFuser | kept |",
-             "|---|---|---|---|---|---|---|---|"]
+    header = (
+        f"B x C x {H} x {W}, B = {BATCH}; {result['gpu']}, {result['date']}, torch {result['torch']}, "
+        f"Triton {result['triton']}; copy {bandwidth / 1e9:.0f} GB/s. Time in ms (speedup over eager); "
+        "'kept': AutoFuser's fused groups."
+    )
+    lines = [
+        header,
+        "",
+        "| case | C | precision | floor | eager | torch.compile | AutoFuser | kept |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     lines += [f"{_line(row, systems)} {row.get('kept', '-')} |" for row in rows]
     table = "\n".join(lines)
     (out / "conv.md").write_text(table + "\n")

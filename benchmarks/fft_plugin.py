@@ -57,8 +57,9 @@ def bench_model(name: str, device: torch.device, iters: int, warmup: int, cache:
             "eager": lambda: model,
             "torch.compile": lambda: torch.compile(model),
             "autofuser (bundled)": lambda: autofuser.fuse(model, plugins=BUNDLED, cache_dir=cache, progress=False),
-            "autofuser + fft": lambda: autofuser.fuse(model, plugins=BUNDLED + ["fft"], cache_dir=cache,
-                                                      progress=False),
+            "autofuser + fft": lambda: autofuser.fuse(
+                model, plugins=BUNDLED + ["fft"], cache_dir=cache, progress=False
+            ),
         }
         for system, build in systems.items():
             progress(f"{name}: {system}")
@@ -74,8 +75,9 @@ def bench_model(name: str, device: torch.device, iters: int, warmup: int, cache:
                 if system.startswith("autofuser"):
                     report = runner.report()
                     cell["fused_groups"] = len(report.fused)
-                    cell["spectral_groups_fused"] = sum(g.fused for g in report.groups
-                                                        if g.strategy == "fft.spectral_mix")
+                    cell["spectral_groups_fused"] = sum(
+                        g.fused for g in report.groups if g.strategy == "fft.spectral_mix"
+                    )
                     cell["report"] = report.model_dump(mode="json")
             except Exception as err:
                 traceback.print_exc()
@@ -86,10 +88,13 @@ def bench_model(name: str, device: torch.device, iters: int, warmup: int, cache:
 
 
 def render(result: dict) -> str:
-    lines = [f"FNO / F-FNO with and without autofuser-plugin-fft on {result['device']} ({result['date']}), "
-             f"fp32, {result['config']} configuration; median ms per forward (speed-up over eager)", "",
-             "| model | batch | " + " | ".join(SYSTEMS) + " | spectral groups fused |",
-             "|---|---|" + "---|" * len(SYSTEMS) + "---|"]
+    lines = [
+        f"FNO / F-FNO with and without autofuser-plugin-fft on {result['device']} ({result['date']}), "
+        f"fp32, {result['config']} configuration; median ms per forward (speed-up over eager)",
+        "",
+        "| model | batch | " + " | ".join(SYSTEMS) + " | spectral groups fused |",
+        "|---|---|" + "---|" * len(SYSTEMS) + "---|",
+    ]
     for row in result["rows"]:
         eager = row["eager"].get("ms")
         cells = []
@@ -110,8 +115,12 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="fno,ffno")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--config", choices=("airfoil", "tiny"), default="airfoil",
-                        help="tiny: toy sizes, a quick check that the script runs")
+    parser.add_argument(
+        "--config",
+        choices=("airfoil", "tiny"),
+        default="airfoil",
+        help="tiny: toy sizes, a quick check that the script runs",
+    )
     args = parser.parse_args(argv)
     import autofuser_plugin_fft  # noqa: F401 - fail early, with pip's instructions, if it isn't installed
 
@@ -124,9 +133,13 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as cache:
         for name in args.models.split(","):
             rows.append(bench_model(name, device, args.iters, args.warmup, cache, args.config))
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "config": args.config, "rows": rows}
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "config": args.config,
+        "rows": rows,
+    }
     (out / "fft_plugin.json").write_text(json.dumps(result, indent=1))
     table = render(result)
     (out / "fft_plugin.md").write_text(table + "\n")

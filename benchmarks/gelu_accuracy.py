@@ -11,6 +11,7 @@ The error is reported in units of 2^-24 |x| (between half an ulp and one ulp of 
 input), the scale a product that consumes the GELU sees: in the negative tail, where the result is tiny,
 eager's own 1 + erf cancels and its error in ulps of the result is unbounded.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,14 +27,18 @@ from autofuser_plugins.elementwise.ops._common import _GELU_SOURCE, GELU
 
 def helper_kernel():
     """A kernel that applies the helper to a flat fp32 tensor."""
-    source = ("import triton\nimport triton.language as tl\n\n" + _GELU_SOURCE + f'''
+    source = (
+        "import triton\nimport triton.language as tl\n\n"
+        + _GELU_SOURCE
+        + f"""
 
 @triton.jit
 def apply(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
     tl.store(out_ptr + offs, {GELU}(x), mask=offs < n)
-''')
+"""
+    )
     path = os.path.join(tempfile.mkdtemp(prefix="gelu_accuracy_"), "gelu_helper.py")
     with open(path, "w") as f:
         f.write(source)
@@ -53,7 +58,7 @@ def reference(x: torch.Tensor) -> torch.Tensor:
 
 def binade(exponent: int, stride: int, device) -> torch.Tensor:
     """Every ``stride``-th fp32 value in [2^exponent, 2^(exponent + 1))."""
-    start = torch.tensor(2.0 ** exponent, dtype=torch.float32).view(torch.int32).item()
+    start = torch.tensor(2.0**exponent, dtype=torch.float32).view(torch.int32).item()
     return torch.arange(start, start + (1 << 23), stride, dtype=torch.int32, device=device).view(torch.float32)
 
 
@@ -71,13 +76,16 @@ def main() -> None:
         for exponent in range(args.lo, args.hi + 1):
             x = binade(exponent, args.stride, device) * sign
             expected = reference(x)
-            scale = x.double().abs() * 2.0 ** -24
+            scale = x.double().abs() * 2.0**-24
             for name, got in (("helper", gelu_helper(x, kernel)), ("eager", torch.nn.functional.gelu(x))):
                 units = float(((got.double() - expected).abs() / scale).max())
                 key = (name, "x > 0" if sign > 0 else "x < 0")
                 worst[key] = max(worst.get(key, 0.0), units)
-            print(f"binade 2^{exponent} sign {sign:+.0f}: helper {worst[('helper', key[1])]:.3g}, "
-                  f"eager {worst[('eager', key[1])]:.3g} (running max, units of 2^-24 |x|)", flush=True)
+            print(
+                f"binade 2^{exponent} sign {sign:+.0f}: helper {worst[('helper', key[1])]:.3g}, "
+                f"eager {worst[('eager', key[1])]:.3g} (running max, units of 2^-24 |x|)",
+                flush=True,
+            )
     specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -20.0, -1e4, 1e4], device=device)
     print("specials", specials.tolist())
     print("  helper", gelu_helper(specials, kernel).tolist())

@@ -117,10 +117,16 @@ CASES = {
 }
 #: Row-tiled chains: several inputs or outputs (apart from CASES, which other benchmarks reuse one tensor in, one out).
 CHAIN_CASES = {
-    "block tail: LN+MLP+res+LN+linear": (BlockTail, lambda w: 2 * M * 7 * w * w,
-                                         lambda w, e: 5 * M * w * e + 7 * w * w * 4),
-    "post-attention: proj+res+block tail": (PostAttention, lambda w: 2 * M * 8 * w * w,
-                                            lambda w, e: 6 * M * w * e + 8 * w * w * 4),
+    "block tail: LN+MLP+res+LN+linear": (
+        BlockTail,
+        lambda w: 2 * M * 7 * w * w,
+        lambda w, e: 5 * M * w * e + 7 * w * w * 4,
+    ),
+    "post-attention: proj+res+block tail": (
+        PostAttention,
+        lambda w: 2 * M * 8 * w * w,
+        lambda w, e: 6 * M * w * e + 8 * w * w * 4,
+    ),
 }
 
 
@@ -197,19 +203,34 @@ def main(argv=None) -> int:
                 print(_line(row, systems), file=sys.stderr, flush=True)
                 (out / "matmul.partial.json").write_text(json.dumps(rows, indent=1))
     result = {
-        "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "triton": triton.__version__, "copy_GB/s": bandwidth / 1e9,
-        "matmul_TFLOP/s": {k: v / 1e12 for k, v in rates.items()}, "rows": M, "cases": rows,
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_GB/s": bandwidth / 1e9,
+        "matmul_TFLOP/s": {k: v / 1e12 for k, v in rates.items()},
+        "rows": M,
+        "cases": rows,
     }
     (out / "matmul.json").write_text(json.dumps(result, indent=1))
-    header = (f"M = {M} rows; {result['gpu']}, {result['date']}, torch {result['torch']}, Triton {result['triton']}; "
-              f"copy {bandwidth / 1e9:.0f} GB/s; matrix rate fp32 {rates['fp32'] / 1e12:.0f}, "
-              f"tf32 {rates['tf32'] / 1e12:.0f}, bf16 {rates['bf16'] / 1e12:.0f} TFLOP/s. "
-              "Time in ms (speedup over eager).")
-    cols = {"eager": "eager", "compile": "torch.compile", "compile-max": "compile max-autotune",
-            "autofuser": "AutoFuser"}
-    lines = [header, "", "| case | width | precision | floor | " + " | ".join(cols[s] for s in systems) + " |",
-             "|---|---|---|---|" + "---|" * len(systems)]
+    header = (
+        f"M = {M} rows; {result['gpu']}, {result['date']}, torch {result['torch']}, Triton {result['triton']}; "
+        f"copy {bandwidth / 1e9:.0f} GB/s; matrix rate fp32 {rates['fp32'] / 1e12:.0f}, "
+        f"tf32 {rates['tf32'] / 1e12:.0f}, bf16 {rates['bf16'] / 1e12:.0f} TFLOP/s. "
+        "Time in ms (speedup over eager)."
+    )
+    cols = {
+        "eager": "eager",
+        "compile": "torch.compile",
+        "compile-max": "compile max-autotune",
+        "autofuser": "AutoFuser",
+    }
+    lines = [
+        header,
+        "",
+        "| case | width | precision | floor | " + " | ".join(cols[s] for s in systems) + " |",
+        "|---|---|---|---|" + "---|" * len(systems),
+    ]
     for row in rows:
         lines.append(_line(row, systems))
     table = "\n".join(lines)
@@ -244,15 +265,27 @@ def measure(system: str, model, inputs, expected, tune_budget: float, keep=lambd
         fn = build_system(system, model, tune_budget)
         got = _flat(fn(*inputs))
         torch.cuda.synchronize()
-        cell = {"first_call_s": time.perf_counter() - start,
-                "rel_err": float((got - expected).norm() / expected.norm())}
+        cell = {
+            "first_call_s": time.perf_counter() - start,
+            "rel_err": float((got - expected).norm() / expected.norm()),
+        }
         cell["ms"] = _ms(fn, *inputs)
         if system == "autofuser":
             cell["notes"] = list(fn.report().notes)  # e.g. whether the forward replays as a CUDA graph
             cell["groups"] = [
-                {"strategy": g.strategy, "ops": g.ops, "fused": g.fused, "reason": g.reason_code,
-                 "summary": g.reason, "config": g.config, "eager_ms": g.time_eager_ms, "fused_ms": g.time_fused_ms}
-                for g in fn.report().groups if keep(g)]
+                {
+                    "strategy": g.strategy,
+                    "ops": g.ops,
+                    "fused": g.fused,
+                    "reason": g.reason_code,
+                    "summary": g.reason,
+                    "config": g.config,
+                    "eager_ms": g.time_eager_ms,
+                    "fused_ms": g.time_fused_ms,
+                }
+                for g in fn.report().groups
+                if keep(g)
+            ]
         return cell
     except Exception as err:
         return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
@@ -273,8 +306,11 @@ def _cells(row, systems) -> list[str]:
 
 
 def _line(row, systems):
-    return (f"| {row['case']} | {row['width']} | {row['mode']} | {row['floor_ms']:.3f} | "
-            + " | ".join(_cells(row, systems)) + " |")
+    return (
+        f"| {row['case']} | {row['width']} | {row['mode']} | {row['floor_ms']:.3f} | "
+        + " | ".join(_cells(row, systems))
+        + " |"
+    )
 
 
 if __name__ == "__main__":

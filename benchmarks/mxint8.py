@@ -46,8 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matmul import CASES, M  # noqa: E402  (the product chains of the matmul benchmark)
 
 SYSTEMS = ("eager", "compile", "autofuser", "eager-mxint8", "autofuser-mxint8")
-TITLES = {"eager": "fp32 eager", "compile": "torch.compile", "autofuser": "AutoFuser fp32",
-          "eager-mxint8": "eager MXINT8", "autofuser-mxint8": "AutoFuser MXINT8"}
+TITLES = {
+    "eager": "fp32 eager",
+    "compile": "torch.compile",
+    "autofuser": "AutoFuser fp32",
+    "eager-mxint8": "eager MXINT8",
+    "autofuser-mxint8": "AutoFuser MXINT8",
+}
 
 
 def _ms(fn, *args):
@@ -116,9 +121,17 @@ def bench_case(name: str, model: torch.nn.Module, x: torch.Tensor, tune_budget: 
                     cell["skipped_groups"] = len(report.skipped)
                     cell["quantised_layers"] = len(report.quantized)
                     cell["notes"] = report.notes
-                    cell["groups"] = [{"strategy": g.strategy, "ops": g.ops, "fused": g.fused,
-                                       "reason": g.reason_code, "eager_ms": g.time_eager_ms,
-                                       "fused_ms": g.time_fused_ms} for g in report.groups]
+                    cell["groups"] = [
+                        {
+                            "strategy": g.strategy,
+                            "ops": g.ops,
+                            "fused": g.fused,
+                            "reason": g.reason_code,
+                            "eager_ms": g.time_eager_ms,
+                            "fused_ms": g.time_fused_ms,
+                        }
+                        for g in report.groups
+                    ]
                 row[system] = cell
             except Exception as err:
                 row[system] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"}
@@ -135,8 +148,9 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="galerkin", help="zoo models (Airfoil configuration)")
     parser.add_argument("--widths", default="128,256", help="widths of the product chains ('' for none)")
     parser.add_argument("--tune-budget", type=float, default=1.0, help="AutoFuser tuning seconds per group")
-    parser.add_argument("--time-limit", type=float, default=420.0,
-                        help="seconds after which remaining systems are skipped (and say so)")
+    parser.add_argument(
+        "--time-limit", type=float, default=420.0, help="seconds after which remaining systems are skipped (and say so)"
+    )
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run under the interpreter")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -160,8 +174,9 @@ def main(argv=None) -> int:
     for width in [int(w) for w in args.widths.split(",") if w]:
         for case, (factory, _, _) in CASES.items():
             torch.manual_seed(0)
-            cases.append((f"{case}, width {width}", factory(width).to(device).eval(),
-                          torch.randn(rows_m, width, device=device)))
+            cases.append(
+                (f"{case}, width {width}", factory(width).to(device).eval(), torch.randn(rows_m, width, device=device))
+            )
     rows = []
     for name, model, x in cases:
         print(f"mxint8 bench: {name} ...", file=sys.stderr, flush=True)
@@ -172,15 +187,27 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
-    result = {"date": datetime.date.today().isoformat(), "gpu": gpu, "rows": rows_m,
-              "torch": torch.__version__, "triton": triton.__version__, "precision": "fp32 highest (no TF32)",
-              "cases": rows}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": gpu,
+        "rows": rows_m,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "precision": "fp32 highest (no TF32)",
+        "cases": rows,
+    }
     (out / "mxint8.json").write_text(json.dumps(result, indent=1))
-    header = (f"{result['gpu']}, {result['date']}, torch {result['torch']}, Triton {result['triton']}; fp32 "
-              "products without TF32 (AutoFuser: 3xTF32). Each cell: ms (speed-up over fp32 eager); "
-              "weights: parameter + buffer bytes; error: relative L2 against fp32 eager.")
-    lines = [header, "", "| case | " + " | ".join(TITLES[s] for s in SYSTEMS) + " | weights fp32 -> MXINT8 | "
-             "error MXINT8 |", "|---|" + "---|" * (len(SYSTEMS) + 2)]
+    header = (
+        f"{result['gpu']}, {result['date']}, torch {result['torch']}, Triton {result['triton']}; fp32 "
+        "products without TF32 (AutoFuser: 3xTF32). Each cell: ms (speed-up over fp32 eager); "
+        "weights: parameter + buffer bytes; error: relative L2 against fp32 eager."
+    )
+    lines = [
+        header,
+        "",
+        "| case | " + " | ".join(TITLES[s] for s in SYSTEMS) + " | weights fp32 -> MXINT8 | error MXINT8 |",
+        "|---|" + "---|" * (len(SYSTEMS) + 2),
+    ]
     lines += [_line(row) for row in rows]
     table = "\n".join(lines)
     (out / "mxint8.md").write_text(table + "\n")

@@ -29,9 +29,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--form", default="galerkin", help=f"{', '.join(sorted(FORMS))} or part of a matmul case name")
     parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--mode", default="bf16", choices=["fp32", "tf32", "bf16", "bf16-weights"],
-                        help="bf16: autocast over fp32 parameters; bf16-weights: parameters and inputs in bf16 "
-                             "(no autocast), to see what reading fp32 weights costs a fused kernel")
+    parser.add_argument(
+        "--mode",
+        default="bf16",
+        choices=["fp32", "tf32", "bf16", "bf16-weights"],
+        help="bf16: autocast over fp32 parameters; bf16-weights: parameters and inputs in bf16 "
+        "(no autocast), to see what reading fp32 weights costs a fused kernel",
+    )
     parser.add_argument("--tune-budget", type=float, default=2.0)
     args = parser.parse_args(argv)
     device = torch.device("cuda")
@@ -42,8 +46,10 @@ def main(argv=None) -> int:
     else:
         factories = [f for name, (f, _, _) in {**CASES, **CHAIN_CASES}.items() if args.form in name]
         if not factories:
-            parser.error(f"--form {args.form!r} is neither an attention form ({', '.join(sorted(FORMS))}) nor part of "
-                         f"a matmul case name ({'; '.join({**CASES, **CHAIN_CASES})})")
+            parser.error(
+                f"--form {args.form!r} is neither an attention form ({', '.join(sorted(FORMS))}) nor part of "
+                f"a matmul case name ({'; '.join({**CASES, **CHAIN_CASES})})"
+            )
         factory = factories[0]
         model = factory(args.width).to(device).eval()
         inputs = [torch.randn(M, args.width, device=device) for _ in range(getattr(factory, "inputs", 1))]
@@ -62,8 +68,10 @@ def main(argv=None) -> int:
                 print(f"  {timing['ms']:.4f} ms  {timing['config']}")
         for name, fn in (("eager", model), ("autofuser", fused)):
             print(f"{name}: {_ms(fn, *inputs):.4f} ms (do_bench: L2 flushed before each call)")
-            print(f"{name}: {forward_time(fn, tuple(inputs)):.4f} ms (calls back to back, as the whole-forward check "
-                  "and the zoo harness time them)")
+            print(
+                f"{name}: {forward_time(fn, tuple(inputs)):.4f} ms (calls back to back, as the whole-forward check "
+                "and the zoo harness time them)"
+            )
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(50):
@@ -71,8 +79,9 @@ def main(argv=None) -> int:
             host = (time.perf_counter() - start) / 50
             torch.cuda.synchronize()
             print(f"{name}: {1e3 * host:.4f} ms host time per call (launch only, unsynchronised)")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
             for _ in range(20):
                 fused(*inputs)
             torch.cuda.synchronize()

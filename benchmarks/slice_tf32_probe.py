@@ -51,13 +51,23 @@ def _child(configs, n, width, mode, device):
         @autofuser.hookimpl
         def autofuser_register_strategies(self, register):
             config = self.config
-            register(S.SLICE_STRATEGY.model_copy(update={
-                "name": "slice_probe", "priority": 5, "plugin": None,
-                "accepts": lambda program: None if getattr(program, "slices", None) is not None
-                else ("not_attention", "not a slice-attention program"),
-                "configs": lambda program: [config], "default_config": lambda program: config,
-                "is_valid": lambda program, c: None,  # probe every configuration, the refused ones too
-            }))
+            register(
+                S.SLICE_STRATEGY.model_copy(
+                    update={
+                        "name": "slice_probe",
+                        "priority": 5,
+                        "plugin": None,
+                        "accepts": lambda program: (
+                            None
+                            if getattr(program, "slices", None) is not None
+                            else ("not_attention", "not a slice-attention program")
+                        ),
+                        "configs": lambda program: [config],
+                        "default_config": lambda program: config,
+                        "is_valid": lambda program, c: None,  # probe every configuration, the refused ones too
+                    }
+                )
+            )
 
     device = torch.device(device)
     torch.manual_seed(0)
@@ -68,8 +78,14 @@ def _child(configs, n, width, mode, device):
         row = {"config": [m, bn, splits, warps, stages], "n": n, "width": width, "mode": mode}
         print(json.dumps({"starting": row["config"]}), file=sys.stderr, flush=True)
         with precision(mode), torch.no_grad(), tempfile.TemporaryDirectory() as cache:
-            fused = autofuser.fuse(model, plugins=["elementwise", "reduction", "matmul", "attention", Probe(config)],
-                                   cache_dir=cache, verify_speed=False, cuda_graphs=False, tune_budget_s=2.0)
+            fused = autofuser.fuse(
+                model,
+                plugins=["elementwise", "reduction", "matmul", "attention", Probe(config)],
+                cache_dir=cache,
+                verify_speed=False,
+                cuda_graphs=False,
+                tune_budget_s=2.0,
+            )
             expected = model(*inputs)
             got = fused(*inputs)
             if device.type == "cuda":
@@ -79,8 +95,11 @@ def _child(configs, n, width, mode, device):
             row["ran"] = [g.config for g in groups if g.strategy == "slice_probe"]  # the configuration launched
             err = float((got - expected).norm() / expected.norm())
             row["rel_err"] = err
-            row["status"] = "ok" if "slice_probe" in row["strategies"] and err < 1e-2 else (
-                "wrong" if "slice_probe" in row["strategies"] else "not_fused")
+            row["status"] = (
+                "ok"
+                if "slice_probe" in row["strategies"] and err < 1e-2
+                else ("wrong" if "slice_probe" in row["strategies"] else "not_fused")
+            )
             if row["status"] == "not_fused":
                 row["why"] = [f"{g.strategy or '-'}: {g.reason}" for g in fused.report().groups if not g.fused][:3]
         print(json.dumps(row), flush=True)
@@ -106,16 +125,32 @@ def main(argv=None) -> int:
     while todo:
         spec = ";".join(",".join(map(str, c)) for c in todo)
         try:
-            proc = subprocess.run([sys.executable, __file__, "--child", spec, "--n", str(args.n), "--width",
-                                   str(args.width), "--mode", args.mode, "--device", args.device],
-                                  capture_output=True, text=True, timeout=args.timeout)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    spec,
+                    "--n",
+                    str(args.n),
+                    "--width",
+                    str(args.width),
+                    "--mode",
+                    args.mode,
+                    "--device",
+                    args.device,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=args.timeout,
+            )
         except subprocess.TimeoutExpired as err:
             out = err.stdout or ""
             out = out.decode() if isinstance(out, bytes) else out
             done = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
             for row in done:
                 print(json.dumps(row), flush=True)
-            todo = todo[len(done):]
+            todo = todo[len(done) :]
             if todo:
                 print(json.dumps({"config": list(todo[0]), "status": "timeout", "seconds": args.timeout}), flush=True)
                 todo = todo[1:]
@@ -123,15 +158,19 @@ def main(argv=None) -> int:
         done = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         for row in done:
             print(json.dumps(row), flush=True)
-        todo = todo[len(done):]
+        todo = todo[len(done) :]
         if proc.returncode != 0 and todo:
             tail = [line for line in proc.stderr.splitlines() if line.strip()][-6:]
-            print(json.dumps({"config": list(todo[0]), "status": "fault", "rc": proc.returncode, "stderr": tail}),
-                  flush=True)
+            print(
+                json.dumps({"config": list(todo[0]), "status": "fault", "rc": proc.returncode, "stderr": tail}),
+                flush=True,
+            )
             todo = todo[1:]
         elif proc.returncode != 0:
-            print(json.dumps({"status": "child_failed", "rc": proc.returncode,
-                              "stderr": proc.stderr.splitlines()[-6:]}), flush=True)
+            print(
+                json.dumps({"status": "child_failed", "rc": proc.returncode, "stderr": proc.stderr.splitlines()[-6:]}),
+                flush=True,
+            )
     return 0
 
 

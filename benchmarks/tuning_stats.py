@@ -57,16 +57,20 @@ def main(argv=None) -> int:
             rows[family(entry["key"]["kernel"])].append((len(timings), place, timings))
             config = json.dumps(entry.get("config", {}), sort_keys=True)
             won[family(entry["key"]["kernel"])][(config, place)] += 1
-    print(f"{'family':16s} {'kernels':>7s} {'configs':>7s} {'winner index (sorted)':40s} "
-          + " ".join(f"{'cap ' + str(k):>9s}" for k in CAPS))
+    print(
+        f"{'family':16s} {'kernels':>7s} {'configs':>7s} {'winner index (sorted)':40s} "
+        + " ".join(f"{'cap ' + str(k):>9s}" for k in CAPS)
+    )
     for name, entries in sorted(rows.items()):
         winners = sorted(w for _, w, _ in entries)
         regrets = []
         for k in CAPS:
             costs = [min(t[:k]) / min(t) - 1.0 for _, _, t in entries]
             regrets.append(f"{100 * statistics.mean(costs):4.1f}/{100 * max(costs):4.0f}%")
-        print(f"{name:16s} {len(entries):7d} {statistics.mean(n for n, _, _ in entries):7.1f} "
-              f"{str(winners)[:40]:40s} " + " ".join(f"{r:>9s}" for r in regrets))
+        print(
+            f"{name:16s} {len(entries):7d} {statistics.mean(n for n, _, _ in entries):7.1f} "
+            f"{str(winners)[:40]:40s} " + " ".join(f"{r:>9s}" for r in regrets)
+        )
     print("cap k: mean/max slowdown of the kernel had only its first k configs been tuned")
     print("\nwinning configs (count, place in the list, config):")
     for name, counts in sorted(won.items()):

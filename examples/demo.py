@@ -24,8 +24,9 @@ class Block(torch.nn.Module):
         self.qkv = torch.nn.Linear(width, 3 * width)
         self.proj = torch.nn.Linear(width, width)
         self.norm2 = torch.nn.LayerNorm(width)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
-                                       torch.nn.Linear(2 * width, width))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(width, 2 * width), torch.nn.GELU(), torch.nn.Linear(2 * width, width)
+        )
 
     def forward(self, x):
         b, n, c = x.shape

@@ -12,8 +12,11 @@ def assert_3x3_convs_split_at_max_reduction(model: torch.nn.Module, report, acti
     whose reduction is within ``MAX_REDUCTION`` are one implicit-GEMM group each; the
     others are refused (``cudnn_faster``: cuDNN's product) with their batch norm and
     activation fused on their own. The model must have some of each."""
-    short = sum(reduction(m.in_channels, m.kernel_size) <= MAX_REDUCTION for m in model.modules()
-                if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3))
+    short = sum(
+        reduction(m.in_channels, m.kernel_size) <= MAX_REDUCTION
+        for m in model.modules()
+        if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3)
+    )
     assert 0 < short < count
     chain = ["conv.conv2d_module", "conv.batch_norm_module", activation]
     assert sum(g.ops == chain and g.strategy == "implicit_gemm" for g in report.fused) == short, str(report)

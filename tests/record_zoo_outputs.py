@@ -114,9 +114,14 @@ def compute(case: str) -> dict:
         "plugins": list(extra),
         "fused": summarize(got),
         "eager": summarize(eager),
-        "groups": [{"strategy": g.strategy, "ops": list(g.ops),
-                    "max_error": None if g.max_error is None else _round(g.max_error)}
-                   for g in fused.report().fused],
+        "groups": [
+            {
+                "strategy": g.strategy,
+                "ops": list(g.ops),
+                "max_error": None if g.max_error is None else _round(g.max_error),
+            }
+            for g in fused.report().fused
+        ],
     }
 
 

@@ -106,8 +106,16 @@ class Attention(nn.Module):
         raise ValueError(form)
 
 
-FORMS = ["sdpa", "sdpa_bool_mask", "sdpa_float_mask", "sdpa_causal", "written_scale_bias", "written_masked_fill",
-         "einsum", "timm"]
+FORMS = [
+    "sdpa",
+    "sdpa_bool_mask",
+    "sdpa_float_mask",
+    "sdpa_causal",
+    "written_scale_bias",
+    "written_masked_fill",
+    "einsum",
+    "timm",
+]
 
 
 def eager_zeroes_keyless_rows(dtype) -> bool:
@@ -333,13 +341,21 @@ class Sdpa(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, **self.kwargs)
 
 
-@pytest.mark.parametrize("kwargs, shapes, dtype, code", [
-    pytest.param({"dropout_p": 0.1}, ((1, 2, 9, 16),) * 3, torch.float32, "random", id="dropout"),
-    pytest.param({"enable_gqa": True}, ((1, 4, 9, 16), (1, 2, 9, 16), (1, 2, 9, 16)), torch.float32,
-                 "unsupported_argument", id="gqa"),
-    pytest.param({}, ((1, 1, 9, 264),) * 3, torch.float32, "head_too_wide", id="head-264"),
-    pytest.param({}, ((1, 2, 9, 16),) * 3, torch.float64, "unsupported_dtype", id="float64"),
-])
+@pytest.mark.parametrize(
+    "kwargs, shapes, dtype, code",
+    [
+        pytest.param({"dropout_p": 0.1}, ((1, 2, 9, 16),) * 3, torch.float32, "random", id="dropout"),
+        pytest.param(
+            {"enable_gqa": True},
+            ((1, 4, 9, 16), (1, 2, 9, 16), (1, 2, 9, 16)),
+            torch.float32,
+            "unsupported_argument",
+            id="gqa",
+        ),
+        pytest.param({}, ((1, 1, 9, 264),) * 3, torch.float32, "head_too_wide", id="head-264"),
+        pytest.param({}, ((1, 2, 9, 16),) * 3, torch.float64, "unsupported_dtype", id="float64"),
+    ],
+)
 def test_unserved_sdpa_stays_eager_with_its_reason(kwargs, shapes, dtype, code):
     q, k, v = (torch.randn(s, dtype=dtype, device=DEVICE) for s in shapes)
     model = Sdpa(**kwargs).eval()
@@ -415,7 +431,9 @@ def test_autocast_bf16_matches_eager_under_autocast():
         torch.testing.assert_close(g.float(), e.float(), **TOLERANCES[torch.bfloat16])
     report = fused.report()
     assert sorted(g.reason.split(":")[0] for g in report.fused if g.strategy == "softmax_attention") == [
-        "form softmax (sdpa)", "form softmax (written out)"], str(report)
+        "form softmax (sdpa)",
+        "form softmax (written out)",
+    ], str(report)
 
 
 # ---------------------------------------------------------------------------
@@ -458,12 +476,17 @@ def _grabbing_plugin(refuse: bool):
     class Plugin:
         @staticmethod
         def autofuser_register_strategies(register):
-            register(StrategySpec(
-                name="grab", priority=2, compose=compose,
-                propose=lambda view: [[n for n in view.nodes if n in view.lowered]],
-                configs=lambda program: [{}], default_config=lambda program: {},
-                generate=lambda program, helpers: None,
-            ))
+            register(
+                StrategySpec(
+                    name="grab",
+                    priority=2,
+                    compose=compose,
+                    propose=lambda view: [[n for n in view.nodes if n in view.lowered]],
+                    configs=lambda program: [{}],
+                    default_config=lambda program: {},
+                    generate=lambda program, helpers: None,
+                )
+            )
 
     return Plugin()
 
@@ -492,4 +515,5 @@ def test_a_refusing_compose_leaves_its_nodes_to_the_generic_strategies():
     plan = plan_fusion_groups(gm, autofuser.load_plugins(["elementwise", _grabbing_plugin(True)]).registry)
     assert [c.strategy.name for c in plan.kept] == ["elementwise"]
     assert [(d.strategy, d.reason_code, d.reason) for d in plan.decisions] == [
-        ("grab", "not_today", "this strategy declines")]
+        ("grab", "not_today", "this strategy declines")
+    ]

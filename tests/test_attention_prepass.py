@@ -56,8 +56,9 @@ def test_split_pass_matches_eager_and_float64(form, d):
     assert "split pass over k, split pass over v" in chain_source(fused)
     torch.testing.assert_close(got, expected, equal_nan=True, **TOLERANCES[torch.float32])
     with torch.no_grad():
-        reference = model(q.double(), k.double(), v.double(), *[e.double() if e.is_floating_point() else e
-                                                               for e in extras])
+        reference = model(
+            q.double(), k.double(), v.double(), *[e.double() if e.is_floating_point() else e for e in extras]
+        )
     rows = ~reference.isnan().any(-1)
     eager_error = worst_row_error(expected[rows], reference[rows])
     assert worst_row_error(got[rows], reference[rows]) <= 4 * eager_error + 1e-7

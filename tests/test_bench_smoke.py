@@ -21,8 +21,15 @@ from autofuser.zoo import harness
 MODELS = ["galerkin", "fno"]
 SMOKE = ["--device", "cpu", "--config", "tiny", "--iters", "2", "--warmup", "1", "--no-compile"]
 CELL_KEYS = {"status", "error", "ms", "speedup", "first_call_s", "rel_err_vs_eager", "test_loss"}
-AUTOFUSER_KEYS = {"first_call_cold_s", "first_call_warm_s", "fused_groups", "skipped_groups", "warm_cache_hits",
-                  "report", "opaque"}
+AUTOFUSER_KEYS = {
+    "first_call_cold_s",
+    "first_call_warm_s",
+    "fused_groups",
+    "skipped_groups",
+    "warm_cache_hits",
+    "report",
+    "opaque",
+}
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +122,9 @@ def test_a_model_that_cannot_be_built_is_a_row_of_errors(tmp_path, monkeypatch):
         raise ValueError("no such weights")
 
     monkeypatch.setattr(type(entry), "make", lambda self, config="airfoil": no_model(config))
-    result = harness.run_bench(["fno"], device=harness.torch.device("cpu"), config="tiny", iters=1, warmup=0,
-                               out=tmp_path, no_compile=True)
+    result = harness.run_bench(
+        ["fno"], device=harness.torch.device("cpu"), config="tiny", iters=1, warmup=0, out=tmp_path, no_compile=True
+    )
     (row,) = result["rows"]
     assert {cell["status"] for cell in row["systems"].values()} == {"error"}
     assert row["systems"]["eager"]["error"] == "ValueError: no such weights"
@@ -131,8 +139,9 @@ def test_unknown_model_is_refused(tmp_path, capsys):
 def test_train_steps_train_first_and_a_failed_training_still_measures(tmp_path, monkeypatch):
     cpu = harness.torch.device("cpu")
     monkeypatch.setattr(autofuser, "fuse", lambda model, **kwargs: model)  # only eager matters here
-    result = harness.run_bench(["fno"], device=cpu, config="tiny", iters=1, warmup=0, out=tmp_path / "a",
-                               no_compile=True, train_steps=3)
+    result = harness.run_bench(
+        ["fno"], device=cpu, config="tiny", iters=1, warmup=0, out=tmp_path / "a", no_compile=True, train_steps=3
+    )
     (row,) = result["rows"]
     assert len(row["train_losses"]) == 3 and row["train_error"] is None
     assert row["systems"]["eager"]["status"] == "ok"
@@ -141,8 +150,9 @@ def test_train_steps_train_first_and_a_failed_training_still_measures(tmp_path, 
         raise RuntimeError("CUDA out of memory (pretend)")
 
     monkeypatch.setattr(harness, "train", out_of_memory)
-    result = harness.run_bench(["fno"], device=cpu, config="tiny", iters=1, warmup=0, out=tmp_path / "b",
-                               no_compile=True, train_steps=3)
+    result = harness.run_bench(
+        ["fno"], device=cpu, config="tiny", iters=1, warmup=0, out=tmp_path / "b", no_compile=True, train_steps=3
+    )
     (row,) = result["rows"]
     assert row["train_error"] == "RuntimeError: CUDA out of memory (pretend)"
     assert row["systems"]["eager"]["status"] == "ok" and row["systems"]["eager"]["test_loss"] > 0
@@ -156,16 +166,25 @@ def test_fresh_first_calls_run_in_their_own_processes_and_errors_are_cells(tmp_p
     from autofuser.zoo import first_call
 
     cpu = harness.torch.device("cpu")
-    result = harness.run_bench(["fno"], device=cpu, config="tiny", iters=1, warmup=0, out=tmp_path / "a",
-                               no_compile=True, fresh_first_calls=True)
+    result = harness.run_bench(
+        ["fno"],
+        device=cpu,
+        config="tiny",
+        iters=1,
+        warmup=0,
+        out=tmp_path / "a",
+        no_compile=True,
+        fresh_first_calls=True,
+    )
     (row,) = result["rows"]
     fused = row["systems"]["autofuser"]
     assert fused["first_call_fresh_s"] > 0 and fused["first_call_fresh_error"] is None
     assert "first_call_fresh_s" not in row["systems"]["torch.compile"]  # --no-compile: not run
     assert f"| fno | {harness.NO_COMPILE} | {fused['first_call_fresh_s']:.2f} |" in result["markdown"]
 
-    answer = first_call.measure_in_fresh_process("fno", "autofuser", device="cpu", dtype="fp32", config="tiny",
-                                                 batch=0)  # a batch of 0 fails in the model
+    answer = first_call.measure_in_fresh_process(
+        "fno", "autofuser", device="cpu", dtype="fp32", config="tiny", batch=0
+    )  # a batch of 0 fails in the model
     assert set(answer) == {"error"} and answer["error"], answer
     fused.update(first_call_fresh_s=None, first_call_fresh_error=answer["error"])  # as bench_model records it
     assert "fno / autofuser (fresh process): " + answer["error"] in harness.render_markdown(result)

@@ -29,8 +29,14 @@ from autofuser_core.cache import cache_dir, key_digest, load_kernel_module, read
 
 from _helpers import NormGelu
 
-KEY = {"kernel": "af_flat_mul_add_0123456789", "source_sha256": "ab" * 32, "torch": "2.13.0", "triton": "3.9.0",
-       "gpu": "NVIDIA H200", "capability": "9.0"}
+KEY = {
+    "kernel": "af_flat_mul_add_0123456789",
+    "source_sha256": "ab" * 32,
+    "torch": "2.13.0",
+    "triton": "3.9.0",
+    "gpu": "NVIDIA H200",
+    "capability": "9.0",
+}
 CONFIG = {"BLOCK": 1024, "num_warps": 4}
 TIMINGS = [{"config": {"BLOCK": 512, "num_warps": 4}, "ms": 0.0123}, {"config": CONFIG, "ms": 0.0101}]
 
@@ -63,7 +69,8 @@ def test_tuning_entry_round_trips(tmp_path, recwarn):
     assert read_tuning(tmp_path, other)["config"] == {"BLOCK": 256, "num_warps": 2}
     assert read_tuning(tmp_path, KEY)["config"] == CONFIG
     assert sorted(p.name for p in (tmp_path / "tuning").iterdir()) == sorted(
-        [f"{key_digest(KEY)}.json", f"{key_digest(other)}.json"])
+        [f"{key_digest(KEY)}.json", f"{key_digest(other)}.json"]
+    )
 
 
 def _valid_entry(**changes) -> str:
@@ -77,8 +84,9 @@ def _valid_entry(**changes) -> str:
     [
         pytest.param('{"version": 1, "key": {"kernel": ', "Expecting", id="truncated-json"),
         pytest.param("\x00\x01 not json at all", "Expecting value", id="garbage"),
-        pytest.param(_valid_entry(key={**KEY, "gpu": "another GPU"}), "another kernel, GPU or software",
-                     id="other-key"),
+        pytest.param(
+            _valid_entry(key={**KEY, "gpu": "another GPU"}), "another kernel, GPU or software", id="other-key"
+        ),
         pytest.param(_valid_entry(version=cache.ENTRY_VERSION + 1), "unknown format version", id="newer-version"),
         pytest.param(_valid_entry(version=None), "unknown format version", id="no-version"),
         pytest.param("[1, 2, 3]", "unknown format version", id="not-an-object"),
@@ -244,7 +252,7 @@ def test_a_loaded_kernel_is_not_written_again_for_each_copy_of_a_layer(tmp_path,
 
 # Tuning needs a GPU; here it runs on the interpreter with a CPU timer, which is
 # all the cache logic needs (what was tuned, what was stored, what was reused).
-TUNING_SCRIPT = textwrap.dedent('''
+TUNING_SCRIPT = textwrap.dedent("""
     import json, time
     import torch
     import torch.nn.functional as F
@@ -281,12 +289,16 @@ TUNING_SCRIPT = textwrap.dedent('''
     report = fused.report()
     print(json.dumps({"close": torch.allclose(got, expected, atol=1e-5, rtol=1e-4),
                       "groups": [g.model_dump() for g in report.groups]}))
-''')
+""")
 
 
 def run_tuning_process(script: Path, cache_root: Path) -> tuple[dict, str]:
-    env = {**os.environ, "AUTOFUSER_CACHE_DIR": str(cache_root), "TRITON_INTERPRET": "1",
-           "AUTOFUSER_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    env = {
+        **os.environ,
+        "AUTOFUSER_CACHE_DIR": str(cache_root),
+        "TRITON_INTERPRET": "1",
+        "AUTOFUSER_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -337,21 +349,27 @@ def test_a_warm_cache_reuses_the_fused_vs_eager_verdict(tmp_path):
     """The speed check's timings are stored with the tuning result; a second
     process neither tunes nor times again, and reaches the same verdicts."""
     script = tmp_path / "time_once.py"
-    script.write_text(TUNING_SCRIPT.replace(
-        "timer = CpuTimer()", "timer = CpuTimer()\ntimer.can_time = lambda device, options: options.verify_speed"))
+    script.write_text(
+        TUNING_SCRIPT.replace(
+            "timer = CpuTimer()", "timer = CpuTimer()\ntimer.can_time = lambda device, options: options.verify_speed"
+        )
+    )
     cache_root = tmp_path / "cache"
     first, _ = run_tuning_process(script, cache_root)
     timed = [g for g in first["groups"] if g["time_fused_ms"] is not None]
     assert timed and all(g["time_eager_ms"] > 0 for g in timed)
     stored = {k: json.loads(p.read_text()) for k, p in tuning_files(cache_root).items()}
-    assert all(stored[g["kernel"]]["speed"] == {"fused_ms": g["time_fused_ms"], "eager_ms": g["time_eager_ms"]}
-               for g in timed)
+    assert all(
+        stored[g["kernel"]]["speed"] == {"fused_ms": g["time_fused_ms"], "eager_ms": g["time_eager_ms"]} for g in timed
+    )
     second, _ = run_tuning_process(script, cache_root)
     again = {g["kernel"]: g for g in second["groups"]}
     for g in timed:
         assert again[g["kernel"]]["cache_hit"]
         assert (again[g["kernel"]]["time_fused_ms"], again[g["kernel"]]["time_eager_ms"]) == (
-            g["time_fused_ms"], g["time_eager_ms"])
+            g["time_fused_ms"],
+            g["time_eager_ms"],
+        )
         assert (again[g["kernel"]]["fused"], again[g["kernel"]]["reason_code"]) == (g["fused"], g["reason_code"])
 
 
@@ -408,10 +426,10 @@ def test_a_clear_win_is_decided_in_one_round(tmp_path, monkeypatch):
     assert len(calls) == 3 and any(n.startswith("forward: 1.000 ms fused") for n in fused.report().notes)
 
 
-@pytest.mark.parametrize("fused_ms, eager_ms, timed", [(30.0, 61.0, 2), (10.0, 61.0, 2), (30.0, 50.0, 3),
-                                                    (12.0, 24.9, 3)])
-def test_a_long_eager_forward_far_behind_the_fused_one_is_called_once(tmp_path, monkeypatch, fused_ms, eager_ms,
-                                                                      timed):
+@pytest.mark.parametrize(
+    "fused_ms, eager_ms, timed", [(30.0, 61.0, 2), (10.0, 61.0, 2), (30.0, 50.0, 3), (12.0, 24.9, 3)]
+)
+def test_a_long_eager_forward_far_behind_the_fused_one_is_called_once(tmp_path, monkeypatch, fused_ms, eager_ms, timed):
     """An eager call over FORWARD_BUDGET_MS that the fused forward beats by more than
     WIDE_GAP decides the check; closer, or shorter, the rounds run as for any forward."""
     from autofuser_core.fuse import FORWARD_BUDGET_MS, WIDE_GAP
@@ -438,9 +456,11 @@ def test_a_gpu_bound_forward_is_not_tried_as_a_cuda_graph(monkeypatch):
     x = torch.randn(2, 4)
     long_ms = fuse_module.FORWARD_BUDGET_MS + 5.0
     share = fuse_module.HOST_SHARE_GPU_BOUND
-    cases = [((0.1 * long_ms, long_ms), True),  # queued in a tenth of its time
-             ((0.9 * long_ms, long_ms), False),  # the host launching all along
-             ((0.1, fuse_module.FORWARD_BUDGET_MS - 1.0), False)]  # short: a graph may pay
+    cases = [
+        ((0.1 * long_ms, long_ms), True),  # queued in a tenth of its time
+        ((0.9 * long_ms, long_ms), False),  # the host launching all along
+        ((0.1, fuse_module.FORWARD_BUDGET_MS - 1.0), False),
+    ]  # short: a graph may pay
     for (queued, total), bound in cases:
         assert (queued < share * total and total > fuse_module.FORWARD_BUDGET_MS) == bound
         monkeypatch.setattr(fuse_module, "_once", lambda fn, args, q=queued, t=total: (q, t))
@@ -472,22 +492,26 @@ def test_a_fused_forward_within_the_margin_of_eager_leaves_the_original_running(
 # temporary file complete, the rename not yet done).
 STOP_POINTS = {
     "while-tuning": ("timer.bench", "lambda fn, *args, **kwargs: stop()"),
-    "while-writing": ("cache.os.replace",
-                      "lambda src, dst, replace=os.replace: stop() "
-                      "if str(dst).endswith('.json') else replace(src, dst)"),
+    "while-writing": (
+        "cache.os.replace",
+        "lambda src, dst, replace=os.replace: stop() if str(dst).endswith('.json') else replace(src, dst)",
+    ),
 }
 
 
 def stopping_script(where: str, marker: Path) -> str:
     target, replacement = STOP_POINTS[where]
-    return TUNING_SCRIPT.replace("from autofuser_core import timing", textwrap.dedent(f'''
+    return TUNING_SCRIPT.replace(
+        "from autofuser_core import timing",
+        textwrap.dedent(f"""
         import os
         from autofuser_core import cache, timing
 
         def stop():
             open({str(marker)!r}, "w").close()
             time.sleep(600)
-    ''')).replace("timer = CpuTimer()", f"timer = CpuTimer()\n{target} = {replacement}")
+    """),
+    ).replace("timer = CpuTimer()", f"timer = CpuTimer()\n{target} = {replacement}")
 
 
 def lock_is_free(path: Path) -> bool:
@@ -508,8 +532,12 @@ def test_a_process_killed_while_tuning_leaves_nothing_a_later_run_trusts(tmp_pat
     marker, cache_root = tmp_path / "stopped", tmp_path / "cache"
     script = tmp_path / "stops.py"
     script.write_text(stopping_script(where, marker))
-    env = {**os.environ, "AUTOFUSER_CACHE_DIR": str(cache_root), "TRITON_INTERPRET": "1",
-           "AUTOFUSER_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    env = {
+        **os.environ,
+        "AUTOFUSER_CACHE_DIR": str(cache_root),
+        "TRITON_INTERPRET": "1",
+        "AUTOFUSER_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
     victim = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
@@ -589,11 +617,20 @@ def unwritable_folder(kind: str, root: Path, monkeypatch) -> None:
     monkeypatch.setattr(cache, "atomic_write", failing)
 
 
-@pytest.mark.parametrize("kind", [
-    "read-only", "full-disk",
-    pytest.param("chmod", marks=pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
-                                                   reason="as root, chmod doesn't stop writes (simulated above)")),
-])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "read-only",
+        "full-disk",
+        pytest.param(
+            "chmod",
+            marks=pytest.mark.skipif(
+                not hasattr(os, "geteuid") or os.geteuid() == 0,
+                reason="as root, chmod doesn't stop writes (simulated above)",
+            ),
+        ),
+    ],
+)
 def test_an_unwritable_cache_folder_means_tuning_in_memory_with_one_warning(tmp_path, monkeypatch, gpu_tuning, kind):
     root = tmp_path / "cache"
     unwritable_folder(kind, root, monkeypatch)
@@ -650,6 +687,7 @@ def test_a_shipped_cache_is_used_on_the_same_gpu_and_versions_and_ignored_elsewh
                 if Path(path).is_relative_to(shipped):
                     pytest.fail(f"wrote to {path}")
                 return original(path, *args, **kwargs)
+
             return call
 
         def refuse_writes(original):
@@ -657,6 +695,7 @@ def test_a_shipped_cache_is_used_on_the_same_gpu_and_versions_and_ignored_elsewh
                 if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and Path(path).is_relative_to(shipped):
                     pytest.fail(f"opened {path} for writing")
                 return original(path, flags, *args, **kwargs)
+
             return call
 
         read_only.setattr(cache, "atomic_write", refuse(cache.atomic_write))
@@ -667,8 +706,12 @@ def test_a_shipped_cache_is_used_on_the_same_gpu_and_versions_and_ignored_elsewh
     assert all(g.cache_hit for g in same.fused) and len(gpu_tuning) == timed
     assert [g.config for g in same.fused] == [g.config for g in tuned.fused]
 
-    for field, other in [("gpu", "NVIDIA A100-SXM4-80GB"), ("capability", "8.0"), ("torch", "2.12.0"),
-                         ("triton", "3.7.0")]:
+    for field, other in [
+        ("gpu", "NVIDIA A100-SXM4-80GB"),
+        ("capability", "8.0"),
+        ("torch", "2.12.0"),
+        ("triton", "3.7.0"),
+    ]:
         monkeypatch.setattr(tuning_module, "device_key", lambda device: {**machine, field: other})
         elsewhere, got, expected = fuse_norm_gelu(shipped, x)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
@@ -768,8 +811,14 @@ def _run_compile_script(tmp_path, bad_kernel_line: str, **extra_env: str) -> str
     script = tmp_path / "train.py"
     script.write_text(COMPILE_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | extra_env
-    done = subprocess.run([sys.executable, str(script), str(tmp_path), bad_kernel_line], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), bad_kernel_line],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -834,8 +883,9 @@ def test_compile_children_are_as_many_as_there_are_configs(monkeypatch):
     monkeypatch.setattr(precompile.os, "fork", lambda: forked.append(1) or 12345)
 
     def job(name: str, configs: int):
-        return precompile.CompileJob("k.py", name, ("float32",),
-                                     tuple(precompile.launch_items({"BLOCK": 16 << b}) for b in range(configs)))
+        return precompile.CompileJob(
+            "k.py", name, ("float32",), tuple(precompile.launch_items({"BLOCK": 16 << b}) for b in range(configs))
+        )
 
     assert precompile.precompile([], lambda m: None, target="sm90") == 0 and forked == []
     monkeypatch.setattr(precompile, "current_target", lambda: None)
@@ -892,8 +942,9 @@ def test_a_warm_compile_reads_each_tuning_entry_once_per_group(tmp_path, monkeyp
     x = torch.randn(4, 33)
     for _ in range(2):
         reads = []
-        monkeypatch.setattr(tuning_module, "read_tuning", lambda root, key: reads.append(key["kernel"]) or
-                            cache.read_tuning(root, key))
+        monkeypatch.setattr(
+            tuning_module, "read_tuning", lambda root, key: reads.append(key["kernel"]) or cache.read_tuning(root, key)
+        )
         with torch.no_grad():
             fused = autofuser.fuse(RepeatedBlocks(), progress=False, cache_dir=str(tmp_path))
             torch.testing.assert_close(fused(x.clone()), RepeatedBlocks()(x.clone()))

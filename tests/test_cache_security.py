@@ -28,8 +28,14 @@ from _helpers import NormGelu
 
 posix_only = pytest.mark.skipif(os.name != "posix", reason="owners, modes, FIFOs and O_NOFOLLOW are POSIX")
 
-KEY = {"kernel": "af_flat_mul_add_0123456789", "source_sha256": "cd" * 32, "torch": "2.13.0", "triton": "3.9.0",
-       "gpu": "NVIDIA H200", "capability": "9.0"}
+KEY = {
+    "kernel": "af_flat_mul_add_0123456789",
+    "source_sha256": "cd" * 32,
+    "torch": "2.13.0",
+    "triton": "3.9.0",
+    "gpu": "NVIDIA H200",
+    "capability": "9.0",
+}
 CONFIG = {"BLOCK": 1024, "num_warps": 4}
 
 
@@ -50,7 +56,7 @@ def kernel_name():
 # ---------------------------------------------------------------------------
 
 #: A generated kernel: y = 2x + 1.
-KERNEL = '''import triton
+KERNEL = """import triton
 import triton.language as tl
 
 
@@ -58,12 +64,12 @@ import triton.language as tl
 def {name}(x, y, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(y + i, tl.load(x + i, mask=i < n) * 2.0 + 1.0, mask=i < n)
-'''
+"""
 
 #: The same kernel as someone else rewrote it: its module level and (under the
 #: interpreter, which runs the kernel body as Python) its body leave a marker file,
 #: and it computes something else. Lines are added, as an attack would.
-TAMPERED = '''import triton
+TAMPERED = """import triton
 import triton.language as tl
 from pathlib import Path
 Path({marker!r}).write_text("module level ran")
@@ -74,7 +80,7 @@ def {name}(x, y, n, BLOCK: tl.constexpr):
     __import__("pathlib").Path({marker!r}).write_text("kernel body ran")
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(y + i, tl.load(x + i, mask=i < n) * 666.0, mask=i < n)
-'''
+"""
 
 
 def launch(module, name: str, device) -> None:
@@ -91,8 +97,9 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 @pytest.mark.parametrize("rewrite", ["cache-file", "cache-and-private-file"])
-def test_a_kernel_file_rewritten_before_the_first_launch_changes_nothing_that_runs(tmp_path, kernel_name, device,
-                                                                                 rewrite):
+def test_a_kernel_file_rewritten_before_the_first_launch_changes_nothing_that_runs(
+    tmp_path, kernel_name, device, rewrite
+):
     """Triton reads a kernel's source back when it first runs it (the interpreter) or
     decorates it (the JIT): it must read the checked text, not what a file holds then."""
     marker = tmp_path / "tampered_code_ran"
@@ -140,11 +147,12 @@ def test_the_private_kernel_folder_is_ours_and_removed_at_exit(tmp_path):
     st = folder.lstat()
     assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
     assert cache.private_kernel_dir() == folder  # one per process
-    script = ("from autofuser_core import cache\n"
-              "print(cache.load_kernel_module('af_exit_check', 'VALUE = 1\\n', cache.Path(__import__('sys').argv[1]))"
-              ".__file__)")
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
-                          timeout=60)
+    script = (
+        "from autofuser_core import cache\n"
+        "print(cache.load_kernel_module('af_exit_check', 'VALUE = 1\\n', cache.Path(__import__('sys').argv[1]))"
+        ".__file__)"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     private_file = Path(done.stdout.strip())
     assert private_file.name == "af_exit_check.py" and not private_file.parent.exists()
@@ -204,6 +212,7 @@ def owned_by_another_user(monkeypatch, folder: Path) -> None:
                 fields[4] = os.getuid() + 4242  # st_uid
                 return os.stat_result(fields)
             return st
+
         return call
 
     monkeypatch.setattr(cache.os, "stat", faking(real_stat))
@@ -218,8 +227,9 @@ def test_another_users_folder_is_not_used_and_warned_about_once(tmp_path, monkey
         (root / folder).mkdir(parents=True, mode=0o700)
     planted = root / "tuning" / f"{key_digest(KEY)}.json"
     planted.write_text(valid_entry(config={"BLOCK": 64, "num_warps": 1}))
-    (root / "verdicts" / f"{key_digest(KEY)}.json").write_text(json.dumps(
-        {"version": cache.ENTRY_VERSION, "key": KEY, "times": {"fused_ms": 0.001}}))
+    (root / "verdicts" / f"{key_digest(KEY)}.json").write_text(
+        json.dumps({"version": cache.ENTRY_VERSION, "key": KEY, "times": {"fused_ms": 0.001}})
+    )
     owned_by_another_user(monkeypatch, root / sub if sub else root)
     before = {str(p): p.read_bytes() for p in root.rglob("*") if p.is_file()}
     with pytest.warns(UserWarning, match="belongs to another user") as record:
@@ -442,8 +452,11 @@ def test_a_cached_config_the_strategy_does_not_list_is_tuned_again(tmp_path, gpu
     torch.manual_seed(1)
     x = torch.randn(1, 5, 37, device=device)
     first = fuse_and_run(tmp_path, x)
-    (path,) = [p for p in (tmp_path / "tuning").glob("*.json")
-               if set(json.loads(p.read_text())["config"]) == {"BLOCK", "num_warps"}]
+    (path,) = [
+        p
+        for p in (tmp_path / "tuning").glob("*.json")
+        if set(json.loads(p.read_text())["config"]) == {"BLOCK", "num_warps"}
+    ]
     entry = json.loads(path.read_text())
     entry["config"] = {"BLOCK": 96, "num_warps": 1}  # 3 values per thread: valid, but not listed
     path.write_text(json.dumps(entry))

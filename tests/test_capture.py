@@ -35,6 +35,7 @@ def assert_same(a, b):
 
 # ----------------------------------------------------------------- nested modules
 
+
 class Norm(nn.Module):
     def __init__(self, c):
         super().__init__()
@@ -90,6 +91,7 @@ def test_nested_modules_are_inlined_and_adjacent():
 
 # ----------------------------------------------------------------- FNO spectral layer
 
+
 class SpectralConv2d(nn.Module):
     def __init__(self, cin, cout, m1, m2):
         super().__init__()
@@ -105,10 +107,9 @@ class SpectralConv2d(nn.Module):
     def forward(self, x):
         b = x.shape[0]
         x_ft = torch.fft.rfft2(x)
-        out_ft = torch.zeros(b, self.cout, x.size(-2), x.size(-1) // 2 + 1,
-                             dtype=torch.cfloat, device=x.device)
-        out_ft[:, :, :self.m1, :self.m2] = self.mul(x_ft[:, :, :self.m1, :self.m2], self.w1)
-        out_ft[:, :, -self.m1:, :self.m2] = self.mul(x_ft[:, :, -self.m1:, :self.m2], self.w2)
+        out_ft = torch.zeros(b, self.cout, x.size(-2), x.size(-1) // 2 + 1, dtype=torch.cfloat, device=x.device)
+        out_ft[:, :, : self.m1, : self.m2] = self.mul(x_ft[:, :, : self.m1, : self.m2], self.w1)
+        out_ft[:, :, -self.m1 :, : self.m2] = self.mul(x_ft[:, :, -self.m1 :, : self.m2], self.w2)
         return torch.fft.irfft2(out_ft, s=(x.size(-2), x.size(-1)))
 
 
@@ -136,6 +137,7 @@ def test_fno_spectral_layer():
 
 
 # ----------------------------------------------------------------- opaque submodule
+
 
 class Branchy(nn.Module):
     def __init__(self):
@@ -193,6 +195,7 @@ def test_value_dependent_submodule_becomes_opaque(caplog):
 
 # ----------------------------------------------------------------- einops
 
+
 class EinopsNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -224,6 +227,7 @@ def test_einops_lowers_to_plain_ops():
 
 
 # ----------------------------------------------------------------- shape patterns
+
 
 class ShapePatterns(nn.Module):
     def __init__(self):
@@ -262,6 +266,7 @@ def test_shape_patterns_trace_without_opaque_parts():
 
 # ----------------------------------------------------------------- train mode, state
 
+
 class TrainNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -293,8 +298,11 @@ def test_train_mode_keeps_buffers_rng_and_inputs():
 
 def test_every_tensor_node_has_tensor_meta():
     torch.manual_seed(6)
-    for model, x in ((Net(), torch.randn(2, 3, 7)), (FNOLayer(), torch.randn(1, 3, 8, 6)),
-                     (WithBranch(), torch.randn(3, 6))):
+    for model, x in (
+        (Net(), torch.randn(2, 3, 7)),
+        (FNOLayer(), torch.randn(1, 3, 8, 6)),
+        (WithBranch(), torch.randn(3, 6)),
+    ):
         gm = capture(model.eval(), x)
         for node in gm.graph.nodes:
             if node.op in ("output",) or node.target is operator.setitem:
@@ -303,6 +311,7 @@ def test_every_tensor_node_has_tensor_meta():
 
 
 # ----------------------------------------------------------------- bad input, root fallback
+
 
 class RootBranch(nn.Module):
     def __init__(self):
@@ -351,6 +360,7 @@ def test_untraceable_root_runs_unchanged_with_warning():
 
 
 # ----------------------------------------------------------------- data-dependent, in-place, misc
+
 
 class DataDependentShape(nn.Module):
     def forward(self, x):
@@ -460,6 +470,7 @@ def test_model_failing_eagerly_raises_its_own_error():
 def test_tracing_frees_values_the_model_no_longer_holds():
     """Tracing needs about the memory of one eager run: a dead intermediate is freed at once."""
     import gc
+
     shape = (7, 13, 11)
     live_counts = []
 
@@ -522,7 +533,8 @@ def test_a_compile_leaves_sympy_unimported(tmp_path):
     """torch imports sympy (seconds, on a cold machine) for its symbolic shapes; capture,
     planning and compiling need none of it, so a first call does not pay for it."""
     env = dict(os.environ, AUTOFUSER_CACHE_DIR=str(tmp_path), TRITON_INTERPRET="1")  # CPU tensors, on a GPU machine too
-    done = subprocess.run([sys.executable, "-c", COLD_COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", COLD_COMPILE_SCRIPT], capture_output=True, text=True, env=env, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "sympy imported: False" in done.stdout, done.stdout

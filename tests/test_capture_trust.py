@@ -52,6 +52,7 @@ def proxies_in(model: nn.Module) -> list[str]:
 # Attributes a forward assigns to self
 # ---------------------------------------------------------------------------
 
+
 class RegistersScale(nn.Module):
     """Registers a buffer on its first call (tracing can't: the buffer would be a proxy)."""
 
@@ -136,6 +137,7 @@ def test_a_fused_model_assigning_to_self_still_works_eagerly(device):
 # The model's own errors
 # ---------------------------------------------------------------------------
 
+
 class PicksByBatch(nn.Module):
     def forward(self, x):
         factor = [1.0, 2.0, 3.0][x.shape[0]]  # IndexError from batch 3 on
@@ -164,6 +166,7 @@ def test_the_models_own_error_keeps_its_type(make):
 # Threads
 # ---------------------------------------------------------------------------
 
+
 def test_other_threads_see_plain_torch_while_a_capture_traces(device):
     """The traced forward pauses mid-trace until another thread has used torch's factories,
     a module and no_grad: each must act as always, not record into the trace."""
@@ -186,10 +189,14 @@ def test_other_threads_see_plain_torch_while_a_capture_traces(device):
 
     def use_torch():
         results = {
-            "zeros": (torch.zeros(3), [0.0] * 3), "ones": (torch.ones(2), [1.0] * 2),
-            "arange": (torch.arange(4), [0, 1, 2, 3]), "full": (torch.full((2,), 7.0), [7.0] * 2),
-            "empty": (torch.empty(2).fill_(5.0), [5.0] * 2), "eye": (torch.eye(2).flatten(), [1.0, 0.0, 0.0, 1.0]),
-            "zeros_like": (torch.zeros_like(torch.ones(2)), [0.0] * 2), "randn": (torch.randn(3) * 0, [0.0] * 3),
+            "zeros": (torch.zeros(3), [0.0] * 3),
+            "ones": (torch.ones(2), [1.0] * 2),
+            "arange": (torch.arange(4), [0, 1, 2, 3]),
+            "full": (torch.full((2,), 7.0), [7.0] * 2),
+            "empty": (torch.empty(2).fill_(5.0), [5.0] * 2),
+            "eye": (torch.eye(2).flatten(), [1.0, 0.0, 0.0, 1.0]),
+            "zeros_like": (torch.zeros_like(torch.ones(2)), [0.0] * 2),
+            "randn": (torch.randn(3) * 0, [0.0] * 3),
         }
         with torch.no_grad():
             out = layer(torch.ones(1, 4))
@@ -333,6 +340,7 @@ def test_inputs_that_arent_contiguous_fuse_through_their_strides(make, layout, d
 # ---------------------------------------------------------------------------
 # Training a parametrized layer
 # ---------------------------------------------------------------------------
+
 
 class Symmetric(nn.Module):
     def forward(self, weight):

@@ -41,7 +41,7 @@ class Wrapper(torch.nn.Module):
         for slot, t in zip(self.tensor_slots, tensors):
             args[slot] = t
         kwargs = dict(self.kwargs)
-        kwargs.update(zip(self.tensor_kwargs, tensors[len(self.tensor_slots):]))
+        kwargs.update(zip(self.tensor_kwargs, tensors[len(self.tensor_slots) :]))
         target = self.ref if self.is_module else self.fn
         return target(*args, **kwargs)
 
@@ -105,7 +105,8 @@ def test_lowering_matches_eager(spec_name, dtype_name, sample_index, form_index)
         exact = _in_float64(spec.references[form_index], args, kwargs)
         ours, theirs = (got.double() - exact).abs(), (expected.double() - exact).abs()
         assert ours.max() <= theirs.max() and ours.mean() <= theirs.mean(), (
-            f"off eager, and no nearer the float64 result: max {ours.max():.3g} vs eager's {theirs.max():.3g}")
+            f"off eager, and no nearer the float64 result: max {ours.max():.3g} vs eager's {theirs.max():.3g}"
+        )
         torch.testing.assert_close(got.double(), exact, atol=tol.atol, rtol=tol.rtol, equal_nan=True)
 
 
@@ -121,5 +122,6 @@ def _in_float64(reference, args, kwargs) -> torch.Tensor:
 
 def _tensor_args(args, kwargs) -> list[torch.Tensor]:
     """A sample's tensors in the order ``Wrapper.forward`` takes them."""
-    return ([a for a in args if isinstance(a, torch.Tensor)]
-            + [v for v in kwargs.values() if isinstance(v, torch.Tensor)])
+    return [a for a in args if isinstance(a, torch.Tensor)] + [
+        v for v in kwargs.values() if isinstance(v, torch.Tensor)
+    ]

@@ -78,18 +78,25 @@ class PointwiseConvBlock(nn.Module):
         return F.gelu(self.norm(self.conv(x))) + residual
 
 
-@pytest.mark.parametrize("dims,spatial,dtype", [
-    (1, (37,), torch.float32), (2, (37, 13), torch.float32), (3, (5, 7, 3), torch.float32),
-    (2, (37, 13), torch.bfloat16),
-], ids=["1d-fp32", "2d-fp32", "3d-fp32", "2d-bf16"])
+@pytest.mark.parametrize(
+    "dims,spatial,dtype",
+    [
+        (1, (37,), torch.float32),
+        (2, (37, 13), torch.float32),
+        (3, (5, 7, 3), torch.float32),
+        (2, (37, 13), torch.bfloat16),
+    ],
+    ids=["1d-fp32", "2d-fp32", "3d-fp32", "2d-bf16"],
+)
 def test_1x1_conv_bn_gelu_residual_is_one_product_kernel(dims, spatial, dtype):
     model = PointwiseConvBlock(12, 20, dims).eval().to(dtype)
     x = torch.randn(2, 12, *spatial, dtype=dtype)
     residual = torch.randn(2, 20, *spatial, dtype=dtype)
     fused = fuse_and_run(model, x, residual)
     report = fused.report()
-    group = group_with(report, f"conv.conv{dims}d_module", "conv.batch_norm_module", "elementwise.gelu",
-                       "elementwise.add")
+    group = group_with(
+        report, f"conv.conv{dims}d_module", "conv.batch_norm_module", "elementwise.gelu", "elementwise.add"
+    )
     assert group is not None and group.strategy == "linear_epilogue", str(report)
     assert len(report.fused) == 1, str(report)
 
@@ -120,8 +127,9 @@ def test_functional_1x1_conv_with_a_bias_argument_fuses_its_activation():
 
 
 def test_convolutions_fused_neither_way_stay_eager_with_reasons():
-    model = nn.Sequential(nn.Conv2d(6, 6, kernel_size=1, groups=2), nn.Conv2d(6, 6, kernel_size=7, padding=3),
-                          nn.ReLU()).eval()
+    model = nn.Sequential(
+        nn.Conv2d(6, 6, kernel_size=1, groups=2), nn.Conv2d(6, 6, kernel_size=7, padding=3), nn.ReLU()
+    ).eval()
     fused = fuse_and_run(model, torch.randn(2, 6, 15, 9))
     reasons = {n.reason_code: n.reason for n in fused.report().unfused_nodes if "Conv2d" in n.target}
     assert "groups=2" in reasons["unsupported_argument"], reasons
@@ -164,14 +172,22 @@ class ConvEpilogue(nn.Module):
         return F.silu(self.norm(self.conv(x))) + residual
 
 
-@pytest.mark.parametrize("conv,norm,spatial,dtype", [
-    (lambda: nn.Conv2d(5, 12, 3, padding=1), lambda: nn.BatchNorm2d(12), (37, 13), torch.float32),
-    (lambda: nn.Conv2d(5, 12, 3, padding=1), lambda: nn.BatchNorm2d(12), (37, 13), torch.bfloat16),
-    (lambda: nn.Conv2d(5, 12, 3, stride=2, padding=1, bias=False), lambda: nn.BatchNorm2d(12), (37, 13),
-     torch.float32),
-    (lambda: nn.Conv3d(3, 8, 3, padding=1), lambda: nn.BatchNorm3d(8), (5, 7, 3), torch.float32),
-    (lambda: nn.Conv1d(4, 6, 3, padding=2, dilation=2), lambda: nn.BatchNorm1d(6), (29,), torch.float32),
-], ids=["3x3-fp32", "3x3-bf16", "3x3-stride-2", "3x3x3", "1d-dilated"])
+@pytest.mark.parametrize(
+    "conv,norm,spatial,dtype",
+    [
+        (lambda: nn.Conv2d(5, 12, 3, padding=1), lambda: nn.BatchNorm2d(12), (37, 13), torch.float32),
+        (lambda: nn.Conv2d(5, 12, 3, padding=1), lambda: nn.BatchNorm2d(12), (37, 13), torch.bfloat16),
+        (
+            lambda: nn.Conv2d(5, 12, 3, stride=2, padding=1, bias=False),
+            lambda: nn.BatchNorm2d(12),
+            (37, 13),
+            torch.float32,
+        ),
+        (lambda: nn.Conv3d(3, 8, 3, padding=1), lambda: nn.BatchNorm3d(8), (5, 7, 3), torch.float32),
+        (lambda: nn.Conv1d(4, 6, 3, padding=2, dilation=2), lambda: nn.BatchNorm1d(6), (29,), torch.float32),
+    ],
+    ids=["3x3-fp32", "3x3-bf16", "3x3-stride-2", "3x3x3", "1d-dilated"],
+)
 def test_small_kernel_conv_is_implicit_gemm_with_norm_activation_residual(conv, norm, spatial, dtype):
     model = ConvEpilogue(conv(), norm()).eval().to(dtype)
     x = torch.randn(2, model.conv.in_channels, *spatial, dtype=dtype)
@@ -204,7 +220,8 @@ def test_a_convolution_that_loses_to_eager_leaves_its_epilogue_to_fuse_alone(mon
     lost = [g for g in report.groups if g.strategy == "implicit_gemm"]
     assert len(lost) == 1 and not lost[0].fused and lost[0].reason_code == "mismatch", str(report)
     assert [(g.strategy, g.ops) for g in report.fused] == [
-        ("elementwise", ["conv.batch_norm_module", "elementwise.gelu"])], str(report)
+        ("elementwise", ["conv.batch_norm_module", "elementwise.gelu"])
+    ], str(report)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -221,7 +238,8 @@ def test_long_reduction_convolution_is_left_to_cudnn_and_its_epilogue_fused_at_o
     assert len(refused) == 1 and not refused[0].fused and refused[0].reason_code == "cudnn_faster", str(report)
     assert "17 channels x 9 taps" in refused[0].reason and not refused[0].kernel, str(report)
     assert [(g.strategy, g.ops) for g in report.fused] == [
-        ("elementwise", ["conv.batch_norm_module", "elementwise.gelu"])], str(report)
+        ("elementwise", ["conv.batch_norm_module", "elementwise.gelu"])
+    ], str(report)
     # One channel fewer stays within the limit: the whole chain is one implicit-GEMM kernel.
     model = nn.Sequential(nn.Conv2d(16, 6, 3, padding=1), trained_norm(nn.BatchNorm2d(6)), nn.GELU()).eval().to(dtype)
     report = fuse_and_run(model, torch.randn(3, 16, 11, 7, dtype=dtype)).report()
@@ -293,12 +311,16 @@ class NormAct(nn.Module):
         return F.gelu(self.norm(x * 2 + skip))
 
 
-@pytest.mark.parametrize("norm,op,dtype", [
-    (lambda: nn.InstanceNorm2d(6, affine=True), "conv.instance_norm_module", torch.float32),
-    (lambda: nn.InstanceNorm2d(6, affine=True), "conv.instance_norm_module", torch.bfloat16),
-    (lambda: nn.GroupNorm(6, 6), "conv.group_norm_module", torch.float32),
-    (lambda: nn.GroupNorm(1, 6), "conv.group_norm_module", torch.bfloat16),
-], ids=["instance-fp32", "instance-bf16", "group-per-channel", "group-of-all-bf16"])
+@pytest.mark.parametrize(
+    "norm,op,dtype",
+    [
+        (lambda: nn.InstanceNorm2d(6, affine=True), "conv.instance_norm_module", torch.float32),
+        (lambda: nn.InstanceNorm2d(6, affine=True), "conv.instance_norm_module", torch.bfloat16),
+        (lambda: nn.GroupNorm(6, 6), "conv.group_norm_module", torch.float32),
+        (lambda: nn.GroupNorm(1, 6), "conv.group_norm_module", torch.bfloat16),
+    ],
+    ids=["instance-fp32", "instance-bf16", "group-per-channel", "group-of-all-bf16"],
+)
 def test_instance_and_group_norm_join_one_row_reduction_with_what_surrounds_them(norm, op, dtype):
     module = norm()
     with torch.no_grad():
@@ -333,8 +355,13 @@ class UNetBlock(nn.Module):
 
         def double(cin, cout):
             return nn.Sequential(
-                nn.Conv2d(cin, cout, 3, padding=1, bias=False), trained_norm(nn.BatchNorm2d(cout)), nn.GELU(),
-                nn.Conv2d(cout, cout, 3, padding=1, bias=False), trained_norm(nn.BatchNorm2d(cout)), nn.GELU())
+                nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+                trained_norm(nn.BatchNorm2d(cout)),
+                nn.GELU(),
+                nn.Conv2d(cout, cout, 3, padding=1, bias=False),
+                trained_norm(nn.BatchNorm2d(cout)),
+                nn.GELU(),
+            )
 
         self.encode = double(channels, channels)
         self.down = double(channels, 2 * channels)
@@ -353,8 +380,9 @@ def test_unet_block_matches_eager_with_every_part_fused(dtype):
     x = torch.randn(2, 4, 37, 13, dtype=dtype)
     fused = fuse_and_run(model, x)
     report = fused.report()
-    conv_bn_gelu = [g for g in report.fused
-                    if g.ops == ["conv.conv2d_module", "conv.batch_norm_module", "elementwise.gelu"]]
+    conv_bn_gelu = [
+        g for g in report.fused if g.ops == ["conv.conv2d_module", "conv.batch_norm_module", "elementwise.gelu"]
+    ]
     assert len(conv_bn_gelu) == 4 and {g.strategy for g in conv_bn_gelu} == {"implicit_gemm"}, str(report)
     upsample = group_with(report, "conv.interpolate", "conv.cat")
     assert upsample is not None and upsample.strategy == "upsample_fused", str(report)
@@ -455,12 +483,16 @@ class UpsampleCatAct(nn.Module):
         return F.silu(self.norm(torch.cat((skip, up, other), dim=1))) + 1.0
 
 
-@pytest.mark.parametrize("mode,kwargs,dtype", [
-    ("bilinear", dict(size=(37, 13)), torch.float32),
-    ("bilinear", dict(size=(37, 13)), torch.bfloat16),
-    ("bilinear", dict(size=(37, 13), align_corners=True), torch.float32),
-    ("nearest", dict(size=(37, 13)), torch.float32),
-], ids=["bilinear-fp32", "bilinear-bf16", "bilinear-align-corners", "nearest"])
+@pytest.mark.parametrize(
+    "mode,kwargs,dtype",
+    [
+        ("bilinear", dict(size=(37, 13)), torch.float32),
+        ("bilinear", dict(size=(37, 13)), torch.bfloat16),
+        ("bilinear", dict(size=(37, 13), align_corners=True), torch.float32),
+        ("nearest", dict(size=(37, 13)), torch.float32),
+    ],
+    ids=["bilinear-fp32", "bilinear-bf16", "bilinear-align-corners", "nearest"],
+)
 def test_upsampling_cat_and_pointwise_are_one_kernel_reading_the_low_resolution_input(mode, kwargs, dtype):
     model = UpsampleCatAct(2 + 3 + 1, mode, **kwargs).eval().to(dtype)
     low = torch.randn(2, 3, 19, 7, dtype=dtype)
@@ -469,8 +501,14 @@ def test_upsampling_cat_and_pointwise_are_one_kernel_reading_the_low_resolution_
     fused = fuse_and_run(model, low, skip, coarse)
     report = fused.report()
     assert len(report.fused) == 1 and report.fused[0].strategy == "upsample_fused", str(report)
-    assert report.fused[0].ops == ["conv.upsample_module", "conv.interpolate", "conv.cat",
-                                   "conv.batch_norm_module", "elementwise.silu", "elementwise.add"], str(report)
+    assert report.fused[0].ops == [
+        "conv.upsample_module",
+        "conv.interpolate",
+        "conv.cat",
+        "conv.batch_norm_module",
+        "elementwise.silu",
+        "elementwise.add",
+    ], str(report)
     # Inputs and output only: the upsampled tensors and the concatenation are never written.
     read = [low, skip, coarse, model.norm.weight, model.norm.bias, model.norm.running_mean, model.norm.running_var]
     written = 2 * 6 * 37 * 13 * low.element_size()

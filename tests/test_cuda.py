@@ -49,8 +49,9 @@ def test_cuda_graph_replay_is_right_and_never_overwrites_results():
     with torch.no_grad():
         x, r = _inputs()
         first = fused(x, r)
-        assert any("CUDA graph" in note and "no CUDA graph" not in note
-                   for note in fused.report().notes), fused.report()
+        assert any("CUDA graph" in note and "no CUDA graph" not in note for note in fused.report().notes), (
+            fused.report()
+        )
         # the kernels inside the captured forward are still listed
         assert {k.__name__ for k in fused.kernels()} == {g.kernel for g in fused.report().fused}, fused.report()
         keep = first.clone()
@@ -172,7 +173,8 @@ def test_two_processes_tune_each_kernel_once(tmp_path):
     import textwrap
 
     script = tmp_path / "tune.py"
-    script.write_text(textwrap.dedent('''
+    script.write_text(
+        textwrap.dedent("""
         import json, sys, time
         import torch
         import autofuser
@@ -188,11 +190,19 @@ def test_two_processes_tune_each_kernel_once(tmp_path):
             fused = autofuser.fuse(model, progress=False, verify_speed=False, tune_budget_s=5.0)
             torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
         json.dump([g.model_dump() for g in fused.report().fused], open(sys.argv[1], "w"))
-    '''))
+    """)
+    )
     start = __import__("time").time() + 20
     env = {**os.environ, "AUTOFUSER_CACHE_DIR": str(tmp_path / "cache")}
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / f"{k}.json"), os.path.dirname(__file__),
-                               str(start)], env=env, stderr=subprocess.PIPE, text=True) for k in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / f"{k}.json"), os.path.dirname(__file__), str(start)],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k in range(2)
+    ]
     for proc in procs:
         _, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr
@@ -260,14 +270,22 @@ def test_the_tuning_timer_agrees_with_tritons():
     assert abs(ours - theirs) <= 0.1 * theirs, (ours, theirs)
 
 
-
 def test_a_gpu_bound_forward_runs_without_a_graph_and_is_right(tmp_path):
     """Three 8192-square products (tens of ms of GPU work in five calls): their launches
     hide behind the GPU's work, so no graph is tried, and the output still matches eager."""
     torch.manual_seed(0)
     width = 8192
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, width),
-                                torch.nn.GELU(), torch.nn.Linear(width, width)).cuda().eval()
+    model = (
+        torch.nn.Sequential(
+            torch.nn.Linear(width, width),
+            torch.nn.GELU(),
+            torch.nn.Linear(width, width),
+            torch.nn.GELU(),
+            torch.nn.Linear(width, width),
+        )
+        .cuda()
+        .eval()
+    )
     x = torch.randn(width, width, device="cuda")
     fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False, tune=False)
     with torch.no_grad():

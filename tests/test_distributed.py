@@ -20,7 +20,7 @@ WORLD = 2
 STEPS = 3
 
 # Shared by the ranks and the test: the model and every rank's data, from fixed seeds.
-COMMON = textwrap.dedent('''
+COMMON = textwrap.dedent("""
     import torch
     import torch.nn as nn
 
@@ -33,9 +33,9 @@ COMMON = textwrap.dedent('''
         x = torch.randn(world, steps, 6, 13, generator=generator)
         y = torch.randn(world, steps, 6, 5, generator=generator)
         return x, y
-''')
+""")
 
-RANK_SCRIPT = COMMON + textwrap.dedent('''
+RANK_SCRIPT = COMMON + textwrap.dedent("""
     import json, os, sys, time
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -81,7 +81,7 @@ RANK_SCRIPT = COMMON + textwrap.dedent('''
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-''')
+""")
 
 
 def eager_reference() -> tuple[list[list[float]], list[torch.Tensor]]:
@@ -105,12 +105,31 @@ def test_ddp_trains_like_eager_and_ranks_tune_each_kernel_once(tmp_path: Path):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     cache_root = tmp_path / "cache"
-    env = {**os.environ, "AUTOFUSER_CACHE_DIR": str(cache_root), "TRITON_INTERPRET": "1",
-           "AUTOFUSER_DISABLE_PLUGIN_AUTOLOAD": "1", "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(WORLD), str(STEPS),
-                               str(tmp_path / "rendezvous"), str(tmp_path / f"rank{rank}.json")],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(WORLD)]
+    env = {
+        **os.environ,
+        "AUTOFUSER_CACHE_DIR": str(cache_root),
+        "TRITON_INTERPRET": "1",
+        "AUTOFUSER_DISABLE_PLUGIN_AUTOLOAD": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    ranks = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(script),
+                str(rank),
+                str(WORLD),
+                str(STEPS),
+                str(tmp_path / "rendezvous"),
+                str(tmp_path / f"rank{rank}.json"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(WORLD)
+    ]
     for rank in ranks:
         _, stderr = rank.communicate(timeout=180)
         assert rank.returncode == 0, stderr
@@ -120,8 +139,7 @@ def test_ddp_trains_like_eager_and_ranks_tune_each_kernel_once(tmp_path: Path):
     for rank, result in enumerate(results):
         assert result["compiled"] == 1
         assert [g["fused"] for g in result["groups"]].count(True) >= 1, result["groups"]
-        torch.testing.assert_close(result["losses"], [losses[rank] for losses in expected_losses],
-                                   atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(result["losses"], [losses[rank] for losses in expected_losses], atol=1e-5, rtol=1e-4)
         for got, expected in zip(result["weights"], expected_weights):
             torch.testing.assert_close(torch.tensor(got), expected, atol=1e-5, rtol=1e-4)
 

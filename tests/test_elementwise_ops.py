@@ -133,9 +133,7 @@ def test_samples_and_references_exist(spec, dtype):
 # ---------------------------------------------------------------------------
 
 REFERENCE_CASES = [
-    pytest.param(spec, i, ref, id=f"{spec.name}-{i}")
-    for spec in SPECS
-    for i, ref in enumerate(spec.references)
+    pytest.param(spec, i, ref, id=f"{spec.name}-{i}") for spec in SPECS for i, ref in enumerate(spec.references)
 ]
 
 
@@ -168,13 +166,13 @@ def test_pow_special_cases_use_plain_arithmetic():
     x = torch.rand(4, 5) + 0.5
     templates = {}
     for n in (2, 3, 0.5, -0.5, -1, -2, 0):
-        gm = _trace((lambda n: lambda a: a ** n)(n), x)
+        gm = _trace((lambda n: lambda a: a**n)(n), x)
         helpers: dict[str, str] = {}
         ((node, value),) = _lower_with_helpers(gm, "elementwise.pow", helpers)
         assert not helpers, f"x ** {n} should not need the general pow helper"
         templates[n] = value.template
     assert templates[0.5] == "tl.sqrt({0})" and templates[-0.5] == "tl.rsqrt({0})"
-    gm = _trace(lambda a: a ** 1.7, x)
+    gm = _trace(lambda a: a**1.7, x)
     helpers = {}
     _lower_with_helpers(gm, "elementwise.pow", helpers)
     assert list(helpers) == ["elementwise_pow"]
@@ -229,14 +227,26 @@ REFUSALS = [
     ("elementwise.dropout", torch.nn.Dropout(0.5), (_x(3, 5),), "random"),
     ("elementwise.dropout", lambda x: torch.dropout(x, 0.5, True), (_x(3, 5),), "random"),
     ("elementwise.dropout", lambda x: F.dropout(x, 0.5, training=False, inplace=True), (_x(3, 5),), "inplace"),
-    ("elementwise.div", lambda x, y: torch.div(x, y, rounding_mode="floor"), (_x(3, 5), _x(3, 5)),
-     "unsupported_argument"),
+    (
+        "elementwise.div",
+        lambda x, y: torch.div(x, y, rounding_mode="floor"),
+        (_x(3, 5), _x(3, 5)),
+        "unsupported_argument",
+    ),
     ("elementwise.div", lambda x, y: x.div(y, rounding_mode="trunc"), (_x(3, 5), _x(3, 5)), "unsupported_argument"),
-    ("elementwise.add", lambda x, y: x + y, (torch.randint(0, 5, (3, 5)), torch.randint(0, 5, (3, 5))),
-     "unsupported_dtype"),
+    (
+        "elementwise.add",
+        lambda x, y: x + y,
+        (torch.randint(0, 5, (3, 5)), torch.randint(0, 5, (3, 5))),
+        "unsupported_dtype",
+    ),
     ("elementwise.add", lambda x, y: x + y, (_x(3, 5) > 0, _x(3, 5) > 0), "unsupported_dtype"),
-    ("elementwise.mul", lambda x, y: x * y, (_x(3, 5, dtype=torch.float64), _x(3, 5, dtype=torch.float64)),
-     "unsupported_dtype"),
+    (
+        "elementwise.mul",
+        lambda x, y: x * y,
+        (_x(3, 5, dtype=torch.float64), _x(3, 5, dtype=torch.float64)),
+        "unsupported_dtype",
+    ),
     ("elementwise.add", lambda x, y: torch.add(x, y, out=y), (_x(3, 5), _x(3, 5)), "out_argument"),
     ("elementwise.cast", lambda x: x.double(), (_x(3, 5),), None),  # not claimed: stays eager
     ("elementwise.cast", lambda x: x.to(torch.int32), (_x(3, 5),), "unsupported_dtype"),
@@ -244,21 +254,31 @@ REFUSALS = [
     ("elementwise.cast", lambda x: x.to(torch.device("cpu"), torch.float16), (_x(3, 5),), "device_move"),
     ("elementwise.cast", lambda x: x.to(device="cpu"), (_x(3, 5),), "device_move"),
     ("elementwise.cast", lambda x: x.type("torch.HalfTensor"), (_x(3, 5),), "device_move"),
-    ("elementwise.cast", lambda x: x.to(torch.float16, memory_format=torch.channels_last), (_x(2, 3, 4, 5),),
-     "unsupported_argument"),
-    ("elementwise.where", lambda c, x: torch.where(c, x, 1), (_x(3, 5) > 0, torch.randint(0, 5, (3, 5))),
-     "unsupported_dtype"),
+    (
+        "elementwise.cast",
+        lambda x: x.to(torch.float16, memory_format=torch.channels_last),
+        (_x(2, 3, 4, 5),),
+        "unsupported_argument",
+    ),
+    (
+        "elementwise.where",
+        lambda c, x: torch.where(c, x, 1),
+        (_x(3, 5) > 0, torch.randint(0, 5, (3, 5))),
+        "unsupported_dtype",
+    ),
     ("elementwise.pow", lambda x: x ** float("inf"), (_x(3, 5),), "unsupported_argument"),
     ("elementwise.gt", lambda x, y: x > y, (torch.randint(0, 5, (3, 5)), _x(3, 5)), "unsupported_dtype"),
 ]
 
 
-@pytest.mark.parametrize("spec_name,fn,inputs,code", REFUSALS,
-                         ids=[f"{r[0]}-{i}" for i, r in enumerate(REFUSALS)])
+@pytest.mark.parametrize("spec_name,fn,inputs,code", REFUSALS, ids=[f"{r[0]}-{i}" for i, r in enumerate(REFUSALS)])
 def test_refusals(spec_name, fn, inputs, code):
     gm = _trace(fn, *inputs)
-    nodes = [n for n in gm.graph.nodes
-             if n.op.startswith("call") and getattr(REGISTRY.lowering_for(n, gm), "name", None) == spec_name]
+    nodes = [
+        n
+        for n in gm.graph.nodes
+        if n.op.startswith("call") and getattr(REGISTRY.lowering_for(n, gm), "name", None) == spec_name
+    ]
     if code is None:
         assert not nodes, f"{spec_name} should not claim {[n.format_node() for n in gm.graph.nodes]}"
         return
@@ -281,9 +301,17 @@ def test_unknown_keyword_is_refused_not_raised():
 
 
 def test_operator_forms_are_claimed():
-    for target, name in [(operator.add, "add"), (operator.sub, "sub"), (operator.mul, "mul"),
-                         (operator.truediv, "div"), (operator.neg, "neg"), (operator.pow, "pow"),
-                         (operator.abs, "abs"), (operator.gt, "gt"), (operator.eq, "eq")]:
+    for target, name in [
+        (operator.add, "add"),
+        (operator.sub, "sub"),
+        (operator.mul, "mul"),
+        (operator.truediv, "div"),
+        (operator.neg, "neg"),
+        (operator.pow, "pow"),
+        (operator.abs, "abs"),
+        (operator.gt, "gt"),
+        (operator.eq, "eq"),
+    ]:
         assert REGISTRY._by_target[("call_function", target)].name == f"elementwise.{name}"
 
 
@@ -313,11 +341,11 @@ def test_exact_gelu_is_fp32_accurate_from_tiny_to_huge_inputs():
         got = fused(x)
     assert any("elementwise.gelu" in g.ops for g in fused.report().fused), str(fused.report())
     x64 = x.double()
-    expected = x64 * 0.5 * torch.special.erfc(-x64 / 2.0 ** 0.5)
-    units = (got.double() - expected).abs() / (x64.abs() * 2.0 ** -24)
+    expected = x64 * 0.5 * torch.special.erfc(-x64 / 2.0**0.5)
+    units = (got.double() - expected).abs() / (x64.abs() * 2.0**-24)
     # The interpreter's exp2 is exact; the GPU's ex2.approx adds up to 2 units.
     assert float(units.max()) < (2.5 if _DEVICE.type == "cpu" else 4.5), float(units.max())
-    eager_units = (F.gelu(x).double() - expected).abs() / (x64.abs() * 2.0 ** -24)
+    eager_units = (F.gelu(x).double() - expected).abs() / (x64.abs() * 2.0**-24)
     assert float(eager_units.max()) > 1.0  # the measure is not vacuous: fp32 eager has rounding error too
 
 
@@ -325,14 +353,15 @@ def test_exact_gelu_tails_and_special_values():
     """Far tails go to 0 and x (never to a constant times x), zeros keep their sign,
     NaN stays NaN and -inf gives NaN, as x * (1 + erf(x / sqrt 2)) does. (+inf is left
     out: eager's CPU GELU returns NaN for it, its CUDA GELU inf, and the kernel inf.)"""
-    x = torch.tensor([-1e30, -1e4, -40.0, -9.0, -6.0, -0.0, 0.0, 6.0, 40.0, 1e4, 1e30,
-                      float("nan"), float("-inf")], device=_DEVICE)
+    x = torch.tensor(
+        [-1e30, -1e4, -40.0, -9.0, -6.0, -0.0, 0.0, 6.0, 40.0, 1e4, 1e30, float("nan"), float("-inf")], device=_DEVICE
+    )
     fused = autofuser.fuse(_Gelu(), progress=False, tune=False, verify_speed=False)
     with torch.no_grad():
         got = fused(x).cpu()
     assert any("elementwise.gelu" in g.ops for g in fused.report().fused), str(fused.report())
     x64 = x.double().cpu()
-    expected = x64 * 0.5 * torch.special.erfc(-x64 / 2.0 ** 0.5)
+    expected = x64 * 0.5 * torch.special.erfc(-x64 / 2.0**0.5)
     finite = torch.isfinite(x64)
     torch.testing.assert_close(got[finite].double(), expected[finite], atol=1e-7, rtol=2e-7)
     assert torch.equal(torch.signbit(got[5:7]), torch.tensor([True, False]))

@@ -123,7 +123,7 @@ def _model(source: str, width: int, dtype: torch.dtype, generator: torch.Generat
 
         def __init__(self):
             super().__init__()
-            scale = width ** -0.5
+            scale = width**-0.5
             self.weight = torch.nn.Parameter(torch.randn(width, width, generator=generator) * scale)
             self.proj_weight = torch.nn.Parameter(torch.randn(width, width, generator=generator) * scale)
             self.proj_bias = torch.nn.Parameter(torch.randn(width, generator=generator))
@@ -135,8 +135,9 @@ def _model(source: str, width: int, dtype: torch.dtype, generator: torch.Generat
     return Case().to(dtype).eval()
 
 
-def _inputs(shape: tuple, dtype: torch.dtype, rng: random.Random, generator: torch.Generator,
-            transposed: bool) -> tuple:
+def _inputs(
+    shape: tuple, dtype: torch.dtype, rng: random.Random, generator: torch.Generator, transposed: bool
+) -> tuple:
     """x, y and r, random with a few special values; ``transposed``: x is the transposed
     view of a contiguous tensor (the same strides on every call of a case)."""
     width = shape[-1]
@@ -167,8 +168,9 @@ def _sensitivity(model: torch.nn.Module, inputs: tuple, dtype: torch.dtype) -> t
     with torch.no_grad():
         for p in wide.parameters():
             p.mul_(1 + eps * torch.randn(p.shape, generator=generator, dtype=torch.float64))
-    moved = wide(*(t.double() * (1 + eps * torch.randn(t.shape, generator=generator, dtype=torch.float64))
-                   for t in inputs))
+    moved = wide(
+        *(t.double() * (1 + eps * torch.randn(t.shape, generator=generator, dtype=torch.float64)) for t in inputs)
+    )
     change = (moved - base).abs()
     return torch.where(torch.isfinite(change), change, torch.zeros_like(change))
 
@@ -188,8 +190,10 @@ def _mismatch(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, sen
     if bool(same.all()):
         return ""
     index = tuple(int(i) for i in (~same).nonzero()[0])
-    return (f"{int((~same).sum())} of {same.numel()} elements differ; first at {list(index)}: "
-            f"got {a[index].item()!r}, eager {b[index].item()!r}")
+    return (
+        f"{int((~same).sum())} of {same.numel()} elements differ; first at {list(index)}: "
+        f"got {a[index].item()!r}, eager {b[index].item()!r}"
+    )
 
 
 def _cases():
@@ -208,9 +212,11 @@ def test_random_model_matches_eager(dtype, seed):
     source = _expression(rng, width, math.prod(shape[:-1]))
     model = _model(source, width, dtype, generator)
     fused = autofuser.fuse(model, progress=False)
-    case = (f"seed {seed}, {dtype}, x and y {list(shape)}{' (x transposed)' if transposed else ''}, "
-            f"r [1, {width}]\n"
-            f"def forward(self, x, y, r):\n{textwrap.indent(source, '    ')}")
+    case = (
+        f"seed {seed}, {dtype}, x and y {list(shape)}{' (x transposed)' if transposed else ''}, "
+        f"r [1, {width}]\n"
+        f"def forward(self, x, y, r):\n{textwrap.indent(source, '    ')}"
+    )
     with torch.no_grad():
         for batch in ("first (compiled on)", "second (fresh values)"):
             inputs = _inputs(shape, dtype, rng, generator, transposed)

@@ -25,8 +25,14 @@ from autofuser.zoo.models import MODELS
 from autofuser.zoo.models.transolver import PhysicsAttention
 from autofuser_core.planner import plan_fusion_groups
 
-POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.bool: "*i1",
-                 torch.int8: "*i8", torch.uint8: "*u8"}
+POINTER_TYPES = {
+    torch.float32: "*fp32",
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.bool: "*i1",
+    torch.int8: "*i8",
+    torch.uint8: "*u8",
+}
 
 
 # Runs in a fresh process: once interpreted kernels have run, Triton's language module
@@ -55,8 +61,12 @@ def _job(tmp_path, source, input_dtypes, output_dtypes, launch_args) -> dict:
     names = [f"in{k}" for k in range(len(input_dtypes))] + [f"out{k}" for k in range(len(output_dtypes))]
     dtypes = list(input_dtypes) + list(output_dtypes)
     constexprs = {k: v for k, v in launch_args.items() if k.isupper() or k.startswith("BLOCK")}
-    return {"name": source.name, "path": str(path), "constexprs": constexprs,
-            "pointers": {n: POINTER_TYPES[d] for n, d in zip(names, dtypes)}}
+    return {
+        "name": source.name,
+        "path": str(path),
+        "constexprs": constexprs,
+        "pointers": {n: POINTER_TYPES[d] for n, d in zip(names, dtypes)},
+    }
 
 
 def _chain_jobs(tmp_path, source, launch_args, chain=None) -> list[dict]:
@@ -69,23 +79,37 @@ def _chain_jobs(tmp_path, source, launch_args, chain=None) -> list[dict]:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         chain = getattr(module, source.name)
-    return [{"name": s["name"], "path": str(path), "constexprs": s["constexprs"], "pointers": s["pointers"]}
-            for s in chain.stages(launch_args)]
+    return [
+        {"name": s["name"], "path": str(path), "constexprs": s["constexprs"], "pointers": s["pointers"]}
+        for s in chain.stages(launch_args)
+    ]
 
 
 def _jobs_of(tmp_path, kernel) -> list[dict]:
     if kernel.source.layout == "attention_chain":
         return _chain_jobs(tmp_path, kernel.source, kernel.launch_args, kernel.kernel)
-    return [_job(tmp_path, kernel.source, kernel.kernel_dtypes, [dtype for _, _, dtype in kernel.output_layout],
-                 kernel.launch_args)]
+    return [
+        _job(
+            tmp_path,
+            kernel.source,
+            kernel.kernel_dtypes,
+            [dtype for _, _, dtype in kernel.output_layout],
+            kernel.launch_args,
+        )
+    ]
 
 
 def _compile_for_sm90(jobs, tmp_path) -> None:
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     (tmp_path / "compile.py").write_text(COMPILER)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(tmp_path / "compile.py"), str(tmp_path / "jobs.json")],
-                          capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "compile.py"), str(tmp_path / "jobs.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("compiled") == len(jobs)
 
@@ -157,8 +181,9 @@ def test_attention_kernels_compile_for_sm90_as_a_gpu_writes_them(dtype, tmp_path
     for candidate, source in _written_for_gpu(plan, kept, monkeypatch):
         program = candidate.program
         config = {**candidate.strategy.default_config(program), **source.constexprs}
-        jobs.append(_job(tmp_path, source, [t.dtype for t in program.inputs], [t.dtype for t in program.outputs],
-                         config))
+        jobs.append(
+            _job(tmp_path, source, [t.dtype for t in program.inputs], [t.dtype for t in program.outputs], config)
+        )
     _compile_for_sm90(jobs, tmp_path)
 
 
@@ -228,8 +253,7 @@ def test_persistent_mlp_compiles_for_sm90(dtype, tmp_path, monkeypatch):
             assert weights == {torch.float32 if config["PERSISTENT"] else torch.bfloat16}, (config, dtypes)
         else:
             assert not weights
-        job = _job(tmp_path, source, dtypes, [t.dtype for t in program.outputs],
-                   {**config, **source.constexprs})
+        job = _job(tmp_path, source, dtypes, [t.dtype for t in program.outputs], {**config, **source.constexprs})
         # As launched: the persistent form needs nearly all of a block's shared memory.
         job["options"] = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
         jobs.append(job)
@@ -253,8 +277,12 @@ class QuantisedProducts(nn.Module):
 
     def forward(self, x, y):
         b = F.gelu(self.epilogue(x)) + x
-        return (self.alone(x), self.normed(self.ln(y)), self.normed_small(self.ln2(x)),
-                self.fc2(F.gelu(self.fc1(self.ln2(b)))))
+        return (
+            self.alone(x),
+            self.normed(self.ln(y)),
+            self.normed_small(self.ln2(x)),
+            self.fc2(F.gelu(self.fc1(self.ln2(b)))),
+        )
 
 
 def test_mxint8_kernels_compile_for_sm90(tmp_path):
@@ -268,10 +296,13 @@ def test_mxint8_kernels_compile_for_sm90(tmp_path):
             fused(x, y)
         kernels = [k for k in fused.kernels() if "mxint8_decode" in k.source.source]
         strategies = {g.strategy for g in fused.report().fused}
-        assert len(kernels) == 5 and strategies == {"matmul", "linear_epilogue", "layernorm_linear", "mlp"}, \
-            str(fused.report())
-        jobs += [_job(tmp_path, k.source, k.kernel_dtypes, [d for _, _, d in k.output_layout], k.launch_args)
-                 for k in kernels]
+        assert len(kernels) == 5 and strategies == {"matmul", "linear_epilogue", "layernorm_linear", "mlp"}, str(
+            fused.report()
+        )
+        jobs += [
+            _job(tmp_path, k.source, k.kernel_dtypes, [d for _, _, d in k.output_layout], k.launch_args)
+            for k in kernels
+        ]
     _compile_for_sm90(jobs, tmp_path)
 
 
@@ -308,8 +339,11 @@ def test_linear_and_slice_attention_chains_compile_for_sm90(dtype, tmp_path, mon
             if source.layout == "attention_chain":
                 jobs += _chain_jobs(tmp_path, source, launch)
             else:
-                jobs.append(_job(tmp_path, source, [t.dtype for t in program.inputs],
-                                 [t.dtype for t in program.outputs], launch))
+                jobs.append(
+                    _job(
+                        tmp_path, source, [t.dtype for t in program.inputs], [t.dtype for t in program.outputs], launch
+                    )
+                )
     _compile_for_sm90(jobs, tmp_path)
 
 
@@ -351,15 +385,27 @@ class ConvForms(nn.Module):
 def test_conv_kernels_compile_for_sm90_as_a_gpu_writes_them(dtype, tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = ConvForms().eval().to(dtype)
-    inputs = (torch.randn(2, 12, 37, dtype=dtype), torch.randn(2, 12, 13, 7, dtype=dtype),
-              torch.randn(1, 12, 5, 3, 4, dtype=dtype), torch.randn(2, 13, 7, 12, dtype=dtype).permute(0, 3, 1, 2),
-              torch.randn(2, 3, 6, 4, dtype=dtype))
+    inputs = (
+        torch.randn(2, 12, 37, dtype=dtype),
+        torch.randn(2, 12, 13, 7, dtype=dtype),
+        torch.randn(1, 12, 5, 3, 4, dtype=dtype),
+        torch.randn(2, 13, 7, 12, dtype=dtype).permute(0, 3, 1, 2),
+        torch.randn(2, 3, 6, 4, dtype=dtype),
+    )
     gm = autofuser.capture(model, *inputs)
     plan = plan_fusion_groups(gm, autofuser.load_plugins().registry)
     ops = [op for c in plan.kept for op in c.program.op_names]
-    for name in ("conv.conv1d_module", "conv.conv2d_module", "conv.conv3d_module",
-                 "conv.batch_norm_module", "conv.instance_norm_module", "conv.group_norm_module",
-                 "conv.interpolate", "conv.cat", "conv.conv_transpose_module"):
+    for name in (
+        "conv.conv1d_module",
+        "conv.conv2d_module",
+        "conv.conv3d_module",
+        "conv.batch_norm_module",
+        "conv.instance_norm_module",
+        "conv.group_norm_module",
+        "conv.interpolate",
+        "conv.cat",
+        "conv.conv_transpose_module",
+    ):
         assert name in ops, (name, [(c.strategy.name, c.program.op_names) for c in plan.kept])
     assert sum(c.strategy.name == "implicit_gemm" for c in plan.kept) == 2
     jobs = []
@@ -369,8 +415,9 @@ def test_conv_kernels_compile_for_sm90_as_a_gpu_writes_them(dtype, tmp_path, mon
             program = candidate.program
             source = candidate.strategy.generate(program, plan.view.helpers)
             config = {**candidate.strategy.default_config(program), **source.constexprs}
-            jobs.append(_job(tmp_path, source, [t.dtype for t in program.inputs], [t.dtype for t in program.outputs],
-                             config))
+            jobs.append(
+                _job(tmp_path, source, [t.dtype for t in program.inputs], [t.dtype for t in program.outputs], config)
+            )
     _compile_for_sm90(jobs, tmp_path)
 
 
@@ -400,8 +447,12 @@ class ChainForms(nn.Module):
 def test_row_chain_kernels_compile_for_sm90_as_a_gpu_writes_them(tmp_path, monkeypatch):
     """The chain kernels with their default configs: every step mode, strict fp32
     (3xTF32), TF32 where torch allows it, bf16 and fp16 operands, widths 96 to 256."""
-    cases = [(96, torch.float32, "highest", 2), (256, torch.bfloat16, "highest", 1),
-             (128, torch.float32, "high", 1), (80, torch.float16, "highest", 1)]
+    cases = [
+        (96, torch.float32, "highest", 2),
+        (256, torch.bfloat16, "highest", 1),
+        (128, torch.float32, "high", 1),
+        (80, torch.float16, "highest", 1),
+    ]
     jobs = []
     for width, dtype, precision, kernels in cases:
         torch.manual_seed(0)
@@ -423,8 +474,15 @@ def test_row_chain_kernels_compile_for_sm90_as_a_gpu_writes_them(tmp_path, monke
                     if dtype == torch.float32:
                         assert ("'tf32'" if precision == "high" else "'tf32x3'") in source.source
                     config = {**candidate.strategy.default_config(program), **source.constexprs}
-                    jobs.append(_job(tmp_path, source, [t.dtype for t in program.inputs],
-                                     [t.dtype for t in program.outputs], config))
+                    jobs.append(
+                        _job(
+                            tmp_path,
+                            source,
+                            [t.dtype for t in program.inputs],
+                            [t.dtype for t in program.outputs],
+                            config,
+                        )
+                    )
         finally:
             torch.set_float32_matmul_precision(before)
     _compile_for_sm90(jobs, tmp_path)

@@ -125,7 +125,7 @@ def test_a_global_module_hook_runs_on_every_module_and_not_on_the_wrapper():
                 got = fused(x)
                 fused(x)
         torch.testing.assert_close(got, expected, **TOLERANCE)
-        assert calls[:len(eager_calls)] == eager_calls == ["Linear", "Scale", "Net"]
+        assert calls[: len(eager_calls)] == eager_calls == ["Linear", "Scale", "Net"]
         assert len([w for w in record if "global module hook" in str(w.message)]) == 1
     finally:
         handle.remove()
@@ -335,9 +335,15 @@ def _lower_erf(ctx, x, *, out=None):
 
 
 def _erf_spec(plugin: str) -> LoweringSpec:
-    return LoweringSpec(name=f"{plugin}.erf", description="the error function", targets=(torch.erf,),
-                        kind="pointwise", lower=_lower_erf, references=(torch.erf,),
-                        samples=lambda dtype: [Sample(args=(torch.randn(3, 37).to(dtype),))])
+    return LoweringSpec(
+        name=f"{plugin}.erf",
+        description="the error function",
+        targets=(torch.erf,),
+        kind="pointwise",
+        lower=_lower_erf,
+        references=(torch.erf,),
+        samples=lambda dtype: [Sample(args=(torch.randn(3, 37).to(dtype),))],
+    )
 
 
 def autofuser_register_lowerings(register):
@@ -402,12 +408,15 @@ def test_attribute_reads_fall_through_to_the_model():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("option, value, allowed", [
-    ("tune", "yes", "True or False"),
-    ("verify_speed", 1, "True or False"),
-    ("max_signatures", "8", "an int"),
-    ("tune_budget_s", "5", "a number"),
-])
+@pytest.mark.parametrize(
+    "option, value, allowed",
+    [
+        ("tune", "yes", "True or False"),
+        ("verify_speed", 1, "True or False"),
+        ("max_signatures", "8", "an int"),
+        ("tune_budget_s", "5", "a number"),
+    ],
+)
 def test_options_of_the_wrong_type_are_refused(option, value, allowed):
     with pytest.raises(autofuser.AutoFuserError) as caught:
         autofuser.fuse(Net(), **{option: value})

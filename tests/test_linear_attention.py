@@ -86,9 +86,15 @@ def linear_groups(fused):
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 GALERKIN_CASES = [
     # style, batch, points, head width, dtype: every shape in fp32, the awkward ones in fp16/bf16 too
-    ("einsum", 3, 37, 24, F32), ("einsum", 1, 1127, 16, F32), ("einsum", 1, 37, 64, F32),
-    ("einsum", 3, 37, 24, F16), ("einsum", 1, 1127, 16, BF16), ("einsum", 1, 37, 64, BF16),
-    ("matmul", 3, 37, 24, F32), ("matmul", 1, 37, 16, F16), ("matmul", 3, 37, 64, BF16),
+    ("einsum", 3, 37, 24, F32),
+    ("einsum", 1, 1127, 16, F32),
+    ("einsum", 1, 37, 64, F32),
+    ("einsum", 3, 37, 24, F16),
+    ("einsum", 1, 1127, 16, BF16),
+    ("einsum", 1, 37, 64, BF16),
+    ("matmul", 3, 37, 24, F32),
+    ("matmul", 1, 37, 16, F16),
+    ("matmul", 3, 37, 64, BF16),
 ]
 
 
@@ -179,12 +185,14 @@ def test_zoo_galerkin_tiny_fuses_its_attention():
     torch.testing.assert_close(got, expected, **TOLERANCES[torch.float32])
     groups = linear_groups(fused)
     assert len(groups) == len(model.blocks), str(fused.report())
-    assert all(g.reason.startswith("form galerkin") and "layer norm on k and layer norm on v" in g.reason
-               for g in groups)
+    assert all(
+        g.reason.startswith("form galerkin") and "layer norm on k and layer norm on v" in g.reason for g in groups
+    )
 
 
 def test_einsum_transposed_a_alone_stays_eager_with_reason():
     """k^T v by itself is an extern op: no generic group takes it, and it runs eager."""
+
     class Context(nn.Module):
         def forward(self, k, v):
             return torch.einsum("bnd,bne->bde", k, v) * 2.0

@@ -77,8 +77,9 @@ def fused_mlp(model, x, autocast: bool):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("rows,width,hidden,norm", [(3 * 221, 96, 200, False), (37, 24, 40, True),
-                                                    (2 * 221, 128, 256, True)])
+@pytest.mark.parametrize(
+    "rows,width,hidden,norm", [(3 * 221, 96, 200, False), (37, 24, 40, True), (2 * 221, 128, 256, True)]
+)
 def test_every_persistent_config_matches_eager(dtype, rows, width, hidden, norm, device):
     model = Mlp(width, hidden, norm).to(device, dtype).eval()
     x = torch.randn(rows, width, dtype=dtype, device=device)
@@ -203,8 +204,18 @@ def test_tuning_times_each_config_with_the_conversions_its_forward_makes(monkeyp
     monkeypatch.setattr(torch.Tensor, "to", counting_to)
     use_timer(StandInTimer(bench))
     inputs = kernel.with_live_attrs([x])
-    tuning_module._tune(candidate, kernel.source, kernel.kernel, inputs, x.device, FuseOptions(), lambda m: None,
-                        tmp_path, {"kernel": "test"}, configs=([streamed, persistent], None))
+    tuning_module._tune(
+        candidate,
+        kernel.source,
+        kernel.kernel,
+        inputs,
+        x.device,
+        FuseOptions(),
+        lambda m: None,
+        tmp_path,
+        {"kernel": "test"},
+        configs=([streamed, persistent], None),
+    )
     assert made == [[(64, 160), (160, 64)], []]
 
 

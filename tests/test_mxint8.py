@@ -55,13 +55,13 @@ def test_quantisation_error_is_at_most_half_a_step_below_saturation(shape):
     k_pad = -(-shape[1] // 32) * 32
     assert packed["data"].shape == (shape[0], k_pad) and packed["data"].dtype == torch.int8
     assert packed["scales"].shape == (shape[0], k_pad // 32) and packed["scales"].dtype == torch.uint8
-    assert (packed["data"][:, shape[1]:] == 0).all()  # the padding of the last block
+    assert (packed["data"][:, shape[1] :] == 0).all()  # the padding of the last block
     restored = dequantize_mxint8(packed["data"], packed["scales"], shape[1]).double()
     step = torch.exp2(packed["scales"].double() - 133).repeat_interleave(32, -1)
-    step = step[:, :shape[1]]
+    step = step[:, : shape[1]]
     err = (restored - weight.double()).abs()
     # Half a step, except where a value rounded up to 128 saturated to 127: under one step.
-    saturated = packed["data"][:, :shape[1]].abs() == 127
+    saturated = packed["data"][:, : shape[1]].abs() == 127
     assert (err <= torch.where(saturated, step, step / 2)).all()
     assert (err[~saturated] <= step[~saturated] / 2).all() and (err[saturated] < step[saturated]).all()
     # the block max is in [1, 2) * 2**e: its element code is in [64, 127]
@@ -123,8 +123,9 @@ class Products(nn.Module):
 def _reference(model, x, y):
     """The quantised model computed in float64 from ``dequant(W)``, rounded like eager where it is bf16."""
     double = Products()
-    double.load_state_dict({k: v for k, v in model.state_dict().items() if "weight_q" not in k and "scale" not in k},
-                           strict=False)
+    double.load_state_dict(
+        {k: v for k, v in model.state_dict().items() if "weight_q" not in k and "scale" not in k}, strict=False
+    )
     for name, layer in model.named_children():
         if isinstance(layer, MXInt8Linear):
             target = getattr(double, name)
@@ -189,8 +190,11 @@ def test_one_block_and_one_column(k, n):
 class OtherUse(nn.Module):
     """The dequantised weight read other than as a linear layer's weight."""
 
-    FORMS = {"transposed_matmul": lambda x, w: x @ w.t(), "pointwise": lambda x, w: torch.relu(w) * 3,
-             "bmm": lambda x, w: torch.bmm(x[None], w.t()[None])}
+    FORMS = {
+        "transposed_matmul": lambda x, w: x @ w.t(),
+        "pointwise": lambda x, w: torch.relu(w) * 3,
+        "bmm": lambda x, w: torch.bmm(x[None], w.t()[None]),
+    }
 
     def __init__(self, form):
         super().__init__()

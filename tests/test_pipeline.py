@@ -105,8 +105,15 @@ def test_pointwise_chain_is_one_elementwise_group(dtype, batch):
     group = report.groups[0]
     assert group.strategy == "elementwise"
     assert_fused(group, dtype)
-    assert group.ops == ["elementwise.mul", "elementwise.add", "elementwise.gelu", "elementwise.sigmoid",
-                         "elementwise.mul", "elementwise.clamp", "elementwise.sub"]
+    assert group.ops == [
+        "elementwise.mul",
+        "elementwise.add",
+        "elementwise.gelu",
+        "elementwise.sigmoid",
+        "elementwise.mul",
+        "elementwise.clamp",
+        "elementwise.sub",
+    ]
     assert group.nodes == ["mul", "add", "gelu", "sigmoid", "mul_1", "clamp", "sub"]
     # The transpose stays a view the kernel reads through strides.
     assert [(n.node, n.reason_code) for n in report.unfused_nodes] == [("transpose", "no_lowering")]
@@ -213,7 +220,7 @@ class TransformerBlock(nn.Module):
         self.fc1 = nn.Linear(width, hidden)
         self.fc2 = nn.Linear(hidden, width)
         self.drop = nn.Dropout(0.1)
-        self.scale = width ** -0.5
+        self.scale = width**-0.5
 
     def forward(self, x, mask):
         q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
@@ -371,8 +378,10 @@ def test_autocast_bfloat16_matches_eager_under_autocast():
     assert got.dtype == expected.dtype
     torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[torch.bfloat16])
     report = fused.report()
-    assert [g.ops for g in report.groups] == [["reduction.layer_norm_module", "elementwise.gelu"],
-                                             ["reduction.softmax"]], str(report)
+    assert [g.ops for g in report.groups] == [
+        ["reduction.layer_norm_module", "elementwise.gelu"],
+        ["reduction.softmax"],
+    ], str(report)
     for group in report.groups:
         assert_fused(group, torch.bfloat16)
     assert [(n.node, n.reason_code) for n in report.unfused_nodes] == [("fc", "no_lowering")]
@@ -663,26 +672,40 @@ def _stand_in_timer(use_timer, kernel_ms):
         kernel = getattr(fn, "__self__", None)
         if kernel is None:
             return 1.0
-        called = [kernel.eager.get_submodule(n.target) if n.op == "call_module" else n.target
-                  for n in kernel.eager.graph.nodes]
-        normed = any("norm" in (type(c).__name__ if isinstance(c, torch.nn.Module) else str(c)).lower()
-                     for c in called)
+        called = [
+            kernel.eager.get_submodule(n.target) if n.op == "call_module" else n.target
+            for n in kernel.eager.graph.nodes
+        ]
+        normed = any("norm" in (type(c).__name__ if isinstance(c, torch.nn.Module) else str(c)).lower() for c in called)
         return kernel_ms(kernel.source.layout, normed)
 
     use_timer(StandInTimer(bench, tune=False, time=True))
 
 
-def _timed_feedforward(use_timer, mlp_ms: float, part_ms: float, norm_ms: float = 0.3,
-                       bare_mlp_ms: Optional[float] = None, normed_part_ms: Optional[float] = None):
+def _timed_feedforward(
+    use_timer,
+    mlp_ms: float,
+    part_ms: float,
+    norm_ms: float = 0.3,
+    bare_mlp_ms: Optional[float] = None,
+    normed_part_ms: Optional[float] = None,
+):
     """``_fused_feedforward`` under ``_stand_in_timer``: a kernel of two products takes
     ``mlp_ms`` (``bare_mlp_ms`` without the layer norm; the same by default), one of one
     product ``part_ms`` (``normed_part_ms`` with the layer norm; the same by default), the
     layer norm alone ``norm_ms``."""
     bare = mlp_ms if bare_mlp_ms is None else bare_mlp_ms
     normed_part = part_ms if normed_part_ms is None else normed_part_ms
-    _stand_in_timer(use_timer, lambda layout, normed: ((mlp_ms if normed else bare) if layout == "mlp" else
-                                                       (normed_part if normed else part_ms) if layout == "matmul"
-                                                       else norm_ms))
+    _stand_in_timer(
+        use_timer,
+        lambda layout, normed: (
+            (mlp_ms if normed else bare)
+            if layout == "mlp"
+            else (normed_part if normed else part_ms)
+            if layout == "matmul"
+            else norm_ms
+        ),
+    )
     return _fused_feedforward(seed=7)
 
 
@@ -709,7 +732,8 @@ def test_a_kept_mlp_faster_than_its_split_stays_one_kernel(use_timer):
     assert {k: sorted(v) for k, v in splits.items()} == {
         "0.6000 ms for the split)": ["layernorm_linear", "linear_epilogue"],
         "0.9000 ms for the split)": ["linear_epilogue", "linear_epilogue", "row_reduction"],
-        "0.8000 ms for the split)": ["mlp", "row_reduction"]}, str(report)
+        "0.8000 ms for the split)": ["mlp", "row_reduction"],
+    }, str(report)
     assert all("(0.5000 ms vs" in g.reason for g in parts)
 
 
@@ -718,8 +742,9 @@ def test_a_kept_mlp_runs_as_its_finest_split_when_that_is_faster(use_timer):
     norm in the first linear's kernel (0.6 + 0.3 ms: that kernel recomputes the norm), then
     loses to the norm's own kernel (0.1 ms) and the two linear kernels (0.3 + 0.3)."""
     report, mlp = _timed_feedforward(use_timer, mlp_ms=0.8, part_ms=0.3, norm_ms=0.1, normed_part_ms=0.6)
-    assert sorted(g.strategy for g in report.fused) == ["linear_epilogue", "linear_epilogue", "row_reduction"], \
-        str(report)
+    assert sorted(g.strategy for g in report.fused) == ["linear_epilogue", "linear_epilogue", "row_reduction"], str(
+        report
+    )
     assert len(mlp) == 1 and mlp[0].reason_code == "split_faster", str(report)
     assert "0.8000 ms vs 0.7000 ms as 3 shorter group(s)" in mlp[0].reason
     by_products = [g for g in report.groups if g.reason_code == "larger_group_faster"]
@@ -736,8 +761,13 @@ def test_a_kept_mlp_runs_apart_from_its_layer_norm_when_that_is_faster(use_timer
     assert len(whole) == 1 and whole[0].reason_code == "split_faster", str(report)
     assert "0.8000 ms vs 0.4000 ms as 2 shorter group(s)" in whole[0].reason
     by_products = [g for g in report.groups if g.reason_code == "larger_group_faster"]
-    assert sorted(g.strategy for g in by_products) == ["layernorm_linear", "linear_epilogue", "linear_epilogue",
-                                                       "linear_epilogue", "row_reduction"], str(report)
+    assert sorted(g.strategy for g in by_products) == [
+        "layernorm_linear",
+        "linear_epilogue",
+        "linear_epilogue",
+        "linear_epilogue",
+        "row_reduction",
+    ], str(report)
 
 
 def test_a_layer_norm_runs_as_its_own_kernel_when_that_is_faster_than_in_the_product(use_timer):
@@ -749,8 +779,10 @@ def test_a_layer_norm_runs_as_its_own_kernel_when_that_is_faster_than_in_the_pro
     x = torch.randn(3, 19, 24)
 
     def run(prologue_ms):
-        _stand_in_timer(use_timer, lambda layout, normed: (prologue_ms if layout == "matmul" and normed else
-                                                           0.2 if layout == "matmul" else 0.1))
+        _stand_in_timer(
+            use_timer,
+            lambda layout, normed: prologue_ms if layout == "matmul" and normed else 0.2 if layout == "matmul" else 0.1,
+        )
         with torch.no_grad():
             fused = autofuser.fuse(model, progress=False)
             torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
@@ -774,7 +806,9 @@ def test_tuning_configs_are_the_valid_ones_first_few_under_a_limit():
     strategy = types.SimpleNamespace(
         configs=lambda program: [{"BLOCK": b} for b in (8, 16, 32, 64, 128, 256)],
         is_valid=lambda program, config: "too big" if config["BLOCK"] in (16, 128) else None,
-        default_config=lambda program: {"BLOCK": 4}, max_tuned_configs=None)
+        default_config=lambda program: {"BLOCK": 4},
+        max_tuned_configs=None,
+    )
     candidate = types.SimpleNamespace(strategy=strategy, program=None)
 
     def tuned():
@@ -801,9 +835,12 @@ def test_an_entry_tuned_over_a_few_configs_is_tuned_again_by_a_first_round():
     keeping the capped result for good."""
     import autofuser_core.tuning as tuning_module
 
-    strategy = types.SimpleNamespace(configs=lambda program: [{"BLOCK": b} for b in (8, 16, 32, 64, 128)],
-                                     is_valid=lambda program, config: None,
-                                     default_config=lambda program: {"BLOCK": 4}, max_tuned_configs=None)
+    strategy = types.SimpleNamespace(
+        configs=lambda program: [{"BLOCK": b} for b in (8, 16, 32, 64, 128)],
+        is_valid=lambda program, config: None,
+        default_config=lambda program: {"BLOCK": 4},
+        max_tuned_configs=None,
+    )
     candidate = types.SimpleNamespace(strategy=strategy, program=None)
     capped = {"config": {"BLOCK": 16}, "timings": [], "config_limit": tuning_module.LATER_ROUND_CONFIGS}
     full = {"config": {"BLOCK": 16}, "timings": []}
@@ -833,7 +870,7 @@ def test_repeated_layers_share_one_kernel_and_one_tuning_key():
     fused = autofuser.fuse(model, progress=False)
     x = torch.randn(2, 37, 24)
     torch.testing.assert_close(fused(x), model(x), rtol=1e-4, atol=1e-5)
-    (gm, _), = fused._compiled.values()
+    ((gm, _),) = fused._compiled.values()
     kernels = [n.target for n in gm.graph.nodes if isinstance(n.target, FusedKernel)]
     assert len(kernels) == 3
     assert len({k.source.name for k in kernels}) == 1
@@ -923,10 +960,17 @@ def _scale_if_positive(x):
     return None
 
 
-@pytest.mark.parametrize("model,writes", [
-    (_SpectralLike(), False), (_CountsCalls(), False), (_WritesInput(), True), (_WritesInputThroughView(), True),
-    (_WritesInputOutsideTheTrace(), True),
-], ids=lambda v: type(v).__name__ if isinstance(v, torch.nn.Module) else str(v))
+@pytest.mark.parametrize(
+    "model,writes",
+    [
+        (_SpectralLike(), False),
+        (_CountsCalls(), False),
+        (_WritesInput(), True),
+        (_WritesInputThroughView(), True),
+        (_WritesInputOutsideTheTrace(), True),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, torch.nn.Module) else str(v),
+)
 def test_writes_into_inputs_tells_graph_safe_forwards_from_unsafe_ones(model, writes):
     from autofuser_core.fuse import writes_into_inputs
 
@@ -951,10 +995,12 @@ def test_baked_addresses_tell_in_place_updates_from_replaced_tensors_and_modules
         m[0].weight.mul_(2)  # an optimiser's step: same memory
         m[1].running_mean.add_(torch.randn(7))
     assert baked.unchanged()
-    for change in (lambda m: setattr(m[0], "weight", torch.nn.Parameter(torch.randn(7, 5))),
-                   lambda m: setattr(m[2].bias, "data", torch.randn(3)),
-                   lambda m: setattr(m[1], "running_var", torch.rand(7)),
-                   lambda m: m.__setitem__(2, torch.nn.Linear(7, 3))):
+    for change in (
+        lambda m: setattr(m[0], "weight", torch.nn.Parameter(torch.randn(7, 5))),
+        lambda m: setattr(m[2].bias, "data", torch.randn(3)),
+        lambda m: setattr(m[1], "running_var", torch.rand(7)),
+        lambda m: m.__setitem__(2, torch.nn.Linear(7, 3)),
+    ):
         m = model()
         baked = BakedAddresses(m)
         change(m)
@@ -1009,9 +1055,10 @@ def _mlp_kernel(fused):
     from autofuser_core.launch import FusedKernel
 
     (mlp,) = [g for g in fused.report().fused if g.strategy == "mlp"]
-    (gm, _), = fused._compiled.values()
-    (kernel,) = [n.target for n in gm.graph.nodes
-                 if isinstance(n.target, FusedKernel) and n.target.source.name == mlp.kernel]
+    ((gm, _),) = fused._compiled.values()
+    (kernel,) = [
+        n.target for n in gm.graph.nodes if isinstance(n.target, FusedKernel) and n.target.source.name == mlp.kernel
+    ]
     return kernel
 
 
@@ -1061,7 +1108,7 @@ def test_autocast_linear_weight_is_converted_once_past_its_reads(monkeypatch, sh
         got, expected = fused(x), model(x)
     assert got.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
-    (gm, _), = fused._compiled.values()
+    ((gm, _),) = fused._compiled.values()
     (kernel,) = [n.target for n in gm.graph.nodes if isinstance(n.target, FusedKernel)]
     assert kernel.source.layout == "matmul"
     cast = {kernel.attr_inputs[slot] for slot, dtype in kernel.casts if dtype == torch.bfloat16}
@@ -1101,8 +1148,12 @@ def test_one_element_host_tensors_move_to_the_kernels_device():
 
     program = SimpleNamespace(inputs=[SimpleNamespace(shape=s) for s in ((3, 37), (3, 37), (), (1,))])
     meta = torch.device("meta")
-    inputs = [torch.empty(3, 37, device=meta), torch.empty(3, 37, dtype=torch.bool, device=meta),
-              torch.tensor(2.5), torch.empty(1, device=meta)]
+    inputs = [
+        torch.empty(3, 37, device=meta),
+        torch.empty(3, 37, dtype=torch.bool, device=meta),
+        torch.tensor(2.5),
+        torch.empty(1, device=meta),
+    ]
     assert host_scalars(program, inputs, meta) == [2]  # one element on the device already: left alone
     moved = to_device(inputs, [2], meta)
     assert [t.device.type for t in moved] == ["meta"] * 4

@@ -149,7 +149,9 @@ def test_without_a_product_layout_a_group_with_a_product_is_refused_with_a_reaso
     reason and the model runs its products eager."""
     products = types.ModuleType("products_only")
     products.autofuser_register_lowerings = lambda register: register(
-        name="mine.matmul", targets=(torch.matmul,), kind="matmul", lower=lambda ctx, a, b: ctx.matmul(a, b))
+        name="mine.matmul", targets=(torch.matmul,), kind="matmul", lower=lambda ctx, a, b: ctx.matmul(a, b)
+    )
+
     class ProductRelu(nn.Module):
         def forward(self, a, b):
             return torch.relu(torch.matmul(a, b))
@@ -180,7 +182,8 @@ def test_a_plugins_product_layout_lays_out_groups_of_its_count_only():
 
     mine = types.ModuleType("mylayout")
     mine.autofuser_register_product_layouts = lambda register: register(
-        name="mine.two", products=2, lay_out=refuse_all, priority=1)
+        name="mine.two", products=2, lay_out=refuse_all, priority=1
+    )
     gm = autofuser.capture(FeedForward().eval(), torch.randn(2, 5, 24))
     view = PlanningView(gm, autofuser.load_plugins(WITHOUT_MLP + ["mlp", mine]).registry)
     with pytest.raises(GroupRefused) as refused:
@@ -293,9 +296,14 @@ def test_a_zoo_plan_is_the_same_as_with_every_group_composed_anew(monkeypatch, n
 
         def compose_anew(self, nodes, lay_out=None):
             ordered = sorted(nodes, key=self.order.__getitem__)
-            return compose_group(ordered, self.lowered, self.gm,
-                                 {n: self.lowering_of[n].name for n in ordered}, lay_out,
-                                 product_layouts=self.product_layouts)
+            return compose_group(
+                ordered,
+                self.lowered,
+                self.gm,
+                {n: self.lowering_of[n].name for n in ordered},
+                lay_out,
+                product_layouts=self.product_layouts,
+            )
 
         monkeypatch.setattr(PlanningView, "compose", compose_anew)
         anew = plan_fusion_groups(gm, registry)
@@ -324,8 +332,9 @@ def test_replanning_rounds_decide_as_with_every_round_planned_anew(monkeypatch):
         rounds.append(len(plan.kept))
         jobs = []
         for k, candidate in enumerate(plan.kept):
-            entry = compile_module._entry(candidate.strategy.name, candidate.nodes, plan.view, True, "fused", "",
-                                          candidate.program)
+            entry = compile_module._entry(
+                candidate.strategy.name, candidate.nodes, plan.view, True, "fused", "", candidate.program
+            )
             if len(candidate.nodes) > 1 and (compile_module.product_count(candidate.program) > 1 or k % 3 == 0):
                 entry.fused, entry.reason_code, entry.reason = False, "slower", "made to lose"
             report.groups.append(entry)
@@ -338,14 +347,19 @@ def test_replanning_rounds_decide_as_with_every_round_planned_anew(monkeypatch):
     def decisions():
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             _, report = compile_module.compile_graph(gm, (x,), fused._plugin_set, fused._options, lambda m: None)
-        return ([(g.strategy, g.nodes, g.fused, g.reason_code, g.reason, g.bytes_after) for g in report.groups],
-                [(n.node, n.reason_code, n.reason) for n in report.unfused_nodes])
+        return (
+            [(g.strategy, g.nodes, g.fused, g.reason_code, g.reason, g.bytes_after) for g in report.groups],
+            [(n.node, n.reason_code, n.reason) for n in report.unfused_nodes],
+        )
 
     reused = decisions()
     assert len(rounds) >= 3
     real_view = PlanningView.__init__
-    monkeypatch.setattr(PlanningView, "__init__", lambda self, gm, registry, options=None, earlier=None:
-                        real_view(self, gm, registry, options))
+    monkeypatch.setattr(
+        PlanningView,
+        "__init__",
+        lambda self, gm, registry, options=None, earlier=None: real_view(self, gm, registry, options),
+    )
     rounds.clear()
     assert decisions() == reused and len(rounds) >= 3
 
@@ -445,8 +459,13 @@ def test_a_split_rule_that_raises_is_answered_the_safe_way():
     rule = SplitRule(description="by a broken rule", applies=broken, refuse=broken)
     mine = types.ModuleType("brokensplit")
     mine.autofuser_register_strategies = lambda register: register(
-        name="mine.split", propose=lambda view: [], configs=lambda program: [{}],
-        default_config=lambda program: {}, generate=lambda program, helpers: None, split_rules=(rule,))
+        name="mine.split",
+        propose=lambda view: [],
+        configs=lambda program: [{}],
+        default_config=lambda program: {},
+        generate=lambda program, helpers: None,
+        split_rules=(rule,),
+    )
     (guarded,) = autofuser.load_plugins([mine]).registry.guarded().strategies["mine.split"].split_rules
     with pytest.warns(UserWarning, match="brokensplit.*split rule 'by a broken rule'"):
         assert guarded.applies(None) is False

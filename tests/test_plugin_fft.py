@@ -18,8 +18,11 @@ try:
     import autofuser_plugin_fft
     from autofuser_plugin_fft import spectral_mix
 except ImportError:  # pragma: no cover - a set-up error, reported as a failure
-    pytest.fail("autofuser-plugin-fft is not installed: run `pip install ./examples/autofuser-plugin-fft` "
-                "(the README's test command does)", pytrace=False)
+    pytest.fail(
+        "autofuser-plugin-fft is not installed: run `pip install ./examples/autofuser-plugin-fft` "
+        "(the README's test command does)",
+        pytrace=False,
+    )
 
 from autofuser.zoo.models import MESHES, MODELS, TINY_BATCH
 
@@ -84,11 +87,14 @@ def test_chosen_by_name_while_autoload_is_disabled(monkeypatch):
     assert plugins.registry.strategies["fft.spectral_mix"].plugin == "fft"
 
 
-@pytest.mark.parametrize("batch, channels, size, modes", [
-    (3, (5, 7), (13, 10), (3, 4)),   # odd sizes, more output than input channels
-    (1, (4, 4), (9, 16), (2, 5)),    # batch 1, an even width
-    (2, (3, 2), (7, 6), (4, 3)),     # 2 * m1 > H: the two regions overlap, the second wins
-])
+@pytest.mark.parametrize(
+    "batch, channels, size, modes",
+    [
+        (3, (5, 7), (13, 10), (3, 4)),  # odd sizes, more output than input channels
+        (1, (4, 4), (9, 16), (2, 5)),  # batch 1, an even width
+        (2, (3, 2), (7, 6), (4, 3)),  # 2 * m1 > H: the two regions overlap, the second wins
+    ],
+)
 def test_spectral_convolution_matches_eager_and_fuses(batch, channels, size, modes):
     torch.manual_seed(0)
     layer = SpectralConv2d(*channels, modes).eval()
@@ -236,14 +242,17 @@ def test_spectral_kernels_compile_for_sm90(tmp_path):
     jobs = []
     for name in ("fno", "ffno"):
         entry = MODELS[name]
-        fused = autofuser.fuse(entry.make("tiny").eval(), plugins=WITH_FFT, progress=False, tune=False,
-                               verify_speed=False)
+        fused = autofuser.fuse(
+            entry.make("tiny").eval(), plugins=WITH_FFT, progress=False, tune=False, verify_speed=False
+        )
         with torch.no_grad():
             fused(entry.inputs(torch.rand(1, *MESHES["tiny"], 2)))
         kernels = [k for k in fused.kernels() if k.source.name.startswith("af_fft_spectral_mix_")]
         assert kernels, fused.report()
-        jobs += [_job(tmp_path, k.source, k.kernel_dtypes, [dtype for _, _, dtype in k.output_layout], k.launch_args)
-                 for k in kernels]
+        jobs += [
+            _job(tmp_path, k.source, k.kernel_dtypes, [dtype for _, _, dtype in k.output_layout], k.launch_args)
+            for k in kernels
+        ]
     _compile_for_sm90(jobs, tmp_path)
 
 

@@ -33,7 +33,11 @@ EXPECTED_TARGETS = {
     "reduction.std": {torch.std, "std"},
     "reduction.softmax": {F.softmax, torch.softmax, torch.special.softmax, "softmax", torch.nn.Softmax},
     "reduction.log_softmax": {
-        F.log_softmax, torch.log_softmax, torch.special.log_softmax, "log_softmax", torch.nn.LogSoftmax,
+        F.log_softmax,
+        torch.log_softmax,
+        torch.special.log_softmax,
+        "log_softmax",
+        torch.nn.LogSoftmax,
     },
     "reduction.layer_norm": {F.layer_norm, torch.layer_norm},
     "reduction.layer_norm_module": {torch.nn.LayerNorm},

@@ -45,7 +45,6 @@ def _seed(request):
     torch.manual_seed(zlib.crc32(request.node.name.encode()))
 
 
-
 def registering(**fields):
     """An ``autofuser_register_lowerings`` that registers one spec given as keywords."""
 
@@ -154,8 +153,15 @@ def test_third_party_plugin_fuses_an_erf_chain(dtype, batch):
     group = report.groups[0]
     assert group.strategy == "elementwise"
     assert group.fused, group
-    assert group.ops == ["elementwise.mul", "elementwise.add", "erfplugin.erf", "elementwise.mul",
-                         "erfplugin.erf", "erfplugin.erf", "elementwise.sub"]
+    assert group.ops == [
+        "elementwise.mul",
+        "elementwise.add",
+        "erfplugin.erf",
+        "elementwise.mul",
+        "erfplugin.erf",
+        "erfplugin.erf",
+        "elementwise.sub",
+    ]
     assert report.unfused_nodes == []
     assert got.dtype == expected.dtype and got.shape == expected.shape
     torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[dtype])
@@ -249,12 +255,23 @@ def test_invalid_spec_object_built_inside_the_hook_names_plugin_and_field():
     "call, detail",
     [
         pytest.param(lambda register: register(42), "registered a int", id="not-a-spec"),
-        pytest.param(lambda register: register(StrategySpec(
-            name="s", propose=lambda view: [], configs=lambda p: [], default_config=lambda p: {},
-            generate=lambda p, h: None)), "registered a StrategySpec", id="wrong-spec-type"),
+        pytest.param(
+            lambda register: register(
+                StrategySpec(
+                    name="s",
+                    propose=lambda view: [],
+                    configs=lambda p: [],
+                    default_config=lambda p: {},
+                    generate=lambda p, h: None,
+                )
+            ),
+            "registered a StrategySpec",
+            id="wrong-spec-type",
+        ),
         pytest.param(lambda register: register(LoweringSpec(**erf_fields()), name="x"), "not both", id="both-forms"),
-        pytest.param(lambda register: register(**erf_fields(plugin="elementwise")), "leave `plugin` unset",
-                     id="sets-plugin"),
+        pytest.param(
+            lambda register: register(**erf_fields(plugin="elementwise")), "leave `plugin` unset", id="sets-plugin"
+        ),
     ],
 )
 def test_misused_register_callback_is_a_spec_error(call, detail):
@@ -296,8 +313,12 @@ def test_spec_as_keywords_equals_spec_object():
 
 def test_duplicate_spec_name_names_both_plugins():
     first = plugin_module("first", autofuser_register_lowerings=registering(**erf_fields(name="shared.op")))
-    second = plugin_module("second", autofuser_register_lowerings=registering(
-        **erf_fields(name="shared.op", targets=(torch.erfc,), samples=None, references=())))
+    second = plugin_module(
+        "second",
+        autofuser_register_lowerings=registering(
+            **erf_fields(name="shared.op", targets=(torch.erfc,), samples=None, references=())
+        ),
+    )
     with pytest.raises(SpecError) as caught:
         autofuser.load_plugins([first, second])
     message = str(caught.value)
@@ -316,9 +337,15 @@ def test_tie_on_a_target_names_both_plugins_and_suggests_priority():
 
 
 def test_tie_with_a_bundled_lowering_names_the_bundled_plugin():
-    mine = plugin_module("mysigmoid", autofuser_register_lowerings=registering(
-        name="mine.sigmoid", targets=(torch.sigmoid,), kind="pointwise",
-        lower=lambda ctx, x: ctx.pointwise("1.0 / (1.0 + tl.exp(-{0}))", x)))
+    mine = plugin_module(
+        "mysigmoid",
+        autofuser_register_lowerings=registering(
+            name="mine.sigmoid",
+            targets=(torch.sigmoid,),
+            kind="pointwise",
+            lower=lambda ctx, x: ctx.pointwise("1.0 / (1.0 + tl.exp(-{0}))", x),
+        ),
+    )
     with pytest.raises(SpecError) as caught:
         autofuser.load_plugins(["elementwise", mine])
     message = str(caught.value)
@@ -338,9 +365,16 @@ def test_higher_priority_wins_whatever_the_load_order(order):
 
 
 def test_higher_priority_override_of_a_bundled_lowering_wins():
-    mine = plugin_module("mysigmoid", autofuser_register_lowerings=registering(
-        name="mine.sigmoid", targets=(torch.sigmoid,), kind="pointwise", priority=1,
-        lower=lambda ctx, x: ctx.pointwise("1.0 / (1.0 + tl.exp(-{0}))", x)))
+    mine = plugin_module(
+        "mysigmoid",
+        autofuser_register_lowerings=registering(
+            name="mine.sigmoid",
+            targets=(torch.sigmoid,),
+            kind="pointwise",
+            priority=1,
+            lower=lambda ctx, x: ctx.pointwise("1.0 / (1.0 + tl.exp(-{0}))", x),
+        ),
+    )
     registry = autofuser.load_plugins(["elementwise", mine]).registry
     assert registry.lowering_for(node_calling(torch.sigmoid)).name == "mine.sigmoid"
     # Forms it didn't claim keep the bundled lowering.
@@ -498,9 +532,13 @@ def test_broken_entry_point_names_itself(monkeypatch):
     broken = importlib.metadata.EntryPoint(name="broken", value="af_no_such_module_xyz", group=ENTRY_POINT_GROUP)
     real_entry_points = importlib.metadata.entry_points
     monkeypatch.setattr(
-        importlib.metadata, "entry_points",
-        lambda **params: importlib.metadata.EntryPoints([*real_entry_points(**params), broken])
-        if params.get("group") == ENTRY_POINT_GROUP else real_entry_points(**params),
+        importlib.metadata,
+        "entry_points",
+        lambda **params: (
+            importlib.metadata.EntryPoints([*real_entry_points(**params), broken])
+            if params.get("group") == ENTRY_POINT_GROUP
+            else real_entry_points(**params)
+        ),
     )
     with pytest.raises(PluginError) as caught:
         autofuser.load_plugins(["broken"])

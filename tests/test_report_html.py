@@ -21,10 +21,16 @@ import autofuser
 from autofuser.cli import main as cli_main
 from autofuser_core.report import FusionReport, GroupEntry
 
-CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"), "/usr/bin/chromium")
-                 if p and os.path.exists(p)), None)
+CHROMIUM = next(
+    (
+        p
+        for p in (shutil.which("chromium"), shutil.which("chromium-browser"), "/usr/bin/chromium")
+        if p and os.path.exists(p)
+    ),
+    None,
+)
 
-FACTORY = textwrap.dedent('''
+FACTORY = textwrap.dedent("""
     import torch
 
     class Block(torch.nn.Module):
@@ -41,7 +47,7 @@ FACTORY = textwrap.dedent('''
     def make():
         torch.manual_seed(0)
         return Block().eval(), torch.randn(3, 5, 19)
-''')
+""")
 
 
 def _fused_report():
@@ -78,13 +84,33 @@ def test_page_is_self_contained_and_has_every_part(tmp_path):
 
 
 def test_timings_and_colours_where_measured():
-    report = FusionReport(signature="(float32[4, 8])", device="cuda:0", groups=[
-        GroupEntry(strategy="elementwise", nodes=["add", "relu"], ops=["elementwise.add", "elementwise.relu"],
-                   fused=True, reason_code="fused", kernel="af_flat_add_relu_0", kernel_source="@triton.jit\n...",
-                   time_eager_ms=0.0123, time_fused_ms=0.0071),
-        GroupEntry(strategy="elementwise", nodes=["mul"], ops=["elementwise.mul"], fused=False,
-                   reason_code="slower", reason="fused 0.0100 ms vs eager 0.0090 ms: kept eager for speed",
-                   time_eager_ms=0.009, time_fused_ms=0.01)])
+    report = FusionReport(
+        signature="(float32[4, 8])",
+        device="cuda:0",
+        groups=[
+            GroupEntry(
+                strategy="elementwise",
+                nodes=["add", "relu"],
+                ops=["elementwise.add", "elementwise.relu"],
+                fused=True,
+                reason_code="fused",
+                kernel="af_flat_add_relu_0",
+                kernel_source="@triton.jit\n...",
+                time_eager_ms=0.0123,
+                time_fused_ms=0.0071,
+            ),
+            GroupEntry(
+                strategy="elementwise",
+                nodes=["mul"],
+                ops=["elementwise.mul"],
+                fused=False,
+                reason_code="slower",
+                reason="fused 0.0100 ms vs eager 0.0090 ms: kept eager for speed",
+                time_eager_ms=0.009,
+                time_fused_ms=0.01,
+            ),
+        ],
+    )
     report.add_phase("capture", 0.25)
     report.add_phase("verify", 1.5)
     page = report.to_html()
@@ -107,13 +133,37 @@ def test_cli_page_renders_in_headless_chromium(tmp_path):
     (tmp_path / "block_factory.py").write_text(FACTORY)
     out, as_json = tmp_path / "report.html", tmp_path / "report.json"
     env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
-    done = subprocess.run([sys.executable, "-m", "autofuser.cli", "report", f"{tmp_path / 'block_factory.py'}:make",
-                           "--out", str(out), "--json", str(as_json), "--plugins", "elementwise,reduction,matmul,mlp"],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autofuser.cli",
+            "report",
+            f"{tmp_path / 'block_factory.py'}:make",
+            "--out",
+            str(out),
+            "--json",
+            str(as_json),
+            "--plugins",
+            "elementwise,reduction,matmul,mlp",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = FusionReport.model_validate_json(as_json.read_text())
-    browser = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-               "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}"]
+    browser = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--no-first-run",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ]
     dom = subprocess.run(browser + ["--dump-dom", out.as_uri()], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0 and "</html>" in dom.stdout, dom.stderr[-2000:]
     rendered = dom.stdout
@@ -128,6 +178,10 @@ def test_cli_page_renders_in_headless_chromium(tmp_path):
         assert group.kernel in rendered
     assert rendered.count("@triton.jit") >= len(report.fused)
     shot = tmp_path / "report.png"
-    subprocess.run(browser + [f"--screenshot={shot}", "--window-size=1200,1600", out.as_uri()],
-                   capture_output=True, text=True, timeout=120)
+    subprocess.run(
+        browser + [f"--screenshot={shot}", "--window-size=1200,1600", out.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert shot.exists() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000

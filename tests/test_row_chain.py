@@ -84,14 +84,18 @@ class BlockTail(nn.Module):
         return x, self.qkv(self.norm2(x))
 
 
-@pytest.mark.parametrize("dtype,bias,shape", [
-    (torch.float32, True, (1, 1127)),  # 36 row blocks, the last one partly filled
-    (torch.float32, False, (3, 37)),
-    (torch.float16, True, (3, 37)),
-    (torch.float16, False, (1, 45)),
-    (torch.bfloat16, True, (1, 45)),
-    (torch.bfloat16, False, (3, 37)),
-], ids=str)
+@pytest.mark.parametrize(
+    "dtype,bias,shape",
+    [
+        (torch.float32, True, (1, 1127)),  # 36 row blocks, the last one partly filled
+        (torch.float32, False, (3, 37)),
+        (torch.float16, True, (3, 37)),
+        (torch.float16, False, (1, 45)),
+        (torch.bfloat16, True, (1, 45)),
+        (torch.bfloat16, False, (3, 37)),
+    ],
+    ids=str,
+)
 def test_transformer_block_tail_is_one_chain_kernel(dtype, bias, shape):
     model = _randomise(BlockTail(bias=bias)).to(dtype)
     x, attn = torch.randn(*shape, 80, dtype=dtype), torch.randn(*shape, 96, dtype=dtype)
@@ -103,8 +107,9 @@ def test_transformer_block_tail_is_one_chain_kernel(dtype, bias, shape):
     assert [g.strategy for g in report.fused] == ["row_chain"], str(report)
     # The report says how each product runs: proj streams its input from memory, fc1's
     # hidden chunks feed fc2 at once, qkv is stored chunk by chunk.
-    assert ("4 products (streamed 96->80, hidden 80->160, accumulated 160->80, tail 80->240), "
-            "4 row reductions") in chain.reason
+    assert (
+        "4 products (streamed 96->80, hidden 80->160, accumulated 160->80, tail 80->240), 4 row reductions"
+    ) in chain.reason
 
 
 class SoftmaxBetweenProducts(nn.Module):
@@ -190,8 +195,9 @@ def test_chain_kernel_source_names_its_steps_and_precision(tmp_path):
     _assert_close(got, expected)
     [chain] = _chains(fused.report())
     source = (tmp_path / "kernels" / f"{chain.kernel}.py").read_text()
-    assert ("# row-tiled chain: rows 10; steps: streamed 32->32, hidden 32->64, accumulated 64->32, "
-            "tail 32->96") in source
+    assert (
+        "# row-tiled chain: rows 10; steps: streamed 32->32, hidden 32->64, accumulated 64->32, tail 32->96"
+    ) in source
     assert "operands ['tf32x3', 'tf32x3', 'tf32x3', 'tf32x3']" in source  # strict fp32: torch's default
     assert {"BLOCK_M", "BLOCK_S0", "BLOCK_S1", "BLOCK_S3"} == set(k for k in chain.config if k.startswith("BLOCK"))
 
@@ -304,8 +310,9 @@ def test_validity_rule_bounds_registers_and_shared_memory():
     model = _randomise(BlockTail(attn_width=256, width=256))
     x, attn = torch.randn(1, 4, 256), torch.randn(1, 4, 256)
     gm = autofuser.capture(model, x, attn)
-    [candidate] = [c for c in plan_fusion_groups(gm, autofuser.load_plugins().registry).kept
-                   if c.strategy.name == "row_chain"]
+    [candidate] = [
+        c for c in plan_fusion_groups(gm, autofuser.load_plugins().registry).kept if c.strategy.name == "row_chain"
+    ]
     program = candidate.program
     assert chain.is_valid(program, chain.default_config(program)) is None
     valid = [c for c in chain.configs(program) if chain.is_valid(program, c) is None]
@@ -328,8 +335,9 @@ def test_zoo_transformer_fuses_each_block_tail_into_one_chain():
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     chains = [g for g in fused.report().fused if g.strategy == "row_chain"]
     tail = [g for g in chains if "blocks_0_attention_to_out" in g.nodes]
-    assert tail and {"blocks_0_feed_forward_0", "blocks_0_feed_forward_2",
-                     "blocks_1_attention_to_qkv"} <= set(tail[0].nodes)
+    assert tail and {"blocks_0_feed_forward_0", "blocks_0_feed_forward_2", "blocks_1_attention_to_qkv"} <= set(
+        tail[0].nodes
+    )
 
 
 def test_products_over_quantised_weights_stay_with_the_product_strategies():

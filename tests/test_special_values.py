@@ -83,10 +83,11 @@ def test_layer_norm_zeros_are_positive_as_in_eager(affine):
         with torch.no_grad():
             norm.weight.copy_(torch.randn(width))
     rows = torch.randn(5, width)
-    rows[0] = -0.0                                     # a row of negative zeros
-    rows[1] = 2.5                                      # equal values: every deviation is exactly 0
-    rows[2] = torch.tensor([1.0, 2, 3, 4, 5, 6, 7])    # the middle value is the mean
+    rows[0] = -0.0  # a row of negative zeros
+    rows[1] = 2.5  # equal values: every deviation is exactly 0
+    rows[2] = torch.tensor([1.0, 2, 3, 4, 5, 6, 7])  # the middle value is the mean
     rows[3, ::2] = -0.0
+
     class NormThenScale(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -105,7 +106,7 @@ def test_variance_of_rows_near_the_fp32_range_does_not_overflow(op):
     rows = torch.randn(4, 19)
     rows[0] = torch.tensor([1e38, -1e38] * 9 + [0.0])
     rows[1] = 3e37 * torch.randn(19)
-    rows[2] = torch.randn(19) * 1e-30                  # tiny: no underflow to 0 either
+    rows[2] = torch.randn(19) * 1e-30  # tiny: no underflow to 0 either
     fn = (lambda x: x.std(-1) * 2.0) if op == "std" else (lambda x: x.var(-1, keepdim=True) * 0.5)
     got, expected = _fused_and_eager(fn, rows)
     reference = (rows.double().std(-1) * 2.0) if op == "std" else (rows.double().var(-1, keepdim=True) * 0.5)

@@ -47,13 +47,12 @@ def test_a_product_of_few_rows_tries_the_tiles_that_fill_the_chip_first():
 
 def test_a_large_product_keeps_the_listed_order_with_padded_tiles_last():
     [candidate] = _kept(nn.Linear(128, 128), torch.randn(4, 8000, 128), "matmul")
-    everything = [c for c in products.configs(candidate.program)
-                  if products.is_valid(candidate.program, c) is None]
+    everything = [c for c in products.configs(candidate.program) if products.is_valid(candidate.program, c) is None]
     listed = [(m, n) for m, n, *_ in products.CONFIGS]
     tiles = _tiles(everything)
     assert [t for t in tiles if t[1] <= 128] == [t for t in listed if t[1] <= 128 and t in tiles]
     assert all(n == 256 for _, n in tiles[-2:]), tiles  # 128 padding columns each
-    assert _tuning_configs(candidate)[0] == everything[:products.MAX_TUNED_CONFIGS]
+    assert _tuning_configs(candidate)[0] == everything[: products.MAX_TUNED_CONFIGS]
 
 
 def test_a_little_padding_does_not_push_wide_tiles_back():
@@ -84,7 +83,7 @@ def test_rows_on_chip_keep_the_listed_order():
     assert candidate.program.matmul.resident
     tiles = _tiles(_tuning_configs(candidate)[0])
     listed = [(m, n) for m, n, *_ in products.CONFIGS]
-    assert tiles == [t for t in listed if t in tiles][:len(tiles)], tiles
+    assert tiles == [t for t in listed if t in tiles][: len(tiles)], tiles
 
 
 def _chain_block() -> nn.Module:
@@ -99,14 +98,15 @@ def test_a_row_chain_tunes_its_usual_winners_first_and_at_most_eight():
     valid = [c for c in listed if chain.is_valid(program, c) is None]
     assert len(valid) > chain.MAX_TUNED_CONFIGS
     tuned = _tuning_configs(candidate)[0]
-    assert tuned == valid[:chain.MAX_TUNED_CONFIGS]
+    assert tuned == valid[: chain.MAX_TUNED_CONFIGS]
     first = (chain.FIRST_CONFIGS[0][0], chain.FIRST_CONFIGS[0][2])
     assert (tuned[0]["BLOCK_M"], tuned[0]["num_warps"]) == first
 
 
 def test_max_tuned_configs_must_be_positive():
-    fields = dict(name="s", propose=lambda view: [], configs=lambda p: [], default_config=lambda p: {},
-                  generate=lambda p, h: None)
+    fields = dict(
+        name="s", propose=lambda view: [], configs=lambda p: [], default_config=lambda p: {}, generate=lambda p, h: None
+    )
     assert StrategySpec(**fields, max_tuned_configs=3).max_tuned_configs == 3
     assert StrategySpec(**fields).max_tuned_configs is None
     with pytest.raises(Exception, match="max_tuned_configs"):
@@ -165,7 +165,7 @@ def test_tune_all_configs_tunes_past_the_cap_and_is_cached_apart():
     [candidate] = _kept(_chain_block(), torch.randn(2, 37, 64), "row_chain")
     capped, _ = _tuning_configs(candidate)
     every, _ = _tuning_configs(candidate, every=True)
-    assert len(capped) == chain.MAX_TUNED_CONFIGS < len(every) and every[:len(capped)] == capped
+    assert len(capped) == chain.MAX_TUNED_CONFIGS < len(every) and every[: len(capped)] == capped
     source = types.SimpleNamespace(name="af_chain_x", source_hash="0" * 64)
     plain = _tuning_key(source, torch.device("cpu"), FuseOptions())
     whole = _tuning_key(source, torch.device("cpu"), FuseOptions(tune_all_configs=True))

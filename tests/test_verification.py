@@ -43,13 +43,17 @@ TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(ato
 # Synthetic inputs: a lowering wrong only where the first batch never went
 # ---------------------------------------------------------------------------
 
+
 def _positive_only_abs(ctx, input):
     return ctx.pointwise("{0}", input)  # |x| for x >= 0 only: the planted bug
 
 
 def _register_positive_only_abs(register):
-    register(LoweringSpec(name="positiveabs.abs", targets=(torch.abs,), kind="pointwise", lower=_positive_only_abs,
-                          priority=1))
+    register(
+        LoweringSpec(
+            name="positiveabs.abs", targets=(torch.abs,), kind="pointwise", lower=_positive_only_abs, priority=1
+        )
+    )
 
 
 POSITIVE_ONLY_ABS = plugin_module("positiveabs", autofuser_register_lowerings=_register_positive_only_abs)
@@ -145,7 +149,7 @@ def test_a_negative_number_base_keeps_its_sign_in_the_rewritten_graph(plugins, b
 
     class NegativeBase(torch.nn.Module):
         def forward(self, x):
-            return base ** x + x.sum(-1, keepdim=True)
+            return base**x + x.sum(-1, keepdim=True)
 
     model = NegativeBase()
     x = torch.randn(3, 17) * 2
@@ -161,17 +165,29 @@ def test_a_negative_number_base_keeps_its_sign_in_the_rewritten_graph(plugins, b
 INF, NAN = float("inf"), float("nan")
 
 
-@pytest.mark.parametrize("fused, eager, ok", [
-    ([1.0, 2.0], [1.0, 2.0], True),
-    ([1.0, INF], [1.0, INF], True),
-    ([1.0, NAN], [1.0, NAN], True),
-    ([1.0, 3.0e38], [1.0, INF], False),  # finite where eager overflows
-    ([1.0, -INF], [1.0, INF], False),  # the other infinity
-    ([1.0, INF], [1.0, 3.0e38], False),
-    ([1.0, 0.0], [1.0, NAN], False),
-    ([1.0, NAN], [1.0, INF], False),
-], ids=["equal", "same-inf", "same-nan", "finite-for-inf", "wrong-inf", "inf-for-finite", "finite-for-nan",
-        "nan-for-inf"])
+@pytest.mark.parametrize(
+    "fused, eager, ok",
+    [
+        ([1.0, 2.0], [1.0, 2.0], True),
+        ([1.0, INF], [1.0, INF], True),
+        ([1.0, NAN], [1.0, NAN], True),
+        ([1.0, 3.0e38], [1.0, INF], False),  # finite where eager overflows
+        ([1.0, -INF], [1.0, INF], False),  # the other infinity
+        ([1.0, INF], [1.0, 3.0e38], False),
+        ([1.0, 0.0], [1.0, NAN], False),
+        ([1.0, NAN], [1.0, INF], False),
+    ],
+    ids=[
+        "equal",
+        "same-inf",
+        "same-nan",
+        "finite-for-inf",
+        "wrong-inf",
+        "inf-for-finite",
+        "finite-for-nan",
+        "nan-for-inf",
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_non_finite_values_must_match_exactly(fused, eager, ok, dtype):
     tol = DEFAULT_TOLERANCES["float32" if dtype == torch.float32 else "bfloat16"]
@@ -183,6 +199,7 @@ def test_non_finite_values_must_match_exactly(fused, eager, ok, dtype):
 # ---------------------------------------------------------------------------
 # Plugin code that raises while a graph compiles
 # ---------------------------------------------------------------------------
+
 
 def _check_contained(fused, model, plugin: str, hook: str, caught, calls: list, shape=(3, 41)):
     """The model computed right, the fault named in a warning and in the report, and
@@ -207,13 +224,14 @@ def test_a_lowering_that_raises_leaves_its_node_eager_and_names_plugin_and_hook(
         raise ValueError("lowering bug")
 
     def register(register):
-        register(LoweringSpec(name="brokenabs.abs", targets=(torch.abs,), kind="pointwise", lower=lower,
-                              priority=1))
+        register(LoweringSpec(name="brokenabs.abs", targets=(torch.abs,), kind="pointwise", lower=lower, priority=1))
 
     model = AbsChain()
-    fused = autofuser.fuse(model, plugins=["elementwise", plugin_module("brokenabs",
-                                                                        autofuser_register_lowerings=register)],
-                           progress=False)
+    fused = autofuser.fuse(
+        model,
+        plugins=["elementwise", plugin_module("brokenabs", autofuser_register_lowerings=register)],
+        progress=False,
+    )
     caught = _run_recording_warnings(fused, model)
     report = _check_contained(fused, model, "'brokenabs'", "LoweringSpec.lower", caught, calls)
     node = next(n for n in report.unfused_nodes if n.target.endswith("abs"))
@@ -235,8 +253,14 @@ def _strategy_plugin(name: str, failing: str, calls: list) -> types.ModuleType:
     priority) whose ``failing`` hook raises; ``calls`` counts that hook's calls."""
     from autofuser_plugins.elementwise.strategy import ELEMENTWISE_STRATEGY as bundled
 
-    hooks = dict(propose=bundled.propose, accepts=bundled.accepts, configs=bundled.configs,
-                 default_config=bundled.default_config, is_valid=bundled.is_valid, generate=bundled.generate)
+    hooks = dict(
+        propose=bundled.propose,
+        accepts=bundled.accepts,
+        configs=bundled.configs,
+        default_config=bundled.default_config,
+        is_valid=bundled.is_valid,
+        generate=bundled.generate,
+    )
 
     def raising(*args, **kwargs):
         calls.append(1)
@@ -276,9 +300,11 @@ def test_a_veto_hook_that_raises_keeps_groups_eager_and_names_plugin_and_hook():
         raise KeyError("veto bug")
 
     model = AbsChain()
-    fused = autofuser.fuse(model, plugins=["elementwise", plugin_module("brokenveto",
-                                                                        autofuser_veto_fusion=autofuser_veto_fusion)],
-                           progress=False)
+    fused = autofuser.fuse(
+        model,
+        plugins=["elementwise", plugin_module("brokenveto", autofuser_veto_fusion=autofuser_veto_fusion)],
+        progress=False,
+    )
     caught = _run_recording_warnings(fused, model)
     report = _check_contained(fused, model, "'brokenveto'", "autofuser_veto_fusion", caught, calls)
     assert not report.fused
@@ -309,6 +335,7 @@ def test_a_graph_pass_that_raises_halfway_is_undone():
 # Loading: a module that implements no hook is no plugin
 # ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("item", ["os.path", types.ModuleType("emptyplugin")], ids=["name", "module"])
 def test_a_module_implementing_no_hook_is_refused(item):
     with pytest.raises(PluginError) as caught:
@@ -324,7 +351,7 @@ def test_a_module_implementing_no_hook_is_refused(item):
 # The report command checks where it writes before compiling
 # ---------------------------------------------------------------------------
 
-FACTORY = '''
+FACTORY = """
 import pathlib
 import torch
 
@@ -332,14 +359,27 @@ import torch
 def make():
     pathlib.Path(__file__).with_name("factory-ran").write_text("yes")
     return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.GELU()).eval(), torch.randn(3, 6)
-'''
+"""
 
 
 def test_report_makes_missing_folders_for_its_outputs(tmp_path):
     (tmp_path / "small_factory.py").write_text(FACTORY)
     out, as_json = tmp_path / "new" / "deeper" / "report.html", tmp_path / "other" / "report.json"
-    assert cli_main(["report", f"{tmp_path / 'small_factory.py'}:make", "--out", str(out), "--json", str(as_json),
-                     "--plugins", "elementwise,matmul"]) == 0
+    assert (
+        cli_main(
+            [
+                "report",
+                f"{tmp_path / 'small_factory.py'}:make",
+                "--out",
+                str(out),
+                "--json",
+                str(as_json),
+                "--plugins",
+                "elementwise,matmul",
+            ]
+        )
+        == 0
+    )
     assert "</html>" in out.read_text() and as_json.read_text().startswith("{")
 
 

@@ -38,8 +38,7 @@ def expected_shape(name: str) -> tuple[int, ...]:
 
 
 def test_registry_lists_the_nine_models_with_their_airfoil_settings():
-    assert list(MODELS) == ["galerkin", "transformer", "transolver", "gnot", "factformer", "fno", "ffno", "unet",
-                            "lsm"]
+    assert list(MODELS) == ["galerkin", "transformer", "transolver", "gnot", "factformer", "fno", "ffno", "unet", "lsm"]
     for name, entry in MODELS.items():
         assert entry.layout in ("points", "grid"), name
         assert set(entry.configs) == {"airfoil", "tiny"}, name
@@ -126,8 +125,11 @@ def test_lsm_airfoil_pads_to_224_by_64_and_every_scale_splits_into_14_by_4_patch
     model = MODELS["lsm"].make("airfoil").eval()
     assert [block.to_query.in_channels for block in model.process] == [32, 64, 128, 256, 256]
     seen = []
-    hooks = [block.register_forward_hook(lambda module, args, out: seen.append((args[0].shape, args[1], out.shape)))
-             for block in model.modules() if isinstance(block, NeuralSpectralBlock2d)]
+    hooks = [
+        block.register_forward_hook(lambda module, args, out: seen.append((args[0].shape, args[1], out.shape)))
+        for block in model.modules()
+        if isinstance(block, NeuralSpectralBlock2d)
+    ]
     x = MODELS["lsm"].inputs(airfoil.make_dataset(1, 0)[0])
     with torch.no_grad():
         out = model(x)
@@ -259,7 +261,7 @@ def test_mesh_is_a_well_formed_o_mesh(dataset):
     assert area.abs().min() > 0
     # The wall is a closed airfoil of chord about 1; the outer boundary is about 10 chords away.
     wall = z[:, :, 0]
-    chord = (wall.real.amax(1) - wall.real.amin(1))
+    chord = wall.real.amax(1) - wall.real.amin(1)
     assert ((chord > 0.85) & (chord < 1.15)).all()
     assert (z[:, :, -1].abs() > 8).all()
     # Each ring lies further from the wall than the one inside it.

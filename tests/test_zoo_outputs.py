@@ -63,8 +63,10 @@ def _differences(got: dict, expected: dict) -> list[str]:
     if bad:
         worst = max(abs(g - e) for _, g, e in bad)
         shown = ", ".join(f"[{i}] {g!r} vs {e!r}" for i, g, e in bad[:5])
-        problems.append(f"{len(bad)} of {len(pairs)} values differ (largest by {worst:.3g}, tolerance "
-                        f"{atol:.3g} + {RTOL:g} relative): {shown}")
+        problems.append(
+            f"{len(bad)} of {len(pairs)} values differ (largest by {worst:.3g}, tolerance "
+            f"{atol:.3g} + {RTOL:g} relative): {shown}"
+        )
     if "values" not in expected:
         for key in ("max_abs", "sum", "abs_sum"):
             tol = atol if key == "max_abs" else ATOL * expected["abs_sum"]
@@ -90,19 +92,27 @@ def _group_differences(got: list[dict], expected: list[dict]) -> list[str]:
 
 def _changed_errors(got: list[dict], expected: list[dict]) -> list[str]:
     """Groups whose verification error moved: where to look when an output changed."""
-    return [f"group {i} {g['strategy']} {g['ops']}: max_error {g['max_error']!r}, recorded {e['max_error']!r}"
-            for i, (g, e) in enumerate(zip(got, expected))
-            if (g["strategy"], g["ops"]) == (e["strategy"], e["ops"]) and g["max_error"] != e["max_error"]]
+    return [
+        f"group {i} {g['strategy']} {g['ops']}: max_error {g['max_error']!r}, recorded {e['max_error']!r}"
+        for i, (g, e) in enumerate(zip(got, expected))
+        if (g["strategy"], g["ops"]) == (e["strategy"], e["ops"]) and g["max_error"] != e["max_error"]
+    ]
 
 
 def test_every_case_is_recorded():
     assert list(RECORDED) == [case for case, _, _ in CASES]
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(case, marks=pytest.mark.skipif(case in SLOW and not RUN_ALL,
-                                                reason="slow; AUTOFUSER_ZOO_OUTPUTS_ALL=1 runs it"))
-    for case, _, _ in CASES])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(
+            case,
+            marks=pytest.mark.skipif(case in SLOW and not RUN_ALL, reason="slow; AUTOFUSER_ZOO_OUTPUTS_ALL=1 runs it"),
+        )
+        for case, _, _ in CASES
+    ],
+)
 def test_fused_zoo_output_is_the_recorded_one(case):
     expected = RECORDED[case]
     got = compute(case)

@@ -88,9 +88,16 @@ def airfoil_flow(alpha: torch.Tensor, mu: torch.Tensor, mesh: tuple[int, int] = 
 
 def sample_parameters(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(alpha [n] radians, mu [n] complex128) of samples 0..n-1 of ``seed``."""
-    draws = (torch.stack([torch.rand(3, generator=torch.Generator().manual_seed(seed * 1_000_003 + k),
-                                     dtype=torch.float64) for k in range(n)])
-             if n else torch.zeros(0, 3, dtype=torch.float64))
+    draws = (
+        torch.stack(
+            [
+                torch.rand(3, generator=torch.Generator().manual_seed(seed * 1_000_003 + k), dtype=torch.float64)
+                for k in range(n)
+            ]
+        )
+        if n
+        else torch.zeros(0, 3, dtype=torch.float64)
+    )
     lo, hi = ALPHA_DEG
     alpha = torch.deg2rad(lo + (hi - lo) * draws[:, 0])
     thickness = THICKNESS[0] + (THICKNESS[1] - THICKNESS[0]) * draws[:, 1]

@@ -29,18 +29,46 @@ from typing import Optional
 SYSTEMS = ("autofuser", "torch.compile")
 
 
-def measure_in_fresh_process(name: str, system: str, *, device: str, dtype: str, config: str, batch: int,
-                             compile_mode: str = "default", tune_budget: Optional[float] = None,
-                             timeout_s: float = 900) -> dict:
+def measure_in_fresh_process(
+    name: str,
+    system: str,
+    *,
+    device: str,
+    dtype: str,
+    config: str,
+    batch: int,
+    compile_mode: str = "default",
+    tune_budget: Optional[float] = None,
+    timeout_s: float = 900,
+) -> dict:
     """Run this module for one (model, system) in a new process with empty caches; its
     answer (``first_call_s``, or ``error``)."""
     with tempfile.TemporaryDirectory(prefix="autofuser-first-call-") as scratch:
-        env = dict(os.environ, TRITON_CACHE_DIR=str(Path(scratch) / "triton"),
-                   TORCHINDUCTOR_CACHE_DIR=str(Path(scratch) / "inductor"),
-                   AUTOFUSER_CACHE_DIR=str(Path(scratch) / "autofuser"))
-        command = [sys.executable, "-m", "autofuser.zoo.first_call", "--model", name, "--system", system,
-                   "--device", device, "--dtype", dtype, "--config", config, "--batch", str(batch),
-                   "--compile-mode", compile_mode]
+        env = dict(
+            os.environ,
+            TRITON_CACHE_DIR=str(Path(scratch) / "triton"),
+            TORCHINDUCTOR_CACHE_DIR=str(Path(scratch) / "inductor"),
+            AUTOFUSER_CACHE_DIR=str(Path(scratch) / "autofuser"),
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "autofuser.zoo.first_call",
+            "--model",
+            name,
+            "--system",
+            system,
+            "--device",
+            device,
+            "--dtype",
+            dtype,
+            "--config",
+            config,
+            "--batch",
+            str(batch),
+            "--compile-mode",
+            compile_mode,
+        ]
         if tune_budget is not None:
             command += ["--tune-budget", str(tune_budget)]
         try:

@@ -70,35 +70,65 @@ def progress(message: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``autofuser bench``."""
-    parser.add_argument("--models", default="all",
-                        help=f"comma-separated model names, or 'all' (default): {', '.join(MODELS)}")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
-                        help="fp32, or bf16 = torch.autocast(bfloat16) around every forward (fp32 parameters)")
+    parser.add_argument(
+        "--models", default="all", help=f"comma-separated model names, or 'all' (default): {', '.join(MODELS)}"
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda or cpu (default: cuda when available)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="fp32",
+        help="fp32, or bf16 = torch.autocast(bfloat16) around every forward (fp32 parameters)",
+    )
     parser.add_argument("--iters", type=int, default=100, help="timed calls per system (median reported)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed calls before timing")
     parser.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, bench.png")
-    parser.add_argument("--config", choices=sorted(MESHES), default="airfoil",
-                        help="model sizes: airfoil (paper configurations, 221 x 51 mesh) or tiny (CPU tests)")
+    parser.add_argument(
+        "--config",
+        choices=sorted(MESHES),
+        default="airfoil",
+        help="model sizes: airfoil (paper configurations, 221 x 51 mesh) or tiny (CPU tests)",
+    )
     parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="default", help="torch.compile mode")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (it needs a C compiler on CPU)")
-    parser.add_argument("--train-steps", type=int, default=0,
-                        help="Adam steps on generated airfoils before measuring (default 0: random weights)")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="override every model's batch size (default: the paper's, or 2 for --config tiny)")
-    parser.add_argument("--tune-budget", type=float, default=None,
-                        help="AutoFuser tuning seconds per group (default: fuse()'s own)")
-    parser.add_argument("--tune-all-configs", action="store_true",
-                        help="AutoFuser tunes every valid config, past the strategies' caps (fuse's "
-                             "tune_all_configs): for benchmarks/tuning_stats.py, not for timing first calls")
-    parser.add_argument("--fresh-first-calls", action="store_true",
-                        help="also time AutoFuser's cold first call and torch.compile's first call each in a new "
-                             "process with empty caches (autofuser.zoo.first_call), as a user's first run of a "
-                             "script pays them")
-    parser.add_argument("--cache-dir", default=None,
-                        help="parent of the per-model AutoFuser cache folders (default: OUT/autofuser-cache); "
-                             "each model's folder is emptied first")
+    parser.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        help="Adam steps on generated airfoils before measuring (default 0: random weights)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="override every model's batch size (default: the paper's, or 2 for --config tiny)",
+    )
+    parser.add_argument(
+        "--tune-budget", type=float, default=None, help="AutoFuser tuning seconds per group (default: fuse()'s own)"
+    )
+    parser.add_argument(
+        "--tune-all-configs",
+        action="store_true",
+        help="AutoFuser tunes every valid config, past the strategies' caps (fuse's "
+        "tune_all_configs): for benchmarks/tuning_stats.py, not for timing first calls",
+    )
+    parser.add_argument(
+        "--fresh-first-calls",
+        action="store_true",
+        help="also time AutoFuser's cold first call and torch.compile's first call each in a new "
+        "process with empty caches (autofuser.zoo.first_call), as a user's first run of a "
+        "script pays them",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="parent of the per-model AutoFuser cache folders (default: OUT/autofuser-cache); "
+        "each model's folder is emptied first",
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -114,13 +144,25 @@ def run_from_args(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         progress("--device cuda but no CUDA device is available; use --device cpu")
         return 2
-    result = run_bench(names, device=device, dtype=args.dtype, iters=args.iters, warmup=args.warmup,
-                       out=Path(args.out), config=args.config, compile_mode=args.compile_mode,
-                       no_compile=args.no_compile, train_steps=args.train_steps, batch_size=args.batch_size,
-                       cache_root=Path(args.cache_dir) if args.cache_dir else None,
-                       fuse_options={**({} if args.tune_budget is None else {"tune_budget_s": args.tune_budget}),
-                                     **({"tune_all_configs": True} if args.tune_all_configs else {})},
-                       fresh_first_calls=args.fresh_first_calls)
+    result = run_bench(
+        names,
+        device=device,
+        dtype=args.dtype,
+        iters=args.iters,
+        warmup=args.warmup,
+        out=Path(args.out),
+        config=args.config,
+        compile_mode=args.compile_mode,
+        no_compile=args.no_compile,
+        train_steps=args.train_steps,
+        batch_size=args.batch_size,
+        cache_root=Path(args.cache_dir) if args.cache_dir else None,
+        fuse_options={
+            **({} if args.tune_budget is None else {"tune_budget_s": args.tune_budget}),
+            **({"tune_all_configs": True} if args.tune_all_configs else {}),
+        },
+        fresh_first_calls=args.fresh_first_calls,
+    )
     print(result["markdown"])
     return 0
 
@@ -173,9 +215,11 @@ def build(entry: ModelEntry, config: str, batch: int, device: torch.device):
 
 def forward_call(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, device: torch.device, dtype: str):
     """``fn(x)`` as every system is called: no_grad, and under bf16 autocast for ``--dtype bf16``."""
+
     def call():
         with torch.no_grad(), _autocast(device, dtype):
             return fn(x)
+
     return call
 
 
@@ -197,17 +241,20 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
 def describe_error(err: BaseException) -> str:
     """``Type: first line of the message``, and the same of its cause when it has one
     (fx's Interpreter re-raises a node's error as a bare RuntimeError)."""
+
     def one(e: BaseException) -> str:
         # KeyError's str() is the repr of its key: show the key itself.
         text = e.args[0] if isinstance(e, KeyError) and e.args and isinstance(e.args[0], str) else str(e)
         lines = text.strip().splitlines()
         return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
     cause = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
     return one(err) + (f" (caused by {one(cause)})" if cause is not None else "")
 
 
-def train(model: torch.nn.Module, entry: ModelEntry, mesh: tuple[int, int], batch: int, steps: int,
-          device: torch.device) -> list[float]:
+def train(
+    model: torch.nn.Module, entry: ModelEntry, mesh: tuple[int, int], batch: int, steps: int, device: torch.device
+) -> list[float]:
     """``steps`` Adam steps (lr 1e-3, gradient norm clipped to 1) on the relative L2 loss, fp32."""
     pool = min(1000, max(batch, steps * batch))
     coords, target = make_dataset(pool, TRAIN_SEED, mesh)
@@ -235,27 +282,64 @@ def train(model: torch.nn.Module, entry: ModelEntry, mesh: tuple[int, int], batc
 
 
 def _empty_cell(status: str = "not run", error: Optional[str] = None) -> dict[str, Any]:
-    return {"status": status, "error": error, "ms": None, "speedup": None, "first_call_s": None,
-            "rel_err_vs_eager": None, "test_loss": None}
+    return {
+        "status": status,
+        "error": error,
+        "ms": None,
+        "speedup": None,
+        "first_call_s": None,
+        "rel_err_vs_eager": None,
+        "test_loss": None,
+    }
 
 
-def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warmup: int, config: str,
-                compile_mode: str, no_compile: bool, train_steps: int, batch_size: Optional[int],
-                cache_dir: Path, fuse_options: Optional[dict] = None, fresh_first_calls: bool = False
-                ) -> dict[str, Any]:
+def bench_model(
+    name: str,
+    *,
+    device: torch.device,
+    dtype: str,
+    iters: int,
+    warmup: int,
+    config: str,
+    compile_mode: str,
+    no_compile: bool,
+    train_steps: int,
+    batch_size: Optional[int],
+    cache_dir: Path,
+    fuse_options: Optional[dict] = None,
+    fresh_first_calls: bool = False,
+) -> dict[str, Any]:
     """One row: every system on model ``name``; errors are recorded, not raised."""
     entry = MODELS[name]
     mesh = MESHES[config]
     batch = batch_size or entry.batch(config)
     row: dict[str, Any] = {
-        "model": name, "title": entry.title, "paper": entry.paper, "family": entry.family, "layout": entry.layout,
-        "config": config, "mesh": list(mesh), "batch": batch, "params": None, "train_steps": train_steps,
-        "train_losses": [], "systems": {s: _empty_cell() for s in SYSTEMS},
+        "model": name,
+        "title": entry.title,
+        "paper": entry.paper,
+        "family": entry.family,
+        "layout": entry.layout,
+        "config": config,
+        "mesh": list(mesh),
+        "batch": batch,
+        "params": None,
+        "train_steps": train_steps,
+        "train_losses": [],
+        "systems": {s: _empty_cell() for s in SYSTEMS},
     }
     autofuser_cell = row["systems"]["autofuser"]
-    autofuser_cell.update(first_call_cold_s=None, first_call_warm_s=None, fused_groups=None, skipped_groups=None,
-                          warm_cache_hits=None, warm_phases=None, unfused_nodes=None, opaque=None, report=None,
-                          report_text=None)
+    autofuser_cell.update(
+        first_call_cold_s=None,
+        first_call_warm_s=None,
+        fused_groups=None,
+        skipped_groups=None,
+        warm_cache_hits=None,
+        warm_phases=None,
+        unfused_nodes=None,
+        opaque=None,
+        report=None,
+        report_text=None,
+    )
     row["systems"]["torch.compile"]["mode"] = compile_mode
     if dtype not in entry.dtypes:
         for cell in row["systems"].values():
@@ -313,9 +397,13 @@ def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warm
         autofuser_cell["first_call_cold_s"] = autofuser_cell["first_call_s"] = seconds
         report = cold.report()
         autofuser_cell.update(
-            fused_groups=len(report.fused), skipped_groups=len(report.skipped),
-            unfused_nodes=len(report.unfused_nodes), opaque=dict(report.opaque),
-            report=json.loads(report.to_json()), report_text=str(report))
+            fused_groups=len(report.fused),
+            skipped_groups=len(report.skipped),
+            unfused_nodes=len(report.unfused_nodes),
+            opaque=dict(report.opaque),
+            report=json.loads(report.to_json()),
+            report_text=str(report),
+        )
         del cold
         _release(device)  # the cold module's buffers and CUDA graph pool
         progress(f"{name}: AutoFuser, warm cache")
@@ -357,8 +445,15 @@ def bench_model(name: str, *, device: torch.device, dtype: str, iters: int, warm
         for system in ("autofuser",) + (() if no_compile else ("torch.compile",)):
             progress(f"{name}: {system} first call in a fresh process")
             answer = measure_in_fresh_process(
-                name, system, device=str(device), dtype=dtype, config=config, batch=batch, compile_mode=compile_mode,
-                tune_budget=(fuse_options or {}).get("tune_budget_s"))
+                name,
+                system,
+                device=str(device),
+                dtype=dtype,
+                config=config,
+                batch=batch,
+                compile_mode=compile_mode,
+                tune_budget=(fuse_options or {}).get("tune_budget_s"),
+            )
             row["systems"][system]["first_call_fresh_s"] = answer.get("first_call_s")
             row["systems"][system]["first_call_fresh_error"] = answer.get("error")
             if answer.get("error"):
@@ -389,11 +484,23 @@ def geometric_mean(values: list[float]) -> Optional[float]:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
-def run_bench(names: list[str], *, device: torch.device, dtype: str = "fp32", iters: int = 100, warmup: int = 10,
-              out: Path = Path("bench-results"), config: str = "airfoil", compile_mode: str = "default",
-              no_compile: bool = False, train_steps: int = 0, batch_size: Optional[int] = None,
-              cache_root: Optional[Path] = None, fuse_options: Optional[dict] = None,
-              fresh_first_calls: bool = False) -> dict[str, Any]:
+def run_bench(
+    names: list[str],
+    *,
+    device: torch.device,
+    dtype: str = "fp32",
+    iters: int = 100,
+    warmup: int = 10,
+    out: Path = Path("bench-results"),
+    config: str = "airfoil",
+    compile_mode: str = "default",
+    no_compile: bool = False,
+    train_steps: int = 0,
+    batch_size: Optional[int] = None,
+    cache_root: Optional[Path] = None,
+    fuse_options: Optional[dict] = None,
+    fresh_first_calls: bool = False,
+) -> dict[str, Any]:
     """Benchmark ``names``; write bench.json, bench.md, bench.png to ``out``; return the JSON data
     (plus the table under ``"markdown"``)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -406,10 +513,23 @@ def run_bench(names: list[str], *, device: torch.device, dtype: str = "fp32", it
     rows = []
     for index, name in enumerate(names, 1):
         progress(f"[{index}/{len(names)}] {name} ({config}, {dtype}, {device})")
-        rows.append(bench_model(name, device=device, dtype=dtype, iters=iters, warmup=warmup, config=config,
-                                compile_mode=compile_mode, no_compile=no_compile, train_steps=train_steps,
-                                batch_size=batch_size, cache_dir=cache_root / name, fuse_options=fuse_options,
-                                fresh_first_calls=fresh_first_calls))
+        rows.append(
+            bench_model(
+                name,
+                device=device,
+                dtype=dtype,
+                iters=iters,
+                warmup=warmup,
+                config=config,
+                compile_mode=compile_mode,
+                no_compile=no_compile,
+                train_steps=train_steps,
+                batch_size=batch_size,
+                cache_dir=cache_root / name,
+                fuse_options=fuse_options,
+                fresh_first_calls=fresh_first_calls,
+            )
+        )
     import triton
 
     result: dict[str, Any] = {
@@ -423,13 +543,24 @@ def run_bench(names: list[str], *, device: torch.device, dtype: str = "fp32", it
         "autofuser": autofuser.__version__,
         "python": platform.python_version(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
-        "settings": {"models": names, "dtype": dtype, "iters": iters, "warmup": warmup, "config": config,
-                     "compile_mode": compile_mode, "no_compile": no_compile, "train_steps": train_steps,
-                     "batch_size": batch_size, "fresh_first_calls": fresh_first_calls,
-                     "timing": "CUDA events, median" if device.type == "cuda" else "time.perf_counter, median"},
+        "settings": {
+            "models": names,
+            "dtype": dtype,
+            "iters": iters,
+            "warmup": warmup,
+            "config": config,
+            "compile_mode": compile_mode,
+            "no_compile": no_compile,
+            "train_steps": train_steps,
+            "batch_size": batch_size,
+            "fresh_first_calls": fresh_first_calls,
+            "timing": "CUDA events, median" if device.type == "cuda" else "time.perf_counter, median",
+        },
         "rows": rows,
-        "geomean_speedup": {s: geometric_mean([r["systems"][s]["speedup"] for r in rows
-                                               if r["systems"][s]["status"] == "ok"]) for s in SYSTEMS[1:]},
+        "geomean_speedup": {
+            s: geometric_mean([r["systems"][s]["speedup"] for r in rows if r["systems"][s]["status"] == "ok"])
+            for s in SYSTEMS[1:]
+        },
         "wall_s": time.perf_counter() - started,
     }
     result["plot"] = write_plot(result, out / "bench.png")
@@ -445,10 +576,26 @@ def run_bench(names: list[str], *, device: torch.device, dtype: str = "fp32", it
 # Reporting
 # ---------------------------------------------------------------------------
 
-COLUMNS = ["model", "params", "batch", "eager ms", "torch.compile ms", "torch.compile speedup", "AutoFuser ms",
-           "AutoFuser speedup", "torch.compile first call s", "AutoFuser first call s (cold)",
-           "AutoFuser first call s (warm)", "torch.compile rel err", "AutoFuser rel err", "test loss eager",
-           "test loss torch.compile", "test loss AutoFuser", "fused groups", "skipped groups"]
+COLUMNS = [
+    "model",
+    "params",
+    "batch",
+    "eager ms",
+    "torch.compile ms",
+    "torch.compile speedup",
+    "AutoFuser ms",
+    "AutoFuser speedup",
+    "torch.compile first call s",
+    "AutoFuser first call s (cold)",
+    "AutoFuser first call s (warm)",
+    "torch.compile rel err",
+    "AutoFuser rel err",
+    "test loss eager",
+    "test loss torch.compile",
+    "test loss AutoFuser",
+    "fused groups",
+    "skipped groups",
+]
 
 
 def _cell(cell: dict[str, Any], key: str, fmt: str) -> str:
@@ -485,13 +632,22 @@ def render_markdown(result: dict[str, Any]) -> str:
     for row in result["rows"]:
         eager, compiled, fused = (row["systems"][s] for s in SYSTEMS)
         cells = [
-            row["model"], _params(row["params"]), str(row["batch"]),
-            _cell(eager, "ms", ".3f"), _cell(compiled, "ms", ".3f"), _cell(compiled, "speedup", ".2f"),
-            _cell(fused, "ms", ".3f"), _cell(fused, "speedup", ".2f"),
-            _cell(compiled, "first_call_s", ".2f"), _cell(fused, "first_call_cold_s", ".2f"),
+            row["model"],
+            _params(row["params"]),
+            str(row["batch"]),
+            _cell(eager, "ms", ".3f"),
+            _cell(compiled, "ms", ".3f"),
+            _cell(compiled, "speedup", ".2f"),
+            _cell(fused, "ms", ".3f"),
+            _cell(fused, "speedup", ".2f"),
+            _cell(compiled, "first_call_s", ".2f"),
+            _cell(fused, "first_call_cold_s", ".2f"),
             _cell(fused, "first_call_warm_s", ".2f"),
-            _cell(compiled, "rel_err_vs_eager", ".1e"), _cell(fused, "rel_err_vs_eager", ".1e"),
-            _cell(eager, "test_loss", ".4f"), _cell(compiled, "test_loss", ".4f"), _cell(fused, "test_loss", ".4f"),
+            _cell(compiled, "rel_err_vs_eager", ".1e"),
+            _cell(fused, "rel_err_vs_eager", ".1e"),
+            _cell(eager, "test_loss", ".4f"),
+            _cell(compiled, "test_loss", ".4f"),
+            _cell(fused, "test_loss", ".4f"),
             "-" if fused["fused_groups"] is None else str(fused["fused_groups"]),
             "-" if fused["skipped_groups"] is None else str(fused["skipped_groups"]),
         ]
@@ -505,14 +661,22 @@ def render_markdown(result: dict[str, Any]) -> str:
     geomean = result["geomean_speedup"]
     blank = [""] * len(COLUMNS)
     blank[0] = "geometric mean"
-    blank[COLUMNS.index("torch.compile speedup")] = (f"{geomean['torch.compile']:.2f}" if geomean["torch.compile"]
-                                                     else (NO_COMPILE if settings["no_compile"] else "-"))
+    blank[COLUMNS.index("torch.compile speedup")] = (
+        f"{geomean['torch.compile']:.2f}"
+        if geomean["torch.compile"]
+        else (NO_COMPILE if settings["no_compile"] else "-")
+    )
     blank[COLUMNS.index("AutoFuser speedup")] = f"{geomean['autofuser']:.2f}" if geomean["autofuser"] else "-"
     lines.append("| " + " | ".join(blank) + " |")
     if settings.get("fresh_first_calls"):
-        lines += ["", "First calls in fresh processes, each with empty AutoFuser, Triton and Inductor caches "
-                  "(--fresh-first-calls), seconds:", "",
-                  "| model | torch.compile first call | AutoFuser first call (cold) |", "|---|---|---|"]
+        lines += [
+            "",
+            "First calls in fresh processes, each with empty AutoFuser, Triton and Inductor caches "
+            "(--fresh-first-calls), seconds:",
+            "",
+            "| model | torch.compile first call | AutoFuser first call (cold) |",
+            "|---|---|---|",
+        ]
         for row in result["rows"]:
             fresh = []
             for system in ("torch.compile", "autofuser"):
@@ -527,8 +691,10 @@ def render_markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {row['model']} | {fresh[0]} | {fresh[1]} |")
     if errors:
         lines += ["", "Errors (type: message; tracebacks in bench.json):", *errors]
-    lines += ["", "bench.png: speedups over eager." if result["plot"] == "bench.png"
-              else f"bench.png: {result['plot']}"]
+    lines += [
+        "",
+        "bench.png: speedups over eager." if result["plot"] == "bench.png" else f"bench.png: {result['plot']}",
+    ]
     return "\n".join(lines)
 
 
@@ -552,8 +718,14 @@ def write_plot(result: dict[str, Any], path: Path) -> str:
         for bar, row in zip(bars, rows):
             cell = row["systems"][system]
             if cell["status"] != "ok":
-                ax.annotate("skipped" if cell["status"] == "skipped" else "error", (bar.get_x() + width / 2, 0.02),
-                            ha="center", va="bottom", rotation=90, fontsize=7)
+                ax.annotate(
+                    "skipped" if cell["status"] == "skipped" else "error",
+                    (bar.get_x() + width / 2, 0.02),
+                    ha="center",
+                    va="bottom",
+                    rotation=90,
+                    fontsize=7,
+                )
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(rows)), names, rotation=20)
     ax.set_ylabel("speedup over eager")

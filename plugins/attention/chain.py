@@ -20,8 +20,13 @@ import hashlib
 
 import torch
 
-POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.bool: "*i1",
-                 torch.int32: "*i32"}
+POINTER_TYPES = {
+    torch.float32: "*fp32",
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.bool: "*i1",
+    torch.int32: "*i32",
+}
 
 
 def jit_function(name: str, params: list[str], blocks: list[str], lines: list[str]) -> str:
@@ -33,8 +38,10 @@ def chain_stages(names: list[str], sources, types: dict[str, str]) -> tuple[list
     """A chain's ``@triton.jit`` functions and its stage descriptions (for ``chain_module``):
     ``sources`` is one ``(params, blocks, lines)`` per stage, ``types`` each pointer argument's type."""
     functions = [jit_function(n, params, blocks, lines) for n, (params, blocks, lines) in zip(names, sources)]
-    stages = [{"name": n, "pointers": {p: types[p] for p in params}, "constexprs": {b: b for b in blocks}}
-              for n, (params, blocks, _) in zip(names, sources)]
+    stages = [
+        {"name": n, "pointers": {p: types[p] for p in params}, "constexprs": {b: b for b in blocks}}
+        for n, (params, blocks, _) in zip(names, sources)
+    ]
     return functions, stages
 
 
@@ -48,9 +55,17 @@ def digest(*parts: str) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:10]
 
 
-def chain_module(header: str, helper_text: str, functions: list[str], entry: str, launch_lines: list[str],
-                 signature: str, stages: list[dict], derived: dict[str, str] = None,
-                 tensor_names: tuple[str, ...] = ()) -> str:
+def chain_module(
+    header: str,
+    helper_text: str,
+    functions: list[str],
+    entry: str,
+    launch_lines: list[str],
+    signature: str,
+    stages: list[dict],
+    derived: dict[str, str] = None,
+    tensor_names: tuple[str, ...] = (),
+) -> str:
     """The module text: the kernels, then the launcher ``entry``.
 
     ``launch_lines`` is the body of ``launch(self, <signature>)``; ``stages``
@@ -70,16 +85,19 @@ def chain_module(header: str, helper_text: str, functions: list[str], entry: str
         + "\n\n".join(functions)
         + "\n\nclass _Chain:\n"
         + f'    """Launches the chain {", ".join(s["name"] for s in stages)}; '
-          f'indexed like a kernel, the grid unused."""\n\n'
+        f'indexed like a kernel, the grid unused."""\n\n'
         + "    def __getitem__(self, grid):\n        return self.launch\n\n"
         + f"    def launch(self, {signature}):\n{body}\n\n"
         + "    def stages(self, config):\n"
-        + "        config = dict(config)\n" + derive
+        + "        config = dict(config)\n"
+        + derive
         + f"        stages = {stages!r}\n"
         + "        return [dict(s, constexprs={k: config[v] for k, v in s['constexprs'].items()}) for s in stages]\n\n"
         + "    def warmup(self, *dtypes, grid, **config):\n"
         + '        """Compile every stage without launching it (``autofuser_core.precompile``)."""\n'
-        + "        names = " + repr(tensor_names) + "\n"
+        + "        names = "
+        + repr(tensor_names)
+        + "\n"
         + "        given = dict(zip(names, dtypes))\n"
         + "        for stage in self.stages(config):\n"
         + "            fn = globals()[stage['name']]\n"

@@ -93,8 +93,9 @@ class _Writer:
         self.count += 1
         return f"t{self.count}"
 
-    def tile_load(self, op: Operand, base: str, rows: str, cols: str, masks: tuple, cast: str,
-                  full: bool = False) -> str:
+    def tile_load(
+        self, op: Operand, base: str, rows: str, cols: str, masks: tuple, cast: str, full: bool = False
+    ) -> str:
         """``tl.load`` of ``op`` at ``rows`` x ``cols``, masked along the axes it walks. ``full``:
         the tile has both axes even where the tensor broadcasts (``tl.dot`` operands)."""
         terms, used = [], []
@@ -147,8 +148,12 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
     w = _Writer()
     w.modes = pass_modes(L)
     block_d, block_dv = dot_block(L.d), dot_block(L.dv)
-    extents = [L.q.extent(L.batch, L.n, L.d), L.k.extent(L.batch, L.m, L.d), L.v.extent(L.batch, L.m, L.dv),
-               L.out.extent(L.batch, L.n, L.dv)]
+    extents = [
+        L.q.extent(L.batch, L.n, L.d),
+        L.k.extent(L.batch, L.m, L.d),
+        L.v.extent(L.batch, L.m, L.dv),
+        L.out.extent(L.batch, L.n, L.dv),
+    ]
     if any(w.modes.values()):
         extents.append(L.batch_numel * max(L.n, L.m) * max(block_d, block_dv))  # the passes' copies
     extents += [op.extent(L.batch, L.n, L.m) for op in ([L.mask] if L.mask else []) + list(L.tiles.values())]
@@ -217,8 +222,9 @@ def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, s
         w.emit("out = tl.where(l_i == 0, 0.0, acc / l_i)  # all keys masked: 0, as torch gives (NaN stays NaN)")
     else:
         w.emit("out = acc / l_i  # a row whose scores are all -inf gives NaN, as eager's softmax does")
-    out_off = " + ".join([index_term("rows", L.out.row_stride) or "rows * 0",
-                          index_term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
+    out_off = " + ".join(
+        [index_term("rows", L.out.row_stride) or "rows * 0", index_term("dv_cols", L.out.col_stride) or "dv_cols * 0"]
+    )
     out_mask = _all([m for m in ("row_mask", dv_mask) if m])
     w.emit(f"tl.store(out_base + {out_off}, {stored('out', L.out.dtype, TL_DTYPES[L.out.dtype])}, mask={out_mask})")
     if any(w.modes.values()):
@@ -257,8 +263,11 @@ def _load_v(w: _Writer, L: AttentionLayout, dv_mask) -> None:
         v_tile = w.tile_load(L.v, "v_base", "key_rows", "dv_cols", (f"key_rows < {L.m}", dv_mask), v_cast, full=True)
         w.emit(f"v = {v_tile}", 2)
     else:  # the copy made by the pass: contiguous, and 0 past the head width
-        w.emit(f"v = tl.load(va_base + key_rows * BLOCK_DV + dv_cols, mask=key_rows < {L.m}, other=0)"
-               f"{load_cast(L.pv_dtype, L.pv_dtype)}", 2)
+        w.emit(
+            f"v = tl.load(va_base + key_rows * BLOCK_DV + dv_cols, mask=key_rows < {L.m}, other=0)"
+            f"{load_cast(L.pv_dtype, L.pv_dtype)}",
+            2,
+        )
 
 
 def _split_pv(w: _Writer, L: AttentionLayout) -> str:
@@ -270,11 +279,14 @@ def _split_pv(w: _Writer, L: AttentionLayout) -> str:
     w.emit("v_unscale = tl.load(vf_base + keys, mask=key_mask, other=0)", 2)
     w.emit("pf = p * v_unscale  # each key's weight times its unscale factor: powers of two, exact", 2)
     w.emit("g = tl.max(pf, axis=1)[:, None]", 2)
-    w.emit("g = (g.to(tl.uint32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)"
-           "  # the power of two at or below it", 2)
+    w.emit(
+        "g = (g.to(tl.uint32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)"
+        "  # the power of two at or below it",
+        2,
+    )
     w.emit("g = tl.where(g > 0, g, 1.0)  # a row with no weight here (masked keys, subnormal g)", 2)
     w.emit("g_inv = ((254 << 23) - g.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 1 / g, exact", 2)
-    w.emit(f"pp = (pf * g_inv) * {float(2 ** SPLIT_EXPONENT)!r}  # below 2^{SPLIT_EXPONENT + 1}", 2)
+    w.emit(f"pp = (pf * g_inv) * {float(2**SPLIT_EXPONENT)!r}  # below 2^{SPLIT_EXPONENT + 1}", 2)
     for line in split_lines("pp", "p", finite=True):
         w.emit(line, 2)
     w.emit(f"v_hi = tl.load(va_base + key_rows * BLOCK_DV + dv_cols, mask=key_rows < {L.m}, other=0)", 2)
@@ -282,7 +294,7 @@ def _split_pv(w: _Writer, L: AttentionLayout) -> str:
     w.emit("pv = tl.dot(p_lo, v_hi)  # p @ v in three fp16 products, the small ones first", 2)
     w.emit("pv = tl.dot(p_hi, v_lo, pv)", 2)
     w.emit("pv = tl.dot(p_hi, v_hi, pv)", 2)
-    return f"pv * (g * {2.0 ** -SPLIT_EXPONENT!r})"
+    return f"pv * (g * {2.0**-SPLIT_EXPONENT!r})"
 
 
 def _fourier_loop(w: _Writer, L: AttentionLayout, dr_mask, dv_mask) -> None:
@@ -311,7 +323,7 @@ def _softmax_loop(w: _Writer, L: AttentionLayout, dr_mask, dv_mask) -> None:
             mask_cast = "" if L.mask.dtype == torch.bool else ".to(tl.float32)"
             w.emit(f"mask = {w.tile_load(L.mask, 'mask_base', 'rows', 'keys', ('row_mask', 'key_mask'), mask_cast)}", 2)
             if L.mask.dtype == torch.bool:
-                w.emit(f'''s = tl.where(mask, s * {L.scale * LOG2E!r}, float("-inf"))  # scale, bool mask, base 2''', 2)
+                w.emit(f"""s = tl.where(mask, s * {L.scale * LOG2E!r}, float("-inf"))  # scale, bool mask, base 2""", 2)
             else:
                 w.emit(f"s = (s * {L.scale!r} + mask) * {LOG2E!r}  # scale, additive mask, base 2", 2)
     else:
@@ -320,8 +332,11 @@ def _softmax_loop(w: _Writer, L: AttentionLayout, dr_mask, dv_mask) -> None:
         w.steps(L.score_steps, "s", L.tiles, 2)
         w.emit(f"s = s * {LOG2E!r}  # base 2 for exp2", 2)
     keep = "key_mask & (keys <= rows)" if L.causal else "key_mask"
-    w.emit(f'''s = tl.where({keep}, s, float("-inf"))  # keys past M'''
-           f'''{" or after the query" if L.causal else ""} weigh nothing''', 2)
+    w.emit(
+        f"""s = tl.where({keep}, s, float("-inf"))  # keys past M"""
+        f"""{" or after the query" if L.causal else ""} weigh nothing""",
+        2,
+    )
     w.emit("m_new = tl.maximum(m_i, tl.max(s, axis=1)[:, None])", 2)
     w.emit('m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2(-inf) = 0, not NaN', 2)
     w.emit("alpha = tl.exp2(m_i - m_safe)  # rescales what was summed under the old max", 2)
@@ -351,21 +366,25 @@ def _finish(program, strategy, helpers, w: _Writer, L: AttentionLayout, block_d:
     def grid(config, n=L.n, batch=L.batch_numel):
         return (triton_cdiv(n, config["BLOCK_M"]), batch)
 
-    return KernelSource(name=name, source=source, layout="attention", grid=grid,
-                        constexprs={"BLOCK_D": block_d, "BLOCK_DV": block_dv})
+    return KernelSource(
+        name=name, source=source, layout="attention", grid=grid, constexprs={"BLOCK_D": block_d, "BLOCK_DV": block_dv}
+    )
 
 
-def _finish_chain(program, strategy, helpers, w: _Writer, L: AttentionLayout, block_d: int, block_dv: int,
-                  cast64: str) -> KernelSource:
+def _finish_chain(
+    program, strategy, helpers, w: _Writer, L: AttentionLayout, block_d: int, block_dv: int, cast64: str
+) -> KernelSource:
     """The kernel after passes over q, k and/or v (``prepass.py``): a chain of the passes (k's
     split takes two: its exponent first) and the attention kernel."""
     inputs = [f"in{k}" for k in range(len(program.inputs))]
     types = {name: POINTER_TYPES[t.dtype] for name, t in zip(inputs, program.inputs)}
     types["out0"] = POINTER_TYPES[L.out.dtype]
     sources, scratch, allocs, passes = [], [], [], []
-    for name, op, rows, width, block, operand in (("q", L.q, L.n, L.d, block_d, L.qk_dtype),
-                                                  ("k", L.k, L.m, L.d, block_d, L.qk_dtype),
-                                                  ("v", L.v, L.m, L.dv, block_dv, L.pv_dtype)):
+    for name, op, rows, width, block, operand in (
+        ("q", L.q, L.n, L.d, block_d, L.qk_dtype),
+        ("k", L.k, L.m, L.d, block_d, L.qk_dtype),
+        ("v", L.v, L.m, L.dv, block_dv, L.pv_dtype),
+    ):
         mode = w.modes[name]
         if mode is None:
             continue
@@ -408,20 +427,31 @@ def _finish_chain(program, strategy, helpers, w: _Writer, L: AttentionLayout, bl
     for stage, (_, rows, width_key, parts, index) in zip(stages, passes):
         stage["constexprs"] = {"BLOCK_R": "PASS_ROWS", "BLOCK_W": width_key}
         # num_stages as warmup compiled them (no loop in a pass: only Triton's cache key sees it)
-        launch.append(f"{stage['name']}[(triton.cdiv({rows}, {PASS_ROWS}), {L.batch_numel})](in{index}, "
-                      f"{', '.join(parts)}, BLOCK_R={PASS_ROWS}, BLOCK_W={width_key}, num_warps=num_warps, "
-                      "num_stages=num_stages)")
-    launch.append(f"{stage_names[-1]}[(triton.cdiv({L.n}, BLOCK_M), {L.batch_numel})]({', '.join(params)}, "
-                  "BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=num_warps, "
-                  "num_stages=num_stages)")
-    signature = ", ".join(inputs + ["out0", "*", "BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV", "num_warps=4",
-                                    "num_stages=2"])
+        launch.append(
+            f"{stage['name']}[(triton.cdiv({rows}, {PASS_ROWS}), {L.batch_numel})](in{index}, "
+            f"{', '.join(parts)}, BLOCK_R={PASS_ROWS}, BLOCK_W={width_key}, num_warps=num_warps, "
+            "num_stages=num_stages)"
+        )
+    launch.append(
+        f"{stage_names[-1]}[(triton.cdiv({L.n}, BLOCK_M), {L.batch_numel})]({', '.join(params)}, "
+        "BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=num_warps, "
+        "num_stages=num_stages)"
+    )
+    signature = ", ".join(
+        inputs + ["out0", "*", "BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV", "num_warps=4", "num_stages=2"]
+    )
     passes_text = ", ".join(f"{m} pass over {n}" for n, m in w.modes.items() if m)
     header = kernel_header(program, f"{strategy} strategy, online softmax after a {passes_text}", _sizes(L))
-    source = chain_module(header, helper_text, functions, name, launch, signature, stages, derived,
-                          tuple(inputs + ["out0"]))
-    return KernelSource(name=name, source=source, layout="attention_chain", grid=lambda config: (1,),
-                        constexprs={"BLOCK_D": block_d, "BLOCK_DV": block_dv})
+    source = chain_module(
+        header, helper_text, functions, name, launch, signature, stages, derived, tuple(inputs + ["out0"])
+    )
+    return KernelSource(
+        name=name,
+        source=source,
+        layout="attention_chain",
+        grid=lambda config: (1,),
+        constexprs={"BLOCK_D": block_d, "BLOCK_DV": block_dv},
+    )
 
 
 def _dtype(dtype) -> str:
@@ -435,9 +465,11 @@ def kernel_header(program, title: str, sizes: str) -> str:
 
 def _sizes(L: AttentionLayout) -> str:
     fp32 = "3xFP16 (fp16 parts of scaled rows)" if pass_modes(L)["k"] == "split" else L.precision
-    return (f"batch {list(L.batch)}, {L.n} queries, {L.m} keys, head widths {L.d} -> {L.dv}; operands of "
-            f"q @ k^T {_dtype(L.qk_dtype)}, of p @ v {_dtype(L.pv_dtype)}"
-            + (f", fp32 products {fp32}" if None in (L.qk_dtype, L.pv_dtype) else ""))
+    return (
+        f"batch {list(L.batch)}, {L.n} queries, {L.m} keys, head widths {L.d} -> {L.dv}; operands of "
+        f"q @ k^T {_dtype(L.qk_dtype)}, of p @ v {_dtype(L.pv_dtype)}"
+        + (f", fp32 products {fp32}" if None in (L.qk_dtype, L.pv_dtype) else "")
+    )
 
 
 def _header(program, strategy: str) -> str:

@@ -180,8 +180,13 @@ def _through_transpose(view, source: torch.fx.Node, dims, user: torch.fx.Node):
     """``(x, (-2, -1), [view])`` when ``source`` is ``x.transpose(-2, -1)`` used only by
     ``user`` (lowered as an extern view, so it can join the chain), else as given."""
     value = view.lowered.get(source)
-    if (dims == (-1, -2) and value is not None and value.op == "extern" and _is_transposed_view(source)
-            and set(source.users) == {user}):
+    if (
+        dims == (-1, -2)
+        and value is not None
+        and value.op == "extern"
+        and _is_transposed_view(source)
+        and set(source.users) == {user}
+    ):
         return source.args[0], (-2, -1), [source]
     return source, dims, []
 
@@ -216,8 +221,11 @@ def _is_transposed_view(node: torch.fx.Node) -> bool:
     if meta is None or len(meta.shape) < 2:
         return False
     rank = len(meta.shape)
-    if node.op == "call_method" and node.target in ("transpose", "swapaxes") or (
-            node.op == "call_function" and node.target in (torch.transpose, torch.swapaxes)):
+    if (
+        node.op == "call_method"
+        and node.target in ("transpose", "swapaxes")
+        or (node.op == "call_function" and node.target in (torch.transpose, torch.swapaxes))
+    ):
         dims = sorted(d % rank for d in node.args[1:3] if isinstance(d, int))
         return dims == [rank - 2, rank - 1]
     if node.op == "call_function" and node.target is getattr and node.args[1:] == ("mT",):
@@ -248,7 +256,8 @@ def softmax_like(node: torch.fx.Node) -> bool:
     from .match import SOFTMAX_FUNCTIONS
 
     return (node.op == "call_method" and node.target in ("softmax", "log_softmax")) or (
-        node.op == "call_function" and node.target in SOFTMAX_FUNCTIONS)
+        node.op == "call_function" and node.target in SOFTMAX_FUNCTIONS
+    )
 
 
 def find_linear_attention(view) -> list[list[torch.fx.Node]]:
@@ -275,9 +284,11 @@ def check_private(nodes: list[torch.fx.Node], last: torch.fx.Node, what: str) ->
             continue
         outside = [u.name for u in node.users if u not in members]
         if outside:
-            raise GroupRefused("intermediate_used_elsewhere",
-                               f"{node.name} ({what}) is also used by {', '.join(outside)}: it has to be written "
-                               "for it, so this chain stays as ordinary groups")
+            raise GroupRefused(
+                "intermediate_used_elsewhere",
+                f"{node.name} ({what}) is also used by {', '.join(outside)}: it has to be written "
+                "for it, so this chain stays as ordinary groups",
+            )
 
 
 def _with_norm_params(view, base, nodes) -> dict:
@@ -303,8 +314,13 @@ def _row_norm(view, node: Optional[torch.fx.Node], width: int, index: dict) -> O
             meta = attr_tensor(view.gm, param.path) if isinstance(param, AttrRef) else tensor_meta(param)
             if tuple(meta.shape) != (width,) or meta.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 raise GroupRefused("unsupported_argument", f"{node.name}'s {what} is not a float vector of {width}")
-    return RowNorm(node, eps, tensor_meta(node).dtype, None if weight is None else index[weight],
-                   None if bias is None else index[bias])
+    return RowNorm(
+        node,
+        eps,
+        tensor_meta(node).dtype,
+        None if weight is None else index[weight],
+        None if bias is None else index[bias],
+    )
 
 
 def compose_linear_attention(view, nodes: list[torch.fx.Node]) -> AttentionProgram:
@@ -333,8 +349,22 @@ def compose_linear_attention(view, nodes: list[torch.fx.Node]) -> AttentionProgr
     return program
 
 
-def _linear_layout(view, form, q_node, k_node, k_dims, v_node, v_dims, context, output, ctx_steps, out_steps,
-                   index, k_norm=None, v_norm=None) -> LinearAttentionLayout:
+def _linear_layout(
+    view,
+    form,
+    q_node,
+    k_node,
+    k_dims,
+    v_node,
+    v_dims,
+    context,
+    output,
+    ctx_steps,
+    out_steps,
+    index,
+    k_norm=None,
+    v_norm=None,
+) -> LinearAttentionLayout:
     out_meta, ctx_meta = tensor_meta(out_steps[-1] if out_steps else output), tensor_meta(context)
     batch = tuple(out_meta.shape[:-2])
     n, dv = out_meta.shape[-2:]
@@ -347,16 +377,26 @@ def _linear_layout(view, form, q_node, k_node, k_dims, v_node, v_dims, context, 
             raise GroupRefused("not_attention", f"{what} ({node.name}) is computed inside the chain")
         _operand_dtype(tensor_meta(node).dtype, what)
     if tuple(ctx_meta.shape[:-2]) != batch:
-        raise GroupRefused("broadcast_batch", f"the context's batch dims {list(ctx_meta.shape[:-2])} differ from "
-                                              f"the output's {list(batch)}")
+        raise GroupRefused(
+            "broadcast_batch",
+            f"the context's batch dims {list(ctx_meta.shape[:-2])} differ from the output's {list(batch)}",
+        )
     layout = LinearAttentionLayout(
-        form=form, batch=batch, n=n, m=m, d=d, dv=dv,
+        form=form,
+        batch=batch,
+        n=n,
+        m=m,
+        d=d,
+        dv=dv,
         q=_operand("q", tensor_meta(q_node), index[q_node], batch, -2, -1, n, d),
         k=_operand("k", k_meta, index[k_node], batch, *k_dims, m, d),
         v=_operand("v", tensor_meta(v_node), index[v_node], batch, *v_dims, m, dv),
         out=_operand("output", out_meta, 0, batch, -2, -1, n, dv),
-        ctx_dtype=ctx_meta.dtype, out_dtype=tensor_meta(output).dtype, precision=fp32_precision(),
-        k_norm=k_norm, v_norm=v_norm,
+        ctx_dtype=ctx_meta.dtype,
+        out_dtype=tensor_meta(output).dtype,
+        precision=fp32_precision(),
+        k_norm=k_norm,
+        v_norm=v_norm,
     )
     for dtype, what in ((layout.ctx_dtype, "the context product"), (layout.out_dtype, "the output product")):
         _operand_dtype(dtype, what)
@@ -369,7 +409,7 @@ def _read_galerkin(view, nodes, output, index):
     check_private(nodes, nodes[-1], "an intermediate of the linear attention")
     dot = product(view, output)
     ctx_steps, context = _constant_steps_back(view, dot.args[1].source)
-    out_steps = nodes[nodes.index(output) + 1:]
+    out_steps = nodes[nodes.index(output) + 1 :]
     k, k_dims, v, v_dims = _context(view, context)
     norms = {}
     for name, source, dims in (("k", k, k_dims), ("v", v, v_dims)):
@@ -381,13 +421,28 @@ def _read_galerkin(view, nodes, output, index):
             norms[name] = _row_norm(view, source, width, index)
             source = layer_norm_of(view, source, width)[0]
         norms[name + "_node"] = source
-    layout = _linear_layout(view, "galerkin", dot.args[0].source, norms["k_node"], norms["k_dims"], norms["v_node"],
-                            norms["v_dims"],
-                            context, output, ctx_steps, out_steps, index, norms.get("k"), norms.get("v"))
+    layout = _linear_layout(
+        view,
+        "galerkin",
+        dot.args[0].source,
+        norms["k_node"],
+        norms["k_dims"],
+        norms["v_node"],
+        norms["v_dims"],
+        context,
+        output,
+        ctx_steps,
+        out_steps,
+        index,
+        norms.get("k"),
+        norms.get("v"),
+    )
     fused = [f"layer norm on {w}" for w in ("k", "v") if norms.get(w)]
-    summary = (f"form galerkin: q @ (k^T @ v){' with ' + ' and '.join(fused) if fused else ''} as a chain of three "
-               f"kernels (k^T @ v summed over {layout.m} points in splits, then applied to {layout.n} queries), "
-               f"head width {layout.d}; linear in the points")
+    summary = (
+        f"form galerkin: q @ (k^T @ v){' with ' + ' and '.join(fused) if fused else ''} as a chain of three "
+        f"kernels (k^T @ v summed over {layout.m} points in splits, then applied to {layout.n} queries), "
+        f"head width {layout.d}; linear in the points"
+    )
     return layout, summary
 
 
@@ -398,7 +453,7 @@ def _read_fourier(view, nodes, output, index):
     pv = product(view, output)
     back = _back_to_product(view, pv.args[0].source, MAX_SCORE_STEPS)
     scores, steps = back[0], back[1:]
-    out_steps = nodes[nodes.index(output) + 1:]
+    out_steps = nodes[nodes.index(output) + 1 :]
     qk = product(view, scores)
     k_node = qk.args[1].source
     options = getattr(view, "options", None)
@@ -407,17 +462,36 @@ def _read_fourier(view, nodes, output, index):
     if reassociate and scaling:
         k_dims = (-2, -1) if qk.transpose_b else (-1, -2)
         v_dims = (-1, -2) if pv.transpose_b else (-2, -1)
-        layout = _linear_layout(view, "fourier", qk.args[0].source, k_node, k_dims, pv.args[1].source, v_dims,
-                                scores, output, steps, out_steps, index)
+        layout = _linear_layout(
+            view,
+            "fourier",
+            qk.args[0].source,
+            k_node,
+            k_dims,
+            pv.args[1].source,
+            v_dims,
+            scores,
+            output,
+            steps,
+            out_steps,
+            index,
+        )
         layout.ctx_dtype = tensor_meta(scores).dtype
-        summary = (f"form fourier: (q @ k^T) @ v reassociated as q @ (k^T @ v) (reassociate_products=True) as a "
-                   f"chain of three kernels over {layout.m} points, head width {layout.d}; linear in the points")
+        summary = (
+            f"form fourier: (q @ k^T) @ v reassociated as q @ (k^T @ v) (reassociate_products=True) as a "
+            f"chain of three kernels over {layout.m} points, head width {layout.d}; linear in the points"
+        )
         return layout, summary
     layout = _fourier_as_written(view, scores, steps, output, out_steps, index)
-    why = ("reassociate_products=True would make it linear" if scaling else
-           "its score steps are not all scalings by constants, so it can't be reassociated")
-    summary = (f"form fourier: (q @ k^T) @ v as written, one kernel over {layout.n} queries x {layout.m} keys "
-               f"per head, head width {layout.d}; the scores never reach memory ({why})")
+    why = (
+        "reassociate_products=True would make it linear"
+        if scaling
+        else "its score steps are not all scalings by constants, so it can't be reassociated"
+    )
+    summary = (
+        f"form fourier: (q @ k^T) @ v as written, one kernel over {layout.n} queries x {layout.m} keys "
+        f"per head, head width {layout.d}; the scores never reach memory ({why})"
+    )
     return layout, summary
 
 
@@ -428,8 +502,10 @@ def _fourier_as_written(view, scores, steps, output, out_steps, index) -> Attent
     batch = tuple(out_meta.shape[:-2])
     n, m = scores_meta.shape[-2:]
     if tuple(scores_meta.shape[:-2]) != batch:
-        raise GroupRefused("broadcast_batch", f"the scores' batch dims {list(scores_meta.shape[:-2])} differ from "
-                                              f"the output's {list(batch)}")
+        raise GroupRefused(
+            "broadcast_batch",
+            f"the scores' batch dims {list(scores_meta.shape[:-2])} differ from the output's {list(batch)}",
+        )
     q_node, k_node, v_node = qk.args[0].source, qk.args[1].source, pv.args[1].source
     for what, node in (("q", q_node), ("k", k_node), ("v", v_node)):
         if node not in index:
@@ -438,14 +514,20 @@ def _fourier_as_written(view, scores, steps, output, out_steps, index) -> Attent
     d, dv = qk.args[0].shape[-1], out_meta.shape[-1]
     _head_widths(d, dv)
     layout = AttentionLayout(
-        form="fourier", batch=batch, n=n, m=m, d=d, dv=dv,
+        form="fourier",
+        batch=batch,
+        n=n,
+        m=m,
+        d=d,
+        dv=dv,
         q=_operand("q", tensor_meta(q_node), index[q_node], batch, -2, -1, n, d),
         k=_operand("k", tensor_meta(k_node), index[k_node], batch, *((-2, -1) if qk.transpose_b else (-1, -2)), m, d),
         v=_operand("v", tensor_meta(v_node), index[v_node], batch, *((-1, -2) if pv.transpose_b else (-2, -1)), m, dv),
         out=_operand("output", out_meta, 0, batch, -2, -1, n, dv),
         qk_dtype=_operand_dtype(scores_meta.dtype, "the scores product"),
         pv_dtype=_operand_dtype(tensor_meta(output).dtype, "the output product"),
-        precision=fp32_precision(), scores_dtype=scores_meta.dtype,
+        precision=fp32_precision(),
+        scores_dtype=scores_meta.dtype,
     )
     layout.score_steps = score_steps(view, layout, scores, steps, index)
     layout.out_steps = steps_after(view, output, out_steps)

@@ -56,8 +56,12 @@ def emit_row_norm(w: _Writer, tile: str, norm: RowNorm, width: int, block: int, 
 def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource:
     L: LinearAttentionLayout = program.linear
     block_d, block_dv = dot_block(L.d), dot_block(L.dv)
-    extents = [L.q.extent(L.batch, L.n, L.d), L.k.extent(L.batch, L.m, L.d), L.v.extent(L.batch, L.m, L.dv),
-               L.out.extent(L.batch, L.n, L.dv)]
+    extents = [
+        L.q.extent(L.batch, L.n, L.d),
+        L.k.extent(L.batch, L.m, L.d),
+        L.v.extent(L.batch, L.m, L.dv),
+        L.out.extent(L.batch, L.n, L.dv),
+    ]
     cast64 = ".to(tl.int64)" if max(extents) > INT32_LIMIT else ""
     ctx_operand = None if L.ctx_dtype == torch.float32 else L.ctx_dtype
     out_operand = None if L.out_dtype == torch.float32 else L.out_dtype
@@ -77,16 +81,20 @@ def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource
     w.emit("for n0 in range(0, CHUNK, BLOCK_N):")
     w.emit("points = split * CHUNK + n0 + tl.arange(0, BLOCK_N)[:, None]", 2)
     w.emit(f"point_mask = points < {L.m}", 2)
-    for name, op, norm, width, block, cols, mask in (("k", L.k, L.k_norm, L.d, block_d, "d_cols", d_mask),
-                                                     ("v", L.v, L.v_norm, L.dv, block_dv, "dv_cols", dv_mask)):
+    for name, op, norm, width, block, cols, mask in (
+        ("k", L.k, L.k_norm, L.d, block_d, "d_cols", d_mask),
+        ("v", L.v, L.v_norm, L.dv, block_dv, "dv_cols", dv_mask),
+    ):
         cast = load_cast(op.dtype, ctx_operand, need_fp32=norm is not None)
         w.emit(f"{name} = {w.tile_load(op, f'{name}_base', 'points', cols, ('point_mask', mask), cast, full=True)}", 2)
         if norm is not None:
             emit_row_norm(w, name, norm, width, block, cols)
             w.emit(f"{name} = tl.where(point_mask, {name}, 0.0)  # points past m add nothing", 2)
     w.emit(f"acc += {dot_line('tl.trans(k)', 'v', ctx_operand, L.precision)}", 2)
-    w.emit(f"tl.store(partial + (batch * SPLITS + split) * {ctx_size} + tl.arange(0, BLOCK_D)[:, None] * BLOCK_DV "
-           "+ dv_cols, acc)")
+    w.emit(
+        f"tl.store(partial + (batch * SPLITS + split) * {ctx_size} + tl.arange(0, BLOCK_D)[:, None] * BLOCK_DV "
+        "+ dv_cols, acc)"
+    )
     partial_params = inputs + ["partial"]
     partials = (partial_params, ["BLOCK_N", "CHUNK", "SPLITS", "BLOCK_D", "BLOCK_DV"], w.lines)
 
@@ -122,10 +130,13 @@ def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource
     if L.out_dtype in ROUNDED:
         a.emit(f"out = {rounded('out', L.out_dtype)}  # the product's dtype")
     a.steps(L.out_steps, "out", {}, 1)
-    out_off = " + ".join([index_term("rows", L.out.row_stride) or "rows * 0",
-                          index_term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
-    a.emit(f"tl.store(out_base + {out_off}, {stored('out', L.out.dtype, TL_DTYPES[L.out.dtype])}, "
-           f"mask={_all([m for m in ('row_mask', dv_mask) if m])})")
+    out_off = " + ".join(
+        [index_term("rows", L.out.row_stride) or "rows * 0", index_term("dv_cols", L.out.col_stride) or "dv_cols * 0"]
+    )
+    a.emit(
+        f"tl.store(out_base + {out_off}, {stored('out', L.out.dtype, TL_DTYPES[L.out.dtype])}, "
+        f"mask={_all([m for m in ('row_mask', dv_mask) if m])})"
+    )
     apply = (inputs + ["context", "out0"], ["BLOCK_M", "BLOCK_D", "BLOCK_DV"], a.lines)
 
     bodies = "\n".join("\n".join(lines) for _, _, lines in (partials, combine, apply))
@@ -147,17 +158,34 @@ def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource
         f"{stage_names[2]}[(triton.cdiv({L.n}, BLOCK_M), {L.batch_numel})]({', '.join(inputs)}, context, out0, "
         "BLOCK_M=BLOCK_M, **sizes)",
     ]
-    signature = ", ".join(inputs + ["out0", "*", "BLOCK_M", "BLOCK_N", "SPLITS", "BLOCK_D", "BLOCK_DV",
-                                    "num_warps=4", "num_stages=2"])
+    signature = ", ".join(
+        inputs + ["out0", "*", "BLOCK_M", "BLOCK_N", "SPLITS", "BLOCK_D", "BLOCK_DV", "num_warps=4", "num_stages=2"]
+    )
     derived = {"CHUNK": split_chunk(L.m, "config['SPLITS']", "config['BLOCK_N']")}
-    source = chain_module(_header(program, strategy), helper_text, functions, name, launch, signature, stages,
-                          derived, tuple(inputs + ['out0']))
-    return KernelSource(name=name, source=source, layout="attention_chain", grid=lambda config: (1,),
-                        constexprs={"BLOCK_D": block_d, "BLOCK_DV": block_dv})
+    source = chain_module(
+        _header(program, strategy),
+        helper_text,
+        functions,
+        name,
+        launch,
+        signature,
+        stages,
+        derived,
+        tuple(inputs + ["out0"]),
+    )
+    return KernelSource(
+        name=name,
+        source=source,
+        layout="attention_chain",
+        grid=lambda config: (1,),
+        constexprs={"BLOCK_D": block_d, "BLOCK_DV": block_dv},
+    )
 
 
 def _header(program, strategy: str) -> str:
     L: LinearAttentionLayout = program.linear
-    return kernel_header(program, f"{strategy} strategy, a chain of three kernels",
-                         f"batch {list(L.batch)}, {L.n} queries, {L.m} points, head widths {L.d} -> {L.dv}; fp32 "
-                         f"products {L.precision}")
+    return kernel_header(
+        program,
+        f"{strategy} strategy, a chain of three kernels",
+        f"batch {list(L.batch)}, {L.n} queries, {L.m} points, head widths {L.d} -> {L.dv}; fp32 products {L.precision}",
+    )

@@ -73,7 +73,8 @@ def softmax_dim(node: torch.fx.Node, gm: torch.nn.Module):
             return None
         dim = module.dim
     elif (node.op == "call_method" and node.target == "softmax") or (
-            node.op == "call_function" and node.target in SOFTMAX_FUNCTIONS):
+        node.op == "call_function" and node.target in SOFTMAX_FUNCTIONS
+    ):
         rest = node.args[1:]
         dim = node.kwargs.get("dim", rest[0] if rest else None)
     else:
@@ -108,8 +109,15 @@ def _passes_probabilities(view, node: torch.fx.Node, source: torch.fx.Node) -> b
     if value.op == "load" and value.source is source:
         return True
     meta = tensor_meta(node)
-    return (node.op == "call_method" and node.target in CASTS and node.args and node.args[0] is source
-            and meta is not None and meta.dtype in FLOATS and _is_pointwise(view, node))
+    return (
+        node.op == "call_method"
+        and node.target in CASTS
+        and node.args
+        and node.args[0] is source
+        and meta is not None
+        and meta.dtype in FLOATS
+        and _is_pointwise(view, node)
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -241,8 +249,9 @@ def _operand_dtype(dtype: torch.dtype, what: str) -> Optional[torch.dtype]:
 
 def _head_widths(d: int, dv: int) -> None:
     if max(d, dv) > MAX_HEAD_WIDTH:
-        raise GroupRefused("head_too_wide", f"head widths {d} and {dv}: the kernel keeps at most "
-                                            f"{MAX_HEAD_WIDTH} in registers")
+        raise GroupRefused(
+            "head_too_wide", f"head widths {d} and {dv}: the kernel keeps at most {MAX_HEAD_WIDTH} in registers"
+        )
 
 
 def _read_sdpa(node: torch.fx.Node, index: dict):
@@ -257,20 +266,31 @@ def _read_sdpa(node: torch.fx.Node, index: dict):
     dtype = _operand_dtype(out.dtype, "attention")  # under autocast the node's dtype, not q's
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(d)
     layout = AttentionLayout(
-        form="sdpa", batch=batch, n=n, m=m, d=d, dv=dv,
+        form="sdpa",
+        batch=batch,
+        n=n,
+        m=m,
+        d=d,
+        dv=dv,
         q=_operand("query", q, index[a["query"]], batch, -2, -1, n, d),
         k=_operand("key", k, index[a["key"]], batch, -2, -1, m, d),
         v=_operand("value", v, index[a["value"]], batch, -2, -1, m, dv),
         out=_operand("output", out, 0, batch, -2, -1, n, dv),
-        qk_dtype=dtype, pv_dtype=dtype, precision=fp32_precision(), scale=float(scale),
+        qk_dtype=dtype,
+        pv_dtype=dtype,
+        precision=fp32_precision(),
+        scale=float(scale),
         mask=None if mask is None else _operand("attn_mask", mask, index[a["attn_mask"]], batch, -2, -1, n, m),
-        causal=a["is_causal"], empty_rows_zero=True,
+        causal=a["is_causal"],
+        empty_rows_zero=True,
     )
     kind = "no mask" if mask is None else "bool mask" if mask.dtype == torch.bool else "additive mask"
-    summary = (f"form softmax (sdpa): scaled_dot_product_attention "
-               f"({kind}{', causal' if a['is_causal'] else ''}) as one "
-               f"online-softmax kernel over {n} queries x {m} keys per head, head width {d}; the scores never "
-               "reach memory")
+    summary = (
+        f"form softmax (sdpa): scaled_dot_product_attention "
+        f"({kind}{', causal' if a['is_causal'] else ''}) as one "
+        f"online-softmax kernel over {n} queries x {m} keys per head, head width {d}; the scores never "
+        "reach memory"
+    )
     return layout, summary
 
 
@@ -289,28 +309,37 @@ def _roles(view, nodes: list[torch.fx.Node]):
 def _read_written_out(view, nodes: list[torch.fx.Node], index: dict):
     prologue, scores, steps, softmax, identities, output = _roles(view, nodes)
     members = set(nodes)
-    roles = {**{n: "q's prologue" for n in prologue}, scores: "the scores", **{n: "the scores" for n in steps},
-             softmax: "the softmax", **{n: "the probabilities" for n in identities}}
+    roles = {
+        **{n: "q's prologue" for n in prologue},
+        scores: "the scores",
+        **{n: "the scores" for n in steps},
+        softmax: "the softmax",
+        **{n: "the probabilities" for n in identities},
+    }
     for node, role in roles.items():
         outside = [u.name for u in node.users if u not in members]
         if outside:
             raise GroupRefused(
                 "scores_used_elsewhere",
                 f"{node.name} ({role}) is also used by {', '.join(outside)}: the N x M matrix has to be written "
-                "for it, so this attention stays as ordinary groups")
+                "for it, so this attention stays as ordinary groups",
+            )
 
     scores_meta, out_meta = tensor_meta(scores), tensor_meta(output)
     rank = len(scores_meta.shape)
     dim = softmax_dim(softmax, view.gm)
     if dim == "?" or not -rank <= dim < rank or dim % rank != rank - 1:
-        raise GroupRefused("softmax_not_over_keys", f"{softmax.name} normalises over dim {dim}, not over the keys "
-                                                    "(the last dim)")
+        raise GroupRefused(
+            "softmax_not_over_keys", f"{softmax.name} normalises over dim {dim}, not over the keys (the last dim)"
+        )
     qk, pv = product(view, scores), product(view, output)
     batch = tuple(out_meta.shape[:-2])
     n, m = scores_meta.shape[-2:]
     if tuple(scores_meta.shape[:-2]) != batch:
-        raise GroupRefused("broadcast_batch", f"the scores' batch dims {list(scores_meta.shape[:-2])} differ from "
-                                              f"the output's {list(batch)}")
+        raise GroupRefused(
+            "broadcast_batch",
+            f"the scores' batch dims {list(scores_meta.shape[:-2])} differ from the output's {list(batch)}",
+        )
     a_source = _only_load(view, prologue[0]) if prologue else qk.args[0].source
     for name, source in (("q", a_source), ("k", qk.args[1].source), ("v", pv.args[1].source)):
         if source in members or source not in index:
@@ -322,21 +351,29 @@ def _read_written_out(view, nodes: list[torch.fx.Node], index: dict):
         _operand_dtype(meta.dtype, "an operand")
 
     layout = AttentionLayout(
-        form="written_out", batch=batch, n=n, m=m, d=d, dv=dv,
+        form="written_out",
+        batch=batch,
+        n=n,
+        m=m,
+        d=d,
+        dv=dv,
         q=_operand("q", q_meta, index[a_source], batch, -2, -1, n, d),
         k=_operand("k", k_meta, index[qk.args[1].source], batch, *((-2, -1) if qk.transpose_b else (-1, -2)), m, d),
         v=_operand("v", v_meta, index[pv.args[1].source], batch, *((-1, -2) if pv.transpose_b else (-2, -1)), m, dv),
         out=_operand("output", out_meta, 0, batch, -2, -1, n, dv),
         qk_dtype=_operand_dtype(scores_meta.dtype, "the scores product"),
         pv_dtype=_operand_dtype(out_meta.dtype, "the output product"),
-        precision=fp32_precision(), scores_dtype=scores_meta.dtype,
+        precision=fp32_precision(),
+        scores_dtype=scores_meta.dtype,
     )
     layout.q_steps = steps_after(view, a_source, prologue)
     layout.score_steps = score_steps(view, layout, scores, steps, index)
     ops = " -> ".join(view.lowering_of[n].name.rsplit(".", 1)[-1] for n in nodes)
-    summary = (f"form softmax (written out): softmax attention ({ops}) as one online-softmax kernel "
-               f"over {n} queries x {m} "
-               f"keys per head, head width {d}; the scores never reach memory")
+    summary = (
+        f"form softmax (written out): softmax attention ({ops}) as one online-softmax kernel "
+        f"over {n} queries x {m} "
+        f"keys per head, head width {d}; the scores never reach memory"
+    )
     return layout, summary
 
 
@@ -352,15 +389,22 @@ def _step(view, node, previous, index, tiles) -> Step:
         if v.op != "load" or v.source is previous:
             continue
         if isinstance(v.source, AttrRef) or tiles is None:
-            raise GroupRefused("unsupported_argument", f"{node.name} reads {getattr(v.source, 'path', v.source)}, "
-                                                       "which the attention kernel can't read per tile")
+            raise GroupRefused(
+                "unsupported_argument",
+                f"{node.name} reads {getattr(v.source, 'path', v.source)}, "
+                "which the attention kernel can't read per tile",
+            )
         batch, n, m, table = tiles
         if v.source not in index:
-            raise GroupRefused("not_attention", f"{node.name} reads {v.source.name}, an earlier value of the chain: "
-                               "only the one before it can be read per tile")
+            raise GroupRefused(
+                "not_attention",
+                f"{node.name} reads {v.source.name}, an earlier value of the chain: "
+                "only the one before it can be read per tile",
+            )
         if v.source not in table:
-            table[v.source] = _operand(f"{v.source.name} (read by {node.name})", tensor_meta(v.source),
-                                       index[v.source], batch, -2, -1, n, m)
+            table[v.source] = _operand(
+                f"{v.source.name} (read by {node.name})", tensor_meta(v.source), index[v.source], batch, -2, -1, n, m
+            )
     return Step(node, value, meta.dtype)
 
 
@@ -378,6 +422,7 @@ def score_steps(view, layout: AttentionLayout, scores: torch.fx.Node, steps, ind
     shape = tuple(tensor_meta(scores).shape)
     for node in steps:
         if tuple(tensor_meta(node).shape) != shape:
-            raise GroupRefused("shape_mismatch",
-                               f"{node.name} broadcasts the scores to {list(tensor_meta(node).shape)}")
+            raise GroupRefused(
+                "shape_mismatch", f"{node.name} broadcasts the scores to {list(tensor_meta(node).shape)}"
+            )
     return steps_after(view, scores, steps, index, (layout.batch, layout.n, layout.m, layout.tiles))

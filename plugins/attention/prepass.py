@@ -75,16 +75,23 @@ def pass_modes(L: AttentionLayout) -> dict[str, Optional[str]]:
         return {"q": None, "k": None, "v": None}
     if L.precision == "tf32x3" and L.qk_dtype is None and L.pv_dtype is None:
         return {"q": "split", "k": "split", "v": "split"}
-    return {"q": None, **{name: "copy" if operand is not None and op.dtype != operand else None
-                          for name, op, operand in (("k", L.k, L.qk_dtype), ("v", L.v, L.pv_dtype))}}
+    return {
+        "q": None,
+        **{
+            name: "copy" if operand is not None and op.dtype != operand else None
+            for name, op, operand in (("k", L.k, L.qk_dtype), ("v", L.v, L.pv_dtype))
+        },
+    }
 
 
 def exponent_lines(amax: str, name: str) -> list[str]:
     """Lines setting ``name`` (int32) to ``e`` with ``amax < 2^e``, clamped to [-100, 127]
     so that ``2^(14 - e)`` and ``2^(e - 14)`` are normal fp32 numbers. A row holding an
     infinity or NaN is not scaled (``e = 14``): its finite entries keep their values."""
-    return [f"{name} = ((({amax}).to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 126",
-            f"{name} = tl.where({name} > 128, {SPLIT_EXPONENT}, tl.minimum(tl.maximum({name}, -100), 127))"]
+    return [
+        f"{name} = ((({amax}).to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 126",
+        f"{name} = tl.where({name} > 128, {SPLIT_EXPONENT}, tl.minimum(tl.maximum({name}, -100), 127))",
+    ]
 
 
 def power_of_two(exponent: str) -> str:
@@ -103,8 +110,9 @@ def split_lines(tile: str, prefix: str, finite: bool = False) -> list[str]:
     return [f"{prefix}_hi = {tile}.to({half})", f"{prefix}_lo = ({low}).to({half})"]
 
 
-def _read_rows(L: AttentionLayout, op: Operand, rows: int, width: int, block: int, cast64: str,
-               steps: tuple[str, ...]) -> list[str]:
+def _read_rows(
+    L: AttentionLayout, op: Operand, rows: int, width: int, block: int, cast64: str, steps: tuple[str, ...]
+) -> list[str]:
     """A pass's first lines: this program's ``BLOCK_R`` rows of ``op`` as the fp32 tile ``x``
     ([BLOCK_R, BLOCK_W], 0 past the rows and the width), ``steps`` applied."""
     lines: list[str] = []
@@ -130,8 +138,9 @@ def _row_exponents() -> list[str]:
     return lines + ["    " + line for line in exponent_lines("amax", "e")]
 
 
-def write_max_pass(L: AttentionLayout, name: str, op: Operand, rows: int, width: int, block: int,
-                   cast64: str) -> tuple[list, list, list]:
+def write_max_pass(
+    L: AttentionLayout, name: str, op: Operand, rows: int, width: int, block: int, cast64: str
+) -> tuple[list, list, list]:
     """The pass before a split with one scale per batch entry: each program's largest row
     exponent, combined by ``atomic_max`` into ``{name}_e`` ([batch] int32, filled with -128)."""
     lines = _read_rows(L, op, rows, width, block, cast64, ())
@@ -140,9 +149,19 @@ def write_max_pass(L: AttentionLayout, name: str, op: Operand, rows: int, width:
     return [f"in{op.index}", f"{name}_e"], ["BLOCK_R", "BLOCK_W"], lines
 
 
-def write_pass(L: AttentionLayout, name: str, op: Operand, rows: int, width: int, block: int, mode: str,
-               operand: Optional[torch.dtype], cast64: str, steps: tuple[str, ...] = (),
-               per_entry: bool = False) -> tuple[list, list, list]:
+def write_pass(
+    L: AttentionLayout,
+    name: str,
+    op: Operand,
+    rows: int,
+    width: int,
+    block: int,
+    mode: str,
+    operand: Optional[torch.dtype],
+    cast64: str,
+    steps: tuple[str, ...] = (),
+    per_entry: bool = False,
+) -> tuple[list, list, list]:
     """One pass's ``(params, blocks, lines)`` for ``chain.chain_stages``: grid (blocks of
     ``PASS_ROWS`` rows, batch entries); reads ``op`` ([rows, width] per batch entry) through
     its strides and writes ``{name}_a`` (and for a split ``{name}_b``, the low parts, and

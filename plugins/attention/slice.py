@@ -75,9 +75,16 @@ def _logit_path(view, softmax: torch.fx.Node) -> Optional[list[torch.fx.Node]]:
 def _sum_over_points(view, node: torch.fx.Node, weights: torch.fx.Node) -> bool:
     value = view.lowered.get(node)
     meta = tensor_meta(weights)
-    return (value is not None and value.op == "reduce" and value.reduce_op == "sum" and meta is not None
-            and value.args and value.args[0].op == "load" and value.args[0].source is weights
-            and value.dims == (len(meta.shape) - 2,))
+    return (
+        value is not None
+        and value.op == "reduce"
+        and value.reduce_op == "sum"
+        and meta is not None
+        and value.args
+        and value.args[0].op == "load"
+        and value.args[0].source is weights
+        and value.dims == (len(meta.shape) - 2,)
+    )
 
 
 def _denominator_path(view, start: torch.fx.Node, end: torch.fx.Node) -> Optional[list[torch.fx.Node]]:
@@ -144,8 +151,11 @@ def slice_chain(view, scatter: torch.fx.Node) -> Optional[list[torch.fx.Node]]:
     if logits is None or found is None or len(sums) != 1:
         return None
     aggregation, _ = found
-    divisions = [u for u in aggregation.users if u.op in ("call_function", "call_method") and u.target in DIVISIONS
-                 and u.args[0] is aggregation]
+    divisions = [
+        u
+        for u in aggregation.users
+        if u.op in ("call_function", "call_method") and u.target in DIVISIONS and u.args[0] is aggregation
+    ]
     if len(divisions) != 1:
         return None
     tokens = divisions[0]
@@ -237,8 +247,9 @@ def compose_slice_attention(view, nodes: list[torch.fx.Node]) -> AttentionProgra
         raise GroupRefused("not_attention", "q, k and v of the slices' attention are not linear maps of the tokens")
     for node, previous in zip(steps, [scores] + steps):
         if not _constant_step(view, node, previous):
-            raise GroupRefused("not_pointwise", f"{node.name}: only scalings by constants are taken on the slices' "
-                                                "scores")
+            raise GroupRefused(
+                "not_pointwise", f"{node.name}: only scalings by constants are taken on the slices' scores"
+            )
 
     x_node = logits[0].args[0]
     x_meta, fx_meta, w_meta, out_meta = (tensor_meta(n) for n in (x_node, fx_node, weights, scatter))
@@ -254,33 +265,69 @@ def compose_slice_attention(view, nodes: list[torch.fx.Node]) -> AttentionProgra
     to_q, to_k, to_v = (_linear_map(view, m, base, index) for m in (q_node, k_node, v_node))
     dq, dv = to_q.width_out, to_v.width_out
     if g > MAX_SLICES or max(dx, df, dq, dv) > MAX_WIDTH:
-        raise GroupRefused("too_wide", f"{g} slices, head widths {dx}/{df}/{dq}/{dv}: the kernels keep at most "
-                                       f"{MAX_SLICES} slices and widths up to {MAX_WIDTH} in registers")
+        raise GroupRefused(
+            "too_wide",
+            f"{g} slices, head widths {dx}/{df}/{dq}/{dv}: the kernels keep at most "
+            f"{MAX_SLICES} slices and widths up to {MAX_WIDTH} in registers",
+        )
     layout = SliceLayout(
-        batch=batch, n=n, g=g, dx=dx, df=df, dq=dq, dv=dv,
+        batch=batch,
+        n=n,
+        g=g,
+        dx=dx,
+        df=df,
+        dq=dq,
+        dv=dv,
         x=_operand("x", x_meta, index[x_node], batch, -2, -1, n, dx),
         fx=_operand("fx", fx_meta, index[fx_node], batch, -2, -1, n, df),
         out=_operand("output", out_meta, 0, batch, -2, -1, n, dv),
-        to_slice=to_slice, logit_steps=[], logit_tiles={}, weights_dtype=w_meta.dtype,
-        sum_dtype=tensor_meta(sums).dtype, sum_steps=[], agg_dtype=tensor_meta(aggregation).dtype,
-        tokens_dtype=tensor_meta(tokens).dtype, to_q=to_q, to_k=to_k, to_v=to_v,
-        scores_dtype=tensor_meta(scores).dtype, score_steps=[], probs_dtype=tensor_meta(softmax2).dtype,
-        mixed_dtype=tensor_meta(mixed).dtype, out_dtype=out_meta.dtype, precision=fp32_precision(),
+        to_slice=to_slice,
+        logit_steps=[],
+        logit_tiles={},
+        weights_dtype=w_meta.dtype,
+        sum_dtype=tensor_meta(sums).dtype,
+        sum_steps=[],
+        agg_dtype=tensor_meta(aggregation).dtype,
+        tokens_dtype=tensor_meta(tokens).dtype,
+        to_q=to_q,
+        to_k=to_k,
+        to_v=to_v,
+        scores_dtype=tensor_meta(scores).dtype,
+        score_steps=[],
+        probs_dtype=tensor_meta(softmax2).dtype,
+        mixed_dtype=tensor_meta(mixed).dtype,
+        out_dtype=out_meta.dtype,
+        precision=fp32_precision(),
     )
     layout.logit_steps = steps_after(view, logits[0], logits[1:], index, (batch, n, g, layout.logit_tiles))
     # The views on the sums are the identity here: the kernel holds the sums as a column already.
-    layout.sum_steps = [_step(view, node, previous, {}, None) for previous, node in zip([sums] + path, path)
-                        if view.lowered[node].op != "extern"]
+    layout.sum_steps = [
+        _step(view, node, previous, {}, None)
+        for previous, node in zip([sums] + path, path)
+        if view.lowered[node].op != "extern"
+    ]
     layout.score_steps = steps_after(view, scores, steps)
-    base.summary = (f"form slice: slice attention ({n} points -> {g} slices per head, head width {df}) as a chain "
-                    "of three kernels: slice weights and aggregation, attention among the slices, scatter back")
+    base.summary = (
+        f"form slice: slice attention ({n} points -> {g} slices per head, head width {df}) as a chain "
+        "of three kernels: slice weights and aggregation, attention among the slices, scatter back"
+    )
     program = AttentionProgram(**{f: getattr(base, f) for f in base.__dataclass_fields__}, slices=layout)
-    dtypes = (layout.to_slice.dtype, layout.agg_dtype, layout.to_q.dtype, layout.scores_dtype, layout.mixed_dtype,
-              layout.out_dtype)
+    dtypes = (
+        layout.to_slice.dtype,
+        layout.agg_dtype,
+        layout.to_q.dtype,
+        layout.scores_dtype,
+        layout.mixed_dtype,
+        layout.out_dtype,
+    )
     if torch.float32 in dtypes:
         program.products_precision = layout.precision
     for k, tensor in enumerate(program.inputs):
-        if isinstance(tensor.source, torch.fx.Node) and tensor.source is not x_node and tensor.source is not fx_node \
-                and tensor.source not in layout.logit_tiles:
+        if (
+            isinstance(tensor.source, torch.fx.Node)
+            and tensor.source is not x_node
+            and tensor.source is not fx_node
+            and tensor.source not in layout.logit_tiles
+        ):
             tensor.read = False
     return program

@@ -40,18 +40,28 @@ def _round(w: _Writer, name: str, dtype: torch.dtype, why: str, indent: int) -> 
         w.emit(f"{name} = {rounded(name, dtype)}  # {why}", indent)
 
 
-def _linear(w: _Writer, result: str, tile: str, linear: LinearMap, in_block: str, out_block: str,
-            precision: str, indent: int) -> None:
+def _linear(
+    w: _Writer, result: str, tile: str, linear: LinearMap, in_block: str, out_block: str, precision: str, indent: int
+) -> None:
     """``result = tile @ weight^T + bias`` (weight [out, in] read transposed), rounded to the map's dtype."""
     operand = _fp32_or(linear.dtype)
     in_idx, out_idx = f"tl.arange(0, {in_block})[:, None]", f"tl.arange(0, {out_block})[None, :]"
-    w.emit(f"wt = tl.load(in{linear.weight} + {out_idx} * {linear.width_in} + {in_idx}, "
-           f"mask=({in_idx} < {linear.width_in}) & ({out_idx} < {linear.width_out}), other=0).to(tl.float32)", indent)
-    w.emit(f"{result} = {dot_line(as_operand(tile, operand), as_operand('wt', operand), operand, precision)}"
-           f"  # {op_label(linear.node)}", indent)
+    w.emit(
+        f"wt = tl.load(in{linear.weight} + {out_idx} * {linear.width_in} + {in_idx}, "
+        f"mask=({in_idx} < {linear.width_in}) & ({out_idx} < {linear.width_out}), other=0).to(tl.float32)",
+        indent,
+    )
+    w.emit(
+        f"{result} = {dot_line(as_operand(tile, operand), as_operand('wt', operand), operand, precision)}"
+        f"  # {op_label(linear.node)}",
+        indent,
+    )
     if linear.bias is not None:
-        w.emit(f"{result} += tl.load(in{linear.bias} + {out_idx}, mask={out_idx} < {linear.width_out}, other=0)"
-               ".to(tl.float32)", indent)
+        w.emit(
+            f"{result} += tl.load(in{linear.bias} + {out_idx}, mask={out_idx} < {linear.width_out}, other=0)"
+            ".to(tl.float32)",
+            indent,
+        )
     _round(w, result, linear.dtype, "the map's dtype", indent)
 
 
@@ -108,11 +118,16 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     a.emit(f"fx = {fx_tile}", 2)
     a.emit(f"agg += {dot_line('tl.trans(wts)', 'fx', agg_operand, L.precision)}", 2)
     a.emit("sums += tl.sum(wts, axis=0)", 2)
-    a.emit(f"tl.store(partial + (batch * SPLITS + split) * {agg_size} + tl.arange(0, BLOCK_G)[:, None] * BLOCK_DF "
-           "+ df_cols, agg)")
+    a.emit(
+        f"tl.store(partial + (batch * SPLITS + split) * {agg_size} + tl.arange(0, BLOCK_G)[:, None] * BLOCK_DF "
+        "+ df_cols, agg)"
+    )
     a.emit(f"tl.store(partial_sums + (batch * SPLITS + split) * {sum_size} + tl.arange(0, BLOCK_G), sums)")
-    aggregate = (inputs + ["partial", "partial_sums"],
-                 ["BLOCK_N", "CHUNK", "SPLITS", "BLOCK_G", "BLOCK_DX", "BLOCK_DF"], a.lines)
+    aggregate = (
+        inputs + ["partial", "partial_sums"],
+        ["BLOCK_N", "CHUNK", "SPLITS", "BLOCK_G", "BLOCK_DX", "BLOCK_DF"],
+        a.lines,
+    )
 
     # 2. tokens, and attention among them.
     m = _Writer()
@@ -134,10 +149,10 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     _linear(m, "k", "tokens", L.to_k, "BLOCK_DF", "BLOCK_DQ", L.precision, 1)
     _linear(m, "v", "tokens", L.to_v, "BLOCK_DF", "BLOCK_DV", L.precision, 1)
     scores_operand = _fp32_or(L.scores_dtype)
-    s_dot = dot_line(as_operand("q", scores_operand), as_operand("tl.trans(k)", scores_operand), scores_operand,
-                     L.precision)
-    m.emit(f"s = {s_dot}"
-           "  # q @ k^T among the slices")
+    s_dot = dot_line(
+        as_operand("q", scores_operand), as_operand("tl.trans(k)", scores_operand), scores_operand, L.precision
+    )
+    m.emit(f"s = {s_dot}  # q @ k^T among the slices")
     _round(m, "s", L.scores_dtype, "the scores' dtype", 1)
     m.steps(L.score_steps, "s", {}, 1)
     m.emit(f's = tl.where(keys < {L.g}, s, float("-inf"))')
@@ -150,8 +165,11 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     _round(m, "mixed", L.mixed_dtype, "the product's dtype", 1)
     m.emit(f"mixed = tl.where(g_rows < {L.g}, mixed, 0.0)")
     m.emit(f"tl.store(mixed_tokens + batch * {bg * bdv} + g_rows * BLOCK_DV + tl.arange(0, BLOCK_DV)[None, :], mixed)")
-    mix = (inputs + ["partial", "partial_sums", "mixed_tokens"],
-           ["SPLITS", "BLOCK_G", "BLOCK_DF", "BLOCK_DQ", "BLOCK_DV"], m.lines)
+    mix = (
+        inputs + ["partial", "partial_sums", "mixed_tokens"],
+        ["SPLITS", "BLOCK_G", "BLOCK_DF", "BLOCK_DQ", "BLOCK_DV"],
+        m.lines,
+    )
 
     # 3. scatter back to the points.
     c = _Writer()
@@ -166,12 +184,14 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     c.emit(f"mixed = tl.load(mixed_tokens + batch * {bg * bdv} + tl.arange(0, BLOCK_G)[:, None] * BLOCK_DV + dv_cols)")
     out_operand = _fp32_or(L.out_dtype)
     out_dot = dot_line(as_operand("wts", out_operand), as_operand("mixed", out_operand), out_operand, L.precision)
-    c.emit(f"out = {out_dot}"
-           "  # w @ t'")
-    out_off = " + ".join([index_term("rows", L.out.row_stride) or "rows * 0",
-                          index_term("dv_cols", L.out.col_stride) or "dv_cols * 0"])
-    c.emit(f"tl.store(out_base + {out_off}, {stored('out', L.out.dtype, TL_DTYPES[L.out.dtype])}, "
-           f"mask={_all([x for x in ('row_mask', _mask('dv_cols', L.dv)) if x])})")
+    c.emit(f"out = {out_dot}  # w @ t'")
+    out_off = " + ".join(
+        [index_term("rows", L.out.row_stride) or "rows * 0", index_term("dv_cols", L.out.col_stride) or "dv_cols * 0"]
+    )
+    c.emit(
+        f"tl.store(out_base + {out_off}, {stored('out', L.out.dtype, TL_DTYPES[L.out.dtype])}, "
+        f"mask={_all([x for x in ('row_mask', _mask('dv_cols', L.dv)) if x])})"
+    )
     scatter = (inputs + ["mixed_tokens", "out0"], ["BLOCK_M", "BLOCK_G", "BLOCK_DX", "BLOCK_DV"], c.lines)
 
     stages_src = (aggregate, mix, scatter)
@@ -198,17 +218,49 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
         f"{stage_names[2]}[(triton.cdiv({L.n}, BLOCK_M), {batch})]({args}, mixed_tokens, out0, BLOCK_M=BLOCK_M, "
         "BLOCK_DX=BLOCK_DX, **sizes)",
     ]
-    signature = ", ".join(inputs + ["out0", "*", "BLOCK_M", "BLOCK_N", "SPLITS", "BLOCK_G", "BLOCK_DX", "BLOCK_DF",
-                                    "BLOCK_DQ", "BLOCK_DV", "num_warps=4", "num_stages=2"])
+    signature = ", ".join(
+        inputs
+        + [
+            "out0",
+            "*",
+            "BLOCK_M",
+            "BLOCK_N",
+            "SPLITS",
+            "BLOCK_G",
+            "BLOCK_DX",
+            "BLOCK_DF",
+            "BLOCK_DQ",
+            "BLOCK_DV",
+            "num_warps=4",
+            "num_stages=2",
+        ]
+    )
     derived = {"CHUNK": split_chunk(L.n, "config['SPLITS']", "config['BLOCK_N']")}
-    source = chain_module(_header(program, strategy), helper_text, functions, name, launch, signature, stages, derived,
-                          tuple(inputs + ["out0"]))
-    return KernelSource(name=name, source=source, layout="attention_chain", grid=lambda config: (1,),
-                        constexprs={"BLOCK_G": bg, "BLOCK_DX": bdx, "BLOCK_DF": bdf, "BLOCK_DQ": bdq, "BLOCK_DV": bdv})
+    source = chain_module(
+        _header(program, strategy),
+        helper_text,
+        functions,
+        name,
+        launch,
+        signature,
+        stages,
+        derived,
+        tuple(inputs + ["out0"]),
+    )
+    return KernelSource(
+        name=name,
+        source=source,
+        layout="attention_chain",
+        grid=lambda config: (1,),
+        constexprs={"BLOCK_G": bg, "BLOCK_DX": bdx, "BLOCK_DF": bdf, "BLOCK_DQ": bdq, "BLOCK_DV": bdv},
+    )
 
 
 def _header(program, strategy: str) -> str:
     L: SliceLayout = program.slices
-    return kernel_header(program, f"{strategy} strategy, a chain of three kernels",
-                         f"batch {list(L.batch)}, {L.n} points, {L.g} slices, widths x {L.dx}, fx {L.df}, q/k {L.dq}, "
-                         f"v {L.dv}; fp32 products {L.precision}")
+    return kernel_header(
+        program,
+        f"{strategy} strategy, a chain of three kernels",
+        f"batch {list(L.batch)}, {L.n} points, {L.g} slices, widths x {L.dx}, fx {L.df}, q/k {L.dq}, "
+        f"v {L.dv}; fp32 products {L.precision}",
+    )

@@ -37,8 +37,18 @@ MAX_GRID_Y = 65535
 
 CONFIGS = [
     # (BLOCK_M, BLOCK_N, num_warps, num_stages), most promising first: tuning stops at its budget
-    (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 8, 3), (64, 128, 4, 2), (64, 32, 4, 3),
-    (64, 64, 8, 2), (64, 32, 8, 2), (32, 64, 4, 3), (32, 32, 4, 2), (16, 64, 4, 2), (16, 32, 2, 2),
+    (128, 64, 8, 3),
+    (64, 64, 4, 3),
+    (128, 128, 8, 2),
+    (128, 32, 8, 3),
+    (64, 128, 4, 2),
+    (64, 32, 4, 3),
+    (64, 64, 8, 2),
+    (64, 32, 8, 2),
+    (32, 64, 4, 3),
+    (32, 32, 4, 2),
+    (16, 64, 4, 2),
+    (16, 32, 2, 2),
 ]
 
 
@@ -97,8 +107,7 @@ MAX_TUNED_CONFIGS = 3
 
 
 def configs(program):
-    return [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": stages}
-            for m, n, warps, stages in CONFIGS]
+    return [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": stages} for m, n, warps, stages in CONFIGS]
 
 
 def default_config(program):
@@ -141,8 +150,14 @@ ATTENTION_STRATEGY = StrategySpec(
 
 #: (BLOCK_M, BLOCK_N, SPLITS, num_warps), most promising first.
 LINEAR_CONFIGS = [
-    (128, 128, 16, 4), (128, 64, 32, 4), (64, 128, 8, 4), (128, 128, 32, 8), (64, 64, 64, 4), (128, 256, 8, 8),
-    (256, 128, 16, 8), (64, 128, 32, 4),
+    (128, 128, 16, 4),
+    (128, 64, 32, 4),
+    (64, 128, 8, 4),
+    (128, 128, 32, 8),
+    (64, 64, 64, 4),
+    (128, 256, 8, 8),
+    (256, 128, 16, 8),
+    (64, 128, 32, 4),
 ]
 
 
@@ -175,8 +190,13 @@ def _split_default(points: int, row_blocks, warps: int, stages: int, is_valid) -
     for splits in (4, 2, 1):
         block_n = min(64, max(16, next_power_of_2(-(-points // splits))))
         for block_m in row_blocks:
-            config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLITS": splits, "num_warps": warps,
-                      "num_stages": stages}
+            config = {
+                "BLOCK_M": block_m,
+                "BLOCK_N": block_n,
+                "SPLITS": splits,
+                "num_warps": warps,
+                "num_stages": stages,
+            }
             if is_valid(config) is None:
                 return config
     return None
@@ -198,8 +218,10 @@ def linear_is_valid(program, config):
 def linear_configs(program):
     if program.linear is None:
         return configs(program)
-    return [{"BLOCK_M": m, "BLOCK_N": n, "SPLITS": s, "num_warps": warps, "num_stages": 2}
-            for m, n, s, warps in LINEAR_CONFIGS]
+    return [
+        {"BLOCK_M": m, "BLOCK_N": n, "SPLITS": s, "num_warps": warps, "num_stages": 2}
+        for m, n, s, warps in LINEAR_CONFIGS
+    ]
 
 
 def linear_default_config(program):
@@ -209,8 +231,13 @@ def linear_default_config(program):
     L = program.linear
     warps = 8 if max(L.d, L.dv) > 64 else 4
     block_m = min(64, max(16, next_power_of_2(L.n)))
-    return (_split_default(L.m, (block_m,), warps, 2, lambda c: linear_is_valid(program, c))
-            or {"BLOCK_M": 16, "BLOCK_N": 16, "SPLITS": 1, "num_warps": warps, "num_stages": 1})
+    return _split_default(L.m, (block_m,), warps, 2, lambda c: linear_is_valid(program, c)) or {
+        "BLOCK_M": 16,
+        "BLOCK_N": 16,
+        "SPLITS": 1,
+        "num_warps": warps,
+        "num_stages": 1,
+    }
 
 
 def linear_generate(program, helpers):
@@ -222,7 +249,7 @@ def linear_generate(program, helpers):
 LINEAR_STRATEGY = StrategySpec(
     name="linear_attention",
     description="Linear attention without a softmax: Galerkin-type q @ (k^T @ v) with its layer norms as a chain "
-                "of split-N kernels; Fourier-type (q @ k^T) @ v as written (or reassociated when allowed).",
+    "of split-N kernels; Fourier-type (q @ k^T) @ v as written (or reassociated when allowed).",
     priority=1,
     block_params=("BLOCK_M", "BLOCK_N", "SPLITS"),
     propose=find_linear_attention,
@@ -241,8 +268,14 @@ LINEAR_STRATEGY = StrategySpec(
 
 #: (BLOCK_M, BLOCK_N, SPLITS, num_warps), most promising first.
 SLICE_CONFIGS = [
-    (64, 64, 16, 4), (128, 64, 16, 8), (64, 128, 8, 8), (64, 64, 32, 4), (32, 64, 16, 4), (128, 128, 8, 8),
-    (64, 32, 32, 4), (32, 32, 32, 2),
+    (64, 64, 16, 4),
+    (128, 64, 16, 8),
+    (64, 128, 8, 8),
+    (64, 64, 32, 4),
+    (32, 64, 16, 4),
+    (128, 128, 8, 8),
+    (64, 32, 32, 4),
+    (32, 32, 32, 2),
 ]
 
 
@@ -263,10 +296,13 @@ TF32_MAX_STAGES_AT_8_WARPS = 1
 
 def slice_is_valid(program, config):
     L = program.slices
-    if (L.precision == "tf32" and config["num_warps"] >= 8
-            and config.get("num_stages", 3) > TF32_MAX_STAGES_AT_8_WARPS):  # Triton's default is 3
-        return ("plain-TF32 products with 8 warps and a pipelined loop read shared memory out of bounds "
-                "(Triton 3.6, sm_90); use num_stages 1")
+    if (
+        L.precision == "tf32" and config["num_warps"] >= 8 and config.get("num_stages", 3) > TF32_MAX_STAGES_AT_8_WARPS
+    ):  # Triton's default is 3
+        return (
+            "plain-TF32 products with 8 warps and a pipelined loop read shared memory out of bounds "
+            "(Triton 3.6, sm_90); use num_stages 1"
+        )
     bg, bdx, bdf, bdq, bdv = (dot_block(s) for s in (L.g, L.dx, L.df, L.dq, L.dv))
     oversized = _split_blocks_oversized(config, L.n, L.n, "points", "points")
     if oversized:
@@ -284,23 +320,25 @@ def _slice_stages(program, warps):
 
 
 def slice_configs(program):
-    return [{"BLOCK_M": m, "BLOCK_N": n, "SPLITS": s, "num_warps": warps, "num_stages": _slice_stages(program, warps)}
-            for m, n, s, warps in SLICE_CONFIGS]
+    return [
+        {"BLOCK_M": m, "BLOCK_N": n, "SPLITS": s, "num_warps": warps, "num_stages": _slice_stages(program, warps)}
+        for m, n, s, warps in SLICE_CONFIGS
+    ]
 
 
 def slice_default_config(program):
     L = program.slices
     warps = 8 if L.g > 64 else 4
     block_m = min(64, max(16, next_power_of_2(L.n)))
-    return (_split_default(L.n, (block_m, min(32, block_m), 16), warps, _slice_stages(program, warps),
-                           lambda c: slice_is_valid(program, c))
-            or {"BLOCK_M": 16, "BLOCK_N": 16, "SPLITS": 1, "num_warps": 8, "num_stages": 1})
+    return _split_default(
+        L.n, (block_m, min(32, block_m), 16), warps, _slice_stages(program, warps), lambda c: slice_is_valid(program, c)
+    ) or {"BLOCK_M": 16, "BLOCK_N": 16, "SPLITS": 1, "num_warps": 8, "num_stages": 1}
 
 
 SLICE_STRATEGY = StrategySpec(
     name="slice_attention",
     description="Transolver's slice (physics) attention - slice weights, aggregation, attention among the slices, "
-                "scatter back - as a chain of three kernels that read the point features once each.",
+    "scatter back - as a chain of three kernels that read the point features once each.",
     priority=1,
     block_params=("BLOCK_M", "BLOCK_N", "SPLITS"),
     propose=find_slice_attention,

@@ -84,8 +84,11 @@ def reduction(in_channels: int, kernel: Sequence[int]) -> int:
 def _ints(value: Any, rank: int) -> Optional[tuple[int, ...]]:
     if isinstance(value, int) and not isinstance(value, bool):
         return (value,) * rank
-    if isinstance(value, (tuple, list)) and len(value) == rank and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == rank
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
         return tuple(value)
     return None
 
@@ -110,7 +113,7 @@ def parse_conv(node: torch.fx.Node, root: torch.nn.Module) -> Union[Conv, str]:
     elif node.op == "call_function" and node.target in FUNCTIONS:
         rank = FUNCTIONS[node.target]
         names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")  # a builtin: no signature
-        if len(node.args) > len(names) or set(node.kwargs) - set(names[len(node.args):]):
+        if len(node.args) > len(names) or set(node.kwargs) - set(names[len(node.args) :]):
             return "arguments don't match conv(input, weight, bias, stride, padding, dilation, groups)"
         args = {**dict(zip(names, node.args)), **node.kwargs}
         x, weight, bias = args.get("input"), args.get("weight"), args.get("bias")
@@ -140,8 +143,19 @@ def parse_conv(node: torch.fx.Node, root: torch.nn.Module) -> Union[Conv, str]:
     padding = _ints(padding, rank)
     if stride is None or dilation is None or padding is None:
         return "stride, padding or dilation is not an int or a tuple of ints"
-    return Conv(x, weight, bias, tuple(kernel), stride, padding, dilation, tuple(x_meta.shape[2:]),
-                tuple(out_meta.shape[2:]), weight_shape[1], weight_shape[0])
+    return Conv(
+        x,
+        weight,
+        bias,
+        tuple(kernel),
+        stride,
+        padding,
+        dilation,
+        tuple(x_meta.shape[2:]),
+        tuple(out_meta.shape[2:]),
+        weight_shape[1],
+        weight_shape[0],
+    )
 
 
 def conv_reason(conv: Conv) -> Optional[str]:
@@ -196,12 +210,19 @@ def compose(view, nodes):
     dtype = tensor_meta(conv_node).dtype
     precision = fp32_conv_precision() if dtype == torch.float32 else None
     kernel = "x".join(map(str, conv.kernel))
-    summary = (f"{kernel} convolution (stride {list(conv.stride)}, padding {list(conv.padding)}) as implicit GEMM"
-               + (" with its epilogue" if len(nodes) > 1 else ""))
-    program = ConvProgram(**{**program.__dict__, "summary": summary, "products_precision": precision},
-                          slot={t.source: k for k, t in enumerate(program.inputs)}, **fields,
-                          conv_node=conv_node, conv=conv, operand_dtype=None if dtype == torch.float32 else dtype,
-                          dtype_precision=precision or "ieee", epilogue=list(nodes[1:]))
+    summary = f"{kernel} convolution (stride {list(conv.stride)}, padding {list(conv.padding)}) as implicit GEMM" + (
+        " with its epilogue" if len(nodes) > 1 else ""
+    )
+    program = ConvProgram(
+        **{**program.__dict__, "summary": summary, "products_precision": precision},
+        slot={t.source: k for k, t in enumerate(program.inputs)},
+        **fields,
+        conv_node=conv_node,
+        conv=conv,
+        operand_dtype=None if dtype == torch.float32 else dtype,
+        dtype_precision=precision or "ieee",
+        epilogue=list(nodes[1:]),
+    )
     return program
 
 
@@ -213,9 +234,12 @@ def accepts(program):
         return ("unsupported_kernel", reason)
     conv = program.conv
     if conv.reduction > MAX_REDUCTION:
-        return ("cudnn_faster", f"a reduction of {conv.reduction} ({conv.in_channels} channels x "
-                                f"{conv.taps} taps): past {MAX_REDUCTION} cuDNN's product with a "
-                                "fused epilogue is faster")
+        return (
+            "cudnn_faster",
+            f"a reduction of {conv.reduction} ({conv.in_channels} channels x "
+            f"{conv.taps} taps): past {MAX_REDUCTION} cuDNN's product with a "
+            "fused epilogue is faster",
+        )
     batch = tensor_meta(program.conv.x).shape[0]
     if batch > MAX_GRID_Y:
         return ("batch_too_large", f"{batch} samples exceed the grid's second axis ({MAX_GRID_Y})")
@@ -224,8 +248,16 @@ def accepts(program):
 
 CONFIGS = [
     # (BLOCK_M over output channels, BLOCK_N over pixels, BLOCK_K, num_warps, num_stages)
-    (64, 128, 32, 4, 3), (128, 128, 32, 8, 3), (64, 64, 32, 4, 3), (32, 128, 32, 4, 3), (128, 64, 32, 4, 3),
-    (64, 256, 32, 8, 3), (16, 128, 32, 4, 3), (32, 64, 64, 4, 3), (64, 128, 64, 8, 2), (16, 256, 16, 4, 3),
+    (64, 128, 32, 4, 3),
+    (128, 128, 32, 8, 3),
+    (64, 64, 32, 4, 3),
+    (32, 128, 32, 4, 3),
+    (128, 64, 32, 4, 3),
+    (64, 256, 32, 8, 3),
+    (16, 128, 32, 4, 3),
+    (32, 64, 64, 4, 3),
+    (64, 128, 64, 8, 2),
+    (16, 256, 16, 4, 3),
 ]
 
 
@@ -240,9 +272,12 @@ def configs(program):
 
 def default_config(program):
     conv = program.conv
-    return {"BLOCK_M": min(64, dot_block(conv.out_channels)),
-            "BLOCK_N": min(128, dot_block(math.prod(conv.out_spatial))),
-            "BLOCK_K": min(64, dot_block(conv.reduction)), "num_warps": 4}
+    return {
+        "BLOCK_M": min(64, dot_block(conv.out_channels)),
+        "BLOCK_N": min(128, dot_block(math.prod(conv.out_spatial))),
+        "BLOCK_K": min(64, dot_block(conv.reduction)),
+        "num_warps": 4,
+    }
 
 
 def is_valid(program, config):
@@ -261,7 +296,7 @@ def _decompose(emit, index: str, sizes: tuple[int, ...], prefix: str) -> list[st
     """Coordinates of ``index`` over ``sizes`` (row-major), one name per dim."""
     names = []
     for d, size in enumerate(sizes):
-        inner = math.prod(sizes[d + 1:])
+        inner = math.prod(sizes[d + 1 :])
         expr = index if inner == 1 else f"({index} // {inner})"
         if d > 0:
             expr = f"{expr} % {size}"
@@ -303,8 +338,10 @@ def write_conv_kernel(program: ConvProgram, strategy: str, helpers=None) -> Kern
     emit(f"wc = ks // {taps}")
     wk = _decompose(emit, f"(ks % {taps})", conv.kernel, "wk")
     w_terms = [f"rows * {w_stride[0]}", f"wc * {w_stride[1]}"] + [f"{n} * {st}" for n, st in zip(wk, w_stride[2:])]
-    emit(f"w_tile = tl.load(in{w_index} + {' + '.join(w_terms)}, mask=row_mask & (ks < {k_total}), "
-         "other=0).to(tl.float32)")
+    emit(
+        f"w_tile = tl.load(in{w_index} + {' + '.join(w_terms)}, mask=row_mask & (ks < {k_total}), "
+        "other=0).to(tl.float32)"
+    )
     # The gathered input tile [BLOCK_K, BLOCK_N], zero where the kernel overhangs the padding.
     emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]")
     emit(f"xc = kk // {taps}")
@@ -330,10 +367,19 @@ def write_conv_kernel(program: ConvProgram, strategy: str, helpers=None) -> Kern
     def grid(config):
         return (triton_cdiv(conv.out_channels, config["BLOCK_M"]) * triton_cdiv(pixels, config["BLOCK_N"]), batch)
 
-    notes = [f"# product: {conv.out_channels} channels x {pixels} pixels x K {k_total} "
-             f"({conv.in_channels} channels x {taps} taps), batch {batch}"]
-    return w.assemble(f"conv_{'x'.join(map(str, conv.kernel))}", strategy, ["BLOCK_M", "BLOCK_N", "BLOCK_K"], notes,
-                      helpers, grid, "conv")
+    notes = [
+        f"# product: {conv.out_channels} channels x {pixels} pixels x K {k_total} "
+        f"({conv.in_channels} channels x {taps} taps), batch {batch}"
+    ]
+    return w.assemble(
+        f"conv_{'x'.join(map(str, conv.kernel))}",
+        strategy,
+        ["BLOCK_M", "BLOCK_N", "BLOCK_K"],
+        notes,
+        helpers,
+        grid,
+        "conv",
+    )
 
 
 def generate(program, helpers):

@@ -173,10 +173,18 @@ def parse_transposed_conv(node: torch.fx.Node, root: torch.nn.Module) -> Union[T
     elif node.op == "call_function" and node.target in TRANSPOSED_FUNCTIONS:
         rank = TRANSPOSED_FUNCTIONS[node.target]
         names = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
-        if len(node.args) > len(names) or set(node.kwargs) - set(names[len(node.args):]):
+        if len(node.args) > len(names) or set(node.kwargs) - set(names[len(node.args) :]):
             return "arguments don't match conv_transpose(input, weight, bias, stride, padding, ...)"
-        args = {"bias": None, "stride": 1, "padding": 0, "output_padding": 0, "groups": 1, "dilation": 1,
-                **dict(zip(names, node.args)), **node.kwargs}
+        args = {
+            "bias": None,
+            "stride": 1,
+            "padding": 0,
+            "output_padding": 0,
+            "groups": 1,
+            "dilation": 1,
+            **dict(zip(names, node.args)),
+            **node.kwargs,
+        }
         source, weight, bias = args["input"], args["weight"], args["bias"]
         if tensor_meta(weight) is None or (bias is not None and tensor_meta(bias) is None):
             return "weight or bias is not a tensor of the graph"
@@ -193,8 +201,13 @@ def parse_transposed_conv(node: torch.fx.Node, root: torch.nn.Module) -> Union[T
         return (value,) * rank if isinstance(value, int) else tuple(value)
 
     stride, padding, output_padding, groups, dilation = geometry
-    if (ints(stride) != tuple(kernel) or any(ints(padding)) or any(ints(output_padding)) or groups != 1
-            or any(d != 1 for d in ints(dilation))):
+    if (
+        ints(stride) != tuple(kernel)
+        or any(ints(padding))
+        or any(ints(output_padding))
+        or groups != 1
+        or any(d != 1 for d in ints(dilation))
+    ):
         return "only stride == kernel, no padding, one group, no dilation is an upsampling"
     return TransposedConv(source, weight, bias, tuple(kernel), weight_shape[0], weight_shape[1])
 

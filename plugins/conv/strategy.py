@@ -77,12 +77,17 @@ def follow_chain(view, start: torch.fx.Node, cats: bool = True) -> list[torch.fx
             break
         if spec.name in CAT_OPS and cats:
             siblings = [n for n in user.all_input_nodes if n is not current and n not in group]
-            extra = [n for n in siblings if n in view.lowering_of and view.lowering_of[n].name in RESAMPLE_OPS
-                     and len(n.users) == 1]
+            extra = [
+                n
+                for n in siblings
+                if n in view.lowering_of and view.lowering_of[n].name in RESAMPLE_OPS and len(n.users) == 1
+            ]
             group.extend(extra)
-        elif spec.kind != "pointwise" or any(v.op in ("reduce", "dot", "extern")
-                                             for v in _values(view.lowered[user])) or (
-                tensor_meta(user).shape != tensor_meta(start).shape and not cats):
+        elif (
+            spec.kind != "pointwise"
+            or any(v.op in ("reduce", "dot", "extern") for v in _values(view.lowered[user]))
+            or (tensor_meta(user).shape != tensor_meta(start).shape and not cats)
+        ):
             break
         group.append(user)
         current = user
@@ -94,8 +99,11 @@ def _values(root: Value) -> list[Value]:
 
 
 def propose(view):
-    return [follow_chain(view, node) for node in view.nodes
-            if node in view.lowering_of and view.lowering_of[node].name in RESAMPLE_OPS]
+    return [
+        follow_chain(view, node)
+        for node in view.nodes
+        if node in view.lowering_of and view.lowering_of[node].name in RESAMPLE_OPS
+    ]
 
 
 def compose_members(view, nodes, program: GroupProgram, fields: dict) -> None:
@@ -118,8 +126,9 @@ def compose_members(view, nodes, program: GroupProgram, fields: dict) -> None:
                 for ref in (resample.weight, resample.bias):
                     if isinstance(ref, AttrRef) and ref not in known:
                         tensor = attr_tensor(view.gm, ref.path)
-                        program.inputs.append(KernelTensor(ref, tuple(tensor.shape), tensor.dtype,
-                                                           tuple(tensor.stride())))
+                        program.inputs.append(
+                            KernelTensor(ref, tuple(tensor.shape), tensor.dtype, tuple(tensor.stride()))
+                        )
                         known.add(ref)
             fields["resamples"][node] = resample
         elif name in CAT_OPS:
@@ -129,8 +138,9 @@ def compose_members(view, nodes, program: GroupProgram, fields: dict) -> None:
             for v in _values(value):
                 if v.op == "load" and isinstance(v.source, AttrRef) and v.source not in known:
                     tensor = attr_tensor(view.gm, v.source.path)
-                    program.inputs.append(KernelTensor(v.source, tuple(tensor.shape), tensor.dtype,
-                                                       tuple(tensor.stride())))
+                    program.inputs.append(
+                        KernelTensor(v.source, tuple(tensor.shape), tensor.dtype, tuple(tensor.stride()))
+                    )
                     known.add(v.source)
                 if v.op == "load" and v.source in members and tuple(v.shape) != tuple(tensor_meta(v.source).shape):
                     raise GroupRefused("viewed_value", f"{node.name} reads {v.source.name} with another shape")
@@ -148,10 +158,13 @@ def compose(view, nodes):
     fields = dict(resamples={}, cats={}, pointwise={})
     compose_members(view, nodes, program, fields)
     slot = {t.source: k for k, t in enumerate(program.inputs)}
-    ops = ", ".join(dict.fromkeys(getattr(r, "mode", "transposed-convolution")
-                                  for r in fields["resamples"].values()))
-    summary = f"{ops} upsampling" + (" + cat" if fields["cats"] else "") + (
-        " + pointwise" if fields["pointwise"] else "") + ", the upsampled tensor never written"
+    ops = ", ".join(dict.fromkeys(getattr(r, "mode", "transposed-convolution") for r in fields["resamples"].values()))
+    summary = (
+        f"{ops} upsampling"
+        + (" + cat" if fields["cats"] else "")
+        + (" + pointwise" if fields["pointwise"] else "")
+        + ", the upsampled tensor never written"
+    )
     return ResampleProgram(**{**program.__dict__, "summary": summary}, slot=slot, **fields)
 
 
@@ -193,7 +206,7 @@ class ChainWriter:
         index = self.program.slot[source]
         tensor = self.program.inputs[index]
         _, strides = read_view(tensor, shape)
-        coords = coords[len(coords) - len(shape):] if shape else ()
+        coords = coords[len(coords) - len(shape) :] if shape else ()
         terms = [c if st == 1 else f"{c} * {st}" for c, st, size in zip(coords, strides, shape) if size != 1 and st]
         name = f"x{index}_{self.fresh()}"
         cast = "" if tensor.dtype == torch.bool else ".to(tl.float32)"
@@ -236,7 +249,7 @@ class ChainWriter:
         if v.op == "const":
             return literal(v.constant)
         shape = tuple(v.shape)
-        here = coords[len(coords) - len(shape):] if shape else ()
+        here = coords[len(coords) - len(shape) :] if shape else ()
         here = tuple("0" if s == 1 else c for s, c in zip(shape, here))
         if v.op == "load":
             if isinstance(v.source, torch.fx.Node) and v.source in self.program.nodes:
@@ -254,9 +267,11 @@ class ChainWriter:
         offset, values, bounds = 0, [], []
         for part in parts:
             size = tensor_meta(part).shape[dim]
-            shifted = coords[:dim] + (f"({coords[dim]} - {offset})" if offset else coords[dim],) + coords[dim + 1:]
-            inside = [f"({coords[dim]} >= {offset})" if offset else "",
-                      f"({coords[dim]} < {offset + size})" if part is not parts[-1] else ""]
+            shifted = coords[:dim] + (f"({coords[dim]} - {offset})" if offset else coords[dim],) + coords[dim + 1 :]
+            inside = [
+                f"({coords[dim]} >= {offset})" if offset else "",
+                f"({coords[dim]} < {offset + size})" if part is not parts[-1] else "",
+            ]
             values.append(self.node(part, shifted, " & ".join([mask] + [c for c in inside if c])))
             bounds.append(offset + size)
             offset += size
@@ -273,12 +288,14 @@ class ChainWriter:
         result = stored(self.node(out.source, coords, mask), out.dtype, TL_DTYPES[out.dtype])
         if tile:
             result = f"tl.broadcast_to({result}, {tile})"
-        offset = " + ".join(c if st == 1 else f"{c} * {st}" for c, st, size in zip(coords, out.stride, out.shape)
-                            if size != 1)
+        offset = " + ".join(
+            c if st == 1 else f"{c} * {st}" for c, st, size in zip(coords, out.stride, out.shape) if size != 1
+        )
         self.emit(f"tl.store(out0 + {offset or '0'}, {result}, mask={mask})")
 
-    def assemble(self, prefix: str, strategy: str, blocks: list[str], notes: list[str], helpers, grid,
-                 layout: str) -> KernelSource:
+    def assemble(
+        self, prefix: str, strategy: str, blocks: list[str], notes: list[str], helpers, grid, layout: str
+    ) -> KernelSource:
         """The kernel module: a header naming the fx nodes it replaces, the helpers it
         calls, and the ``@triton.jit`` function over ``in*``, ``out0`` and ``blocks``."""
         p = self.program
@@ -294,9 +311,12 @@ class ChainWriter:
         header += notes
         header.append("# inputs:  " + ", ".join(f"in{k}={t.name}{list(t.shape)}" for k, t in enumerate(p.inputs)))
         header.append(f"# output:  out0={p.outputs[0].name}{list(p.outputs[0].shape)}")
-        source = ("\n".join(header) + "\nimport triton\nimport triton.language as tl\n\n\n"
-                  + (helper_text + "\n\n\n" if helper_text else "")
-                  + f"@triton.jit\ndef {name}({', '.join(params)}):\n{body}\n")
+        source = (
+            "\n".join(header)
+            + "\nimport triton\nimport triton.language as tl\n\n\n"
+            + (helper_text + "\n\n\n" if helper_text else "")
+            + f"@triton.jit\ndef {name}({', '.join(params)}):\n{body}\n"
+        )
         return KernelSource(name=name, source=source, layout=layout, grid=grid)
 
     def transposed_conv(self, t: TransposedConv, dtype, coords: tuple[str, ...], mask: str) -> str:
@@ -359,7 +379,7 @@ def write_upsample_kernel(program: ResampleProgram, strategy: str, helpers=None)
     w.emit(f"mask = offs < {numel}")
     coords = []
     for d, size in enumerate(shape):
-        inner = math.prod(shape[d + 1:])
+        inner = math.prod(shape[d + 1 :])
         expr = "offs" if inner == 1 else f"(offs // {inner})"
         w.emit(f"c{d} = {expr} % {size}" if d > 0 else f"c{d} = {expr}")
         coords.append(f"c{d}")
@@ -405,4 +425,3 @@ UPSAMPLE_STRATEGY = StrategySpec(
     default_config=default_config,
     generate=generate,
 )
-

@@ -47,8 +47,11 @@ from autofuser_core.rounding import interpreting, rounded, stored
 from .layout import PackedOperand, dot_block
 
 _NEUTRAL = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
-_COMBINE = {"sum": "{0} + {1}", "max": "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
-            "min": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)"}
+_COMBINE = {
+    "sum": "{0} + {1}",
+    "max": "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+    "min": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+}
 
 
 class DagBlock:
@@ -59,9 +62,11 @@ class DagBlock:
         self.indent = indent
         # The inner axis of this block's tiles: "k" loads at (rows, ks), "n" at (rows, cols); a
         # strategy with another axis passes its own (offsets name, mask name, block constexpr).
-        self.axis, self.axis_mask, self.width = ({"k": ("ks", "k_mask", "BLOCK_K"),
-                                                  "n": ("cols", "col_mask", "BLOCK_N")}[site]
-                                                 if isinstance(site, str) else site)
+        self.axis, self.axis_mask, self.width = (
+            {"k": ("ks", "k_mask", "BLOCK_K"), "n": ("cols", "col_mask", "BLOCK_N")}[site]
+            if isinstance(site, str)
+            else site
+        )
         self.names = dict(known)
         self.loads: dict[tuple, str] = {}
 
@@ -183,15 +188,20 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     w.emit(f"cols = (pid_n{cast} * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]")
     w.emit(f"row_mask = rows < {L.rows}")
     w.emit(f"col_mask = cols < {L.n}")
-    row_offs = emit_offsets(w.emit, [L.out_domain[d] for d in row_dims], [[st[d] for d in row_dims] for st in strides],
-                            "rows", "r")
+    row_offs = emit_offsets(
+        w.emit, [L.out_domain[d] for d in row_dims], [[st[d] for d in row_dims] for st in strides], "rows", "r"
+    )
     b_row = None
     if batch_dims:
         w.emit(f"batch = tl.program_id(1){cast}")
         batch_sizes = [L.out_domain[d] for d in batch_dims]
-        batch_offs = emit_offsets(w.emit, batch_sizes,
-                                  [[st[d] for d in batch_dims] for st in strides]
-                                  + [[L.b_strides[d] for d in batch_dims]], "batch", "b")
+        batch_offs = emit_offsets(
+            w.emit,
+            batch_sizes,
+            [[st[d] for d in batch_dims] for st in strides] + [[L.b_strides[d] for d in batch_dims]],
+            "batch",
+            "b",
+        )
         b_row = batch_offs[-1]
     else:
         batch_offs = [None] * (len(strides) + 1)
@@ -205,8 +215,19 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     b_terms = [t for t in (b_row, index_term("kk", bk), index_term("cols", bn)) if t]
 
     def b_load(start: str) -> list[str]:
-        return weight_tile("b_tile", b_index, b_tensor.dtype, " + ".join(b_terms) or "0", f"(kk < {L.k}) & col_mask",
-                           L.b_packed, start, "BLOCK_K", "cols", "col_mask")
+        return weight_tile(
+            "b_tile",
+            b_index,
+            b_tensor.dtype,
+            " + ".join(b_terms) or "0",
+            f"(kk < {L.k}) & col_mask",
+            L.b_packed,
+            start,
+            "BLOCK_K",
+            "cols",
+            "col_mask",
+        )
+
     prologue_values = [v for v in values if v.uid in L.prologue]
     if L.resident:
         # 2+3, rows of A on chip: the norm's statistics and the product in one step, no passes over K.
@@ -238,10 +259,17 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     block = DagBlock(w, 1, "n", {dot.uid: "acc"})
     emit_stores(w, program, block)
     blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr", "GROUP_M: tl.constexpr"]
-    source, name = assemble_kernel(program, w, blocks, helpers, "mm", strategy,
-                             f"# product: rows {L.rows} x K {L.k} x N {L.n}, batch {L.batch}, "
-                             f"operands "
-                             f"{str(L.operand_dtype).removeprefix('torch.') if L.operand_dtype else L.precision}")
+    source, name = assemble_kernel(
+        program,
+        w,
+        blocks,
+        helpers,
+        "mm",
+        strategy,
+        f"# product: rows {L.rows} x K {L.k} x N {L.n}, batch {L.batch}, "
+        f"operands "
+        f"{str(L.operand_dtype).removeprefix('torch.') if L.operand_dtype else L.precision}",
+    )
 
     def grid(config, rows=L.rows, n=L.n, batch=L.batch):
         block_n = constexprs.get("BLOCK_N", config.get("BLOCK_N"))
@@ -250,8 +278,18 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     return KernelSource(name=name, source=source, layout="matmul", grid=grid, constexprs=constexprs)
 
 
-def weight_tile(target: str, index: int, dtype: torch.dtype, offset: str, mask: str, packed: Optional[PackedOperand],
-                start: str, width: str, across: str, across_mask: str) -> list[str]:
+def weight_tile(
+    target: str,
+    index: int,
+    dtype: torch.dtype,
+    offset: str,
+    mask: str,
+    packed: Optional[PackedOperand],
+    start: str,
+    width: str,
+    across: str,
+    across_mask: str,
+) -> list[str]:
     """The lines loading a product's weight tile ``[width, BLOCK_*]`` into ``target`` as fp32.
 
     A quantised weight (``packed``) loads its element tile and the tile of its
@@ -264,8 +302,9 @@ def weight_tile(target: str, index: int, dtype: torch.dtype, offset: str, mask: 
         return [f"{target} = tl.load(in{index} + {offset}, mask={mask}, other=0){cast}"]
     blocks = f"{target}_blocks"
     # The block term always appears (times 0 for one block), so the pointers form a tile.
-    s_terms = ([index_term(blocks, packed.strides[-2]) or f"{blocks} * 0"]
-               + [t for t in [index_term(across, packed.strides[-1])] if t])
+    s_terms = [index_term(blocks, packed.strides[-2]) or f"{blocks} * 0"] + [
+        t for t in [index_term(across, packed.strides[-1])] if t
+    ]
     return [
         f"{blocks} = {start} // {packed.block} + tl.arange(0, {width} // {packed.block})[:, None]",
         f"{target}_scales = tl.load(in{packed.scales} + {' + '.join(s_terms)}, "
@@ -305,8 +344,10 @@ def emit_prepasses(w: MatmulWriter, prologue_values: list[Value], k: int, indent
 
 def needs_int64(program: GroupProgram) -> bool:
     """Whether some offset into some tensor of the kernel (weights included) can pass 2**31 - 1."""
-    extents = [sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride)) + 1
-               for t in program.inputs + program.outputs]
+    extents = [
+        sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride)) + 1
+        for t in program.inputs + program.outputs
+    ]
     return max(extents + [math.prod(program.domain)]) > INT32_LIMIT
 
 
@@ -323,14 +364,13 @@ def dot_line(a: str, b: str, dtype, precision: str, packed: Optional[PackedOpera
     if dtype is None and precision == "tf32x3" and packed is not None and packed.exact_tf32:
         # b is exact in TF32: a = a_hi + a_lo in TF32 parts, two products instead of three.
         hi = f"({a}.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)"
-        return (f"tl.dot({hi}, {b}, input_precision=\"tf32\") + "
-                f"tl.dot({a} - {hi}, {b}, input_precision=\"tf32\")")
+        return f'tl.dot({hi}, {b}, input_precision="tf32") + tl.dot({a} - {hi}, {b}, input_precision="tf32")'
     if dtype is None:
-        return f"tl.dot({a}, {b}, input_precision=\"{precision}\")"
+        return f'tl.dot({a}, {b}, input_precision="{precision}")'
     tl_dtype = TL_DTYPES[dtype]
     if dtype == torch.bfloat16 and interpreting():
         # The interpreter's bf16 dot is broken; round the operands and multiply in fp32 instead.
-        return f"tl.dot({rounded(a, dtype)}, {rounded(b, dtype)}, input_precision=\"ieee\")"
+        return f'tl.dot({rounded(a, dtype)}, {rounded(b, dtype)}, input_precision="ieee")'
     return f"tl.dot({a}.to({tl_dtype}), {b}.to({tl_dtype}))"
 
 

@@ -166,7 +166,7 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
     # over the full domain, then its c column strides merge into one.
     columns = dot.column_dims
     full_domain = tuple(dot.shape)
-    out_domain = full_domain[:len(full_domain) - columns] + (math.prod(full_domain[len(full_domain) - columns:]),)
+    out_domain = full_domain[: len(full_domain) - columns] + (math.prod(full_domain[len(full_domain) - columns :]),)
     rank = len(full_domain)
     k = a.shape[-1]
     a_domain = out_domain[:-1] + (k,)
@@ -178,9 +178,11 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
             last = len(v.args[0].shape) - 1
             if v.dims != (last,) or not v.keepdim or v.args[0].shape[-1] == 1 or (columns > 1 and not in_prologue):
                 where = "before" if in_prologue else "after"
-                raise GroupRefused("unsupported_reduction",
-                                   f"a reduction {where} the product must run over the last dim with keepdim"
-                                   + ("" if in_prologue else ", and the product's columns must be one dim"))
+                raise GroupRefused(
+                    "unsupported_reduction",
+                    f"a reduction {where} the product must run over the last dim with keepdim"
+                    + ("" if in_prologue else ", and the product's columns must be one dim"),
+                )
         if v.op in ("pointwise", "reduce", "load") and len(v.shape) > rank:
             raise GroupRefused("shape_mismatch", "a value has more dims than the product")
 
@@ -195,7 +197,7 @@ def lay_out_matmul(program: GroupProgram, values: dict[int, Value]) -> None:
         else:
             layout.load_strides[v.uid] = _column_strides(shape, stride, full_domain, columns)
 
-    b_domain = full_domain[:rank - 1 - columns] + (k,) + full_domain[rank - columns:]
+    b_domain = full_domain[: rank - 1 - columns] + (k,) + full_domain[rank - columns :]
     layout.b_strides, layout.b_packed = weight_operand(program, b, dot, b_domain, columns)
     layout.batched = any(layout.b_strides[:-2])
 
@@ -221,13 +223,16 @@ def _column_strides(shape, stride, domain, columns: int) -> tuple[int, ...]:
     strides = domain_strides(shape, stride, domain)
     if columns == 1:
         return strides
-    head, tail = list(strides[:len(strides) - columns]), strides[len(strides) - columns:]
-    sizes = domain[len(domain) - columns:]
+    head, tail = list(strides[: len(strides) - columns]), strides[len(strides) - columns :]
+    sizes = domain[len(domain) - columns :]
     walked = [(size, st) for size, st in zip(sizes, tail) if size != 1]
     for (_, outer), (size, inner) in zip(walked, walked[1:]):
         if outer != size * inner:
-            raise GroupRefused("strided_columns", f"a tensor of shape {list(shape)} and strides {list(stride)} "
-                                                  f"doesn't walk the product's {columns} column dims as one")
+            raise GroupRefused(
+                "strided_columns",
+                f"a tensor of shape {list(shape)} and strides {list(stride)} "
+                f"doesn't walk the product's {columns} column dims as one",
+            )
     return tuple(head + [walked[-1][1] if walked else 0])
 
 
@@ -238,8 +243,9 @@ def packed_only_as_weights(values: dict[int, Value], weights: tuple[Value, ...])
             raise GroupRefused("packed_weight", "a quantised weight is read other than as a product's weight")
 
 
-def weight_operand(program: GroupProgram, load: Value, dot: Value, domain: tuple[int, ...],
-                    columns: int = 1) -> tuple[tuple[int, ...], Optional[PackedOperand]]:
+def weight_operand(
+    program: GroupProgram, load: Value, dot: Value, domain: tuple[int, ...], columns: int = 1
+) -> tuple[tuple[int, ...], Optional[PackedOperand]]:
     """The weight's strides over ``domain`` (``[..., K, N]``, its last ``columns`` dims
     merged into one), and its scales if it is stored quantised."""
     meta = program.inputs[program.input_of_load[load.uid]]
@@ -265,8 +271,14 @@ def weight_operand(program: GroupProgram, load: Value, dot: Value, domain: tuple
     blocks = s_shape[-2]
     s_domain = domain[:-2] + (blocks, domain[-1])
     check_fits(tuple(s_shape), s_domain)
-    return strides, PackedOperand(scales=index, strides=domain_strides(s_shape, s_stride, s_domain), blocks=blocks,
-                                  block=packed.block, decode=packed.decode, exact_tf32=packed.exact_tf32)
+    return strides, PackedOperand(
+        scales=index,
+        strides=domain_strides(s_shape, s_stride, s_domain),
+        blocks=blocks,
+        block=packed.block,
+        decode=packed.decode,
+        exact_tf32=packed.exact_tf32,
+    )
 
 
 def depending_on(values: dict[int, Value], root: Value) -> set[int]:
@@ -278,8 +290,9 @@ def depending_on(values: dict[int, Value], root: Value) -> set[int]:
     return found
 
 
-def outputs_from(program: GroupProgram, values: dict[int, Value], after: set[int], product: Value, before: set[int],
-                  what: str) -> None:
+def outputs_from(
+    program: GroupProgram, values: dict[int, Value], after: set[int], product: Value, before: set[int], what: str
+) -> None:
     """Every output is computed from ``product``, and nothing after it reads a value from ``before``."""
     for out, value in zip(program.outputs, program.output_values):
         if value.uid not in after:
@@ -308,8 +321,9 @@ def install_layout(program: GroupProgram, layout, out_domain: tuple[int, ...], c
 def check_fits(shape, domain) -> None:
     pad = len(domain) - len(shape)
     if pad < 0 or any(s not in (1, d) for s, d in zip(shape, domain[pad:])):
-        raise GroupRefused("shape_mismatch",
-                           f"a tensor of shape {list(shape)} does not fit the product's {list(domain)}")
+        raise GroupRefused(
+            "shape_mismatch", f"a tensor of shape {list(shape)} does not fit the product's {list(domain)}"
+        )
 
 
 def collect_uids(root: Value) -> list[int]:

@@ -28,8 +28,12 @@ def reduction_prologue(program: Optional[GroupProgram]) -> bool:
     after_product: dict[int, bool] = {}
     for v in _args_first(values):
         after_product[v.uid] = any(a.op == "dot" or after_product[a.uid] for a in v.args)
-    return any(v.op == "reduce" and not after_product[v.uid]
-               for dot in values.values() if dot.op == "dot" for v in collect_values(dot.args).values())
+    return any(
+        v.op == "reduce" and not after_product[v.uid]
+        for dot in values.values()
+        if dot.op == "dot"
+        for v in collect_values(dot.args).values()
+    )
 
 
 def _args_first(values: dict[int, Value]) -> list[Value]:
@@ -63,15 +67,20 @@ def _several_products(program: GroupProgram) -> bool:
 
 # A group of several products kept in round 1, as groups of fewer products (the
 # row-tiled kernel may lose to shorter ones).
-FEWER_PRODUCTS = SplitRule(description="into groups of fewer products", applies=_several_products,
-                           fewer_products=1, first_round_only=True)
+FEWER_PRODUCTS = SplitRule(
+    description="into groups of fewer products", applies=_several_products, fewer_products=1, first_round_only=True
+)
 # The same where a row reduction feeds one of its products, with that reduction in a group
 # of its own too (an MLP behind its layer norm as the norm's kernel and two linear kernels).
 FEWER_PRODUCTS_NORM_APART = SplitRule(
     description="into groups of fewer products, the row reduction before a product on its own",
     applies=lambda program: _several_products(program) and reduction_prologue(program),
-    fewer_products=1, refuse=_norm_apart, first_round_only=True)
+    fewer_products=1,
+    refuse=_norm_apart,
+    first_round_only=True,
+)
 # A group whose product a row reduction feeds, with that reduction in a group of its own
 # (layer norm + linear, or an MLP behind its norm, as the norm's kernel and the rest).
-NORM_APART = SplitRule(description="with the row reduction before a product on its own",
-                       applies=reduction_prologue, refuse=_norm_apart)
+NORM_APART = SplitRule(
+    description="with the row reduction before a product on its own", applies=reduction_prologue, refuse=_norm_apart
+)

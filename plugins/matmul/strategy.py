@@ -31,9 +31,19 @@ MAX_ROW_N = 256
 
 CONFIGS = [
     # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), most promising first: tuning stops at its budget
-    (128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4),
-    (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 32, 8, 3), (64, 64, 32, 4, 4),
-    (64, 64, 64, 4, 3), (64, 256, 32, 8, 3), (32, 64, 32, 4, 4), (64, 32, 32, 4, 4), (32, 32, 32, 4, 2),
+    (128, 128, 32, 8, 3),
+    (128, 128, 64, 8, 3),
+    (64, 128, 32, 4, 4),
+    (128, 64, 32, 4, 4),
+    (128, 256, 64, 8, 3),
+    (256, 128, 64, 8, 3),
+    (128, 256, 32, 8, 3),
+    (64, 64, 32, 4, 4),
+    (64, 64, 64, 4, 3),
+    (64, 256, 32, 8, 3),
+    (32, 64, 32, 4, 4),
+    (64, 32, 32, 4, 4),
+    (32, 32, 32, 4, 2),
 ]
 
 
@@ -60,8 +70,10 @@ def accepts(program):
     if not isinstance(layout, MatmulLayout):
         return ("not_one_product", "the group does not have exactly one matrix product")
     if layout.epilogue_reduces and layout.n > MAX_ROW_N:
-        return ("row_too_long", f"a norm over {layout.n} product columns needs more than one program's tile "
-                                f"(limit {MAX_ROW_N})")
+        return (
+            "row_too_long",
+            f"a norm over {layout.n} product columns needs more than one program's tile (limit {MAX_ROW_N})",
+        )
     return None
 
 

@@ -65,8 +65,12 @@ def _packed(view, node) -> bool:
 
 def propose(view):
     # Products over quantised weights stay with the product strategies, which decode them.
-    allowed = {n for n in view.lowered if view.lowering_of[n].kind in ("pointwise", "reduction", "matmul", "layout")
-               and not any(_packed(view, arg) for arg in n.all_input_nodes)}
+    allowed = {
+        n
+        for n in view.lowered
+        if view.lowering_of[n].kind in ("pointwise", "reduction", "matmul", "layout")
+        and not any(_packed(view, arg) for arg in n.all_input_nodes)
+    }
     # A two-product chain that overlaps an MLP is left to the MLP strategy: its kernel keeps
     # the hidden activation on chip, where a chain cut at two products would write it out.
     in_mlps = {n for group in propose_mlps(view) for n in group}
@@ -105,8 +109,11 @@ def accepts(program):
     wide += [s.n for s in layout.steps if s.mode in ("whole", "streamed") and s.n > MAX_ROW_WIDTH]
     wide += [s.k for s in layout.steps if s.mode != "streamed" and s.fed_by is None and s.k > MAX_ROW_WIDTH]
     if wide:
-        return ("too_wide", f"a row of {max(wide)} values would be held whole in one program "
-                            f"(limit {MAX_ROW_WIDTH}); only hidden and tail products may be wider")
+        return (
+            "too_wide",
+            f"a row of {max(wide)} values would be held whole in one program "
+            f"(limit {MAX_ROW_WIDTH}); only hidden and tail products may be wider",
+        )
     chunked = [s.chunked_width for s in layout.steps if s.chunked and s.chunked_width > MAX_CHUNKED_WIDTH]
     if chunked:
         return ("too_wide", f"a product of width {max(chunked)} (limit {MAX_CHUNKED_WIDTH})")
@@ -116,16 +123,26 @@ def accepts(program):
 
 
 def _chunk_sizes(layout: ChainLayout, chunk: int, widest_step=None) -> dict[str, int]:
-    return {f"BLOCK_S{s.index}": padded(s.chunked_width) if s.index == widest_step
-            else min(chunk, padded(s.chunked_width))
-            for s in layout.steps if s.chunked}
+    return {
+        f"BLOCK_S{s.index}": padded(s.chunked_width) if s.index == widest_step else min(chunk, padded(s.chunked_width))
+        for s in layout.steps
+        if s.chunked
+    }
 
 
 #: (BLOCK_M, chunk, num_warps) in the order tuning tries them: the configs that won most
 #: often on the zoo's row chains (fp32 and bf16, H200; benchmarks/tuning_stats.py) first,
 #: then the rest of BLOCK_M x num_warps x CHUNKS.
-FIRST_CONFIGS = ((32, 64, 4), (64, 32, 4), (16, 64, 4), (32, 128, 8), (64, 64, 4), (32, 32, 4), (128, 64, 8),
-                 (128, 32, 8))
+FIRST_CONFIGS = (
+    (32, 64, 4),
+    (64, 32, 4),
+    (16, 64, 4),
+    (32, 128, 8),
+    (64, 64, 4),
+    (32, 32, 4),
+    (128, 64, 8),
+    (128, 32, 8),
+)
 #: Chain kernels are large and slow to compile: tuning times the first this many valid
 #: configs. Every winner the zoo's chains recorded is in FIRST_CONFIGS, and even the earlier
 #: order lost little at this cap (BENCHMARKS.md, "Measurements behind rules in the code").
@@ -191,8 +208,10 @@ def is_valid(program, config):
 def default_config(program):
     """The first valid of a few safe choices (used without tuning: the interpreter, ``tune=False``)."""
     layout: ChainLayout = program.matmul
-    choices = [{"BLOCK_M": m, **_chunk_sizes(layout, c), "num_warps": warps, "num_stages": 2}
-               for m, warps, c in ((32, 4, 64), (32, 8, 64), (32, 8, 32), (16, 8, 32), (16, 8, 16))]
+    choices = [
+        {"BLOCK_M": m, **_chunk_sizes(layout, c), "num_warps": warps, "num_stages": 2}
+        for m, warps, c in ((32, 4, 64), (32, 8, 64), (32, 8, 32), (16, 8, 32), (16, 8, 16))
+    ]
     return next((c for c in choices if is_valid(program, c) is None), choices[0])
 
 

@@ -42,8 +42,13 @@ class _Context:
     """One straight-line block: its indent, and the column axis of each width it
     reads (whole-row tiles at the top level; one chunk axis inside a step's loop)."""
 
-    def __init__(self, writer: "_ChainWriter", indent: int, axes: dict[int, tuple[str, str, str]],
-                 known: Optional[dict[int, str]] = None):
+    def __init__(
+        self,
+        writer: "_ChainWriter",
+        indent: int,
+        axes: dict[int, tuple[str, str, str]],
+        known: Optional[dict[int, str]] = None,
+    ):
         self.w = writer
         self.indent = indent
         self.axes = axes  # width -> (index name, mask name, tile width)
@@ -110,8 +115,9 @@ class _Context:
         terms = [x for x in (w.row_offsets[("out", k)], index_term(axis, t.domain_stride[-1]) if axis else None) if x]
         mask = "row_mask" + (f" & {axis_mask}" if axis else "")
         data = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
-        self.emit(f"tl.store(out{k} + {' + '.join(terms) or '0'}, tl.broadcast_to({data}, (BLOCK_M, {cols})), "
-                  f"mask={mask})")
+        self.emit(
+            f"tl.store(out{k} + {' + '.join(terms) or '0'}, tl.broadcast_to({data}, (BLOCK_M, {cols})), mask={mask})"
+        )
 
 
 class _ChainWriter(MatmulWriter):
@@ -185,8 +191,12 @@ class _ChainWriter(MatmulWriter):
                 if a.uid not in region and a.op not in ("const", "load"):
                     top.value(a)
         top.emit(f"for s{i} in range(0, {step.n}, {block}):")
-        body = _Context(self, top.indent + 1, {step.n: (f"cs{i}", f"cs{i}_mask", block)},
-                        {u: n for u, n in top.names.items() if L.width.get(u) == 1})
+        body = _Context(
+            self,
+            top.indent + 1,
+            {step.n: (f"cs{i}", f"cs{i}_mask", block)},
+            {u: n for u, n in top.names.items() if L.width.get(u) == 1},
+        )
         body.emit(f"cs{i} = s{i} + tl.arange(0, {block})[None, :]")
         body.emit(f"cs{i}_mask = cs{i} < {step.n}")
         name, load = self.weight_tile(step, f"k{step.k}", f"cs{i}", str(step.k), f"cs{i}_mask")
@@ -248,15 +258,25 @@ def write_chain_kernel(program: GroupProgram, strategy: str, helpers: Optional[d
     axes = []
     for width in w.widths:
         if re.search(rf"\b[cmk]{width}\b", body):
-            axes += [f"    c{width} = tl.arange(0, {padded(width)})[None, :]", f"    m{width} = c{width} < {width}",
-                     f"    k{width} = tl.arange(0, {padded(width)})[:, None]"]
+            axes += [
+                f"    c{width} = tl.arange(0, {padded(width)})[None, :]",
+                f"    m{width} = c{width} < {width}",
+                f"    k{width} = tl.arange(0, {padded(width)})[:, None]",
+            ]
     w.lines[axes_at:axes_at] = axes
 
     blocks = ["BLOCK_M: tl.constexpr"] + [f"BLOCK_S{s.index}: tl.constexpr" for s in L.steps if s.chunked]
     modes = ", ".join(f"{s.mode if s.fed_by is None else 'accumulated'} {s.k}->{s.n}" for s in L.steps)
     dtypes = [str(s.operand_dtype).removeprefix("torch.") if s.operand_dtype else L.precision for s in L.steps]
-    source, name = assemble_kernel(program, w, blocks, helpers, "chain", strategy,
-                             f"# row-tiled chain: rows {L.rows}; steps: {modes}; operands {dtypes}")
+    source, name = assemble_kernel(
+        program,
+        w,
+        blocks,
+        helpers,
+        "chain",
+        strategy,
+        f"# row-tiled chain: rows {L.rows}; steps: {modes}; operands {dtypes}",
+    )
 
     def grid(config, rows=L.rows):
         return (triton_cdiv(rows, config["BLOCK_M"]),)

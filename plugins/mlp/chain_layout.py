@@ -115,8 +115,9 @@ def lay_out_chain(program: GroupProgram, values: dict[int, Value]) -> None:
             users[a.uid].append(v)
 
     if any(v.op == "load" and getattr(v, "packed", None) is not None for v in ordered):
-        raise GroupRefused("packed_weight", "a chain kernel does not decode quantised weights; the product "
-                                            "strategies do")
+        raise GroupRefused(
+            "packed_weight", "a chain kernel does not decode quantised weights; the product strategies do"
+        )
     for d in dots:
         if d.args[1].op != "load":
             raise GroupRefused("computed_weight", "a chain's products must read their weights from memory")
@@ -127,8 +128,9 @@ def lay_out_chain(program: GroupProgram, values: dict[int, Value]) -> None:
         if v.op == "reduce":
             last = len(v.args[0].shape) - 1
             if v.dims != (last,) or not v.keepdim or v.args[0].shape[-1] == 1:
-                raise GroupRefused("unsupported_reduction",
-                                   "a chain's reductions must run over the last dim with keepdim")
+                raise GroupRefused(
+                    "unsupported_reduction", "a chain's reductions must run over the last dim with keepdim"
+                )
             reductions += 1
 
     layout = ChainLayout(lead=lead_t, steps=[], width=width, reductions=reductions)
@@ -146,19 +148,27 @@ def lay_out_chain(program: GroupProgram, values: dict[int, Value]) -> None:
         a = d.args[0]
         k, n = width[a.uid], width[d.uid]
         if min(k, n) < 2:
-            raise GroupRefused("degenerate_product", "a product with one input or output column (a chain keeps "
-                                                     "those outside: they are reductions, not steps)")
-        step = ChainStep(index=index, dot=d, k=k, n=n, mode="whole",
-                         weight_strides=weight_strides(program, d.args[1], d, (k, n)),
-                         operand_dtype=product_operand_dtype(d))
+            raise GroupRefused(
+                "degenerate_product",
+                "a product with one input or output column (a chain keeps "
+                "those outside: they are reductions, not steps)",
+            )
+        step = ChainStep(
+            index=index,
+            dot=d,
+            k=k,
+            n=n,
+            mode="whole",
+            weight_strides=weight_strides(program, d.args[1], d, (k, n)),
+            operand_dtype=product_operand_dtype(d),
+        )
         convert_weight_once(program, d.args[1], step.operand_dtype)
         if d.uid in fed:
             step.fed_by = fed[d.uid]
         else:
             region, boundary = _chunk_region(d, ordered, width)
             region_outputs = [v for v in region if v.uid in output_uids]
-            if (len(boundary) == 1 and boundary[0].op == "dot" and boundary[0].args[0] in region
-                    and not region_outputs):
+            if len(boundary) == 1 and boundary[0].op == "dot" and boundary[0].args[0] in region and not region_outputs:
                 step.mode, step.region, step.consumer = "hidden", region, boundary[0]
                 fed[boundary[0].uid] = index
             elif not boundary and region_outputs:
@@ -171,10 +181,13 @@ def lay_out_chain(program: GroupProgram, values: dict[int, Value]) -> None:
     # a load is held whole where some value made outside the loops reads it.
     in_loops = {v.uid for s in layout.steps for v in s.region}
     in_loops |= set().union(*[_collect(s.dot.args[0]) for s in layout.steps if s.mode == "streamed"])
-    layout.row_widths = {width[v.uid] for v in ordered_rows
-                         if v.op != "const" and width[v.uid] > 1
-                         and (any(u.uid not in in_loops for u in users[v.uid]) if v.op == "load"
-                              else v.uid not in in_loops)}
+    layout.row_widths = {
+        width[v.uid]
+        for v in ordered_rows
+        if v.op != "const"
+        and width[v.uid] > 1
+        and (any(u.uid not in in_loops for u in users[v.uid]) if v.op == "load" else v.uid not in in_loops)
+    }
     layout.precision = fp32_precision()
 
     for tensor, value in zip(program.outputs, program.output_values):
@@ -201,8 +214,11 @@ def _chunk_region(dot: Value, ordered: list[Value], width: dict[int, int]) -> tu
     for v in ordered:
         if v.uid <= dot.uid or not any(a.uid in inside for a in v.args):
             continue
-        if v.op == "pointwise" and width[v.uid] == n and all(
-                a.uid in inside or _chunk_safe(a, dot, n, width) for a in v.args):
+        if (
+            v.op == "pointwise"
+            and width[v.uid] == n
+            and all(a.uid in inside or _chunk_safe(a, dot, n, width) for a in v.args)
+        ):
             inside.add(v.uid)
             region.append(v)
         else:

@@ -40,8 +40,9 @@ from .mlp_layout import PERSISTENT_BLOCK_H
 HIDDEN_AXIS = ("hs", "h_mask", "BLOCK_H")
 
 
-def _emit_rows(w: MatmulWriter, out_domain, rows: int, sites: list, strides: list, wide: bool,
-               tile: str = "tl.program_id(0)") -> None:
+def _emit_rows(
+    w: MatmulWriter, out_domain, rows: int, sites: list, strides: list, wide: bool, tile: str = "tl.program_id(0)"
+) -> None:
     """The row block ``tile`` -> ``rows`` tiles (all ``BLOCK_N`` columns), masks, and each site's row offset."""
     # tl.cast, not .to: the persistent form's tile is a Python int under the interpreter
     w.emit(f"pid_m = tl.cast({tile}, tl.int64)" if wide else f"pid_m = {tile}")
@@ -50,8 +51,9 @@ def _emit_rows(w: MatmulWriter, out_domain, rows: int, sites: list, strides: lis
     w.emit(f"row_mask = rows < {rows}")
     w.emit(f"col_mask = cols < {out_domain[-1]}")
     row_dims = list(range(len(out_domain) - 1))
-    offsets = emit_offsets(w.emit, [out_domain[d] for d in row_dims], [[st[d] for d in row_dims] for st in strides],
-                           "rows", "r")
+    offsets = emit_offsets(
+        w.emit, [out_domain[d] for d in row_dims], [[st[d] for d in row_dims] for st in strides], "rows", "r"
+    )
     for site, ro in zip(sites, offsets):
         w.site_offsets[site] = (ro, None)
 
@@ -96,21 +98,29 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
         w.emit(f"whole = {L.rows} // BLOCK_M // PROGRAMS * PROGRAMS", 2)
         w.emit("for tile in range(tl.program_id(0), whole, PROGRAMS):", 2)
         w.lines += ["        " + line for line in whole.lines]
-        w.emit(f"for tile in range(tl.program_id(0), tl.cdiv({L.rows} - whole * BLOCK_M, BLOCK_M // 2), "
-               "PROGRAMS):", 2)
+        w.emit(f"for tile in range(tl.program_id(0), tl.cdiv({L.rows} - whole * BLOCK_M, BLOCK_M // 2), PROGRAMS):", 2)
         w.lines += ["        " + re.sub(r"\bBLOCK_M\b", "(BLOCK_M // 2)", line) for line in halves.lines]
         w.emit("else:")
         w.emit(f"for tile in range(tl.program_id(0), tl.cdiv({L.rows}, BLOCK_M), PROGRAMS):", 2)
         w.lines += ["        " + line for line in whole.lines]
         persistent = w.lines
-        w.lines = (["    if PERSISTENT:  # weights in shared memory, row blocks in a loop"]
-                   + ["    " + line for line in persistent]
-                   + ["    else:  # one row block per program, weight slices from memory"]
-                   + ["    " + line for line in streamed.lines])
+        w.lines = (
+            ["    if PERSISTENT:  # weights in shared memory, row blocks in a loop"]
+            + ["    " + line for line in persistent]
+            + ["    else:  # one row block per program, weight slices from memory"]
+            + ["    " + line for line in streamed.lines]
+        )
         blocks += ["PERSISTENT: tl.constexpr", "PROGRAMS: tl.constexpr", "SPLIT_TAIL: tl.constexpr"]
-    source, name = assemble_kernel(program, w, blocks, helpers, "mlp", strategy,
-                             f"# MLP: rows {L.rows} x K {L.k} -> hidden {L.h} -> N {L.n}, operands "
-                             f"{[str(d).removeprefix('torch.') if d else L.precision for d in L.operand_dtypes]}")
+    source, name = assemble_kernel(
+        program,
+        w,
+        blocks,
+        helpers,
+        "mlp",
+        strategy,
+        f"# MLP: rows {L.rows} x K {L.k} -> hidden {L.h} -> N {L.n}, operands "
+        f"{[str(d).removeprefix('torch.') if d else L.precision for d in L.operand_dtypes]}",
+    )
 
     def grid(config, rows=L.rows):
         blocks = triton_cdiv(rows, config["BLOCK_M"])
@@ -122,8 +132,14 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     # The persistent form reads each weight once per program, in its prologue, and converts
     # it there: the launcher's conversion (two more launches per call) costs more than it
     # saves the kernel (BENCHMARKS.md, "Measurements behind rules in the code").
-    return KernelSource(name=name, source=source, layout="mlp", grid=grid, constexprs=constexprs,
-                        converts_casts=lambda config: bool(config.get("PERSISTENT")))
+    return KernelSource(
+        name=name,
+        source=source,
+        layout="mlp",
+        grid=grid,
+        constexprs=constexprs,
+        converts_casts=lambda config: bool(config.get("PERSISTENT")),
+    )
 
 
 def _weight_names(program: GroupProgram):
@@ -145,8 +161,9 @@ def _hidden_slice(w: MatmulWriter, start: str, block: str, h: int, indent: int, 
     w.emit(f"h_mask = hs < {h}", indent)
 
 
-def _second_product(w: MatmulWriter, program: GroupProgram, indent: int, width: str, w2_tile: str,
-                    w2_load: list[str]) -> None:
+def _second_product(
+    w: MatmulWriter, program: GroupProgram, indent: int, width: str, w2_tile: str, w2_load: list[str]
+) -> None:
     """A hidden slice's middle (the pointwise ops on ``acc1``) and ``acc2 += middle @ W2``;
     ``w2_load``: the lines loading the slice's W2 tile, where it is not on chip yet."""
     L = program.matmul
@@ -170,11 +187,31 @@ def _write_weights(w: MatmulWriter, program: GroupProgram) -> list[tuple[str, st
     for s in range(triton_cdiv(L.h, PERSISTENT_BLOCK_H)):
         _hidden_slice(w, str(s * PERSISTENT_BLOCK_H), PERSISTENT_BLOCK_H, L.h, 1)
         pair = (f"w1_{s}", f"w2_{s}")
-        for line in weight_tile(pair[0], w1, program.inputs[w1].dtype, w1_off, f"(kk < {L.k}) & h_mask", None, "0",
-                                "BLOCK_K", "hs", "h_mask"):
+        for line in weight_tile(
+            pair[0],
+            w1,
+            program.inputs[w1].dtype,
+            w1_off,
+            f"(kk < {L.k}) & h_mask",
+            None,
+            "0",
+            "BLOCK_K",
+            "hs",
+            "h_mask",
+        ):
             w.emit(line)
-        for line in weight_tile(pair[1], w2, program.inputs[w2].dtype, w2_off, f"(hh < {L.h}) & col_mask", None,
-                                "0", "BLOCK_H", "cols", "col_mask"):
+        for line in weight_tile(
+            pair[1],
+            w2,
+            program.inputs[w2].dtype,
+            w2_off,
+            f"(hh < {L.h}) & col_mask",
+            None,
+            "0",
+            "BLOCK_H",
+            "cols",
+            "col_mask",
+        ):
             w.emit(line)
         w.emit(f"{pair[0]} = {as_operand(pair[0], L.operand_dtypes[0])}")
         w.emit(f"{pair[1]} = {as_operand(pair[1], L.operand_dtypes[1])}")
@@ -217,8 +254,9 @@ def _write_rows(w: MatmulWriter, program: GroupProgram, tile: str, weights: Opti
         w.emit(f"for h0 in range(0, {L.h}, BLOCK_H):")
         _hidden_slice(w, "h0", "BLOCK_H", L.h, 2)
         if resident:
-            for line in weight_tile("w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "0",
-                                    "BLOCK_K", "hs", "h_mask"):
+            for line in weight_tile(
+                "w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "0", "BLOCK_K", "hs", "h_mask"
+            ):
                 w.emit(line, 2)
             w.emit(f"acc1 = {dot_line('a_op', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 2)
         else:
@@ -228,13 +266,24 @@ def _write_rows(w: MatmulWriter, program: GroupProgram, tile: str, weights: Opti
             w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 3)
             w.emit(f"k_mask = ks < {L.k}", 3)
             a_name = DagBlock(w, 3, "k", known).value(L.dot1.args[0])
-            for line in weight_tile("w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "k0",
-                                    "BLOCK_K", "hs", "h_mask"):
+            for line in weight_tile(
+                "w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "k0", "BLOCK_K", "hs", "h_mask"
+            ):
                 w.emit(line, 3)
             w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 3)
             w.emit(f"acc1 += {dot_line('a_tile', 'w1_tile', L.operand_dtypes[0], L.precision, L.w1_packed)}", 3)
-        w2_load = weight_tile("w2_tile", w2, w2_dtype, w2_off, f"(hh < {L.h}) & col_mask", L.w2_packed, "h0",
-                              "BLOCK_H", "cols", "col_mask")
+        w2_load = weight_tile(
+            "w2_tile",
+            w2,
+            w2_dtype,
+            w2_off,
+            f"(hh < {L.h}) & col_mask",
+            L.w2_packed,
+            "h0",
+            "BLOCK_H",
+            "cols",
+            "col_mask",
+        )
         _second_product(w, program, 2, "BLOCK_H", "w2_tile", w2_load)
 
     block = DagBlock(w, 1, "n", {L.dot2.uid: "acc2"})

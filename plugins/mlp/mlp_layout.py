@@ -111,11 +111,15 @@ class MlpLayout:
     def persistent(self) -> bool:
         """Whether the kernel has its persistent form (``mlp_kernel``): enough rows, 16-bit
         products over float weights that fit in shared memory together, A's rows on chip."""
-        return (self.rows >= persistent_min_rows() and self.resident
-                and self.w1_packed is None and self.w2_packed is None
-                and all(d in ROUNDED_DTYPES for d in self.operand_dtypes)
-                and self.h <= MAX_PERSISTENT_SLICES * PERSISTENT_BLOCK_H
-                and self.weight_bytes <= PERSISTENT_WEIGHT_BYTES)
+        return (
+            self.rows >= persistent_min_rows()
+            and self.resident
+            and self.w1_packed is None
+            and self.w2_packed is None
+            and all(d in ROUNDED_DTYPES for d in self.operand_dtypes)
+            and self.h <= MAX_PERSISTENT_SLICES * PERSISTENT_BLOCK_H
+            and self.weight_bytes <= PERSISTENT_WEIGHT_BYTES
+        )
 
     @property
     def rows(self) -> int:
@@ -135,8 +139,9 @@ def weight_strides(program: GroupProgram, load: Value, dot: Value, domain: tuple
     return tuple(weight_operand(program, load, dot, domain)[0])
 
 
-def _mlp_weight(program: GroupProgram, dot: Value,
-                domain: tuple[int, int]) -> tuple[tuple[int, int], Optional[PackedOperand]]:
+def _mlp_weight(
+    program: GroupProgram, dot: Value, domain: tuple[int, int]
+) -> tuple[tuple[int, int], Optional[PackedOperand]]:
     """An MLP weight's strides over ``domain``, and its scales when it is stored quantised."""
     load = dot.args[1]
     if load.packed is None:

@@ -24,12 +24,22 @@ REGS_PER_THREAD = 192  # fp32 values (acc2, acc1, resident rows of A) per thread
 
 CONFIGS = [
     # (BLOCK_M, BLOCK_H, BLOCK_K, num_warps, num_stages); BLOCK_K is fixed to K when A's rows stay on chip
-    (64, 64, 64, 8, 2), (64, 32, 32, 4, 2), (128, 64, 32, 8, 2), (32, 64, 32, 4, 2),
-    (64, 64, 32, 8, 3), (128, 32, 32, 8, 2), (32, 32, 32, 4, 3), (64, 128, 64, 8, 2), (32, 128, 64, 8, 2),
+    (64, 64, 64, 8, 2),
+    (64, 32, 32, 4, 2),
+    (128, 64, 32, 8, 2),
+    (32, 64, 32, 4, 2),
+    (64, 64, 32, 8, 3),
+    (128, 32, 32, 8, 2),
+    (32, 32, 32, 4, 3),
+    (64, 128, 64, 8, 2),
+    (32, 128, 64, 8, 2),
     # Taller row blocks: every program reads both weight matrices once, so at narrow
     # widths (where the weights, not the activations, are most of each program's
     # reads) more rows per program means proportionally less weight traffic.
-    (128, 64, 64, 8, 3), (128, 128, 64, 8, 2), (128, 64, 32, 4, 3), (256, 32, 32, 8, 2),
+    (128, 64, 64, 8, 3),
+    (128, 128, 64, 8, 2),
+    (128, 64, 32, 4, 3),
+    (256, 32, 32, 8, 2),
 ]
 
 
@@ -91,8 +101,10 @@ def accepts(program):
 
 
 def configs(program):
-    listed = [{"BLOCK_M": m, "BLOCK_H": h, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
-              for m, h, k, warps, stages in CONFIGS]
+    listed = [
+        {"BLOCK_M": m, "BLOCK_H": h, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
+        for m, h, k, warps, stages in CONFIGS
+    ]
     if not program.matmul.persistent:
         return listed
     # one program per multiprocessor; 4 on a CPU, so the interpreter walks several row blocks
@@ -102,8 +114,16 @@ def configs(program):
     rows = program.matmul.rows
     persistent = []
     for m, warps, stages in PERSISTENT_CONFIGS:
-        config = {"BLOCK_M": m, "BLOCK_H": PERSISTENT_BLOCK_H, "BLOCK_K": 64, "num_warps": warps,
-                  "num_stages": stages, "PERSISTENT": 1, "PROGRAMS": programs, "SPLIT_TAIL": 1}
+        config = {
+            "BLOCK_M": m,
+            "BLOCK_H": PERSISTENT_BLOCK_H,
+            "BLOCK_K": 64,
+            "num_warps": warps,
+            "num_stages": stages,
+            "PERSISTENT": 1,
+            "PROGRAMS": programs,
+            "SPLIT_TAIL": 1,
+        }
         # Split where it shortens the last round and still fits (else the config as it was).
         if not split_tail(rows, m, programs) or is_valid(program, config) is not None:
             config["SPLIT_TAIL"] = 0
@@ -117,8 +137,10 @@ def is_valid(program, config):
     threads = 32 * config["num_warps"]
     resident = layout.resident
     block_k = layout.block_k or config["BLOCK_K"]
-    for packed, block, name in ((layout.w1_packed, block_k, "BLOCK_K"),
-                                (layout.w2_packed, config["BLOCK_H"], "BLOCK_H")):
+    for packed, block, name in (
+        (layout.w1_packed, block_k, "BLOCK_K"),
+        (layout.w2_packed, config["BLOCK_H"], "BLOCK_H"),
+    ):
         if packed is not None and block % packed.block:
             return f"{name} {block} is not a multiple of the quantised weight's block of {packed.block}"
     held = config["BLOCK_M"] * (block_n + config["BLOCK_H"] + (block_k if resident else 0))
@@ -128,11 +150,15 @@ def is_valid(program, config):
         # A's row blocks are pipelined as stored: fp32 activations under autocast take twice the room.
         smem = layout.weight_bytes + config["BLOCK_M"] * block_k * _a_bytes(program) * config["num_stages"]
         if config.get("SPLIT_TAIL") and config["BLOCK_M"] // 2 < SPLIT_MIN_ROWS:
-            return (f"half row blocks of {config['BLOCK_M'] // 2} rows run their products in another "
-                    "instruction form, which holds both weights again")
+            return (
+                f"half row blocks of {config['BLOCK_M'] // 2} rows run their products in another "
+                "instruction form, which holds both weights again"
+            )
         if smem > BLOCK_SMEM_LIMIT:
-            return (f"{smem // 1024} KiB of shared memory (both weights, pipelined rows) exceeds "
-                    f"{BLOCK_SMEM_LIMIT // 1024} KiB")
+            return (
+                f"{smem // 1024} KiB of shared memory (both weights, pipelined rows) exceeds "
+                f"{BLOCK_SMEM_LIMIT // 1024} KiB"
+            )
         return None
     element = 2 if layout.operand_dtypes[0] is not None else 4
     smem = (config["BLOCK_M"] + config["BLOCK_H"]) * block_k * element * config["num_stages"]
@@ -145,18 +171,26 @@ def is_valid(program, config):
 def _a_bytes(program) -> int:
     """Bytes per element of the tensors the first product's rows are read from."""
     layout = program.matmul
-    loads = [program.inputs[program.input_of_load[v.uid]].dtype for v in all_values(program)
-             if v.op == "load" and v.uid in layout.prologue]
+    loads = [
+        program.inputs[program.input_of_load[v.uid]].dtype
+        for v in all_values(program)
+        if v.op == "load" and v.uid in layout.prologue
+    ]
     return max((d.itemsize for d in loads), default=2)
 
 
 def default_config(program):
     layout = program.matmul
+
     def block(size, packed):
         return max(32 if size >= 32 else 16, packed.block if packed is not None else 0)
 
-    config = {"BLOCK_M": 32, "BLOCK_H": block(layout.h, layout.w2_packed), "BLOCK_K": block(layout.k, layout.w1_packed),
-              "num_warps": 4}
+    config = {
+        "BLOCK_M": 32,
+        "BLOCK_H": block(layout.h, layout.w2_packed),
+        "BLOCK_K": block(layout.k, layout.w1_packed),
+        "num_warps": 4,
+    }
     return {**config, **STREAMED} if layout.persistent else config
 
 

@@ -57,13 +57,16 @@ def quantize_mxint8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     :raises ValueError: the weight is not a matrix or holds NaN / infinity.
     """
     if weight.dim() != 2 or not weight.dtype.is_floating_point:
-        raise ValueError(f"MXINT8 quantises float matrices [N, K], not a {weight.dtype} tensor of shape "
-                         f"{list(weight.shape)}")
+        raise ValueError(
+            f"MXINT8 quantises float matrices [N, K], not a {weight.dtype} tensor of shape {list(weight.shape)}"
+        )
     bad = ~torch.isfinite(weight)
     if bad.any():
         first = [int(i) for i in bad.nonzero()[0]]
-        raise ValueError(f"the weight holds {int(bad.sum())} NaN/infinite value(s) (the first at {first}); "
-                         "MXINT8 encodes finite numbers only")
+        raise ValueError(
+            f"the weight holds {int(bad.sum())} NaN/infinite value(s) (the first at {first}); "
+            "MXINT8 encodes finite numbers only"
+        )
     n, k = weight.shape
     full = torch.zeros(n, padded(k), dtype=torch.float64, device=weight.device)
     full[:, :k] = weight.detach().to(torch.float64)
@@ -77,12 +80,14 @@ def quantize_mxint8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"data": codes.to(torch.int8).view(n, -1), "scales": (shared + SCALE_BIAS).to(torch.uint8)}
 
 
-def dequantize_mxint8(data: torch.Tensor, scales: torch.Tensor, k: int,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_mxint8(
+    data: torch.Tensor, scales: torch.Tensor, k: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The reference decoder: ``[N, K]`` in ``dtype`` from the packed tensors (padding dropped)."""
     codes = scales.to(torch.int64)
-    value = torch.ldexp(torch.ones(codes.shape, dtype=torch.float64, device=scales.device),
-                        codes - SCALE_BIAS - FRACTION_BITS)
+    value = torch.ldexp(
+        torch.ones(codes.shape, dtype=torch.float64, device=scales.device), codes - SCALE_BIAS - FRACTION_BITS
+    )
     value = torch.where(codes == 255, torch.full_like(value, float("nan")), value)
     weight = data.to(torch.float64) * value.repeat_interleave(BLOCK, dim=-1)
     return weight[..., :k].to(torch.float32).to(dtype)

@@ -43,8 +43,13 @@ class MXInt8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear) -> "MXInt8Linear":
         """The quantised copy of ``linear`` (``ValueError`` on NaN/infinite weights)."""
         packed = quantize_mxint8(linear.weight)
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    device=linear.weight.device, dtype=linear.weight.dtype)
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+        )
         layer.weight_q.copy_(packed["data"])
         layer.weight_scale.copy_(packed["scales"])
         if linear.bias is not None:
@@ -59,5 +64,7 @@ class MXInt8Linear(nn.Module):
         return F.linear(x, mxint8_weight(self.weight_q, self.weight_scale, self.in_features, x.dtype), self.bias)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, format=mxint8")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, format=mxint8"
+        )

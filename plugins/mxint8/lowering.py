@@ -16,7 +16,7 @@ from .layer import mxint8_weight
 # Scale code c -> 2**(c - 133) as fp32 bits: the biased fp32 exponent is c - 6 for
 # c > 6; below that the value is subnormal, 2**-149 * 2**(c + 16). Then each block's
 # factor is repeated over its 32 rows and multiplies the element codes, exactly.
-DECODE_SOURCE = f'''@triton.jit
+DECODE_SOURCE = f"""@triton.jit
 def mxint8_decode(elements, scales):
     code = scales.to(tl.int32)
     bits = tl.where(code > {FRACTION_BITS}, (code - {FRACTION_BITS}) << 23,
@@ -24,15 +24,16 @@ def mxint8_decode(elements, scales):
     factor = tl.where(code == 255, float("nan"), bits.to(tl.float32, bitcast=True))
     factor = tl.broadcast_to(factor[:, None, :], (scales.shape[0], {BLOCK}, scales.shape[1]))
     factor = tl.reshape(factor, (elements.shape[0], elements.shape[1]))
-    return elements.to(tl.float32) * factor'''
+    return elements.to(tl.float32) * factor"""
 
 
 def lower_mxint8_weight(ctx, data, scales, k, dtype):
     decode = ctx.helper("mxint8_decode", DECODE_SOURCE)
     rows = ctx.shape(data)[0]
     # Decoded values have at most 8 significant bits: exact in TF32.
-    return ctx.packed_weight(data, scales, (rows, k), block=BLOCK, decode=decode, dtype=dtype, format="mxint8",
-                             exact_tf32=True)
+    return ctx.packed_weight(
+        data, scales, (rows, k), block=BLOCK, decode=decode, dtype=dtype, format="mxint8", exact_tf32=True
+    )
 
 
 SPECS = [

@@ -18,8 +18,9 @@ WARPS = (1, 2, 4, 8, 16)
 
 def propose(view):
     # Groups with a product belong to the matmul and mlp strategies.
-    return [group for group in view.space_groups()
-            if "reduction" in view.kinds(group) and "matmul" not in view.kinds(group)]
+    return [
+        group for group in view.space_groups() if "reduction" in view.kinds(group) and "matmul" not in view.kinds(group)
+    ]
 
 
 def accepts(program):
@@ -52,6 +53,7 @@ def configs(program):
     tunes only the first few (``tuning.LATER_ROUND_CONFIGS``), and one row per program
     on one warp (the old head of the list) left a wide layer norm well short of a copy
     of its bytes (BENCHMARKS.md, "Measurements behind rules in the code")."""
+
     def distance(config):
         tile, per_thread = _tile(program, config)
         return abs(math.log2(per_thread / PER_THREAD)), abs(math.log2(tile / TILE))

@@ -58,8 +58,9 @@ class ModelEntry:
     def make(self, config: str = "airfoil") -> nn.Module:
         """A freshly initialised model of configuration ``config`` ("airfoil" or "tiny")."""
         if config not in self.configs:
-            raise KeyError(f"model {self.name!r} has no configuration {config!r}; "
-                           f"choose one of {', '.join(self.configs)}")
+            raise KeyError(
+                f"model {self.name!r} has no configuration {config!r}; choose one of {', '.join(self.configs)}"
+            )
         return self.builder(**self.configs[config])
 
     def batch(self, config: str = "airfoil") -> int:
@@ -80,63 +81,122 @@ class ModelEntry:
 
 def _transformer_configs() -> dict[str, dict[str, Any]]:
     """Width 128, 8 layers, 8 heads (the neural-solver benchmark's transformers); tiny: 16, 2, 2."""
-    return {"airfoil": {"width": 128, "layers": 8, "heads": 8, "mlp_ratio": 2},
-            "tiny": {"width": 16, "layers": 2, "heads": 2, "mlp_ratio": 2}}
+    return {
+        "airfoil": {"width": 128, "layers": 8, "heads": 8, "mlp_ratio": 2},
+        "tiny": {"width": 16, "layers": 2, "heads": 2, "mlp_ratio": 2},
+    }
 
 
 MODELS: dict[str, ModelEntry] = {
     entry.name: entry
     for entry in (
         ModelEntry(
-            name="galerkin", title="Galerkin Transformer", family="transformer", layout="points", batch_size=4,
+            name="galerkin",
+            title="Galerkin Transformer",
+            family="transformer",
+            layout="points",
+            batch_size=4,
             paper="Cao, Choose a Transformer: Fourier or Galerkin, NeurIPS 2021",
-            builder=GalerkinTransformer, configs=_transformer_configs()),
+            builder=GalerkinTransformer,
+            configs=_transformer_configs(),
+        ),
         ModelEntry(
-            name="transformer", title="Transformer (softmax attention)", family="transformer", layout="points",
-            batch_size=4, paper="Vaswani et al., Attention Is All You Need, NeurIPS 2017",
-            builder=Transformer, configs=_transformer_configs(),
-            notes="attention written out: the [B, 8, N, N] scores take 16 GB in fp32 at batch 4"),
+            name="transformer",
+            title="Transformer (softmax attention)",
+            family="transformer",
+            layout="points",
+            batch_size=4,
+            paper="Vaswani et al., Attention Is All You Need, NeurIPS 2017",
+            builder=Transformer,
+            configs=_transformer_configs(),
+            notes="attention written out: the [B, 8, N, N] scores take 16 GB in fp32 at batch 4",
+        ),
         ModelEntry(
-            name="transolver", title="Transolver", family="transformer", layout="points", batch_size=4,
+            name="transolver",
+            title="Transolver",
+            family="transformer",
+            layout="points",
+            batch_size=4,
             paper="Wu et al., Transolver: A Fast Transformer Solver for PDEs on General Geometries, ICML 2024",
-            builder=Transolver, configs={
+            builder=Transolver,
+            configs={
                 "airfoil": {**_transformer_configs()["airfoil"], "slices": 64, "mesh": MESHES["airfoil"]},
-                "tiny": {**_transformer_configs()["tiny"], "slices": 8, "mesh": MESHES["tiny"]}}),
+                "tiny": {**_transformer_configs()["tiny"], "slices": 8, "mesh": MESHES["tiny"]},
+            },
+        ),
         ModelEntry(
-            name="gnot", title="GNOT", family="transformer", layout="points", batch_size=4,
+            name="gnot",
+            title="GNOT",
+            family="transformer",
+            layout="points",
+            batch_size=4,
             paper="Hao et al., GNOT: A General Neural Operator Transformer for Operator Learning, ICML 2023",
-            builder=GNOT, configs={
+            builder=GNOT,
+            configs={
                 "airfoil": {**_transformer_configs()["airfoil"], "experts": 3},
-                "tiny": {**_transformer_configs()["tiny"], "experts": 2}}),
+                "tiny": {**_transformer_configs()["tiny"], "experts": 2},
+            },
+        ),
         ModelEntry(
-            name="factformer", title="FactFormer", family="transformer", layout="grid", batch_size=4,
+            name="factformer",
+            title="FactFormer",
+            family="transformer",
+            layout="grid",
+            batch_size=4,
             paper="Li, Shu and Barati Farimani, Scalable Transformer for PDE Surrogate Modeling, NeurIPS 2023",
-            builder=FactFormer, configs=_transformer_configs()),
+            builder=FactFormer,
+            configs=_transformer_configs(),
+        ),
         ModelEntry(
-            name="fno", title="FNO", family="neural operator", layout="grid", batch_size=20,
+            name="fno",
+            title="FNO",
+            family="neural operator",
+            layout="grid",
+            batch_size=20,
             paper="Li et al., Fourier Neural Operator for Parametric PDEs, ICLR 2021 (airfoil set-up of Geo-FNO, 2022)",
-            builder=FNO2d, configs={
+            builder=FNO2d,
+            configs={
                 "airfoil": {"width": 32, "modes": (12, 12), "layers": 4},
-                "tiny": {"width": 8, "modes": (4, 3), "layers": 2, "projection": 16}}),
+                "tiny": {"width": 8, "modes": (4, 3), "layers": 2, "projection": 16},
+            },
+        ),
         ModelEntry(
-            name="ffno", title="F-FNO", family="neural operator", layout="grid", batch_size=10,
+            name="ffno",
+            title="F-FNO",
+            family="neural operator",
+            layout="grid",
+            batch_size=10,
             paper="Tran et al., Factorized Fourier Neural Operators, ICLR 2023",
-            builder=FFNO2d, configs={
+            builder=FFNO2d,
+            configs={
                 "airfoil": {"width": 64, "modes": (32, 16), "layers": 8, "factor": 4},
-                "tiny": {"width": 8, "modes": (4, 3), "layers": 2, "factor": 2, "projection": 16}}),
+                "tiny": {"width": 8, "modes": (4, 3), "layers": 2, "factor": 2, "projection": 16},
+            },
+        ),
         ModelEntry(
-            name="unet", title="U-Net", family="convolutional", layout="grid", batch_size=20,
+            name="unet",
+            title="U-Net",
+            family="convolutional",
+            layout="grid",
+            batch_size=20,
             paper="Ronneberger et al., U-Net, MICCAI 2015",
-            builder=UNet2d, configs={
-                "airfoil": {"width": 32, "depth": 4},
-                "tiny": {"width": 8, "depth": 2}}),
+            builder=UNet2d,
+            configs={"airfoil": {"width": 32, "depth": 4}, "tiny": {"width": 8, "depth": 2}},
+        ),
         ModelEntry(
-            name="lsm", title="LSM", family="neural operator", layout="grid", batch_size=20,
+            name="lsm",
+            title="LSM",
+            family="neural operator",
+            layout="grid",
+            batch_size=20,
             paper="Wu et al., Solving High-Dimensional PDEs with Latent Spectral Models, ICML 2023",
-            builder=LSM2d, configs={
+            builder=LSM2d,
+            configs={
                 "airfoil": {"width": 32, "num_token": 4, "num_basis": 12, "depth": 4, "heads": 8},
-                "tiny": {"width": 8, "num_token": 4, "num_basis": 4, "depth": 2, "heads": 2, "projection": 16}},
-            notes="the grid is zero-padded to a multiple of 16 (224 x 64) inside the model and cropped back"),
+                "tiny": {"width": 8, "num_token": 4, "num_basis": 4, "depth": 2, "heads": 2, "projection": 16},
+            },
+            notes="the grid is zero-padded to a multiple of 16 (224 x 64) inside the model and cropped back",
+        ),
     )
 }
 

@@ -31,11 +31,12 @@ class FactorizedSpectralLayer(nn.Module):
         super().__init__()
         self.modes = modes
         self.weights = nn.ParameterList(
-            nn.Parameter(torch.randn(width, width, m, dtype=torch.cfloat) * (2.0 / (2 * width)) ** 0.5)
-            for m in modes)
+            nn.Parameter(torch.randn(width, width, m, dtype=torch.cfloat) * (2.0 / (2 * width)) ** 0.5) for m in modes
+        )
         wrap = weight_norm if use_weight_norm else (lambda layer: layer)
         self.feed_forward = nn.Sequential(
-            wrap(nn.Linear(width, factor * width)), nn.ReLU(), wrap(nn.Linear(factor * width, width)))
+            wrap(nn.Linear(width, factor * width)), nn.ReLU(), wrap(nn.Linear(factor * width, width))
+        )
 
     def _along(self, v: torch.Tensor, dim: int, weight: torch.Tensor, modes: int) -> torch.Tensor:
         """Spectral convolution of ``v`` [b, c, x, y] along one spatial dim (-2 or -1)."""
@@ -55,12 +56,22 @@ class FactorizedSpectralLayer(nn.Module):
 
 
 class FFNO2d(nn.Module):
-    def __init__(self, width: int = 64, modes: tuple[int, int] = (32, 16), layers: int = 8, factor: int = 4,
-                 use_weight_norm: bool = True, in_dim: int = 2, out_dim: int = 1, projection: int = 128):
+    def __init__(
+        self,
+        width: int = 64,
+        modes: tuple[int, int] = (32, 16),
+        layers: int = 8,
+        factor: int = 4,
+        use_weight_norm: bool = True,
+        in_dim: int = 2,
+        out_dim: int = 1,
+        projection: int = 128,
+    ):
         super().__init__()
         self.lift = nn.Linear(in_dim + 2, width)
-        self.layers = nn.ModuleList(FactorizedSpectralLayer(width, modes, factor, use_weight_norm)
-                                    for _ in range(layers))
+        self.layers = nn.ModuleList(
+            FactorizedSpectralLayer(width, modes, factor, use_weight_norm) for _ in range(layers)
+        )
         self.project = nn.Sequential(nn.Linear(width, projection), nn.Linear(projection, out_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -47,8 +47,15 @@ class SpectralConv2d(nn.Module):
 
 
 class FNO2d(nn.Module):
-    def __init__(self, width: int = 32, modes: tuple[int, int] = (12, 12), layers: int = 4,
-                 in_dim: int = 2, out_dim: int = 1, projection: int = 128):
+    def __init__(
+        self,
+        width: int = 32,
+        modes: tuple[int, int] = (12, 12),
+        layers: int = 4,
+        in_dim: int = 2,
+        out_dim: int = 1,
+        projection: int = 128,
+    ):
         super().__init__()
         self.lift = nn.Linear(in_dim + 2, width)
         self.spectral = nn.ModuleList(SpectralConv2d(width, width, modes) for _ in range(layers))

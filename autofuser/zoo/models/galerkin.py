@@ -50,8 +50,9 @@ class GalerkinBlock(nn.Module):
 
 
 class GalerkinTransformer(nn.Module):
-    def __init__(self, width: int = 128, layers: int = 8, heads: int = 8, mlp_ratio: int = 2,
-                 in_dim: int = 2, out_dim: int = 1):
+    def __init__(
+        self, width: int = 128, layers: int = 8, heads: int = 8, mlp_ratio: int = 2, in_dim: int = 2, out_dim: int = 1
+    ):
         super().__init__()
         self.embed = mlp(in_dim, 2 * width, width)
         self.blocks = nn.ModuleList(GalerkinBlock(width, heads, mlp_ratio) for _ in range(layers))

@@ -82,8 +82,16 @@ class GNOTBlock(nn.Module):
 
 
 class GNOT(nn.Module):
-    def __init__(self, width: int = 128, layers: int = 8, heads: int = 8, experts: int = 3, mlp_ratio: int = 2,
-                 in_dim: int = 2, out_dim: int = 1):
+    def __init__(
+        self,
+        width: int = 128,
+        layers: int = 8,
+        heads: int = 8,
+        experts: int = 3,
+        mlp_ratio: int = 2,
+        in_dim: int = 2,
+        out_dim: int = 1,
+    ):
         super().__init__()
         self.embed_query = mlp(in_dim, width, width)
         self.embed_function = mlp(in_dim, width, width)  # the single input function: the mesh

@@ -105,8 +105,17 @@ class NeuralSpectralBlock2d(nn.Module):
 
 
 class LSM2d(nn.Module):
-    def __init__(self, width: int = 32, num_token: int = 4, num_basis: int = 12, depth: int = 4, heads: int = 8,
-                 in_dim: int = 2, out_dim: int = 1, projection: int = 128):
+    def __init__(
+        self,
+        width: int = 32,
+        num_token: int = 4,
+        num_basis: int = 12,
+        depth: int = 4,
+        heads: int = 8,
+        in_dim: int = 2,
+        out_dim: int = 1,
+        projection: int = 128,
+    ):
         super().__init__()
         self.depth = depth
         # d, 2d, 4d, ... for the first `depth` scales; the coarsest keeps the width of the one above.
@@ -115,7 +124,8 @@ class LSM2d(nn.Module):
         self.stem = DoubleConv(width, width, activation=nn.ReLU)
         self.down = nn.ModuleList(
             nn.Sequential(nn.MaxPool2d(2), DoubleConv(channels[i], channels[i + 1], activation=nn.ReLU))
-            for i in range(depth))
+            for i in range(depth)
+        )
         self.process = nn.ModuleList(NeuralSpectralBlock2d(c, num_basis, num_token, heads) for c in channels)
         # Scale i receives channels[i] from below and its skip's channels[i]; it passes on channels[i - 1].
         self.up = nn.ModuleList(Up(2 * channels[i], channels[max(i - 1, 0)]) for i in reversed(range(depth)))

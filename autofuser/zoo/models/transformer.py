@@ -55,8 +55,16 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, width: int = 128, layers: int = 8, heads: int = 8, mlp_ratio: int = 2,
-                 in_dim: int = 2, out_dim: int = 1, attention: str = "explicit"):
+    def __init__(
+        self,
+        width: int = 128,
+        layers: int = 8,
+        heads: int = 8,
+        mlp_ratio: int = 2,
+        in_dim: int = 2,
+        out_dim: int = 1,
+        attention: str = "explicit",
+    ):
         super().__init__()
         self.embed = mlp(in_dim, 2 * width, width)
         self.blocks = nn.ModuleList(TransformerBlock(width, heads, mlp_ratio, attention) for _ in range(layers))

@@ -36,7 +36,7 @@ class PhysicsAttention(nn.Module):
         super().__init__()
         self.heads, self.mesh = heads, mesh
         head_dim = width // heads
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.project_x: nn.Module
         self.project_fx: nn.Module
         if mesh is None:
@@ -90,8 +90,17 @@ class TransolverBlock(nn.Module):
 
 
 class Transolver(nn.Module):
-    def __init__(self, width: int = 128, layers: int = 8, heads: int = 8, slices: int = 64, mlp_ratio: int = 2,
-                 mesh: Optional[tuple[int, int]] = (221, 51), in_dim: int = 2, out_dim: int = 1):
+    def __init__(
+        self,
+        width: int = 128,
+        layers: int = 8,
+        heads: int = 8,
+        slices: int = 64,
+        mlp_ratio: int = 2,
+        mesh: Optional[tuple[int, int]] = (221, 51),
+        in_dim: int = 2,
+        out_dim: int = 1,
+    ):
         super().__init__()
         self.embed = mlp(in_dim, 2 * width, width)
         self.placeholder = nn.Parameter(torch.rand(width) / width)  # learnable offset of every token

@@ -26,15 +26,23 @@ class DoubleConv(nn.Module):
     """(conv 3 x 3 - BatchNorm - activation) x 2; the first maps to ``mid_channels`` (default:
     ``out_channels``); the activation is GELU unless another module class is given."""
 
-    def __init__(self, in_channels: int, out_channels: int, mid_channels: int | None = None,
-                 activation: type[nn.Module] = nn.GELU):
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        mid_channels: int | None = None,
+        activation: type[nn.Module] = nn.GELU,
+    ):
         super().__init__()
         mid = mid_channels or out_channels
         self.layers = nn.Sequential(
             nn.Conv2d(in_channels, mid, kernel_size=3, padding=1, bias=False),
-            nn.BatchNorm2d(mid), activation(),
+            nn.BatchNorm2d(mid),
+            activation(),
             nn.Conv2d(mid, out_channels, kernel_size=3, padding=1, bias=False),
-            nn.BatchNorm2d(out_channels), activation())
+            nn.BatchNorm2d(out_channels),
+            activation(),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)

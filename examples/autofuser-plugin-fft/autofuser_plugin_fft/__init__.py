@@ -36,18 +36,26 @@ def _lower_spectral_mix(ctx, spectrum, *weights, regions, stride=None):
 
 def _samples(dtype: torch.dtype) -> list[Sample]:
     """Real views of random complex spectra and weights, odd sizes, overlapping regions included."""
+
     def real(*shape):
         return torch.view_as_real(torch.randn(*shape, dtype=torch.complex64))
 
     return [
-        Sample(args=(real(2, 3, 7, 5), real(3, 4, 2, 3), real(3, 4, 2, 3)),
-               kwargs={"regions": ((0, ((0, 2), (0, 3)), (0, 1)), (1, ((5, 7), (0, 3)), (0, 1)))},
-               note="FNO: positive and negative rows, both low columns"),
-        Sample(args=(real(1, 5, 6, 9), real(5, 3, 4)), kwargs={"regions": ((0, ((0, 6), (0, 4)), (1,)),)},
-               note="F-FNO: a weight along the last axis only, batch 1"),
-        Sample(args=(real(2, 2, 5, 4), real(2, 3, 4, 2), real(2, 3, 4, 2)),
-               kwargs={"regions": ((0, ((0, 4), (0, 2)), (0, 1)), (1, ((1, 5), (0, 2)), (0, 1)))},
-               note="overlapping regions: the later one wins"),
+        Sample(
+            args=(real(2, 3, 7, 5), real(3, 4, 2, 3), real(3, 4, 2, 3)),
+            kwargs={"regions": ((0, ((0, 2), (0, 3)), (0, 1)), (1, ((5, 7), (0, 3)), (0, 1)))},
+            note="FNO: positive and negative rows, both low columns",
+        ),
+        Sample(
+            args=(real(1, 5, 6, 9), real(5, 3, 4)),
+            kwargs={"regions": ((0, ((0, 6), (0, 4)), (1,)),)},
+            note="F-FNO: a weight along the last axis only, batch 1",
+        ),
+        Sample(
+            args=(real(2, 2, 5, 4), real(2, 3, 4, 2), real(2, 3, 4, 2)),
+            kwargs={"regions": ((0, ((0, 4), (0, 2)), (0, 1)), (1, ((1, 5), (0, 2)), (0, 1)))},
+            note="overlapping regions: the later one wins",
+        ),
     ]
 
 

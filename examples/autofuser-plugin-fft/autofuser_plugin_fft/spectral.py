@@ -46,8 +46,12 @@ from autofuser import describe_tensor
 Region = tuple[int, tuple[tuple[int, int], ...], tuple[int, ...]]
 
 
-def spectral_mix(spectrum: torch.Tensor, *weights: torch.Tensor, regions: tuple[Region, ...],
-                 stride: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+def spectral_mix(
+    spectrum: torch.Tensor,
+    *weights: torch.Tensor,
+    regions: tuple[Region, ...],
+    stride: Optional[tuple[int, ...]] = None,
+) -> torch.Tensor:
     """Mode truncation, complex channel mixing and zero padding, on real views.
 
     :param spectrum: ``view_as_real`` of a complex ``[B, I, *S]`` spectrum, so ``[B, I, *S, 2]``.
@@ -68,7 +72,7 @@ def spectral_mix(spectrum: torch.Tensor, *weights: torch.Tensor, regions: tuple[
         out = torch.zeros(shape, dtype=x.dtype, device=x.device)
     else:
         out = torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device).zero_()
-    letters = "xyzuvw"[:len(spatial)]
+    letters = "xyzuvw"[: len(spatial)]
     for k, ranges, weight_dims in regions:
         index = (slice(None), slice(None)) + tuple(slice(start, stop) for start, stop in ranges)
         equation = f"bi{letters},io{''.join(letters[d] for d in weight_dims)}->bo{letters}"
@@ -139,8 +143,17 @@ def _weight_dims(equation: str, rank: int) -> Optional[tuple[int, ...]]:
     return tuple(spatial.index(letter) for letter in w[2:])
 
 
-_IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                       operator.ipow, operator.iand, operator.ior, operator.ixor}
+_IN_PLACE_OPERATORS = {
+    operator.setitem,
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ipow,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+}
 
 
 def _may_write(node: torch.fx.Node) -> bool:
@@ -160,8 +173,9 @@ def _match(buffer: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Optional[S
     if meta is None or meta.dtype != torch.complex64 or len(meta.shape) < 3:
         return None
     shape = tuple(meta.shape)
-    assignments = sorted((u for u in buffer.users if u.op == "call_function" and u.target is operator.setitem),
-                         key=order.__getitem__)
+    assignments = sorted(
+        (u for u in buffer.users if u.op == "call_function" and u.target is operator.setitem), key=order.__getitem__
+    )
     if not assignments:
         return None
     last = order[assignments[-1]]
@@ -181,9 +195,14 @@ def _match(buffer: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Optional[S
             return None
         equation, sliced, weight = operands
         weight_dims = _weight_dims(equation, len(shape))
-        if (weight_dims is None or not isinstance(sliced, torch.fx.Node) or sliced.op != "call_function"
-                or sliced.target is not operator.getitem or len(sliced.users) != 1
-                or not isinstance(weight, torch.fx.Node)):
+        if (
+            weight_dims is None
+            or not isinstance(sliced, torch.fx.Node)
+            or sliced.op != "call_function"
+            or sliced.target is not operator.getitem
+            or len(sliced.users) != 1
+            or not isinstance(weight, torch.fx.Node)
+        ):
             return None
         source, source_index = sliced.args
         source_meta, weight_meta = _meta(source), _meta(weight)
@@ -193,7 +212,10 @@ def _match(buffer: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Optional[S
             return None
         batch, in_channels, *spatial = source_meta.shape
         if (batch, *spatial) != (shape[0], *shape[2:]) or _ranges(source_index, tuple(source_meta.shape)) != (
-                (0, batch), (0, in_channels), *ranges[2:]):
+            (0, batch),
+            (0, in_channels),
+            *ranges[2:],
+        ):
             return None  # the einsum must read the same modes it writes
         extents = tuple(stop - start for start, stop in ranges[2:])
         if tuple(weight_meta.shape) != (in_channels, shape[1], *(extents[d] for d in weight_dims)):
@@ -207,7 +229,7 @@ def _match(buffer: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Optional[S
     # spectral_mix reads the spectrum and the weights after the last assignment, where the
     # einsums read them earlier: nothing else may run in between (it might write into them).
     members = set(replaced)
-    between = list(order)[order[replaced[0]]:order[replaced[-1]]]
+    between = list(order)[order[replaced[0]] : order[replaced[-1]]]
     if any(n not in members and _may_write(n) for n in between):
         return None
     return SpectralMix(buffer, spectrum, weights, tuple(regions), replaced)
@@ -252,11 +274,13 @@ def rewrite_spectral_mixes(gm: torch.fx.GraphModule) -> int:
         _annotate(real_spectrum, torch.view_as_real(_meta_tensor(match.spectrum)))
         with graph.inserting_after(real_spectrum):
             meta = _meta(match.buffer)
-            mixed = graph.call_function(spectral_mix, (real_spectrum, *real_weights),
-                                        {"regions": match.regions, "stride": tuple(meta.stride)})
+            mixed = graph.call_function(
+                spectral_mix, (real_spectrum, *real_weights), {"regions": match.regions, "stride": tuple(meta.stride)}
+            )
         # What the kernel stands for, for its header comment.
         mixed.meta["autofuser_plugin_fft_replaced"] = [
-            f"{n.name} = {getattr(n.target, '__name__', n.target)}" for n in [match.buffer, *match.replaced]]
+            f"{n.name} = {getattr(n.target, '__name__', n.target)}" for n in [match.buffer, *match.replaced]
+        ]
         real_out = torch.view_as_real(_meta_tensor(match.buffer))
         _annotate(mixed, real_out)
         with graph.inserting_after(mixed):

@@ -31,11 +31,20 @@ ATTENTION_TOLERANCES = {
 }
 
 
-def sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
-                   enable_gqa=False) -> dict:
+def sdpa_arguments(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
+) -> dict:
     """The call's arguments by name, bound as torch binds them (``TypeError`` otherwise)."""
-    return dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                scale=scale, enable_gqa=enable_gqa)
+    return dict(
+        query=query,
+        key=key,
+        value=value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
 
 
 def lower_sdpa(ctx, *args, **kwargs):
@@ -59,8 +68,11 @@ def lower_sdpa(ctx, *args, **kwargs):
     if min(len(q_shape), len(k_shape), len(v_shape)) < 2:
         ctx.refuse("unsupported_shape", "query, key and value need a sequence dim and a head dim")
     if q_shape[-1] > MAX_HEAD_WIDTH or v_shape[-1] > MAX_HEAD_WIDTH:
-        ctx.refuse("head_too_wide", f"head widths {q_shape[-1]} (query/key) and {v_shape[-1]} (value): the kernel "
-                                    f"keeps at most {MAX_HEAD_WIDTH} in registers")
+        ctx.refuse(
+            "head_too_wide",
+            f"head widths {q_shape[-1]} (query/key) and {v_shape[-1]} (value): the kernel "
+            f"keeps at most {MAX_HEAD_WIDTH} in registers",
+        )
     if 0 in q_shape or 0 in k_shape or 0 in v_shape:
         ctx.refuse("unsupported_shape", "an empty query, key or value")
     if mask is not None:
@@ -74,14 +86,18 @@ def lower_sdpa(ctx, *args, **kwargs):
         except RuntimeError:
             fits = False
         if not fits:
-            ctx.refuse("shape_mismatch", f"attn_mask {list(ctx.shape(mask))} does not broadcast to the scores "
-                                         f"{list(scores)}")
+            ctx.refuse(
+                "shape_mismatch", f"attn_mask {list(ctx.shape(mask))} does not broadcast to the scores {list(scores)}"
+            )
     return ctx.extern()
 
 
 def _qkv(batch, n, m, d, dv, dtype):
-    return (torch.randn(*batch, n, d, dtype=dtype), torch.randn(*batch, m, d, dtype=dtype),
-            torch.randn(*batch, m, dv, dtype=dtype))
+    return (
+        torch.randn(*batch, n, d, dtype=dtype),
+        torch.randn(*batch, m, d, dtype=dtype),
+        torch.randn(*batch, m, dv, dtype=dtype),
+    )
 
 
 def _samples(dtype):
@@ -90,8 +106,11 @@ def _samples(dtype):
     return [
         Sample(args=_qkv((2, 3), 29, 31, 16, 16, dtype), note="no mask"),
         Sample(args=_qkv((1, 2), 37, 53, 24, 24, dtype), kwargs={"attn_mask": bool_mask}, note="bool mask, N != M"),
-        Sample(args=_qkv((2, 2), 37, 37, 64, 64, dtype), kwargs={"attn_mask": torch.randn(2, 1, 37, 37, dtype=dtype)},
-               note="additive float mask broadcast over heads"),
+        Sample(
+            args=_qkv((2, 2), 37, 37, 64, 64, dtype),
+            kwargs={"attn_mask": torch.randn(2, 1, 37, 37, dtype=dtype)},
+            note="additive float mask broadcast over heads",
+        ),
         Sample(args=_qkv((3,), 17, 40, 40, 24, dtype), note="3-d, value head width differs"),
     ]
 

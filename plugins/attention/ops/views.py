@@ -30,12 +30,14 @@ MAP_FUNCTIONS = (F.linear, F.layer_norm, torch.layer_norm)
 def _is_unsqueeze_index(index) -> bool:
     items = index if isinstance(index, tuple) else (index,)
     return all(i is None or i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in items) and (
-        any(i is None for i in items))
+        any(i is None for i in items)
+    )
 
 
 def _is_sum(node) -> bool:
-    return ((node.op == "call_method" and node.target == "sum")
-            or (node.op == "call_function" and node.target is torch.sum))
+    return (node.op == "call_method" and node.target == "sum") or (
+        node.op == "call_function" and node.target is torch.sum
+    )
 
 
 def _is_map(ctx, node) -> bool:
@@ -46,17 +48,25 @@ def _is_map(ctx, node) -> bool:
 
 def lower_getitem(ctx, x, index):
     if not ctx.is_tensor(x) or not _is_unsqueeze_index(index) or not _is_sum(x):
-        ctx.refuse("no_lowering", "views are read through strides; only [..., None] of a sum inside slice "
-                                  "attention is taken")
+        ctx.refuse(
+            "no_lowering", "views are read through strides; only [..., None] of a sum inside slice attention is taken"
+        )
     return ctx.extern()
 
 
 def lower_transpose(ctx, x, dim0, dim1):
     rank = len(ctx.shape(x)) if ctx.is_tensor(x) else 0
-    if rank < 2 or not all(isinstance(d, int) for d in (dim0, dim1)) or sorted((dim0 % rank, dim1 % rank)) != [
-            rank - 2, rank - 1] or not _is_map(ctx, x):
-        ctx.refuse("no_lowering", "views are read through strides; only the transpose of a linear map's or a "
-                                  "layer norm's result inside attention is taken")
+    if (
+        rank < 2
+        or not all(isinstance(d, int) for d in (dim0, dim1))
+        or sorted((dim0 % rank, dim1 % rank)) != [rank - 2, rank - 1]
+        or not _is_map(ctx, x)
+    ):
+        ctx.refuse(
+            "no_lowering",
+            "views are read through strides; only the transpose of a linear map's or a "
+            "layer norm's result inside attention is taken",
+        )
     return ctx.extern()
 
 

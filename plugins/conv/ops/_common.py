@@ -22,8 +22,11 @@ def int_tuple(ctx: LoweringContext, op: str, name: str, value: Any, rank: int) -
     """An int or a tuple of ``rank`` ints (``stride=1``, ``padding=(0, 0)``)."""
     if isinstance(value, int) and not isinstance(value, bool):
         return (value,) * rank
-    if isinstance(value, (tuple, list)) and len(value) == rank and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == rank
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
         return tuple(value)
     ctx.refuse("unsupported_argument", f"{op}: {name}={value!r} is not an int or {rank} ints")
 

@@ -38,8 +38,9 @@ def normalize_by_statistics(ctx, op, x, mean, var, weight, bias, eps):
     def channel(arg, name):
         return per_channel(ctx, arg, channels, spatial, op, name)
 
-    out = ctx.pointwise("({0} - {1}) * tl.rsqrt({2} + %r)" % float(eps), x, channel(mean, "running_mean"),
-                        channel(var, "running_var"))
+    out = ctx.pointwise(
+        "({0} - {1}) * tl.rsqrt({2} + %r)" % float(eps), x, channel(mean, "running_mean"), channel(var, "running_var")
+    )
     if weight is not None:
         out = ctx.pointwise("{0} * {1}", out, channel(weight, "weight"))
     if bias is not None:
@@ -47,8 +48,9 @@ def normalize_by_statistics(ctx, op, x, mean, var, weight, bias, eps):
     return out
 
 
-def lower_batch_norm_function(ctx, input, running_mean, running_var, weight=None, bias=None, training=False,
-                              momentum=0.1, eps=1e-5):
+def lower_batch_norm_function(
+    ctx, input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5
+):
     if training is not False:
         ctx.refuse("batch_statistics", "batch_norm: training=True normalises by the batch's statistics")
     if running_mean is None or running_var is None:
@@ -70,14 +72,20 @@ def lower_batch_norm_module(ctx, input):
         ctx.refuse("shape_mismatch", f"{name}: a {rank}-d input (eager raises)")
     weight = ctx.attr("weight") if module.weight is not None else None
     bias = ctx.attr("bias") if module.bias is not None else None
-    return normalize_by_statistics(ctx, name, input, ctx.attr("running_mean"), ctx.attr("running_var"), weight,
-                                   bias, module.eps)
+    return normalize_by_statistics(
+        ctx, name, input, ctx.attr("running_mean"), ctx.attr("running_var"), weight, bias, module.eps
+    )
 
 
 def _function_samples(dtype):
     def stats(c):
-        return (torch.randn(c, dtype=dtype), torch.rand(c, dtype=dtype) + 0.5,
-                torch.randn(c, dtype=dtype), torch.randn(c, dtype=dtype))
+        return (
+            torch.randn(c, dtype=dtype),
+            torch.rand(c, dtype=dtype) + 0.5,
+            torch.randn(c, dtype=dtype),
+            torch.randn(c, dtype=dtype),
+        )
+
     return [
         Sample(args=(torch.randn(2, 6, 13, 7, dtype=dtype), *stats(6)), note="2-d"),
         Sample(args=(torch.randn(5, 11, dtype=dtype), *stats(11)), note="[B, C]"),
@@ -100,8 +108,10 @@ def _trained(module, seed: int = 0):
 
 
 def _module_samples(dtype):
-    return [Sample(args=(torch.randn(2, 6, 13, 7, dtype=dtype),)),
-            Sample(args=(torch.randn(1, 6, 37, 3, dtype=dtype).transpose(2, 3),), note="transposed")]
+    return [
+        Sample(args=(torch.randn(2, 6, 13, 7, dtype=dtype),)),
+        Sample(args=(torch.randn(1, 6, 37, 3, dtype=dtype).transpose(2, 3),), note="transposed"),
+    ]
 
 
 SPECS = [
@@ -112,8 +122,10 @@ SPECS = [
         kind="pointwise",
         lower=lower_batch_norm_function,
         samples=_function_samples,
-        references=(lambda x, m, v, w, b: F.batch_norm(x, m, v, w, b, False, 0.1, 1e-3),
-                    lambda x, m, v, w, b: F.batch_norm(x, m, v)),
+        references=(
+            lambda x, m, v, w, b: F.batch_norm(x, m, v, w, b, False, 0.1, 1e-3),
+            lambda x, m, v, w, b: F.batch_norm(x, m, v),
+        ),
         tolerances=TOLERANCES,
     ),
     LoweringSpec(
@@ -123,8 +135,10 @@ SPECS = [
         kind="pointwise",
         lower=lower_batch_norm_module,
         samples=_module_samples,
-        references=(_trained(torch.nn.BatchNorm2d(6)),
-                    _trained(torch.nn.BatchNorm2d(6, affine=False, eps=1e-2), seed=1)),
+        references=(
+            _trained(torch.nn.BatchNorm2d(6)),
+            _trained(torch.nn.BatchNorm2d(6, affine=False, eps=1e-2), seed=1),
+        ),
         tolerances=TOLERANCES,
     ),
 ]

@@ -26,8 +26,7 @@ def lower_cat(ctx, tensors, dim=0, **kwargs):
 
 def _samples(dtype):
     return [
-        Sample(args=(torch.randn(2, 3, 9, 5, dtype=dtype), torch.randn(2, 4, 18, 10, dtype=dtype)),
-               note="skip after"),
+        Sample(args=(torch.randn(2, 3, 9, 5, dtype=dtype), torch.randn(2, 4, 18, 10, dtype=dtype)), note="skip after"),
         Sample(args=(torch.randn(1, 2, 7, 4, dtype=dtype), torch.randn(1, 5, 14, 8, dtype=dtype)), note="batch 1"),
     ]
 
@@ -43,8 +42,9 @@ SPECS = [
         references=(
             lambda low, skip: torch.cat((skip, F.interpolate(low, scale_factor=2, mode="bilinear")), dim=1),
             lambda low, skip: torch.cat([F.interpolate(low, size=skip.shape[-2:]), skip], 1) * 2.0,
-            lambda low, skip: F.gelu(torch.cat((skip[:, :2], F.interpolate(low, scale_factor=2.0), skip[:, 2:]),
-                                               dim=-3)),
+            lambda low, skip: F.gelu(
+                torch.cat((skip[:, :2], F.interpolate(low, scale_factor=2.0), skip[:, 2:]), dim=-3)
+            ),
         ),
     ),
 ]

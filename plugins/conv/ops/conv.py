@@ -37,8 +37,11 @@ def lower_conv_1x1(ctx, rank, x, weight, bias=None, stride=1, padding=0, dilatio
     out_channels, in_channels, *kernel = w.shape
     if groups != 1:
         ctx.refuse("unsupported_argument", f"{op}: groups={groups!r}; grouped convolutions stay eager")
-    product = (all(k == 1 for k in kernel) and int_tuple(ctx, op, "stride", stride, rank) == (1,) * rank
-               and (padding in ("valid", "same") or int_tuple(ctx, op, "padding", padding, rank) == (0,) * rank))
+    product = (
+        all(k == 1 for k in kernel)
+        and int_tuple(ctx, op, "stride", stride, rank) == (1,) * rank
+        and (padding in ("valid", "same") or int_tuple(ctx, op, "padding", padding, rank) == (0,) * rank)
+    )
     if not product:
         # Not a plain product: the implicit-GEMM strategy's, if it takes this geometry.
         conv = parse_conv(ctx.node, ctx.root)
@@ -63,6 +66,7 @@ def lower_conv_1x1(ctx, rank, x, weight, bias=None, stride=1, padding=0, dilatio
 def _function_lowering(rank):
     def lower(ctx, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         return lower_conv_1x1(ctx, rank, input, weight, bias, stride, padding, dilation, groups)
+
     return lower
 
 
@@ -73,8 +77,10 @@ def _module_lowering(rank):
         if module.padding_mode != "zeros" and any(p != 0 for p in module._reversed_padding_repeated_twice):
             ctx.refuse("unsupported_argument", f"Conv{rank}d: padding_mode={module.padding_mode!r}")
         bias = ctx.attr("bias") if module.bias is not None else None
-        return lower_conv_1x1(ctx, rank, input, ctx.attr("weight"), bias, module.stride, module.padding,
-                              module.dilation, module.groups)
+        return lower_conv_1x1(
+            ctx, rank, input, ctx.attr("weight"), bias, module.stride, module.padding, module.dilation, module.groups
+        )
+
     return lower
 
 
@@ -85,13 +91,28 @@ def _function_samples(rank):
     def samples(dtype):
         s = SPATIAL[rank]
         return [
-            Sample(args=(torch.randn(2, 12, *s, dtype=dtype), torch.randn(19, 12, *(1,) * rank, dtype=dtype) * 0.3,
-                         torch.randn(19, dtype=dtype)), note="bias"),
-            Sample(args=(torch.randn(7, *s, dtype=dtype), torch.randn(3, 7, *(1,) * rank, dtype=dtype) * 0.3,
-                         torch.randn(3, dtype=dtype)), note="unbatched"),
-            Sample(args=(torch.randn(1, 5, *s, dtype=dtype), torch.randn(9, 5, *(3,) * rank, dtype=dtype) * 0.2,
-                         None), note="3-tap kernel (implicit GEMM), batch 1, no bias"),
+            Sample(
+                args=(
+                    torch.randn(2, 12, *s, dtype=dtype),
+                    torch.randn(19, 12, *(1,) * rank, dtype=dtype) * 0.3,
+                    torch.randn(19, dtype=dtype),
+                ),
+                note="bias",
+            ),
+            Sample(
+                args=(
+                    torch.randn(7, *s, dtype=dtype),
+                    torch.randn(3, 7, *(1,) * rank, dtype=dtype) * 0.3,
+                    torch.randn(3, dtype=dtype),
+                ),
+                note="unbatched",
+            ),
+            Sample(
+                args=(torch.randn(1, 5, *s, dtype=dtype), torch.randn(9, 5, *(3,) * rank, dtype=dtype) * 0.2, None),
+                note="3-tap kernel (implicit GEMM), batch 1, no bias",
+            ),
         ]
+
     return samples
 
 
@@ -105,8 +126,11 @@ def _module_samples(rank):
         s = SPATIAL[rank]
         # channels-last strides: the product walks the spatial dims with stride C.
         last = torch.randn(3, *s, MODULE_CHANNELS, dtype=dtype).movedim(-1, 1)
-        return [Sample(args=(torch.randn(3, MODULE_CHANNELS, *s, dtype=dtype),)),
-                Sample(args=(last,), note="channels-last")]
+        return [
+            Sample(args=(torch.randn(3, MODULE_CHANNELS, *s, dtype=dtype),)),
+            Sample(args=(last,), note="channels-last"),
+        ]
+
     return samples
 
 

@@ -12,8 +12,11 @@ from autofuser import LoweringSpec, Sample, Tolerance
 from ..resampling import TRANSPOSED_FUNCTIONS, parse_transposed_conv
 
 # A sum over input channels in another order than cuDNN's / oneDNN's.
-TOLERANCES = {"float32": Tolerance(atol=1e-4, rtol=1e-4), "float16": Tolerance(atol=2e-3, rtol=1e-2),
-              "bfloat16": Tolerance(atol=2e-2, rtol=4e-2)}
+TOLERANCES = {
+    "float32": Tolerance(atol=1e-4, rtol=1e-4),
+    "float16": Tolerance(atol=2e-3, rtol=1e-2),
+    "bfloat16": Tolerance(atol=2e-2, rtol=4e-2),
+}
 
 
 def lower_conv_transpose(ctx, *args, **kwargs):
@@ -25,10 +28,17 @@ def lower_conv_transpose(ctx, *args, **kwargs):
 
 def _function_samples(dtype):
     return [
-        Sample(args=(torch.randn(2, 6, 9, 5, dtype=dtype), torch.randn(6, 4, 2, 2, dtype=dtype) * 0.3,
-                     torch.randn(4, dtype=dtype))),
-        Sample(args=(torch.randn(1, 3, 7, 4, dtype=dtype), torch.randn(3, 5, 3, 2, dtype=dtype) * 0.3,
-                     None), note="kernel 3 x 2, batch 1, no bias"),
+        Sample(
+            args=(
+                torch.randn(2, 6, 9, 5, dtype=dtype),
+                torch.randn(6, 4, 2, 2, dtype=dtype) * 0.3,
+                torch.randn(4, dtype=dtype),
+            )
+        ),
+        Sample(
+            args=(torch.randn(1, 3, 7, 4, dtype=dtype), torch.randn(3, 5, 3, 2, dtype=dtype) * 0.3, None),
+            note="kernel 3 x 2, batch 1, no bias",
+        ),
     ]
 
 
@@ -47,8 +57,10 @@ SPECS = [
         kind="layout",
         lower=lower_conv_transpose,
         samples=_function_samples,
-        references=(lambda x, w, b: F.conv_transpose2d(x, w, b, stride=tuple(w.shape[2:])),
-                    lambda x, w, b: F.gelu(F.conv_transpose2d(x, w, b, stride=tuple(w.shape[2:]))) * 2),
+        references=(
+            lambda x, w, b: F.conv_transpose2d(x, w, b, stride=tuple(w.shape[2:])),
+            lambda x, w, b: F.gelu(F.conv_transpose2d(x, w, b, stride=tuple(w.shape[2:]))) * 2,
+        ),
         tolerances=TOLERANCES,
     ),
     LoweringSpec(

@@ -39,8 +39,11 @@ def lower_group_norm_function(ctx, input, num_groups, weight=None, bias=None, ep
         weight = per_channel(ctx, weight, channels, spatial, op, "weight") if weight is not None else None
         bias = per_channel(ctx, bias, channels, spatial, op, "bias") if bias is not None else None
         return normalize(ctx, ctx.tensor(input), dims, n, float(eps), weight, bias)
-    ctx.refuse("partial_channel_groups", f"{op}: {num_groups} groups of {channels} channels split the channel dim, "
-                                         "which fused kernels don't index yet (1 group or one per channel fuse)")
+    ctx.refuse(
+        "partial_channel_groups",
+        f"{op}: {num_groups} groups of {channels} channels split the channel dim, "
+        "which fused kernels don't index yet (1 group or one per channel fuse)",
+    )
 
 
 def lower_group_norm_module(ctx, input):
@@ -54,11 +57,14 @@ def lower_group_norm_module(ctx, input):
 def _samples(dtype):
     def affine(c):
         return torch.randn(c, dtype=dtype), torch.randn(c, dtype=dtype)
+
     return [
-        Sample(args=(torch.randn(2, 6, 13, 7, dtype=dtype) * 2 + 1, *affine(6)), kwargs={"num_groups": 6},
-               note="one group per channel"),
-        Sample(args=(torch.randn(3, 4, 9, 5, dtype=dtype) - 1, *affine(4)), kwargs={"num_groups": 1},
-               note="one group"),
+        Sample(
+            args=(torch.randn(2, 6, 13, 7, dtype=dtype) * 2 + 1, *affine(6)),
+            kwargs={"num_groups": 6},
+            note="one group per channel",
+        ),
+        Sample(args=(torch.randn(3, 4, 9, 5, dtype=dtype) - 1, *affine(4)), kwargs={"num_groups": 1}, note="one group"),
         Sample(args=(torch.randn(1, 5, 17, dtype=dtype), *affine(5)), kwargs={"num_groups": 1}, note="1-d"),
     ]
 
@@ -71,8 +77,10 @@ def _affine(module):
 
 
 def _module_samples(dtype):
-    return [Sample(args=(torch.randn(2, 8, 13, 7, dtype=dtype) * 2 + 1,)),
-            Sample(args=(torch.randn(1, 8, 37, 3, dtype=dtype).transpose(2, 3),), note="transposed")]
+    return [
+        Sample(args=(torch.randn(2, 8, 13, 7, dtype=dtype) * 2 + 1,)),
+        Sample(args=(torch.randn(1, 8, 37, 3, dtype=dtype).transpose(2, 3),), note="transposed"),
+    ]
 
 
 SPECS = [
@@ -83,8 +91,10 @@ SPECS = [
         kind="reduction",
         lower=lower_group_norm_function,
         samples=_samples,
-        references=(lambda x, w, b, num_groups: F.group_norm(x, num_groups, w, b, eps=1e-3),
-                    lambda x, w, b, num_groups: F.group_norm(x, num_groups)),
+        references=(
+            lambda x, w, b, num_groups: F.group_norm(x, num_groups, w, b, eps=1e-3),
+            lambda x, w, b, num_groups: F.group_norm(x, num_groups),
+        ),
     ),
     LoweringSpec(
         name="conv.group_norm_module",
@@ -93,7 +103,10 @@ SPECS = [
         kind="reduction",
         lower=lower_group_norm_module,
         samples=_module_samples,
-        references=(_affine(torch.nn.GroupNorm(8, 8)), _affine(torch.nn.GroupNorm(1, 8)),
-                    torch.nn.GroupNorm(8, 8, affine=False)),
+        references=(
+            _affine(torch.nn.GroupNorm(8, 8)),
+            _affine(torch.nn.GroupNorm(1, 8)),
+            torch.nn.GroupNorm(8, 8, affine=False),
+        ),
     ),
 ]

@@ -39,8 +39,17 @@ def normalize_over_space(ctx, op, x, weight, bias, eps):
     return normalize(ctx, ctx.tensor(x), dims, n, float(eps), weight, bias)
 
 
-def lower_instance_norm_function(ctx, input, running_mean=None, running_var=None, weight=None, bias=None,
-                                 use_input_stats=True, momentum=0.1, eps=1e-5):
+def lower_instance_norm_function(
+    ctx,
+    input,
+    running_mean=None,
+    running_var=None,
+    weight=None,
+    bias=None,
+    use_input_stats=True,
+    momentum=0.1,
+    eps=1e-5,
+):
     op = "instance_norm"
     if use_input_stats is not True and use_input_stats is not False:
         ctx.refuse("unsupported_argument", f"{op}: use_input_stats={use_input_stats!r}")
@@ -68,18 +77,29 @@ def lower_instance_norm_module(ctx, input):
         if module.running_mean is not None:
             ctx.refuse("mutation", f"{name} in training mode updates its running statistics")
         return normalize_over_space(ctx, name, input, weight, bias, module.eps)
-    return normalize_by_statistics(ctx, name, input, ctx.attr("running_mean"), ctx.attr("running_var"), weight,
-                                   bias, module.eps)
+    return normalize_by_statistics(
+        ctx, name, input, ctx.attr("running_mean"), ctx.attr("running_var"), weight, bias, module.eps
+    )
 
 
 def _function_samples(dtype):
     return [
-        Sample(args=(torch.randn(2, 5, 13, 7, dtype=dtype) * 2 + 1, torch.randn(5, dtype=dtype),
-                     torch.randn(5, dtype=dtype)), note="2-d"),
-        Sample(args=(torch.randn(1, 3, 37, dtype=dtype), torch.randn(3, dtype=dtype), torch.randn(3, dtype=dtype)),
-               note="1-d, batch 1"),
-        Sample(args=(torch.randn(2, 2, 5, 3, 4, dtype=dtype), torch.randn(2, dtype=dtype),
-                     torch.randn(2, dtype=dtype)), note="3-d"),
+        Sample(
+            args=(
+                torch.randn(2, 5, 13, 7, dtype=dtype) * 2 + 1,
+                torch.randn(5, dtype=dtype),
+                torch.randn(5, dtype=dtype),
+            ),
+            note="2-d",
+        ),
+        Sample(
+            args=(torch.randn(1, 3, 37, dtype=dtype), torch.randn(3, dtype=dtype), torch.randn(3, dtype=dtype)),
+            note="1-d, batch 1",
+        ),
+        Sample(
+            args=(torch.randn(2, 2, 5, 3, 4, dtype=dtype), torch.randn(2, dtype=dtype), torch.randn(2, dtype=dtype)),
+            note="3-d",
+        ),
     ]
 
 
@@ -95,8 +115,10 @@ def _affine(module):
 
 
 def _module_samples(dtype):
-    return [Sample(args=(torch.randn(2, 6, 13, 7, dtype=dtype) * 3 - 1,)),
-            Sample(args=(torch.randn(1, 6, 37, 3, dtype=dtype).transpose(2, 3),), note="transposed")]
+    return [
+        Sample(args=(torch.randn(2, 6, 13, 7, dtype=dtype) * 3 - 1,)),
+        Sample(args=(torch.randn(1, 6, 37, 3, dtype=dtype).transpose(2, 3),), note="transposed"),
+    ]
 
 
 SPECS = [
@@ -107,8 +129,7 @@ SPECS = [
         kind="reduction",
         lower=lower_instance_norm_function,
         samples=_function_samples,
-        references=(lambda x, w, b: F.instance_norm(x, weight=w, bias=b, eps=1e-3),
-                    lambda x, w, b: F.instance_norm(x)),
+        references=(lambda x, w, b: F.instance_norm(x, weight=w, bias=b, eps=1e-3), lambda x, w, b: F.instance_norm(x)),
     ),
     LoweringSpec(
         name="conv.instance_norm_module",

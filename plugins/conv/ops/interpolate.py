@@ -58,7 +58,11 @@ SPECS = [
         kind="layout",
         lower=lower_resample,
         samples=_samples,
-        references=(_upsample(scale_factor=2, mode="bilinear"), _upsample(size=(20, 11), mode="nearest"),
-                    torch.nn.UpsamplingBilinear2d(scale_factor=2), torch.nn.UpsamplingNearest2d(size=(13, 7))),
+        references=(
+            _upsample(scale_factor=2, mode="bilinear"),
+            _upsample(size=(20, 11), mode="nearest"),
+            torch.nn.UpsamplingBilinear2d(scale_factor=2),
+            torch.nn.UpsamplingNearest2d(size=(13, 7)),
+        ),
     ),
 ]

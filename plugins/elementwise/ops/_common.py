@@ -99,7 +99,7 @@ def is_number(value: Any) -> bool:
 # ---------------------------------------------------------------------------
 
 TANH = "elementwise_tanh"
-_TANH_SOURCE = '''@triton.jit
+_TANH_SOURCE = """@triton.jit
 def elementwise_tanh(x):
     # tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) <= 1: nothing overflows,
     # and NaN passes through. Near 0, 1 - e cancels, so |x| < 0.1 uses the odd
@@ -112,20 +112,20 @@ def elementwise_tanh(x):
     x2 = x * x
     small = x + x * x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397))
     return tl.where(x == 0.0, x, tl.where(ax < 0.1, small, large))
-'''
+"""
 
 LOG1P = "elementwise_log1p"
-_LOG1P_SOURCE = '''@triton.jit
+_LOG1P_SOURCE = """@triton.jit
 def elementwise_log1p(u):
     # log(1 + u) loses u's low bits when 1 + u rounds; log(w) * u / (w - 1)
     # with w = 1 + u divides that rounding back out (Goldberg, 1991).
     w = 1.0 + u
     exact = tl.log(w) * (u / (w - 1.0))
     return tl.where(w == 1.0, u, tl.where(w == float("inf"), w, exact))
-'''
+"""
 
 EXPM1 = "elementwise_expm1"
-_EXPM1_SOURCE = '''@triton.jit
+_EXPM1_SOURCE = """@triton.jit
 def elementwise_expm1(x):
     # exp(x) - 1 cancels near 0; (u - 1) * x / log(u) with u = exp(x) corrects
     # the rounding of u (Kahan). u == 1, u - 1 == -1 and u == inf are exact cases.
@@ -137,10 +137,10 @@ def elementwise_expm1(x):
     exact = tl.where(um1 == -1.0, um1, exact)
     exact = tl.where(u == float("inf"), um1, exact)
     return tl.where(u == 1.0, x, exact)
-'''
+"""
 
 POW = "elementwise_pow"
-_POW_SOURCE = '''@triton.jit
+_POW_SOURCE = """@triton.jit
 def elementwise_pow(a, b):
     # |a| ** b through exp2/log2, then C's pow rules: a negative base keeps its
     # sign for odd integer b and gives NaN for fractional b (a = -inf excepted:
@@ -155,7 +155,7 @@ def elementwise_pow(a, b):
     result = tl.where(tl.abs(b) == float("inf"), tl.where(tl.abs(a) == 1.0, 1.0, result), result)
     result = tl.where(a == 1.0, 1.0, result)
     return tl.where(b == 0.0, 1.0, result)
-'''
+"""
 
 GELU = "elementwise_gelu"
 # The exact GELU, x * Phi(x) with Phi(x) = erfc(-x / sqrt(2)) / 2, without an erf: with
@@ -170,7 +170,7 @@ GELU = "elementwise_gelu"
 # NaN, as x * (1 + erf) does. benchmarks/gelu_accuracy.py checks every fp32 x of 41
 # binades, both signs, against float64 (BENCHMARKS.md, GELU accuracy; docs/architecture.md,
 # "Tolerances").
-_GELU_SOURCE = '''@triton.jit
+_GELU_SOURCE = """@triton.jit
 def elementwise_gelu(x):
     # x * Phi(x) without an erf: Phi = e = 2^(t * q(t) - 1) for x < 0 and 1 - e for x >= 0,
     # t = |x| / sqrt(2), q a degree-7 fit of log2(erfc(t)) / t. How and how accurate:
@@ -185,7 +185,7 @@ def elementwise_gelu(x):
     q = q * t + -1.6279085874557495
     e = tl.exp2(t * q - 1.0)
     return x * tl.where(x < 0, e, 1.0 - e)
-'''
+"""
 
 _HELPERS = {TANH: _TANH_SOURCE, LOG1P: _LOG1P_SOURCE, EXPM1: _EXPM1_SOURCE, POW: _POW_SOURCE, GELU: _GELU_SOURCE}
 
@@ -232,29 +232,49 @@ def with_nans(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def unary_samples(dtype: torch.dtype, *, scale: float = 1.0, positive: bool = False, nans: bool = False,
-                  shapes: Sequence[Sequence[int]] = UNARY_SHAPES) -> list[Sample]:
+def unary_samples(
+    dtype: torch.dtype,
+    *,
+    scale: float = 1.0,
+    positive: bool = False,
+    nans: bool = False,
+    shapes: Sequence[Sequence[int]] = UNARY_SHAPES,
+) -> list[Sample]:
     samples = [Sample(args=(randn(s, dtype, scale=scale, positive=positive),), note=f"{tuple(s)}") for s in shapes]
     if nans:
-        samples.append(Sample(args=(with_nans(randn((3, 37), dtype, scale=scale, positive=positive)),),
-                              note="NaNs propagate"))
+        samples.append(
+            Sample(args=(with_nans(randn((3, 37), dtype, scale=scale, positive=positive)),), note="NaNs propagate")
+        )
     return samples
 
 
-def binary_samples(dtype: torch.dtype, *, scale: float = 1.0, nans: bool = False,
-                   shapes: Sequence[tuple[Sequence[int], Sequence[int]]] = BINARY_SHAPES,
-                   positive: tuple[bool, bool] = (False, False)) -> list[Sample]:
+def binary_samples(
+    dtype: torch.dtype,
+    *,
+    scale: float = 1.0,
+    nans: bool = False,
+    shapes: Sequence[tuple[Sequence[int], Sequence[int]]] = BINARY_SHAPES,
+    positive: tuple[bool, bool] = (False, False),
+) -> list[Sample]:
     samples = [
-        Sample(args=(randn(a, dtype, scale=scale, positive=positive[0]),
-                     randn(b, dtype, scale=scale, positive=positive[1])),
-               note=f"{tuple(a)} with {tuple(b)}")
+        Sample(
+            args=(
+                randn(a, dtype, scale=scale, positive=positive[0]),
+                randn(b, dtype, scale=scale, positive=positive[1]),
+            ),
+            note=f"{tuple(a)} with {tuple(b)}",
+        )
         for a, b in shapes
     ]
     if nans:
-        samples.append(Sample(
-            # NaNs in both operands, partly at the same positions.
-            args=(with_nans(randn((3, 37), dtype, scale=scale)),
-                  with_nans(randn((3, 37), dtype, scale=scale)).flip(-1)),
-            note="NaNs propagate",
-        ))
+        samples.append(
+            Sample(
+                # NaNs in both operands, partly at the same positions.
+                args=(
+                    with_nans(randn((3, 37), dtype, scale=scale)),
+                    with_nans(randn((3, 37), dtype, scale=scale)).flip(-1),
+                ),
+                note="NaNs propagate",
+            )
+        )
     return samples

@@ -20,8 +20,9 @@ from ._common import FLOAT_DTYPES, lowering, randn
 def lower_cast(ctx, input, *args, **kwargs):
     for arg in (*args, *kwargs.values()):
         if isinstance(arg, (str, torch.device)):
-            ctx.refuse("device_move",
-                       f"{ctx.node.target}: argument {arg!r} names a device or a type string; left to eager")
+            ctx.refuse(
+                "device_move", f"{ctx.node.target}: argument {arg!r} names a device or a type string; left to eager"
+            )
     if kwargs.get("device") is not None:
         ctx.refuse("device_move", f"{ctx.node.target}: device= moves the tensor; left to eager")
     memory_format = kwargs.get("memory_format", torch.preserve_format)

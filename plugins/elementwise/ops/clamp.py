@@ -50,10 +50,14 @@ def _samples(dtype):
     """(x, lo, hi) with lo < hi mostly, sometimes not (then hi wins)."""
     return [
         Sample(args=(randn((3, 37), dtype, scale=2.0), randn((3, 37), dtype) - 1, randn((3, 37), dtype) + 1)),
-        Sample(args=(randn((5, 1, 7), dtype, scale=2.0), randn((6, 7), dtype) - 1, randn((7,), dtype) + 1),
-               note="broadcast bounds"),
-        Sample(args=(with_nans(randn((1, 129), dtype, scale=2.0)), randn((), dtype) - 1, randn((), dtype) + 1),
-               note="NaNs, 0-d bounds"),
+        Sample(
+            args=(randn((5, 1, 7), dtype, scale=2.0), randn((6, 7), dtype) - 1, randn((7,), dtype) + 1),
+            note="broadcast bounds",
+        ),
+        Sample(
+            args=(with_nans(randn((1, 129), dtype, scale=2.0)), randn((), dtype) - 1, randn((), dtype) + 1),
+            note="NaNs, 0-d bounds",
+        ),
     ]
 
 

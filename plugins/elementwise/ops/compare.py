@@ -22,8 +22,9 @@ _WIDTH = {torch.bool: 0, torch.bfloat16: 1, torch.float16: 1, torch.float32: 2}
 
 def _operands(ctx, input, other):
     """Both operands as kernel values in torch's common dtype."""
-    probes = [torch.empty(ctx.shape(a), dtype=ctx.dtype(a), device="meta") if ctx.is_tensor(a) else a
-              for a in (input, other)]
+    probes = [
+        torch.empty(ctx.shape(a), dtype=ctx.dtype(a), device="meta") if ctx.is_tensor(a) else a for a in (input, other)
+    ]
     for a in (input, other):
         if not ctx.is_tensor(a) and not is_number(a) and not isinstance(a, bool):
             ctx.refuse("unsupported_argument", f"comparison with {a!r}")
@@ -57,6 +58,7 @@ def _comparison(symbol):
 
 def _samples(dtype):
     """Operands that share about half their values, so ==, <= and >= see ties."""
+
     def pair(shape_a, shape_b):
         a = randn(shape_a, dtype)
         b = randn(shape_b, dtype)
@@ -67,8 +69,10 @@ def _samples(dtype):
         Sample(args=pair((3, 37), (3, 37))),
         Sample(args=pair((5, 1, 7), (6, 7)), note="broadcast"),
         Sample(args=pair((1, 129), ()), note="0-d operand"),
-        Sample(args=(randn((2, 33), dtype), torch.full((2, 33), 0.1, dtype=dtype)),
-               note="0.1 rounded to the dtype, compared with the number 0.1"),
+        Sample(
+            args=(randn((2, 33), dtype), torch.full((2, 33), 0.1, dtype=dtype)),
+            note="0.1 rounded to the dtype, compared with the number 0.1",
+        ),
     ]
 
 

@@ -35,8 +35,9 @@ _MODULES = (
 @lowering
 def lower_dropout(ctx, *args, **kwargs):
     if ctx.module is not None:
-        return _identity_unless_random(ctx, *args, p=ctx.module.p, training=ctx.module.training,
-                                       inplace=ctx.module.inplace)
+        return _identity_unless_random(
+            ctx, *args, p=ctx.module.p, training=ctx.module.training, inplace=ctx.module.inplace
+        )
     if ctx.node.target is torch.dropout:
         return _torch_dropout(ctx, *args, **kwargs)
     return _functional_dropout(ctx, *args, **kwargs)

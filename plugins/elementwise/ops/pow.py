@@ -97,8 +97,10 @@ def _tensor_exponent_samples(dtype):
         # Positive bases with any exponent.
         Sample(args=(randn((3, 37), dtype, scale=2.0, positive=True), randn((3, 37), dtype)), note="positive base"),
         # Negative bases: integer exponents keep or flip the sign, others give NaN.
-        Sample(args=(randn((5, 1, 7), dtype, scale=2.0), torch.randint(-3, 4, (6, 7)).to(dtype)),
-               note="any base, integer exponents"),
+        Sample(
+            args=(randn((5, 1, 7), dtype, scale=2.0), torch.randint(-3, 4, (6, 7)).to(dtype)),
+            note="any base, integer exponents",
+        ),
         Sample(args=(randn((1, 129), dtype, scale=2.0), randn((), dtype)), note="0-d exponent"),
     ]
 
@@ -114,17 +116,17 @@ SPECS = [
         lower=lower_pow,
         samples=_tensor_exponent_samples,
         references=(
-            lambda x, y: x ** y,
+            lambda x, y: x**y,
             torch.pow,
             lambda x, y: x.pow(y),
-            lambda x, y: 2 ** y,  # recorded as operator.pow(2, y)
+            lambda x, y: 2**y,  # recorded as operator.pow(2, y)
             lambda x, y: torch.pow(1.5, y),
-            lambda x, y: 0.5 ** y,
+            lambda x, y: 0.5**y,
             lambda x, y: (-2.0) ** y,  # negative base: NaN for fractional y
         )
         + tuple(
             # Every special-cased constant exponent, on bases of both signs.
-            (lambda n: lambda x, y: x ** n)(n)
+            (lambda n: lambda x, y: x**n)(n)
             for n in _CONSTANT_EXPONENTS
         ),
         tolerances={

@@ -29,11 +29,21 @@ def lower_linear_module(ctx, x):
 
 def _linear_samples(dtype):
     return [
-        Sample(args=(torch.randn(37, 24, dtype=dtype), torch.randn(40, 24, dtype=dtype) * 0.2,
-                     torch.randn(40, dtype=dtype))),
+        Sample(
+            args=(
+                torch.randn(37, 24, dtype=dtype),
+                torch.randn(40, 24, dtype=dtype) * 0.2,
+                torch.randn(40, dtype=dtype),
+            )
+        ),
         Sample(args=(torch.randn(3, 21, 48, dtype=dtype), torch.randn(19, 48, dtype=dtype) * 0.2, None)),
-        Sample(args=(torch.randn(1, 5, 17, dtype=dtype), torch.randn(33, 17, dtype=dtype) * 0.2,
-                     torch.randn(33, dtype=dtype))),
+        Sample(
+            args=(
+                torch.randn(1, 5, 17, dtype=dtype),
+                torch.randn(33, 17, dtype=dtype) * 0.2,
+                torch.randn(33, dtype=dtype),
+            )
+        ),
     ]
 
 

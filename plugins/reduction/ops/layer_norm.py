@@ -25,7 +25,7 @@ def normalized_dims(ctx, op, normalized_shape, shape):
         ctx.refuse("unsupported_argument", f"{op}: normalized_shape={normalized_shape!r} is not a tuple of ints")
     normalized_shape = tuple(normalized_shape)
     rank = len(shape)
-    trailing = tuple(shape[rank - len(normalized_shape):])
+    trailing = tuple(shape[rank - len(normalized_shape) :])
     if not normalized_shape or len(normalized_shape) > rank or trailing != normalized_shape:
         ctx.refuse("shape_mismatch", f"{op}: normalized_shape {normalized_shape} is not the trailing shape of {shape}")
     return tuple(range(rank - len(normalized_shape), rank)), normalized_shape
@@ -69,8 +69,14 @@ def normalize(ctx, x, dims, n, eps, weight, bias):
 
 def lower_layer_norm(ctx, *args, **kwargs):
     op = "layer_norm"
-    b = bind(ctx, op, args, kwargs, ("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable"),
-             defaults={"weight": None, "bias": None, "eps": 1e-5})
+    b = bind(
+        ctx,
+        op,
+        args,
+        kwargs,
+        ("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable"),
+        defaults={"weight": None, "bias": None, "eps": 1e-5},
+    )
     if "normalized_shape" not in b:
         ctx.refuse("unsupported_argument", f"{op}: normalized_shape missing")
     x, shape = float_input(ctx, op, b["input"])

@@ -31,8 +31,10 @@ def _affine(module):
 
 
 def _samples(dtype):
-    return [Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
-            for shape in ((6, 37), (2, 6, 37), (1, 3, 6, 37))]
+    return [
+        Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
+        for shape in ((6, 37), (2, 6, 37), (1, 3, 6, 37))
+    ]
 
 
 SPECS = [

@@ -32,8 +32,9 @@ def rms_normalize(ctx, x, dims, n, eps, weight):
 
 def lower_rms_norm(ctx, *args, **kwargs):
     op = "rms_norm"
-    b = bind(ctx, op, args, kwargs, ("input", "normalized_shape", "weight", "eps"),
-             defaults={"weight": None, "eps": None})
+    b = bind(
+        ctx, op, args, kwargs, ("input", "normalized_shape", "weight", "eps"), defaults={"weight": None, "eps": None}
+    )
     if "normalized_shape" not in b:
         ctx.refuse("unsupported_argument", f"{op}: normalized_shape missing")
     x, shape = float_input(ctx, op, b["input"])

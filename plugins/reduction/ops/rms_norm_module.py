@@ -28,8 +28,10 @@ def _with_random_weight(module):
 
 
 def _samples(dtype):
-    return [Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
-            for shape in ((6, 37), (2, 6, 37), (1, 3, 6, 37))]
+    return [
+        Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
+        for shape in ((6, 37), (2, 6, 37), (1, 3, 6, 37))
+    ]
 
 
 SPECS = [

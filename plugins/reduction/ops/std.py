@@ -9,13 +9,16 @@ from .var import deviations, scaled_variance
 
 def lower_std(ctx, *args, **kwargs):
     deviation, dims, denominator, keepdim = deviations(ctx, "std", args, kwargs)
-    return scaled_variance(ctx, deviation, dims, denominator, keepdim,
-                           lambda m, p: ctx.pointwise("tl.sqrt({0}) * {1}", m, p))
+    return scaled_variance(
+        ctx, deviation, dims, denominator, keepdim, lambda m, p: ctx.pointwise("tl.sqrt({0}) * {1}", m, p)
+    )
 
 
 def _samples(dtype):
-    return [Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
-            for shape in ((3, 37), (1, 129), (2, 5, 17), (4, 6, 9))]
+    return [
+        Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
+        for shape in ((3, 37), (1, 129), (2, 5, 17), (4, 6, 9))
+    ]
 
 
 SPECS = [

@@ -16,8 +16,10 @@ def lower_sum(ctx, *args, **kwargs):
 
 
 def _samples(dtype):
-    return [Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
-            for shape in ((3, 37), (1, 129), (2, 5, 17), (4, 6, 9))]
+    return [
+        Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
+        for shape in ((3, 37), (1, 129), (2, 5, 17), (4, 6, 9))
+    ]
 
 
 SPECS = [

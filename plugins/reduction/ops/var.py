@@ -23,8 +23,15 @@ def deviations(ctx, op, args, kwargs):
         positional = ("input", "unbiased")
     else:
         positional = ("input", "dim", "unbiased", "keepdim")
-    b = bind(ctx, op, args, kwargs, positional, ("dim", "unbiased", "keepdim", "correction", "out"),
-             {"dim": None, "keepdim": False})
+    b = bind(
+        ctx,
+        op,
+        args,
+        kwargs,
+        positional,
+        ("dim", "unbiased", "keepdim", "correction", "out"),
+        {"dim": None, "keepdim": False},
+    )
     x, shape = float_input(ctx, op, b["input"])
     dims = reduction_dims(ctx, op, b["dim"], len(shape))
     unbiased, correction = b.get("unbiased"), b.get("correction")
@@ -71,13 +78,16 @@ def scaled_variance(ctx, deviation, dims, denominator, keepdim, finish):
 
 def lower_var(ctx, *args, **kwargs):
     deviation, dims, denominator, keepdim = deviations(ctx, "var", args, kwargs)
-    return scaled_variance(ctx, deviation, dims, denominator, keepdim,
-                           lambda m, p: ctx.pointwise("{0} * {1} * {1}", m, p))
+    return scaled_variance(
+        ctx, deviation, dims, denominator, keepdim, lambda m, p: ctx.pointwise("{0} * {1} * {1}", m, p)
+    )
 
 
 def _samples(dtype):
-    return [Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
-            for shape in ((3, 37), (1, 129), (2, 5, 17), (4, 6, 9))]
+    return [
+        Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
+        for shape in ((3, 37), (1, 129), (2, 5, 17), (4, 6, 9))
+    ]
 
 
 SPECS = [
