@@ -14,7 +14,7 @@ from five calls timed together with their flushes. ``bench`` instead caps the ca
 three calls (an eager attention of 40 ms would otherwise cost many), and estimates from
 three calls each timed on its own. And whole-forward timing must not flush at all (a
 flush gives the host a head start and hides launch overhead), which ``do_bench`` always
-does. tests/test_cuda.py checks that ``bench`` measures what ``do_bench`` does.
+does. tests/integration/test_cuda.py checks that ``bench`` measures what ``do_bench`` does.
 
 Compiling never calls these functions directly: it asks the current ``Timer``
 (``current()``), whether to tune, whether to time fused against eager, and for each

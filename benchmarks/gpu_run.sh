@@ -31,12 +31,14 @@ for step in "${steps[@]}"; do
   start=$(date +%s)
   case "$step" in
     tests)
-      python3 -m pytest -q -p no:cacheprovider tests/test_capture.py tests/test_cuda.py tests/test_conformance.py \
-        -k "sample0-form0 or test_capture or test_cuda" 2>&1 | tail -n 30 | tee "$out/tests.log" ;;
+      python3 -m pytest -q -p no:cacheprovider tests/core/test_capture.py tests/integration/test_cuda.py \
+        tests/integration/test_conformance.py -k "sample0-form0 or test_capture or test_cuda" 2>&1 | tail -n 30 | tee "$out/tests.log" ;;
     tests-device)
-      python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_capture.py tests/test_conformance.py \
-        tests/test_elementwise_ops.py tests/test_attention.py tests/test_linear_attention.py \
-        tests/test_slice_attention.py tests/test_mlp_persistent.py > "$out/tests-device.log" 2>&1
+      python3 -m pytest -q -p no:cacheprovider tests/integration/test_cuda.py tests/core/test_capture.py \
+        tests/integration/test_conformance.py tests/plugins/elementwise/test_elementwise_ops.py \
+        tests/plugins/attention/test_attention.py tests/plugins/attention/test_linear_attention.py \
+        tests/plugins/attention/test_slice_attention.py tests/plugins/mlp/test_mlp_persistent.py \
+        > "$out/tests-device.log" 2>&1
       echo "tests-device rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests-device.log" | tail -n 40 ;;
     bandwidth|matmul|attention|conv|mxint8)
       flags_var="${step^^}_FLAGS"

@@ -52,3 +52,22 @@ class StandInTimer(Timer):
 
     def can_time(self, device, options) -> bool:
         return self._time and options.verify_speed
+
+
+def stand_in_timer_by_kernel(use_timer, kernel_ms):
+    """Time groups as on a GPU by a stand-in (``use_timer``, the fixture): a kernel takes
+    ``kernel_ms(layout, normed)`` ms (its source's layout; whether its ops include a layer
+    norm), every eager group 1 ms. Configs are not tuned."""
+
+    def bench(fn, *args):
+        kernel = getattr(fn, "__self__", None)
+        if kernel is None:
+            return 1.0
+        called = [
+            kernel.eager.get_submodule(n.target) if n.op == "call_module" else n.target
+            for n in kernel.eager.graph.nodes
+        ]
+        normed = any("norm" in (type(c).__name__ if isinstance(c, torch.nn.Module) else str(c)).lower() for c in called)
+        return kernel_ms(kernel.source.layout, normed)
+
+    use_timer(StandInTimer(bench, tune=False, time=True))

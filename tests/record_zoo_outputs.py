@@ -4,7 +4,7 @@ Run to re-record after an intended numeric change::
 
     python tests/record_zoo_outputs.py
 
-It rewrites ``tests/data/zoo_outputs.json``, which ``tests/test_zoo_outputs.py``
+It rewrites ``tests/data/zoo_outputs.json``, which ``tests/integration/test_zoo_outputs.py``
 compares the current code against. For each case of ``CASES`` (a zoo model at
 its tiny configuration, with the plugins named there on top of the bundled
 ones) it builds the model with a fixed seed in eval mode, fuses it

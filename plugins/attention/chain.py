@@ -11,7 +11,7 @@ its outputs, like any kernel's.
 
 ``stages(config)`` lists each stage's kernel with its argument types and
 compile-time constants, so the chain can be compiled ahead of time for a GPU
-without one (``tests/test_gpu_compile.py``).
+without one (``tests/integration/test_gpu_compile.py``).
 """
 
 from __future__ import annotations

@@ -317,7 +317,7 @@ def test_benchmark_script_smoke_run(tmp_path):
     import pathlib
     import sys
 
-    bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    bench = pathlib.Path(__file__).resolve().parents[3] / "benchmarks"
     sys.path.insert(0, str(bench))
     try:
         spec = importlib.util.spec_from_file_location("mxint8_bench", bench / "mxint8.py")

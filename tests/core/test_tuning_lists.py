@@ -131,7 +131,7 @@ def test_tuning_stats_reports_winners_caps_and_writes_every_timing(tmp_path, cap
 
     from autofuser_core.cache import write_tuning
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tuning_stats.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "tuning_stats.py"
     spec = importlib.util.spec_from_file_location("tuning_stats", path)
     stats = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(stats)

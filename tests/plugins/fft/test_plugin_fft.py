@@ -237,7 +237,7 @@ def test_zoo_models_match_eager_with_spectral_groups_fused(name, layers_per_bloc
 def test_spectral_kernels_compile_for_sm90(tmp_path):
     """The interpreter accepts programs the GPU compiler refuses: compile the
     plugin's kernels of the zoo's FNO and F-FNO ahead of time for sm_90."""
-    from test_gpu_compile import _compile_for_sm90, _job
+    from _sm90 import _compile_for_sm90, _job
 
     jobs = []
     for name in ("fno", "ffno"):

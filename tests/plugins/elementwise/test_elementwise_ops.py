@@ -3,7 +3,7 @@ every spec registers, has samples and references for each float dtype, and
 lowers every reference form to IR of the node's own shape. Refusals (inplace,
 out=, training dropout, rounding_mode, ...) raise ``LoweringRefused``.
 
-Numbers are checked end to end by ``tests/test_conformance.py``.
+Numbers are checked end to end by ``tests/integration/test_conformance.py``.
 """
 
 from __future__ import annotations

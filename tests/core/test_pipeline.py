@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import autofuser
 from autofuser_core.report import FusionReport
 
+from _helpers import stand_in_timer_by_kernel as _stand_in_timer
 from _models import FeedForward
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -662,26 +663,6 @@ def test_an_mlp_that_fails_verification_is_replanned_one_product_per_group(monke
     assert {"fc1", "fc2"} <= covered
 
 
-def _stand_in_timer(use_timer, kernel_ms):
-    """Time groups as on a GPU by a stand-in (``use_timer``, the fixture): a kernel takes
-    ``kernel_ms(layout, normed)`` ms (its source's layout; whether its ops include a layer
-    norm), every eager group 1 ms. Configs are not tuned."""
-    from _helpers import StandInTimer
-
-    def bench(fn, *args):
-        kernel = getattr(fn, "__self__", None)
-        if kernel is None:
-            return 1.0
-        called = [
-            kernel.eager.get_submodule(n.target) if n.op == "call_module" else n.target
-            for n in kernel.eager.graph.nodes
-        ]
-        normed = any("norm" in (type(c).__name__ if isinstance(c, torch.nn.Module) else str(c)).lower() for c in called)
-        return kernel_ms(kernel.source.layout, normed)
-
-    use_timer(StandInTimer(bench, tune=False, time=True))
-
-
 def _timed_feedforward(
     use_timer,
     mlp_ms: float,
@@ -1141,7 +1122,7 @@ def test_a_strided_weight_is_read_as_it_is_under_autocast():
 def test_one_element_host_tensors_move_to_the_kernels_device():
     """A forward's own constant (``x.masked_fill(m, torch.tensor(2.5))``) is a host tensor
     among device ones: eager takes it as a scalar, a kernel can't read host memory. (The
-    meta device stands in for a GPU; tests/test_conformance.py runs the real case there.)"""
+    meta device stands in for a GPU; tests/integration/test_conformance.py runs the real case there.)"""
     from types import SimpleNamespace
 
     from autofuser_core.launch import host_scalars, to_device

@@ -10,6 +10,8 @@ import torch.nn as nn
 import autofuser
 from autofuser_plugins.matmul.autocast import make_autocast_casts_explicit
 
+from _helpers import stand_in_timer_by_kernel
+
 
 class NormQkv(nn.Module):
     """A layer norm feeding three linears, and a linear on the raw input (left as it is)."""
@@ -61,12 +63,10 @@ def test_without_autocast_nothing_changes():
 def test_a_layer_norm_split_off_its_linear_writes_what_the_product_reads(use_timer):
     """Timed as on a GPU (the norm + linear kernel slower than the norm's own kernel and
     the linear's): the norm's group takes the conversion and writes bf16."""
-    from test_pipeline import _stand_in_timer
-
     torch.manual_seed(3)
     model = nn.Sequential(nn.LayerNorm(24), nn.Linear(24, 40)).eval()
     x = torch.randn(3, 19, 24)
-    _stand_in_timer(use_timer, lambda layout, normed: 0.6 if layout == "matmul" and normed else 0.1)
+    stand_in_timer_by_kernel(use_timer, lambda layout, normed: 0.6 if layout == "matmul" and normed else 0.1)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         fused = autofuser.fuse(model, progress=False)
         got, want = fused(x), model(x)

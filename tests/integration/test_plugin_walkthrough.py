@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "writing-a-plugin.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "writing-a-plugin.md"
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```$", re.S | re.M)
 
 

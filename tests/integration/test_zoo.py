@@ -163,7 +163,7 @@ def test_lsm_spectral_block_works_patch_by_patch():
     assert diff.max() == 0
 
 
-LSM_TOLERANCES = {  # as for the convolutional zoo models (tests/test_conv.py)
+LSM_TOLERANCES = {  # as for the convolutional zoo models (tests/plugins/conv/test_conv.py)
     torch.float32: dict(atol=1e-4, rtol=1e-4),
     torch.bfloat16: dict(atol=3e-2, rtol=5e-2),
 }
