@@ -10,10 +10,13 @@ Plugins implement the hooks in ``autofuser_core.hookspecs`` with the spec
 types exported here. A strategy that composes and writes its groups itself
 (``StrategySpec.compose`` and ``generate``) builds on ``program_from_nodes``,
 ``GroupProgram``/``KernelTensor`` (what it composed), ``GroupRefused`` (a
-refusal with a reason code) and ``KernelSource`` (what it wrote).
+refusal with a reason code) and ``KernelSource`` (what it wrote). Tile sizes
+and grids are checked against ``device_limits(device)`` (shared memory per
+block, multiprocessors), one helper for every plugin.
 """
 
 from autofuser_core.codegen import KernelSource
+from autofuser_core.device_limits import DeviceLimits, device_limits
 from autofuser_core.errors import AutoFuserError, CacheError, CaptureError, CompileFailedWarning, PluginError, SpecError
 from autofuser_core.group import GroupProgram, GroupRefused, KernelTensor, program_from_nodes
 from autofuser_core.hookspecs import hookimpl
@@ -37,6 +40,7 @@ __all__ = [
     "CacheError",
     "CaptureError",
     "CompileFailedWarning",
+    "DeviceLimits",
     "GroupProgram",
     "GroupRefused",
     "KernelSource",
@@ -55,6 +59,7 @@ __all__ = [
     "broadcast_shapes",
     "capture",
     "describe_tensor",
+    "device_limits",
     "fuse",
     "hookimpl",
     "load_plugins",

@@ -35,10 +35,10 @@ import time
 import warnings
 from collections import OrderedDict, defaultdict
 from types import ModuleType
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 from torch.utils.hooks import RemovableHandle
 
 from .cache import cache_dir, read_verdict, write_verdict
@@ -47,7 +47,7 @@ from .compile import _device_of, compile_graph
 from .cudagraphs import CudaGraphRunner, try_cuda_graph
 from .errors import AutoFuserError, CaptureError, CompileFailedWarning, PluginError
 from .launch import FusedKernel
-from .plugins import load_plugins
+from .plugins import PluginSet, load_plugins
 from .quantize import QuantizedLayer, QuantizeOptions, parse_quantize, quantize_model
 from .report import FusionReport
 from .timing import median_call_ms
@@ -58,7 +58,9 @@ logger = logging.getLogger("autofuser")
 
 
 class FuseOptions(BaseModel):
-    """Options of ``fuse()``; unknown names are refused.
+    """Options of ``fuse()``; unknown names are refused. A plugin's own options
+    (``autofuser_register_options``) are attributes too (``options.reassociate_products``),
+    set by ``FuseOptions.parse``.
 
     Flags and counts are strict: ``tune="yes"``, ``verify_speed=1`` or
     ``max_signatures="8"`` are refused rather than read as something the caller may
@@ -103,13 +105,58 @@ class FuseOptions(BaseModel):
         description="fp32 products where torch disallows TF32: 3xTF32 (fp32-level error, tensor cores) "
         "or plain fp32 FMAs.",
     )
-    reassociate_products: bool = Field(
-        False,
-        strict=True,
-        description="Let strategies reorder a chain of matrix products where exact arithmetic gives the same "
-        "result ((q @ k^T) @ v as q @ (k^T @ v)): rounding differs and the cost changes, often "
-        "from quadratic to linear in the sequence length. Off: products run as written.",
-    )
+    #: Plugin-owned options (``autofuser_register_options``), validated by their plugin's
+    #: model: value by name, and the plugin owning each name. Plain values, so a pickled
+    #: FusedModule needs no plugin's options class to load.
+    _plugin_values: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _plugin_owners: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    if not TYPE_CHECKING:  # mypy then still flags misspelled core options
+
+        def __getattr__(self, name: str) -> Any:
+            """A plugin option by name (``options.reassociate_products``)."""
+            if not name.startswith("_"):
+                private = object.__getattribute__(self, "__pydantic_private__") or {}
+                values = private.get("_plugin_values", {})
+                if name in values:
+                    return values[name]
+            return super().__getattr__(name)
+
+    def plugin_options(self) -> dict[str, tuple[str, Any]]:
+        """Every plugin option of this ``fuse()`` call: ``{name: (plugin, value)}``."""
+        return {name: (self._plugin_owners[name], value) for name, value in self._plugin_values.items()}
+
+    @classmethod
+    def parse(cls, options: dict[str, Any], plugin_models: Optional[dict[str, type[BaseModel]]] = None) -> FuseOptions:
+        """``fuse()``'s keyword options, the core's and those of the loaded plugins
+        (``plugin_models``: each plugin's options model, by plugin name).
+
+        :raises AutoFuserError: an unknown name (the message lists every known option and
+            which plugin owns each) or an invalid value (naming the option, and its plugin).
+        """
+        plugin_models = plugin_models or {}
+        owners = {name: plugin for plugin, model in plugin_models.items() for name in model.model_fields}
+        core = {k: v for k, v in options.items() if k not in owners}
+        problems = []
+        try:
+            parsed = cls(**core)
+        except ValidationError as err:
+            problems.append(_option_problems(err))
+        values: dict[str, Any] = {}
+        for plugin, model in plugin_models.items():
+            given = {k: v for k, v in options.items() if owners.get(k) == plugin}
+            try:
+                values.update(dict(model(**given)))
+            except ValidationError as err:
+                problems.append(_option_problems(err, plugin))
+        if problems:
+            known = ", ".join(cls.model_fields)
+            if owners:
+                known += "; plugin options: " + ", ".join(f"{name} (plugin {p!r})" for name, p in owners.items())
+            raise AutoFuserError(f"invalid fuse() option(s): {'; '.join(problems)}. Known options: {known}.")
+        parsed._plugin_values = values
+        parsed._plugin_owners = {name: owners[name] for name in values}
+        return parsed
 
     @field_validator("cache_dir", mode="before")
     @classmethod
@@ -131,14 +178,16 @@ _ALLOWED_VALUES = {
 }
 
 
-def _option_problems(err: ValidationError) -> str:
-    """Each refused option as ``name=value (type): what is wrong; what is allowed``."""
+def _option_problems(err: ValidationError, plugin: Optional[str] = None) -> str:
+    """Each refused option as ``name=value (type): what is wrong; what is allowed``, and
+    the plugin owning it where ``plugin`` is given."""
+    owner = f" (an option of plugin {plugin!r})" if plugin is not None else ""
     problems = []
     for e in err.errors():
         name = ".".join(map(str, e["loc"]))
         given = e.get("input")
         hint = _ALLOWED_VALUES.get(e["type"])
-        problems.append(f"{name}={given!r} ({type(given).__name__}): {e['msg']}" + (f"; {hint}" if hint else ""))
+        problems.append(f"{name}={given!r} ({type(given).__name__}){owner}: {e['msg']}" + (f"; {hint}" if hint else ""))
     return "; ".join(problems)
 
 
@@ -377,10 +426,16 @@ def _both_constants(a: Any, b: Any) -> bool:
 class FusedModule(torch.nn.Module):
     """Behaves like the wrapped model; runs fused kernels. See module doc."""
 
-    def __init__(self, model: torch.nn.Module, plugins: Optional[Sequence[Any]], options: FuseOptions):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        plugins: Optional[Sequence[Any]],
+        options: FuseOptions,
+        plugin_set: Optional[PluginSet] = None,
+    ):
         super().__init__()
         self._plugins = plugins
-        self._plugin_set = _load_plugins_quietly(plugins)
+        self._plugin_set = plugin_set if plugin_set is not None else _load_plugins_quietly(plugins)
         self._quantized: list[QuantizedLayer] = []
         if options.quantize is not None:
             # A quantised copy; the caller's model keeps its float weights.
@@ -1151,18 +1206,17 @@ def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **opti
         modules, hook-carrying objects or entry-point names.
     :param options: see ``FuseOptions`` (``cache_dir``, ``max_signatures``,
         ``tune``, ``tune_budget_s``, ``verify_speed``, ``progress``,
-        ``cuda_graphs``, ``strict_fp32_products``, ``reassociate_products``,
-        ``quantize``). With ``quantize``, the fused module wraps a quantised
+        ``cuda_graphs``, ``strict_fp32_products``, ``quantize``), and those
+        the loaded plugins register (``autofuser_register_options``; the
+        attention plugin's ``reassociate_products``). With ``quantize``, the fused module wraps a quantised
         copy of ``model`` (``fused.model``); ``model`` itself is left unchanged.
     :raises CaptureError: ``model`` is not a module instance.
+    :raises AutoFuserError: an unknown option, or an invalid value (the message says which, and its owner).
     :raises PluginError, SpecError: a plugin could not be loaded or is invalid.
     """
     if not isinstance(model, torch.nn.Module):
         hint = " - it is a class; instantiate it first" if isinstance(model, type) else ""
         raise CaptureError(f"fuse() takes an nn.Module instance, got {type(model).__name__}{hint}.")
-    try:
-        parsed = FuseOptions(**options)
-    except ValidationError as err:
-        known = ", ".join(FuseOptions.model_fields)
-        raise AutoFuserError(f"invalid fuse() option(s): {_option_problems(err)}. Known options: {known}.") from None
-    return FusedModule(model, plugins, parsed)
+    plugin_set = _load_plugins_quietly(plugins)  # the plugins' own options are known once they are loaded
+    parsed = FuseOptions.parse(options, plugin_set.registry.options)
+    return FusedModule(model, plugins, parsed, plugin_set)

@@ -83,6 +83,28 @@ def autofuser_register_product_layouts(register):
     """
 
 
+@hookspec
+def autofuser_register_options(register):
+    """Register this plugin's ``fuse()`` options, so the plugin owns them, not the core.
+
+    Called once per plugin when it is loaded, before any option is read.
+    ``fuse(model, **options)`` then accepts the plugin's option names next to the
+    core's ``FuseOptions``, validates them with the plugin's model (an invalid value
+    raises ``AutoFuserError`` naming the option and this plugin; a name no loaded
+    plugin owns is refused, listing every known option and its owner), and the
+    ``FuseOptions`` that hooks and strategies receive (``view.options``) has each one
+    as an attribute: ``options.my_option`` (its default when not given). Read it
+    with ``getattr(options, "my_option", default)`` where options may be ``None``.
+
+    :param register: call ``register(MyOptions)`` with a pydantic model class, or
+        ``register(my_option=(bool, Field(False, strict=True, description="...")))``.
+        Every field needs a default and a description; the model should forbid
+        unknown names and use strict types, as ``FuseOptions`` does (named fields
+        get ``frozen=True, extra="forbid"``). A name the core or another plugin
+        already has, or options registered twice, raises ``SpecError``.
+    """
+
+
 # ---------------------------------------------------------------------------
 # Policy and graph passes: called for every compiled graph
 # ---------------------------------------------------------------------------

@@ -34,6 +34,7 @@ _REGISTRATION_HOOKS = {
     "autofuser_register_strategies": "register_strategy",
     "autofuser_register_quantizers": "register_quantizer",
     "autofuser_register_product_layouts": "register_product_layout",
+    "autofuser_register_options": "register_options",
 }
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Type, TypeVar
 
 import torch
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from .errors import PluginError, SpecError
 from .group import GroupRefused
@@ -65,6 +65,8 @@ class Registry:
         self._by_target: dict[tuple[str, Any], LoweringSpec] = {}
         self._claims: dict[tuple[str, Any], list[LoweringSpec]] = {}
         self._guarded: Optional[Registry] = None
+        #: Each plugin's options model, by plugin name (``autofuser_register_options``).
+        self.options: dict[str, type[BaseModel]] = {}
 
     # -- registration -------------------------------------------------------
 
@@ -146,6 +148,47 @@ class Registry:
         self._add_unique(self.quantizers, quantizer, "quantizer")
         return quantizer
 
+    def register_options(self, plugin: str, /, model: Any = None, **fields: Any) -> type[BaseModel]:
+        """A plugin's ``fuse()`` options: a pydantic model class, or fields as
+        ``name=(type, Field(default, strict=True, description=...))`` made into one.
+
+        :raises SpecError: a field without a default or a description, a name the core's
+            ``FuseOptions`` or another plugin already has, or options registered twice.
+        """
+        from .fuse import FuseOptions  # fuse imports this module
+
+        hook = "autofuser_register_options"
+        if model is not None and fields:
+            raise SpecError(f"plugin {plugin!r}, {hook}: give an options model or named fields, not both.")
+        if model is None:
+            try:
+                model = create_model(f"{plugin}_options", __config__=_PLUGIN_OPTIONS_CONFIG, **fields)
+            except Exception as err:
+                raise SpecError(
+                    f"plugin {plugin!r}, {hook}: the fields {sorted(fields)} don't make an options model "
+                    f"({type(err).__name__}: {err}); give each as name=(type, Field(default, description=...))."
+                ) from None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            raise SpecError(f"plugin {plugin!r}, {hook}: {model!r} is not a pydantic model class.")
+        if plugin in self.options:
+            raise SpecError(f"plugin {plugin!r}, {hook}: options registered twice; register one model.")
+        for name, info in model.model_fields.items():
+            if info.is_required():
+                raise SpecError(f"plugin {plugin!r}, {hook}: option {name!r} has no default; give it one.")
+            if not info.description:
+                raise SpecError(f"plugin {plugin!r}, {hook}: option {name!r} has no description; give it one.")
+            if name in FuseOptions.model_fields:
+                raise SpecError(f"plugin {plugin!r}, {hook}: option {name!r} is a core fuse() option; rename it.")
+            owner = next((other for other, m in self.options.items() if name in m.model_fields), None)
+            if owner is not None:
+                raise SpecError(f"plugin {plugin!r}, {hook}: option {name!r} is already plugin {owner!r}'s; rename it.")
+        self.options[plugin] = model
+        return model
+
+    def option_owner(self, name: str) -> Optional[str]:
+        """The plugin whose options model has the field ``name``, or ``None``."""
+        return next((plugin for plugin, model in self.options.items() if name in model.model_fields), None)
+
     # -- compiling with plugin faults contained ------------------------------
 
     def guarded(self) -> "Registry":
@@ -163,6 +206,7 @@ class Registry:
         guarded.strategies = {name: _guarded_spec(spec) for name, spec in self.strategies.items()}
         guarded.product_layout_specs = {name: _guarded_spec(spec) for name, spec in self.product_layout_specs.items()}
         guarded.quantizers = dict(self.quantizers)  # used before compiling, by ``fuse()``
+        guarded.options = dict(self.options)
         guarded._claims = {key: [copies[id(s)] for s in claims] for key, claims in self._claims.items()}
         guarded._by_target = {key: copies[id(spec)] for key, spec in self._by_target.items()}
         guarded._guarded = guarded
@@ -198,6 +242,10 @@ class Registry:
             if spec.products not in best or spec.priority > best[spec.products].priority:
                 best[spec.products] = spec
         return {count: spec.lay_out for count, spec in best.items()}
+
+
+#: Options models made from named fields are, like ``FuseOptions``, frozen and refuse unknown names.
+_PLUGIN_OPTIONS_CONFIG = ConfigDict(frozen=True, extra="forbid")
 
 
 def _check_tie(claims: list, what: str, claimed: str) -> None:

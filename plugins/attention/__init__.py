@@ -15,13 +15,15 @@
 - ``strategy.py``: the ``softmax_attention``, ``linear_attention`` and
   ``slice_attention`` strategies (their own compose, configs, validity rules);
 - ``kernel.py``, ``linear_kernel.py``, ``slice_kernel.py``: the kernel writers;
-  ``chain.py``: the launcher of a chain of kernels.
+  ``chain.py``: the launcher of a chain of kernels;
+- ``options.py``: the plugin's ``fuse()`` option ``reassociate_products``.
 """
 
 from autofuser import hookimpl
 from autofuser_core.oplib import collect_specs
 
 from . import ops
+from .options import AttentionOptions
 from .strategy import ATTENTION_STRATEGY, LINEAR_STRATEGY, SLICE_STRATEGY
 
 
@@ -29,6 +31,11 @@ from .strategy import ATTENTION_STRATEGY, LINEAR_STRATEGY, SLICE_STRATEGY
 def autofuser_register_lowerings(register):
     for spec in collect_specs(ops):
         register(spec)
+
+
+@hookimpl
+def autofuser_register_options(register):
+    register(AttentionOptions)
 
 
 @hookimpl

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from autofuser import StrategySpec
+from autofuser import StrategySpec, device_limits
 from autofuser_core.codegen import next_power_of_2
 from autofuser_plugins.matmul.kernel import dot_block
 
@@ -28,8 +28,6 @@ from .prepass import pass_modes
 from .slice import compose_slice_attention, find_slice_attention
 from .slice_kernel import write_slice_attention
 
-#: Shared memory one program may use for its pipelined k and v tiles (H100/H200: 228 KiB per SM).
-SMEM_LIMIT = 200 * 1024
 #: fp32 values (accumulator, scores tile, q's tile) per thread before registers spill.
 REGS_PER_THREAD = 192
 #: CUDA's limit on the grid's second axis, which walks the batch entries.
@@ -95,8 +93,9 @@ def is_valid(program, config):
     if held / threads > REGS_PER_THREAD:
         return f"{held / threads:.0f} values per thread (accumulator, scores, q) would spill registers"
     smem = block_n * (block_d * _element(L.qk_dtype) + block_dv * _element(L.pv_dtype)) * config.get("num_stages", 2)
-    if smem > SMEM_LIMIT:
-        return f"{smem // 1024} KiB of shared memory for the pipelined k and v tiles exceeds {SMEM_LIMIT // 1024} KiB"
+    limit = device_limits().shared_memory_per_block
+    if smem > limit:
+        return f"{smem // 1024} KiB of shared memory for the pipelined k and v tiles exceeds {limit // 1024} KiB"
     return None
 
 

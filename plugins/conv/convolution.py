@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from autofuser import StrategySpec
+from autofuser import StrategySpec, device_limits
 from autofuser_core.codegen import KernelSource, triton_cdiv
 from autofuser_core.group import STRICT_FP32, GroupRefused, KernelTensor, attr_tensor, program_from_nodes
 from autofuser_core.ir import AttrRef, tensor_meta
@@ -287,7 +287,7 @@ def is_valid(program, config):
         return "too many accumulators per thread"
     element = 4 if program.operand_dtype is None else 2
     smem = (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * element * config.get("num_stages", 2)
-    if smem > 200 * 1024:
+    if smem > device_limits().shared_memory_per_block:
         return f"{smem // 1024} KiB of shared memory for the pipelined tiles"
     return None
 

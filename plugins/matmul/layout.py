@@ -23,14 +23,13 @@ grid axis. Each load gets strides for the domain it is read in, so one input
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from autofuser import ProductLayoutSpec
+from autofuser import ProductLayoutSpec, device_limits
 from autofuser_core.codegen import next_power_of_2, triton_cdiv
 from autofuser_core.group import GroupProgram, GroupRefused, domain_strides, fp32_precision, read_view
 from autofuser_core.ir import AttrRef, Value
@@ -58,7 +57,7 @@ RESIDENT_ROW_BYTES = 512
 
 #: Streaming multiprocessors a plan for the CPU interpreter assumes where a strategy sizes
 #: something by the chip (H100/H200: 132).
-SMS_WITHOUT_GPU = 132
+SMS_WITHOUT_GPU = device_limits("cpu").multiprocessors
 
 
 def multiprocessors(without_gpu: int = SMS_WITHOUT_GPU) -> int:
@@ -66,13 +65,8 @@ def multiprocessors(without_gpu: int = SMS_WITHOUT_GPU) -> int:
     none (plans made for the CPU interpreter): a strategy that sizes its grid or orders its
     configs by the chip's width says what a CPU plan should assume."""
     if torch.cuda.is_available():
-        return _multiprocessors_of(torch.cuda.current_device())
+        return device_limits().multiprocessors
     return without_gpu
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def dot_block(n: int, packed: Optional[PackedOperand] = None) -> int:

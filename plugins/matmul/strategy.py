@@ -14,7 +14,7 @@ they claim:
 
 from __future__ import annotations
 
-from autofuser import StrategySpec
+from autofuser import StrategySpec, device_limits
 from autofuser_core.codegen import next_power_of_2, triton_cdiv
 from autofuser_core.group import GroupRefused
 
@@ -22,8 +22,6 @@ from .kernel import write_matmul_kernel
 from .layout import MatmulLayout, dot_block, multiprocessors
 from .split import NORM_APART
 
-#: Shared memory one program may use for its pipelined A and B tiles (H100/H200: 228 KiB per SM).
-SMEM_LIMIT = 200 * 1024
 #: fp32 accumulators per thread before registers spill.
 ACC_PER_THREAD = 128
 #: Epilogue norms need a whole row of the product in one program.
@@ -136,8 +134,9 @@ def is_valid(program, config):
     if layout.b_packed is not None and block_k % layout.b_packed.block:
         return f"BLOCK_K {block_k} is not a multiple of the quantised weight's block of {layout.b_packed.block}"
     smem = (config["BLOCK_M"] + block_n) * block_k * element * (1 if resident else config.get("num_stages", 2))
-    if smem > SMEM_LIMIT:
-        return f"{smem // 1024} KiB of shared memory for the pipelined tiles exceeds {SMEM_LIMIT // 1024} KiB"
+    limit = device_limits().shared_memory_per_block
+    if smem > limit:
+        return f"{smem // 1024} KiB of shared memory for the pipelined tiles exceeds {limit // 1024} KiB"
     if config["BLOCK_M"] * block_n / (32 * config["num_warps"]) > ACC_PER_THREAD:
         return "too many accumulators per thread"
     if not resident and config["BLOCK_K"] > max(16, next_power_of_2(layout.k)):

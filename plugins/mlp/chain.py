@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 
-from autofuser import StrategySpec
+from autofuser import StrategySpec, device_limits
 from autofuser_core.group import MAX_PRODUCTS, GroupRefused
 from autofuser_plugins.matmul.split import FEWER_PRODUCTS, FEWER_PRODUCTS_NORM_APART, NORM_APART
 
@@ -35,7 +35,6 @@ MAX_ROW_WIDTH = 256
 MAX_CHUNKED_WIDTH = 4096
 #: Most products one chain kernel runs; longer sequences are split into chains of this many.
 MAX_STEPS = 6
-SMEM_LIMIT = 200 * 1024  # H100/H200: 228 KiB per SM
 #: fp32 values per thread (whole-row tiles, accumulators, operands) before registers spill.
 REGS_PER_THREAD = 160
 CHUNKS = (64, 32, 128)
@@ -200,8 +199,9 @@ def is_valid(program, config):
         worst_smem = max(worst_smem, (weight + operand) * element)
     if worst_regs / threads > REGS_PER_THREAD:
         return f"{worst_regs // threads} values per thread (limit {REGS_PER_THREAD}): registers would spill"
-    if worst_smem > SMEM_LIMIT:
-        return f"{worst_smem // 1024} KiB of shared memory for a step's tiles exceeds {SMEM_LIMIT // 1024} KiB"
+    limit = device_limits().shared_memory_per_block
+    if worst_smem > limit:
+        return f"{worst_smem // 1024} KiB of shared memory for a step's tiles exceeds {limit // 1024} KiB"
     return None
 
 

@@ -41,9 +41,8 @@ from autofuser_plugins.matmul.layout import (
 
 #: The hidden slice of the MLP kernel's persistent form (its slices are written out one by one).
 PERSISTENT_BLOCK_H = 64
-#: Shared memory one block may use on an H100/H200 (the persistent form needs nearly all).
-BLOCK_SMEM_LIMIT = 227 * 1024
-#: Shared memory both weights may take in the persistent form: the rest of BLOCK_SMEM_LIMIT
+#: Shared memory both weights may take in the persistent form: the rest of what one block may
+#: use (``device_limits().shared_memory_per_block_max``; the persistent form needs nearly all)
 #: holds the pipelined row blocks of A.
 PERSISTENT_WEIGHT_BYTES = 160 * 1024
 #: Hidden slices the persistent form writes out, at most.

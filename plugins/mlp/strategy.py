@@ -7,7 +7,7 @@ kernel is ``mlp_kernel.write_mlp_kernel``."""
 
 from __future__ import annotations
 
-from autofuser import StrategySpec
+from autofuser import StrategySpec, device_limits
 from autofuser_core.codegen import triton_cdiv
 from autofuser_core.group import GroupRefused
 from autofuser_plugins.matmul.kernel import all_values
@@ -15,11 +15,10 @@ from autofuser_plugins.matmul.layout import dot_block, multiprocessors
 from autofuser_plugins.matmul.split import FEWER_PRODUCTS, FEWER_PRODUCTS_NORM_APART, NORM_APART
 
 from .mlp_kernel import write_mlp_kernel
-from .mlp_layout import BLOCK_SMEM_LIMIT, PERSISTENT_BLOCK_H, MlpLayout
+from .mlp_layout import PERSISTENT_BLOCK_H, MlpLayout
 
 #: One program holds a whole row of the second product: its width is bounded.
 MAX_OUT_WIDTH = 256
-SMEM_LIMIT = 200 * 1024
 REGS_PER_THREAD = 192  # fp32 values (acc2, acc1, resident rows of A) per thread before spills
 
 CONFIGS = [
@@ -154,17 +153,18 @@ def is_valid(program, config):
                 f"half row blocks of {config['BLOCK_M'] // 2} rows run their products in another "
                 "instruction form, which holds both weights again"
             )
-        if smem > BLOCK_SMEM_LIMIT:
+        block_limit = device_limits().shared_memory_per_block_max
+        if smem > block_limit:
             return (
-                f"{smem // 1024} KiB of shared memory (both weights, pipelined rows) exceeds "
-                f"{BLOCK_SMEM_LIMIT // 1024} KiB"
+                f"{smem // 1024} KiB of shared memory (both weights, pipelined rows) exceeds {block_limit // 1024} KiB"
             )
         return None
     element = 2 if layout.operand_dtypes[0] is not None else 4
     smem = (config["BLOCK_M"] + config["BLOCK_H"]) * block_k * element * config["num_stages"]
     smem += config["BLOCK_H"] * block_n * element + config["BLOCK_M"] * config["BLOCK_H"] * element
-    if smem > SMEM_LIMIT:
-        return f"{smem // 1024} KiB of shared memory exceeds {SMEM_LIMIT // 1024} KiB"
+    limit = device_limits().shared_memory_per_block
+    if smem > limit:
+        return f"{smem // 1024} KiB of shared memory exceeds {limit // 1024} KiB"
     return None
 
 
