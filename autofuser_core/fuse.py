@@ -41,6 +41,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 from torch.utils.hooks import RemovableHandle
 
+from . import timing
 from .cache import cache_dir, read_verdict, write_verdict
 from .capture import bind_inputs, capture, preserved_state
 from .compile import _device_of, compile_graph
@@ -50,7 +51,7 @@ from .launch import FusedKernel
 from .plugins import PluginSet, load_plugins
 from .quantize import QuantizedLayer, QuantizeOptions, parse_quantize, quantize_model
 from .report import FusionReport
-from .timing import median_call_ms
+from .timing import FORWARD_BUDGET_MS
 from .tuning import device_key
 from .verify import snapshot
 
@@ -783,7 +784,8 @@ class FusedModule(torch.nn.Module):
                         "no CUDA graph: a kernel reads a one-element tensor the forward makes "
                         "in host memory (torch.tensor(2.5)), copied to the GPU on every call"
                     )
-            measured = self._options.verify_speed and inference and _can_time_forward(device)
+            timer = timing.current()
+            measured = self._options.verify_speed and inference and timer.can_time_forward(device)
             vkey = _verdict_key(fused_gm, bool(report.fused), kwargs, flat) if measured else None
             root = cache_dir(self._options.cache_dir)
             known = read_verdict(root, vkey) if vkey is not None else {}
@@ -793,7 +795,7 @@ class FusedModule(torch.nn.Module):
                 slower_before = "graph_ms" in known and known["graph_ms"] >= known.get("plain_ms", 0.0)
                 if not slower_before:
                     with torch.no_grad(), preserved_state(self._model):
-                        bound = None if "graph_ms" in known else _gpu_bound(fused_gm, flat)
+                        bound = None if "graph_ms" in known else _gpu_bound(timer, fused_gm, flat)
                         if bound is not None:
                             why = bound
                         else:
@@ -803,7 +805,8 @@ class FusedModule(torch.nn.Module):
                     # bytes, dominate. Measured, not guessed.
                     if "graph_ms" not in times or "plain_ms" not in times:
                         with torch.no_grad(), preserved_state(self._model):
-                            times["plain_ms"], times["graph_ms"] = _time(fused_gm, flat), _time(graph, flat)
+                            times["plain_ms"] = timer.forward_ms(fused_gm, flat)
+                            times["graph_ms"] = timer.forward_ms(graph, flat)
                     plain_ms, graph_ms = times["plain_ms"], times["graph_ms"]
                     if graph_ms < plain_ms:
                         runner = graph
@@ -831,7 +834,7 @@ class FusedModule(torch.nn.Module):
                 if f"{use}_fused_ms" not in times or "eager_ms" not in times:
                     with torch.no_grad(), preserved_state(self._model):
                         times[f"{use}_fused_ms"], times["eager_ms"] = _forward_times(
-                            runner, lambda *a: self._model(*args, **kwargs), flat
+                            timer, runner, lambda *a: self._model(*args, **kwargs), flat
                         )
                 eager_ms, fused_ms = times["eager_ms"], times[f"{use}_fused_ms"]
                 if fused_ms >= eager_ms * (1.0 - FORWARD_MARGIN):
@@ -1053,10 +1056,10 @@ def _load_plugins_quietly(plugins):
 
 #: The whole-forward check: alternating rounds of eager and fused timing, and the
 #: share by which the fused forward must beat the original to replace it (when in
-#: doubt, the original runs).
+#: doubt, the original runs). How long each side is timed for is timing.py's
+#: ``FORWARD_BUDGET_MS``.
 FORWARD_ROUNDS = 2
 FORWARD_MARGIN = 0.02
-FORWARD_BUDGET_MS = 25.0
 #: A fused forward this much faster than eager in the first round needs no second one: a
 #: slow moment of the GPU moves a median of several calls by a few percent, not by this.
 CLEAR_GAP = 0.2
@@ -1089,80 +1092,40 @@ def writes_into_inputs(forward, flat: Sequence[Any]) -> bool:
 HOST_SHARE_GPU_BOUND = 0.5
 
 
-def _forward_times(fused, eager, flat: Sequence[Any]) -> tuple[float, float]:
-    """(fused ms, eager ms) for the whole-forward check. Alternating rounds, the best of
-    each side: a slow moment of the GPU (clocks, another process) then can't decide the
-    verdict by landing on one side only. The fused side goes first in each round: a GPU
-    still ramping its clocks after the compile slows it, not eager, so any bias favours the
-    original. A fused forward more than CLEAR_GAP ahead after one round needs no second;
-    one more than WIDE_GAP ahead of a single eager call over FORWARD_BUDGET_MS needs no
-    more eager calls."""
+def _forward_times(timer: timing.Timer, fused, eager, flat: Sequence[Any]) -> tuple[float, float]:
+    """(fused ms, eager ms) for the whole-forward check, measured by ``timer``. Alternating
+    rounds, the best of each side: a slow moment of the GPU (clocks, another process) then
+    can't decide the verdict by landing on one side only. The fused side goes first in each
+    round: a GPU still ramping its clocks after the compile slows it, not eager, so any bias
+    favours the original. A fused forward more than CLEAR_GAP ahead after one round needs no
+    second; one more than WIDE_GAP ahead of a single eager call over FORWARD_BUDGET_MS needs
+    no more eager calls."""
     fused_runs, eager_runs = [], []
     for round_ in range(FORWARD_ROUNDS):
-        fused_runs.append(_time(fused, flat))
+        fused_runs.append(timer.forward_ms(fused, flat))
         once = None
         if round_ == 0:
-            _, once = _once(eager, flat)  # eager ran in capture and verification: no warm-up
+            _, once = timer.forward_once_ms(eager, flat)  # eager ran in capture and verification: no warm-up
             if once > FORWARD_BUDGET_MS and fused_runs[0] < once * (1.0 - WIDE_GAP):
                 return fused_runs[0], once
-        eager_runs.append(_time(eager, flat, once))
+        eager_runs.append(timer.forward_ms(eager, flat, once))
         if min(fused_runs) < min(eager_runs) * (1.0 - CLEAR_GAP):
             break
     return min(fused_runs), min(eager_runs)
 
 
-def _gpu_bound(forward: torch.fx.GraphModule, flat: Sequence[Any]) -> Optional[str]:
+def _gpu_bound(timer: timing.Timer, forward: torch.fx.GraphModule, flat: Sequence[Any]) -> Optional[str]:
     """Why a CUDA graph can't pay for this forward, or ``None`` (try one): a forward over
-    FORWARD_BUDGET_MS that the host queues in under HOST_SHARE_GPU_BOUND of its time. The
-    caller ran the forward just before (``writes_into_inputs``), so its kernels are loaded."""
-    queued_ms, total_ms = _once(forward, flat)
+    FORWARD_BUDGET_MS that the host queues in under HOST_SHARE_GPU_BOUND of its time, one
+    call measured by ``timer``. The caller ran the forward just before
+    (``writes_into_inputs``), so its kernels are loaded."""
+    queued_ms, total_ms = timer.forward_once_ms(forward, flat)
     if total_ms > FORWARD_BUDGET_MS and queued_ms < HOST_SHARE_GPU_BOUND * total_ms:
         return (
             f"the forward is GPU-bound: the host queues it in {queued_ms:.1f} of its {total_ms:.1f} ms, "
             "so a replay would save no launch time"
         )
     return None
-
-
-def _on_device(args: Sequence[Any]):
-    """A context making the device of the first CUDA tensor in ``args`` current (none: the
-    current device stays)."""
-    device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
-    return torch.cuda.device(device) if device is not None else contextlib.nullcontext()
-
-
-def _once(fn, args: Sequence[Any]) -> tuple[float, float]:
-    """One call of ``fn(*args)`` on the device of ``args``: (ms until the host returned from
-    it, ms until the GPU finished it), wall clock from a synchronised start."""
-    with _on_device(args):
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        fn(*args)
-        queued = time.perf_counter()
-        torch.cuda.synchronize()
-        return (queued - begin) * 1e3, (time.perf_counter() - begin) * 1e3
-
-
-def _time(fn, args: Sequence[Any], once_ms: Optional[float] = None) -> float:
-    """Median ms per call of ``fn(*args)`` called back to back, as a loop of forwards runs:
-    each call between two CUDA events, no cache flush between calls (a flush would also
-    give the host a head start, hiding launch overhead), about ``FORWARD_BUDGET_MS`` of calls
-    after two warm-up calls. On the device of the first tensor argument (``args`` or, for
-    a closure over the call's arguments, the current device). ``once_ms``: one call's time,
-    where the caller has just measured it (else the first call measures it)."""
-    with _on_device(args):
-        if once_ms is None:
-            _, once_ms = _once(fn, args)
-        # A forward longer than the budget on its own: 3 calls after 1 warm-up (5 calls and 2
-        # warm-ups of the zoo's eager Transformer would cost seconds: BENCHMARKS.md, Model zoo).
-        slow = once_ms > FORWARD_BUDGET_MS
-        calls = 3 if slow else max(5, min(100, int(FORWARD_BUDGET_MS / max(once_ms, 1e-3))))
-        return median_call_ms(lambda: fn(*args), calls, warmup=1 if slow else 2)
-
-
-def _can_time_forward(device: torch.device) -> bool:
-    """Whole-forward timings mean something only on a GPU."""
-    return device.type == "cuda"
 
 
 def _fp32_settings() -> tuple:

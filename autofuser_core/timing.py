@@ -1,8 +1,11 @@
 """Timing kernels and eager code on the GPU, and the one place compiling asks how to time.
 
-Two measurements live here: ``median_call_ms`` (calls back to back between CUDA events,
-as a loop of forwards runs them) and ``bench`` (L2 flushed before each call, a capped
-number of calls: what tuning and the fused-vs-eager check use).
+Three measurements live here: ``median_call_ms`` (calls back to back between CUDA events,
+as a loop of forwards runs them), ``bench`` (L2 flushed before each call, a capped
+number of calls: what tuning and each group's fused-vs-eager check use) and
+``forward_ms`` (a whole forward called back to back, no flush: what the whole-forward
+check and the CUDA graph's check use), with ``forward_once_ms`` (one call, wall clock:
+how long the host took to queue it, and the GPU to finish it).
 
 Why our own and not ``triton.testing.do_bench``: ``do_bench`` also flushes L2 before each
 call and can return the median, but it times ``rep`` milliseconds of calls whatever their
@@ -17,9 +20,10 @@ flush gives the host a head start and hides launch overhead), which ``do_bench``
 does. tests/integration/test_cuda.py checks that ``bench`` measures what ``do_bench`` does.
 
 Compiling never calls these functions directly: it asks the current ``Timer``
-(``current()``), whether to tune, whether to time fused against eager, and for each
-measurement. ``using(timer)`` puts another one in place for a stretch of code (a test
-timing on the interpreter with a stand-in clock, a tool recording every measurement)::
+(``current()``), whether to tune, whether to time fused against eager (each group, and
+the whole forward), and for each measurement. ``using(timer)`` puts another one in place
+for a stretch of code (a test timing on the interpreter with a stand-in clock, a tool
+recording every measurement)::
 
     with autofuser_core.timing.using(MyTimer()):
         fused = autofuser.fuse(model)
@@ -31,7 +35,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import statistics
-from typing import Callable, Iterator
+import time
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -40,6 +45,9 @@ import torch
 #: sets how long tuning takes (BENCHMARKS.md, "Measurements behind rules in the code"). 30
 #: calls give a stable median.
 BENCH_MAX_CALLS = 30
+#: About how long ``forward_ms`` spends calling a forward; one longer than this on its own is
+#: called 3 times after 1 warm-up.
+FORWARD_BUDGET_MS = 25.0
 
 
 def median_call_ms(fn: Callable[[], object], calls: int, warmup: int, before=None) -> float:
@@ -75,11 +83,50 @@ def bench(fn, *args, rep_ms: float = 20) -> float:
     return median_call_ms(call, calls, warmup=0, before=flush.zero_)
 
 
+def _on_device(args: Sequence[Any]):
+    """A context making the device of the first CUDA tensor in ``args`` current (none: the
+    current device stays)."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+    return torch.cuda.device(device) if device is not None else contextlib.nullcontext()
+
+
+def forward_once_ms(fn, args: Sequence[Any]) -> tuple[float, float]:
+    """One call of ``fn(*args)`` on the device of ``args``: (ms until the host returned from
+    it, ms until the GPU finished it), wall clock from a synchronised start."""
+    with _on_device(args):
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        fn(*args)
+        queued = time.perf_counter()
+        torch.cuda.synchronize()
+        return (queued - begin) * 1e3, (time.perf_counter() - begin) * 1e3
+
+
+def forward_ms(fn, args: Sequence[Any], once_ms: Optional[float] = None) -> float:
+    """Median ms per call of ``fn(*args)`` called back to back, as a loop of forwards runs:
+    each call between two CUDA events, no cache flush between calls (a flush would also
+    give the host a head start, hiding launch overhead), about ``FORWARD_BUDGET_MS`` of calls
+    after two warm-up calls. On the device of the first tensor argument (``args`` or, for
+    a closure over the call's arguments, the current device). ``once_ms``: one call's time,
+    where the caller has just measured it (else the first call measures it)."""
+    with _on_device(args):
+        if once_ms is None:
+            _, once_ms = forward_once_ms(fn, args)
+        # A forward longer than the budget on its own: 3 calls after 1 warm-up (5 calls and 2
+        # warm-ups of the zoo's eager Transformer would cost seconds: BENCHMARKS.md, Model zoo).
+        slow = once_ms > FORWARD_BUDGET_MS
+        calls = 3 if slow else max(5, min(100, int(FORWARD_BUDGET_MS / max(once_ms, 1e-3))))
+        return median_call_ms(lambda: fn(*args), calls, warmup=1 if slow else 2)
+
+
 class Timer:
     """How compiling measures, and whether it does: the GPU's timer.
 
     Subclass it to measure another way (or to stand in for a GPU under the interpreter)
-    and put it in place with ``using``. Each method is asked once per kernel or group."""
+    and put it in place with ``using``. ``bench``, ``can_tune`` and ``can_time`` are asked
+    for each kernel or group; ``forward_ms``, ``forward_once_ms`` and ``can_time_forward``
+    for each compiled signature of a model (the whole-forward check, and whether a CUDA
+    graph pays)."""
 
     def bench(self, fn, *args, rep_ms: float = 20) -> float:
         """Milliseconds one call of ``fn(*args)`` takes (``bench``); ``rep_ms``: about how
@@ -95,6 +142,23 @@ class Timer:
         """Whether to time each verified group, fused against eager, and keep the faster:
         like tuning, only on a GPU, and when asked for (``options.verify_speed``)."""
         return device.type == "cuda" and options.verify_speed
+
+    def forward_ms(self, fn, args: Sequence[Any], once_ms: Optional[float] = None) -> float:
+        """Milliseconds one call of a whole forward ``fn(*args)`` takes, called back to back
+        without flushing L2 (``forward_ms``); ``once_ms``: one call's time, where the caller
+        has just measured it with ``forward_once_ms`` (else one more call measures it)."""
+        return forward_ms(fn, args, once_ms)
+
+    def forward_once_ms(self, fn, args: Sequence[Any]) -> tuple[float, float]:
+        """One call of ``fn(*args)``: (ms until the host returned from it, ms until the GPU
+        finished it) (``forward_once_ms``)."""
+        return forward_once_ms(fn, args)
+
+    def can_time_forward(self, device: torch.device) -> bool:
+        """Whether to time whole forwards on ``device`` (fused against eager, a CUDA graph
+        against launching): only on a GPU, where the timings mean something. The caller
+        checks ``options.verify_speed`` and that the forward is for inference."""
+        return device.type == "cuda"
 
 
 _CURRENT: contextvars.ContextVar[Timer] = contextvars.ContextVar("autofuser_timer", default=Timer())

@@ -35,11 +35,15 @@ class StandInTimer(Timer):
     ``timed``; ``bench(fn, *args)`` gives its milliseconds (by default 1.0 and up,
     different from one launch to the next, so a winner is picked). ``tune``/``time``:
     whether configs are tuned (where ``options.tune``) and groups timed against eager
-    (where ``options.verify_speed``)."""
+    (where ``options.verify_speed``). ``forward``: where given, whole forwards are timed
+    on any device, ``forward(fn)`` ms a call of ``fn``, each timed forward kept in
+    ``forwards`` (it runs once, as a real measurement runs it; one call is queued in no
+    time); else whole forwards are timed as the GPU's ``Timer`` times them."""
 
-    def __init__(self, bench=None, tune: bool = True, time: bool = False):
+    def __init__(self, bench=None, tune: bool = True, time: bool = False, forward=None):
         self.timed: list = []
-        self._ms, self._tune, self._time = bench, tune, time
+        self.forwards: list = []
+        self._ms, self._tune, self._time, self._forward = bench, tune, time, forward
 
     def bench(self, fn, *args, rep_ms: float = 20) -> float:
         self.timed.append(fn)
@@ -52,6 +56,21 @@ class StandInTimer(Timer):
 
     def can_time(self, device, options) -> bool:
         return self._time and options.verify_speed
+
+    def forward_ms(self, fn, args, once_ms=None) -> float:
+        if self._forward is None:
+            return super().forward_ms(fn, args, once_ms)
+        self.forwards.append(fn)
+        fn(*args)
+        return self._forward(fn)
+
+    def forward_once_ms(self, fn, args) -> tuple[float, float]:
+        if self._forward is None:
+            return super().forward_once_ms(fn, args)
+        return 0.0, self.forward_ms(fn, args)
+
+    def can_time_forward(self, device) -> bool:
+        return self._forward is not None or super().can_time_forward(device)
 
 
 def stand_in_timer_by_kernel(use_timer, kernel_ms):

@@ -27,7 +27,7 @@ import autofuser
 from autofuser_core import cache
 from autofuser_core.cache import cache_dir, key_digest, load_kernel_module, read_tuning, write_tuning
 
-from _helpers import NormGelu
+from _helpers import NormGelu, StandInTimer
 
 KEY = {
     "kernel": "af_flat_mul_add_0123456789",
@@ -373,31 +373,22 @@ def test_a_warm_cache_reuses_the_fused_vs_eager_verdict(tmp_path):
         assert (again[g["kernel"]]["fused"], again[g["kernel"]]["reason_code"]) == (g["fused"], g["reason_code"])
 
 
-def _fake_forward_times(monkeypatch, fused_ms, eager_ms: float):
+def _fake_forward_times(use_timer, fused_ms, eager_ms: float):
     """Whole-forward timing on any device, by a stand-in timer: the fused forward (a
     GraphModule) takes ``fused_ms()`` ms, the original ``eager_ms``. Returns the list
     of timed callables, a small model and an input."""
-    import autofuser_core.fuse as fuse_module
-
-    calls = []
-
-    def fake_time(fn, args, once_ms=None):
-        calls.append(fn)
-        fn(*args)  # the forward runs, as a real measurement would run it
-        return fused_ms() if isinstance(fn, torch.fx.GraphModule) else eager_ms
-
-    monkeypatch.setattr(fuse_module, "_can_time_forward", lambda device: True)
-    monkeypatch.setattr(fuse_module, "_time", fake_time)
-    monkeypatch.setattr(fuse_module, "_once", lambda fn, args: (0.0, fake_time(fn, args)))  # one call
+    timer = use_timer(
+        StandInTimer(tune=False, forward=lambda fn: fused_ms() if isinstance(fn, torch.fx.GraphModule) else eager_ms)
+    )
     model = torch.nn.Sequential(torch.nn.LayerNorm(19), torch.nn.GELU()).eval()
-    return calls, model, torch.randn(3, 7, 19)
+    return timer.forwards, model, torch.randn(3, 7, 19)
 
 
-def test_whole_forward_timings_are_cached_and_a_corrupt_entry_is_retimed(tmp_path, monkeypatch):
+def test_whole_forward_timings_are_cached_and_a_corrupt_entry_is_retimed(tmp_path, use_timer):
     """A warm cache decides fused-vs-original without timing the forward again."""
     from autofuser_core.fuse import FORWARD_ROUNDS
 
-    calls, model, x = _fake_forward_times(monkeypatch, lambda: 1.0, 1.1)  # too close to stop after one round
+    calls, model, x = _fake_forward_times(use_timer, lambda: 1.0, 1.1)  # too close to stop after one round
     with torch.no_grad():
         first = autofuser.fuse(model, cache_dir=str(tmp_path), cuda_graphs=False, progress=False)
         torch.testing.assert_close(first(x), model(x))
@@ -415,11 +406,11 @@ def test_whole_forward_timings_are_cached_and_a_corrupt_entry_is_retimed(tmp_pat
         assert len(calls) == 2 * rounds
 
 
-def test_a_clear_win_is_decided_in_one_round(tmp_path, monkeypatch):
+def test_a_clear_win_is_decided_in_one_round(tmp_path, use_timer):
     """A fused forward more than ``CLEAR_GAP`` ahead after the first round is not timed again."""
     from autofuser_core.fuse import CLEAR_GAP
 
-    calls, model, x = _fake_forward_times(monkeypatch, lambda: 1.0, 1.0 / (1.0 - CLEAR_GAP) + 0.01)
+    calls, model, x = _fake_forward_times(use_timer, lambda: 1.0, 1.0 / (1.0 - CLEAR_GAP) + 0.01)
     with torch.no_grad():
         fused = autofuser.fuse(model, cache_dir=str(tmp_path), cuda_graphs=False, progress=False)
         torch.testing.assert_close(fused(x), model(x))
@@ -429,14 +420,14 @@ def test_a_clear_win_is_decided_in_one_round(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "fused_ms, eager_ms, timed", [(30.0, 61.0, 2), (10.0, 61.0, 2), (30.0, 50.0, 3), (12.0, 24.9, 3)]
 )
-def test_a_long_eager_forward_far_behind_the_fused_one_is_called_once(tmp_path, monkeypatch, fused_ms, eager_ms, timed):
+def test_a_long_eager_forward_far_behind_the_fused_one_is_called_once(tmp_path, use_timer, fused_ms, eager_ms, timed):
     """An eager call over FORWARD_BUDGET_MS that the fused forward beats by more than
     WIDE_GAP decides the check; closer, or shorter, the rounds run as for any forward."""
     from autofuser_core.fuse import FORWARD_BUDGET_MS, WIDE_GAP
 
     wide = eager_ms > FORWARD_BUDGET_MS and fused_ms < eager_ms * (1 - WIDE_GAP)
     assert wide == (timed == 2)
-    calls, model, x = _fake_forward_times(monkeypatch, lambda: fused_ms, eager_ms)
+    calls, model, x = _fake_forward_times(use_timer, lambda: fused_ms, eager_ms)
     with torch.no_grad():
         fused = autofuser.fuse(model, cache_dir=str(tmp_path), cuda_graphs=False, progress=False)
         torch.testing.assert_close(fused(x), model(x))
@@ -446,7 +437,18 @@ def test_a_long_eager_forward_far_behind_the_fused_one_is_called_once(tmp_path, 
     assert f"forward: {fused_ms:.3f} ms fused vs {eager_ms:.3f} ms eager" in fused.report().notes
 
 
-def test_a_gpu_bound_forward_is_not_tried_as_a_cuda_graph(monkeypatch):
+class _QueuedIn(StandInTimer):
+    """One call of a forward that the host queues in ``queued_ms`` of its ``total_ms``."""
+
+    def __init__(self, queued_ms: float, total_ms: float):
+        super().__init__()
+        self.queued_ms, self.total_ms = queued_ms, total_ms
+
+    def forward_once_ms(self, fn, args) -> tuple[float, float]:
+        return self.queued_ms, self.total_ms
+
+
+def test_a_gpu_bound_forward_is_not_tried_as_a_cuda_graph():
     """A long forward that the host queues in a fraction of its time: its launches hide
     behind the GPU's work, so there is nothing for a graph replay to save. A launch-bound
     one (the host busy most of the time) and a short one are tried."""
@@ -463,18 +465,17 @@ def test_a_gpu_bound_forward_is_not_tried_as_a_cuda_graph(monkeypatch):
     ]  # short: a graph may pay
     for (queued, total), bound in cases:
         assert (queued < share * total and total > fuse_module.FORWARD_BUDGET_MS) == bound
-        monkeypatch.setattr(fuse_module, "_once", lambda fn, args, q=queued, t=total: (q, t))
-        why = fuse_module._gpu_bound(gm, (x,))
+        why = fuse_module._gpu_bound(_QueuedIn(queued, total), gm, (x,))
         assert (why is not None) == bound, why
         if bound:
             assert f"in {queued:.1f} of its {total:.1f} ms" in why
 
 
-def test_a_fused_forward_within_the_margin_of_eager_leaves_the_original_running(tmp_path, monkeypatch):
+def test_a_fused_forward_within_the_margin_of_eager_leaves_the_original_running(tmp_path, use_timer):
     """Timing noise must not decide: a fused forward only 1% faster than eager is not kept,
     and the best of the alternating rounds counts, not one slow round."""
     fused_times = itertools.chain([1.5], itertools.repeat(0.99))  # a slow first round, then 1% ahead of eager
-    _, model, x = _fake_forward_times(monkeypatch, lambda: next(fused_times), 1.0)
+    _, model, x = _fake_forward_times(use_timer, lambda: next(fused_times), 1.0)
     with torch.no_grad():
         fused = autofuser.fuse(model, cache_dir=str(tmp_path), cuda_graphs=False, progress=False)
         torch.testing.assert_close(fused(x), model(x))
