@@ -15,6 +15,7 @@ from typing import Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from .quantize import QuantizedLayer
+from .report_html import format_bytes, render_html
 
 
 class GroupEntry(BaseModel):
@@ -96,8 +97,6 @@ class FusionReport(BaseModel):
     def to_html(self, path: Union[str, Path, None] = None, title: str = "") -> str:
         """One self-contained HTML page (no external assets) of this report;
         written to ``path`` when given. Returns the page."""
-        from .report_html import render_html
-
         page = render_html(self, title)
         if path is not None:
             Path(path).write_text(page, encoding="utf-8")
@@ -111,7 +110,7 @@ class FusionReport(BaseModel):
         fused = self.fused
         saved = sum(g.bytes_before - g.bytes_after for g in fused)
         lines.append(
-            f"{len(fused)} fused group(s), {len(self.skipped)} skipped; predicted traffic saved {_bytes(saved)}"
+            f"{len(fused)} fused group(s), {len(self.skipped)} skipped; predicted traffic saved {format_bytes(saved)}"
         )
         if self.groups:
             lines.append("")
@@ -126,7 +125,7 @@ class FusionReport(BaseModel):
                     if g.time_eager_ms is not None and g.time_fused_ms is not None
                     else "-"
                 )
-                traffic = f"{_bytes(g.bytes_before)} -> {_bytes(g.bytes_after)}"
+                traffic = f"{format_bytes(g.bytes_before)} -> {format_bytes(g.bytes_after)}"
                 why = g.reason_code + (f": {g.reason}" if g.reason else "")
                 if g.cache_hit:
                     why += " (cache hit)"
@@ -150,9 +149,13 @@ class FusionReport(BaseModel):
             before = sum(q.bytes_before for q in self.quantized)
             after = sum(q.bytes_after for q in self.quantized)
             lines.append("")
-            lines.append(f"quantised weights: {len(self.quantized)} layer(s), {_bytes(before)} -> {_bytes(after)}")
+            lines.append(
+                f"quantised weights: {len(self.quantized)} layer(s), {format_bytes(before)} -> {format_bytes(after)}"
+            )
             for q in self.quantized:
-                lines.append(f"  {q.name} {q.shape}: {q.format}, {_bytes(q.bytes_before)} -> {_bytes(q.bytes_after)}")
+                lines.append(
+                    f"  {q.name} {q.shape}: {q.format}, {format_bytes(q.bytes_before)} -> {format_bytes(q.bytes_after)}"
+                )
         for note in self.notes:
             lines.append(f"note: {note}")
         return "\n".join(lines)
@@ -184,13 +187,3 @@ def describe_graph(gm) -> list[GraphNode]:
             )
         )
     return nodes
-
-
-def _bytes(n: float) -> str:
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
-        n /= 1024
-    return f"{sign}{n} B"

@@ -8,6 +8,11 @@ its deepest input) and coloured by the fused group it belongs to (grey: left
 eager); every fusion group with its fate, reason, traffic and the timings that
 were measured; the nodes left eager and why; opaque parts; the generated
 kernel source of every group that got one.
+
+report.py imports this module (``to_html`` calls ``render_html``, and its text
+table writes sizes with ``format_bytes``); this module never imports report.py
+when it runs: it only reads the report it is given, and names its type for the
+type checker alone.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING, Optional
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: at run time report.py imports this module, not the reverse
     from .report import FusionReport
 
 #: Fill colours of fused groups, in turn (readable with black text).
@@ -62,10 +67,15 @@ def _e(value) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _bytes(n: int) -> str:
-    from .report import _bytes as readable
-
-    return readable(n)
+def format_bytes(n: float) -> str:
+    """``n`` bytes as the report writes them, here and in its text table: 1.5 KiB, -3 B."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    return f"{sign}{n} B"
 
 
 def _ms(value: Optional[float]) -> str:
@@ -163,7 +173,7 @@ def _group_rows(report: "FusionReport", colours: dict[int, str]) -> list[str]:
         rows.append(
             f'<tr id="group-{k}"><td>{swatch}#{k}</td><td>{_e(g.strategy)}</td><td>{fate}</td><td>{reason}</td>'
             f"<td>{_e(' > '.join(g.ops))}<br><small>{_e(', '.join(g.nodes))}</small></td>"
-            f'<td class="num">{_bytes(g.bytes_before)} -> {_bytes(g.bytes_after)}</td>'
+            f'<td class="num">{format_bytes(g.bytes_before)} -> {format_bytes(g.bytes_after)}</td>'
             f'<td class="num">{timing}</td><td class="num">{error}</td><td>{kernel}'
             f"{' (cache hit)' if g.cache_hit else ''}</td></tr>"
         )
@@ -171,6 +181,8 @@ def _group_rows(report: "FusionReport", colours: dict[int, str]) -> list[str]:
 
 
 def render_html(report: "FusionReport", title: str = "") -> str:
+    """The page of ``report`` (``FusionReport.to_html``), headed ``title`` (default:
+    "AutoFuser report")."""
     colours = _group_colours(report)
     fused, skipped = report.fused, report.skipped
     saved = sum(g.bytes_before - g.bytes_after for g in fused)
@@ -187,7 +199,7 @@ def render_html(report: "FusionReport", title: str = "") -> str:
         + (" (" + ", ".join(f"{_e(k)} {v:.2f} s" for k, v in report.phases.items()) + ")" if report.phases else "")
         + "</td></tr>",
         f'<tr><th>groups</th><td id="summary">{len(fused)} fused, {len(skipped)} skipped; predicted traffic '
-        f"saved {_bytes(saved)}</td></tr>",
+        f"saved {format_bytes(saved)}</td></tr>",
         "</table>",
     ]
     if report.notes:

@@ -185,3 +185,10 @@ def test_cli_page_renders_in_headless_chromium(tmp_path):
         timeout=120,
     )
     assert shot.exists() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+
+
+def test_the_page_module_does_not_import_the_report_module():
+    """The dependency is one way: report.py imports report_html (``to_html``), and
+    report_html, imported first, leaves report.py unimported (no import cycle)."""
+    code = "import sys, autofuser_core.report_html; assert 'autofuser_core.report' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
