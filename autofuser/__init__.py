@@ -10,7 +10,8 @@ Plugins implement the hooks in ``autofuser_core.hookspecs`` with the spec
 types exported here. A strategy that composes and writes its groups itself
 (``StrategySpec.compose`` and ``generate``) builds on ``program_from_nodes``,
 ``GroupProgram``/``KernelTensor`` (what it composed), ``GroupRefused`` (a
-refusal with a reason code) and ``KernelSource`` (what it wrote). Tile sizes
+refusal with a reason code) and ``KernelSource`` (what it wrote), and writes
+its kernels with ``autofuser.kernel``. Tile sizes
 and grids are checked against ``device_limits(device)`` (shared memory per
 block, multiprocessors), one helper for every plugin.
 """
@@ -21,8 +22,11 @@ from autofuser_core.errors import AutoFuserError, CacheError, CaptureError, Comp
 from autofuser_core.group import GroupProgram, GroupRefused, KernelTensor, program_from_nodes
 from autofuser_core.hookspecs import hookimpl
 from autofuser_core.ir import LoweringContext, Value, broadcast_shapes, describe_tensor
+from autofuser_core.oplib import collect_specs
 from autofuser_core.plugins import load_plugins
 from autofuser_core.specs import (
+    DEFAULT_TOLERANCES,
+    PRODUCT_TOLERANCES,
     LoweringSpec,
     ProductLayoutSpec,
     QuantizerSpec,
@@ -36,6 +40,8 @@ from autofuser_core.specs import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_TOLERANCES",
+    "PRODUCT_TOLERANCES",
     "AutoFuserError",
     "CacheError",
     "CaptureError",
@@ -58,6 +64,7 @@ __all__ = [
     "Value",
     "broadcast_shapes",
     "capture",
+    "collect_specs",
     "describe_tensor",
     "device_limits",
     "fuse",

@@ -170,13 +170,14 @@ def emit_offsets(
     return offsets
 
 
-_NEUTRAL = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
+#: Each row reduction's starting value (what a masked-off lane contributes).
+REDUCTION_NEUTRAL = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
 
 
 def row_reduction(op: str, full: str, mask: str) -> str:
     """``op`` along axis 1 of the tile ``full`` over the lanes in ``mask``, kept as
     ``[rows, 1]``. max/min propagate NaN as torch does (``tl.max`` alone drops it)."""
-    reduced = f"tl.{op}(tl.where({mask}, {full}, {_NEUTRAL[op]}), axis=1)[:, None]"
+    reduced = f"tl.{op}(tl.where({mask}, {full}, {REDUCTION_NEUTRAL[op]}), axis=1)[:, None]"
     if op == "sum":
         return reduced
     has_nan = f"tl.max(tl.where({mask} & ({full} != {full}), 1, 0), axis=1)[:, None] > 0"
@@ -331,12 +332,12 @@ def write_kernel(
 
     params = [f"in{k}" for k in range(len(program.inputs))] + [f"out{k}" for k in range(len(program.outputs))]
     blocks = ["BLOCK: tl.constexpr"] if layout == "flat" else ["BLOCK_M: tl.constexpr", "BLOCK_R: tl.constexpr"]
-    header = _header(program, layout, strategy)
+    header = strategy_header(program, layout, strategy)
     body = "\n".join(w.lines)
     helper_text = used_helpers(helpers, body)
     source_for_hash = f"{helper_text}\n{', '.join(params + blocks)}\n{body}"
     digest = hashlib.sha256(source_for_hash.encode()).hexdigest()[:10]
-    stem = "_".join(dict.fromkeys(_short(op) for op in program.op_names))[:48].strip("_")
+    stem = "_".join(dict.fromkeys(op_stem(op) for op in program.op_names))[:48].strip("_")
     name = f"af_{layout}_{stem}_{digest}"
     source = (
         f"{header}\nimport triton\nimport triton.language as tl\n\n\n"
@@ -346,11 +347,13 @@ def write_kernel(
     return KernelSource(name=name, source=source, layout=layout, grid=grid, constexprs=constexprs)
 
 
-def _short(op_name: str) -> str:
+def op_stem(op_name: str) -> str:
+    """The part of an op's name that goes into a kernel's name (``torch.nn.functional.gelu`` -> ``gelu``)."""
     return "".join(c if c.isalnum() else "_" for c in op_name.rsplit(".", 1)[-1])
 
 
-def _header(program: GroupProgram, layout: str, strategy: str) -> str:
+def strategy_header(program: GroupProgram, layout: str, strategy: str) -> str:
+    """``kernel_header`` titled with the strategy and layout, detailing the domain."""
     return kernel_header(
         program,
         f"{strategy} strategy, {layout} layout",

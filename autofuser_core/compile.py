@@ -12,7 +12,7 @@
    tolerance - a mismatch un-fuses that group only; on a GPU, also time fused
    against eager and keep the faster;
 4b. on a GPU, a kept group is timed against the splits of its nodes that its
-   strategy declares (``StrategySpec.split_rules``: the matmul and mlp plugins'
+   strategy declares (``StrategySpec.split_rules``: the matmul plugin's
    split a layer norm from the product it feeds, and a group of several products
    into groups of fewer), each made in a later round, and the faster side is kept
    (``_settle``); one split per round, while the group keeps winning; groups that

@@ -64,7 +64,7 @@ def fp32_precision() -> str:
 
 #: A plugin's layout of groups with a given number of matrix products
 #: (``ProductLayoutSpec.lay_out``): ``lay_out(program, values)`` sets the program's
-#: domain, strides and ``matmul``, or raises ``GroupRefused``.
+#: domain, strides and ``product_layout``, or raises ``GroupRefused``.
 ProductLayout = Callable[["GroupProgram", dict[int, Value]], None]
 
 
@@ -117,9 +117,9 @@ class GroupProgram:
     op_names: list[str] = field(default_factory=list)
     # Set when the group contains matrix products: the layout object of the product layout
     # that laid it out (``ProductLayoutSpec``), which its strategy reads.
-    matmul: Optional[Any] = None
+    product_layout: Optional[Any] = None
     identity_reduces: set[int] = field(default_factory=set)  # reductions over size-1 dims only
-    # fp32 products of a group laid out without a ``MatmulLayout`` (a strategy's own
+    # fp32 products of a group laid out without a product layout (a strategy's own
     # compose): "tf32" where torch allows it, else "tf32x3"/"ieee"; None without products.
     products_precision: Optional[str] = None
     # One sentence from a strategy's own compose on what it recognised; the report
@@ -127,14 +127,10 @@ class GroupProgram:
     summary: str = ""
 
     @property
-    def has_matmul(self) -> bool:
-        return self.matmul is not None
-
-    @property
     def precision(self) -> Optional[str]:
         """How the group's fp32 products run ("tf32" loosens the check against eager)."""
-        if self.matmul is not None:
-            return getattr(self.matmul, "precision", None)
+        if self.product_layout is not None:
+            return getattr(self.product_layout, "precision", None)
         return self.products_precision
 
     @property

@@ -74,10 +74,10 @@ def autofuser_register_quantizers(register):
 def autofuser_register_product_layouts(register):
     """Register layouts for groups with matrix products (``ProductLayoutSpec``, whose
     docstring states how the generic composition uses them), one per number of
-    products: the matmul plugin registers one product's, the mlp plugin two's.
+    products: the matmul plugin registers one product's and two's (an MLP block).
 
     Called once per plugin when it is loaded. A strategy then finds such groups
-    composed with the layout's object as ``program.matmul``.
+    composed with the layout's object as ``program.product_layout``.
 
     :param register: as for ``autofuser_register_lowerings``, with ``ProductLayoutSpec``.
     """

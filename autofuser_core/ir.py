@@ -92,12 +92,14 @@ class Value:
     reduce_op: str = ""
     dims: tuple[int, ...] = ()  # reduce: dims of args[0].shape, non-negative
     keepdim: bool = True
-    transpose_b: bool = False  # dot: b is stored [..., N, K] (a linear layer's weight)
-    column_dims: int = 1  # dot: the product's columns span this many trailing dims of b and of the result
-    # dot: how the eager op multiplies fp32 operands, where that is not torch's matmul rule
-    # (``allow_tf32`` / matmul precision): "tf32" for a cuDNN convolution with TF32 allowed.
+    # -- dot only (``LoweringContext.matmul``) --
+    transpose_b: bool = False  # b is stored [..., N, K]: read transposed, in place
+    column_dims: int = 1  # the columns span this many trailing dims of b and of the result
+    # How the eager op multiplies fp32 operands where that differs from torch's matmul
+    # rule (``allow_tf32`` / matmul precision): e.g. "tf32" for a library call with its
+    # own TF32 switch; None follows the matmul rule.
     fp32_precision: Optional[str] = None
-    dtype: Optional[torch.dtype] = None  # dot: the product's dtype in eager (set when composed)
+    dtype: Optional[torch.dtype] = None  # the product's dtype in eager (set when composed)
     packed: Optional[PackedWeight] = None  # load: a quantised weight (see PackedWeight)
     uid: int = field(default_factory=lambda: next(_ids))
 
@@ -388,6 +390,23 @@ class LoweringContext:
         for d in set(total_dims(value, dims)):
             count *= value.shape[d]
         return self.pointwise("{0} * %r" % (1.0 / max(count, 1)), total)
+
+    def normalize(self, x: Any, dims: Any, n: int, eps: float, weight: Any = None, bias: Any = None) -> Value:
+        """``(x - mean) * rsqrt(var + eps) * weight + bias`` over ``dims`` (``n`` elements):
+        the standardisation that layer, group and instance norms share."""
+        x = self.tensor(x)
+        mean = self.pointwise("{0} / %r" % float(n), self.reduce("sum", x, dims, keepdim=True))
+        deviation = self.pointwise("{0} - {1}", x, mean)
+        squares = self.reduce("sum", self.pointwise("{0} * {0}", deviation), dims, keepdim=True)
+        var = self.pointwise("{0} / %r" % float(n), squares)
+        out = self.pointwise("{0} * tl.rsqrt({1} + %r)" % eps, deviation, var)
+        if weight is not None:
+            out = self.pointwise("{0} * {1}", out, weight)
+        if bias is not None:
+            return self.pointwise("{0} + {1}", out, bias)
+        # Eager's exact zeros are +0.0 (it adds a shift, 0 without a bias); a zero deviation
+        # times rstd and a negative weight, or a row of -0.0, would give -0.0 here.
+        return self.pointwise("{0} + 0.0", out)
 
 
 def total_dims(value: Value, dims: Any) -> tuple[int, ...]:

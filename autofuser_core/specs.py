@@ -55,6 +55,15 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "tf32": Tolerance(atol=5e-3, rtol=1e-2),
 }
 
+#: For ops that sum products (matrix products, convolutions) in another order than the
+#: library eager calls: fp32 needs a little more room than a pointwise op; fp16/bf16
+#: round their operands as eager does.
+PRODUCT_TOLERANCES: dict[str, Tolerance] = {
+    "float32": Tolerance(atol=1e-4, rtol=1e-4),
+    "float16": Tolerance(atol=2e-3, rtol=1e-2),
+    "bfloat16": Tolerance(atol=2e-2, rtol=4e-2),
+}
+
 
 class Sample(BaseModel):
     """One set of inputs for a lowering's conformance check."""

@@ -37,7 +37,7 @@ for step in "${steps[@]}"; do
       python3 -m pytest -q -p no:cacheprovider tests/integration/test_cuda.py tests/core/test_capture.py \
         tests/integration/test_conformance.py tests/plugins/elementwise/test_elementwise_ops.py \
         tests/plugins/attention/test_attention.py tests/plugins/attention/test_linear_attention.py \
-        tests/plugins/attention/test_slice_attention.py tests/plugins/mlp/test_mlp_persistent.py \
+        tests/plugins/attention/test_slice_attention.py tests/plugins/matmul/test_mlp_persistent.py \
         > "$out/tests-device.log" 2>&1
       echo "tests-device rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests-device.log" | tail -n 40 ;;
     bandwidth|matmul|attention|conv|mxint8)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import autofuser
-from autofuser_core.fuse import _time as forward_time
+from autofuser_core.timing import forward_ms as forward_time
 
 from attention import FORMS, Softmax, _inputs
 from matmul import CASES, CHAIN_CASES, M, _ms, precision

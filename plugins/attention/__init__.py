@@ -19,8 +19,7 @@
 - ``options.py``: the plugin's ``fuse()`` option ``reassociate_products``.
 """
 
-from autofuser import hookimpl
-from autofuser_core.oplib import collect_specs
+from autofuser import collect_specs, hookimpl
 
 from . import ops
 from .options import AttentionOptions

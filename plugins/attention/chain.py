@@ -94,7 +94,7 @@ def chain_module(
         + f"        stages = {stages!r}\n"
         + "        return [dict(s, constexprs={k: config[v] for k, v in s['constexprs'].items()}) for s in stages]\n\n"
         + "    def warmup(self, *dtypes, grid, **config):\n"
-        + '        """Compile every stage without launching it (``autofuser_core.precompile``)."""\n'
+        + '        """Compile every stage without launching it (the precompile step)."""\n'
         + "        names = "
         + repr(tensor_names)
         + "\n"

@@ -31,20 +31,24 @@ from typing import Optional
 
 import torch
 
-from autofuser_core.codegen import (
+from autofuser import KernelSource, Value
+from autofuser.kernel import (
     INT32_LIMIT,
     TL_DTYPES,
-    KernelSource,
+    as_operand,
+    dot_block,
+    dot_line,
     emit_offsets,
+    index_term,
+    interpreting,
     literal,
     op_label,
+    rounded,
+    stored,
     triton_cdiv,
     used_helpers,
 )
-from autofuser_core.codegen import kernel_header as core_kernel_header
-from autofuser_core.ir import Value
-from autofuser_core.rounding import interpreting, rounded, stored
-from autofuser_plugins.matmul.kernel import as_operand, dot_block, dot_line, index_term
+from autofuser.kernel import kernel_header as core_kernel_header
 
 from .chain import POINTER_TYPES, chain_module, chain_stages, digest
 from .layout import AttentionLayout, Operand, Step

@@ -17,8 +17,7 @@ from typing import Optional
 import torch
 import torch.fx
 
-from autofuser_core.group import GroupProgram
-from autofuser_core.ir import Value
+from autofuser import GroupProgram, Value
 
 
 @dataclass

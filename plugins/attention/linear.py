@@ -38,8 +38,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from autofuser_core.group import GroupRefused, KernelTensor, attr_tensor, fp32_precision, program_from_nodes
-from autofuser_core.ir import AttrRef, tensor_meta
+from autofuser import GroupRefused, KernelTensor, program_from_nodes
+from autofuser.kernel import AttrRef, attr_tensor, fp32_precision, tensor_meta
 
 from .layout import AttentionLayout, AttentionProgram, LinearAttentionLayout, RowNorm
 from .match import (

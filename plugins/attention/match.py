@@ -37,8 +37,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from autofuser_core.group import GroupRefused, collect_values, domain_strides, fp32_precision, program_from_nodes
-from autofuser_core.ir import AttrRef, Value, tensor_meta
+from autofuser import GroupRefused, Value, program_from_nodes
+from autofuser.kernel import AttrRef, collect_values, domain_strides, fp32_precision, tensor_meta
 
 from .layout import AttentionLayout, AttentionProgram, Operand, Step
 from .ops.sdpa import MAX_HEAD_WIDTH, sdpa_arguments

@@ -49,9 +49,7 @@ from typing import Optional
 
 import torch
 
-from autofuser_core.codegen import TL_DTYPES, emit_offsets
-from autofuser_core.rounding import stored
-from autofuser_plugins.matmul.kernel import index_term
+from autofuser.kernel import TL_DTYPES, emit_offsets, index_term, stored
 
 from .layout import AttentionLayout, Operand
 

@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 import torch.fx
 
-from autofuser_core.group import GroupRefused, KernelTensor, attr_tensor, fp32_precision, program_from_nodes
-from autofuser_core.ir import AttrRef, tensor_meta
+from autofuser import GroupRefused, KernelTensor, program_from_nodes
+from autofuser.kernel import AttrRef, attr_tensor, fp32_precision, tensor_meta
 
 from .layout import AttentionProgram, LinearMap, SliceLayout
 from .linear import _constant_step, check_private, transposed_a_einsum

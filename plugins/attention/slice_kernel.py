@@ -20,9 +20,19 @@ from __future__ import annotations
 
 import torch
 
-from autofuser_core.codegen import INT32_LIMIT, TL_DTYPES, KernelSource, op_label, used_helpers
-from autofuser_core.rounding import rounded, stored
-from autofuser_plugins.matmul.kernel import as_operand, dot_block, dot_line, index_term
+from autofuser import KernelSource
+from autofuser.kernel import (
+    INT32_LIMIT,
+    TL_DTYPES,
+    as_operand,
+    dot_block,
+    dot_line,
+    index_term,
+    op_label,
+    rounded,
+    stored,
+    used_helpers,
+)
 
 from .chain import POINTER_TYPES, chain_module, chain_stages, digest, split_chunk
 from .kernel import ROUNDED, _all, _Writer, kernel_header, load_cast

@@ -16,8 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 from autofuser import StrategySpec, device_limits
-from autofuser_core.codegen import next_power_of_2
-from autofuser_plugins.matmul.kernel import dot_block
+from autofuser.kernel import dot_block, next_power_of_2
 
 from .kernel import write_attention_kernel
 from .layout import AttentionProgram

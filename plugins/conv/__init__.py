@@ -10,8 +10,7 @@ upsampling (interpolation, transposed convolutions with stride == kernel) with
 the cat and pointwise ops after it as one kernel that reads the low-resolution
 input directly (the ``upsample_fused`` strategy)."""
 
-from autofuser import hookimpl
-from autofuser_core.oplib import collect_specs
+from autofuser import collect_specs, hookimpl
 
 from . import ops
 from .convolution import CONV_STRATEGY

@@ -12,7 +12,7 @@ single store.
 Where cuDNN's product plus a separate fused epilogue kernel is faster, the
 compile-time check against eager (on a GPU) keeps this group eager, and the
 planner's second round fuses the epilogue chain on its own
-(``autofuser_core.compile``: a group that lost is re-planned without the
+(a group that lost is re-planned without the
 strategy that lost).
 """
 
@@ -25,12 +25,18 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from autofuser import StrategySpec, device_limits
-from autofuser_core.codegen import KernelSource, triton_cdiv
-from autofuser_core.group import STRICT_FP32, GroupRefused, KernelTensor, attr_tensor, program_from_nodes
-from autofuser_core.ir import AttrRef, tensor_meta
-from autofuser_core.rounding import rounded
-from autofuser_plugins.matmul.kernel import dot_block, dot_line, needs_int64
+from autofuser import GroupRefused, KernelSource, KernelTensor, StrategySpec, device_limits, program_from_nodes
+from autofuser.kernel import (
+    STRICT_FP32,
+    AttrRef,
+    attr_tensor,
+    dot_block,
+    dot_line,
+    needs_int64,
+    rounded,
+    tensor_meta,
+    triton_cdiv,
+)
 
 from .strategy import ChainWriter, ResampleProgram, compose_members, follow_chain, single_output
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from autofuser_core.ir import AttrRef, tensor_meta
+from autofuser.kernel import AttrRef, tensor_meta
 
 #: Modes with their spatial rank (None: any), the ones fused here.
 MODES = {"nearest": None, "nearest-exact": None, "linear": 1, "bilinear": 2, "trilinear": 3}

@@ -28,20 +28,21 @@ from typing import Optional
 
 import torch
 
-from autofuser import StrategySpec
-from autofuser_core.codegen import TL_DTYPES, KernelSource, literal, triton_cdiv, used_helpers
-from autofuser_core.group import (
-    GroupProgram,
-    GroupRefused,
-    KernelTensor,
+from autofuser import GroupProgram, GroupRefused, KernelSource, KernelTensor, StrategySpec, Value, program_from_nodes
+from autofuser.kernel import (
+    TL_DTYPES,
+    AttrRef,
     attr_tensor,
     collect_values,
-    program_from_nodes,
+    literal,
+    needs_int64,
     read_view,
+    rounded,
+    stored,
+    tensor_meta,
+    triton_cdiv,
+    used_helpers,
 )
-from autofuser_core.ir import AttrRef, Value, tensor_meta
-from autofuser_core.rounding import rounded, stored
-from autofuser_plugins.matmul.kernel import needs_int64
 
 from .resampling import Resample, TransposedConv, parse_upsampling
 

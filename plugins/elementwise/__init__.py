@@ -1,8 +1,7 @@
 """Pointwise ops (arithmetic, activations, casts, where, clamp, ...) and the
 elementwise strategy, which fuses same-shaped chains of them into one kernel."""
 
-from autofuser import hookimpl
-from autofuser_core.oplib import collect_specs
+from autofuser import collect_specs, hookimpl
 
 from . import ops
 from .strategy import ELEMENTWISE_STRATEGY

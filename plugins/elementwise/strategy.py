@@ -4,7 +4,7 @@ kernel, each program handling ``BLOCK`` consecutive elements of the domain."""
 from __future__ import annotations
 
 from autofuser import StrategySpec
-from autofuser_core.codegen import write_kernel
+from autofuser.kernel import write_kernel
 
 #: (BLOCK, num_warps) pairs tuned. A flat kernel is bound by memory; what matters is
 #: the elements per thread (2 to 8 here) and the programs in flight. These six

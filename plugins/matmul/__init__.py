@@ -1,14 +1,15 @@
 """Matrix products (nn.Linear, F.linear, matmul, @, mm, bmm, matmul-shaped einsum)
 and the strategies that fuse them with what comes before and after: matmul,
 linear + epilogue, layer norm + linear; the layout of a group with one product
-(``layout.py``) and its kernel writer (``kernel.py``)."""
+(``layout.py``) and its kernel writer (``kernel.py``); whole MLP blocks and
+chains of products (``mlp/``)."""
 
-from autofuser import hookimpl
-from autofuser_core.oplib import collect_specs
+from autofuser import collect_specs, hookimpl
 
 from . import ops
 from .autocast import make_autocast_casts_explicit
 from .layout import PRODUCT_LAYOUT
+from .mlp import CHAIN_STRATEGY, MLP_LAYOUT, MLP_STRATEGY
 from .strategy import STRATEGIES
 
 
@@ -26,9 +27,10 @@ def autofuser_register_lowerings(register):
 @hookimpl
 def autofuser_register_product_layouts(register):
     register(PRODUCT_LAYOUT)
+    register(MLP_LAYOUT)
 
 
 @hookimpl
 def autofuser_register_strategies(register):
-    for strategy in STRATEGIES:
+    for strategy in (*STRATEGIES, MLP_STRATEGY, CHAIN_STRATEGY):
         register(strategy)

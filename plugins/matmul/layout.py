@@ -29,23 +29,8 @@ from typing import Optional
 
 import torch
 
-from autofuser import ProductLayoutSpec, device_limits
-from autofuser_core.codegen import next_power_of_2, triton_cdiv
-from autofuser_core.group import GroupProgram, GroupRefused, domain_strides, fp32_precision, read_view
-from autofuser_core.ir import AttrRef, Value
-
-
-@dataclass
-class PackedOperand:
-    """A product's weight stored quantised (``ir.PackedWeight``): where its scales are."""
-
-    scales: int  # input index of the scales tensor
-    strides: tuple[int, ...]  # the scales' strides over the weight's domain, the reduction dim counted in blocks
-    blocks: int  # scale blocks along the reduction dim
-    block: int  # elements per scale
-    decode: str  # the @triton.jit helper turning (elements, scales) tiles into fp32
-    exact_tf32: bool = False  # decoded values are exact in TF32
-
+from autofuser import GroupProgram, GroupRefused, ProductLayoutSpec, Value, device_limits
+from autofuser.kernel import AttrRef, PackedOperand, domain_strides, dot_block, fp32_precision, read_view, triton_cdiv
 
 #: Bytes of one row of A (K padded to a power of 2) up to which a program keeps its
 #: rows of A on chip instead of streaming them in BLOCK_K steps, and computes their
@@ -69,12 +54,6 @@ def multiprocessors(without_gpu: int = SMS_WITHOUT_GPU) -> int:
     return without_gpu
 
 
-def dot_block(n: int, packed: Optional[PackedOperand] = None) -> int:
-    """A block size covering ``n`` that ``tl.dot`` accepts (16 at least), and a
-    multiple of a quantised weight's block when it runs along that weight's reduction."""
-    return max(16, packed.block if packed is not None else 1, next_power_of_2(n))
-
-
 def keeps_rows(k: int, operand_dtype) -> bool:
     return dot_block(k) * (2 if operand_dtype is not None else 4) <= RESIDENT_ROW_BYTES
 
@@ -89,7 +68,7 @@ class MatmulLayout:
     load_strides: dict[int, tuple[int, ...]] = field(default_factory=dict)  # load uid -> strides over its domain
     b_strides: tuple[int, ...] = ()  # over out_domain[:-2] + (K, N)
     operand_dtype: Optional[torch.dtype] = None  # None: fp32 operands
-    precision: str = "ieee"  # fp32 products: "tf32" where torch allows it, else STRICT_FP32 (autofuser_core.group)
+    precision: str = "ieee"  # fp32 products: "tf32" where torch allows it, else autofuser.kernel.STRICT_FP32
     epilogue_reduces: bool = False  # a reduction over N after the product: one program holds all of N
     prologue_reduces: bool = False  # a norm over K before the product
     b_packed: Optional[PackedOperand] = None  # B stored quantised
@@ -302,7 +281,7 @@ def install_layout(program: GroupProgram, layout, out_domain: tuple[int, ...], c
     (``out_domain``, whose last ``columns`` dims the layout walks as one)."""
     program.domain = layout.out_domain
     program.reduced_dims = ()
-    program.matmul = layout
+    program.product_layout = layout
     rank = len(out_domain)
     for tensor in program.outputs:
         check_fits(tensor.shape, out_domain)

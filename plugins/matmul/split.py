@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from autofuser import SplitRule
-from autofuser_core.group import GroupProgram, collect_values, product_count
-from autofuser_core.ir import Value
+from autofuser import GroupProgram, SplitRule, Value
+from autofuser.kernel import collect_values, product_count
 
 
 def reduction_prologue(program: Optional[GroupProgram]) -> bool:

@@ -14,12 +14,11 @@ they claim:
 
 from __future__ import annotations
 
-from autofuser import StrategySpec, device_limits
-from autofuser_core.codegen import next_power_of_2, triton_cdiv
-from autofuser_core.group import GroupRefused
+from autofuser import GroupRefused, StrategySpec, device_limits
+from autofuser.kernel import dot_block, next_power_of_2, triton_cdiv
 
 from .kernel import write_matmul_kernel
-from .layout import MatmulLayout, dot_block, multiprocessors
+from .layout import MatmulLayout, multiprocessors
 from .split import NORM_APART
 
 #: fp32 accumulators per thread before registers spill.
@@ -53,7 +52,7 @@ def _classify(view, nodes):
         program = view.compose(nodes)
     except GroupRefused:
         return None
-    layout = program.matmul
+    layout = program.product_layout
     if not isinstance(layout, MatmulLayout):
         return None  # none, or two products: the mlp plugin's
     if layout.prologue_reduces:
@@ -64,7 +63,7 @@ def _classify(view, nodes):
 
 
 def accepts(program):
-    layout = program.matmul
+    layout = program.product_layout
     if not isinstance(layout, MatmulLayout):
         return ("not_one_product", "the group does not have exactly one matrix product")
     if layout.epilogue_reduces and layout.n > MAX_ROW_N:
@@ -78,7 +77,7 @@ def accepts(program):
 def configs(program):
     """CONFIGS, those that fit the product's shape first (see ``_fit``), capped at
     MAX_TUNED_CONFIGS when tuned."""
-    fixed_n = dot_block(program.matmul.n) if program.matmul.epilogue_reduces else None
+    fixed_n = dot_block(program.product_layout.n) if program.product_layout.epilogue_reduces else None
     out = []
     for m, n, k, warps, stages in CONFIGS:
         config = {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
@@ -88,8 +87,8 @@ def configs(program):
                 continue
         if config not in out:
             out.append(config)
-    fewest = min(_columns(program.matmul, config)[1] for config in out)
-    return sorted(out, key=lambda config: _fit(program.matmul, config, fewest))
+    fewest = min(_columns(program.product_layout, config)[1] for config in out)
+    return sorted(out, key=lambda config: _fit(program.product_layout, config, fewest))
 
 
 #: Each product config tuned is a Triton compile; tuning times the first this many valid
@@ -126,7 +125,7 @@ def _fit(layout: MatmulLayout, config: dict, fewest: int) -> tuple[float, int, i
 
 
 def is_valid(program, config):
-    layout = program.matmul
+    layout = program.product_layout
     block_n = config.get("BLOCK_N") or dot_block(layout.n)
     element = 2 if layout.operand_dtype is not None else 4
     resident = layout.resident
@@ -145,7 +144,7 @@ def is_valid(program, config):
 
 
 def default_config(program):
-    layout = program.matmul
+    layout = program.product_layout
     block_k = 32 if layout.k >= 32 or layout.b_packed is not None else 16
     if layout.b_packed is not None:
         block_k = max(block_k, layout.b_packed.block)

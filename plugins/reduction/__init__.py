@@ -2,8 +2,7 @@
 norm, and the row-reduction strategy, which fuses them with the pointwise ops
 before and after."""
 
-from autofuser import hookimpl
-from autofuser_core.oplib import collect_specs
+from autofuser import collect_specs, hookimpl
 
 from . import ops
 from .strategy import ROW_REDUCTION_STRATEGY

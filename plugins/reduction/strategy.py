@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from autofuser import StrategySpec
-from autofuser_core.codegen import next_power_of_2, write_kernel
+from autofuser.kernel import next_power_of_2, write_kernel
 
 #: Elements one program may hold per live value before registers spill.
 MAX_TILE = 16384

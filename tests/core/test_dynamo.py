@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from autofuser.dynamo import autofuser_backend, compiled_graphs
 
-PLUGINS = ["elementwise", "reduction", "matmul", "mlp"]
+PLUGINS = ["elementwise", "reduction", "matmul"]
 OPTIONS = {"plugins": PLUGINS, "progress": False}
 
 

@@ -203,7 +203,7 @@ def test_report_round_trips_and_reads_well():
     assert "row_reduction" in text and "elementwise.add > reduction.layer_norm" in text  # ops column is cut at 42
     assert report.signature == "(float32[3, 7, 37], float32[3, 7, 37])"
     assert report.device == "cpu"
-    assert report.plugins == ["attention", "conv", "elementwise", "matmul", "mlp", "mxint8", "reduction"]
+    assert report.plugins == ["attention", "conv", "elementwise", "matmul", "mxint8", "reduction"]
 
 
 # ---------------------------------------------------------------------------
@@ -635,12 +635,12 @@ def test_an_mlp_that_fails_verification_is_replanned_one_product_per_group(monke
     import autofuser_core.compile as compile_module
     import autofuser_core.tuning as tuning_module
     from autofuser_core.specs import Tolerance
-    from autofuser_plugins.mlp.mlp_layout import MlpLayout
+    from autofuser_plugins.matmul.mlp.mlp_layout import MlpLayout
 
     real_tolerance = compile_module.tolerance
 
     def impossible_for_mlps(candidate, view):
-        if isinstance(candidate.program.matmul, MlpLayout):
+        if isinstance(candidate.program.product_layout, MlpLayout):
             return Tolerance.model_construct(atol=-1.0, rtol=0.0)  # nothing passes
         return real_tolerance(candidate, view)
 
@@ -850,7 +850,11 @@ def test_repeated_layers_share_one_kernel_and_one_tuning_key():
     model = nn.Sequential(Block(), Block(), Block())
     fused = autofuser.fuse(model, progress=False)
     x = torch.randn(2, 37, 24)
-    torch.testing.assert_close(fused(x), model(x), rtol=1e-4, atol=1e-5)
+    expected = model(x)
+    # Three cumsums grow the partial sums to thousands, and a small output is a
+    # difference of large ones: its error is a few fp32 ulp of the largest magnitude
+    # (8 ulp allowed), not 1e-5 absolute.
+    torch.testing.assert_close(fused(x), expected, rtol=1e-4, atol=1e-6 * expected.abs().amax().item())
     ((gm, _),) = fused._compiled.values()
     kernels = [n.target for n in gm.graph.nodes if isinstance(n.target, FusedKernel)]
     assert len(kernels) == 3

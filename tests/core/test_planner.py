@@ -20,7 +20,7 @@ from autofuser.zoo.models import MODELS
 from autofuser_core.group import MAX_PRODUCTS, GroupRefused, compose_group
 from autofuser_core.planner import PlanningView, plan_fusion_groups
 from autofuser_plugins.matmul.layout import MatmulLayout
-from autofuser_plugins.mlp.mlp_layout import MlpLayout
+from autofuser_plugins.matmul.mlp.mlp_layout import MlpLayout
 
 from _models import FeedForward, tiny_input
 
@@ -58,7 +58,7 @@ def test_a_group_is_composed_once_per_view_in_any_node_order(compose_calls):
     view = _view(FeedForward().eval(), torch.randn(2, 7, 24))
     fc1, gelu = _nodes(view, "fc1", "gelu")
     program = view.compose([fc1, gelu])
-    assert isinstance(program.matmul, MatmulLayout) and [n.name for n in program.nodes] == ["fc1", "gelu"]
+    assert isinstance(program.product_layout, MatmulLayout) and [n.name for n in program.nodes] == ["fc1", "gelu"]
     assert view.compose([gelu, fc1]) is program
     assert compose_calls == [(["fc1", "gelu"], None)]
 
@@ -111,14 +111,28 @@ def test_a_new_view_composes_again_under_the_current_settings(compose_calls):
     assert [names for names, _ in compose_calls] == [mlp_nodes, mlp_nodes, mlp_nodes]
 
 
-WITHOUT_MLP = ["elementwise", "reduction", "matmul"]
+def _one_product_plugin():
+    """The matmul plugin without its MLP and chain parts: its lowerings, its
+    one-product layout and its one-product strategies, as a plugin of its own."""
+    from autofuser_plugins import matmul
+
+    plugin = types.ModuleType("one_product")
+    plugin.autofuser_transform_graph = matmul.autofuser_transform_graph
+    plugin.autofuser_register_lowerings = matmul.autofuser_register_lowerings
+    plugin.autofuser_register_product_layouts = lambda register: register(matmul.PRODUCT_LAYOUT)
+    plugin.autofuser_register_strategies = lambda register: [register(s) for s in matmul.STRATEGIES]
+    return plugin
+
+
+WITHOUT_MLP = ["elementwise", "reduction", _one_product_plugin()]
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_without_the_mlp_plugin_two_products_are_refused_and_fuse_one_at_a_time(batch):
+def test_without_a_two_product_layout_two_products_are_refused_and_fuse_one_at_a_time(batch):
     """Two products in one group are laid out only by a plugin's ``ProductLayoutSpec``
-    (the mlp plugin's): without it, the group is refused as with ``MAX_PRODUCTS`` 1,
-    and the model still fuses, one product per kernel, and computes as eager does."""
+    (the matmul plugin's MLP layout): without it, the group is refused as with
+    ``MAX_PRODUCTS`` 1, and the model still fuses, one product per kernel, and computes
+    as eager does."""
     model = FeedForward(width=24, hidden=37).eval()
     x = torch.randn(batch, 11, 24)
     gm = autofuser.capture(model, x)
@@ -129,8 +143,8 @@ def test_without_the_mlp_plugin_two_products_are_refused_and_fuse_one_at_a_time(
         view.compose(_nodes(view, "fc1", "gelu", "fc2"))
     assert refused.value.code == "several_products" and "2 matrix products in one group" in refused.value.reason
     assert isinstance(view.compose(_nodes(view, "fc1", "gelu")).matmul, MatmulLayout)
-    # With the mlp plugin the same group is an MLP.
-    with_mlp = PlanningView(gm, autofuser.load_plugins(WITHOUT_MLP + ["mlp"]).registry)
+    # With the whole matmul plugin the same group is an MLP.
+    with_mlp = PlanningView(gm, autofuser.load_plugins(["elementwise", "reduction", "matmul"]).registry)
     assert isinstance(with_mlp.compose(_nodes(with_mlp, "fc1", "gelu", "fc2")).matmul, MlpLayout)
 
     with torch.no_grad():
@@ -185,7 +199,7 @@ def test_a_plugins_product_layout_lays_out_groups_of_its_count_only():
         name="mine.two", products=2, lay_out=refuse_all, priority=1
     )
     gm = autofuser.capture(FeedForward().eval(), torch.randn(2, 5, 24))
-    view = PlanningView(gm, autofuser.load_plugins(WITHOUT_MLP + ["mlp", mine]).registry)
+    view = PlanningView(gm, autofuser.load_plugins(["elementwise", "reduction", "matmul", mine]).registry)
     with pytest.raises(GroupRefused) as refused:
         view.compose(_nodes(view, "fc1", "gelu", "fc2"))
     assert refused.value.code == "mine" and seen == [["dot", "dot"]]
@@ -204,9 +218,9 @@ def test_product_layout_specs_are_validated_and_ties_refused():
     tied = types.ModuleType("tied")
     tied.autofuser_register_product_layouts = lambda register: register(name="tied.two", products=2, lay_out=lay_out)
     with pytest.raises(SpecError) as caught:
-        autofuser.load_plugins(["mlp", tied])
+        autofuser.load_plugins(["matmul", tied])
     message = str(caught.value)
-    assert "groups of 2 products" in message and "'mlp'" in message and "'tied'" in message and "priority" in message
+    assert "groups of 2 products" in message and "'matmul'" in message and "'tied'" in message and "priority" in message
 
 
 def test_a_later_round_reuses_the_lowering_and_the_groups_composed_under_the_same_settings(compose_calls):
@@ -279,7 +293,7 @@ def _plan_signature(plan) -> list:
         if p is None:
             return None
         tensors = [(t.name, t.shape, str(t.dtype), t.stride, t.domain_stride, t.read) for t in (*p.inputs, *p.outputs)]
-        return (p.domain, p.reduced_dims, tensors, type(p.matmul).__name__, p.summary, p.precision)
+        return (p.domain, p.reduced_dims, tensors, type(p.product_layout).__name__, p.summary, p.precision)
 
     kept = [(c.strategy.name, [n.name for n in c.nodes], program(c.program)) for c in plan.kept]
     refused = [(d.strategy, [n.name for n in d.nodes], d.reason_code, d.reason) for d in plan.decisions]
@@ -415,8 +429,8 @@ class _NormBetweenProducts(nn.Module):
 def test_reduction_prologue_is_a_row_reduction_that_no_product_precedes():
     """``reduction_prologue`` (the matmul plugin's split rules use it): a norm in front
     of a group's first product is one; a norm between products (one precedes it) is not."""
+    from autofuser_plugins.matmul.mlp.chain_layout import lay_out_chain
     from autofuser_plugins.matmul.split import reduction_prologue
-    from autofuser_plugins.mlp.chain_layout import lay_out_chain
 
     view = _view(_NormBetweenProducts(), torch.randn(3, 5, 24))
     chain = [n.name for n in view.nodes if n.op in ("call_module", "call_function")]

@@ -23,7 +23,7 @@ from autofuser_core.plugins import AUTOLOAD_ENV, ENTRY_POINT_GROUP, installed_en
 
 from _helpers import plugin_module
 
-BUNDLED = ["attention", "conv", "elementwise", "matmul", "mlp", "mxint8", "reduction"]
+BUNDLED = ["attention", "conv", "elementwise", "matmul", "mxint8", "reduction"]
 KNOWN_HOOKS = (
     "autofuser_register_lowerings",
     "autofuser_register_strategies",

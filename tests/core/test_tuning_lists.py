@@ -15,7 +15,7 @@ from autofuser_core.planner import plan_fusion_groups
 from autofuser_core.tuning import _tuning_configs
 from autofuser_plugins.attention import strategy as attention
 from autofuser_plugins.matmul import strategy as products
-from autofuser_plugins.mlp import chain
+from autofuser_plugins.matmul.mlp import chain
 
 from _models import FeedForward
 
@@ -69,7 +69,7 @@ def test_rows_streamed_through_a_norm_try_the_widest_column_tiles_first():
     the list puts the fewest tiles across a row first - and still tunes the old winners."""
     model = nn.Sequential(nn.LayerNorm(256), nn.Linear(256, 512))
     [candidate] = _kept(model, torch.randn(4, 2000, 256), "layernorm_linear")
-    assert candidate.program.matmul.prologue_reduces and not candidate.program.matmul.resident
+    assert candidate.program.product_layout.prologue_reduces and not candidate.program.product_layout.resident
     tiles = _tiles(_tuning_configs(candidate)[0])
     across = [-(-512 // n) for _, n in tiles]
     assert across == sorted(across) and across[0] == 2, tiles
@@ -80,7 +80,7 @@ def test_rows_on_chip_keep_the_listed_order():
     """K = 64: the norm's rows stay on chip and are read once, so tile width costs nothing."""
     model = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 512))
     [candidate] = _kept(model, torch.randn(4, 2000, 64), "layernorm_linear")
-    assert candidate.program.matmul.resident
+    assert candidate.program.product_layout.resident
     tiles = _tiles(_tuning_configs(candidate)[0])
     listed = [(m, n) for m, n, *_ in products.CONFIGS]
     assert tiles == [t for t in listed if t in tiles][: len(tiles)], tiles
@@ -193,7 +193,7 @@ def test_a_product_with_a_norm_over_its_columns_sorts_by_tile_count_alone():
     config computes the same columns, so few rows try the configs with most programs first."""
     model = nn.Sequential(nn.Linear(64, 96), nn.LayerNorm(96))
     [candidate] = _kept(model, torch.randn(1, 300, 64), "linear_epilogue")
-    assert candidate.program.matmul.epilogue_reduces
+    assert candidate.program.product_layout.epilogue_reduces
     tuned, _ = _tuning_configs(candidate)
     assert 0 < len(tuned) <= products.MAX_TUNED_CONFIGS and all("BLOCK_N" not in c for c in tuned)
     block_m = [c["BLOCK_M"] for c in tuned]

@@ -133,8 +133,8 @@ def test_persistent_mlp_compiles_for_sm90(dtype, tmp_path, monkeypatch):
     each of its configs that the validity rule keeps, split tail or not; and the streamed
     form beside it. Under autocast, the persistent configs take the fp32 weights, the
     streamed one weights the launcher converted."""
-    from autofuser_plugins.mlp import mlp_layout
-    from autofuser_plugins.mlp import strategy as mlp
+    from autofuser_plugins.matmul.mlp import mlp_layout
+    from autofuser_plugins.matmul.mlp import strategy as mlp
 
     monkeypatch.setattr(mlp_layout, "PERSISTENT_MIN_ROWS", 1)  # offered from 67584 rows; compiled here on 663
     autocast = dtype == "autocast"

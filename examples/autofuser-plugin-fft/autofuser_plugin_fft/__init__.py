@@ -13,7 +13,7 @@ padding of the output spectrum - becomes one kernel:
 Installed, it is found through the ``autofuser`` entry-point group; choose it
 by name next to the bundled plugins::
 
-    autofuser.fuse(model, plugins=["elementwise", "reduction", "matmul", "mlp", "fft"])
+    autofuser.fuse(model, plugins=["elementwise", "reduction", "matmul", "fft"])
 """
 
 from __future__ import annotations

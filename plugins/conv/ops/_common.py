@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from autofuser_core.ir import LoweringContext, Value
+from autofuser import LoweringContext, Value
 
 
 def per_channel(ctx: LoweringContext, arg: Any, channels: int, spatial: int, op: str, name: str) -> Value:

@@ -18,8 +18,7 @@ convolutions and larger kernels stay eager.
 import torch
 import torch.nn.functional as F
 
-from autofuser import LoweringSpec, Sample
-from autofuser_plugins.matmul.ops.linear import PRODUCT_TOLERANCES
+from autofuser import PRODUCT_TOLERANCES, LoweringSpec, Sample
 
 from ..convolution import conv_reason, parse_conv
 from ._common import float_tensor, int_tuple, module_forward_is, per_channel

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from autofuser import LoweringSpec, Sample
-from autofuser_plugins.reduction.ops.layer_norm import normalize
 
 from ._common import float_tensor, module_forward_is, per_channel
 from .instance_norm import normalize_over_space
@@ -38,7 +37,7 @@ def lower_group_norm_function(ctx, input, num_groups, weight=None, bias=None, ep
         spatial = len(shape) - 2
         weight = per_channel(ctx, weight, channels, spatial, op, "weight") if weight is not None else None
         bias = per_channel(ctx, bias, channels, spatial, op, "bias") if bias is not None else None
-        return normalize(ctx, ctx.tensor(input), dims, n, float(eps), weight, bias)
+        return ctx.normalize(ctx.tensor(input), dims, n, float(eps), weight, bias)
     ctx.refuse(
         "partial_channel_groups",
         f"{op}: {num_groups} groups of {channels} channels split the channel dim, "

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from autofuser import LoweringSpec, Sample
-from autofuser_plugins.reduction.ops.layer_norm import normalize
 
 from ._common import float_tensor, module_forward_is, per_channel
 from .batch_norm import normalize_by_statistics
@@ -36,7 +35,7 @@ def normalize_over_space(ctx, op, x, weight, bias, eps):
         n *= shape[d]
     weight = per_channel(ctx, weight, shape[1], spatial, op, "weight") if weight is not None else None
     bias = per_channel(ctx, bias, shape[1], spatial, op, "bias") if bias is not None else None
-    return normalize(ctx, ctx.tensor(x), dims, n, float(eps), weight, bias)
+    return ctx.normalize(ctx.tensor(x), dims, n, float(eps), weight, bias)
 
 
 def lower_instance_norm_function(

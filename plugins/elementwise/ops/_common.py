@@ -19,8 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from autofuser import Sample
-from autofuser_core.ir import LoweringContext, Value
+from autofuser import LoweringContext, Sample, Value
 
 #: Results a kernel can store; anything else stays eager.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

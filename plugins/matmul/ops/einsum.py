@@ -22,9 +22,7 @@ from typing import Optional
 
 import torch
 
-from autofuser import LoweringSpec, Sample
-
-from .linear import PRODUCT_TOLERANCES
+from autofuser import PRODUCT_TOLERANCES, LoweringSpec, Sample
 
 
 def parse_matmul_equation(equation: str) -> Optional[bool]:

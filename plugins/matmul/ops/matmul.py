@@ -4,9 +4,7 @@ import operator
 
 import torch
 
-from autofuser import LoweringSpec, Sample
-
-from .linear import PRODUCT_TOLERANCES
+from autofuser import PRODUCT_TOLERANCES, LoweringSpec, Sample
 
 
 def lower_matmul(ctx, a, b, *, out=None):

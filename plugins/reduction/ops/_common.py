@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx
 
-from autofuser_core.ir import LoweringContext, Value
+from autofuser import LoweringContext, Value
 
 #: Dtypes a kernel loads and stores; anything else stays eager.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -49,24 +49,6 @@ def affine_operand(ctx, op, name, arg, normalized_shape):
     return ctx.tensor(arg)
 
 
-def normalize(ctx, x, dims, n, eps, weight, bias):
-    """``(x - mean) * rsqrt(var + eps) * weight + bias`` over ``dims`` (``n`` elements)."""
-    mean = ctx.pointwise("{0} / %r" % float(n), ctx.reduce("sum", x, dims, keepdim=True))
-    deviation = ctx.pointwise("{0} - {1}", x, mean)
-    squares = ctx.reduce("sum", ctx.pointwise("{0} * {0}", deviation), dims, keepdim=True)
-    var = ctx.pointwise("{0} / %r" % float(n), squares)
-    out = ctx.pointwise("{0} * tl.rsqrt({1} + %r)" % eps, deviation, var)
-    if weight is not None:
-        out = ctx.pointwise("{0} * {1}", out, weight)
-    if bias is not None:
-        out = ctx.pointwise("{0} + {1}", out, bias)
-    else:
-        # Eager's exact zeros are +0.0 (it adds a shift, 0 without a bias); a zero deviation
-        # times rstd and a negative weight, or a row of -0.0, would give -0.0 here.
-        out = ctx.pointwise("{0} + 0.0", out)
-    return out
-
-
 def lower_layer_norm(ctx, *args, **kwargs):
     op = "layer_norm"
     b = bind(
@@ -84,7 +66,7 @@ def lower_layer_norm(ctx, *args, **kwargs):
     weight = affine_operand(ctx, op, "weight", b["weight"], normalized_shape)
     bias = affine_operand(ctx, op, "bias", b["bias"], normalized_shape)
     eps = number(ctx, op, "eps", b["eps"])
-    return normalize(ctx, x, dims, count(shape, dims), eps, weight, bias)
+    return ctx.normalize(x, dims, count(shape, dims), eps, weight, bias)
 
 
 def _samples(dtype):

@@ -7,7 +7,7 @@ import torch
 from autofuser import LoweringSpec, Sample
 
 from ._common import bind, check_module_forward, count, float_input
-from .layer_norm import normalize, normalized_dims, number
+from .layer_norm import normalized_dims, number
 
 
 def lower_layer_norm_module(ctx, *args, **kwargs):
@@ -19,7 +19,7 @@ def lower_layer_norm_module(ctx, *args, **kwargs):
     weight = ctx.attr("weight") if ctx.module.weight is not None else None
     bias = ctx.attr("bias") if ctx.module.bias is not None else None
     eps = number(ctx, op, "eps", ctx.module.eps)
-    return normalize(ctx, x, dims, count(shape, dims), eps, weight, bias)
+    return ctx.normalize(x, dims, count(shape, dims), eps, weight, bias)
 
 
 def _affine(module):

@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - a set-up error, reported as a failure
 
 from autofuser.zoo.models import MESHES, MODELS, TINY_BATCH
 
-BUNDLED = ["elementwise", "reduction", "matmul", "mlp", "attention"]
+BUNDLED = ["elementwise", "reduction", "matmul", "attention"]
 WITH_FFT = BUNDLED + ["fft"]
 
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import itertools
 
-from autofuser import StrategySpec, device_limits
-from autofuser_core.group import MAX_PRODUCTS, GroupRefused
-from autofuser_plugins.matmul.split import FEWER_PRODUCTS, FEWER_PRODUCTS_NORM_APART, NORM_APART
+from autofuser import GroupRefused, StrategySpec, device_limits
+from autofuser.kernel import MAX_PRODUCTS
 
+from ..split import FEWER_PRODUCTS, FEWER_PRODUCTS_NORM_APART, NORM_APART
 from .chain_kernel import write_chain_kernel
 from .chain_layout import ChainLayout, lay_out_chain, padded
 from .strategy import propose as propose_mlps
@@ -92,14 +92,14 @@ def propose(view):
 
 def compose(view, nodes):
     program = view.compose(nodes, lay_out=lay_out_chain)
-    layout: ChainLayout = program.matmul
+    layout: ChainLayout = program.product_layout
     steps = ", ".join(f"{s.mode if s.fed_by is None else 'accumulated'} {s.k}->{s.n}" for s in layout.steps)
     program.summary = f"row-tiled chain of {len(layout.steps)} products ({steps}), {layout.reductions} row reductions"
     return program
 
 
 def accepts(program):
-    layout = program.matmul
+    layout = program.product_layout
     if not isinstance(layout, ChainLayout) or len(layout.steps) < 2:
         return ("not_a_chain", "the group does not have two or more products in row space")
     if len(layout.steps) > MAX_STEPS:
@@ -149,7 +149,7 @@ MAX_TUNED_CONFIGS = 8
 
 
 def configs(program):
-    layout: ChainLayout = program.matmul
+    layout: ChainLayout = program.product_layout
     out = []
     rest = ((m, c, w) for m, w, c in itertools.product((64, 32, 128, 16), (4, 8), CHUNKS))
     for block_m, chunk, warps in (*FIRST_CONFIGS, *rest):
@@ -169,7 +169,7 @@ def configs(program):
 def is_valid(program, config):
     """Registers: the widest whole-row tiles held across a step plus its operands and
     accumulators; shared memory: each step's weight tile and its row operand."""
-    layout: ChainLayout = program.matmul
+    layout: ChainLayout = program.product_layout
     block_m = config["BLOCK_M"]
     threads = 32 * config["num_warps"]
     if block_m < 16:
@@ -207,7 +207,7 @@ def is_valid(program, config):
 
 def default_config(program):
     """The first valid of a few safe choices (used without tuning: the interpreter, ``tune=False``)."""
-    layout: ChainLayout = program.matmul
+    layout: ChainLayout = program.product_layout
     choices = [
         {"BLOCK_M": m, **_chunk_sizes(layout, c), "num_warps": warps, "num_stages": 2}
         for m, warps, c in ((32, 4, 64), (32, 8, 64), (32, 8, 32), (16, 8, 32), (16, 8, 16))

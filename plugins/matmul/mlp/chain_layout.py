@@ -36,10 +36,10 @@ from typing import Optional
 
 import torch
 
-from autofuser_core.group import GroupProgram, GroupRefused, collect_values, domain_strides, fp32_precision
-from autofuser_core.ir import Value
-from autofuser_plugins.matmul.layout import check_fits, convert_weight_once, dot_block, product_operand_dtype
+from autofuser import GroupProgram, GroupRefused, Value
+from autofuser.kernel import collect_values, domain_strides, dot_block, fp32_precision
 
+from ..layout import check_fits, convert_weight_once, product_operand_dtype
 from .mlp_layout import weight_strides
 
 
@@ -199,7 +199,7 @@ def lay_out_chain(program: GroupProgram, values: dict[int, Value]) -> None:
         tensor.domain_stride = domain_strides(tensor.shape, tensor.stride, domain)
     program.domain = lead_t + (max(width.values()),)
     program.reduced_dims = ()
-    program.matmul = layout
+    program.product_layout = layout
 
 
 def _chunk_region(dot: Value, ordered: list[Value], width: dict[int, int]) -> tuple[list[Value], list[Value]]:

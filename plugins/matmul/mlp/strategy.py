@@ -7,13 +7,11 @@ kernel is ``mlp_kernel.write_mlp_kernel``."""
 
 from __future__ import annotations
 
-from autofuser import StrategySpec, device_limits
-from autofuser_core.codegen import triton_cdiv
-from autofuser_core.group import GroupRefused
-from autofuser_plugins.matmul.kernel import all_values
-from autofuser_plugins.matmul.layout import dot_block, multiprocessors
-from autofuser_plugins.matmul.split import FEWER_PRODUCTS, FEWER_PRODUCTS_NORM_APART, NORM_APART
+from autofuser import GroupRefused, StrategySpec, device_limits
+from autofuser.kernel import all_values, dot_block, triton_cdiv
 
+from ..layout import multiprocessors
+from ..split import FEWER_PRODUCTS, FEWER_PRODUCTS_NORM_APART, NORM_APART
 from .mlp_kernel import write_mlp_kernel
 from .mlp_layout import PERSISTENT_BLOCK_H, MlpLayout
 
@@ -85,13 +83,13 @@ def propose(view):
             program = view.compose(group)
         except GroupRefused:
             continue
-        if isinstance(program.matmul, MlpLayout):
+        if isinstance(program.product_layout, MlpLayout):
             found.append(group)
     return found
 
 
 def accepts(program):
-    layout = program.matmul
+    layout = program.product_layout
     if not isinstance(layout, MlpLayout):
         return ("not_an_mlp", "the group is not two products with pointwise ops between them")
     if layout.n > MAX_OUT_WIDTH:
@@ -104,13 +102,13 @@ def configs(program):
         {"BLOCK_M": m, "BLOCK_H": h, "BLOCK_K": k, "num_warps": warps, "num_stages": stages}
         for m, h, k, warps, stages in CONFIGS
     ]
-    if not program.matmul.persistent:
+    if not program.product_layout.persistent:
         return listed
     # one program per multiprocessor; 4 on a CPU, so the interpreter walks several row blocks
     programs = multiprocessors(without_gpu=4)
     # (BLOCK_K is a placeholder: the persistent form keeps A's rows on chip, and the kernel's
     # own BLOCK_K, the whole padded K, replaces it at launch)
-    rows = program.matmul.rows
+    rows = program.product_layout.rows
     persistent = []
     for m, warps, stages in PERSISTENT_CONFIGS:
         config = {
@@ -131,7 +129,7 @@ def configs(program):
 
 
 def is_valid(program, config):
-    layout = program.matmul
+    layout = program.product_layout
     block_n = dot_block(layout.n)
     threads = 32 * config["num_warps"]
     resident = layout.resident
@@ -170,7 +168,7 @@ def is_valid(program, config):
 
 def _a_bytes(program) -> int:
     """Bytes per element of the tensors the first product's rows are read from."""
-    layout = program.matmul
+    layout = program.product_layout
     loads = [
         program.inputs[program.input_of_load[v.uid]].dtype
         for v in all_values(program)
@@ -180,7 +178,7 @@ def _a_bytes(program) -> int:
 
 
 def default_config(program):
-    layout = program.matmul
+    layout = program.product_layout
 
     def block(size, packed):
         return max(32 if size >= 32 else 16, packed.block if packed is not None else 0)

@@ -19,17 +19,22 @@ from typing import Optional
 
 import torch
 
-from autofuser import ProductLayoutSpec
-from autofuser_core.codegen import triton_cdiv
-from autofuser_core.group import ROUNDED_DTYPES, GroupProgram, GroupRefused, domain_strides, fp32_precision, read_view
-from autofuser_core.ir import Value
-from autofuser_plugins.matmul.layout import (
+from autofuser import GroupProgram, GroupRefused, ProductLayoutSpec, Value
+from autofuser.kernel import (
+    ROUNDED_DTYPES,
     PackedOperand,
+    domain_strides,
+    dot_block,
+    fp32_precision,
+    read_view,
+    triton_cdiv,
+)
+
+from ..layout import (
     check_fits,
     collect_uids,
     convert_weight_once,
     depending_on,
-    dot_block,
     install_layout,
     keeps_rows,
     multiprocessors,

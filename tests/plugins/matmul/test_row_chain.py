@@ -1,4 +1,4 @@
-"""The row-tiled chain strategy (``autofuser_plugins.mlp.chain``): several
+"""The row-tiled chain strategy (``autofuser_plugins.matmul.mlp.chain``): several
 products, norms and softmaxes over one block of rows in one kernel.
 
 Every case runs the whole pipeline under Triton's interpreter and compares
@@ -230,12 +230,12 @@ def test_tf32_only_where_torch_allows_it():
 def test_a_chain_that_fails_verification_is_replanned_in_smaller_groups(monkeypatch):
     import autofuser_core.compile as compile_module
     from autofuser_core.specs import Tolerance
-    from autofuser_plugins.mlp.chain_layout import ChainLayout
+    from autofuser_plugins.matmul.mlp.chain_layout import ChainLayout
 
     real_tolerance = compile_module.tolerance
 
     def impossible_for_chains(candidate, view):
-        if isinstance(candidate.program.matmul, ChainLayout):
+        if isinstance(candidate.program.product_layout, ChainLayout):
             return Tolerance.model_construct(atol=-1.0, rtol=0.0)  # nothing passes
         return real_tolerance(candidate, view)
 
@@ -305,7 +305,7 @@ def test_too_many_steps_are_refused_and_split_into_shorter_chains():
 
 
 def test_validity_rule_bounds_registers_and_shared_memory():
-    from autofuser_plugins.mlp import chain
+    from autofuser_plugins.matmul.mlp import chain
 
     model = _randomise(BlockTail(attn_width=256, width=256))
     x, attn = torch.randn(1, 4, 256), torch.randn(1, 4, 256)

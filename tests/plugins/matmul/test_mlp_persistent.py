@@ -1,4 +1,4 @@
-"""The MLP kernel's persistent form (``plugins/mlp/mlp_kernel.py``).
+"""The MLP kernel's persistent form (``plugins/matmul/mlp/mlp_kernel.py``).
 
 Where both weights of a 16-bit MLP fit in shared memory together, the kernel
 has a second form: a grid of one program per multiprocessor (4 on a CPU), each
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 import autofuser
 from autofuser_core.launch import FusedKernel, cast_inputs
 from autofuser_core.planner import plan_fusion_groups
-from autofuser_plugins.mlp import mlp_layout
-from autofuser_plugins.mlp import strategy as mlp
+from autofuser_plugins.matmul.mlp import mlp_layout
+from autofuser_plugins.matmul.mlp import strategy as mlp
 
 TOLERANCES = {torch.float16: dict(atol=2e-3, rtol=1e-2), torch.bfloat16: dict(atol=2e-2, rtol=4e-2)}
 
@@ -114,7 +114,7 @@ def test_every_persistent_config_matches_eager(dtype, rows, width, hidden, norm,
 def test_persistent_form_with_64_bit_offsets(monkeypatch, device):
     """Past 2^31 elements the row offsets are 64-bit: the persistent form's row blocks
     (split or not) cast their index as the streamed form casts its program id."""
-    from autofuser_plugins.mlp import mlp_kernel as kernel_module
+    from autofuser_plugins.matmul.mlp import mlp_kernel as kernel_module
 
     monkeypatch.setattr(kernel_module, "needs_int64", lambda program: True)
     model = Mlp(96, 200, norm=False).to(device, torch.bfloat16).eval()
@@ -266,7 +266,7 @@ def test_persistent_form_only_where_both_weights_fit(case):
     finally:
         torch.set_float32_matmul_precision(old)
     (program,) = [c.program for c in plan.kept if c.strategy.name == "mlp"]
-    assert not program.matmul.persistent
+    assert not program.product_layout.persistent
     assert not any(c.get("PERSISTENT") for c in mlp.configs(program))
 
 
@@ -290,6 +290,6 @@ def test_persistent_form_only_from_many_rows(monkeypatch):
     monkeypatch.setattr(mlp_layout, "PERSISTENT_MIN_ROWS", 301)
     plan = plan_fusion_groups(autofuser.capture(model, x), autofuser.load_plugins().registry)
     (program,) = [c.program for c in plan.kept if c.strategy.name == "mlp"]
-    assert not program.matmul.persistent and not any(c.get("PERSISTENT") for c in mlp.configs(program))
+    assert not program.product_layout.persistent and not any(c.get("PERSISTENT") for c in mlp.configs(program))
     monkeypatch.setattr(mlp_layout, "PERSISTENT_MIN_ROWS", 300)
-    assert program.matmul.persistent
+    assert program.product_layout.persistent

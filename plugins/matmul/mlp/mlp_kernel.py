@@ -6,7 +6,7 @@ product's result, with the pointwise ops between the products applied, is
 consumed by the second product at once, so the hidden activation never
 reaches memory. The prologue (passes over ``K`` for a norm's statistics, or
 rows of A kept on chip), the epilogue and the stores are the single-product
-writer's (``autofuser_plugins.matmul.kernel``), as are the indexing scheme and
+writer's (``autofuser.kernel``, tile products), as are the indexing scheme and
 the kernel's name (``af_mlp_<ops>_<hash of the source>``). Where both weights
 fit in shared memory the kernel has a second, persistent form
 (``write_mlp_kernel``).
@@ -17,20 +17,21 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from autofuser_core.codegen import KernelSource, emit_offsets, triton_cdiv
-from autofuser_core.group import GroupProgram
-from autofuser_plugins.matmul.kernel import (
-    DagBlock,
-    MatmulWriter,
+from autofuser import GroupProgram, KernelSource
+from autofuser.kernel import (
+    TileBlock,
+    TileWriter,
     all_values,
     as_operand,
     assemble_kernel,
     dot_block,
     dot_line,
+    emit_offsets,
     emit_prepasses,
     emit_stores,
     index_term,
     needs_int64,
+    triton_cdiv,
     weight_tile,
 )
 
@@ -41,7 +42,7 @@ HIDDEN_AXIS = ("hs", "h_mask", "BLOCK_H")
 
 
 def _emit_rows(
-    w: MatmulWriter, out_domain, rows: int, sites: list, strides: list, wide: bool, tile: str = "tl.program_id(0)"
+    w: TileWriter, out_domain, rows: int, sites: list, strides: list, wide: bool, tile: str = "tl.program_id(0)"
 ) -> None:
     """The row block ``tile`` -> ``rows`` tiles (all ``BLOCK_N`` columns), masks, and each site's row offset."""
     # tl.cast, not .to: the persistent form's tile is a Python int under the interpreter
@@ -77,21 +78,21 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
     (exactly ``PROGRAMS`` of them) walk the rounds in which each has a whole
     block, then the rest of the rows as half blocks (``strategy.split_tail``).
     """
-    L = program.matmul
+    L = program.product_layout
     constexprs = {"BLOCK_N": dot_block(L.n)}
     if L.resident:
         constexprs["BLOCK_K"] = L.block_k
-    streamed = MatmulWriter(program)
+    streamed = TileWriter(program)
     _write_rows(streamed, program, "tl.program_id(0)", None)
     w = streamed
     blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr", "BLOCK_H: tl.constexpr"]
     if L.persistent:
-        w = MatmulWriter(program)
+        w = TileWriter(program)
         weights = _write_weights(w, program)
         # SPLIT_TAIL: the rounds in which every program has a whole row block, then the
         # rest as half blocks, so the last round is half as long (``strategy.split_tail``
         # says where it is shorter).
-        whole, halves = MatmulWriter(program), MatmulWriter(program)
+        whole, halves = TileWriter(program), TileWriter(program)
         _write_rows(whole, program, "tile", weights)
         _write_rows(halves, program, "(2 * whole + tile)", weights)
         w.emit("if SPLIT_TAIL:  # whole row blocks while every program has one, then half blocks")
@@ -143,7 +144,7 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
 
 
 def _weight_names(program: GroupProgram):
-    L = program.matmul
+    L = program.product_layout
     w1 = program.input_of_load[L.dot1.args[1].uid]
     w2 = program.input_of_load[L.dot2.args[1].uid]
     (w1k, w1h), (w2h, w2n) = L.w1_strides, L.w2_strides
@@ -152,7 +153,7 @@ def _weight_names(program: GroupProgram):
     return w1, w2, w1_off, w2_off
 
 
-def _hidden_slice(w: MatmulWriter, start: str, block: str, h: int, indent: int, rows: bool = True) -> None:
+def _hidden_slice(w: TileWriter, start: str, block: str, h: int, indent: int, rows: bool = True) -> None:
     """A hidden slice's offsets: ``hs`` along the columns (with ``h_mask``) and, with ``rows``,
     ``hh`` along the rows (where a W2 tile is loaded)."""
     w.emit(f"hs = {start} + tl.arange(0, {block})[None, :]", indent)
@@ -162,12 +163,12 @@ def _hidden_slice(w: MatmulWriter, start: str, block: str, h: int, indent: int, 
 
 
 def _second_product(
-    w: MatmulWriter, program: GroupProgram, indent: int, width: str, w2_tile: str, w2_load: list[str]
+    w: TileWriter, program: GroupProgram, indent: int, width: str, w2_tile: str, w2_load: list[str]
 ) -> None:
     """A hidden slice's middle (the pointwise ops on ``acc1``) and ``acc2 += middle @ W2``;
     ``w2_load``: the lines loading the slice's W2 tile, where it is not on chip yet."""
-    L = program.matmul
-    hidden = DagBlock(w, indent, HIDDEN_AXIS, {L.dot1.uid: "acc1"}).value(L.dot2.args[0])
+    L = program.product_layout
+    hidden = TileBlock(w, indent, HIDDEN_AXIS, {L.dot1.uid: "acc1"}).value(L.dot2.args[0])
     for line in w2_load:
         w.emit(line, indent)
     # Hidden columns past H hold act(0) but meet zero rows of W2: they add nothing.
@@ -175,10 +176,10 @@ def _second_product(
     w.emit(f"acc2 += {dot_line('hidden_tile', w2_tile, L.operand_dtypes[1], L.precision, L.w2_packed)}", indent)
 
 
-def _write_weights(w: MatmulWriter, program: GroupProgram) -> list[tuple[str, str]]:
+def _write_weights(w: TileWriter, program: GroupProgram) -> list[tuple[str, str]]:
     """The persistent form's preamble: both weights, slice by slice, as product operands.
     Returns each slice's (W1 tile, W2 tile) names."""
-    L = program.matmul
+    L = program.product_layout
     w1, w2, w1_off, w2_off = _weight_names(program)
     w.emit("cols = tl.arange(0, BLOCK_N)[None, :]")
     w.emit(f"col_mask = cols < {L.n}")
@@ -219,10 +220,10 @@ def _write_weights(w: MatmulWriter, program: GroupProgram) -> list[tuple[str, st
     return names
 
 
-def _write_rows(w: MatmulWriter, program: GroupProgram, tile: str, weights: Optional[list]) -> None:
+def _write_rows(w: TileWriter, program: GroupProgram, tile: str, weights: Optional[list]) -> None:
     """One row block's code: ``tile`` is its index; ``weights`` the persistent form's
     weight slices (``_write_weights``), or ``None`` to stream them over ``BLOCK_H``."""
-    L = program.matmul
+    L = program.product_layout
     values = all_values(program)
     weight_loads = {L.dot1.args[1].uid, L.dot2.args[1].uid}
     loads = [v for v in values if v.op == "load" and v.uid not in weight_loads]
@@ -240,7 +241,7 @@ def _write_rows(w: MatmulWriter, program: GroupProgram, tile: str, weights: Opti
         if weights is None:  # the W1 tiles' rows (the persistent form loaded its weights already)
             w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
         w.emit(f"k_mask = ks < {L.k}")
-        a_name = DagBlock(w, 1, "k", {}).value(L.dot1.args[0])
+        a_name = TileBlock(w, 1, "k", {}).value(L.dot1.args[0])
         w.emit(f"a_op = {as_operand(f'tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))', L.operand_dtypes[0])}")
     else:
         known = emit_prepasses(w, [v for v in values if v.uid in L.prologue], L.k)
@@ -265,7 +266,7 @@ def _write_rows(w: MatmulWriter, program: GroupProgram, tile: str, weights: Opti
             w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", 3)
             w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 3)
             w.emit(f"k_mask = ks < {L.k}", 3)
-            a_name = DagBlock(w, 3, "k", known).value(L.dot1.args[0])
+            a_name = TileBlock(w, 3, "k", known).value(L.dot1.args[0])
             for line in weight_tile(
                 "w1_tile", w1, w1_dtype, w1_off, f"(kk < {L.k}) & h_mask", L.w1_packed, "k0", "BLOCK_K", "hs", "h_mask"
             ):
@@ -286,5 +287,5 @@ def _write_rows(w: MatmulWriter, program: GroupProgram, tile: str, weights: Opti
         )
         _second_product(w, program, 2, "BLOCK_H", "w2_tile", w2_load)
 
-    block = DagBlock(w, 1, "n", {L.dot2.uid: "acc2"})
+    block = TileBlock(w, 1, "n", {L.dot2.uid: "acc2"})
     emit_stores(w, program, block)

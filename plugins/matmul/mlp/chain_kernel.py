@@ -29,11 +29,21 @@ from typing import Optional
 
 import torch
 
-from autofuser_core.codegen import TL_DTYPES, KernelSource, emit_offsets, literal, row_reduction, triton_cdiv
-from autofuser_core.group import GroupProgram
-from autofuser_core.ir import Value
-from autofuser_core.rounding import stored
-from autofuser_plugins.matmul.kernel import MatmulWriter, as_operand, assemble_kernel, dot_line, index_term, needs_int64
+from autofuser import GroupProgram, KernelSource, Value
+from autofuser.kernel import (
+    TL_DTYPES,
+    TileWriter,
+    as_operand,
+    assemble_kernel,
+    dot_line,
+    emit_offsets,
+    index_term,
+    literal,
+    needs_int64,
+    row_reduction,
+    stored,
+    triton_cdiv,
+)
 
 from .chain_layout import ChainLayout, ChainStep, padded
 
@@ -120,10 +130,10 @@ class _Context:
         )
 
 
-class _ChainWriter(MatmulWriter):
+class _ChainWriter(TileWriter):
     def __init__(self, program: GroupProgram):
         super().__init__(program)
-        self.layout: ChainLayout = program.matmul
+        self.layout: ChainLayout = program.product_layout
         self.row_offsets: dict[tuple, Optional[str]] = {}
         self.top: Optional[_Context] = None
         self.accumulators: dict[int, str] = {}  # whole step fed by a hidden step -> its accumulator
@@ -227,7 +237,7 @@ class _ChainWriter(MatmulWriter):
 
 def write_chain_kernel(program: GroupProgram, strategy: str, helpers: Optional[dict[str, str]] = None) -> KernelSource:
     """Write the Triton source for a row-tiled chain; see module doc."""
-    L: ChainLayout = program.matmul
+    L: ChainLayout = program.product_layout
     w = _ChainWriter(program)
     loads = [uid for uid in L.load_strides]
     sites = [("load", uid) for uid in loads] + [("out", k) for k in range(len(program.outputs))]

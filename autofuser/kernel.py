@@ -1,0 +1,112 @@
+"""The kernel-writing API: what a strategy uses to turn the IR of its group
+(``autofuser.GroupProgram``) into the source of a Triton kernel.
+
+Every bundled strategy writes its kernels with these names alone, as a third
+party's would. Three levels, from the whole kernel down:
+
+- ``write_kernel`` writes a complete kernel for a group without products: one
+  program per tile of rows, the domain's dims flattened to offsets
+  (``emit_offsets``), reductions along a row (``row_reduction``);
+- for groups with products, ``TileWriter`` collects a kernel's lines and
+  ``TileBlock`` writes the values of one straight-line block at a tile axis
+  (``rows`` x ``ks`` or ``rows`` x ``cols``); ``dot_line`` and ``as_operand``
+  multiply tiles the way eager would, ``weight_tile`` loads (and decodes) a
+  weight tile, ``emit_prepasses`` computes a prologue's row statistics,
+  ``emit_stores`` writes each output, and ``assemble_kernel`` names the kernel
+  and adds its header;
+- the pieces under both: dtypes (``TL_DTYPES``), literals, rounding to a low
+  precision dtype (``rounded``, ``stored``), the header naming the fx nodes a
+  kernel replaces (``kernel_header``), and helpers a kernel calls
+  (``used_helpers``).
+
+What a group is made of (``GroupProgram``, ``KernelTensor``, ``Value``) and how
+to refuse one (``GroupRefused``) are in ``autofuser`` itself.
+"""
+
+from autofuser_core.codegen import (
+    INT32_LIMIT,
+    TL_DTYPES,
+    emit_offsets,
+    kernel_header,
+    literal,
+    next_power_of_2,
+    op_label,
+    op_stem,
+    row_reduction,
+    strategy_header,
+    triton_cdiv,
+    used_helpers,
+    write_kernel,
+)
+from autofuser_core.group import (
+    MAX_PRODUCTS,
+    ROUNDED_DTYPES,
+    STRICT_FP32,
+    attr_tensor,
+    collect_values,
+    domain_strides,
+    fp32_precision,
+    product_count,
+    read_view,
+)
+from autofuser_core.ir import AttrRef, PackedWeight, tensor_meta
+from autofuser_core.rounding import interpreting, rounded, stored
+from autofuser_core.tiles import (
+    PackedOperand,
+    TileBlock,
+    TileWriter,
+    all_values,
+    as_operand,
+    assemble_kernel,
+    dot_block,
+    dot_line,
+    emit_prepasses,
+    emit_stores,
+    index_term,
+    needs_int64,
+    weight_tile,
+)
+
+__all__ = [
+    "INT32_LIMIT",
+    "MAX_PRODUCTS",
+    "ROUNDED_DTYPES",
+    "STRICT_FP32",
+    "TL_DTYPES",
+    "AttrRef",
+    "PackedOperand",
+    "PackedWeight",
+    "TileBlock",
+    "TileWriter",
+    "all_values",
+    "as_operand",
+    "assemble_kernel",
+    "attr_tensor",
+    "collect_values",
+    "domain_strides",
+    "dot_block",
+    "dot_line",
+    "emit_offsets",
+    "emit_prepasses",
+    "emit_stores",
+    "fp32_precision",
+    "index_term",
+    "interpreting",
+    "kernel_header",
+    "literal",
+    "needs_int64",
+    "next_power_of_2",
+    "op_label",
+    "op_stem",
+    "product_count",
+    "read_view",
+    "rounded",
+    "row_reduction",
+    "stored",
+    "strategy_header",
+    "tensor_meta",
+    "triton_cdiv",
+    "used_helpers",
+    "weight_tile",
+    "write_kernel",
+]
