@@ -99,7 +99,7 @@ def test_a_new_view_composes_again_under_the_current_settings(compose_calls):
     registry = autofuser.load_plugins().registry
     mlp_nodes = ["fc1", "gelu", "fc2"]
     first = PlanningView(gm, registry)
-    assert isinstance(first.compose(_nodes(first, *mlp_nodes)).matmul, MlpLayout)
+    assert isinstance(first.compose(_nodes(first, *mlp_nodes)).product_layout, MlpLayout)
     token = MAX_PRODUCTS.set(1)
     try:
         for second in (PlanningView(gm, registry), PlanningView(gm, registry, earlier=first)):
@@ -142,10 +142,10 @@ def test_without_a_two_product_layout_two_products_are_refused_and_fuse_one_at_a
     with pytest.raises(GroupRefused) as refused:
         view.compose(_nodes(view, "fc1", "gelu", "fc2"))
     assert refused.value.code == "several_products" and "2 matrix products in one group" in refused.value.reason
-    assert isinstance(view.compose(_nodes(view, "fc1", "gelu")).matmul, MatmulLayout)
+    assert isinstance(view.compose(_nodes(view, "fc1", "gelu")).product_layout, MatmulLayout)
     # With the whole matmul plugin the same group is an MLP.
     with_mlp = PlanningView(gm, autofuser.load_plugins(["elementwise", "reduction", "matmul"]).registry)
-    assert isinstance(with_mlp.compose(_nodes(with_mlp, "fc1", "gelu", "fc2")).matmul, MlpLayout)
+    assert isinstance(with_mlp.compose(_nodes(with_mlp, "fc1", "gelu", "fc2")).product_layout, MlpLayout)
 
     with torch.no_grad():
         fused = autofuser.fuse(model, plugins=WITHOUT_MLP, progress=False)
