@@ -2,7 +2,11 @@
 (``autofuser.GroupProgram``) into the source of a Triton kernel.
 
 Every bundled strategy writes its kernels with these names alone, as a third
-party's would. Three levels, from the whole kernel down:
+party's would. Whatever the tiling, IR values become Triton lines through one
+emitter, ``ValueEmitter``: it writes each value once, constants and pointwise
+ops the same way everywhere, and asks its subclass only how a load, a
+reduction and a product are written at that kernel's tiles. Three levels, from
+the whole kernel down:
 
 - ``write_kernel`` writes a complete kernel for a group without products: one
   program per tile of rows, the domain's dims flattened to offsets
@@ -26,6 +30,7 @@ to refuse one (``GroupRefused``) are in ``autofuser`` itself.
 from autofuser_core.codegen import (
     INT32_LIMIT,
     TL_DTYPES,
+    ValueEmitter,
     emit_offsets,
     kernel_header,
     literal,
@@ -78,6 +83,7 @@ __all__ = [
     "PackedWeight",
     "TileBlock",
     "TileWriter",
+    "ValueEmitter",
     "all_values",
     "as_operand",
     "assemble_kernel",

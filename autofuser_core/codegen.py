@@ -194,13 +194,69 @@ def literal(value) -> str:
     return repr(float(value))
 
 
-class _Writer:
+class ValueEmitter:
+    """Writes a DAG of IR values as Triton lines, each value once: the one
+    emitter every strategy's kernel goes through.
+
+    What every layout shares is here: a value already written is reused by its
+    name (``names``, by uid; seed it with values the caller computed), a
+    constant is a literal, and a pointwise op is one line, its template applied
+    to its operands' names. Where a load reads, how a reduction reduces and how
+    a product multiplies depend on the kernel's tiling, so a subclass writes
+    them - ``load(v)``, ``reduce(v, arg)`` (``arg``: the operand's name, already
+    written) and ``dot(v)`` - each returning its result's name. ``emit`` (one
+    line at the emitter's indent) and ``fresh`` (a new name) are the
+    subclass's too. Operands are written before the value's own name is taken.
+    """
+
+    def __init__(self, names: Optional[dict[int, str]] = None):
+        self.names: dict[int, str] = dict(names or {})
+
+    def emit(self, line: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must say where its lines go (emit)")
+
+    def fresh(self) -> str:
+        raise NotImplementedError(f"{type(self).__name__} must say how it names values (fresh)")
+
+    def value(self, v: Value) -> str:
+        """The name holding ``v``, writing ``v`` and what it needs if not yet written."""
+        if v.uid in self.names:
+            return self.names[v.uid]
+        if v.op == "const":
+            return literal(v.constant)
+        if v.op == "load":
+            name = self.load(v)
+        elif v.op == "pointwise":
+            operands = [self.value(a) for a in v.args]
+            name = self.fresh()
+            self.emit(f"{name} = {v.template.format(*operands)}")
+        elif v.op == "reduce":
+            name = self.reduce(v, self.value(v.args[0]))
+        elif v.op == "dot":
+            name = self.dot(v)
+        else:
+            raise ValueError(f"unknown IR op {v.op!r}")
+        self.names[v.uid] = name
+        return name
+
+    def load(self, v: Value) -> str:
+        raise ValueError(f"{type(self).__name__} cannot read inputs here")
+
+    def reduce(self, v: Value, arg: str) -> str:
+        raise ValueError(f"{type(self).__name__} cannot reduce here ({v.reduce_op})")
+
+    def dot(self, v: Value) -> str:
+        raise ValueError(f"{type(self).__name__} cannot write a matrix product here")
+
+
+class _Writer(ValueEmitter):
     def __init__(self, program: GroupProgram, layout: str):
+        super().__init__()
         self.program = program
         self.layout = layout
         self.lines: list[str] = []
-        self.names: dict[int, str] = {}
         self.count = 0
+        self.loads: dict[int, str] = {}  # input index -> the name of its tile
 
     def emit(self, line: str) -> None:
         self.lines.append("    " + line)
@@ -221,30 +277,18 @@ class _Writer:
 
     # -- values ---------------------------------------------------------------
 
-    def value(self, v: Value, loads: dict[int, str]) -> str:
-        if v.uid in self.names:
-            return self.names[v.uid]
-        if v.op == "const":
-            return literal(v.constant)
-        if v.op == "load":
-            name = loads[self.program.input_of_load[v.uid]]
-        elif v.op == "pointwise":
-            operands = [self.value(a, loads) for a in v.args]
-            name = self.fresh()
-            self.emit(f"{name} = {v.template.format(*operands)}")
-        elif v.op == "reduce":
-            arg = self.value(v.args[0], loads)
-            name = self.fresh()
-            if self.layout != "rows" or not self.program.reduced_dims or v.uid in self.program.identity_reduces:
-                self.emit(f"{name} = {arg}  # reduction over size-1 dims")
-            else:
-                full = f"tl.broadcast_to({arg}, (BLOCK_M, BLOCK_R))"
-                if v.args[0].is_bool:
-                    full = f"{full}.to(tl.float32)"
-                self.emit(f"{name} = {row_reduction(v.reduce_op, full, 'mask')}")
+    def load(self, v: Value) -> str:
+        return self.loads[self.program.input_of_load[v.uid]]
+
+    def reduce(self, v: Value, arg: str) -> str:
+        name = self.fresh()
+        if self.layout != "rows" or not self.program.reduced_dims or v.uid in self.program.identity_reduces:
+            self.emit(f"{name} = {arg}  # reduction over size-1 dims")
         else:
-            raise ValueError(f"unknown IR op {v.op!r}")
-        self.names[v.uid] = name
+            full = f"tl.broadcast_to({arg}, (BLOCK_M, BLOCK_R))"
+            if v.args[0].is_bool:
+                full = f"{full}.to(tl.float32)"
+            self.emit(f"{name} = {row_reduction(v.reduce_op, full, 'mask')}")
         return name
 
 
@@ -272,7 +316,6 @@ def write_kernel(
         w.emit(f"offs = {pid} * BLOCK + tl.arange(0, BLOCK)")
         w.emit(f"mask = offs < {n_outer}")
         offsets = w.axis_offsets(memory_order(outer_dims, program), "offs", "i", tensors)
-        loads = {}
         for k, (t, off) in enumerate(zip(program.inputs, offsets)):
             if not t.read:
                 continue
@@ -282,9 +325,9 @@ def write_kernel(
                 w.emit(f"x{k} = tl.load({name}){cast}")
             else:
                 w.emit(f"x{k} = tl.load({name} + {off}, mask=mask, other=0){cast}")
-            loads[k] = f"x{k}"
+            w.loads[k] = f"x{k}"
         out_offsets = offsets[len(program.inputs) :]
-        results = [w.value(v, loads) for v in program.output_values]
+        results = [w.value(v) for v in program.output_values]
         for k, (t, off, res) in enumerate(zip(program.outputs, out_offsets, results)):
             store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
             w.emit(f"tl.store(out{k} + {off or 'offs * 0'}, tl.broadcast_to({store}, (BLOCK,)), mask=mask)")
@@ -302,7 +345,6 @@ def write_kernel(
         w.emit("mask = row_mask & col_mask")
         row_offs = w.axis_offsets(outer_dims, "rows", "r", tensors)
         col_offs = w.axis_offsets(list(program.reduced_dims), "cols", "c", tensors)
-        loads = {}
         for k, t in enumerate(program.inputs):
             if not t.read:
                 continue
@@ -314,8 +356,8 @@ def write_kernel(
                 off = " + ".join(x for x in (ro, co) if x)
                 m = "mask" if ro and co else ("row_mask" if ro else "col_mask")
                 w.emit(f"x{k} = tl.load(in{k} + {off}, mask={m}, other=0){cast}")
-            loads[k] = f"x{k}"
-        results = [w.value(v, loads) for v in program.output_values]
+            w.loads[k] = f"x{k}"
+        results = [w.value(v) for v in program.output_values]
         base = len(program.inputs)
         for k, (t, res) in enumerate(zip(program.outputs, results)):
             ro, co = row_offs[base + k], col_offs[base + k]

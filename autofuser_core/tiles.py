@@ -33,7 +33,7 @@ from .codegen import (
     INT32_LIMIT,
     REDUCTION_NEUTRAL,
     TL_DTYPES,
-    literal,
+    ValueEmitter,
     next_power_of_2,
     op_stem,
     row_reduction,
@@ -70,10 +70,11 @@ _COMBINE = {
 }
 
 
-class TileBlock:
+class TileBlock(ValueEmitter):
     """Emits one straight-line block of the DAG (its own memo: loads differ per loop step)."""
 
     def __init__(self, writer: "TileWriter", indent: int, site: str | tuple[str, str, str], known: dict[int, str]):
+        super().__init__(known)
         self.w = writer
         self.indent = indent
         # The inner axis of this block's tiles: "k" loads at (rows, ks), "n" at (rows, cols); a
@@ -86,31 +87,18 @@ class TileBlock:
             if isinstance(site, str)
             else site
         )
-        self.names = dict(known)
         self.loads: dict[tuple, str] = {}
 
     def emit(self, line: str) -> None:
         self.w.lines.append("    " * self.indent + line)
 
-    def value(self, v: Value) -> str:
-        if v.uid in self.names:
-            return self.names[v.uid]
-        if v.op == "const":
-            return literal(v.constant)
-        if v.op == "load":
-            name = self.load(v)
-        elif v.op == "pointwise":
-            operands = [self.value(a) for a in v.args]
-            name = self.w.fresh()
-            self.emit(f"{name} = {v.template.format(*operands)}")
-        elif v.op == "reduce":
-            arg = self.value(v.args[0])
-            name = self.w.fresh()
-            full = f"tl.broadcast_to({arg}, (BLOCK_M, {self.width}))"
-            self.emit(f"{name} = {row_reduction(v.reduce_op, full, f'row_mask & {self.axis_mask}')}")
-        else:
-            raise ValueError(f"{v.op} cannot be emitted here")
-        self.names[v.uid] = name
+    def fresh(self) -> str:
+        return self.w.fresh()
+
+    def reduce(self, v: Value, arg: str) -> str:
+        name = self.w.fresh()
+        full = f"tl.broadcast_to({arg}, (BLOCK_M, {self.width}))"
+        self.emit(f"{name} = {row_reduction(v.reduce_op, full, f'row_mask & {self.axis_mask}')}")
         return name
 
     def load(self, v: Value) -> str:

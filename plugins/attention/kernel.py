@@ -35,13 +35,13 @@ from autofuser import KernelSource, Value
 from autofuser.kernel import (
     INT32_LIMIT,
     TL_DTYPES,
+    ValueEmitter,
     as_operand,
     dot_block,
     dot_line,
     emit_offsets,
     index_term,
     interpreting,
-    literal,
     op_label,
     rounded,
     stored,
@@ -117,33 +117,39 @@ class _Writer:
         """Emit written-out ``steps`` on the tile named ``current``; returns the result's name."""
         loaded: dict = {}
         for step in steps:
-            result = self.value(step.value, step, current, tiles, loaded, {}, indent)
+            result = _StepValues(self, current, tiles, loaded, indent).value(step.value)
             if step.dtype in ROUNDED:
                 result = rounded(result, step.dtype)
             self.emit(f"{current} = {result}  # {op_label(step.node)}", indent)
         return current
 
-    def value(self, v: Value, step: Step, current: str, tiles: dict, loaded: dict, memo: dict, indent: int) -> str:
-        if v.uid in memo:
-            return memo[v.uid]
-        if v.op == "const":
-            return literal(v.constant)
-        if v.op == "load":
-            if v.source in tiles:
-                if v.source not in loaded:
-                    op = tiles[v.source]
-                    name = f"x{op.index}"
-                    cast = "" if op.dtype == torch.bool else ".to(tl.float32)"
-                    tile = self.tile_load(op, self.bases[id(op)], "rows", "keys", ("row_mask", "key_mask"), cast)
-                    self.emit(f"{name} = {tile}", indent)
-                    loaded[v.source] = name
-                return loaded[v.source]
-            return current  # the previous step's result
-        operands = [self.value(a, step, current, tiles, loaded, memo, indent) for a in v.args]
-        name = self.fresh()
-        self.emit(f"{name} = {v.template.format(*operands)}", indent)
-        memo[v.uid] = name
-        return name
+
+class _StepValues(ValueEmitter):
+    """One written-out step's values on the tile named ``current``: a load of a
+    tensor in ``tiles`` reads it at (rows, keys), once for all the steps
+    (``loaded``); any other load is the previous step's result."""
+
+    def __init__(self, writer: _Writer, current: str, tiles: dict, loaded: dict, indent: int):
+        super().__init__()
+        self.w, self.current, self.tiles, self.loaded, self.indent = writer, current, tiles, loaded, indent
+
+    def emit(self, line: str) -> None:
+        self.w.emit(line, self.indent)
+
+    def fresh(self) -> str:
+        return self.w.fresh()
+
+    def load(self, v: Value) -> str:
+        if v.source not in self.tiles:
+            return self.current  # the previous step's result
+        if v.source not in self.loaded:
+            op = self.tiles[v.source]
+            name = f"x{op.index}"
+            cast = "" if op.dtype == torch.bool else ".to(tl.float32)"
+            tile = self.w.tile_load(op, self.w.bases[id(op)], "rows", "keys", ("row_mask", "key_mask"), cast)
+            self.emit(f"{name} = {tile}")
+            self.loaded[v.source] = name
+        return self.loaded[v.source]
 
 
 def write_attention_kernel(program, strategy: str, helpers: Optional[dict[str, str]] = None) -> KernelSource:

@@ -32,9 +32,9 @@ from autofuser import GroupProgram, GroupRefused, KernelSource, KernelTensor, St
 from autofuser.kernel import (
     TL_DTYPES,
     AttrRef,
+    ValueEmitter,
     attr_tensor,
     collect_values,
-    literal,
     needs_int64,
     read_view,
     rounded,
@@ -235,7 +235,7 @@ class ChainWriter:
         elif node in p.cats:
             value = self.cat(*p.cats[node], coords, mask)
         else:
-            value = self.value(p.pointwise[node], coords, mask, {})
+            value = self.value(p.pointwise[node], coords, mask)
         dtype = tensor_meta(node).dtype
         if dtype in ROUNDED:
             rounded_name = self.fresh()
@@ -244,25 +244,9 @@ class ChainWriter:
         self.memo[key] = value
         return value
 
-    def value(self, v: Value, coords: tuple[str, ...], mask: str, names: dict) -> str:
-        if v.uid in names:
-            return names[v.uid]
-        if v.op == "const":
-            return literal(v.constant)
-        shape = tuple(v.shape)
-        here = coords[len(coords) - len(shape) :] if shape else ()
-        here = tuple("0" if s == 1 else c for s, c in zip(shape, here))
-        if v.op == "load":
-            if isinstance(v.source, torch.fx.Node) and v.source in self.program.nodes:
-                name = self.node(v.source, here, mask)
-            else:
-                name = self.load(v.source, shape, coords, mask)
-        else:
-            operands = [self.value(a, coords, mask, names) for a in v.args]
-            name = self.fresh()
-            self.emit(f"{name} = {v.template.format(*operands)}")
-        names[v.uid] = name
-        return name
+    def value(self, v: Value, coords: tuple[str, ...], mask: str) -> str:
+        """The pointwise DAG ``v`` at ``coords``, written afresh (its loads are memoised)."""
+        return _ValuesAt(self, coords, mask).value(v)
 
     def cat(self, dim: int, parts: list[torch.fx.Node], coords: tuple[str, ...], mask: str) -> str:
         offset, values, bounds = 0, [], []
@@ -368,6 +352,29 @@ class ChainWriter:
         name = self.fresh()
         self.emit(f"{name} = {' + '.join(terms)}")
         return name
+
+
+class _ValuesAt(ValueEmitter):
+    """A member's IR values at one point of the output: ``coords`` (one name per
+    output dim), right-aligned to each value's shape, size-1 dims at 0."""
+
+    def __init__(self, writer: ChainWriter, coords: tuple[str, ...], mask: str):
+        super().__init__()
+        self.w, self.coords, self.mask = writer, coords, mask
+
+    def emit(self, line: str) -> None:
+        self.w.emit(line)
+
+    def fresh(self) -> str:
+        return self.w.fresh()
+
+    def load(self, v: Value) -> str:
+        shape = tuple(v.shape)
+        here = self.coords[len(self.coords) - len(shape) :] if shape else ()
+        here = tuple("0" if s == 1 else c for s, c in zip(shape, here))
+        if isinstance(v.source, torch.fx.Node) and v.source in self.w.program.nodes:
+            return self.w.node(v.source, here, self.mask)
+        return self.w.load(v.source, shape, self.coords, self.mask)
 
 
 def write_upsample_kernel(program: ResampleProgram, strategy: str, helpers=None) -> KernelSource:

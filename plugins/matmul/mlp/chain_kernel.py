@@ -33,12 +33,12 @@ from autofuser import GroupProgram, KernelSource, Value
 from autofuser.kernel import (
     TL_DTYPES,
     TileWriter,
+    ValueEmitter,
     as_operand,
     assemble_kernel,
     dot_line,
     emit_offsets,
     index_term,
-    literal,
     needs_int64,
     row_reduction,
     stored,
@@ -48,7 +48,7 @@ from autofuser.kernel import (
 from .chain_layout import ChainLayout, ChainStep, padded
 
 
-class _Context:
+class _Context(ValueEmitter):
     """One straight-line block: its indent, and the column axis of each width it
     reads (whole-row tiles at the top level; one chunk axis inside a step's loop)."""
 
@@ -59,46 +59,34 @@ class _Context:
         axes: dict[int, tuple[str, str, str]],
         known: Optional[dict[int, str]] = None,
     ):
+        super().__init__(known)
         self.w = writer
         self.indent = indent
         self.axes = axes  # width -> (index name, mask name, tile width)
-        self.names: dict[int, str] = dict(known or {})
 
     def emit(self, line: str) -> None:
         self.w.lines.append("    " * self.indent + line)
+
+    def fresh(self) -> str:
+        return self.w.fresh()
 
     def tile(self, name: str, width: int) -> str:
         cols = self.axes[width][2] if width > 1 else "1"
         return f"tl.broadcast_to({name}, (BLOCK_M, {cols}))"
 
-    def value(self, v: Value) -> str:
-        if v.uid in self.names:
-            return self.names[v.uid]
-        if v.op == "const":
-            return literal(v.constant)
-        w = self.w
-        width = w.layout.width[v.uid]
-        if v.op == "load":
-            name = self.load(v, width)
-        elif v.op == "pointwise":
-            operands = [self.value(a) for a in v.args]
-            name = w.fresh()
-            self.emit(f"{name} = {v.template.format(*operands)}")
-        elif v.op == "reduce":
-            arg = self.value(v.args[0])
-            inner = w.layout.width[v.args[0].uid]
-            name = w.fresh()
-            mask = f"row_mask & {self.axes[inner][1]}"
-            self.emit(f"{name} = {row_reduction(v.reduce_op, self.tile(arg, inner), mask)}")
-        elif v.op == "dot":
-            name = w.product(self, w.layout.step_of(v))
-        else:
-            raise ValueError(f"{v.op} cannot be emitted in a chain")
-        self.names[v.uid] = name
+    def reduce(self, v: Value, arg: str) -> str:
+        inner = self.w.layout.width[v.args[0].uid]
+        name = self.w.fresh()
+        mask = f"row_mask & {self.axes[inner][1]}"
+        self.emit(f"{name} = {row_reduction(v.reduce_op, self.tile(arg, inner), mask)}")
         return name
 
-    def load(self, v: Value, width: int) -> str:
+    def dot(self, v: Value) -> str:
+        return self.w.product(self, self.w.layout.step_of(v))
+
+    def load(self, v: Value) -> str:
         w = self.w
+        width = w.layout.width[v.uid]
         index = w.program.input_of_load[v.uid]
         tensor = w.program.inputs[index]
         inner_stride = w.layout.load_strides[v.uid][-1]
