@@ -1,7 +1,9 @@
 """The import rules the architecture rests on, read from the source (no import runs):
 
 - a bundled plugin is written as a third party's would be: it imports ``autofuser``
-  and ``autofuser.kernel``, never ``autofuser_core`` and never another plugin;
+  and ``autofuser.kernel``, never ``autofuser_core`` and never another plugin (and
+  the third-party fft example keeps to the same API);
+- the core imports no plugin;
 - the core's modules (and the public package over them) import one another without
   a cycle at module level, so each can be read, and loaded, after what it uses.
 """
@@ -46,6 +48,9 @@ def _all_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
 
 
+EXAMPLE = ROOT / "examples" / "autofuser-plugin-fft" / "autofuser_plugin_fft"
+
+
 def _plugin_files() -> list[Path]:
     return sorted(PLUGINS.rglob("*.py"))
 
@@ -62,28 +67,57 @@ def _absolute(node: ast.ImportFrom, path: Path, package_root: Path, package: str
     return ".".join(parts + ([node.module] if node.module else []))
 
 
+def _imported_names(path: Path, package_root: Path, package: str) -> list[str]:
+    """Every module ``path`` imports, anywhere in it, as absolute names."""
+    names = []
+    for node in _all_imports(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            names.append(_absolute(node, path, package_root, package))
+        elif isinstance(node, ast.ImportFrom):
+            names.append(node.module or "")
+        else:
+            names += [a.name for a in node.names]
+    return names
+
+
+def _outside_public_api(path: Path, package_root: Path, package: str, plugin: str | None) -> list[str]:
+    """What ``path``, a file of ``plugin``, imports that a plugin may not."""
+    where = path.relative_to(ROOT)
+    wrong = [f"{where} names autofuser_core"] if "autofuser_core" in path.read_text() else []
+    for name in _imported_names(path, package_root, package):
+        parts = name.split(".")
+        if parts[0] == "autofuser_core" or (parts[0] == "autofuser" and parts[1:2] not in ([], ["kernel"])):
+            wrong.append(f"{where} imports {name}")
+        if parts[0] == "autofuser_plugins" and len(parts) > 1 and parts[1] != plugin:
+            wrong.append(f"{where} (plugin {plugin}) imports {name}")
+    return wrong
+
+
 def test_the_bundled_plugins_use_only_the_public_api():
     assert _plugin_files(), "no plugin sources found"
     wrong = []
     for path in _plugin_files():
         plugin = path.relative_to(PLUGINS).parts[0] if len(path.relative_to(PLUGINS).parts) > 1 else None
-        text = path.read_text()
-        if "autofuser_core" in text:
-            wrong.append(f"{path.relative_to(ROOT)} names autofuser_core")
-        for node in _all_imports(ast.parse(text)):
-            if isinstance(node, ast.ImportFrom) and node.level:
-                names = [_absolute(node, path, PLUGINS, "autofuser_plugins")]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-            else:
-                names = [a.name for a in node.names]
-            for name in names:
-                parts = name.split(".")
-                if parts[0] == "autofuser_core" or (parts[0] == "autofuser" and parts[1:2] not in ([], ["kernel"])):
-                    wrong.append(f"{path.relative_to(ROOT)} imports {name}")
-                if parts[0] == "autofuser_plugins" and len(parts) > 1 and parts[1] != plugin:
-                    wrong.append(f"{path.relative_to(ROOT)} (plugin {plugin}) imports {name}")
+        wrong += _outside_public_api(path, PLUGINS, "autofuser_plugins", plugin)
     assert not wrong, "bundled plugins import only autofuser and autofuser.kernel:\n" + "\n".join(wrong)
+
+
+def test_the_third_party_example_uses_only_the_public_api():
+    files = sorted(EXAMPLE.glob("*.py"))
+    assert files, f"no sources under {EXAMPLE.relative_to(ROOT)}"
+    wrong = [w for path in files for w in _outside_public_api(path, EXAMPLE, "autofuser_plugin_fft", None)]
+    assert not wrong, "the fft example imports only autofuser and autofuser.kernel:\n" + "\n".join(wrong)
+
+
+def test_the_core_imports_no_plugin():
+    wrong = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for package in ("autofuser_core", "autofuser")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for name in _imported_names(path, ROOT / package, package)
+        if name.split(".")[0] in ("autofuser_plugins", "autofuser_plugin_fft")
+    ]
+    assert not wrong, "the core knows plugins only through entry points and fuse(plugins=...):\n" + "\n".join(wrong)
 
 
 def _core_graph() -> dict[str, set[str]]:
