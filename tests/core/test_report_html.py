@@ -145,7 +145,7 @@ def test_cli_page_renders_in_headless_chromium(tmp_path):
             "--json",
             str(as_json),
             "--plugins",
-            "elementwise,reduction,matmul,mlp",
+            "elementwise,reduction,matmul",
         ],
         capture_output=True,
         text=True,
