@@ -4,7 +4,7 @@ every zoo model, fp32 and bf16, from one zoo run of ``benchmarks/results/zoo.jso
 Plain SVG written by hand (no plotting library needed); the speedup axis is
 logarithmic, so 0.5x and 2x sit equally far from eager's 1x.
 
-    python benchmarks/chart.py [--summary benchmarks/results/zoo.json] [--run M] [--out benchmarks/results/zoo.svg]
+    python benchmarks/chart.py [--summary benchmarks/results/zoo.json] [--run N] [--out benchmarks/results/zoo.svg]
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def render(run: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--summary", type=Path, default=HERE / "results" / "zoo.json")
-    parser.add_argument("--run", default="M", help="which run of the summary (its 'run' field)")
+    parser.add_argument("--run", default="N", help="which run of the summary (its 'run' field)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "zoo.svg")
     args = parser.parse_args(argv)
     runs = json.loads(args.summary.read_text())["runs"]
