@@ -3,6 +3,7 @@
 # one slow or failing model still leaves the others' results.
 # Usage: OUT=dir bash benchmarks/zoo_run.sh DTYPE MODEL [MODEL...]
 # Extra `autofuser bench` flags go in $BENCH_FLAGS (default: --iters 30 --warmup 5 --tune-budget 1);
+# with --train among them it times training steps (give it its own OUT: the folders are named alike).
 # AutoFuser's per-model caches in $ZOO_CACHE (default /tmp/autofuser-zoo-cache).
 set -uo pipefail
 out=${OUT:-bench-results}

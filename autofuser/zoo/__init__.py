@@ -10,6 +10,8 @@
   Joukowski airfoils on a structured 221 x 51 O-mesh) and the relative L2 loss;
 - ``autofuser.zoo.harness``: ``autofuser bench``, eager vs torch.compile vs
   AutoFuser on the zoo.
+- ``autofuser.zoo.train_bench``: ``autofuser bench --train``, the same for a
+  training step (forward, MSE loss, backward, AdamW step).
 
 See docs/zoo.md.
 """

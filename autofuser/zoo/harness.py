@@ -21,6 +21,10 @@ every forward of every system under ``torch.autocast(device, bfloat16)`` with
 fp32 parameters. A system that fails on a model becomes that cell's error
 (type and message), never a crash; every column is always produced.
 
+``--train`` measures a training step of each model instead of its forward
+(``autofuser.zoo.train_bench``); ``--train-steps`` is the pre-training of step 1,
+for either.
+
 Writes ``bench.json`` (everything, with date, device and versions),
 ``bench.md`` (the table, printed last) and ``bench.png`` (speedups over eager,
 when matplotlib is installed) to ``--out``. Progress goes to stderr.
@@ -82,10 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=sorted(DTYPES),
         default="fp32",
-        help="fp32, or bf16 = torch.autocast(bfloat16) around every forward (fp32 parameters)",
+        help="fp32, or bf16 = torch.autocast(bfloat16) around every forward (with --train: forward and loss); "
+        "fp32 parameters",
     )
-    parser.add_argument("--iters", type=int, default=100, help="timed calls per system (median reported)")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed calls before timing")
+    parser.add_argument(
+        "--iters", type=int, default=100, help="timed calls (with --train: training steps) per system (median reported)"
+    )
+    parser.add_argument("--warmup", type=int, default=10, help="untimed calls (with --train: steps) before timing")
     parser.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, bench.png")
     parser.add_argument(
         "--config",
@@ -96,10 +103,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="default", help="torch.compile mode")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (it needs a C compiler on CPU)")
     parser.add_argument(
+        "--train",
+        action="store_true",
+        help="measure a training step (zero_grad, forward in train mode, MSE loss, backward, AdamW step) "
+        "instead of the eval-mode forward: step time, first step, peak memory, output and gradient errors. "
+        "Not --train-steps, which pre-trains before anything is measured",
+    )
+    parser.add_argument(
         "--train-steps",
         type=int,
         default=0,
-        help="Adam steps on generated airfoils before measuring (default 0: random weights)",
+        help="pre-training: Adam steps on generated airfoils before anything is measured, so the test loss "
+        "means something (default 0: random weights); with or without --train, which measures training steps",
     )
     parser.add_argument(
         "--batch-size",
@@ -140,6 +155,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.iters < 1 or args.warmup < 0 or args.train_steps < 0:
         progress("--iters must be >= 1, --warmup and --train-steps >= 0")
         return 2
+    if args.train and args.fresh_first_calls:
+        progress("--fresh-first-calls times forward first calls; it does not combine with --train")
+        return 2
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         progress("--device cuda but no CUDA device is available; use --device cpu")
@@ -162,6 +180,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             **({"tune_all_configs": True} if args.tune_all_configs else {}),
         },
         fresh_first_calls=args.fresh_first_calls,
+        train=args.train,
     )
     print(result["markdown"])
     return 0
@@ -178,12 +197,14 @@ def main(argv: Optional[list[str]] = None) -> int:
 # ---------------------------------------------------------------------------
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (nothing to wait for on a CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _autocast(device: torch.device, dtype: str):
+def autocast_for(device: torch.device, dtype: str):
+    """The autocast context of ``--dtype``: none for fp32, bfloat16 autocast on ``device`` for bf16."""
     if DTYPES[dtype] is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[dtype])
@@ -217,7 +238,7 @@ def forward_call(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, device: tor
     """``fn(x)`` as every system is called: no_grad, and under bf16 autocast for ``--dtype bf16``."""
 
     def call():
-        with torch.no_grad(), _autocast(device, dtype):
+        with torch.no_grad(), autocast_for(device, dtype):
             return fn(x)
 
     return call
@@ -225,10 +246,10 @@ def forward_call(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, device: tor
 
 def first_call_s(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     """(output, seconds) of one call, synchronised on both sides."""
-    _synchronize(device)
+    synchronize(device)
     begin = time.perf_counter()
     out = fn()
-    _synchronize(device)
+    synchronize(device)
     return out, time.perf_counter() - begin
 
 
@@ -293,6 +314,100 @@ def _empty_cell(status: str = "not run", error: Optional[str] = None) -> dict[st
     }
 
 
+def start_row(name: str, *, config: str, batch: int, train_steps: int, empty_cell: Callable[[], dict]) -> dict:
+    """A row of model ``name`` before anything is measured: every system's cell is ``empty_cell()``."""
+    entry = MODELS[name]
+    return {
+        "model": name,
+        "title": entry.title,
+        "paper": entry.paper,
+        "family": entry.family,
+        "layout": entry.layout,
+        "config": config,
+        "mesh": list(MESHES[config]),
+        "batch": batch,
+        "params": None,
+        "train_steps": train_steps,
+        "train_losses": [],
+        "systems": {s: empty_cell() for s in SYSTEMS},
+    }
+
+
+def prepare_model(row: dict[str, Any], *, dtype: str, device: torch.device) -> Optional[tuple]:
+    """(model, input, target) of ``row``'s model, built and pre-trained (``row["train_steps"]``),
+    in eval mode; None where there is nothing to measure: the model does not support ``dtype``
+    (every cell skipped) or could not be built (every cell that error). A failed pre-training
+    is recorded in the row and the model is measured as it is."""
+    name, config, batch = row["model"], row["config"], row["batch"]
+    entry, mesh = MODELS[name], MESHES[config]
+    if dtype not in entry.dtypes:
+        for cell in row["systems"].values():
+            cell.update(status="skipped", error=f"skipped: {name} does not support {dtype}")
+        return None
+    try:
+        model, x, target = build(entry, config, batch, device)
+        row["params"] = parameter_count(model)
+    except Exception as err:
+        message = describe_error(err)
+        progress(f"{name}: could not be built: {message}")
+        for cell in row["systems"].values():
+            cell.update(status="error", error=message, traceback=traceback.format_exc())
+        return None
+    row["train_error"] = None
+    if row["train_steps"]:
+        try:
+            progress(f"{name}: training {row['train_steps']} steps")
+            row["train_losses"] = train(model, entry, mesh, batch, row["train_steps"], device)
+        except Exception as err:
+            # Measure anyway (with the weights as they are): training needs far more memory than inference.
+            row["train_error"] = describe_error(err)
+            progress(f"{name}: training failed, measuring the untrained model: {row['train_error']}")
+            release_memory(device)
+    model.eval()
+    return model, x, target
+
+
+def report_fields(report) -> dict[str, Any]:
+    """What an AutoFuser cell keeps of a cold compile's fusion report."""
+    return {
+        "fused_groups": len(report.fused),
+        "skipped_groups": len(report.skipped),
+        "unfused_nodes": len(report.unfused_nodes),
+        "opaque": dict(report.opaque),
+        "report": json.loads(report.to_json()),
+        "report_text": str(report),
+    }
+
+
+def run_systems(
+    name: str, row: dict[str, Any], runs: list[tuple[str, Callable[[], None]]], device: torch.device
+) -> None:
+    """Each ``(system, run)`` in turn: ``run()`` fills the system's cell; one that raises
+    becomes the cell's error (type, message, traceback) and the next one runs."""
+    for system, run in runs:
+        cell = row["systems"][system]
+        try:
+            run()
+            cell["status"] = "ok"
+        except Exception as err:
+            # The helper's locals (a half-compiled module, its buffers) die with this block.
+            cell.update(status="error", error=describe_error(err), traceback=traceback.format_exc())
+            progress(f"{name}: {system} failed: {cell['error']}")
+        if system == "torch.compile":
+            torch._dynamo.reset()
+        release_memory(device)
+
+
+def fill_speedups(row: dict[str, Any], time_key: str) -> None:
+    """Every cell's ``speedup``: eager's ``time_key`` over the system's (1 for eager)."""
+    eager_cell = row["systems"]["eager"]
+    for system in ("torch.compile", "autofuser"):
+        cell = row["systems"][system]
+        if cell[time_key] and eager_cell[time_key]:
+            cell["speedup"] = eager_cell[time_key] / cell[time_key]
+    eager_cell["speedup"] = 1.0 if eager_cell[time_key] else None
+
+
 def bench_model(
     name: str,
     *,
@@ -313,20 +428,7 @@ def bench_model(
     entry = MODELS[name]
     mesh = MESHES[config]
     batch = batch_size or entry.batch(config)
-    row: dict[str, Any] = {
-        "model": name,
-        "title": entry.title,
-        "paper": entry.paper,
-        "family": entry.family,
-        "layout": entry.layout,
-        "config": config,
-        "mesh": list(mesh),
-        "batch": batch,
-        "params": None,
-        "train_steps": train_steps,
-        "train_losses": [],
-        "systems": {s: _empty_cell() for s in SYSTEMS},
-    }
+    row = start_row(name, config=config, batch=batch, train_steps=train_steps, empty_cell=_empty_cell)
     autofuser_cell = row["systems"]["autofuser"]
     autofuser_cell.update(
         first_call_cold_s=None,
@@ -341,32 +443,10 @@ def bench_model(
         report_text=None,
     )
     row["systems"]["torch.compile"]["mode"] = compile_mode
-    if dtype not in entry.dtypes:
-        for cell in row["systems"].values():
-            cell.update(status="skipped", error=f"skipped: {name} does not support {dtype}")
+    prepared = prepare_model(row, dtype=dtype, device=device)
+    if prepared is None:
         return row
-
-    # -- build, data, training ------------------------------------------------
-    try:
-        model, x, target = build(entry, config, batch, device)
-        row["params"] = parameter_count(model)
-    except Exception as err:
-        message = describe_error(err)
-        progress(f"{name}: could not be built: {message}")
-        for cell in row["systems"].values():
-            cell.update(status="error", error=message, traceback=traceback.format_exc())
-        return row
-    row["train_error"] = None
-    if train_steps:
-        try:
-            progress(f"{name}: training {train_steps} steps")
-            row["train_losses"] = train(model, entry, mesh, batch, train_steps, device)
-        except Exception as err:
-            # Measure anyway (with the weights as they are): training needs far more memory than inference.
-            row["train_error"] = describe_error(err)
-            progress(f"{name}: training failed, measuring the untrained model: {row['train_error']}")
-            _release(device)
-    model.eval()
+    model, x, target = prepared
 
     def forward(fn):
         return forward_call(fn, x, device, dtype)
@@ -395,17 +475,9 @@ def bench_model(
         cold = autofuser.fuse(model, cache_dir=str(cache_dir), **(fuse_options or {}))
         _, seconds = first_call_s(forward(cold), device)
         autofuser_cell["first_call_cold_s"] = autofuser_cell["first_call_s"] = seconds
-        report = cold.report()
-        autofuser_cell.update(
-            fused_groups=len(report.fused),
-            skipped_groups=len(report.skipped),
-            unfused_nodes=len(report.unfused_nodes),
-            opaque=dict(report.opaque),
-            report=json.loads(report.to_json()),
-            report_text=str(report),
-        )
+        autofuser_cell.update(report_fields(cold.report()))
         del cold
-        _release(device)  # the cold module's buffers and CUDA graph pool
+        release_memory(device)  # the cold module's buffers and CUDA graph pool
         progress(f"{name}: AutoFuser, warm cache")
         warm = autofuser.fuse(model, cache_dir=str(cache_dir), **(fuse_options or {}))
         out, seconds = first_call_s(forward(warm), device)
@@ -428,18 +500,7 @@ def bench_model(
         compile_cell.update(status="skipped", error=NO_COMPILE)
     runs = [("eager", run_eager), ("autofuser", run_autofuser)]
     runs += [] if no_compile else [("torch.compile", run_compile)]
-    for system, run in runs:
-        cell = row["systems"][system]
-        try:
-            run()
-            cell["status"] = "ok"
-        except Exception as err:
-            # The helper's locals (a half-compiled module, its buffers) die with this block.
-            cell.update(status="error", error=describe_error(err), traceback=traceback.format_exc())
-            progress(f"{name}: {system} failed: {cell['error']}")
-        if system == "torch.compile":
-            torch._dynamo.reset()
-        _release(device)
+    run_systems(name, row, runs, device)
 
     if fresh_first_calls:
         for system in ("autofuser",) + (() if no_compile else ("torch.compile",)):
@@ -458,17 +519,14 @@ def bench_model(
             row["systems"][system]["first_call_fresh_error"] = answer.get("error")
             if answer.get("error"):
                 progress(f"{name}: {system} fresh-process first call failed: {answer['error']}")
-    for system in ("torch.compile", "autofuser"):
-        cell = row["systems"][system]
-        if cell["ms"] and eager_cell["ms"]:
-            cell["speedup"] = eager_cell["ms"] / cell["ms"]
-    eager_cell["speedup"] = 1.0 if eager_cell["ms"] else None
-    model = x = target = reference = None  # the closures hold them: freed before _release empties the cache
-    _release(device)
+    fill_speedups(row, "ms")
+    model = x = target = reference = None  # the closures hold them: freed before release_memory empties the cache
+    release_memory(device)
     return row
 
 
-def _release(device: torch.device) -> None:
+def release_memory(device: torch.device) -> None:
+    """Collect what nothing refers to any more and, on CUDA, return the cached blocks."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -500,9 +558,10 @@ def run_bench(
     cache_root: Optional[Path] = None,
     fuse_options: Optional[dict] = None,
     fresh_first_calls: bool = False,
+    train: bool = False,
 ) -> dict[str, Any]:
-    """Benchmark ``names``; write bench.json, bench.md, bench.png to ``out``; return the JSON data
-    (plus the table under ``"markdown"``)."""
+    """Benchmark ``names`` (their forward, or with ``train`` a training step); write bench.json,
+    bench.md, bench.png to ``out``; return the JSON data (plus the table under ``"markdown"``)."""
     out.mkdir(parents=True, exist_ok=True)
     cache_root = cache_root or out / "autofuser-cache"
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -511,29 +570,32 @@ def run_bench(
         progress("CPU run: TRITON_INTERPRET=1 (AutoFuser kernels run under Triton's interpreter)")
     started = time.perf_counter()
     rows = []
+    if train:
+        from autofuser.zoo import train_bench  # it builds on this module: imported when used
     for index, name in enumerate(names, 1):
-        progress(f"[{index}/{len(names)}] {name} ({config}, {dtype}, {device})")
-        rows.append(
-            bench_model(
-                name,
-                device=device,
-                dtype=dtype,
-                iters=iters,
-                warmup=warmup,
-                config=config,
-                compile_mode=compile_mode,
-                no_compile=no_compile,
-                train_steps=train_steps,
-                batch_size=batch_size,
-                cache_dir=cache_root / name,
-                fuse_options=fuse_options,
-                fresh_first_calls=fresh_first_calls,
-            )
+        progress(f"[{index}/{len(names)}] {name} ({config}, {dtype}, {device}{', training step' if train else ''})")
+        options: dict[str, Any] = dict(
+            device=device,
+            dtype=dtype,
+            iters=iters,
+            warmup=warmup,
+            config=config,
+            compile_mode=compile_mode,
+            no_compile=no_compile,
+            train_steps=train_steps,
+            batch_size=batch_size,
+            cache_dir=cache_root / name,
+            fuse_options=fuse_options,
         )
+        if train:
+            rows.append(train_bench.bench_training_model(name, **options))
+        else:
+            rows.append(bench_model(name, **options, fresh_first_calls=fresh_first_calls))
     import triton
 
     result: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "mode": "train" if train else "forward",
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "cpu": platform.processor() or platform.machine(),
@@ -555,6 +617,7 @@ def run_bench(
             "batch_size": batch_size,
             "fresh_first_calls": fresh_first_calls,
             "timing": "CUDA events, median" if device.type == "cuda" else "time.perf_counter, median",
+            **({"optimizer": "torch.optim.AdamW", "lr": TRAIN_LR, "loss": "mse_loss"} if train else {}),
         },
         "rows": rows,
         "geomean_speedup": {
@@ -564,7 +627,7 @@ def run_bench(
         "wall_s": time.perf_counter() - started,
     }
     result["plot"] = write_plot(result, out / "bench.png")
-    markdown = render_markdown(result)
+    markdown = train_bench.render_training_markdown(result) if train else render_markdown(result)
     (out / "bench.json").write_text(json.dumps(result, indent=1, default=str))
     (out / "bench.md").write_text(markdown + "\n")
     plot = f", {out / 'bench.png'}" if result["plot"] == "bench.png" else ""
@@ -598,7 +661,8 @@ COLUMNS = [
 ]
 
 
-def _cell(cell: dict[str, Any], key: str, fmt: str) -> str:
+def format_cell(cell: dict[str, Any], key: str, fmt: str) -> str:
+    """A table cell: the value ``cell[key]`` in ``fmt``, or why the system has none."""
     if cell["status"] == "skipped":
         return cell["error"] or "skipped"
     if cell["status"] == "error":
@@ -607,15 +671,61 @@ def _cell(cell: dict[str, Any], key: str, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def _params(count: Optional[int]) -> str:
+def format_params(count: Optional[int]) -> str:
+    """A parameter count as the table shows it (``1.11M``, ``5,025``)."""
     if count is None:
         return "-"
     return f"{count / 1e6:.2f}M" if count >= 1e6 else f"{count:,}"
 
 
+def where_run(result: dict[str, Any]) -> str:
+    """The GPU's name, or the CPU's (and whether Triton's interpreter ran the kernels)."""
+    return result["gpu"] or f"CPU ({result['cpu']}{', Triton interpreter' if result['triton_interpret'] else ''})"
+
+
+def table_lines(columns: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table: the header, its rule, one line per row of cells."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    return lines + ["| " + " | ".join(cells) + " |" for cells in rows]
+
+
+def geomean_cells(columns: list[str], result: dict[str, Any], speedup_columns: dict[str, str]) -> list[str]:
+    """The geometric-mean row: each system's mean speedup in its column ``speedup_columns[system]``."""
+    geomean, cells = result["geomean_speedup"], [""] * len(columns)
+    cells[0] = "geometric mean"
+    cells[columns.index(speedup_columns["torch.compile"])] = (
+        f"{geomean['torch.compile']:.2f}"
+        if geomean["torch.compile"]
+        else (NO_COMPILE if result["settings"]["no_compile"] else "-")
+    )
+    cells[columns.index(speedup_columns["autofuser"])] = f"{geomean['autofuser']:.2f}" if geomean["autofuser"] else "-"
+    return cells
+
+
+def row_errors(row: dict[str, Any]) -> list[str]:
+    """One line per failed system of ``row``, and one for a failed pre-training."""
+    errors = [
+        f"- {row['model']} / {system}: {row['systems'][system]['error']}"
+        for system in SYSTEMS
+        if row["systems"][system]["status"] == "error"
+    ]
+    if row.get("train_error"):
+        errors.append(f"- {row['model']} / training (measured untrained): {row['train_error']}")
+    return errors
+
+
+def footer_lines(result: dict[str, Any], errors: list[str]) -> list[str]:
+    """The errors (where there are any) and what bench.png is."""
+    lines = ["", "Errors (type: message; tracebacks in bench.json):", *errors] if errors else []
+    return lines + [
+        "",
+        "bench.png: speedups over eager." if result["plot"] == "bench.png" else f"bench.png: {result['plot']}",
+    ]
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     settings = result["settings"]
-    where = result["gpu"] or f"CPU ({result['cpu']}{', Triton interpreter' if result['triton_interpret'] else ''})"
+    where = where_run(result)
     lines = [
         f"# autofuser bench - {settings['config']} config, {settings['dtype']}, {where}",
         "",
@@ -625,49 +735,34 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{settings['compile_mode']}; {settings['train_steps']} training steps. Speedup = eager ms / system ms; "
         "rel err = ||out - eager|| / ||eager||; test loss = relative L2 vs the airfoil target.",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "|".join("---" for _ in COLUMNS) + "|",
     ]
-    errors = []
+    errors, table = [], []
     for row in result["rows"]:
         eager, compiled, fused = (row["systems"][s] for s in SYSTEMS)
         cells = [
             row["model"],
-            _params(row["params"]),
+            format_params(row["params"]),
             str(row["batch"]),
-            _cell(eager, "ms", ".3f"),
-            _cell(compiled, "ms", ".3f"),
-            _cell(compiled, "speedup", ".2f"),
-            _cell(fused, "ms", ".3f"),
-            _cell(fused, "speedup", ".2f"),
-            _cell(compiled, "first_call_s", ".2f"),
-            _cell(fused, "first_call_cold_s", ".2f"),
-            _cell(fused, "first_call_warm_s", ".2f"),
-            _cell(compiled, "rel_err_vs_eager", ".1e"),
-            _cell(fused, "rel_err_vs_eager", ".1e"),
-            _cell(eager, "test_loss", ".4f"),
-            _cell(compiled, "test_loss", ".4f"),
-            _cell(fused, "test_loss", ".4f"),
+            format_cell(eager, "ms", ".3f"),
+            format_cell(compiled, "ms", ".3f"),
+            format_cell(compiled, "speedup", ".2f"),
+            format_cell(fused, "ms", ".3f"),
+            format_cell(fused, "speedup", ".2f"),
+            format_cell(compiled, "first_call_s", ".2f"),
+            format_cell(fused, "first_call_cold_s", ".2f"),
+            format_cell(fused, "first_call_warm_s", ".2f"),
+            format_cell(compiled, "rel_err_vs_eager", ".1e"),
+            format_cell(fused, "rel_err_vs_eager", ".1e"),
+            format_cell(eager, "test_loss", ".4f"),
+            format_cell(compiled, "test_loss", ".4f"),
+            format_cell(fused, "test_loss", ".4f"),
             "-" if fused["fused_groups"] is None else str(fused["fused_groups"]),
             "-" if fused["skipped_groups"] is None else str(fused["skipped_groups"]),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-        for system in SYSTEMS:
-            cell = row["systems"][system]
-            if cell["status"] == "error":
-                errors.append(f"- {row['model']} / {system}: {cell['error']}")
-        if row.get("train_error"):
-            errors.append(f"- {row['model']} / training (measured untrained): {row['train_error']}")
-    geomean = result["geomean_speedup"]
-    blank = [""] * len(COLUMNS)
-    blank[0] = "geometric mean"
-    blank[COLUMNS.index("torch.compile speedup")] = (
-        f"{geomean['torch.compile']:.2f}"
-        if geomean["torch.compile"]
-        else (NO_COMPILE if settings["no_compile"] else "-")
-    )
-    blank[COLUMNS.index("AutoFuser speedup")] = f"{geomean['autofuser']:.2f}" if geomean["autofuser"] else "-"
-    lines.append("| " + " | ".join(blank) + " |")
+        table.append(cells)
+        errors += row_errors(row)
+    speedups = {"torch.compile": "torch.compile speedup", "autofuser": "AutoFuser speedup"}
+    lines += table_lines(COLUMNS, table + [geomean_cells(COLUMNS, result, speedups)])
     if settings.get("fresh_first_calls"):
         lines += [
             "",
@@ -689,13 +784,7 @@ def render_markdown(result: dict[str, Any]) -> str:
                 else:
                     fresh.append(cell["error"] if cell["status"] == "skipped" and cell["error"] else "-")
             lines.append(f"| {row['model']} | {fresh[0]} | {fresh[1]} |")
-    if errors:
-        lines += ["", "Errors (type: message; tracebacks in bench.json):", *errors]
-    lines += [
-        "",
-        "bench.png: speedups over eager." if result["plot"] == "bench.png" else f"bench.png: {result['plot']}",
-    ]
-    return "\n".join(lines)
+    return "\n".join(lines + footer_lines(result, errors))
 
 
 def write_plot(result: dict[str, Any], path: Path) -> str:
@@ -728,9 +817,10 @@ def write_plot(result: dict[str, Any], path: Path) -> str:
                 )
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(rows)), names, rotation=20)
-    ax.set_ylabel("speedup over eager")
+    ax.set_ylabel("speedup over eager" + (" (training step)" if result.get("mode") == "train" else ""))
     where = result["gpu"] or "CPU"
-    ax.set_title(f"{result['settings']['config']} config, {result['settings']['dtype']}, {where}")
+    step = "training step, " if result.get("mode") == "train" else ""
+    ax.set_title(f"{step}{result['settings']['config']} config, {result['settings']['dtype']}, {where}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -3,7 +3,8 @@
 
 Checks that every column reaches bench.json and bench.md, that AutoFuser's
 output matches eager, and that a system that raises becomes an error row
-instead of stopping the run.
+instead of stopping the run; the same of ``--train`` (a training step), whose
+gradients must match eager's too.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 
 import pytest
 
 import autofuser
 from autofuser.cli import main
-from autofuser.zoo import harness
+from autofuser.zoo import harness, train_bench
 
 MODELS = ["galerkin", "fno"]
 SMOKE = ["--device", "cpu", "--config", "tiny", "--iters", "2", "--warmup", "1", "--no-compile"]
@@ -188,3 +190,110 @@ def test_fresh_first_calls_run_in_their_own_processes_and_errors_are_cells(tmp_p
     assert set(answer) == {"error"} and answer["error"], answer
     fused.update(first_call_fresh_s=None, first_call_fresh_error=answer["error"])  # as bench_model records it
     assert "fno / autofuser (fresh process): " + answer["error"] in harness.render_markdown(result)
+
+
+# ---------------------------------------------------------------------------
+# --train: a training step instead of the forward
+# ---------------------------------------------------------------------------
+
+TRAIN_CELL_KEYS = {
+    "status",
+    "error",
+    "step_ms",
+    "speedup",
+    "first_step_s",
+    "peak_mem_mb",
+    "loss",
+    "rel_err_vs_eager",
+    "grad_rel_err_vs_eager",
+}
+FP32_GRADIENT_TOLERANCE = 1e-4  # relative, all parameters' gradients as one vector
+
+
+@pytest.fixture(scope="module")
+def train_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-train")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["bench", "--train", "--models", ",".join(MODELS), *SMOKE, "--out", str(out)])
+    return code, out, printed.getvalue()
+
+
+def test_train_bench_json_has_training_cells_and_small_errors(train_run):
+    code, out, _ = train_run
+    assert code == 0
+    data = json.loads((out / "bench.json").read_text())
+    assert data["mode"] == "train" and data["settings"]["lr"] == harness.TRAIN_LR
+    assert [row["model"] for row in data["rows"]] == MODELS
+    for row in data["rows"]:
+        systems = row["systems"]
+        for cell in systems.values():
+            assert TRAIN_CELL_KEYS <= set(cell)
+        eager, compiled, fused = systems["eager"], systems["torch.compile"], systems["autofuser"]
+        assert eager["status"] == "ok", eager["error"]
+        assert math.isfinite(eager["step_ms"]) and eager["step_ms"] > 0 and eager["first_step_s"] > 0
+        assert eager["grad_rel_err_vs_eager"] == 0.0 and eager["speedup"] == 1.0
+        assert eager["peak_mem_mb"] is None  # measured on CUDA only
+        assert compiled["status"] == "skipped" and compiled["error"] == harness.NO_COMPILE
+        assert fused["status"] == "ok", fused["error"]
+        assert math.isfinite(fused["step_ms"]) and fused["step_ms"] > 0 and fused["speedup"] > 0
+        assert fused["first_step_s"] > 0 and fused["first_step_warm_s"] > 0
+        assert isinstance(fused["warm_notes"], list)
+        assert fused["rel_err_vs_eager"] < 1e-4, row["model"]
+        assert fused["grad_rel_err_vs_eager"] < FP32_GRADIENT_TOLERANCE, row["model"]
+        assert abs(fused["loss"] - eager["loss"]) < 1e-4 * eager["loss"]
+        assert fused["fused_groups"] >= 1 and fused["opaque"] == {}
+    assert data["geomean_speedup"]["autofuser"] > 0 and data["geomean_speedup"]["torch.compile"] is None
+
+
+def test_train_bench_markdown_has_the_training_table(train_run):
+    _, out, printed = train_run
+    markdown = (out / "bench.md").read_text()
+    assert markdown.startswith("# autofuser bench --train")
+    assert printed.strip().endswith(markdown.strip().splitlines()[-1])
+    header = next(line for line in markdown.splitlines() if line.startswith("| model"))
+    assert [c.strip() for c in header.strip("|").split("|")] == train_bench.TRAIN_COLUMNS
+    rows = {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| ")}
+    for name in MODELS:
+        cells = [c.strip() for c in rows[name].strip().strip("|").split("|")]
+        assert len(cells) == len(train_bench.TRAIN_COLUMNS) and all(cells), rows[name]
+        assert cells[train_bench.TRAIN_COLUMNS.index("torch.compile step ms")] == harness.NO_COMPILE
+        assert cells[train_bench.TRAIN_COLUMNS.index("AutoFuser peak MB")] == "-"  # CPU
+        assert not any(c.startswith("error") for c in cells)
+    geomean = [c.strip() for c in rows["geometric mean"].strip().strip("|").split("|")]
+    # Under the interpreter the speedup can round to 0.00: compare with bench.json, not with 0.
+    expected = json.loads((out / "bench.json").read_text())["geomean_speedup"]["autofuser"]
+    assert geomean[train_bench.TRAIN_COLUMNS.index("AutoFuser speedup")] == f"{expected:.2f}"
+
+
+def test_train_bench_a_failing_system_is_an_error_cell(tmp_path, monkeypatch):
+    def broken_fuse(model, *args, **kwargs):
+        raise RuntimeError("deliberately broken fuse")
+
+    monkeypatch.setattr(autofuser, "fuse", broken_fuse)
+    result = harness.run_bench(
+        ["fno"],
+        device=harness.torch.device("cpu"),
+        config="tiny",
+        iters=1,
+        warmup=0,
+        out=tmp_path,
+        no_compile=True,
+        train=True,
+    )
+    (row,) = result["rows"]
+    eager, fused = row["systems"]["eager"], row["systems"]["autofuser"]
+    assert eager["status"] == "ok" and eager["step_ms"] > 0
+    assert fused["status"] == "error" and fused["error"] == "RuntimeError: deliberately broken fuse"
+    assert fused["step_ms"] is None and fused["grad_rel_err_vs_eager"] is None
+    assert "fno / autofuser: RuntimeError: deliberately broken fuse" in result["markdown"]
+    assert result["geomean_speedup"]["autofuser"] is None
+
+
+def test_train_and_train_steps_are_told_apart(tmp_path, capsys):
+    parser = harness.argparse.ArgumentParser()
+    harness.add_arguments(parser)
+    helps = {action.dest: action.help for action in parser._actions}
+    assert "--train-steps" in helps["train"] and "--train" in helps["train_steps"]
+    assert main(["bench", "--train", "--fresh-first-calls", "--models", "fno", *SMOKE, "--out", str(tmp_path)]) == 2
+    assert "--fresh-first-calls" in capsys.readouterr().err

@@ -1,0 +1,359 @@
+"""``autofuser bench --train``: a training step of each zoo model under eager PyTorch,
+torch.compile and AutoFuser.
+
+One training step of a system is
+
+    optimiser.zero_grad(set_to_none=True)
+    loss = mse_loss(as_grid(system(x)), target)   # train mode; with --dtype bf16 under autocast
+    loss.backward()
+    optimiser.step()                              # torch.optim.AdamW(params, lr=TRAIN_LR)
+
+on one fixed batch (the airfoil test set's first ``batch`` samples, as the forward
+bench feeds). For each chosen model:
+
+1. build it once (seed 0) and, with ``--train-steps N``, pre-train it as the
+   forward bench does (``harness.prepare_model``);
+2. every system gets its own ``copy.deepcopy`` of that model, in train mode,
+   and its own AdamW, so all of them start from the same weights;
+3. eager: its first step is the reference - the output, the loss, and every
+   parameter's gradient after the backward (before the optimiser step) as one
+   vector; then the median time of ``--iters`` steps after ``--warmup`` steps;
+4. AutoFuser: ``autofuser.fuse(copy, cache_dir=D)`` with ``D`` a fresh empty
+   folder - its first step (which compiles) is ``first_step_s``, cold cache;
+   then ``fuse`` of a second copy on the same folder - its first step is
+   ``first_step_warm_s``, and it is the one checked and timed;
+5. torch.compile: after ``torch._dynamo.reset()``, ``torch.compile(copy,
+   mode=--compile-mode)``; first step, then the timed steps (skipped with
+   ``--no-compile``).
+
+Each system's first-step output and gradients are compared with eager's
+(``||x - eager|| / ||eager||``); on CUDA the peak memory the timed steps add
+is recorded. A system that fails becomes that cell's error, never a crash,
+and every column is always produced; the cells, the table and the
+geometric-mean row go through the same code as the forward bench's.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+import autofuser
+from autofuser.zoo.harness import (
+    NO_COMPILE,
+    SYSTEMS,
+    TRAIN_LR,
+    autocast_for,
+    fill_speedups,
+    first_call_s,
+    footer_lines,
+    format_cell,
+    format_params,
+    geomean_cells,
+    median_ms,
+    prepare_model,
+    progress,
+    relative_error,
+    release_memory,
+    report_fields,
+    row_errors,
+    run_systems,
+    start_row,
+    synchronize,
+    table_lines,
+    where_run,
+)
+from autofuser.zoo.models import MESHES, MODELS, ModelEntry
+
+TRAIN_COLUMNS = [
+    "model",
+    "params",
+    "batch",
+    "eager step ms",
+    "torch.compile step ms",
+    "torch.compile speedup",
+    "AutoFuser step ms",
+    "AutoFuser speedup",
+    "eager first step s",
+    "torch.compile first step s",
+    "AutoFuser first step s (cold)",
+    "AutoFuser first step s (warm)",
+    "eager peak MB",
+    "torch.compile peak MB",
+    "AutoFuser peak MB",
+    "torch.compile out rel err",
+    "torch.compile grad rel err",
+    "AutoFuser out rel err",
+    "AutoFuser grad rel err",
+    "fused groups",
+    "skipped groups",
+]
+
+
+def _empty_training_cell(status: str = "not run", error: Optional[str] = None) -> dict[str, Any]:
+    return {
+        "status": status,
+        "error": error,
+        "step_ms": None,
+        "speedup": None,
+        "first_step_s": None,
+        "peak_mem_mb": None,
+        "loss": None,
+        "rel_err_vs_eager": None,
+        "grad_rel_err_vs_eager": None,
+    }
+
+
+# ---------------------------------------------------------------------------
+# One system's training step
+# ---------------------------------------------------------------------------
+
+
+def flat_gradients(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Every parameter's ``.grad`` as one fp32 vector, in parameter order: a complex
+    gradient as its real and imaginary parts, a parameter the loss did not reach
+    (``.grad`` None) as zeros, so that vectors of two copies line up."""
+    pieces = []
+    for parameter in parameters:
+        grad = parameter.grad
+        if grad is None:
+            numbers = parameter.numel() * (2 if parameter.is_complex() else 1)
+            pieces.append(torch.zeros(numbers, device=parameter.device))
+        else:
+            pieces.append((torch.view_as_real(grad) if grad.is_complex() else grad).detach().float().flatten())
+    return torch.cat(pieces) if pieces else torch.zeros(0)
+
+
+class FirstStep(NamedTuple):
+    output: torch.Tensor  # the forward's output, detached
+    loss: float
+    gradients: torch.Tensor  # flat_gradients after the backward, before the optimiser step
+    seconds: float  # the whole step, without taking the gradients
+
+
+class TrainingStep:
+    """``step()`` trains ``module`` (a system wrapping ``model``) one AdamW step on ``(x, target)``.
+
+    The optimiser holds ``model``'s parameters: a ``FusedModule`` and torch.compile's
+    wrapper share them with the model they wrap."""
+
+    def __init__(
+        self,
+        module: Callable[[torch.Tensor], Any],
+        model: torch.nn.Module,
+        entry: ModelEntry,
+        x: torch.Tensor,
+        target: torch.Tensor,
+        *,
+        mesh: tuple[int, int],
+        device: torch.device,
+        dtype: str,
+    ):
+        self.module, self.entry, self.x, self.target = module, entry, x, target
+        self.mesh, self.device, self.dtype = mesh, device, dtype
+        self.parameters = list(model.parameters())
+        self.optimiser = torch.optim.AdamW(self.parameters, lr=TRAIN_LR)
+
+    def forward_backward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """zero_grad, forward and loss (under autocast for bf16), backward: (output, loss)."""
+        self.optimiser.zero_grad(set_to_none=True)
+        with autocast_for(self.device, self.dtype):
+            output = self.module(self.x)
+            loss = F.mse_loss(self.entry.as_grid(output, self.mesh).float(), self.target)
+        loss.backward()
+        return output, loss
+
+    def step(self) -> None:
+        self.forward_backward()
+        self.optimiser.step()
+
+    def first(self) -> FirstStep:
+        """The first step, timed (synchronised on both sides), keeping what the checks compare."""
+        (output, loss), forward_backward_s = first_call_s(self.forward_backward, self.device)
+        gradients = flat_gradients(self.parameters)
+        _, optimiser_s = first_call_s(self.optimiser.step, self.device)
+        return FirstStep(output.detach(), loss.detach().item(), gradients, forward_backward_s + optimiser_s)
+
+
+def timed_steps(step: TrainingStep, iters: int, warmup: int, device: torch.device) -> tuple[float, Optional[float]]:
+    """(median step ms over ``iters`` steps after ``warmup``, MB of CUDA memory the steps add
+    at their peak over what was allocated before them; None on a CPU)."""
+    if device.type != "cuda":
+        return median_ms(step.step, iters, warmup, device), None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    milliseconds = median_ms(step.step, iters, warmup, device)
+    return milliseconds, (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+# ---------------------------------------------------------------------------
+# One model
+# ---------------------------------------------------------------------------
+
+
+def bench_training_model(
+    name: str,
+    *,
+    device: torch.device,
+    dtype: str,
+    iters: int,
+    warmup: int,
+    config: str,
+    compile_mode: str,
+    no_compile: bool,
+    train_steps: int,
+    batch_size: Optional[int],
+    cache_dir: Path,
+    fuse_options: Optional[dict] = None,
+) -> dict[str, Any]:
+    """One row: a training step of every system on model ``name``; errors are recorded, not raised."""
+    entry = MODELS[name]
+    mesh = MESHES[config]
+    batch = batch_size or entry.batch(config)
+    row = start_row(name, config=config, batch=batch, train_steps=train_steps, empty_cell=_empty_training_cell)
+    autofuser_cell = row["systems"]["autofuser"]
+    autofuser_cell.update(
+        first_step_warm_s=None,
+        warm_notes=None,
+        fused_groups=None,
+        skipped_groups=None,
+        warm_cache_hits=None,
+        unfused_nodes=None,
+        opaque=None,
+        report=None,
+        report_text=None,
+    )
+    row["systems"]["torch.compile"]["mode"] = compile_mode
+    prepared = prepare_model(row, dtype=dtype, device=device)
+    if prepared is None:
+        return row
+    base, x, target = prepared
+
+    def fresh_copy() -> torch.nn.Module:
+        return copy.deepcopy(base).train()
+
+    def training_step(module: Callable[[torch.Tensor], Any], model: torch.nn.Module) -> TrainingStep:
+        """``module`` (``model``, or a system wrapping it) trained with an optimiser of its own."""
+        return TrainingStep(module, model, entry, x, target, mesh=mesh, device=device, dtype=dtype)
+
+    reference: Optional[FirstStep] = None
+
+    def check_and_time(cell: dict[str, Any], step: TrainingStep, first: FirstStep) -> None:
+        cell["loss"] = first.loss
+        if reference is not None:
+            cell["rel_err_vs_eager"] = relative_error(first.output, reference.output)
+            cell["grad_rel_err_vs_eager"] = relative_error(first.gradients, reference.gradients)
+        cell["step_ms"], cell["peak_mem_mb"] = timed_steps(step, iters, warmup, device)
+
+    def run_eager() -> None:
+        nonlocal reference
+        progress(f"{name}: eager training step")
+        model = fresh_copy()
+        step = training_step(model, model)
+        reference = step.first()
+        row["systems"]["eager"].update(first_step_s=reference.seconds, rel_err_vs_eager=0.0, grad_rel_err_vs_eager=0.0)
+        check_and_time(row["systems"]["eager"], step, reference)
+
+    def run_autofuser() -> None:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        cache_dir.mkdir(parents=True)
+        progress(f"{name}: AutoFuser training step, cold cache {cache_dir}")
+        model = fresh_copy()
+        cold = autofuser.fuse(model, cache_dir=str(cache_dir), **(fuse_options or {}))
+        autofuser_cell["first_step_s"] = training_step(cold, model).first().seconds
+        autofuser_cell.update(report_fields(cold.report()))
+        del cold, model
+        release_memory(device)  # the cold copy, its optimiser state and compiled buffers
+        progress(f"{name}: AutoFuser training step, warm cache")
+        model = fresh_copy()
+        warm = autofuser.fuse(model, cache_dir=str(cache_dir), **(fuse_options or {}))
+        step = training_step(warm, model)
+        first = step.first()
+        autofuser_cell["first_step_warm_s"] = first.seconds
+        autofuser_cell["warm_cache_hits"] = sum(g.cache_hit for g in warm.report().fused)
+        # Whether the checked and timed module runs its kernels or, not being faster, the original.
+        autofuser_cell["warm_notes"] = list(warm.report().notes)
+        check_and_time(autofuser_cell, step, first)
+
+    def run_compile() -> None:
+        progress(f"{name}: torch.compile training step (mode {compile_mode})")
+        torch._dynamo.reset()
+        model = fresh_copy()
+        step = training_step(torch.compile(model, mode=compile_mode), model)
+        first = step.first()
+        row["systems"]["torch.compile"]["first_step_s"] = first.seconds
+        check_and_time(row["systems"]["torch.compile"], step, first)
+
+    if no_compile:
+        row["systems"]["torch.compile"].update(status="skipped", error=NO_COMPILE)
+    runs = [("eager", run_eager), ("autofuser", run_autofuser)]
+    runs += [] if no_compile else [("torch.compile", run_compile)]
+    run_systems(name, row, runs, device)
+    fill_speedups(row, "step_ms")
+    base = x = target = reference = None  # the closures hold them: freed before release_memory empties the cache
+    release_memory(device)
+    return row
+
+
+# ---------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------
+
+
+def render_training_markdown(result: dict[str, Any]) -> str:
+    """bench.md of a ``--train`` run: one row per model, the geometric-mean row, the errors."""
+    settings = result["settings"]
+    bf16 = settings["dtype"] == "bf16"
+    lines = [
+        f"# autofuser bench --train - {settings['config']} config, {settings['dtype']}, {where_run(result)}",
+        "",
+        f"{result['date']}; torch {result['torch']}, Triton {result['triton']}, AutoFuser {result['autofuser']}. "
+        "One training step = zero_grad(set_to_none=True), forward in train mode and MSE loss against the "
+        f"airfoil target{' under bf16 autocast (fp32 parameters)' if bf16 else ''}, backward, "
+        f"AdamW(lr={settings['lr']:g}) step, on one fixed batch; every system starts from the same weights "
+        f"({settings['train_steps']} pre-training steps). Step ms = median of {settings['iters']} steps after "
+        f"{settings['warmup']} warm-up steps ({settings['timing']}); speedup = eager step ms / system step ms; "
+        "first step s includes compiling (AutoFuser: cold cache, then a fresh fuse on the warm cache); "
+        f"peak MB = the peak memory the timed steps add (CUDA only); torch.compile mode {settings['compile_mode']}; "
+        "out / grad rel err = ||x - eager|| / ||eager|| of the first step's output and of all parameters' "
+        "gradients after its backward.",
+        "",
+    ]
+    errors, table = [], []
+    for row in result["rows"]:
+        eager, compiled, fused = (row["systems"][s] for s in SYSTEMS)
+        table.append(
+            [
+                row["model"],
+                format_params(row["params"]),
+                str(row["batch"]),
+                format_cell(eager, "step_ms", ".3f"),
+                format_cell(compiled, "step_ms", ".3f"),
+                format_cell(compiled, "speedup", ".2f"),
+                format_cell(fused, "step_ms", ".3f"),
+                format_cell(fused, "speedup", ".2f"),
+                format_cell(eager, "first_step_s", ".2f"),
+                format_cell(compiled, "first_step_s", ".2f"),
+                format_cell(fused, "first_step_s", ".2f"),
+                format_cell(fused, "first_step_warm_s", ".2f"),
+                format_cell(eager, "peak_mem_mb", ".1f"),
+                format_cell(compiled, "peak_mem_mb", ".1f"),
+                format_cell(fused, "peak_mem_mb", ".1f"),
+                format_cell(compiled, "rel_err_vs_eager", ".1e"),
+                format_cell(compiled, "grad_rel_err_vs_eager", ".1e"),
+                format_cell(fused, "rel_err_vs_eager", ".1e"),
+                format_cell(fused, "grad_rel_err_vs_eager", ".1e"),
+                "-" if fused.get("fused_groups") is None else str(fused["fused_groups"]),
+                "-" if fused.get("skipped_groups") is None else str(fused["skipped_groups"]),
+            ]
+        )
+        errors += row_errors(row)
+    speedups = {"torch.compile": "torch.compile speedup", "autofuser": "AutoFuser speedup"}
+    lines += table_lines(TRAIN_COLUMNS, table + [geomean_cells(TRAIN_COLUMNS, result, speedups)])
+    return "\n".join(lines + footer_lines(result, errors))
