@@ -850,6 +850,9 @@ class FusedModule(torch.nn.Module):
                     report.notes.append("whole-forward times read from the cache (measured when first compiled)")
                 if times != known and vkey is not None:  # None: nothing fused, never cached
                     write_verdict(root, vkey, times)
+            if grad and runner is fused_gm and report.fused and self._options.verify_speed:
+                if timer.can_time_forward(device):
+                    runner = self._check_step(timer, fused_gm, args, kwargs, flat, report, root)
             report.add_phase("forward_check", time.perf_counter() - step)
             entry = (runner, report)
             runs_model_code = runner is None or _calls_model_code(fused_gm)
@@ -863,6 +866,44 @@ class FusedModule(torch.nn.Module):
             f"{len(report.skipped)} skipped"
         )
         return entry
+
+    def _check_step(self, timer, fused_gm, args: tuple, kwargs: dict, flat: tuple, report, root):
+        """The last word on "never slower than eager" with gradients on: the forward and its
+        backward, fused against the original, in alternating rounds as the whole-forward
+        check times them. Returns what runs: ``fused_gm``, or ``None`` (the original)."""
+        hooked = self._state.backward_hooked + [
+            name for name, p in self._model.named_parameters() if getattr(p, "_backward_hooks", None)
+        ]
+        if hooked:
+            report.notes.append(
+                f"training step not timed: backward hooks ({', '.join(hooked[:3])}) would run for "
+                "each timed backward; the groups' own checks decided"
+            )
+            return fused_gm
+        vkey = _verdict_key(fused_gm, True, kwargs, flat, STEP_TIMING)
+        known = read_verdict(root, vkey) if vkey is not None else {}
+        times = dict(known)
+        if "step_fused_ms" not in times or "step_eager_ms" not in times:
+            params = [p for p in self._model.parameters() if p.requires_grad]
+            fused_step = timing.TrainingStep(fused_gm, params, fused=True)
+            eager_step = timing.TrainingStep(lambda *a: self._model(*args, **kwargs), params)
+            with preserved_state(self._model):
+                times["step_fused_ms"], times["step_eager_ms"] = _forward_times(timer, fused_step, eager_step, flat)
+        fused_ms, eager_ms = times["step_fused_ms"], times["step_eager_ms"]
+        cached = " (read from the cache)" if known else ""
+        if times != known and vkey is not None:
+            write_verdict(root, vkey, times)
+        if fused_ms >= eager_ms * (1.0 - FORWARD_MARGIN):
+            report.notes.append(
+                f"the fused training step, forward and backward ({fused_ms:.3f} ms), was not at least "
+                f"{100 * FORWARD_MARGIN:.0f}% faster than the original's ({eager_ms:.3f} ms) for these "
+                f"inputs{cached}: the original runs"
+            )
+            return None
+        report.notes.append(
+            f"training step, forward and backward: {fused_ms:.3f} ms fused vs {eager_ms:.3f} ms eager{cached}"
+        )
+        return fused_gm
 
     def _compile_failed(self, key: Any, args: tuple, flat: tuple, start: float, err: Exception):
         """Keep a signature whose compile raised as one that runs the original model: one
@@ -1074,6 +1115,9 @@ FORWARD_TIMING = (
     f"one eager call over that past a {WIDE_GAP:.0%} gap"
 )
 
+#: The whole-step check (gradients on) times forward and backward the same way.
+STEP_TIMING = "forward and backward (torch.autograd.grad), " + FORWARD_TIMING
+
 
 def writes_into_inputs(forward, flat: Sequence[Any]) -> bool:
     """Whether ``forward`` writes into the memory of one of its tensor inputs, through any
@@ -1137,7 +1181,9 @@ def _fp32_settings() -> tuple:
     )
 
 
-def _verdict_key(fused_gm: torch.fx.GraphModule, fused: bool, kwargs: dict, flat: tuple) -> Optional[dict]:
+def _verdict_key(
+    fused_gm: torch.fx.GraphModule, fused: bool, kwargs: dict, flat: tuple, method: str = FORWARD_TIMING
+) -> Optional[dict]:
     """What the whole-forward timings depend on: the rewritten graph, each kernel and
     config, the inputs' shapes, dtypes and strides, the GPU and the versions.
     ``None`` (never cached) when nothing was fused."""
@@ -1147,7 +1193,7 @@ def _verdict_key(fused_gm: torch.fx.GraphModule, fused: bool, kwargs: dict, flat
     inputs = [[str(x.dtype), list(x.shape), list(x.stride())] if isinstance(x, torch.Tensor) else repr(x) for x in flat]
     precision = _fp32_settings()  # they change eager's own time
     # The timing method is part of the key: verdicts timed another way are not reused.
-    text = json.dumps([fused_gm.code, kernels, inputs, sorted(kwargs), precision, FORWARD_TIMING], default=str)
+    text = json.dumps([fused_gm.code, kernels, inputs, sorted(kwargs), precision, method], default=str)
     return {"forward": hashlib.sha256(text.encode()).hexdigest(), **device_key(_device_of(flat))}
 
 

@@ -39,6 +39,7 @@ import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 #: Most timed calls per measurement. A typical fused kernel runs for less time on the GPU than
 #: the host takes to launch it and its two events, so the number of calls, not ``rep_ms``,
@@ -159,6 +160,30 @@ class Timer:
         against launching): only on a GPU, where the timings mean something. The caller
         checks ``options.verify_speed`` and that the forward is for inference."""
         return device.type == "cuda"
+
+
+class TrainingStep:
+    """``forward`` and its backward as one callable of ``forward``'s inputs: what a
+    training step costs, for the checks that time fused against eager with gradients on
+    (each group, and the whole step). Each call runs ``forward`` with gradients on and
+    ``torch.autograd.grad`` of its floating-point outputs that need gradients (each
+    weighted by ones) with respect to ``params`` and the inputs that need gradients, so
+    no ``.grad`` is written. ``fused`` says which side it is (a stand-in timer reads it)."""
+
+    def __init__(self, forward: Callable[..., Any], params: Sequence[torch.Tensor] = (), fused: bool = False):
+        self.forward, self.params, self.fused = forward, list(params), fused
+
+    def __call__(self, *inputs: Any) -> None:
+        with torch.enable_grad():
+            leaves = self.params + [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+            found = self.forward(*inputs)
+            outputs = [
+                t
+                for t in pytree.tree_leaves(found)
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+            ]
+            if outputs and leaves:
+                torch.autograd.grad(outputs, leaves, [torch.ones_like(t) for t in outputs], allow_unused=True)
 
 
 _CURRENT: contextvars.ContextVar[Timer] = contextvars.ContextVar("autofuser_timer", default=Timer())
