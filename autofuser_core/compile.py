@@ -40,11 +40,12 @@ import torch
 import torch.fx
 
 from . import timing
+from .backward import build_backward
 from .cache import cache_dir, load_kernel_module, write_tuning
 from .capture import preserved_state
 from .group import MAX_PRODUCTS, STRICT_FP32, GroupProgram, attr_tensor, product_count
 from .ir import AttrRef
-from .launch import FusedKernel, host_scalars, to_device
+from .launch import FusedKernel, RecomputeForBackward, host_scalars, run_eager, to_device
 from .planner import SPLIT_RULES, Candidate, Plan, Split, plan_fusion_groups
 from .precompile import launch_items
 from .registry import PLUGIN_FAULTS, PluginFault, PluginHookError, describe_target, record_fault
@@ -94,6 +95,7 @@ class _Job:
     watched: list = field(default_factory=list)  # its input tensors, for opaque parts' writes (version counters)
     overwritten_by: Optional[str] = None  # a later in-place op that writes into one of its inputs
     configs: Optional[tuple] = None  # tuning._tuning_configs' answer, where compiling ahead asked for it
+    samples: Optional[tuple] = None  # (kernel inputs, outputs) of its check, for its backward (gradients on)
 
 
 def _program(candidate: Candidate) -> GroupProgram:
@@ -196,6 +198,7 @@ def _compile_graph(
     retry: Optional[set[torch.fx.Node]] = None  # later rounds: only the nodes of groups that stayed eager
     lost: set[tuple[str, frozenset]] = set()  # (strategy, nodes) of the groups that stayed eager
     survivors: list[tuple[Candidate, Optional[FusedKernel]]] = []  # as _Job.fused holds it
+    trained: list[_Job] = []  # kept groups whose backward is still to build (gradients on)
     # Round 1 plans freely. A group of several ops that turns out wrong or slower
     # would leave all its nodes eager, so each later round re-plans the nodes no
     # kept group covers, without the groups that lost, and with fewer products per
@@ -303,6 +306,7 @@ def _compile_graph(
         held, rules = list(rules_of), tuple(rules_of.values())
         kept = [job for job in jobs if job.entry.fused and job not in rules_of]
         survivors += [(job.candidate, job.fused) for job in kept]
+        trained += [job for job in kept if job.samples is not None]
         taken.update(n for job in kept for n in job.candidate.nodes)
         failed = [job for job in jobs if not job.entry.fused and len(job.candidate.nodes) > 1]
         if not (failed or held) or round_number >= MAX_ROUNDS:
@@ -321,6 +325,12 @@ def _compile_graph(
             count = sum(split.rule.description == description for split in rules)
             progress(f"timing {count} group(s) against their split {description}")
 
+    if trained:
+        step = time.perf_counter()
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            slower = _fuse_backwards(trained, plugin_set, options, progress, report, device)
+        survivors = [(c, f) for c, f in survivors if f not in slower]
+        report.add_phase("backward", time.perf_counter() - step)
     step = time.perf_counter()
     new_gm = rewrite_graph(gm, [(_program(c), f) for c, f in survivors])
     report.add_phase("rewrite", time.perf_counter() - step)
@@ -421,12 +431,18 @@ def _verify_round(
                 )
                 break
         entry.max_error = worst
+        if backward:
+            job.samples = (list(kernel_inputs), list(outputs))
         del outputs
         if entry.fused:
             refusal = synthetic_mismatch(job, kernel_inputs, tol)
             if refusal is not None:
                 entry.fused, entry.reason_code, entry.reason = False, "mismatch", refusal
-        if entry.fused and timer.can_time(device, options):
+        if not entry.fused:
+            job.samples = None
+        elif backward:
+            pass  # its backward is built, and the group timed with it, once the forward's groups are settled
+        elif timer.can_time(device, options):
             if tuned.speed is not None:  # measured when this kernel was tuned for this GPU and these versions
                 entry.time_fused_ms, entry.time_eager_ms = tuned.speed["fused_ms"], tuned.speed["eager_ms"]
             else:
@@ -539,6 +555,55 @@ def _settle(held: list[_Job], jobs: list[_Job]) -> list[_Job]:
                 )
         out.append(big)
     return out
+
+
+def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, device) -> list[FusedKernel]:
+    """Give each kept group its fused backward (``backward.build_backward``), its backward
+    graph planned, verified and tuned as a forward is; then, where groups are timed, time
+    each with its backward against eager's forward and backward, and return those slower.
+    The backward graphs' groups join ``report`` (``phase`` "backward")."""
+    timer = timing.current()
+    slower = []
+    for index, job in enumerate(jobs, 1):
+        assert job.fused is not None and job.samples is not None
+        inputs, outputs = job.samples
+        job.samples = None
+        progress(f"[backward {index}/{len(jobs)}] {job.entry.kernel}")
+        built = build_backward(
+            job.fused,
+            inputs,
+            outputs,
+            lambda gm, samples, say: compile_graph(gm, samples, plugin_set, options, say),
+            lambda msg: progress(f"[backward {index}/{len(jobs)}] {msg}"),
+        )
+        if built is not None:
+            job.fused.backward, found = built
+            report.groups.extend(found.groups)
+            report.unfused_nodes.extend(found.unfused_nodes)
+            report.notes.extend(found.notes)
+        entry = job.entry
+        if timer.can_time(device, options):
+            # A group costs its forward and its backward: both sides timed as one step
+            # (the whole step is checked again in fuse.py).
+            entry.timed = "forward+backward"
+            entry.time_fused_ms, entry.time_eager_ms = _step_times(timer, job.fused, inputs)
+            if entry.time_fused_ms >= entry.time_eager_ms:
+                entry.fused, entry.reason_code = False, "slower"
+                entry.reason = (
+                    f"forward and backward fused {entry.time_fused_ms:.4f} ms vs eager "
+                    f"{entry.time_eager_ms:.4f} ms: kept eager for speed while gradients are on"
+                )
+                slower.append(job.fused)
+    return slower
+
+
+def _step_times(timer: timing.Timer, fused: FusedKernel, inputs: Sequence[torch.Tensor]) -> tuple[float, float]:
+    """(fused ms, eager ms) of one group's forward and backward on ``inputs`` (the kernel's
+    inputs), every floating-point one needing gradients on both sides."""
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    fused_step = timing.TrainingStep(lambda *a: RecomputeForBackward.apply(fused, *a), fused=True)
+    eager_step = timing.TrainingStep(lambda *a: run_eager(fused, a))
+    return timer.bench(fused_step, *leaves), timer.bench(eager_step, *leaves)
 
 
 def _ms(value: Optional[float]) -> float:

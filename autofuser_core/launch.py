@@ -77,6 +77,8 @@ class FusedKernel:
         # The eager group reads module parameters itself (``self.ln(x)``), not
         # through its placeholders: backward substitutes them by path.
         self.attr_inputs = {k: t.source.path for k, t in enumerate(program.inputs) if isinstance(t.source, AttrRef)}
+        # The group's fused backward (backward.FusedBackward), where one was built and kept.
+        self.backward: Optional[Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], list]] = None
         self.__name__ = source.name
         self.__qualname__ = source.name
 
@@ -282,6 +284,20 @@ def _substituted_parametrizations(substitutes: Sequence[tuple[torch.nn.Module, s
             cache.update(before)
 
 
+def run_eager(fused: FusedKernel, inputs: Sequence[torch.Tensor]) -> Any:
+    """The group's original ops on ``inputs``, the kernel's inputs in its order: the
+    parameters among them stand in for the module's own (the eager group reads those by
+    path), so gradients reach ``inputs`` themselves."""
+    params, parametrized = {}, []
+    for slot, module, name in fused.live_attrs:
+        if parametrize.is_parametrized(module, name):
+            parametrized.append((module, name, inputs[slot]))
+        else:
+            params[fused.attr_inputs[slot]] = inputs[slot]
+    with _substituted_parametrizations(parametrized):
+        return torch.func.functional_call(fused.eager, params, tuple(inputs))  # type: ignore[arg-type]
+
+
 class RecomputeForBackward(torch.autograd.Function):
     """Forward by the fused kernel; backward by recomputing the group's eager ops.
 
@@ -305,21 +321,17 @@ class RecomputeForBackward(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         higher_order = torch.is_grad_enabled()
         inputs = list(ctx.saved_tensors)
+        if ctx.fused.backward is not None and not higher_order:
+            # Its own backward graph; gradients of gradients need the differentiable recompute.
+            return (None, *ctx.fused.backward(inputs, grads))
         if not higher_order:
             inputs = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
-        params, parametrized = {}, []
-        for slot, module, name in ctx.fused.live_attrs:
-            if parametrize.is_parametrized(module, name):
-                parametrized.append((module, name, inputs[slot]))
-            else:
-                params[ctx.fused.attr_inputs[slot]] = inputs[slot]
         with torch.enable_grad(), contextlib.ExitStack() as stack:
             # Exactly the forward's autocast state, whatever is in force around backward().
             for device in ("cpu", "cuda"):
                 enabled = device in ctx.autocast
                 stack.enter_context(torch.autocast(device, dtype=ctx.autocast.get(device), enabled=enabled))
-            stack.enter_context(_substituted_parametrizations(parametrized))
-            outputs = torch.func.functional_call(ctx.fused.eager, params, tuple(inputs))
+            outputs = run_eager(ctx.fused, inputs)
         if not isinstance(outputs, (tuple, list)):
             outputs = (outputs,)
         wanted = [t for t in inputs if t.requires_grad]

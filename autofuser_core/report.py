@@ -10,7 +10,7 @@ group's kernel source and the timings that were measured.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,6 +32,11 @@ class GroupEntry(BaseModel):
     config: dict[str, int] = Field(default_factory=dict)
     bytes_before: int = 0
     bytes_after: int = 0
+    # Which graph the group is in: the forward, or a backward graph (gradients).
+    phase: Literal["forward", "backward"] = "forward"
+    # What the two times measure: the group's forward, or (with gradients on) its forward
+    # and its backward as one step.
+    timed: Literal["forward", "forward+backward"] = "forward"
     time_eager_ms: Optional[float] = None
     time_fused_ms: Optional[float] = None
     max_error: Optional[float] = None
@@ -60,6 +65,7 @@ class NodeEntry(BaseModel):
     target: str
     reason_code: str
     reason: str
+    phase: Literal["forward", "backward"] = "forward"  # as GroupEntry's
 
 
 class FusionReport(BaseModel):
@@ -114,7 +120,7 @@ class FusionReport(BaseModel):
         )
         if self.groups:
             lines.append("")
-            lines.append(f"{'':2}{'strategy':<18}{'ops':<44}{'bytes before->after':<24}{'eager/fused ms':<18}reason")
+            lines.append(f"{'':2}{'strategy':<20}{'ops':<44}{'bytes before->after':<24}{'eager/fused ms':<18}reason")
             for g in self.groups:
                 mark = "+" if g.fused else "-"
                 ops = " > ".join(g.ops)
@@ -125,11 +131,14 @@ class FusionReport(BaseModel):
                     if g.time_eager_ms is not None and g.time_fused_ms is not None
                     else "-"
                 )
+                if g.timed == "forward+backward" and times != "-":
+                    times += " f+b"
                 traffic = f"{format_bytes(g.bytes_before)} -> {format_bytes(g.bytes_after)}"
+                strategy = g.strategy if g.phase == "forward" else f"{g.strategy} (bwd)"
                 why = g.reason_code + (f": {g.reason}" if g.reason else "")
                 if g.cache_hit:
                     why += " (cache hit)"
-                lines.append(f"{mark:2}{g.strategy:<18}{ops:<44}{traffic:<24}{times:<18}{why}")
+                lines.append(f"{mark:2}{strategy:<20}{ops:<44}{traffic:<24}{times:<18}{why}")
         if self.unfused_nodes:
             lines.append("")
             lines.append("left eager:")

@@ -168,10 +168,13 @@ def _group_rows(report: "FusionReport", colours: dict[int, str]) -> list[str]:
             if g.time_eager_ms is not None or g.time_fused_ms is not None
             else "not measured"
         )
+        if g.timed == "forward+backward" and timing != "not measured":
+            timing += "<br><small>forward + backward</small>"
+        strategy = _e(g.strategy) + ("" if g.phase == "forward" else "<br><small>backward</small>")
         kernel = f'<a href="#kernel-{k}"><code>{_e(g.kernel)}</code></a>' if g.kernel_source else _e(g.kernel or "-")
         error = "-" if g.max_error is None else f"{g.max_error:.3g}"
         rows.append(
-            f'<tr id="group-{k}"><td>{swatch}#{k}</td><td>{_e(g.strategy)}</td><td>{fate}</td><td>{reason}</td>'
+            f'<tr id="group-{k}"><td>{swatch}#{k}</td><td>{strategy}</td><td>{fate}</td><td>{reason}</td>'
             f"<td>{_e(' > '.join(g.ops))}<br><small>{_e(', '.join(g.nodes))}</small></td>"
             f'<td class="num">{format_bytes(g.bytes_before)} -> {format_bytes(g.bytes_after)}</td>'
             f'<td class="num">{timing}</td><td class="num">{error}</td><td>{kernel}'

@@ -83,9 +83,10 @@ def test_fusing_does_not_move_the_random_stream():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["galerkin", "fno"])
+@pytest.mark.parametrize("name", ["galerkin", "fno", "unet"])
 def test_zoo_model_trains_like_eager(name):
-    """Three Adam steps: the same losses, and the same gradients where the weights are
+    """Three Adam steps, backward through the groups' fused backward graphs: the same
+    losses, the same weights within tolerance, and the same gradients where the weights are
     still the same (after that, Adam's normalised steps turn gradient noise of
     entries that cancel to ~0 into lr-sized weight differences, in eager too
     from one summation order to another)."""
@@ -115,11 +116,16 @@ def test_zoo_model_trains_like_eager(name):
     expected, expected_gradients = train(reference, reference)
     got, got_gradients = train(fused, model)
     report = fused.report()
-    assert len(report.fused) >= 3, str(report)
+    assert len([g for g in report.fused if g.phase == "forward"]) >= 3, str(report)
+    assert len([g for g in report.fused if g.phase == "backward"]) >= 3, str(report)
     assert len(fused.reports()) == 1  # one compilation: optimiser steps don't invalidate it
     assert got[0] != got[-1]  # it did learn something
     assert_same_tensors(got_gradients, expected_gradients, scaled=True)
     torch.testing.assert_close(got, expected, **FP32)
+    for (key, weight), twin in zip(model.named_parameters(), reference.parameters()):
+        # Adam's steps are lr-sized (3e-3) whatever the gradient's size: a gradient of the
+        # wrong sign or size moves a weight by about that, noise of ~0 gradients by less.
+        torch.testing.assert_close(weight, twin, atol=1e-3, rtol=0, msg=lambda m: f"{key}: {m}")
 
 
 # ---------------------------------------------------------------------------
@@ -283,21 +289,25 @@ def test_backward_under_autocast_matches_eager():
         torch.testing.assert_close(got.grad, expected.grad, **BF16)
 
 
-def test_backward_called_inside_autocast_recomputes_as_the_forward_ran():
-    """A forward in fp32 whose backward() is called inside an autocast region: the
-    recomputation must not pick up that autocast (eager's backward doesn't)."""
+def test_backward_called_inside_autocast_runs_as_the_forward_ran():
+    """A forward in fp32 whose backward() is called inside an autocast region: the fused
+    backward runs in the dtypes the forward ran in, not that autocast's. (Eager's own
+    backward picks up an autocast around backward() on the CPU, in bf16, so float64 is
+    the judge: the fused gradients are fp32-accurate, and no further from it than eager's.)"""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
-    reference = copy.deepcopy(model)
+    reference, exact = copy.deepcopy(model), copy.deepcopy(model).double()
     fused = autofuser.fuse(model, progress=False)
     x = torch.randn(8, 32)
     for module in (reference, fused):
         out = module(x)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out.square().sum().backward()
+    exact(x.double()).square().sum().backward()
     assert fused.report().fused
-    for got, expected in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-4, atol=1e-5)
+    for got, eager, judge in zip(model.parameters(), reference.parameters(), exact.parameters()):
+        torch.testing.assert_close(got.grad, judge.grad.float(), rtol=1e-4, atol=1e-4)
+        assert (got.grad - judge.grad).abs().max() <= (eager.grad - judge.grad).abs().max() + 1e-5
 
 
 class _DoublesInPlace(nn.Module):
@@ -333,3 +343,92 @@ def test_an_opaque_part_writing_into_a_groups_input_keeps_that_group_eager_in_tr
     report = fused.report()
     assert "doubler" in report.opaque, str(report)
     assert any(g.reason_code == "overwritten_before_backward" for g in report.groups), str(report)
+
+
+# ---------------------------------------------------------------------------
+# Never slower with gradients on: each group and the whole step timed with backward
+# ---------------------------------------------------------------------------
+
+
+class _NormChain(nn.Module):
+    """A layer norm between pointwise ops, and a residual: groups with a parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(23)
+
+    def forward(self, x):
+        return F.gelu(self.ln(x * 1.5 - 0.25)) + x
+
+
+def _step_timer(use_timer, group_ms, step_ms):
+    """Groups and whole steps timed by a stand-in clock: ``group_ms(fused)`` per group
+    measurement, ``step_ms(fused)`` per whole-step or whole-forward measurement
+    (``fused``: whether it is the fused side)."""
+    from _helpers import StandInTimer
+
+    timer = StandInTimer(
+        tune=False,
+        time=True,
+        bench=lambda fn, *args: group_ms(getattr(fn, "fused", False)),
+        forward=lambda fn: step_ms(getattr(fn, "fused", isinstance(fn, torch.fx.GraphModule))),
+    )
+    return use_timer(timer)
+
+
+def _train_once(fused, model, x):
+    """One forward and backward of each; their gradients must be equal."""
+    model.zero_grad()
+    fused(x).square().sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model(x).square().sum().backward()
+    assert_same_tensors(got, {n: p.grad for n, p in model.named_parameters()}, scaled=True)
+
+
+@pytest.mark.parametrize("x_shape", [(1, 5, 23), (3, 23)])
+def test_a_group_slower_with_its_backward_stays_eager_in_training(tmp_path, use_timer, x_shape):
+    """With gradients on, a group is timed with its backward on both sides; one whose
+    fused forward and backward is slower than eager's stays eager, reason said."""
+    timer = _step_timer(use_timer, lambda fused: 2.0 if fused else 1.0, lambda fused: 1.0)
+    model, x = _NormChain(), torch.randn(*x_shape)
+    fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
+    _train_once(fused, model, x)
+    report = fused.report()
+    assert report.groups and not report.fused, str(report)
+    timed = [g for g in report.groups if g.time_fused_ms is not None and g.phase == "forward"]
+    assert timed and all(g.timed == "forward+backward" and g.reason_code == "slower" for g in timed), str(report)
+    backward = [g for g in report.groups if g.phase == "backward"]
+    assert backward and all(g.timed == "forward" for g in backward), str(report)  # each backward graph's own groups
+    assert "while gradients are on" in timed[0].reason and "f+b" in str(report)
+    assert any(isinstance(fn, __import__("autofuser_core.timing").timing.TrainingStep) for fn in timer.timed)
+
+
+def test_the_whole_training_step_decides_and_its_verdict_is_cached(tmp_path, use_timer):
+    """Groups faster on their own, but the whole fused step not faster than the original's:
+    the original runs for that signature, and gradients are eager's. A second fused
+    module on the same cache reads the verdict instead of timing again; a faster fused
+    step keeps the fused graph."""
+    timer = _step_timer(use_timer, lambda fused: 0.5 if fused else 1.0, lambda fused: 1.0 if fused else 1.005)
+    model, x = _NormChain(), torch.randn(4, 7, 23)
+    fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
+    _train_once(fused, model, x)
+    notes = " ".join(fused.report().notes)
+    assert fused.report().fused, str(fused.report())
+    assert "the fused training step, forward and backward (1.000 ms), was not at least 2% faster" in notes, notes
+    assert fused._compiled[next(iter(fused._compiled))][0] is None  # the original runs
+    timed = len(timer.forwards)
+    assert timed and all(
+        isinstance(fn, __import__("autofuser_core.timing").timing.TrainingStep) for fn in timer.forwards
+    )
+
+    again = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
+    _train_once(again, model, x)
+    assert len(timer.forwards) == timed, "a warm cache must not time the step again"
+    assert "(read from the cache)" in " ".join(again.report().notes)
+
+    _step_timer(use_timer, lambda fused: 0.5 if fused else 1.0, lambda fused: 0.5 if fused else 1.0)
+    faster = autofuser.fuse(model, cache_dir=str(tmp_path / "other"), progress=False)
+    _train_once(faster, model, x)
+    assert "training step, forward and backward: 0.500 ms fused vs 1.000 ms eager" in faster.report().notes
+    assert faster._compiled[next(iter(faster._compiled))][0] is not None

@@ -1,4 +1,5 @@
-"""``F.gelu(x, approximate=...)`` and ``nn.GELU``: exact (erf) and tanh forms."""
+"""``F.gelu(x, approximate=...)`` and ``nn.GELU``: exact (erf) and tanh forms; also
+ATen's ``gelu``, which a backward graph recomputes its forward with."""
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ SPECS = [
     LoweringSpec(
         name="elementwise.gelu",
         description="GELU, exact (erf) or tanh-approximated",
-        targets=(F.gelu, torch.nn.GELU),
+        targets=(F.gelu, torch.nn.GELU, torch.ops.aten.gelu.default),
         kind="pointwise",
         lower=lower_gelu,
         samples=lambda dtype: unary_samples(dtype, scale=3.0, nans=True),
@@ -40,6 +41,7 @@ SPECS = [
             lambda x: F.gelu(x, approximate="none"),
             torch.nn.GELU(),
             torch.nn.GELU(approximate="tanh"),
+            lambda x: torch.ops.aten.gelu.default(x, approximate="tanh"),
         ),
     ),
 ]

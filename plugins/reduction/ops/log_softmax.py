@@ -1,5 +1,6 @@
 """``log_softmax`` in its five forms: F.log_softmax, torch.log_softmax,
-torch.special.log_softmax, Tensor.log_softmax and nn.LogSoftmax.
+torch.special.log_softmax, Tensor.log_softmax and nn.LogSoftmax; also ATen's
+``_log_softmax``, which a backward graph recomputes its forward with.
 
 x - max - log(sum(exp(x - max))): never takes the log of a softmax, which
 underflows to log(0) = -inf for entries far below the max.
@@ -31,7 +32,14 @@ SPECS = [
     LoweringSpec(
         name="reduction.log_softmax",
         description="Log-softmax over one dim (max-subtracted), optional dtype= upcast.",
-        targets=(F.log_softmax, torch.log_softmax, torch.special.log_softmax, "log_softmax", torch.nn.LogSoftmax),
+        targets=(
+            F.log_softmax,
+            torch.log_softmax,
+            torch.special.log_softmax,
+            "log_softmax",
+            torch.nn.LogSoftmax,
+            torch.ops.aten._log_softmax.default,
+        ),
         kind="reduction",
         lower=lower_log_softmax,
         samples=_samples,
@@ -44,6 +52,7 @@ SPECS = [
             lambda x: x.log_softmax(-1, dtype=torch.float32),
             torch.nn.LogSoftmax(dim=1),
             torch.nn.LogSoftmax(dim=-1),
+            lambda x: torch.ops.aten._log_softmax.default(x, 0, False),
         ),
     )
 ]

@@ -1,5 +1,6 @@
 """``softmax`` in its five forms: F.softmax, torch.softmax, torch.special.softmax,
-Tensor.softmax and nn.Softmax.
+Tensor.softmax and nn.Softmax; also ATen's ``_softmax``, which a backward graph
+recomputes its forward with.
 
 exp(x - max) / sum(exp(x - max)): subtracting the row max first keeps exp from
 overflowing; the max is a keepdim reduction so it broadcasts back over the row.
@@ -12,6 +13,9 @@ from autofuser import LoweringSpec, Sample
 
 from ._common import bind, cast_to_dtype_arg, check_module_forward, float_input, one_dim
 
+#: ATen's forms, ``(input, dim, half_to_float)``: what a traced backward graph calls.
+ATEN_FORMS = (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default)
+
 
 def softmax_operands(ctx, op, module_type, args, kwargs):
     """(input Value, the one dim) of any softmax-like node; ``dtype=`` applied."""
@@ -21,6 +25,10 @@ def softmax_operands(ctx, op, module_type, args, kwargs):
         b["dim"] = ctx.module.dim
     elif ctx.node.target in (F.softmax, F.log_softmax):
         b = bind(ctx, op, args, kwargs, ("input", "dim", "_stacklevel", "dtype"))
+    elif ctx.node.target in ATEN_FORMS:
+        b = bind(ctx, op, args, kwargs, ("input", "dim", "half_to_float"))
+        if b["half_to_float"]:
+            ctx.refuse("unsupported_argument", f"{op}: half_to_float=True (an fp32 result of half inputs)")
     else:  # torch.softmax, torch.special.softmax, Tensor.softmax: dtype may come third by position
         b = bind(ctx, op, args, kwargs, ("input", "dim", "dtype"))
     x, shape = float_input(ctx, op, b["input"])
@@ -46,7 +54,14 @@ SPECS = [
     LoweringSpec(
         name="reduction.softmax",
         description="Softmax over one dim (max-subtracted), optional dtype= upcast.",
-        targets=(F.softmax, torch.softmax, torch.special.softmax, "softmax", torch.nn.Softmax),
+        targets=(
+            F.softmax,
+            torch.softmax,
+            torch.special.softmax,
+            "softmax",
+            torch.nn.Softmax,
+            torch.ops.aten._softmax.default,
+        ),
         kind="reduction",
         lower=lower_softmax,
         samples=_samples,
@@ -59,6 +74,7 @@ SPECS = [
             lambda x: x.softmax(-1, dtype=torch.float32),
             torch.nn.Softmax(dim=1),
             torch.nn.Softmax(dim=-1),
+            lambda x: torch.ops.aten._softmax.default(x, -1, False),
         ),
     )
 ]

@@ -1,0 +1,187 @@
+"""Backward graphs of fused groups, planned and fused like forward ones.
+
+With gradients on, each fused group gets a backward graph: PyTorch's own derivative
+of the group's original ops, traced to ATen by ``make_fx`` (AOT Autograd's tracer)
+from the group's inputs and its outputs' gradients, with torch's core ATen
+decompositions, so that ``gelu``'s backward is the pointwise ops it is made of and a
+layer norm's backward is row sums and pointwise ops. The graph recomputes what it
+needs of the forward from the group's inputs (saved by the forward, as eager's
+backward saves its inputs): the simplest rematerialisation, never more memory than
+eager's. Each ATen call whose packet has a torch function of the same name and
+schema (``aten.mul.Tensor`` -> ``torch.mul``) is called through that function, so
+the plugins' lowerings, which know torch functions, see the backward's ops as they
+see a forward's; others stay ATen calls and run eager. The graph then goes through
+``compile_graph`` like any forward (planning, strategies, verification, tuning).
+
+Nothing here knows an op: which ops a backward holds is PyTorch's derivative
+formulas and decompositions, which of them fuse is the plugins' lowerings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx
+from torch._decomp import core_aten_decompositions
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .capture import _ShapeRecorder
+from .launch import FusedKernel, run_eager
+
+logger = logging.getLogger("autofuser")
+
+#: Seed of the sample gradients a backward graph is traced and verified with.
+GRAD_SEED = 4321
+
+
+def trace_backward(fused: FusedKernel, inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]):
+    """The ATen graph of the group's backward: ``(inputs..., grads...) -> one gradient per
+    floating-point input`` (``None`` where an input has none). Traced under the current
+    autocast state, whose casts it then holds: it runs with autocast off."""
+    slots = [k for k, t in enumerate(inputs) if t.is_floating_point()]
+    count = len(inputs)
+
+    def backward(*values: torch.Tensor):
+        leaves = [t.detach().requires_grad_(k in slots) for k, t in enumerate(values[:count])]
+        with torch.enable_grad():
+            found = run_eager(fused, leaves)
+            outputs = found if isinstance(found, (tuple, list)) else (found,)
+            pairs = [(o, g) for o, g in zip(outputs, values[count:]) if o.requires_grad]
+            if not pairs:
+                return tuple(torch.zeros_like(leaves[k]) for k in slots)
+            result = torch.autograd.grad(
+                [o for o, _ in pairs], [leaves[k] for k in slots], [g for _, g in pairs], allow_unused=True
+            )
+        return tuple(torch.zeros_like(leaves[k]) if g is None else g for k, g in zip(slots, result))
+
+    decompositions = dict(core_aten_decompositions())
+    gm = make_fx(backward, decomposition_table=decompositions)(*inputs, *grads)
+    return gm, slots
+
+
+def _torch_function(target: Any) -> Optional[Callable]:
+    """The public torch function of an ATen overload's name (``aten.mul.Tensor`` ->
+    ``torch.mul``), or ``None``. Whether it reads the arguments the same way is checked
+    on the traced values (``to_torch_level``)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    name = target.overloadpacket.__name__
+    if name.startswith("_") or name.endswith("_"):  # private, or in place (trying it would write twice)
+        return None
+    fn = getattr(torch, name, None)
+    return fn if callable(fn) else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two results are identical: values, dtypes, shapes and strides."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and not isinstance(a, torch.Tensor) and a == b
+
+
+class _Translator(torch.fx.Interpreter):
+    """Runs the ATen graph on sample values; each ATen call whose torch function returns
+    the identical result on the same arguments is called through that function."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        super().__init__(gm)
+        self.extra_traceback = False
+        self.changed = 0
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        fn = _torch_function(n.target) if n.op == "call_function" else None
+        if fn is not None:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            try:
+                same = _same(fn(*args, **kwargs), result)
+            except Exception:  # noqa: BLE001 - another schema: the ATen call stays
+                same = False
+            if same:
+                n.target = fn
+                self.changed += 1
+        return result
+
+
+def to_torch_level(gm: torch.fx.GraphModule, samples: Sequence[Any]) -> int:
+    """Call each ATen op of ``gm`` through its torch function where that gives the
+    identical result on ``samples`` (in place); ``aten.alias`` (a no-op of the traced
+    function) is dropped. Returns how many calls changed."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.alias.default:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    translator = _Translator(gm)
+    translator.run(*samples)
+    gm.recompile()
+    return translator.changed
+
+
+@contextlib.contextmanager
+def no_autocast():
+    """Autocast off on every device a backward graph may run on: its casts are in it."""
+    with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        yield
+
+
+def _outputs(values: Any) -> list[Optional[torch.Tensor]]:
+    return list(values) if isinstance(values, (tuple, list)) else [values]
+
+
+def build_backward(
+    fused: FusedKernel, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], compile_graph, progress
+):
+    """The group's backward graph, fused, or ``None`` where it can't be had (an op
+    ``make_fx`` can't trace): then the group's backward recomputes its eager ops.
+    Returns ``(FusedBackward, report)``."""
+    # Sample gradients from a generator of their own: the user's random stream stays as it was.
+    generator = torch.Generator(device=outputs[0].device if outputs else "cpu").manual_seed(GRAD_SEED)
+    grads = [
+        torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).normal_(generator=generator)
+        for o in outputs
+    ]
+    try:
+        gm, slots = trace_backward(fused, inputs, grads)
+    except Exception as err:  # noqa: BLE001 - an op make_fx can't trace: the eager backward serves
+        logger.debug("tracing a backward failed", exc_info=err)
+        return None
+    with no_autocast(), torch.no_grad():
+        to_torch_level(gm, (*inputs, *grads))
+        _ShapeRecorder(gm).run(*inputs, *grads)
+        gm.meta["autofuser_input_names"] = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        fused_gm, report = compile_graph(gm, (*inputs, *grads), progress)
+    for entry in [*report.groups, *report.unfused_nodes]:
+        entry.phase = "backward"
+    return FusedBackward(fused_gm, slots, grads), report
+
+
+def _restrided(grad: torch.Tensor, stride: tuple) -> torch.Tensor:
+    """``grad``'s values in the layout the backward graph was traced for."""
+    fresh = torch.empty_strided(grad.shape, stride, dtype=grad.dtype, device=grad.device)
+    return fresh.copy_(grad)
+
+
+class FusedBackward:
+    """A group's fused backward as ``RecomputeForBackward`` calls it: the kernel's saved
+    inputs and the outputs' gradients in, one gradient (or ``None``) per input out."""
+
+    def __init__(self, gm: torch.fx.GraphModule, slots: Sequence[int], grads: Sequence[torch.Tensor]):
+        self.gm, self.slots = gm, list(slots)
+        # The graph was traced for gradients of these strides (its views assume them).
+        self.grad_strides = [g.stride() for g in grads]
+
+    def __call__(self, inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list:
+        grads = [g if g.stride() == s else _restrided(g, s) for g, s in zip(grads, self.grad_strides)]
+        with no_autocast():
+            found = self.gm(*inputs, *grads)
+        result: list[Optional[torch.Tensor]] = [None] * len(inputs)
+        for slot, grad in zip(self.slots, _outputs(found)):
+            result[slot] = grad if inputs[slot].requires_grad else None
+        return result
