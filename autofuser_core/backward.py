@@ -6,10 +6,9 @@ from the group's inputs and its outputs' gradients, with torch's core ATen
 decompositions, so that ``gelu``'s backward is the pointwise ops it is made of and a
 layer norm's backward is row sums and pointwise ops. The graph recomputes what it
 needs of the forward from the group's inputs (saved by the forward, as eager's
-backward saves its inputs): the simplest rematerialisation, never more memory than
-eager's. Each ATen call whose packet has a torch function of the same name and
-schema (``aten.mul.Tensor`` -> ``torch.mul``) is called through that function, so
-the plugins' lowerings, which know torch functions, see the backward's ops as they
+backward saves its inputs): the simplest rematerialisation. Each ATen call whose
+packet has a torch function of the same name and schema (``aten.mul.Tensor`` ->
+``torch.mul``) is called through that function, so the plugins' lowerings, which know torch functions, see the backward's ops as they
 see a forward's; others stay ATen calls and run eager. The graph then goes through
 ``compile_graph`` like any forward (planning, strategies, verification, tuning).
 
@@ -39,8 +38,9 @@ GRAD_SEED = 4321
 
 def trace_backward(fused: FusedKernel, inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]):
     """The ATen graph of the group's backward: ``(inputs..., grads...) -> one gradient per
-    floating-point input`` (``None`` where an input has none). Traced under the current
-    autocast state, whose casts it then holds: it runs with autocast off."""
+    floating-point input`` (zeros where an input gets none), and those inputs' slots.
+    Traced under the current autocast state, whose casts it then holds: it runs with
+    autocast off."""
     slots = [k for k, t in enumerate(inputs) if t.is_floating_point()]
     count = len(inputs)
 

@@ -431,18 +431,15 @@ def _verify_round(
                 )
                 break
         entry.max_error = worst
-        if backward:
-            job.samples = (list(kernel_inputs), list(outputs))
+        samples = (list(kernel_inputs), list(outputs)) if backward else None
         del outputs
         if entry.fused:
             refusal = synthetic_mismatch(job, kernel_inputs, tol)
             if refusal is not None:
                 entry.fused, entry.reason_code, entry.reason = False, "mismatch", refusal
-        if not entry.fused:
-            job.samples = None
-        elif backward:
-            pass  # its backward is built, and the group timed with it, once the forward's groups are settled
-        elif timer.can_time(device, options):
+        if entry.fused and backward:
+            job.samples = samples  # its backward is built, and the group timed with it, in _fuse_backwards
+        elif entry.fused and timer.can_time(device, options):
             if tuned.speed is not None:  # measured when this kernel was tuned for this GPU and these versions
                 entry.time_fused_ms, entry.time_eager_ms = tuned.speed["fused_ms"], tuned.speed["eager_ms"]
             else:
