@@ -9,7 +9,8 @@ needs of the forward from the group's inputs (saved by the forward, as eager's
 backward saves its inputs): the simplest rematerialisation. Each ATen call whose
 packet has a torch function of the same name and schema (``aten.mul.Tensor`` ->
 ``torch.mul``) is called through that function, so the plugins' lowerings, which
-know torch functions, see the backward's ops as they see a forward's; others stay ATen calls and run eager. The graph then goes through
+know torch functions, see the backward's ops as they see a forward's; others stay
+ATen calls and run eager. The graph then goes through
 ``compile_graph`` like any forward (planning, strategies, verification, tuning).
 
 Nothing here knows an op: which ops a backward holds is PyTorch's derivative
