@@ -263,25 +263,27 @@ def _substituted_parametrizations(substitutes: Sequence[tuple[torch.nn.Module, s
     ``substitutes`` (``weight_norm``'s weight, any ``register_parametrization``).
 
     ``functional_call`` can't substitute those: it assigns the attribute, which runs the
-    parametrization's ``right_inverse`` and writes the user's originals in place. Instead
-    the tensor is filed in ``parametrize.cached()``'s cache, which the parametrized
-    attribute reads first; an entry the caller's own ``cached()`` held is put back after.
+    parametrization's ``right_inverse`` and writes the user's originals in place. Nor can
+    ``parametrize.cached()``'s cache: its key is the id of the module the parametrization
+    was registered on, which a ``copy.deepcopy`` of the model does not change, so a copy
+    would compute its weight afresh and its originals would get no gradient. Instead the
+    module's own ``ParametrizationList`` returns the tensor while open (an instance
+    ``forward``), and the cache is off, so no entry cached around the call stands in.
     """
     if not substitutes:
         yield
         return
-    with parametrize.cached():
-        cache = parametrize._cache  # rebound when the outermost cached() ends: read it here
-        keys = [(id(module), name) for module, name, _ in substitutes]
-        before = {key: cache[key] for key in keys if key in cache}
-        for key, (_, _, tensor) in zip(keys, substitutes):
-            cache[key] = tensor
-        try:
-            yield
-        finally:
-            for key in keys:
-                cache.pop(key, None)
-            cache.update(before)
+    lists: list[Any] = [getattr(module, "parametrizations")[name] for module, name, _ in substitutes]
+    enabled = parametrize._cache_enabled
+    parametrize._cache_enabled = 0
+    try:
+        for plist, (_, _, tensor) in zip(lists, substitutes):
+            plist.forward = lambda tensor=tensor: tensor
+        yield
+    finally:
+        for plist in lists:
+            plist.__dict__.pop("forward", None)
+        parametrize._cache_enabled = enabled
 
 
 def run_eager(fused: FusedKernel, inputs: Sequence[torch.Tensor]) -> Any:

@@ -9,7 +9,8 @@ case at the end is ``autofuser_core.launch.RecomputeForBackward``).
   a capture runs, and two threads capturing at once both get eager's results;
 - expanded, transposed and sliced inputs fuse, through their real strides;
 - parametrized weights (``weight_norm``, ``register_parametrization``) train with
-  eager's gradients and are not written in backward.
+  eager's gradients, in a model and in a deep copy of one, and are not written in
+  backward.
 """
 
 from __future__ import annotations
@@ -359,9 +360,15 @@ class Parametrized(nn.Module):
         return torch.sigmoid(self.symmetric(h)) - 0.5
 
 
-def test_parametrized_weights_train_with_eagers_gradients(device):
-    model = Parametrized().train().to(device)
-    reference = copy.deepcopy(model)
+@pytest.mark.parametrize("fuse_a_copy", [False, True])
+def test_parametrized_weights_train_with_eagers_gradients(fuse_a_copy, device):
+    # A deep copy shares its parametrized class, and so the key of parametrize's cache, with
+    # the module it was copied from: substituting through that cache gave the copy's
+    # originals no gradient.
+    reference = Parametrized().train().to(device)
+    model = copy.deepcopy(reference)
+    if not fuse_a_copy:
+        model, reference = reference, model
     fused = autofuser.fuse(model)
     step = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_step = torch.optim.SGD(reference.parameters(), lr=0.1)
