@@ -380,10 +380,17 @@ def report_fields(report) -> dict[str, Any]:
 
 
 def run_systems(
-    name: str, row: dict[str, Any], runs: list[tuple[str, Callable[[], None]]], device: torch.device
+    name: str,
+    row: dict[str, Any],
+    runs: list[tuple[str, Callable[[], None]]],
+    device: torch.device,
+    *,
+    reset_compile: bool = True,
 ) -> None:
     """Each ``(system, run)`` in turn: ``run()`` fills the system's cell; one that raises
-    becomes the cell's error (type, message, traceback) and the next one runs."""
+    becomes the cell's error (type, message, traceback) and the next one runs. After
+    torch.compile's run its caches are reset, unless ``reset_compile`` is false (its
+    compiled module is still to be called)."""
     for system, run in runs:
         cell = row["systems"][system]
         try:
@@ -393,7 +400,7 @@ def run_systems(
             # The helper's locals (a half-compiled module, its buffers) die with this block.
             cell.update(status="error", error=describe_error(err), traceback=traceback.format_exc())
             progress(f"{name}: {system} failed: {cell['error']}")
-        if system == "torch.compile":
+        if system == "torch.compile" and reset_compile:
             torch._dynamo.reset()
         release_memory(device)
 

@@ -17,14 +17,16 @@ bench feeds). For each chosen model:
    and its own AdamW, so all of them start from the same weights;
 3. eager: its first step is the reference - the output, the loss, and every
    parameter's gradient after the backward (before the optimiser step) as one
-   vector; then the median time of ``--iters`` steps after ``--warmup`` steps;
+   vector;
 4. AutoFuser: ``autofuser.fuse(copy, cache_dir=D)`` with ``D`` a fresh empty
    folder - its first step (which compiles) is ``first_step_s``, cold cache;
    then ``fuse`` of a second copy on the same folder - its first step is
    ``first_step_warm_s``, and it is the one checked and timed;
 5. torch.compile: after ``torch._dynamo.reset()``, ``torch.compile(copy,
-   mode=--compile-mode)``; first step, then the timed steps (skipped with
-   ``--no-compile``).
+   mode=--compile-mode)``; its first step (skipped with ``--no-compile``);
+6. the step time of each: ``--warmup`` steps of every system, then ``--iters``
+   steps of each in turns of ``ROUND_STEPS``, the order rotating every round
+   (``interleaved_steps``); a system's median step.
 
 Each system's first-step output and gradients are compared with eager's
 (``||x - eager|| / ||eager||``); on CUDA the peak memory the timed steps add
@@ -37,6 +39,9 @@ from __future__ import annotations
 
 import copy
 import shutil
+import statistics
+import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -49,13 +54,13 @@ from autofuser.zoo.harness import (
     SYSTEMS,
     TRAIN_LR,
     autocast_for,
+    describe_error,
     fill_speedups,
     first_call_s,
     footer_lines,
     format_cell,
     format_params,
     geomean_cells,
-    median_ms,
     prepare_model,
     progress,
     relative_error,
@@ -180,16 +185,72 @@ class TrainingStep:
         return FirstStep(output.detach(), loss.detach().item(), gradients, forward_backward_s + optimiser_s)
 
 
-def timed_steps(step: TrainingStep, iters: int, warmup: int, device: torch.device) -> tuple[float, Optional[float]]:
-    """(median step ms over ``iters`` steps after ``warmup``, MB of CUDA memory the steps add
-    at their peak over what was allocated before them; None on a CPU)."""
+ROUND_STEPS = 5  # one system's timed steps in a row before the next system's
+
+
+def _timed_block(step: TrainingStep, steps: int, device: torch.device) -> tuple[list[float], Optional[float]]:
+    """(ms of each of ``steps`` steps, MB of CUDA memory they add at their peak over what was
+    allocated before them; None on a CPU)."""
     if device.type != "cuda":
-        return median_ms(step.step, iters, warmup, device), None
+        times = []
+        for _ in range(steps):
+            begin = time.perf_counter()
+            step.step()
+            times.append((time.perf_counter() - begin) * 1e3)
+        return times, None
     synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    milliseconds = median_ms(step.step, iters, warmup, device)
-    return milliseconds, (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    with torch.cuda.device(device):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        for start, end in events:
+            start.record()
+            step.step()
+            end.record()
+        torch.cuda.synchronize()
+    times = [start.elapsed_time(end) for start, end in events]
+    return times, (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+def interleaved_steps(
+    steps: dict[str, TrainingStep], iters: int, warmup: int, device: torch.device
+) -> dict[str, "tuple[float, Optional[float]] | BaseException"]:
+    """Each system's (median step ms over ``iters`` steps after ``warmup``, peak MB its steps
+    add), or the error its steps raised.
+
+    The systems take turns, ``ROUND_STEPS`` steps each, the order rotating every round, so
+    a drift of the GPU's clocks or of other load over the run reaches all of them alike
+    instead of whichever was timed first."""
+    results: dict[str, "tuple[float, Optional[float]] | BaseException"] = {}
+    times: dict[str, list[float]] = {system: [] for system in steps}
+    peaks: dict[str, Optional[float]] = {system: None for system in steps}
+    order = list(steps)
+    for system in order:
+        try:
+            for _ in range(warmup):
+                steps[system].step()
+        except Exception as err:  # noqa: BLE001 - becomes the cell's error
+            results[system] = err
+    done = 0
+    while done < iters:
+        block = min(ROUND_STEPS, iters - done)
+        for system in order:
+            if system in results:
+                continue
+            try:
+                block_times, peak = _timed_block(steps[system], block, device)
+            except Exception as err:  # noqa: BLE001 - becomes the cell's error
+                results[system] = err
+                continue
+            times[system] += block_times
+            if peak is not None:
+                peaks[system] = max(peak, peaks[system] or 0.0)
+        order = order[1:] + order[:1]
+        done += block
+    for system in steps:
+        if system not in results:
+            results[system] = (float(statistics.median(times[system])), peaks[system])
+    return results
 
 
 # ---------------------------------------------------------------------------
@@ -244,12 +305,15 @@ def bench_training_model(
 
     reference: Optional[FirstStep] = None
 
-    def check_and_time(cell: dict[str, Any], step: TrainingStep, first: FirstStep) -> None:
+    steps: dict[str, TrainingStep] = {}  # each system whose first step ran, timed together at the end
+
+    def check(system: str, step: TrainingStep, first: FirstStep) -> None:
+        cell = row["systems"][system]
         cell["loss"] = first.loss
         if reference is not None:
             cell["rel_err_vs_eager"] = relative_error(first.output, reference.output)
             cell["grad_rel_err_vs_eager"] = relative_error(first.gradients, reference.gradients)
-        cell["step_ms"], cell["peak_mem_mb"] = timed_steps(step, iters, warmup, device)
+        steps[system] = step
 
     def run_eager() -> None:
         nonlocal reference
@@ -258,7 +322,7 @@ def bench_training_model(
         step = training_step(model, model)
         reference = step.first()
         row["systems"]["eager"].update(first_step_s=reference.seconds, rel_err_vs_eager=0.0, grad_rel_err_vs_eager=0.0)
-        check_and_time(row["systems"]["eager"], step, reference)
+        check("eager", step, reference)
 
     def run_autofuser() -> None:
         shutil.rmtree(cache_dir, ignore_errors=True)
@@ -279,7 +343,7 @@ def bench_training_model(
         autofuser_cell["warm_cache_hits"] = sum(g.cache_hit for g in warm.report().fused)
         # Whether the checked and timed module runs its kernels or, not being faster, the original.
         autofuser_cell["warm_notes"] = list(warm.report().notes)
-        check_and_time(autofuser_cell, step, first)
+        check("autofuser", step, first)
 
     def run_compile() -> None:
         progress(f"{name}: torch.compile training step (mode {compile_mode})")
@@ -288,14 +352,26 @@ def bench_training_model(
         step = training_step(torch.compile(model, mode=compile_mode), model)
         first = step.first()
         row["systems"]["torch.compile"]["first_step_s"] = first.seconds
-        check_and_time(row["systems"]["torch.compile"], step, first)
+        check("torch.compile", step, first)
 
     if no_compile:
         row["systems"]["torch.compile"].update(status="skipped", error=NO_COMPILE)
     runs = [("eager", run_eager), ("autofuser", run_autofuser)]
     runs += [] if no_compile else [("torch.compile", run_compile)]
-    run_systems(name, row, runs, device)
+    # torch.compile's caches stay until its steps are timed, with the others'.
+    run_systems(name, row, runs, device, reset_compile=False)
+    progress(f"{name}: timing {', '.join(steps)} in turns of {ROUND_STEPS} steps")
+    for system, timed in interleaved_steps(steps, iters, warmup, device).items():
+        cell = row["systems"][system]
+        if isinstance(timed, BaseException):
+            trace = "".join(traceback.format_exception(timed))
+            cell.update(status="error", error=describe_error(timed), traceback=trace)
+            progress(f"{name}: {system} failed: {cell['error']}")
+        else:
+            cell["step_ms"], cell["peak_mem_mb"] = timed
     fill_speedups(row, "step_ms")
+    steps.clear()
+    torch._dynamo.reset()
     base = x = target = reference = None  # the closures hold them: freed before release_memory empties the cache
     release_memory(device)
     return row
@@ -318,7 +394,8 @@ def render_training_markdown(result: dict[str, Any]) -> str:
         f"airfoil target{' under bf16 autocast (fp32 parameters)' if bf16 else ''}, backward, "
         f"AdamW(lr={settings['lr']:g}) step, on one fixed batch; every system starts from the same weights "
         f"({settings['train_steps']} pre-training steps). Step ms = median of {settings['iters']} steps after "
-        f"{settings['warmup']} warm-up steps ({settings['timing']}); speedup = eager step ms / system step ms; "
+        f"{settings['warmup']} warm-up steps, the systems taking turns of {ROUND_STEPS} steps "
+        f"({settings['timing']}); speedup = eager step ms / system step ms; "
         "first step s includes compiling (AutoFuser: cold cache, then a fresh fuse on the warm cache); "
         f"peak MB = the peak memory the timed steps add (CUDA only); torch.compile mode {settings['compile_mode']}; "
         "out / grad rel err = ||x - eager|| / ||eager|| of the first step's output and of all parameters' "

@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import math
+from typing import Optional
 
 import pytest
 
@@ -21,6 +22,8 @@ from autofuser.cli import main
 from autofuser.zoo import harness, train_bench
 
 MODELS = ["galerkin", "fno"]
+# F-FNO's weight-normed layers: every system trains a deep copy of the model.
+TRAIN_MODELS = [*MODELS, "ffno"]
 SMOKE = ["--device", "cpu", "--config", "tiny", "--iters", "2", "--warmup", "1", "--no-compile"]
 CELL_KEYS = {"status", "error", "ms", "speedup", "first_call_s", "rel_err_vs_eager", "test_loss"}
 AUTOFUSER_KEYS = {
@@ -215,7 +218,7 @@ def train_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-train")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = main(["bench", "--train", "--models", ",".join(MODELS), *SMOKE, "--out", str(out)])
+        code = main(["bench", "--train", "--models", ",".join(TRAIN_MODELS), *SMOKE, "--out", str(out)])
     return code, out, printed.getvalue()
 
 
@@ -224,7 +227,7 @@ def test_train_bench_json_has_training_cells_and_small_errors(train_run):
     assert code == 0
     data = json.loads((out / "bench.json").read_text())
     assert data["mode"] == "train" and data["settings"]["lr"] == harness.TRAIN_LR
-    assert [row["model"] for row in data["rows"]] == MODELS
+    assert [row["model"] for row in data["rows"]] == TRAIN_MODELS
     for row in data["rows"]:
         systems = row["systems"]
         for cell in systems.values():
@@ -254,7 +257,7 @@ def test_train_bench_markdown_has_the_training_table(train_run):
     header = next(line for line in markdown.splitlines() if line.startswith("| model"))
     assert [c.strip() for c in header.strip("|").split("|")] == train_bench.TRAIN_COLUMNS
     rows = {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| ")}
-    for name in MODELS:
+    for name in TRAIN_MODELS:
         cells = [c.strip() for c in rows[name].strip().strip("|").split("|")]
         assert len(cells) == len(train_bench.TRAIN_COLUMNS) and all(cells), rows[name]
         assert cells[train_bench.TRAIN_COLUMNS.index("torch.compile step ms")] == harness.NO_COMPILE
@@ -264,6 +267,40 @@ def test_train_bench_markdown_has_the_training_table(train_run):
     # Under the interpreter the speedup can round to 0.00: compare with bench.json, not with 0.
     expected = json.loads((out / "bench.json").read_text())["geomean_speedup"]["autofuser"]
     assert geomean[train_bench.TRAIN_COLUMNS.index("AutoFuser speedup")] == f"{expected:.2f}"
+
+
+class _CountedStep:
+    """A stand-in training step that logs each call, and raises from its ``fail_at``-th on."""
+
+    def __init__(self, name: str, log: list[str], fail_at: Optional[int] = None):
+        self.name, self.log, self.fail_at, self.calls = name, log, fail_at, 0
+
+    def step(self) -> None:
+        self.calls += 1
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise RuntimeError(f"{self.name} out of memory (pretend)")
+        self.log.append(self.name)
+
+
+def test_train_bench_times_the_systems_in_turns_and_keeps_the_others_when_one_fails():
+    log: list[str] = []
+    steps = {name: _CountedStep(name, log, fail_at=9 if name == "c" else None) for name in "abc"}
+    cpu = harness.torch.device("cpu")
+    results = train_bench.interleaved_steps(steps, iters=12, warmup=1, device=cpu)  # type: ignore[arg-type]
+    rounds = train_bench.ROUND_STEPS
+    assert log[:3] == ["a", "b", "c"]  # the warm-up steps, one each
+    timed = log[3:]
+    # Turns of ROUND_STEPS, the order rotating: a b c, then b c a (c fails in its second turn), ...
+    assert timed[:rounds] == ["a"] * rounds and timed[rounds : 2 * rounds] == ["b"] * rounds
+    assert timed[2 * rounds : 3 * rounds] == ["c"] * rounds
+    assert timed[3 * rounds : 4 * rounds] == ["b"] * rounds
+    assert timed[4 * rounds : 4 * rounds + 2] == ["c", "c"]  # its 8th call passes, the 9th raises
+    assert timed[4 * rounds + 2 : 5 * rounds + 2] == ["a"] * rounds
+    assert steps["a"].calls == steps["b"].calls == 1 + 12
+    assert isinstance(results["c"], RuntimeError) and "pretend" in str(results["c"])
+    for name in "ab":
+        milliseconds, peak = results[name]  # type: ignore[misc]
+        assert milliseconds > 0 and peak is None  # peak memory is measured on CUDA only
 
 
 def test_train_bench_a_failing_system_is_an_error_cell(tmp_path, monkeypatch):
