@@ -276,7 +276,7 @@ def bench_training_model(
     """One row: a training step of every system on model ``name``; errors are recorded, not raised."""
     entry = MODELS[name]
     mesh = MESHES[config]
-    batch = batch_size or entry.batch(config)
+    batch = batch_size or entry.batch(config, train=True)
     row = start_row(name, config=config, batch=batch, train_steps=train_steps, empty_cell=_empty_training_cell)
     autofuser_cell = row["systems"]["autofuser"]
     autofuser_cell.update(

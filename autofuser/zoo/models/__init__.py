@@ -19,7 +19,7 @@ same code at toy sizes (17 x 9 mesh) for CPU tests under Triton's interpreter.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -54,6 +54,9 @@ class ModelEntry:
     configs: Mapping[str, Mapping[str, Any]]
     dtypes: tuple[str, ...] = ("fp32", "bf16")  # bf16: fp32 parameters under torch.autocast
     notes: str = ""
+    # The airfoil configuration's batch for a training step (``bench --train``) where eager
+    # training does not fit an 80-140 GB GPU at ``batch_size``; None: ``batch_size``.
+    train_batch_size: Optional[int] = None
 
     def make(self, config: str = "airfoil") -> nn.Module:
         """A freshly initialised model of configuration ``config`` ("airfoil" or "tiny")."""
@@ -63,8 +66,10 @@ class ModelEntry:
             )
         return self.builder(**self.configs[config])
 
-    def batch(self, config: str = "airfoil") -> int:
-        return self.batch_size if config == "airfoil" else TINY_BATCH
+    def batch(self, config: str = "airfoil", *, train: bool = False) -> int:
+        if config != "airfoil":
+            return TINY_BATCH
+        return (self.train_batch_size or self.batch_size) if train else self.batch_size
 
     def inputs(self, coords: torch.Tensor) -> torch.Tensor:
         """Mesh coordinates [B, H, W, 2] in this model's input layout."""
@@ -109,7 +114,11 @@ MODELS: dict[str, ModelEntry] = {
             paper="Vaswani et al., Attention Is All You Need, NeurIPS 2017",
             builder=Transformer,
             configs=_transformer_configs(),
-            notes="attention written out: the [B, 8, N, N] scores take 16 GB in fp32 at batch 4",
+            notes=(
+                "attention written out: the [B, 8, N, N] scores take 16 GB in fp32 at batch 4; a training "
+                "step saves them per layer, so it trains at batch 1"
+            ),
+            train_batch_size=1,
         ),
         ModelEntry(
             name="transolver",
