@@ -47,6 +47,7 @@ from .capture import bind_inputs, capture, preserved_state
 from .compile import _device_of, compile_graph
 from .cudagraphs import CudaGraphRunner, try_cuda_graph
 from .errors import AutoFuserError, CaptureError, CompileFailedWarning, PluginError
+from .in_use import BLOCK_CALLS, MAX_RESTARTS, InUseCheck
 from .launch import FusedKernel
 from .plugins import PluginSet, load_plugins
 from .quantize import QuantizedLayer, QuantizeOptions, parse_quantize, quantize_model
@@ -444,7 +445,8 @@ class FusedModule(torch.nn.Module):
         # Not a registered submodule: state_dict keys stay those of the model.
         object.__setattr__(self, "_model", model)
         self._options = options
-        self._compiled: "OrderedDict[Any, tuple[Any, FusionReport]]" = OrderedDict()
+        self._compiled: "OrderedDict[Any, _Compiled]" = OrderedDict()
+        self._last_key: Any = None
         self._last_report: Optional[FusionReport] = None
         self._warned: set[str] = set()
         self._watch_state()
@@ -653,6 +655,9 @@ class FusedModule(torch.nn.Module):
         return super().__call__(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        # The signature of the call before, for a probation (``in_use``) to see calls of other
+        # inputs in between; None after a call that ran the original for another reason.
+        last_key, self._last_key = self._last_key, None
         if not self._state.unchanged():
             self._state_changed()
         why = self._why_original()
@@ -691,6 +696,14 @@ class FusedModule(torch.nn.Module):
             self._compiled.move_to_end(key)
         graph_module, report = entry
         self._last_report = report
+        self._last_key = key
+        if entry.in_use is not None:
+            graph_module = self._in_use_runner(key, entry, last_key)
+            if graph_module is None:
+                try:
+                    return self._run_original(args, kwargs)
+                finally:
+                    self._state.absorb()
         if graph_module is None:
             return self._run_original(args, kwargs)
         try:
@@ -700,6 +713,39 @@ class FusedModule(torch.nn.Module):
                 self._state.absorb()  # parts that run unchanged may update the state they read live
             else:
                 self._state.count_hooks()  # kernels may register hooks on tensors: no change
+
+    def _in_use_runner(self, key: Any, entry: "_Compiled", last_key: Any):
+        """What runs for this call of a signature on probation (``in_use``): the fused
+        graph, or ``None`` for the original; the call after the plan settles on one of them
+        for good, says so in the report and files the verdict in the cache."""
+        check, (fused_gm, report) = entry.in_use, entry
+        assert check is not None
+        if check.calls and last_key != key and check.interrupted():
+            report.notes.append(
+                "training step not checked in use: calls of other inputs came between its calls "
+                f"{MAX_RESTARTS + 1} times; the compile's verdict stands"
+            )
+            entry.in_use = None
+            return fused_gm
+        planned = check.runner()
+        if planned is not None:
+            return fused_gm if planned == "fused" else None
+        fused_ms, original_ms = check.times()
+        entry.in_use = None
+        faster = fused_ms < original_ms * (1.0 - FORWARD_MARGIN)
+        verdict = "the fused model runs" if faster else "the original runs"
+        report.notes.append(
+            f"training step in use, {BLOCK_CALLS} calls in a row of each, twice: {fused_ms:.3f} ms fused vs "
+            f"{original_ms:.3f} ms original per call: {verdict}"
+        )
+        self._progress(f"training step in use: {fused_ms:.3f} ms fused vs {original_ms:.3f} ms original: {verdict}")
+        if check.verdict_key is not None:
+            times = {"step_fused_ms": fused_ms, "step_eager_ms": original_ms, IN_USE_MARK: 1.0}
+            write_verdict(check.root, check.verdict_key, times)
+        if faster:
+            return fused_gm
+        self._compiled[key] = _Compiled((None, report), True)
+        return None
 
     def _unguardable_argument(self, args: tuple, kwargs: dict) -> str:
         """Which argument the guard refused, for the warning: its parameter name."""
@@ -749,7 +795,7 @@ class FusedModule(torch.nn.Module):
                 notes=["the model could not be traced at all; it runs unchanged"],
             )
             entry: tuple[Union[torch.fx.GraphModule, CudaGraphRunner, None], FusionReport] = (None, report)
-            runs_model_code = True
+            runs_model_code, in_use = True, None
         else:
             grad = torch.is_grad_enabled()
             try:
@@ -850,9 +896,10 @@ class FusedModule(torch.nn.Module):
                     report.notes.append("whole-forward times read from the cache (measured when first compiled)")
                 if times != known and vkey is not None:  # None: nothing fused, never cached
                     write_verdict(root, vkey, times)
+            in_use = None
             if grad and runner is fused_gm and report.fused and self._options.verify_speed:
                 if timer.can_time_forward(device):
-                    runner = self._check_step(timer, fused_gm, args, kwargs, flat, report, root)
+                    runner, in_use = self._check_step(timer, fused_gm, args, kwargs, flat, report, root)
             report.add_phase("forward_check", time.perf_counter() - step)
             entry = (runner, report)
             runs_model_code = runner is None or _calls_model_code(fused_gm)
@@ -860,7 +907,7 @@ class FusedModule(torch.nn.Module):
         report.signature = _describe_inputs(args)
         report.device = str(_device_of(flat))
         report.compile_s = time.perf_counter() - start
-        entry = self._compiled[key] = _Compiled(entry, runs_model_code)
+        entry = self._compiled[key] = _Compiled(entry, runs_model_code, in_use)
         self._progress(
             f"compiled {name} in {report.compile_s:.1f} s: {len(report.fused)} fused group(s), "
             f"{len(report.skipped)} skipped"
@@ -868,9 +915,11 @@ class FusedModule(torch.nn.Module):
         return entry
 
     def _check_step(self, timer, fused_gm, args: tuple, kwargs: dict, flat: tuple, report, root):
-        """The last word on "never slower than eager" with gradients on: the forward and its
-        backward, fused against the original, in alternating rounds as the whole-forward
-        check times them. Returns what runs: ``fused_gm``, or ``None`` (the original)."""
+        """The compile's word on "never slower than eager" with gradients on: the forward
+        and its backward, fused against the original, in alternating rounds as the
+        whole-forward check times them. Returns what runs - ``fused_gm``, or ``None`` (the
+        original) - and, where the fused one won, the probation that has the last word
+        (``in_use``; None where the verdict was itself measured in use, or can't be)."""
         hooked = self._state.backward_hooked + [
             name for name, p in self._model.named_parameters() if getattr(p, "_backward_hooks", None)
         ]
@@ -879,7 +928,7 @@ class FusedModule(torch.nn.Module):
                 f"training step not timed: backward hooks ({', '.join(hooked[:3])}) would run for "
                 "each timed backward; the groups' own checks decided"
             )
-            return fused_gm
+            return fused_gm, None
         vkey = _verdict_key(fused_gm, True, kwargs, flat, STEP_TIMING)
         known = read_verdict(root, vkey) if vkey is not None else {}
         times = dict(known)
@@ -890,7 +939,9 @@ class FusedModule(torch.nn.Module):
             with preserved_state(self._model):
                 times["step_fused_ms"], times["step_eager_ms"] = _forward_times(timer, fused_step, eager_step, flat)
         fused_ms, eager_ms = times["step_fused_ms"], times["step_eager_ms"]
-        cached = " (read from the cache)" if known else ""
+        cached = ""
+        if known:
+            cached = " (measured in use, read from the cache)" if IN_USE_MARK in known else " (read from the cache)"
         if times != known and vkey is not None:
             write_verdict(root, vkey, times)
         if fused_ms >= eager_ms * (1.0 - FORWARD_MARGIN):
@@ -899,11 +950,13 @@ class FusedModule(torch.nn.Module):
                 f"{100 * FORWARD_MARGIN:.0f}% faster than the original's ({eager_ms:.3f} ms) for these "
                 f"inputs{cached}: the original runs"
             )
-            return None
+            return None, None
         report.notes.append(
             f"training step, forward and backward: {fused_ms:.3f} ms fused vs {eager_ms:.3f} ms eager{cached}"
         )
-        return fused_gm
+        if IN_USE_MARK in known or vkey is None or not timer.can_time_in_use(_device_of(flat)):
+            return fused_gm, None
+        return fused_gm, InUseCheck(timer, _device_of(flat), vkey, root)
 
     def _compile_failed(self, key: Any, args: tuple, flat: tuple, start: float, err: Exception):
         """Keep a signature whose compile raised as one that runs the original model: one
@@ -975,10 +1028,11 @@ class _Compiled(tuple):
     opaque - which may update the state the guard watches (a counter, a cache)."""
 
     runs_model_code: bool
+    in_use: Optional[InUseCheck]  # the probation of a fused training step, until it settles
 
-    def __new__(cls, entry: tuple, runs_model_code: bool):
+    def __new__(cls, entry: tuple, runs_model_code: bool, in_use: Optional[InUseCheck] = None):
         made = super().__new__(cls, entry)
-        made.runs_model_code = runs_model_code
+        made.runs_model_code, made.in_use = runs_model_code, in_use
         return made
 
 
@@ -1101,6 +1155,7 @@ def _load_plugins_quietly(plugins):
 #: ``FORWARD_BUDGET_MS``.
 FORWARD_ROUNDS = 2
 FORWARD_MARGIN = 0.02
+IN_USE_MARK = "step_in_use"  # in a step verdict: its times were measured in use (in_use.py)
 #: A fused forward this much faster than eager in the first round needs no second one: a
 #: slow moment of the GPU moves a median of several calls by a few percent, not by this.
 CLEAR_GAP = 0.2

@@ -127,7 +127,8 @@ class Timer:
     and put it in place with ``using``. ``bench``, ``can_tune`` and ``can_time`` are asked
     for each kernel or group; ``forward_ms``, ``forward_once_ms`` and ``can_time_forward``
     for each compiled signature of a model (the whole-forward check, and whether a CUDA
-    graph pays)."""
+    graph pays); ``can_time_in_use``, ``mark`` and ``between_ms`` for the first calls of
+    a fused training step as the user makes them (``in_use``)."""
 
     def bench(self, fn, *args, rep_ms: float = 20) -> float:
         """Milliseconds one call of ``fn(*args)`` takes (``bench``); ``rep_ms``: about how
@@ -160,6 +161,23 @@ class Timer:
         against launching): only on a GPU, where the timings mean something. The caller
         checks ``options.verify_speed`` and that the forward is for inference."""
         return device.type == "cuda"
+
+    def can_time_in_use(self, device: torch.device) -> bool:
+        """Whether to time the first calls of a fused training step as the user makes them
+        (``in_use``): only on a GPU. The caller checks ``options.verify_speed``."""
+        return device.type == "cuda"
+
+    def mark(self, device: torch.device, fused: bool) -> Any:
+        """A mark of now in ``device``'s stream order (a CUDA event on its current stream),
+        made as a call of the ``fused`` runner (or the original) starts."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def between_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds from mark ``start`` to mark ``end`` (waits for ``end``)."""
+        end.synchronize()
+        return float(start.elapsed_time(end))
 
 
 class TrainingStep:

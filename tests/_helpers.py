@@ -38,12 +38,17 @@ class StandInTimer(Timer):
     (where ``options.verify_speed``). ``forward``: where given, whole forwards are timed
     on any device, ``forward(fn)`` ms a call of ``fn``, each timed forward kept in
     ``forwards`` (it runs once, as a real measurement runs it; one call is queued in no
-    time); else whole forwards are timed as the GPU's ``Timer`` times them."""
+    time); else whole forwards are timed as the GPU's ``Timer`` times them. ``in_use``:
+    where given, training steps in use are timed on any device (``in_use(fused)`` ms a
+    call of the fused model or the original)."""
 
-    def __init__(self, bench=None, tune: bool = True, time: bool = False, forward=None):
+    def __init__(self, bench=None, tune: bool = True, time: bool = False, forward=None, in_use=None):
         self.timed: list = []
         self.forwards: list = []
         self._ms, self._tune, self._time, self._forward = bench, tune, time, forward
+        # in_use(fused): ms of one call of a training step in use, as the user calls it; each
+        # mark's runner (True: fused) in ``marks``.
+        self._in_use, self.marks = in_use, []
 
     def bench(self, fn, *args, rep_ms: float = 20) -> float:
         self.timed.append(fn)
@@ -71,6 +76,16 @@ class StandInTimer(Timer):
 
     def can_time_forward(self, device) -> bool:
         return self._forward is not None or super().can_time_forward(device)
+
+    def can_time_in_use(self, device) -> bool:
+        return self._in_use is not None
+
+    def mark(self, device, fused: bool) -> int:
+        self.marks.append(fused)
+        return len(self.marks) - 1
+
+    def between_ms(self, start: int, end: int) -> float:
+        return sum(self._in_use(fused) for fused in self.marks[start:end])
 
 
 def stand_in_timer_by_kernel(use_timer, kernel_ms):

@@ -361,10 +361,11 @@ class _NormChain(nn.Module):
         return F.gelu(self.ln(x * 1.5 - 0.25)) + x
 
 
-def _step_timer(use_timer, group_ms, step_ms):
+def _step_timer(use_timer, group_ms, step_ms, in_use_ms=None):
     """Groups and whole steps timed by a stand-in clock: ``group_ms(fused)`` per group
     measurement, ``step_ms(fused)`` per whole-step or whole-forward measurement
-    (``fused``: whether it is the fused side)."""
+    (``fused``: whether it is the fused side), ``in_use_ms(fused)`` per call of a
+    training step in use (None: not timed in use)."""
     from _helpers import StandInTimer
 
     timer = StandInTimer(
@@ -372,6 +373,7 @@ def _step_timer(use_timer, group_ms, step_ms):
         time=True,
         bench=lambda fn, *args: group_ms(getattr(fn, "fused", False)),
         forward=lambda fn: step_ms(getattr(fn, "fused", isinstance(fn, torch.fx.GraphModule))),
+        in_use=in_use_ms,
     )
     return use_timer(timer)
 
@@ -432,3 +434,106 @@ def test_the_whole_training_step_decides_and_its_verdict_is_cached(tmp_path, use
     _train_once(faster, model, x)
     assert "training step, forward and backward: 0.500 ms fused vs 1.000 ms eager" in faster.report().notes
     assert faster._compiled[next(iter(faster._compiled))][0] is not None
+
+
+# ---------------------------------------------------------------------------
+# The training step checked in use (autofuser_core/in_use.py)
+# ---------------------------------------------------------------------------
+
+
+def _train_beside_eager(fused, model, reference, x, steps: int, original_runs: list):
+    """``steps`` SGD steps of the fused model and of an eager copy on ``x``; returns, per
+    step, whether the fused module ran the original (from ``original_runs``, which a
+    patched ``_run_original`` appends to). Parameters stay equal to the copy's."""
+    step, reference_step = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, reference))
+    ran = []
+    for _ in range(steps):
+        before = len(original_runs)
+        for module, optimiser in ((fused, step), (reference, reference_step)):
+            optimiser.zero_grad()
+            module(x).square().mean().backward()
+            optimiser.step()
+        ran.append(len(original_runs) > before)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    return ran
+
+
+@pytest.fixture
+def original_runs(monkeypatch):
+    """Each call of a fused module that ran the original model appends to this list."""
+    from autofuser_core.fuse import FusedModule
+
+    runs: list = []
+    run_original = FusedModule._run_original
+
+    def counted(self, args, kwargs):
+        runs.append(True)
+        return run_original(self, args, kwargs)
+
+    monkeypatch.setattr(FusedModule, "_run_original", counted)
+    return runs
+
+
+@pytest.mark.parametrize("in_use_faster", [False, True])
+def test_a_fused_step_that_won_at_compile_is_settled_by_its_first_calls_in_use(
+    tmp_path, use_timer, original_runs, in_use_faster
+):
+    """Faster back to back at compile time; in use (the stand-in clock) slower, or faster:
+    the calls follow the plan - the original once, blocks of fused, original, original,
+    fused - and the call after it settles for good, with the user's results eager's all
+    along. The verdict measured in use is cached: a second module on the cache reads it
+    and neither times nor goes on probation again."""
+    from autofuser_core import in_use
+
+    in_use_ms = (lambda fused: 0.5 if fused else 1.0) if in_use_faster else (lambda fused: 1.5 if fused else 1.0)
+    timer = _step_timer(use_timer, lambda fused: 0.5 if fused else 1.0, lambda fused: 0.5 if fused else 1.0, in_use_ms)
+    model, x = _NormChain(), torch.randn(3, 5, 23)
+    reference = copy.deepcopy(model)
+    fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
+    steps = len(in_use.PLAN) + 4  # the plan from the compiling call on, the settling call and three more
+    ran = _train_beside_eager(fused, model, reference, x, steps, original_runs)
+    plan_runs = [runner == "original" for runner in in_use.PLAN]
+    assert ran[: len(plan_runs)] == plan_runs  # the compiling call is the plan's first
+    assert timer.marks == [runner == "fused" for runner in in_use.PLAN] + [False]  # and the settling call's
+    assert ran[len(plan_runs) :] == [not in_use_faster] * 4
+    notes = " ".join(fused.report().notes)
+    ms = "0.500 ms fused vs 1.000 ms original" if in_use_faster else "1.500 ms fused vs 1.000 ms original"
+    verdict = "the fused model runs" if in_use_faster else "the original runs"
+    assert f"training step in use, 4 calls in a row of each, twice: {ms} per call: {verdict}" in notes, notes
+    assert (fused._compiled[next(iter(fused._compiled))][0] is None) is not in_use_faster
+
+    marks, forwards = len(timer.marks), len(timer.forwards)
+    again = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
+    ran = _train_beside_eager(again, model, reference, x, 4, original_runs)
+    assert ran == [not in_use_faster] * 4
+    assert len(timer.marks) == marks and len(timer.forwards) == forwards
+    assert "(measured in use, read from the cache)" in " ".join(again.report().notes)
+
+
+def test_calls_of_other_inputs_restart_the_check_in_use_and_at_last_give_it_up(tmp_path, use_timer, original_runs):
+    """Spans between two calls of the plan must be one step of its own inputs: a call of
+    other inputs in between starts the plan again; after MAX_RESTARTS restarts the plan is
+    given up, the compile's verdict (fused) stands and the report says so."""
+    from autofuser_core import in_use
+
+    timer = _step_timer(
+        use_timer, lambda fused: 0.5 if fused else 1.0, lambda fused: 0.5 if fused else 1.0, lambda f: 9.0 if f else 1.0
+    )
+    model, x, other = _NormChain(), torch.randn(3, 5, 23), torch.randn(2, 23)
+    fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False, max_signatures=4)
+    with torch.no_grad():
+        fused(other)  # compiled without gradients: no probation of its own
+    fused(x).sum().backward()  # compiles, fused won: on probation
+    for _ in range(in_use.MAX_RESTARTS + 1):
+        for _ in range(3):
+            fused(x).sum().backward()
+        with torch.no_grad():
+            fused(other)
+    first = len(original_runs)
+    fused(x).sum().backward()  # given up: fused
+    assert len(original_runs) == first
+    notes = " ".join(r for report in fused.reports() for r in report.notes)
+    assert f"calls of other inputs came between its calls {in_use.MAX_RESTARTS + 1} times" in notes, notes
+    assert "training step in use" not in notes
+    assert len(timer.marks) == 1 + 3 * (in_use.MAX_RESTARTS + 1)  # the compiling call began the first try

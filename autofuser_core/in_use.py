@@ -1,0 +1,71 @@
+"""The training step's last check, made where the model really runs: the first calls
+after compiling.
+
+The compile's whole-step check times the fused forward and backward against the
+original's, back to back with nothing else in between. A user's training step holds
+more - the loss, the optimiser, data loading, other work on the GPU - and a fused
+step that won back to back can lose there (BENCHMARKS.md, "Training"). So a
+signature whose fused step won at compile time starts on probation: its next
+``len(PLAN)`` calls follow ``PLAN``, one call of the original to warm it up, then
+blocks of ``BLOCK_CALLS`` calls of each runner in the order fused, original,
+original, fused (drift over the calls reaches both alike). The timer marks the
+start of every call in the device's stream order; the span from one call's start
+to the next is that call's whole step, as the GPU ran it. Each runner's time is its
+faster block's mean (a one-off stall - a checkpoint written, a collection - lands
+in one block). On the call after the plan the check decides: the fused model stays
+only if its step was ``margin`` faster than the original's, else the original runs
+for that signature from then on. Both runners compute the same results within the
+verified tolerance, so the calls of the plan are the user's calls as usual.
+
+A call of other inputs between two calls of the plan breaks the spans: the plan
+starts again, and after ``MAX_RESTARTS`` restarts it is given up (the compile's
+verdict stands, and the report says so).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .timing import Timer
+
+BLOCK_CALLS = 4
+PLAN = ("original",) + ("fused",) * BLOCK_CALLS + ("original",) * (2 * BLOCK_CALLS) + ("fused",) * BLOCK_CALLS
+MAX_RESTARTS = 3
+
+
+class InUseCheck:
+    """One signature's probation; see the module doc. ``runner()`` before each call of
+    it says which runs, ``"fused"`` or ``"original"``, or ``None`` once the plan is done
+    and ``times()`` can decide."""
+
+    def __init__(self, timer: Timer, device: torch.device, verdict_key: Any = None, root: Any = None):
+        self.timer, self.device = timer, device
+        self.verdict_key, self.root = verdict_key, root  # where the caller files the verdict
+        self.calls = 0
+        self.marks: list[Any] = []
+        self.restarts = 0
+
+    def runner(self) -> Optional[str]:
+        index = self.calls
+        planned = PLAN[index] if index < len(PLAN) else None
+        self.marks.append(self.timer.mark(self.device, planned == "fused"))
+        if planned is not None:
+            self.calls += 1
+        return planned
+
+    def interrupted(self) -> bool:
+        """Calls of other inputs came between two of the plan: start it again. True when
+        it has been started again too often and is given up."""
+        self.calls, self.marks = 0, []
+        self.restarts += 1
+        return self.restarts > MAX_RESTARTS
+
+    def times(self) -> tuple[float, float]:
+        """(fused ms, original ms) per call, each its faster block's mean; the plan done."""
+        spans = [self.timer.between_ms(a, b) for a, b in zip(self.marks, self.marks[1:])]
+        blocks: dict[str, list[float]] = {"fused": [], "original": []}
+        for start in range(1, len(PLAN), BLOCK_CALLS):
+            blocks[PLAN[start]].append(sum(spans[start : start + BLOCK_CALLS]) / BLOCK_CALLS)
+        return min(blocks["fused"]), min(blocks["original"])
