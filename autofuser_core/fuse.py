@@ -692,12 +692,14 @@ class FusedModule(torch.nn.Module):
                 entry = self._compile(args, kwargs, key)
             finally:
                 self._state.absorb()  # capture and verification ran the forward a few times
+            compiled_now = True
         else:
             self._compiled.move_to_end(key)
+            compiled_now = False
         graph_module, report = entry
         self._last_report = report
         self._last_key = key
-        if entry.in_use is not None:
+        if entry.in_use is not None and not compiled_now:  # the compiling call runs what it compiled
             graph_module = self._in_use_runner(key, entry, last_key)
             if graph_module is None:
                 try:
@@ -1000,6 +1002,13 @@ class FusedModule(torch.nn.Module):
         if self._last_report is None:
             raise AutoFuserError("nothing compiled yet: call the fused model on real inputs first, then .report().")
         return self._last_report
+
+    @property
+    def checking_in_use(self) -> bool:
+        """Whether a signature's fused training step is still checked in its first calls
+        as the user makes them (docs/training.md, "Checked again in use"): until it
+        settles, some calls run the original model."""
+        return any(entry.in_use is not None for entry in self._compiled.values())
 
     def reports(self) -> list[FusionReport]:
         """Reports of every compiled signature, the least recently called first."""

@@ -3,23 +3,23 @@ after compiling.
 
 The compile's whole-step check times the fused forward and backward against the
 original's, back to back with nothing else in between. A user's training step holds
-more - the loss, the optimiser, data loading, other work on the GPU - and a fused
-step that won back to back can lose there (BENCHMARKS.md, "Training"). So a
-signature whose fused step won at compile time starts on probation: its next
-``len(PLAN)`` calls follow ``PLAN``, one call of the original to warm it up, then
-blocks of ``BLOCK_CALLS`` calls of each runner in the order fused, original,
-original, fused (drift over the calls reaches both alike). The timer marks the
-start of every call in the device's stream order; the span from one call's start
-to the next is that call's whole step, as the GPU ran it. Each runner's time is its
-faster block's mean (a one-off stall - a checkpoint written, a collection - lands
-in one block). On the call after the plan the check decides: the fused model stays
-only if its step was ``margin`` faster than the original's, else the original runs
-for that signature from then on. Both runners compute the same results within the
+more - the loss, the optimiser, data loading, other work on the GPU - and a fused step
+that won back to back can lose there (BENCHMARKS.md, "Training"). So a signature whose
+fused step won at compile time starts on probation: after the compiling call (which
+runs the fused model), its next ``len(PLAN)`` calls follow ``PLAN``, one call of the
+original to warm it up, then blocks of ``BLOCK_CALLS`` calls of each runner in the
+order fused, original, original, fused (drift over the calls reaches both alike). The
+timer marks the start of every call in the device's stream order; the span from one
+call's start to the next is that call's whole step, as the GPU ran it. Each runner's
+time is its faster block's mean (a one-off stall - a checkpoint written, a collection
+- lands in one block). On the call after the plan the check decides: the fused model
+stays only if its step was ``margin`` faster than the original's, else the original
+runs for that signature from then on. Both runners compute the same results within the
 verified tolerance, so the calls of the plan are the user's calls as usual.
 
-A call of other inputs between two calls of the plan breaks the spans: the plan
-starts again, and after ``MAX_RESTARTS`` restarts it is given up (the compile's
-verdict stands, and the report says so).
+A call of other inputs between two calls of the plan breaks the spans: the plan starts
+again, and after ``MAX_RESTARTS`` restarts it is given up (the compile's verdict
+stands, and the report says so).
 """
 
 from __future__ import annotations

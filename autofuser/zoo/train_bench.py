@@ -21,7 +21,9 @@ bench feeds). For each chosen model:
 4. AutoFuser: ``autofuser.fuse(copy, cache_dir=D)`` with ``D`` a fresh empty
    folder - its first step (which compiles) is ``first_step_s``, cold cache;
    then ``fuse`` of a second copy on the same folder - its first step is
-   ``first_step_warm_s``, and it is the one checked and timed;
+   ``first_step_warm_s``, and it is the one checked and timed, after the untimed
+   steps (``settle_steps``) in which its check in use decides whether the fused
+   step or the original runs;
 5. torch.compile: after ``torch._dynamo.reset()``, ``torch.compile(copy,
    mode=--compile-mode)``; its first step (skipped with ``--no-compile``);
 6. the step time of each: ``--warmup`` steps of every system, then ``--iters``
@@ -186,6 +188,7 @@ class TrainingStep:
 
 
 ROUND_STEPS = 5  # one system's timed steps in a row before the next system's
+SETTLE_STEPS = 64  # at most, before AutoFuser's timed steps: its check in use settles (docs/training.md)
 
 
 def _timed_block(step: TrainingStep, steps: int, device: torch.device) -> tuple[list[float], Optional[float]]:
@@ -281,6 +284,7 @@ def bench_training_model(
     autofuser_cell = row["systems"]["autofuser"]
     autofuser_cell.update(
         first_step_warm_s=None,
+        settle_steps=None,
         warm_notes=None,
         fused_groups=None,
         skipped_groups=None,
@@ -340,6 +344,12 @@ def bench_training_model(
         step = training_step(warm, model)
         first = step.first()
         autofuser_cell["first_step_warm_s"] = first.seconds
+        # Its first steps settle whether the fused step or the original runs: they are not timed.
+        settling = 0
+        while warm.checking_in_use and settling < SETTLE_STEPS:
+            step.step()
+            settling += 1
+        autofuser_cell["settle_steps"] = settling
         autofuser_cell["warm_cache_hits"] = sum(g.cache_hit for g in warm.report().fused)
         # Whether the checked and timed module runs its kernels or, not being faster, the original.
         autofuser_cell["warm_notes"] = list(warm.report().notes)
