@@ -13,9 +13,10 @@ timer marks the start of every call in the device's stream order; the span from 
 call's start to the next is that call's whole step, as the GPU ran it. Each runner's
 time is its faster block's mean (a one-off stall - a checkpoint written, a collection
 - lands in one block). On the call after the plan the check decides: the fused model
-stays only if its step was ``margin`` faster than the original's, else the original
-runs for that signature from then on. Both runners compute the same results within the
-verified tolerance, so the calls of the plan are the user's calls as usual.
+stays only if its step was at least 2% faster (``FORWARD_MARGIN``) than the
+original's, else the original runs for that signature from then on. Both runners
+compute the same results within the verified tolerance, so the calls of the plan are
+the user's calls as usual.
 
 A call of other inputs between two calls of the plan breaks the spans: the plan starts
 again, and after ``MAX_RESTARTS`` restarts it is given up (the compile's verdict
