@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import hashlib
 import logging
 import math
 import operator
@@ -38,6 +39,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx
+from torch.nn.utils import parametrize
 
 from . import timing
 from .backward import build_backward
@@ -561,29 +563,43 @@ def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, dev
     The backward graphs' groups join ``report`` (``phase`` "backward")."""
     timer = timing.current()
     slower = []
+    # Groups alike (the layers of a stack) share one backward and one timing: built and
+    # timed for the first of them (``_alike``).
+    done: dict[str, tuple[Any, Optional[tuple[float, float]]]] = {}
     for index, job in enumerate(jobs, 1):
         assert job.fused is not None and job.samples is not None
         inputs, outputs = job.samples
         job.samples = None
-        progress(f"[backward {index}/{len(jobs)}] {job.entry.kernel}")
-        built = build_backward(
-            job.fused,
-            inputs,
-            outputs,
-            lambda gm, samples, say: compile_graph(gm, samples, plugin_set, options, say),
-            lambda msg: progress(f"[backward {index}/{len(jobs)}] {msg}"),
-        )
-        if built is not None:
-            job.fused.backward, found = built
-            report.groups.extend(found.groups)
-            report.unfused_nodes.extend(found.unfused_nodes)
-            report.notes.extend(found.notes)
+        alike = _alike(job.fused, inputs)
+        if alike in done:
+            built, times = done[alike]
+            if built is not None:
+                job.fused.backward, found = built
+                # Listed for each group, as its forward is: the same kernels.
+                report.groups.extend(copy.copy(entry) for entry in found.groups)
+                report.unfused_nodes.extend(copy.copy(entry) for entry in found.unfused_nodes)
+        else:
+            progress(f"[backward {index}/{len(jobs)}] {job.entry.kernel}")
+            built = build_backward(
+                job.fused,
+                inputs,
+                outputs,
+                lambda gm, samples, say: compile_graph(gm, samples, plugin_set, options, say),
+                lambda msg: progress(f"[backward {index}/{len(jobs)}] {msg}"),
+            )
+            if built is not None:
+                job.fused.backward, found = built
+                report.groups.extend(found.groups)
+                report.unfused_nodes.extend(found.unfused_nodes)
+                report.notes.extend(found.notes)
+            times = _step_times(timer, job.fused, inputs) if timer.can_time(device, options) else None
+            done[alike] = built, times
         entry = job.entry
-        if timer.can_time(device, options):
+        if times is not None:
             # A group costs its forward and its backward: both sides timed as one step
             # (the whole step is checked again in fuse.py).
             entry.timed = "forward+backward"
-            entry.time_fused_ms, entry.time_eager_ms = _step_times(timer, job.fused, inputs)
+            entry.time_fused_ms, entry.time_eager_ms = times
             if entry.time_fused_ms >= entry.time_eager_ms:
                 entry.fused, entry.reason_code = False, "slower"
                 entry.reason = (
@@ -592,6 +608,38 @@ def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, dev
                 )
                 slower.append(job.fused)
     return slower
+
+
+def _alike(fused: FusedKernel, inputs: Sequence[torch.Tensor]) -> str:
+    """What a group's backward and its timing depend on, the same for groups alike: its
+    kernel (source and config), its inputs' shapes, strides, dtypes and whether they need
+    gradients, which of its parameters are parametrized, and its original ops - each
+    node's op and arguments, by position, a module call by the module's ``repr`` (its
+    settings) and its parameters' shapes rather than by its path."""
+    eager = fused.eager
+    if not isinstance(eager, torch.fx.GraphModule):
+        return f"group {id(fused)}"  # nothing to compare: alike to none
+    positions = {node: index for index, node in enumerate(eager.graph.nodes)}
+
+    def argument(value: Any) -> Any:
+        return torch.fx.node.map_arg(value, lambda node: f"%{positions[node]}")
+
+    ops = []
+    for node in eager.graph.nodes:
+        target: Any = node.target
+        if node.op in ("call_module", "get_attr"):
+            owner = eager.get_submodule(node.target) if node.op == "call_module" else None
+            if owner is None:
+                tensor = getattr(eager, str(node.target), None)
+                target = ("attr", tuple(tensor.shape), str(tensor.dtype)) if isinstance(tensor, torch.Tensor) else None
+            else:
+                shapes = [(name, tuple(p.shape), str(p.dtype)) for name, p in owner.named_parameters()]
+                target = (type(owner).__qualname__, repr(owner), shapes)
+        ops.append((node.op, str(target), repr(argument(node.args)), repr(argument(node.kwargs))))
+    parametrized = [parametrize.is_parametrized(module, name) for _, module, name in fused.live_attrs]
+    layouts = [(tuple(t.shape), t.stride(), str(t.dtype), t.requires_grad) for t in inputs]
+    text = repr((fused.source.source_hash, sorted(fused.config.items()), layouts, parametrized, ops))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _step_times(timer: timing.Timer, fused: FusedKernel, inputs: Sequence[torch.Tensor]) -> tuple[float, float]:

@@ -73,7 +73,8 @@ RANK_SCRIPT = COMMON + textwrap.dedent("""
     with open(out, "w") as handle:
         json.dump({"losses": losses, "weights": [p.tolist() for p in model.parameters()],
                    "compiled": len(fused.reports()),
-                   "groups": [g.model_dump() for g in fused.report().groups]}, handle)
+                   "groups": [g.model_dump() for g in fused.report().groups],
+                   "notes": fused.report().notes}, handle)
     # Everything the test checks is written. Leave without the interpreter's teardown, which
     # now and then aborted a rank in full test runs ("terminate called without an active
     # exception", from C++, after the process group was destroyed; never in isolation).
@@ -138,7 +139,7 @@ def test_ddp_trains_like_eager_and_ranks_tune_each_kernel_once(tmp_path: Path):
     expected_losses, expected_weights = eager_reference()
     for rank, result in enumerate(results):
         assert result["compiled"] == 1
-        assert [g["fused"] for g in result["groups"]].count(True) >= 1, result["groups"]
+        assert [g["fused"] for g in result["groups"]].count(True) >= 1, (result["groups"], result["notes"])
         torch.testing.assert_close(result["losses"], [losses[rank] for losses in expected_losses], atol=1e-5, rtol=1e-4)
         for got, expected in zip(result["weights"], expected_weights):
             torch.testing.assert_close(torch.tensor(got), expected, atol=1e-5, rtol=1e-4)

@@ -538,3 +538,58 @@ def test_calls_of_other_inputs_restart_the_check_in_use_and_at_last_give_it_up(t
     assert f"calls of other inputs came between its calls {in_use.MAX_RESTARTS + 1} times" in notes, notes
     assert "training step in use" not in notes
     assert len(timer.marks) == 3 * (in_use.MAX_RESTARTS + 1)
+
+
+# ---------------------------------------------------------------------------
+# Groups alike share one backward
+# ---------------------------------------------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self, eps: float = 1e-5):
+        super().__init__()
+        self.ln = nn.LayerNorm(19, eps=eps)
+
+    def forward(self, x):
+        # The flip, which no plugin lowers, ends the block's group: one group per block.
+        return torch.flip(torch.sigmoid(self.ln(x * 0.5 + 0.125)) * x, [-1])
+
+
+def test_groups_alike_share_one_backward_and_train_like_eager(tmp_path, monkeypatch):
+    """The layers of a stack get one backward graph, traced and compiled once, and still
+    the gradients of each; a layer with other settings (a layer norm's eps) gets its own."""
+    from autofuser_core import backward
+
+    traced = []
+    trace = backward.trace_backward
+
+    def counted(fused, inputs, grads):
+        traced.append(fused.source.name)
+        return trace(fused, inputs, grads)
+
+    monkeypatch.setattr(backward, "trace_backward", counted)
+
+    def builds(blocks, x):
+        model = nn.Sequential(*blocks)
+        reference = copy.deepcopy(model)
+        traced.clear()
+        fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
+        x_fused, x_eager = x.clone().requires_grad_(), x.clone().requires_grad_()
+        fused(x_fused).square().sum().backward()
+        reference(x_eager).square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(x_fused.grad, x_eager.grad, atol=1e-5, rtol=1e-5)
+        report = fused.report()
+        forward = [g for g in report.fused if g.phase == "forward"]
+        return len(traced), forward, [g for g in report.fused if g.phase == "backward"]
+
+    x = torch.randn(2, 7, 19)
+    one, forward_one, backward_one = builds([_Block()], x)
+    assert one >= 1 and backward_one
+    three, forward_three, backward_three = builds([_Block() for _ in range(3)], x)
+    assert len(forward_three) > len(forward_one)  # each layer's groups are fused
+    assert three == one  # and traced once
+    assert len(backward_three) == 3 * len(backward_one)  # listed for each layer
+    other, _, _ = builds([_Block(), _Block(), _Block(eps=1e-3)], x)
+    assert other > one
