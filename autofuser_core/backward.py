@@ -153,6 +153,7 @@ def build_backward(
     except Exception as err:  # noqa: BLE001 - an op make_fx can't trace: the eager backward serves
         logger.debug("tracing a backward failed", exc_info=err)
         return None
+    reach = output_reach(fused, inputs)
     with no_autocast(), torch.no_grad():
         to_torch_level(gm, (*inputs, *grads))
         _ShapeRecorder(gm).run(*inputs, *grads)
@@ -160,7 +161,36 @@ def build_backward(
         fused_gm, report = compile_graph(gm, (*inputs, *grads), progress)
     for entry in [*report.groups, *report.unfused_nodes]:
         entry.phase = "backward"
-    return FusedBackward(fused_gm, slots, grads), report
+    return FusedBackward(fused_gm, slots, grads, reach), report
+
+
+def output_reach(fused: FusedKernel, inputs: Sequence[torch.Tensor]) -> list[frozenset[int]]:
+    """For each input, the outputs its values reach through the group's original ops (an
+    autograd path, whatever the values), from one eager run on ``inputs``: eager gives an
+    input no gradient (``None``, not zeros) where no output it reaches gets one."""
+    slots = [k for k, t in enumerate(inputs) if t.is_floating_point() or t.is_complex()]
+    leaves = [t.detach().requires_grad_(k in slots) for k, t in enumerate(inputs)]
+    with torch.enable_grad():
+        found = run_eager(fused, leaves)
+        outputs = found if isinstance(found, (tuple, list)) else (found,)
+        reach: list[set[int]] = [set() for _ in inputs]
+        for index, output in enumerate(outputs):
+            if not output.requires_grad:
+                continue
+            gradients = torch.autograd.grad(
+                output, [leaves[k] for k in slots], torch.ones_like(output), allow_unused=True, retain_graph=True
+            )
+            for k, gradient in zip(slots, gradients):
+                if gradient is not None:
+                    reach[k].add(index)
+    return [frozenset(r) for r in reach]
+
+
+def _zeros_strided(shape: torch.Size, stride: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros of ``shape`` laid out with ``stride`` (the gradient of an output nothing
+    differentiated, where others' are given)."""
+    extent = 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if all(shape) else 0
+    return torch.zeros(extent, dtype=dtype, device=device).as_strided(shape, stride)
 
 
 def _restrided(grad: torch.Tensor, stride: tuple) -> torch.Tensor:
@@ -171,18 +201,37 @@ def _restrided(grad: torch.Tensor, stride: tuple) -> torch.Tensor:
 
 class FusedBackward:
     """A group's fused backward as ``RecomputeForBackward`` calls it: the kernel's saved
-    inputs and the outputs' gradients in, one gradient (or ``None``) per input out."""
+    inputs and the outputs' gradients in (``None`` for an output nothing differentiated),
+    one gradient or ``None`` per input out - ``None`` where eager gives none: an input
+    that needs no gradient, or one that reaches (``reach``) only outputs without one."""
 
-    def __init__(self, gm: torch.fx.GraphModule, slots: Sequence[int], grads: Sequence[torch.Tensor]):
-        self.gm, self.slots = gm, list(slots)
-        # The graph was traced for gradients of these strides (its views assume them).
-        self.grad_strides = [g.stride() for g in grads]
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        slots: Sequence[int],
+        grads: Sequence[torch.Tensor],
+        reach: Sequence[frozenset[int]],
+    ):
+        self.gm, self.slots, self.reach = gm, list(slots), list(reach)
+        # The graph was traced for gradients of these layouts (its views assume them).
+        self.grad_layouts = [(g.shape, g.stride(), g.dtype) for g in grads]
 
-    def __call__(self, inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list:
-        grads = [g if g.stride() == s else _restrided(g, s) for g, s in zip(grads, self.grad_strides)]
-        with no_autocast():
-            found = self.gm(*inputs, *grads)
+    def __call__(self, inputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]) -> list:
         result: list[Optional[torch.Tensor]] = [None] * len(inputs)
+        given = {index for index, g in enumerate(grads) if g is not None}
+        if not given:
+            return result
+        device = inputs[0].device
+        laid_out = [
+            _zeros_strided(shape, stride, dtype, device)
+            if g is None
+            else g
+            if g.stride() == stride
+            else _restrided(g, stride)
+            for g, (shape, stride, dtype) in zip(grads, self.grad_layouts)
+        ]
+        with no_autocast():
+            found = self.gm(*inputs, *laid_out)
         for slot, grad in zip(self.slots, _outputs(found)):
-            result[slot] = grad if inputs[slot].requires_grad else None
+            result[slot] = grad if inputs[slot].requires_grad and self.reach[slot] & given else None
         return result

@@ -312,6 +312,9 @@ class RecomputeForBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fused: FusedKernel, *inputs: torch.Tensor):
+        # An output nothing differentiated gets None, not zeros: its inputs then get no
+        # gradient either where they reach no other output, as in eager.
+        ctx.set_materialize_grads(False)
         ctx.fused = fused
         ctx.autocast = {
             device: torch.get_autocast_dtype(device) for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)

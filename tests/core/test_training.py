@@ -593,3 +593,38 @@ def test_groups_alike_share_one_backward_and_train_like_eager(tmp_path, monkeypa
     assert len(backward_three) == 3 * len(backward_one)  # listed for each layer
     other, _, _ = builds([_Block(), _Block(), _Block(eps=1e-3)], x)
     assert other > one
+
+
+class _TwoOutputs(nn.Module):
+    """One group, two outputs, each with a weight of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.randn(23)), nn.Parameter(torch.randn(23))
+
+    def forward(self, x):
+        h = torch.sigmoid(x * 1.5 - 0.25)
+        return h * self.w1, torch.tanh(h) * self.w2
+
+
+@pytest.mark.parametrize("used", [0, 1])
+def test_an_output_the_loss_does_not_use_gives_its_weight_no_gradient_as_in_eager(tmp_path, used):
+    """Eager leaves ``.grad`` None for a weight that only feeds an output the loss does not
+    use, and AdamW then skips it; zeros would decay it. So fused: the backward graph, and
+    gradients of gradients (the recomputing path) alike."""
+    model, x = _TwoOutputs(), torch.randn(5, 23)
+    reference = copy.deepcopy(model)
+    fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
+    optimisers = [torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.5) for m in (model, reference)]
+    unused = "w2" if used == 0 else "w1"
+    for _ in range(3):
+        for module, optimiser, owner in zip((fused, reference), optimisers, (model, reference)):
+            optimiser.zero_grad(set_to_none=True)
+            module(x)[used].square().sum().backward()
+            assert getattr(owner, unused).grad is None
+            optimiser.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert any(g.phase == "backward" for g in fused.report().fused), str(fused.report())
+    found = torch.autograd.grad(fused(x)[used].sum(), [model.w1, model.w2], create_graph=True, allow_unused=True)
+    assert (found[0] is None, found[1] is None) == ((False, True) if used == 0 else (True, False))
