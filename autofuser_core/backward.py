@@ -28,7 +28,7 @@ import torch.fx
 from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .capture import _ShapeRecorder
+from .capture import record_shapes
 from .launch import FusedKernel, run_eager
 
 logger = logging.getLogger("autofuser")
@@ -156,7 +156,7 @@ def build_backward(
     reach = output_reach(fused, inputs)
     with no_autocast(), torch.no_grad():
         to_torch_level(gm, (*inputs, *grads))
-        _ShapeRecorder(gm).run(*inputs, *grads)
+        record_shapes(gm, *inputs, *grads)
         gm.meta["autofuser_input_names"] = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         fused_gm, report = compile_graph(gm, (*inputs, *grads), progress)
     for entry in [*report.groups, *report.unfused_nodes]:

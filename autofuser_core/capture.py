@@ -816,6 +816,13 @@ class _ShapeRecorder(torch.fx.Interpreter):
         return result
 
 
+def record_shapes(gm: torch.fx.GraphModule, *inputs: Any) -> None:
+    """Run ``gm`` on ``inputs`` and file each node's tensor metadata under
+    ``node.meta["tensor_meta"]`` (what planning reads), for a graph traced elsewhere (a
+    group's backward)."""
+    _ShapeRecorder(gm).run(*inputs)
+
+
 def _propagate_shapes(gm: torch.fx.GraphModule, model: torch.nn.Module, inputs: list) -> None:
     """node.meta["tensor_meta"] everywhere, on input clones, leaving RNG and buffers as they were."""
     with preserved_state(model):
