@@ -13,10 +13,13 @@ timer marks the start of every call in the device's stream order; the span from 
 call's start to the next is that call's whole step, as the GPU ran it. Each runner's
 time is its faster block's mean (a one-off stall - a checkpoint written, a collection
 - lands in one block). On the call after the plan the check decides: the fused model
-stays only if its step was at least 2% faster (``FORWARD_MARGIN``) than the
-original's, else the original runs for that signature from then on. Both runners
-compute the same results within the verified tolerance, so the calls of the plan are
-the user's calls as usual.
+stays only if its step was at least 2% faster (``FORWARD_MARGIN``) than the original's
+and that lead is larger than the spread of either side's blocks (slowest over
+fastest); a lead inside the spread is measured again by a second plan
+(``MAX_ROUNDS``), after which the original runs unless the lead has come clear of the
+spread. Else the original runs for that signature from then on. Both runners compute
+the same results within the verified tolerance, so the calls of the plan are the
+user's calls as usual.
 
 A call of other inputs between two calls of the plan breaks the spans: the plan starts
 again, and after ``MAX_RESTARTS`` restarts it is given up (the compile's verdict
@@ -25,7 +28,7 @@ stands, and the report says so).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -34,12 +37,23 @@ from .timing import Timer
 BLOCK_CALLS = 4
 PLAN = ("original",) + ("fused",) * BLOCK_CALLS + ("original",) * (2 * BLOCK_CALLS) + ("fused",) * BLOCK_CALLS
 MAX_RESTARTS = 3
+MAX_ROUNDS = 2  # plans at most: a second where the first's lead was inside the spread
+
+
+class Settled(NamedTuple):
+    """A check's outcome: which runs from then on, each side's ms per call, the spread."""
+
+    runner: str  # "fused" or "original"
+    fused_ms: float
+    original_ms: float
+    spread: float  # the largest (slowest - fastest) / fastest block of one side
+    blocks: int  # blocks of each side measured
 
 
 class InUseCheck:
     """One signature's probation; see the module doc. ``runner()`` before each call of
     it says which runs, ``"fused"`` or ``"original"``, or ``None`` once the plan is done
-    and ``times()`` can decide."""
+    and ``settle()`` decides."""
 
     def __init__(self, timer: Timer, device: torch.device, verdict_key: Any = None, root: Any = None):
         self.timer, self.device = timer, device
@@ -47,6 +61,8 @@ class InUseCheck:
         self.calls = 0
         self.marks: list[Any] = []
         self.restarts = 0
+        self.rounds = 1
+        self.blocks: dict[str, list[float]] = {"fused": [], "original": []}  # ms per call, every plan's
 
     def runner(self) -> Optional[str]:
         index = self.calls
@@ -63,10 +79,20 @@ class InUseCheck:
         self.restarts += 1
         return self.restarts > MAX_RESTARTS
 
-    def times(self) -> tuple[float, float]:
-        """(fused ms, original ms) per call, each its faster block's mean; the plan done."""
+    def settle(self, margin: float) -> Optional[Settled]:
+        """The plan done: the fused model if its step was at least ``margin`` faster and its
+        lead larger than the spread of either side's blocks; a lead inside the spread is
+        measured again with another plan (``None``: its calls follow), up to ``MAX_ROUNDS``
+        plans, and where it is still inside, the original runs (the safe side)."""
         spans = [self.timer.between_ms(a, b) for a, b in zip(self.marks, self.marks[1:])]
-        blocks: dict[str, list[float]] = {"fused": [], "original": []}
         for start in range(1, len(PLAN), BLOCK_CALLS):
-            blocks[PLAN[start]].append(sum(spans[start : start + BLOCK_CALLS]) / BLOCK_CALLS)
-        return min(blocks["fused"]), min(blocks["original"])
+            self.blocks[PLAN[start]].append(sum(spans[start : start + BLOCK_CALLS]) / BLOCK_CALLS)
+        fused, original = min(self.blocks["fused"]), min(self.blocks["original"])
+        spread = max((max(times) - min(times)) / min(times) for times in self.blocks.values())
+        lead = (original - fused) / original
+        if lead >= margin and lead <= spread and self.rounds < MAX_ROUNDS:
+            self.rounds += 1
+            self.calls, self.marks = 0, []
+            return None
+        runner = "fused" if lead >= margin and lead > spread else "original"
+        return Settled(runner, fused, original, spread, len(self.blocks["fused"]))

@@ -501,7 +501,9 @@ def test_a_fused_step_that_won_at_compile_is_settled_by_its_first_calls_in_use(
     notes = " ".join(fused.report().notes)
     ms = "0.500 ms fused vs 1.000 ms original" if in_use_faster else "1.500 ms fused vs 1.000 ms original"
     verdict = "the fused model runs" if in_use_faster else "the original runs"
-    assert f"training step in use, 4 calls in a row of each, twice: {ms} per call: {verdict}" in notes, notes
+    assert (
+        f"training step in use, 2 blocks of 4 calls on each side: {ms} per call, blocks spread 0.0%: {verdict}" in notes
+    ), notes
     assert (fused._compiled[next(iter(fused._compiled))][0] is None) is not in_use_faster
 
     marks, forwards = len(timer.marks), len(timer.forwards)
@@ -628,3 +630,31 @@ def test_an_output_the_loss_does_not_use_gives_its_weight_no_gradient_as_in_eage
     assert any(g.phase == "backward" for g in fused.report().fused), str(fused.report())
     found = torch.autograd.grad(fused(x)[used].sum(), [model.w1, model.w2], create_graph=True, allow_unused=True)
     assert (found[0] is None, found[1] is None) == ((False, True) if used == 0 else (True, False))
+
+
+def test_a_lead_inside_the_spread_of_the_calls_is_measured_again_and_then_not_trusted(
+    tmp_path, use_timer, original_runs
+):
+    """Blocks of one side that differ by more than the fused step's lead: the plan runs a
+    second time, and where the lead is still inside the spread, the original runs."""
+    from autofuser_core import in_use
+
+    fused_calls = iter([0.6] * 4 + [1.0] * 4 + [0.6] * 4 + [1.0] * 4)  # its blocks: 0.6 and 1.0 ms
+
+    def in_use_ms(fused: bool) -> float:
+        return next(fused_calls, 1.0) if fused else 1.0
+
+    _step_timer(use_timer, lambda fused: 0.5 if fused else 1.0, lambda fused: 0.5 if fused else 1.0, in_use_ms)
+    model, x = _NormChain(), torch.randn(3, 5, 23)
+    reference = copy.deepcopy(model)
+    fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
+    plans = in_use.MAX_ROUNDS * len(in_use.PLAN)
+    ran = _train_beside_eager(fused, model, reference, x, 1 + plans + 2, original_runs)
+    assert ran[1 : 1 + plans] == [runner == "original" for runner in in_use.PLAN] * in_use.MAX_ROUNDS
+    assert ran[1 + plans :] == [True, True]
+    notes = " ".join(fused.report().notes)
+    expected = (
+        "training step in use, 4 blocks of 4 calls on each side: 0.600 ms fused vs 1.000 ms original per call, "
+        "blocks spread 66.7%: its lead (40.0%) is inside that spread: the original runs"
+    )
+    assert expected in notes, notes
