@@ -12,6 +12,8 @@
 #   fft         benchmarks/fft_plugin.py       (FNO / F-FNO with and without examples/autofuser-plugin-fft)
 #   zoo:DTYPE:MODEL,MODEL   the zoo models through `autofuser bench` (benchmarks/zoo_run.sh), then
 #               benchmarks/tuning_stats.py over their caches
+#   train:DTYPE:MODEL,MODEL  their training steps (`autofuser bench --train`, flags in $TRAIN_FLAGS,
+#               default --iters 30 --warmup 3 --tune-budget 1), each model in its own process
 # Results (logs, JSON, markdown tables) go to ${OUT:-bench-results}/<step>.
 # Extra flags for a benchmark script: ${STEP}_FLAGS, e.g. MATMUL_FLAGS="--widths 128".
 # After every step, everything under the results folder is packed into one
@@ -61,6 +63,12 @@ for step in "${steps[@]}"; do
       # Where each kernel's tuning winner sat in its config list (the caches zoo_run.sh filled).
       python3 benchmarks/tuning_stats.py "$ZOO_CACHE/$dtype"/* --json "$out/zoo/tuning-$dtype.json" \
         > "$out/zoo/tuning-stats-$dtype.txt" 2>&1 ;;
+    train:*)
+      IFS=: read -r _ dtype models <<< "$step"
+      [ "$models" = "all" ] && models=galerkin,transformer,transolver,gnot,factformer,fno,ffno,unet,lsm
+      # shellcheck disable=SC2046
+      OUT="$out/train" ZOO_CACHE="$ZOO_CACHE/train-$dtype" BENCH_FLAGS="--train ${TRAIN_FLAGS:---iters 30 --warmup 3 --tune-budget 1}" \
+        bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models") ;;
     *) echo "unknown step $step" ;;
   esac
   echo "step $step took $(( $(date +%s) - start )) s" | tee -a "$out/steps.txt"

@@ -339,3 +339,40 @@ def test_a_kernel_reading_a_host_scalar_runs_without_a_graph_and_without_warning
     assert any("host memory" in note for note in fused.report().notes), fused.report().notes
     torch.testing.assert_close(got, model(x), atol=0, rtol=0)
     torch.testing.assert_close(again, got, atol=0, rtol=0)
+
+
+def test_the_training_check_in_use_times_real_steps_with_cuda_events(tmp_path):
+    """The compile's step check is told the fused step won (a stand-in for its clocks);
+    the check in use then times the loop's own steps with CUDA events and settles, while
+    the parameters stay eager's."""
+    import copy
+
+    from autofuser_core import in_use, timing
+
+    class FusedWinsAtCompile(timing.Timer):
+        def bench(self, fn, *args, rep_ms=20):
+            return 0.5 if getattr(fn, "fused", False) else 1.0
+
+        def forward_ms(self, fn, args, once_ms=None):
+            return 0.5 if getattr(fn, "fused", isinstance(fn, torch.fx.GraphModule)) else 1.0
+
+    torch.manual_seed(5)
+    model = Block().cuda().train()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(4, 211, 48, device="cuda"), torch.randn(4, 211, 1, device="cuda")
+    optimisers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference)]
+    with timing.using(FusedWinsAtCompile()):
+        fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
+        for step in range(1 + in_use.MAX_ROUNDS * len(in_use.PLAN) + 2):
+            for module, optimiser in zip((fused, reference), optimisers):
+                loss = torch.nn.functional.mse_loss(module(x), y)
+                optimiser.zero_grad()
+                loss.backward()
+                optimiser.step()
+            if step == 0:
+                assert fused.checking_in_use
+    assert not fused.checking_in_use
+    notes = " ".join(fused.report().notes)
+    assert "training step in use" in notes and " ms original per call" in notes, notes
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4, msg=name)
