@@ -701,11 +701,6 @@ class FusedModule(torch.nn.Module):
         self._last_key = key
         if entry.in_use is not None and not compiled_now:  # the compiling call runs what it compiled
             graph_module = self._in_use_runner(key, entry, last_key)
-            if graph_module is None:
-                try:
-                    return self._run_original(args, kwargs)
-                finally:
-                    self._state.absorb()
         if graph_module is None:
             return self._run_original(args, kwargs)
         try:
