@@ -221,7 +221,8 @@ class FusedBackward:
         given = {index for index, g in enumerate(grads) if g is not None}
         if not given:
             return result
-        device = inputs[0].device
+        # The kernels' device (a saved one-element input may be in host memory).
+        device = next(g.device for g in grads if g is not None)
         laid_out = [
             _zeros_strided(shape, stride, dtype, device)
             if g is None

@@ -612,8 +612,8 @@ def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, dev
 
 def _alike(fused: FusedKernel, inputs: Sequence[torch.Tensor]) -> str:
     """What a group's backward and its timing depend on, the same for groups alike: its
-    kernel (source and config), its inputs' shapes, strides, dtypes and whether they need
-    gradients, which of its parameters are parametrized, and its original ops - each
+    kernel (source and config), its inputs' shapes, strides, dtypes, devices and whether
+    they need gradients, which of its parameters are parametrized, and its original ops - each
     node's op and arguments, by position, a module call by the module's ``repr`` (its
     settings) and its parameters' shapes rather than by its path."""
     eager = fused.eager
@@ -637,7 +637,7 @@ def _alike(fused: FusedKernel, inputs: Sequence[torch.Tensor]) -> str:
                 target = (type(owner).__qualname__, repr(owner), shapes)
         ops.append((node.op, str(target), repr(argument(node.args)), repr(argument(node.kwargs))))
     parametrized = [parametrize.is_parametrized(module, name) for _, module, name in fused.live_attrs]
-    layouts = [(tuple(t.shape), t.stride(), str(t.dtype), t.requires_grad) for t in inputs]
+    layouts = [(tuple(t.shape), t.stride(), str(t.dtype), str(t.device), t.requires_grad) for t in inputs]
     text = repr((fused.source.source_hash, sorted(fused.config.items()), layouts, parametrized, ops))
     return hashlib.sha256(text.encode()).hexdigest()
 

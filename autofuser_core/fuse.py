@@ -551,7 +551,15 @@ class FusedModule(torch.nn.Module):
 
     # -- copying and saving: compiled kernels and loaded plugins are per process ---
 
-    _PER_PROCESS = ("_plugin_set", "_compiled", "_last_report", "_forward_signature", "_state", "_state_key")
+    _PER_PROCESS = (
+        "_plugin_set",
+        "_compiled",
+        "_last_report",
+        "_last_key",
+        "_forward_signature",
+        "_state",
+        "_state_key",
+    )
 
     def __deepcopy__(self, memo):
         clone = type(self).__new__(type(self))
@@ -562,6 +570,7 @@ class FusedModule(torch.nn.Module):
         clone._plugins = self._plugins
         object.__setattr__(clone, "_model", copy.deepcopy(self._model, memo))
         clone._plugin_set, clone._compiled, clone._last_report = self._plugin_set, OrderedDict(), None
+        clone._last_key = None
         clone._watch_state()
         clone._forward_signature = inspect.signature(clone._model.forward)
         return clone
@@ -575,7 +584,7 @@ class FusedModule(torch.nn.Module):
         self.__dict__.update(state)
         self._plugins = _plugins_to_load(self._plugins)
         self._plugin_set = _load_plugins_quietly(self._plugins)
-        self._compiled, self._last_report = OrderedDict(), None
+        self._compiled, self._last_report, self._last_key = OrderedDict(), None, None
         self._warned = set(state.get("_warned", ()))
         self._watch_state()
         self._forward_signature = inspect.signature(self._model.forward)
@@ -717,6 +726,12 @@ class FusedModule(torch.nn.Module):
         for good, says so in the report and files the verdict in the cache."""
         check, (fused_gm, report) = entry.in_use, entry
         assert check is not None
+        if _inside_backward() or _capturing():
+            # A forward recomputed in backward (activation checkpointing) must run what its
+            # first pass ran; a CUDA graph captured now replays without calling forward.
+            # Neither is a call of the loop: the plan neither moves nor marks.
+            self._last_key = last_key
+            return None if check.last == "original" else fused_gm
         if check.calls and last_key != key and check.interrupted():
             report.notes.append(
                 "training step not checked in use: calls of other inputs came between its calls "
@@ -1050,6 +1065,16 @@ class _Compiled(tuple):
         made = super().__new__(cls, entry)
         made.runs_model_code, made.in_use = runs_model_code, in_use
         return made
+
+
+def _inside_backward() -> bool:
+    """Whether this call runs inside a backward pass (a recomputing checkpoint)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _calls_model_code(graph_module: torch.fx.GraphModule) -> bool:

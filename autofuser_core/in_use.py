@@ -63,6 +63,7 @@ class InUseCheck:
         self.restarts = 0
         self.rounds = 1
         self.blocks: dict[str, list[float]] = {"fused": [], "original": []}  # ms per call, every plan's
+        self.last = "fused"  # what the last call ran (the compiling call ran the fused model)
 
     def runner(self) -> Optional[str]:
         index = self.calls
@@ -70,6 +71,7 @@ class InUseCheck:
         self.marks.append(self.timer.mark(self.device, planned == "fused"))
         if planned is not None:
             self.calls += 1
+            self.last = planned
         return planned
 
     def interrupted(self) -> bool:
@@ -88,8 +90,9 @@ class InUseCheck:
         for start in range(1, len(PLAN), BLOCK_CALLS):
             self.blocks[PLAN[start]].append(sum(spans[start : start + BLOCK_CALLS]) / BLOCK_CALLS)
         fused, original = min(self.blocks["fused"]), min(self.blocks["original"])
-        spread = max((max(times) - min(times)) / min(times) for times in self.blocks.values())
-        lead = (original - fused) / original
+        tiny = 1e-9  # a clock that gave 0 ms
+        spread = max((max(times) - min(times)) / max(min(times), tiny) for times in self.blocks.values())
+        lead = (original - fused) / max(original, tiny)
         if lead >= margin and lead <= spread and self.rounds < MAX_ROUNDS:
             self.rounds += 1
             self.calls, self.marks = 0, []

@@ -350,6 +350,8 @@ def bench_training_model(
             step.step()
             settling += 1
         autofuser_cell["settle_steps"] = settling
+        if warm.checking_in_use:  # its spans would take in the other systems' steps
+            raise RuntimeError(f"AutoFuser's check in use did not settle within {SETTLE_STEPS} steps")
         autofuser_cell["warm_cache_hits"] = sum(g.cache_hit for g in warm.report().fused)
         # Whether the checked and timed module runs its kernels or, not being faster, the original.
         autofuser_cell["warm_notes"] = list(warm.report().notes)

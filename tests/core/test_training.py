@@ -11,6 +11,7 @@ and with no recompilation after optimiser steps.
 from __future__ import annotations
 
 import copy
+import functools
 import zlib
 
 import pytest
@@ -658,3 +659,31 @@ def test_a_lead_inside_the_spread_of_the_calls_is_measured_again_and_then_not_tr
         "blocks spread 66.7%: its lead (40.0%) is inside that spread: the original runs"
     )
     assert expected in notes, notes
+
+
+def test_a_checkpointed_forward_recomputes_with_the_runner_its_first_pass_ran(tmp_path, use_timer, original_runs):
+    """Activation checkpointing calls forward again inside backward: during the check in
+    use, that call runs what the first pass ran and does not move the plan, so the saved
+    values match and the gradients are eager's; and the module pickles after calls."""
+    import pickle
+
+    from torch.utils.checkpoint import checkpoint
+
+    from autofuser_core import in_use
+
+    _step_timer(use_timer, lambda f: 0.5 if f else 1.0, lambda f: 0.5 if f else 1.0, lambda f: 0.5 if f else 1.0)
+    model, x = _NormChain(), torch.randn(3, 5, 23)
+    reference = copy.deepcopy(model)
+    fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
+    optimisers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, reference)]
+    for step in range(1 + len(in_use.PLAN) + 2):
+        for module, optimiser in zip((fused, reference), optimisers):
+            optimiser.zero_grad()
+            run = module if step == 0 else functools.partial(checkpoint, module, use_reentrant=False)
+            run(x.clone().requires_grad_()).square().mean().backward()  # compiled outside a checkpoint
+            optimiser.step()
+    assert not fused.checking_in_use
+    assert "training step in use, 2 blocks of 4 calls" in " ".join(fused.report().notes)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert pickle.loads(pickle.dumps(fused))._last_key is None
