@@ -698,7 +698,11 @@ class FusedModule(torch.nn.Module):
                 )
                 return self._run_original(args, kwargs)
             try:
-                entry = self._compile(args, kwargs, key)
+                # Compiling runs the model and autograd a few times of its own: tensors it
+                # saves are not the caller's, whose saved-tensor hooks (a checkpoint
+                # counting what its region saves, offloading) must not see them.
+                with _own_saved_tensors():
+                    entry = self._compile(args, kwargs, key)
             finally:
                 self._state.absorb()  # capture and verification ran the forward a few times
             compiled_now = True
@@ -1065,6 +1069,26 @@ class _Compiled(tuple):
         made = super().__new__(cls, entry)
         made.runs_model_code, made.in_use = runs_model_code, in_use
         return made
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@contextlib.contextmanager
+def _own_saved_tensors():
+    """Tensors autograd saves inside are kept as they are, past any saved-tensor hooks of
+    the caller's; where hooks are disabled altogether, there are none to pass."""
+    hooks = torch.autograd.graph.saved_tensors_hooks(_kept, _kept)
+    try:
+        hooks.__enter__()
+    except RuntimeError:  # torch.autograd.graph.disable_saved_tensors_hooks is in force
+        yield
+        return
+    try:
+        yield
+    finally:
+        hooks.__exit__(None, None, None)
 
 
 def _inside_backward() -> bool:
