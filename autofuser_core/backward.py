@@ -170,19 +170,26 @@ def output_reach(fused: FusedKernel, inputs: Sequence[torch.Tensor]) -> list[fro
     input no gradient (``None``, not zeros) where no output it reaches gets one."""
     slots = [k for k, t in enumerate(inputs) if t.is_floating_point() or t.is_complex()]
     leaves = [t.detach().requires_grad_(k in slots) for k, t in enumerate(inputs)]
-    with torch.enable_grad():
-        found = run_eager(fused, leaves)
-        outputs = found if isinstance(found, (tuple, list)) else (found,)
-        reach: list[set[int]] = [set() for _ in inputs]
-        for index, output in enumerate(outputs):
-            if not output.requires_grad:
-                continue
-            gradients = torch.autograd.grad(
-                output, [leaves[k] for k in slots], torch.ones_like(output), allow_unused=True, retain_graph=True
-            )
-            for k, gradient in zip(slots, gradients):
-                if gradient is not None:
-                    reach[k].add(index)
+    reach: list[set[int]] = [set() for _ in inputs]
+    try:
+        with torch.enable_grad():
+            found = run_eager(fused, leaves)
+            outputs = found if isinstance(found, (tuple, list)) else (found,)
+            for index, output in enumerate(outputs):
+                if not output.requires_grad:
+                    continue
+                gradients = torch.autograd.grad(
+                    output, [leaves[k] for k in slots], torch.ones_like(output), allow_unused=True, retain_graph=True
+                )
+                for k, gradient in zip(slots, gradients):
+                    if gradient is not None:
+                        reach[k].add(index)
+    except RuntimeError as err:
+        # Eager's own backward can fail where the traced one ran (an in-place op's broadcast
+        # shape); an input then counts as reaching every output, as before it was measured.
+        logger.debug("finding which outputs each input reaches failed", exc_info=err)
+        everything = set(range(len(fused.output_layout)))
+        reach = [set(everything) if k in slots else set() for k in range(len(inputs))]
     return [frozenset(r) for r in reach]
 
 

@@ -47,7 +47,7 @@ from .capture import bind_inputs, capture, preserved_state
 from .compile import _device_of, compile_graph
 from .cudagraphs import CudaGraphRunner, try_cuda_graph
 from .errors import AutoFuserError, CaptureError, CompileFailedWarning, PluginError
-from .in_use import BLOCK_CALLS, MAX_RESTARTS, InUseCheck
+from .in_use import BLOCK_CALLS, MAX_RESTARTS, InUseCheck, end_turn, take_turn
 from .launch import FusedKernel
 from .plugins import PluginSet, load_plugins
 from .quantize import QuantizedLayer, QuantizeOptions, parse_quantize, quantize_model
@@ -736,12 +736,17 @@ class FusedModule(torch.nn.Module):
             # Neither is a call of the loop: the plan neither moves nor marks.
             self._last_key = last_key
             return None if check.last == "original" else fused_gm
-        if check.calls and last_key != key and check.interrupted():
+        if not take_turn(check):
+            return fused_gm  # another module's plan is under way: the compile's verdict until then
+        interrupted = last_key != key or check.turn_lost
+        check.turn_lost = False
+        if check.calls and interrupted and check.interrupted():
             report.notes.append(
                 "training step not checked in use: calls of other inputs came between its calls "
                 f"{MAX_RESTARTS + 1} times; the compile's verdict stands"
             )
             entry.in_use = None
+            end_turn(check)
             return fused_gm
         planned = check.runner()
         if planned is None:
@@ -752,6 +757,7 @@ class FusedModule(torch.nn.Module):
             return fused_gm if planned == "fused" else None
         assert settled is not None
         entry.in_use = None
+        end_turn(check)
         faster = settled.runner == "fused"
         verdict = "the fused model runs" if faster else "the original runs"
         lead = 1.0 - settled.fused_ms / settled.original_ms

@@ -28,6 +28,8 @@ stands, and the report says so).
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -38,6 +40,7 @@ BLOCK_CALLS = 4
 PLAN = ("original",) + ("fused",) * BLOCK_CALLS + ("original",) * (2 * BLOCK_CALLS) + ("fused",) * BLOCK_CALLS
 MAX_RESTARTS = 3
 MAX_ROUNDS = 2  # plans at most: a second where the first's lead was inside the spread
+STALE_CALLS = 64  # calls another check waits for one that makes no call of its plan, then takes over
 
 
 class Settled(NamedTuple):
@@ -64,6 +67,7 @@ class InUseCheck:
         self.rounds = 1
         self.blocks: dict[str, list[float]] = {"fused": [], "original": []}  # ms per call, every plan's
         self.last = "fused"  # what the last call ran (the compiling call ran the fused model)
+        self.turn_lost = False  # another check took the turn while this one's plan was under way
 
     def runner(self) -> Optional[str]:
         index = self.calls
@@ -99,3 +103,37 @@ class InUseCheck:
             return None
         runner = "fused" if lead >= margin and lead > spread else "original"
         return Settled(runner, fused, original, spread, len(self.blocks["fused"]))
+
+
+# One check's plan at a time, in the whole process: two fused modules in one loop (a
+# generator and a critic) would otherwise run their plans in lock step, and each one's
+# spans would take in the other's switch between fused and original.
+_turn_lock = threading.Lock()
+_holder: Optional["weakref.ref[InUseCheck]"] = None
+_waited = 0
+
+
+def take_turn(check: InUseCheck) -> bool:
+    """Whether ``check`` may make a call of its plan now: no other check is under way, or
+    the one that is made none of its calls while others waited ``STALE_CALLS`` calls (it
+    then starts again when its turn comes back)."""
+    global _holder, _waited
+    with _turn_lock:
+        holder = _holder() if _holder is not None else None
+        if holder is None or holder is check:
+            _holder, _waited = weakref.ref(check), 0
+            return True
+        _waited += 1
+        if _waited <= STALE_CALLS:
+            return False
+        holder.turn_lost = True
+        _holder, _waited = weakref.ref(check), 0
+        return True
+
+
+def end_turn(check: InUseCheck) -> None:
+    """``check`` settled or was given up: the next check may go."""
+    global _holder, _waited
+    with _turn_lock:
+        if _holder is not None and _holder() is check:
+            _holder, _waited = None, 0

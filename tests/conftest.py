@@ -17,6 +17,16 @@ os.environ.setdefault("AUTOFUSER_CACHE_DIR", tempfile.mkdtemp(prefix="autofuser-
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _no_check_in_use_left_over():
+    """Each test starts with no fused module's check in use under way: one a test left
+    mid-plan would hold the turn (``autofuser_core.in_use.take_turn``) in the next."""
+    from autofuser_core import in_use
+
+    in_use._holder = None
+    yield
+
+
 @pytest.fixture
 def device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -688,3 +688,38 @@ def test_a_checkpointed_forward_recomputes_with_the_runner_its_first_pass_ran(tm
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
     assert pickle.loads(pickle.dumps(fused))._last_key is None
+
+
+def test_two_fused_modules_in_one_loop_take_turns_in_their_checks(tmp_path, use_timer, monkeypatch):
+    """A generator and a critic trained in one loop: their plans run one after the other,
+    not in lock step, so neither one's spans take in the other's switches; the waiting
+    one runs its compile's verdict (fused) meanwhile, and both settle."""
+    from autofuser_core import in_use
+
+    order: list[int] = []
+    runner = in_use.InUseCheck.runner
+
+    def logged(self):
+        order.append(id(self))
+        return runner(self)
+
+    monkeypatch.setattr(in_use.InUseCheck, "runner", logged)
+    _step_timer(use_timer, lambda f: 0.5 if f else 1.0, lambda f: 0.5 if f else 1.0, lambda f: 0.5 if f else 1.0)
+    models = [_NormChain(), _NormChain()]
+    references = [copy.deepcopy(m) for m in models]
+    fused = [autofuser.fuse(m, cache_dir=str(tmp_path / str(k)), progress=False) for k, m in enumerate(models)]
+    x = torch.randn(3, 5, 23)
+    pairs = list(zip(fused + references, models + references))
+    optimisers = [torch.optim.SGD(owner.parameters(), lr=0.05) for _, owner in pairs]
+    for _ in range(1 + 2 * (len(in_use.PLAN) + 1) + 1):
+        for (module, _), optimiser in zip(pairs, optimisers):
+            optimiser.zero_grad()
+            module(x).square().mean().backward()
+            optimiser.step()
+    assert not any(f.checking_in_use for f in fused)
+    first, second = dict.fromkeys(order)  # the two checks, in the order they first ran
+    assert order == [first] * (len(in_use.PLAN) + 1) + [second] * (len(in_use.PLAN) + 1)
+    for module, model, reference in zip(fused, models, references):
+        assert "training step in use" in " ".join(module.report().notes)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
