@@ -367,6 +367,18 @@ def prepare_model(row: dict[str, Any], *, dtype: str, device: torch.device) -> O
     return model, x, target
 
 
+# What an AutoFuser cell keeps of its fusion report (``report_fields``) and of its warm
+# cache, None until measured.
+AUTOFUSER_REPORT_KEYS = ("fused_groups", "skipped_groups", "warm_cache_hits", "unfused_nodes", "opaque")
+
+
+def start_autofuser_cell(row: dict[str, Any], **measured: None) -> dict[str, Any]:
+    """``row``'s AutoFuser cell with the report's fields and ``measured`` set to None."""
+    cell = row["systems"]["autofuser"]
+    cell.update(dict.fromkeys(measured), **dict.fromkeys(AUTOFUSER_REPORT_KEYS), report=None, report_text=None)
+    return cell
+
+
 def report_fields(report) -> dict[str, Any]:
     """What an AutoFuser cell keeps of a cold compile's fusion report."""
     return {
@@ -436,19 +448,7 @@ def bench_model(
     mesh = MESHES[config]
     batch = batch_size or entry.batch(config)
     row = start_row(name, config=config, batch=batch, train_steps=train_steps, empty_cell=_empty_cell)
-    autofuser_cell = row["systems"]["autofuser"]
-    autofuser_cell.update(
-        first_call_cold_s=None,
-        first_call_warm_s=None,
-        fused_groups=None,
-        skipped_groups=None,
-        warm_cache_hits=None,
-        warm_phases=None,
-        unfused_nodes=None,
-        opaque=None,
-        report=None,
-        report_text=None,
-    )
+    autofuser_cell = start_autofuser_cell(row, first_call_cold_s=None, first_call_warm_s=None, warm_phases=None)
     row["systems"]["torch.compile"]["mode"] = compile_mode
     prepared = prepare_model(row, dtype=dtype, device=device)
     if prepared is None:

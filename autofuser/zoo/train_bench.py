@@ -70,6 +70,7 @@ from autofuser.zoo.harness import (
     report_fields,
     row_errors,
     run_systems,
+    start_autofuser_cell,
     start_row,
     synchronize,
     table_lines,
@@ -281,19 +282,7 @@ def bench_training_model(
     mesh = MESHES[config]
     batch = batch_size or entry.batch(config, train=True)
     row = start_row(name, config=config, batch=batch, train_steps=train_steps, empty_cell=_empty_training_cell)
-    autofuser_cell = row["systems"]["autofuser"]
-    autofuser_cell.update(
-        first_step_warm_s=None,
-        settle_steps=None,
-        warm_notes=None,
-        fused_groups=None,
-        skipped_groups=None,
-        warm_cache_hits=None,
-        unfused_nodes=None,
-        opaque=None,
-        report=None,
-        report_text=None,
-    )
+    autofuser_cell = start_autofuser_cell(row, first_step_warm_s=None, settle_steps=None, warm_notes=None)
     row["systems"]["torch.compile"]["mode"] = compile_mode
     prepared = prepare_model(row, dtype=dtype, device=device)
     if prepared is None:
