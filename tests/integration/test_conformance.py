@@ -63,16 +63,8 @@ def _cases():
 
 @pytest.mark.parametrize("spec_name,dtype_name,sample_index,form_index", list(_cases()))
 def test_lowering_matches_eager(spec_name, dtype_name, sample_index, form_index):
-    spec = PLUGINS.registry.lowerings[spec_name]
-    dtype = FLOAT_DTYPES[dtype_name]
-    torch.manual_seed(1000 + sample_index)
-    sample = spec.samples(dtype)[sample_index]
-    reference = spec.references[form_index]
-    if isinstance(reference, torch.nn.Module):
-        reference = copy.deepcopy(reference).to(device=DEVICE, dtype=dtype)
-    args = tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in sample.args)
-    kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in sample.kwargs.items()}
-    model = Wrapper(reference, args, kwargs).eval()
+    spec, dtype, model, args, kwargs = build_case(spec_name, dtype_name, sample_index, form_index, seed=1000)
+    model.eval()
     tensors = _tensor_args(args, kwargs)
 
     # Strict fp32 on both sides: cuDNN's default lets eager's fp32 convolutions run in TF32,
@@ -118,6 +110,22 @@ def _in_float64(reference, args, kwargs) -> torch.Tensor:
     args, kwargs = tuple(map(wide, args)), {k: wide(v) for k, v in kwargs.items()}
     with torch.no_grad():
         return Wrapper(reference, args, kwargs)(*_tensor_args(args, kwargs)).double()
+
+
+def build_case(spec_name: str, dtype_name: str, sample_index: int, form_index: int, seed: int):
+    """(spec, dtype, model, args, kwargs) of one case: the spec's sample ``sample_index``
+    (random inputs from ``seed + sample_index``) on ``DEVICE``, through its reference
+    form ``form_index`` wrapped as a model."""
+    spec = PLUGINS.registry.lowerings[spec_name]
+    dtype = FLOAT_DTYPES[dtype_name]
+    torch.manual_seed(seed + sample_index)
+    sample = spec.samples(dtype)[sample_index]
+    reference = spec.references[form_index]
+    if isinstance(reference, torch.nn.Module):
+        reference = copy.deepcopy(reference).to(device=DEVICE, dtype=dtype)
+    args = tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in sample.args)
+    kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in sample.kwargs.items()}
+    return spec, dtype, Wrapper(reference, args, kwargs), args, kwargs
 
 
 def _tensor_args(args, kwargs) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from test_conformance import DEVICE, FLOAT_DTYPES, PLUGINS, Wrapper, _tensor_args
+from test_conformance import DEVICE, FLOAT_DTYPES, PLUGINS, Wrapper, _tensor_args, build_case
 
 import autofuser
 
@@ -84,16 +84,8 @@ def _gradients(module, tensors, grad_seed: int):
 
 
 def run_case(spec_name: str, dtype_name: str, sample_index: int = 0):
-    spec = PLUGINS.registry.lowerings[spec_name]
-    dtype = FLOAT_DTYPES[dtype_name]
-    torch.manual_seed(2000 + sample_index)
-    sample = spec.samples(dtype)[sample_index]
-    reference = spec.references[0]
-    if isinstance(reference, torch.nn.Module):
-        reference = copy.deepcopy(reference).to(device=DEVICE, dtype=dtype)
-    args = tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in sample.args)
-    kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in sample.kwargs.items()}
-    model = Wrapper(reference, args, kwargs).train()
+    spec, dtype, model, args, kwargs = build_case(spec_name, dtype_name, sample_index, 0, seed=2000)
+    model.train()
     tensors = _tensor_args(args, kwargs)
     fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
     try:
