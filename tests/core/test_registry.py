@@ -3,7 +3,7 @@ conflicts (``autofuser_core.registry``, ``autofuser_core.specs``).
 
 Plugins here are throwaway modules built in the test (``plugin_module``), the
 way a third party writes one: a module with ``autofuser_*`` functions. The
-third-party ``erf`` plugin is also run end to end through ``fuse()``.
+third-party ``trunc`` plugin is also run end to end through ``fuse()``.
 """
 
 from __future__ import annotations
@@ -66,89 +66,89 @@ def node_calling(target) -> torch.fx.Node:
 
 
 # ---------------------------------------------------------------------------
-# A valid third-party plugin: torch.erf, which no bundled plugin lowers
+# A valid third-party plugin: torch.trunc, which no bundled plugin lowers
 # ---------------------------------------------------------------------------
 
 
-def lower_erf(ctx, input, *, out=None):
+def lower_trunc(ctx, input, *, out=None):
     if out is not None:
-        ctx.refuse("out_argument", "erf(out=...) writes into a caller's tensor")
-    return ctx.pointwise("tl.erf({0})", input)
+        ctx.refuse("out_argument", "trunc(out=...) writes into a caller's tensor")
+    return ctx.pointwise("tl.where({0} < 0, tl.ceil({0}), tl.floor({0}))", input)
 
 
-def erf_samples(dtype):
+def trunc_samples(dtype):
     return [
         Sample(args=((torch.randn(3, 37) * 2).to(dtype),), note="(3, 37)"),
         Sample(args=(torch.randn(2, 5, 7).to(dtype),), note="(2, 5, 7)"),
     ]
 
 
-def erf_method(x):
-    return x.erf()
+def trunc_method(x):
+    return x.trunc()
 
 
-def erf_fields(**changes):
+def trunc_fields(**changes):
     fields = dict(
-        name="erfplugin.erf",
-        description="the error function",
-        targets=(torch.erf, torch.special.erf, "erf"),
+        name="truncplugin.trunc",
+        description="rounding toward zero",
+        targets=(torch.trunc, torch.fix, "trunc"),
         kind="pointwise",
-        lower=lower_erf,
-        samples=erf_samples,
-        references=(torch.erf, torch.special.erf, erf_method),
+        lower=lower_trunc,
+        samples=trunc_samples,
+        references=(torch.trunc, torch.fix, trunc_method),
     )
     fields.update(changes)
     return fields
 
 
 @autofuser.hookimpl
-def _register_erf(register):
-    register(LoweringSpec(**erf_fields()))
+def _register_trunc(register):
+    register(LoweringSpec(**trunc_fields()))
 
 
-ERF_PLUGIN = plugin_module("erfplugin", autofuser_register_lowerings=_register_erf)
+TRUNC_PLUGIN = plugin_module("truncplugin", autofuser_register_lowerings=_register_trunc)
 
 
-class ErfChain(torch.nn.Module):
-    """Every form of erf in one pointwise chain, with a broadcast operand."""
+class TruncChain(torch.nn.Module):
+    """Every form of trunc in one pointwise chain, with a broadcast operand."""
 
     def forward(self, x, y):
-        a = torch.erf(x * 0.7 + y)
-        b = torch.special.erf(a * x)
-        return b.erf() - y
+        a = torch.trunc(x * 7.0 + y)
+        b = torch.fix(a * x)
+        return b.trunc() - y
 
 
-def test_no_bundled_plugin_lowers_erf():
-    """The premise of the third-party tests: erf is not already taken."""
+def test_no_bundled_plugin_lowers_trunc():
+    """The premise of the third-party tests: trunc is not already taken."""
     bundled = autofuser.load_plugins(None)
     for spec in bundled.registry.lowerings.values():
-        assert not {torch.erf, torch.special.erf, "erf"} & set(spec.targets), spec.name
+        assert not {torch.trunc, torch.fix, "trunc"} & set(spec.targets), spec.name
 
 
 def test_third_party_plugin_loads_and_is_stamped():
-    plugin_set = autofuser.load_plugins([ERF_PLUGIN])
-    assert plugin_set.names == ["erfplugin"]
-    spec = plugin_set.registry.lowerings["erfplugin.erf"]
-    assert spec.plugin == "erfplugin"
-    assert list(plugin_set.registry.lowerings) == ["erfplugin.erf"]
-    assert plugin_set.registry.lowering_for(node_calling(torch.erf)) is spec
-    assert plugin_set.registry.lowering_for(node_calling(torch.special.erf)) is spec
+    plugin_set = autofuser.load_plugins([TRUNC_PLUGIN])
+    assert plugin_set.names == ["truncplugin"]
+    spec = plugin_set.registry.lowerings["truncplugin.trunc"]
+    assert spec.plugin == "truncplugin"
+    assert list(plugin_set.registry.lowerings) == ["truncplugin.trunc"]
+    assert plugin_set.registry.lowering_for(node_calling(torch.trunc)) is spec
+    assert plugin_set.registry.lowering_for(node_calling(torch.fix)) is spec
     assert plugin_set.registry.lowering_for(node_calling(torch.sigmoid)) is None
 
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_third_party_plugin_fuses_an_erf_chain(dtype, batch):
-    model = ErfChain()
+def test_third_party_plugin_fuses_an_trunc_chain(dtype, batch):
+    model = TruncChain()
     x = torch.randn(batch, 5, 37, dtype=dtype)
     y = torch.randn(37, dtype=dtype)
     with torch.no_grad():
         expected = model(x, y)
-        fused = autofuser.fuse(model, plugins=["elementwise", ERF_PLUGIN], progress=False)
+        fused = autofuser.fuse(model, plugins=["elementwise", TRUNC_PLUGIN], progress=False)
         got = fused(x, y)
 
     report = fused.report()
-    assert report.plugins == ["elementwise", "erfplugin"]
+    assert report.plugins == ["elementwise", "truncplugin"]
     assert len(report.groups) == 1, str(report)
     group = report.groups[0]
     assert group.strategy == "elementwise"
@@ -156,10 +156,10 @@ def test_third_party_plugin_fuses_an_erf_chain(dtype, batch):
     assert group.ops == [
         "elementwise.mul",
         "elementwise.add",
-        "erfplugin.erf",
+        "truncplugin.trunc",
         "elementwise.mul",
-        "erfplugin.erf",
-        "erfplugin.erf",
+        "truncplugin.trunc",
+        "truncplugin.trunc",
         "elementwise.sub",
     ]
     assert report.unfused_nodes == []
@@ -167,23 +167,23 @@ def test_third_party_plugin_fuses_an_erf_chain(dtype, batch):
     torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[dtype])
 
 
-def test_without_the_plugin_erf_stays_eager():
-    """Control for the test above: the erf nodes fuse because of the plugin."""
-    model = ErfChain()
+def test_without_the_plugin_trunc_stays_eager():
+    """Control for the test above: the trunc nodes fuse because of the plugin."""
+    model = TruncChain()
     x, y = torch.randn(3, 5, 37), torch.randn(37)
     with torch.no_grad():
         fused = autofuser.fuse(model, plugins=["elementwise"], progress=False)
         torch.testing.assert_close(fused(x, y), model(x, y), atol=1e-5, rtol=1e-4)
     report = fused.report()
-    eager_erfs = [n for n in report.unfused_nodes if n.reason_code == "no_lowering"]
-    assert len(eager_erfs) == 3, str(report)
-    assert all("erf" not in op for group in report.groups for op in group.ops)
+    eager_truncs = [n for n in report.unfused_nodes if n.reason_code == "no_lowering"]
+    assert len(eager_truncs) == 3, str(report)
+    assert all("trunc" not in op for group in report.groups for op in group.ops)
 
 
 def test_third_party_plugin_samples_match_its_references():
     """The plugin's own samples and references (what the conformance test runs)
     agree with the fused kernel."""
-    spec = autofuser.load_plugins([ERF_PLUGIN]).registry.lowerings["erfplugin.erf"]
+    spec = autofuser.load_plugins([TRUNC_PLUGIN]).registry.lowerings["truncplugin.trunc"]
 
     class Reference(torch.nn.Module):
         def __init__(self, fn):
@@ -198,11 +198,11 @@ def test_third_party_plugin_samples_match_its_references():
             for reference in spec.references:
                 model = Reference(reference)
                 with torch.no_grad():
-                    # elementwise brings the strategy; the erf plugin only lowers.
-                    fused = autofuser.fuse(model, plugins=["elementwise", ERF_PLUGIN], progress=False)
+                    # elementwise brings the strategy; the trunc plugin only lowers.
+                    fused = autofuser.fuse(model, plugins=["elementwise", TRUNC_PLUGIN], progress=False)
                     got = fused(*sample.args)
                     expected = model(*sample.args)
-                assert [g.ops for g in fused.report().fused] == [["erfplugin.erf"]]
+                assert [g.ops for g in fused.report().fused] == [["truncplugin.trunc"]]
                 tol = spec.tolerance(dtype)
                 torch.testing.assert_close(got.float(), expected.float(), atol=tol.atol, rtol=tol.rtol)
 
@@ -227,14 +227,14 @@ def test_third_party_plugin_samples_match_its_references():
     ],
 )
 def test_invalid_spec_is_a_spec_error_naming_plugin_and_field(changes, field, detail):
-    bad = plugin_module("badplugin", autofuser_register_lowerings=registering(**erf_fields(**changes)))
+    bad = plugin_module("badplugin", autofuser_register_lowerings=registering(**trunc_fields(**changes)))
     with pytest.raises(SpecError) as caught:
         autofuser.load_plugins([bad])
     message = str(caught.value)
     assert "'badplugin'" in message
     assert field in message
     assert detail in message
-    assert "erfplugin.erf" in message  # the spec's name, so the author finds it
+    assert "truncplugin.trunc" in message  # the spec's name, so the author finds it
 
 
 def test_invalid_spec_object_built_inside_the_hook_names_plugin_and_field():
@@ -242,7 +242,7 @@ def test_invalid_spec_object_built_inside_the_hook_names_plugin_and_field():
     error still names the plugin, the hook and the field."""
 
     def autofuser_register_lowerings(register):
-        register(LoweringSpec(**erf_fields(tolerance={})))
+        register(LoweringSpec(**trunc_fields(tolerance={})))
 
     bad = plugin_module("objplugin", autofuser_register_lowerings=autofuser_register_lowerings)
     with pytest.raises(PluginError) as caught:
@@ -268,9 +268,9 @@ def test_invalid_spec_object_built_inside_the_hook_names_plugin_and_field():
             "registered a StrategySpec",
             id="wrong-spec-type",
         ),
-        pytest.param(lambda register: register(LoweringSpec(**erf_fields()), name="x"), "not both", id="both-forms"),
+        pytest.param(lambda register: register(LoweringSpec(**trunc_fields()), name="x"), "not both", id="both-forms"),
         pytest.param(
-            lambda register: register(**erf_fields(plugin="elementwise")), "leave `plugin` unset", id="sets-plugin"
+            lambda register: register(**trunc_fields(plugin="elementwise")), "leave `plugin` unset", id="sets-plugin"
         ),
     ],
 )
@@ -282,28 +282,28 @@ def test_misused_register_callback_is_a_spec_error(call, detail):
 
 
 def test_specs_are_frozen():
-    spec = autofuser.load_plugins([ERF_PLUGIN]).registry.lowerings["erfplugin.erf"]
+    spec = autofuser.load_plugins([TRUNC_PLUGIN]).registry.lowerings["truncplugin.trunc"]
     with pytest.raises(ValidationError):
         spec.priority = 5
     with pytest.raises(ValidationError):
         spec.plugin = "someone_else"
-    assert spec.priority == 0 and spec.plugin == "erfplugin"
+    assert spec.priority == 0 and spec.plugin == "truncplugin"
 
 
 def test_spec_as_keywords_equals_spec_object():
-    by_keywords = plugin_module("bykw", autofuser_register_lowerings=registering(**erf_fields()))
-    by_object = ERF_PLUGIN
-    a = autofuser.load_plugins([by_keywords]).registry.lowerings["erfplugin.erf"]
-    b = autofuser.load_plugins([by_object]).registry.lowerings["erfplugin.erf"]
-    assert a.plugin == "bykw" and b.plugin == "erfplugin"
+    by_keywords = plugin_module("bykw", autofuser_register_lowerings=registering(**trunc_fields()))
+    by_object = TRUNC_PLUGIN
+    a = autofuser.load_plugins([by_keywords]).registry.lowerings["truncplugin.trunc"]
+    b = autofuser.load_plugins([by_object]).registry.lowerings["truncplugin.trunc"]
+    assert a.plugin == "bykw" and b.plugin == "truncplugin"
     assert a.model_dump(exclude={"plugin"}) == b.model_dump(exclude={"plugin"})
 
-    model = ErfChain()
+    model = TruncChain()
     x, y = torch.randn(3, 5, 37), torch.randn(37)
     with torch.no_grad():
         fused = autofuser.fuse(model, plugins=["elementwise", by_keywords], progress=False)
         torch.testing.assert_close(fused(x, y), model(x, y), atol=1e-5, rtol=1e-4)
-    assert "erfplugin.erf" in fused.report().fused[0].ops
+    assert "truncplugin.trunc" in fused.report().fused[0].ops
 
 
 # ---------------------------------------------------------------------------
@@ -312,11 +312,11 @@ def test_spec_as_keywords_equals_spec_object():
 
 
 def test_duplicate_spec_name_names_both_plugins():
-    first = plugin_module("first", autofuser_register_lowerings=registering(**erf_fields(name="shared.op")))
+    first = plugin_module("first", autofuser_register_lowerings=registering(**trunc_fields(name="shared.op")))
     second = plugin_module(
         "second",
         autofuser_register_lowerings=registering(
-            **erf_fields(name="shared.op", targets=(torch.erfc,), samples=None, references=())
+            **trunc_fields(name="shared.op", targets=(torch.frac,), samples=None, references=())
         ),
     )
     with pytest.raises(SpecError) as caught:
@@ -327,8 +327,8 @@ def test_duplicate_spec_name_names_both_plugins():
 
 
 def test_tie_on_a_target_names_both_plugins_and_suggests_priority():
-    first = plugin_module("first", autofuser_register_lowerings=registering(**erf_fields(name="first.erf")))
-    second = plugin_module("second", autofuser_register_lowerings=registering(**erf_fields(name="second.erf")))
+    first = plugin_module("first", autofuser_register_lowerings=registering(**trunc_fields(name="first.trunc")))
+    second = plugin_module("second", autofuser_register_lowerings=registering(**trunc_fields(name="second.trunc")))
     with pytest.raises(SpecError) as caught:
         autofuser.load_plugins([first, second])
     message = str(caught.value)
@@ -354,14 +354,16 @@ def test_tie_with_a_bundled_lowering_names_the_bundled_plugin():
 
 @pytest.mark.parametrize("order", ["low-first", "high-first"])
 def test_higher_priority_wins_whatever_the_load_order(order):
-    low = plugin_module("low", autofuser_register_lowerings=registering(**erf_fields(name="low.erf")))
-    high = plugin_module("high", autofuser_register_lowerings=registering(**erf_fields(name="high.erf", priority=5)))
+    low = plugin_module("low", autofuser_register_lowerings=registering(**trunc_fields(name="low.trunc")))
+    high = plugin_module(
+        "high", autofuser_register_lowerings=registering(**trunc_fields(name="high.trunc", priority=5))
+    )
     plugins = [low, high] if order == "low-first" else [high, low]
     registry = autofuser.load_plugins(plugins).registry
-    for target in (torch.erf, torch.special.erf):
+    for target in (torch.trunc, torch.fix):
         winner = registry.lowering_for(node_calling(target))
-        assert winner is not None and winner.name == "high.erf" and winner.plugin == "high"
-    assert set(registry.lowerings) == {"low.erf", "high.erf"}  # the loser stays registered, unused
+        assert winner is not None and winner.name == "high.trunc" and winner.plugin == "high"
+    assert set(registry.lowerings) == {"low.trunc", "high.trunc"}  # the loser stays registered, unused
 
 
 def test_higher_priority_override_of_a_bundled_lowering_wins():
@@ -483,8 +485,8 @@ def test_none_discovers_every_bundled_plugin():
 
 @pytest.fixture
 def third_party_entry_point(monkeypatch):
-    """An installed third-party plugin: the erf plugin behind an entry point."""
-    module = plugin_module("af_test_thirdparty", autofuser_register_lowerings=_register_erf)
+    """An installed third-party plugin: the trunc plugin behind an entry point."""
+    module = plugin_module("af_test_thirdparty", autofuser_register_lowerings=_register_trunc)
     monkeypatch.setitem(sys.modules, "af_test_thirdparty", module)
     fake = importlib.metadata.EntryPoint(name="thirdparty", value="af_test_thirdparty", group=ENTRY_POINT_GROUP)
     real_entry_points = importlib.metadata.entry_points
@@ -503,7 +505,7 @@ def test_autoload_disabled_skips_third_party_entry_points(third_party_entry_poin
     monkeypatch.setenv(AUTOLOAD_ENV, "1")
     plugin_set = autofuser.load_plugins(None)
     assert plugin_set.names == BUNDLED
-    assert "erfplugin.erf" not in plugin_set.registry.lowerings
+    assert "truncplugin.trunc" not in plugin_set.registry.lowerings
     # Still loadable by name on purpose.
     assert autofuser.load_plugins(["thirdparty"]).names == ["thirdparty"]
 
@@ -518,14 +520,14 @@ def test_autoload_enabled_loads_third_party_entry_points(third_party_entry_point
     # Every installed plugin (the CI also installs examples/autofuser-plugin-fft), in name order.
     assert plugin_set.names == sorted(installed_entry_points())
     assert set(BUNDLED + ["thirdparty"]) <= set(plugin_set.names)
-    assert plugin_set.registry.lowerings["erfplugin.erf"].plugin == "thirdparty"
+    assert plugin_set.registry.lowerings["truncplugin.trunc"].plugin == "thirdparty"
 
-    model = ErfChain()
+    model = TruncChain()
     x, y = torch.randn(3, 5, 37), torch.randn(37)
     with torch.no_grad():
         fused = autofuser.fuse(model, progress=False)  # plugins=None: discovered
         torch.testing.assert_close(fused(x, y), model(x, y), atol=1e-5, rtol=1e-4)
-    assert any("erfplugin.erf" in group.ops for group in fused.report().fused)
+    assert any("truncplugin.trunc" in group.ops for group in fused.report().fused)
 
 
 def test_broken_entry_point_names_itself(monkeypatch):
@@ -548,10 +550,10 @@ def test_broken_entry_point_names_itself(monkeypatch):
 
 @pytest.mark.parametrize("order", ["winner-first", "winner-last"])
 def test_a_tie_below_a_clear_winner_is_not_an_error_in_any_order(order):
-    low_a = plugin_module("lowa", autofuser_register_lowerings=registering(**erf_fields(name="lowa.erf")))
-    low_b = plugin_module("lowb", autofuser_register_lowerings=registering(**erf_fields(name="lowb.erf")))
-    high = plugin_module("top", autofuser_register_lowerings=registering(**erf_fields(name="top.erf", priority=5)))
+    low_a = plugin_module("lowa", autofuser_register_lowerings=registering(**trunc_fields(name="lowa.trunc")))
+    low_b = plugin_module("lowb", autofuser_register_lowerings=registering(**trunc_fields(name="lowb.trunc")))
+    high = plugin_module("top", autofuser_register_lowerings=registering(**trunc_fields(name="top.trunc", priority=5)))
     plugins = [high, low_a, low_b] if order == "winner-first" else [low_a, low_b, high]
     registry = autofuser.load_plugins(plugins).registry
-    node = torch.fx.symbolic_trace(lambda x: torch.erf(x)).graph.find_nodes(op="call_function", target=torch.erf)[0]
-    assert registry.lowering_for(node).name == "top.erf"
+    node = torch.fx.symbolic_trace(lambda x: torch.trunc(x)).graph.find_nodes(op="call_function", target=torch.trunc)[0]
+    assert registry.lowering_for(node).name == "top.trunc"
