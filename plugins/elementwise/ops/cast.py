@@ -1,5 +1,6 @@
 """Dtype casts: ``x.float()``, ``x.half()``, ``x.bfloat16()``, ``x.bool()``,
-``x.to(dtype)``, ``x.type(dtype)``, ``x.type_as(y)``.
+``x.to(dtype)``, ``x.type(dtype)``, ``x.type_as(y)``; and ATen's ``_to_copy`` (how a
+traced backward graph spells a cast, under autocast in particular).
 
 Kernels compute in fp32 and the core rounds every node's result to the dtype
 eager produced for it, so a cast between float types is the value itself.
@@ -32,6 +33,27 @@ def lower_cast(ctx, input, *args, **kwargs):
         ctx.refuse("not_a_tensor", f"{ctx.node.target}: the result is not a tensor")
     # to(other) and type_as(other) take other's device too; every operand of a
     # fused kernel lives on one device, so a cross-device cast never fuses anyway.
+    return _convert(ctx, input, copy=bool(kwargs.get("copy") or (len(args) >= 3 and args[2] is True)))
+
+
+@lowering
+def lower_to_copy(
+    ctx, input, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None
+):
+    if device is not None or pin_memory:
+        ctx.refuse("device_move", f"{ctx.node.target}: device={device!r} moves the tensor; left to eager")
+    if layout not in (None, torch.strided):
+        ctx.refuse("unsupported_argument", f"{ctx.node.target}: layout={layout} changes the layout")
+    if memory_format not in (None, torch.preserve_format):
+        ctx.refuse("unsupported_argument", f"{ctx.node.target}: memory_format={memory_format} changes the layout")
+    if ctx.out_shape is None:
+        ctx.refuse("not_a_tensor", f"{ctx.node.target}: the result is not a tensor")
+    return _convert(ctx, input, copy=True)  # a new tensor always, whatever the dtype
+
+
+def _convert(ctx, input, copy: bool):
+    """The cast of ``input`` to the node's dtype; ``copy``: eager makes a new tensor even
+    for the same dtype."""
     source, target = ctx.dtype(input), ctx.out_dtype
     if target == torch.bool:
         if source == torch.bool:
@@ -41,8 +63,8 @@ def lower_cast(ctx, input, *args, **kwargs):
         ctx.refuse("unsupported_dtype", f"{ctx.node.target}: cast to {target} (kernels store fp32/fp16/bf16/bool)")
     if source == torch.bool:
         return ctx.pointwise("{0}.to(tl.float32)", input)
-    if kwargs.get("copy") or (len(args) >= 3 and args[2] is True):
-        # copy=True: eager makes a new tensor even for the same dtype, so this is a real op.
+    if copy:
+        # A new tensor even for the same dtype, so this is a real op.
         return ctx.pointwise("{0}", input)
     # Otherwise the value itself; for the same dtype eager returns the input tensor
     # (the core won't make a kernel output of that alias).
@@ -77,6 +99,20 @@ SPECS = [
             lambda x, y: x.type(torch.float16),
             lambda x, y: x.type_as(y),
             lambda x, y: x.float() * 3 + y.half(),  # casts feeding arithmetic
+        ),
+    ),
+    LoweringSpec(
+        name="elementwise.to_copy",
+        description="ATen's _to_copy with a dtype only: a cast between fp32/fp16/bf16/bool that copies",
+        targets=(torch.ops.aten._to_copy.default,),
+        kind="pointwise",
+        lower=lower_to_copy,
+        samples=_samples,
+        references=(
+            lambda x, y: torch.ops.aten._to_copy.default(x, dtype=torch.bfloat16),
+            lambda x, y: torch.ops.aten._to_copy.default(x, dtype=torch.float16) * 3 + y.half(),
+            lambda x, y: torch.ops.aten._to_copy.default(x, dtype=torch.float32),
+            lambda x, y: torch.ops.aten._to_copy.default(x, dtype=torch.bool),
         ),
     ),
 ]
