@@ -10,11 +10,14 @@ from . import ops
 from .autocast import make_autocast_casts_explicit
 from .layout import PRODUCT_LAYOUT
 from .mlp import CHAIN_STRATEGY, MLP_LAYOUT, MLP_STRATEGY
+from .reshape_fold import fold_double_permutes, fold_flattened_products
 from .strategy import STRATEGIES
 
 
 @hookimpl
 def autofuser_transform_graph(gm, options):
+    fold_double_permutes(gm)
+    fold_flattened_products(gm)
     make_autocast_casts_explicit(gm)
 
 
