@@ -44,7 +44,9 @@ def lower_to_copy(
         ctx.refuse("device_move", f"{ctx.node.target}: device={device!r} moves the tensor; left to eager")
     if layout not in (None, torch.strided):
         ctx.refuse("unsupported_argument", f"{ctx.node.target}: layout={layout} changes the layout")
-    if memory_format not in (None, torch.preserve_format):
+    # A group writes each output in the strides eager's result has (the node's), so a
+    # dense format only names those strides; other formats stay eager all the same.
+    if memory_format not in (None, torch.preserve_format, torch.contiguous_format):
         ctx.refuse("unsupported_argument", f"{ctx.node.target}: memory_format={memory_format} changes the layout")
     if ctx.out_shape is None:
         ctx.refuse("not_a_tensor", f"{ctx.node.target}: the result is not a tensor")
@@ -113,6 +115,7 @@ SPECS = [
             lambda x, y: torch.ops.aten._to_copy.default(x, dtype=torch.float16) * 3 + y.half(),
             lambda x, y: torch.ops.aten._to_copy.default(x, dtype=torch.float32),
             lambda x, y: torch.ops.aten._to_copy.default(x, dtype=torch.bool),
+            lambda x, y: torch.ops.aten._to_copy.default(x, dtype=torch.float16, memory_format=torch.contiguous_format),
         ),
     ),
 ]
