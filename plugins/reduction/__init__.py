@@ -5,7 +5,13 @@ before and after."""
 from autofuser import collect_specs, hookimpl
 
 from . import ops
+from .native_norm import decompose_native_layer_norms
 from .strategy import ROW_REDUCTION_STRATEGY
+
+
+@hookimpl
+def autofuser_transform_graph(gm, options):
+    decompose_native_layer_norms(gm)
 
 
 @hookimpl
