@@ -10,6 +10,7 @@ import zlib
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import autofuser
 from autofuser_core.specs import DEFAULT_TOLERANCES
@@ -62,3 +63,87 @@ def test_sinusoidal_embedding_is_one_kernel(dtype, batch):
     t = torch.rand(batch, dtype=dtype)
     report = fuse_and_compare(model, x, t)
     fused_group_with(report, "elementwise.sin", "elementwise.cos", "elementwise.mul", "elementwise.add")
+
+
+class InPlaceActivations(nn.Module):
+    """Every in-place activation form the pass rewrites, each on a fresh value read by nothing else."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.act = nn.ReLU(inplace=True)
+        self.silu = nn.SiLU(inplace=True)
+        self.leaky = nn.LeakyReLU(0.3, inplace=True)
+
+    def forward(self, x):
+        h = self.act(self.fc(x))
+        h = F.relu(h * 2 - 1, inplace=True)
+        h = F.silu(h - 0.5, True)
+        h = torch.relu_(h * 3 - 1).sigmoid_()
+        h = (h - 0.5).relu_()
+        h = self.leaky(h * 2 - 0.1)
+        h = torch.tanh_(F.elu(h - 0.2, 0.7, inplace=True) * 2)
+        return self.silu(h + x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 13])
+def test_inplace_activations_on_fresh_values_fuse_as_functional_ops(dtype, rows):
+    model = InPlaceActivations(37).to(dtype).eval()
+    x = torch.randn(rows, 37, dtype=dtype)
+    x_before = x.clone()
+    report = fuse_and_compare(model, x)
+    assert torch.equal(x, x_before)
+    assert not [e for e in report.unfused_nodes if e.reason_code == "mutation"], str(report)
+    group = fused_group_with(report, "elementwise.relu", "elementwise.sigmoid", "elementwise.silu", "elementwise.tanh")
+    assert {"elementwise.leaky_relu", "elementwise.elu"} <= set(group.ops)
+    # The user's modules keep their flag: the rewrite is of the captured graph only.
+    assert model.act.inplace and model.silu.inplace and model.leaky.inplace
+
+
+class ReadAgain(nn.Module):
+    """In-place activations whose write someone sees: they must stay mutations."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.fc(x)
+        y = h.relu_() * 2  # h is read again below: it holds relu(h) there
+        a = y + h
+        v = self.fc(a)[:, 1:]  # a view: the write reaches the linear's whole output
+        w = self.act(v) + 1
+        return x.sigmoid_() + a + w.sum()  # the caller's input is overwritten too
+
+
+def test_inplace_activations_someone_reads_stay_mutations_and_compute_as_eager():
+    model = ReadAgain(9).eval()
+    x = torch.randn(4, 9)
+    x_fused = x.clone()
+    with torch.no_grad():
+        expected = model(x)
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        got = fused(x_fused)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(x_fused, x)  # both overwrote their input the same way
+    mutations = [e for e in fused.report().unfused_nodes if e.reason_code == "mutation"]
+    assert len(mutations) == 3, str(fused.report())
+
+
+def test_inplace_activation_trains_like_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(11, 23), nn.ReLU(inplace=True), nn.Linear(23, 5), nn.SiLU(inplace=True))
+    x = torch.randn(7, 11)
+    fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+    got = fused(x)
+    got.square().sum().backward()
+    fused_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    expected = model(x)
+    expected.square().sum().backward()
+    torch.testing.assert_close(got, expected)
+    for ours, theirs in zip(fused_grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+    assert not [e for e in fused.report().unfused_nodes if e.reason_code == "mutation"], str(fused.report())
