@@ -6,6 +6,7 @@ from autofuser import collect_specs, hookimpl
 
 from . import ops
 from .inplace import make_inplace_activations_functional
+from .ops.expand import expand_result_leaves
 from .strategy import ELEMENTWISE_STRATEGY
 
 
@@ -23,3 +24,8 @@ def autofuser_register_strategies(register):
 @hookimpl
 def autofuser_transform_graph(gm, options):
     make_inplace_activations_functional(gm)
+
+
+@hookimpl
+def autofuser_veto_fusion(group, options):
+    return expand_result_leaves(group.nodes)

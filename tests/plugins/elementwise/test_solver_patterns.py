@@ -147,3 +147,44 @@ def test_inplace_activation_trains_like_eager():
     for ours, theirs in zip(fused_grads, (p.grad for p in model.parameters())):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
     assert not [e for e in fused.report().unfused_nodes if e.reason_code == "mutation"], str(fused.report())
+
+
+class BroadcastLatent(nn.Module):
+    """A computed per-sample latent broadcast over the mesh points (``expand``) and mixed in."""
+
+    def forward(self, z, x):
+        latent = torch.tanh(z * 2).expand(-1, x.shape[1], -1)
+        return (x + latent).sum(1) * 0.5, x * latent.sigmoid() + latent
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_expand_inside_a_chain_is_read_through_a_zero_stride(dtype, batch):
+    model = BroadcastLatent()
+    z = torch.randn(batch, 1, 19, dtype=dtype)
+    x = torch.randn(batch, 45, 19, dtype=dtype)
+    with torch.no_grad():
+        expected = model(z, x)
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        got = fused(z, x)
+    tol = DEFAULT_TOLERANCES[str(dtype).removeprefix("torch.")]
+    for ours, theirs in zip(got, expected):
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=tol.atol, rtol=tol.rtol)
+    fused_group_with(fused.report(), "elementwise.tanh", "elementwise.expand", "elementwise.sigmoid")
+
+
+def test_an_expand_read_outside_its_group_is_vetoed_and_stays_a_view():
+    class Leaks(nn.Module):
+        def forward(self, x):
+            e = (x * 2).expand(4, -1)
+            return e + 1, e
+
+    x = torch.randn(1, 33)
+    with torch.no_grad():
+        fused = autofuser.fuse(Leaks(), progress=False, tune=False, verify_speed=False)
+        plus, e = fused(x)
+    torch.testing.assert_close(plus, (x * 2 + 1).expand(4, -1))
+    assert e.stride(0) == 0  # eager's view, not a copy
+    report = fused.report()
+    assert not [g for g in report.fused if "elementwise.expand" in g.ops], str(report)
+    assert any(g.reason_code == "vetoed" and "elementwise.expand" in g.ops for g in report.skipped), str(report)
