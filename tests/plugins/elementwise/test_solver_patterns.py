@@ -188,3 +188,24 @@ def test_an_expand_read_outside_its_group_is_vetoed_and_stays_a_view():
     report = fused.report()
     assert not [g for g in report.fused if "elementwise.expand" in g.ops], str(report)
     assert any(g.reason_code == "vetoed" and "elementwise.expand" in g.ops for g in report.skipped), str(report)
+
+
+class Accumulate(nn.Module):
+    """A sum over terms started from a fresh zero tensor, and a running maximum from -inf."""
+
+    def forward(self, x, y):
+        acc = x.new_zeros(x.shape)
+        for k in range(3):
+            acc = acc + torch.sin(x * (k + 1)) * y
+        peak = torch.maximum(torch.full_like(x, float("-inf")), acc * 2)
+        return peak - torch.ones_like(y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fresh_constant_tensors_fuse_with_the_arithmetic_they_start(dtype):
+    x = torch.randn(1, 7, 45, dtype=dtype)
+    y = torch.randn(7, 1, dtype=dtype)  # broadcast against x
+    report = fuse_and_compare(Accumulate(), x, y)
+    group = fused_group_with(report, "elementwise.new_zeros", "elementwise.full_like", "elementwise.ones_like")
+    assert "elementwise.sin" in group.ops
+    assert not report.unfused_nodes, str(report)
