@@ -1,9 +1,12 @@
 """Pointwise ops (arithmetic, activations, casts, where, clamp, ...) and the
-elementwise strategy, which fuses same-shaped chains of them into one kernel."""
+elementwise strategy, which fuses same-shaped chains of them into one kernel; a graph
+pass makes in-place activations functional where no one can tell (`inplace.py`)."""
 
 from autofuser import collect_specs, hookimpl
 
 from . import ops
+from .inplace import make_inplace_activations_functional
+from .ops.expand import expand_result_leaves
 from .strategy import ELEMENTWISE_STRATEGY
 
 
@@ -16,3 +19,13 @@ def autofuser_register_lowerings(register):
 @hookimpl
 def autofuser_register_strategies(register):
     register(ELEMENTWISE_STRATEGY)
+
+
+@hookimpl
+def autofuser_transform_graph(gm, options):
+    make_inplace_activations_functional(gm)
+
+
+@hookimpl
+def autofuser_veto_fusion(group, options):
+    return expand_result_leaves(group.nodes)

@@ -27,6 +27,8 @@ MUST_FUSE_BACKWARD = (
     "elementwise.sigmoid",
     "elementwise.tanh",
     "elementwise.exp",
+    "elementwise.sin",
+    "elementwise.cos",
     "elementwise.div",
     "elementwise.softplus",
     "reduction.softmax",
