@@ -6,6 +6,7 @@ measured again. A stand-in timer gives noisy times on the interpreter."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 
@@ -251,3 +252,50 @@ def test_a_verdict_inside_the_noise_in_use_is_not_cached_as_final(tmp_path, use_
     again = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
     _calls(again, model, x, 1, original_runs)
     assert len(timer.forwards) > forwards and again.checking_in_use
+
+
+class _NormChain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(23)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.ln(x * 1.5 - 0.25)) + x
+
+
+def test_a_provisional_training_step_runs_the_original_until_its_calls_in_use_decide(
+    tmp_path, use_timer, original_runs
+):
+    """With gradients on: the whole fused step inside the noise of its rounds at compile
+    time, so the original runs (the compiling call too) and the step goes on probation;
+    faster in use, the fused step takes over. Gradients are eager's throughout."""
+    step_times = itertools.cycle([0.9, 1.05])
+    use_timer(
+        StandInTimer(
+            tune=False,
+            forward=lambda fn: next(step_times) if getattr(fn, "fused", False) else 1.0,
+            in_use=lambda fused: 0.5 if fused else 1.0,
+        )
+    )
+    model, x = _NormChain(), torch.randn(3, 5, 23)
+    reference = copy.deepcopy(model)
+    fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
+    optimisers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, reference)]
+    ran = []
+    for _ in range(1 + len(in_use.PLAN) + 3):
+        before = len(original_runs)
+        for module, optimiser in zip((fused, reference), optimisers):
+            optimiser.zero_grad()
+            module(x).square().mean().backward()
+            optimiser.step()
+        ran.append(len(original_runs) > before)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
+    assert ran[0] is True
+    assert ran[1 : 1 + len(in_use.PLAN)] == [runner == "original" for runner in in_use.PLAN]
+    assert ran[1 + len(in_use.PLAN) :] == [False] * 3
+    notes = " ".join(fused.report().notes)
+    assert "a provisional verdict (not cached as final); its first calls in use decide" in notes, notes
+    assert "training step in use, 2 blocks of 4 calls on each side" in notes and "the fused model runs" in notes
+    record = _records(tmp_path)["step"]
+    assert record["in_use"] is True and record["provisional"] is False
