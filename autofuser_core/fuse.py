@@ -1131,9 +1131,10 @@ class FusedModule(torch.nn.Module):
 
     @property
     def checking_in_use(self) -> bool:
-        """Whether a signature's fused training step is still checked in its first calls
-        as the user makes them (docs/training.md, "Checked again in use"): until it
-        settles, some calls run the original model."""
+        """Whether a signature's fused training step or inference forward is still
+        checked in its first calls as the user makes them (docs/training.md, "Checked
+        again in use"; docs/verification.md, "Noise"): until it settles, some calls run
+        the original model (or, after a provisional verdict, the fused one)."""
         return any(entry.in_use is not None for entry in self._compiled.values())
 
     def reports(self) -> list[FusionReport]:
@@ -1163,7 +1164,7 @@ class _Compiled(tuple):
     opaque - which may update the state the guard watches (a counter, a cache)."""
 
     runs_model_code: bool
-    in_use: Optional[InUseCheck]  # the probation of a fused training step, until it settles
+    in_use: Optional[InUseCheck]  # the probation of a fused step or forward, until it settles
 
     def __new__(cls, entry: tuple, runs_model_code: bool, in_use: Optional[InUseCheck] = None):
         made = super().__new__(cls, entry)
