@@ -19,6 +19,9 @@ the user, mode 0700):
   (fused with and without a CUDA graph, and the original model), keyed by the
   rewritten graph's code, its kernels and configs, the input signature and the
   GPU and versions, so a warm cache skips the whole-forward measurement too.
+  Each decision taken from those times carries a record of how it was measured
+  (``records``: method, spread, rounds, provisional, confirmed in use); a
+  decision with no record (an older entry) or a provisional one is measured again.
 
 Every write goes to a temporary file in the same folder (created anew, never
 through a link) and is renamed over the target (atomic on POSIX), so
@@ -56,6 +59,7 @@ import importlib.util
 import json
 import linecache
 import logging
+import math
 import os
 import shutil
 import stat
@@ -64,7 +68,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 from .errors import CacheError
 
@@ -403,10 +407,63 @@ def _check_tuning(entry: dict[str, Any]) -> None:
         raise CacheError("its fused-vs-eager timing is malformed")
 
 
+#: How one decision of a verdict entry was measured: every field, and its type.
+_RECORD_FIELDS = {"method": str, "spread": float, "rounds": int, "provisional": bool, "in_use": bool}
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
+
+
+def _finite_ms(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+def _check_record(name: Any, record: Any) -> None:
+    """One decision's record, as ``make_record`` writes it; the folder is not trusted."""
+    if not (isinstance(name, str) and 0 < len(name) <= 64 and set(name) <= _NAME_CHARS):
+        raise CacheError("a decision's name is not a short identifier")
+    if not isinstance(record, dict) or set(record) != set(_RECORD_FIELDS):
+        raise CacheError(f"the record of decision {name!r} lacks or adds fields")
+    for field, kind in _RECORD_FIELDS.items():
+        value = record[field]
+        ok = isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool)
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
+        if not ok:
+            raise CacheError(f"the record of decision {name!r} has a malformed {field!r}")
+    if record["rounds"] < 1 or len(record["method"]) > 1000:
+        raise CacheError(f"the record of decision {name!r} has a malformed 'rounds' or 'method'")
+
+
 def _check_verdict(entry: dict[str, Any]) -> None:
     times = entry.get("times")
-    if not isinstance(times, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in times.values()):
+    if not isinstance(times, dict) or not all(_finite_ms(v) for v in times.values()):
         raise CacheError("its timings are malformed")
+    records = entry.get("records", {})  # absent in entries written before records were kept
+    if not isinstance(records, dict):
+        raise CacheError("its decision records are malformed")
+    for name, record in records.items():
+        _check_record(name, record)
+
+
+def make_record(method: str, spread: float, rounds: int, provisional: bool, in_use: bool = False) -> dict[str, Any]:
+    """How one decision of a verdict entry was measured: ``method`` (a sentence),
+    ``spread`` (the largest (slowest - fastest) / fastest of one side's rounds or blocks),
+    ``rounds`` (rounds or blocks of each side), ``provisional`` (its lead was inside the
+    spread: the safe side was taken, and a later compile measures it again) and
+    ``in_use`` (measured in the first calls as the user makes them)."""
+    return {
+        "method": method,
+        "spread": float(spread),
+        "rounds": int(rounds),
+        "provisional": bool(provisional),
+        "in_use": bool(in_use),
+    }
+
+
+class Verdict(NamedTuple):
+    """A verdict entry as read: times by name, and each decision's record by name."""
+
+    times: dict[str, float]
+    records: dict[str, dict[str, Any]]
 
 
 def _read_entry_file(
@@ -472,31 +529,40 @@ def _keep_in_memory(root: Path, slot: str, value: dict[str, Any], path: Path, er
     _warn_unwritable(root, OSError(err.errno, f"cannot write cache entry {path}: {err.strerror or err}"))
 
 
-def read_verdict(root: Path, key: dict[str, Any]) -> dict[str, float]:
-    """Stored whole-forward timings for ``key`` (``{}`` when missing or unusable: warned).
+def read_verdict(root: Path, key: dict[str, Any]) -> Verdict:
+    """Stored whole-forward timings for ``key`` and their decisions' records (both empty
+    when missing or unusable: warned).
 
     ``verdicts/<key-hash>.json`` holds the times a compiled forward was measured at
     (with and without a CUDA graph, and the original model's), so a warm cache
-    decides without timing the forward again. Where the file has none, timings this
-    process measured but could not write.
+    decides without timing the forward again, and for each decision taken from them
+    how it was measured (``make_record``). An entry of the older format has times but
+    no records: the caller measures those decisions again rather than trust them.
+    Where the file has none, timings this process measured but could not write.
     """
     entry = None
     if _usable(root, "verdicts"):
         entry = _read_entry_file(root / "verdicts" / f"{key_digest(key)}.json", key, _check_verdict, "timing again")
     if entry is None:
         entry = _unwritten.get((str(root), f"verdict-{key_digest(key)}"), {})
-    return {str(k): float(v) for k, v in entry.get("times", {}).items()}
+    times = {str(k): float(v) for k, v in entry.get("times", {}).items()}
+    records = {str(k): dict(v) for k, v in entry.get("records", {}).items()}
+    return Verdict(times, records)
 
 
-def write_verdict(root: Path, key: dict[str, Any], times: dict[str, float]) -> None:
+def write_verdict(
+    root: Path, key: dict[str, Any], times: dict[str, float], records: Optional[dict[str, dict[str, Any]]] = None
+) -> None:
+    """Store a verdict entry: ``times`` by name, and each decision's record (``make_record``)."""
     path = root / "verdicts" / f"{key_digest(key)}.json"
+    value = {"times": times, "records": records or {}}
     if not _usable(root, "verdicts"):
-        _unwritten[(str(root), f"verdict-{key_digest(key)}")] = {"times": times}
+        _unwritten[(str(root), f"verdict-{key_digest(key)}")] = value
         return
     try:
-        atomic_write(path, json.dumps({"version": ENTRY_VERSION, "key": key, "times": times}, indent=1, sort_keys=True))
+        atomic_write(path, json.dumps({"version": ENTRY_VERSION, "key": key, **value}, indent=1, sort_keys=True))
     except OSError as err:
-        _keep_in_memory(root, f"verdict-{key_digest(key)}", {"times": times}, path, err)
+        _keep_in_memory(root, f"verdict-{key_digest(key)}", value, path, err)
 
 
 @contextlib.contextmanager

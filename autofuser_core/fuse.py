@@ -42,12 +42,12 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from torch.utils.hooks import RemovableHandle
 
 from . import timing
-from .cache import cache_dir, read_verdict, write_verdict
+from .cache import Verdict, cache_dir, make_record, read_verdict, write_verdict
 from .capture import bind_inputs, capture, preserved_state
 from .compile import _device_of, compile_graph
 from .cudagraphs import CudaGraphRunner, try_cuda_graph
 from .errors import AutoFuserError, CaptureError, CompileFailedWarning, PluginError
-from .in_use import BLOCK_CALLS, MAX_RESTARTS, InUseCheck, end_turn, take_turn
+from .in_use import BLOCK_CALLS, MAX_RESTARTS, MAX_ROUNDS, InUseCheck, end_turn, take_turn
 from .launch import FusedKernel
 from .plugins import PluginSet, load_plugins
 from .quantize import QuantizedLayer, QuantizeOptions, parse_quantize, quantize_model
@@ -726,58 +726,70 @@ class FusedModule(torch.nn.Module):
 
     def _in_use_runner(self, key: Any, entry: "_Compiled", last_key: Any):
         """What runs for this call of a signature on probation (``in_use``): the fused
-        graph, or ``None`` for the original; the call after the plan settles on one of them
-        for good, says so in the report and files the verdict in the cache."""
-        check, (fused_gm, report) = entry.in_use, entry
+        runner, or ``None`` for the original; the call after the plan settles on one of
+        them for good, says so in the report and files the verdict in the cache."""
+        check, (current, report) = entry.in_use, entry
         assert check is not None
+        filing: _Filing = check.filing
+        # The fused runner the plan times: what runs now, unless the compile's verdict was
+        # provisional and the original runs meanwhile.
+        fused = check.candidate if check.candidate is not None else current
         if _inside_backward() or _capturing():
             # A forward recomputed in backward (activation checkpointing) must run what its
             # first pass ran; a CUDA graph captured now replays without calling forward.
             # Neither is a call of the loop: the plan neither moves nor marks.
             self._last_key = last_key
-            return None if check.last == "original" else fused_gm
+            return None if check.last == "original" else fused
         if not take_turn(check):
-            return fused_gm  # another module's plan is under way: the compile's verdict until then
+            return current  # another module's plan is under way: the compile's verdict until then
         interrupted = last_key != key or check.turn_lost
         check.turn_lost = False
         if check.calls and interrupted and check.interrupted():
             report.notes.append(
-                "training step not checked in use: calls of other inputs came between its calls "
+                f"{filing.what} not checked in use: calls of other inputs came between its calls "
                 f"{MAX_RESTARTS + 1} times; the compile's verdict stands"
             )
             entry.in_use = None
             end_turn(check)
-            return fused_gm
+            return current
         planned = check.runner()
         if planned is None:
             settled = check.settle(FORWARD_MARGIN)
-            if settled is None:  # a lead inside the noise: the plan again, from this call
+            if settled is None:  # a verdict inside the noise: the plan again, from this call
                 planned = check.runner()
         if planned is not None:
-            return fused_gm if planned == "fused" else None
+            return fused if planned == "fused" else None
         assert settled is not None
         entry.in_use = None
         end_turn(check)
         faster = settled.runner == "fused"
         verdict = "the fused model runs" if faster else "the original runs"
         lead = 1.0 - settled.fused_ms / settled.original_ms
-        if not faster and lead >= FORWARD_MARGIN:
-            verdict = f"its lead ({100 * lead:.1f}%) is inside that spread: the original runs"
+        if settled.provisional:
+            verdict = f"its lead ({100 * lead:.1f}%) is inside that spread: the original runs, provisionally"
+        if not faster and current is not None:
+            verdict += " (switched back from the fused model, which won at compile time)"
         report.notes.append(
-            f"training step in use, {settled.blocks} blocks of {BLOCK_CALLS} calls on each side: "
+            f"{filing.what} in use, {settled.blocks} blocks of {BLOCK_CALLS} calls on each side: "
             f"{settled.fused_ms:.3f} ms fused vs {settled.original_ms:.3f} ms original per call, "
             f"blocks spread {100 * settled.spread:.1f}%: {verdict}"
         )
         self._progress(
-            f"training step in use: {settled.fused_ms:.3f} ms fused vs {settled.original_ms:.3f} ms original: {verdict}"
+            f"{filing.what} in use: {settled.fused_ms:.3f} ms fused vs {settled.original_ms:.3f} ms original: {verdict}"
         )
-        if check.verdict_key is not None:
-            # The verdict as measured: a fused lead inside the spread is filed as no lead.
-            fused_ms = settled.fused_ms if faster else max(settled.fused_ms, settled.original_ms)
-            times = {"step_fused_ms": fused_ms, "step_eager_ms": settled.original_ms, IN_USE_MARK: 1.0}
-            write_verdict(check.root, check.verdict_key, times)
+        if filing.key is not None:
+            # Filed beside the entry's other decisions; a provisional one is not final.
+            known = read_verdict(filing.root, filing.key)
+            times, records = dict(known.times), dict(known.records)
+            times[filing.fused_time], times[filing.original_time] = settled.fused_ms, settled.original_ms
+            records[filing.decision] = make_record(
+                IN_USE_TIMING, settled.spread, settled.blocks, settled.provisional, in_use=True
+            )
+            write_verdict(filing.root, filing.key, times, records)
         if faster:
-            return fused_gm
+            if current is not fused:
+                self._compiled[key] = _Compiled((fused, report), filing.runs_model_code)
+            return fused
         self._compiled[key] = _Compiled((None, report), True)
         return None
 
@@ -868,31 +880,51 @@ class FusedModule(torch.nn.Module):
             measured = self._options.verify_speed and inference and timer.can_time_forward(device)
             vkey = _verdict_key(fused_gm, bool(report.fused), kwargs, flat) if measured else None
             root = cache_dir(self._options.cache_dir)
-            known = read_verdict(root, vkey) if vkey is not None else {}
-            times = dict(known)
+            known = read_verdict(root, vkey) if vkey is not None else Verdict({}, {})
+            times, records = dict(known.times), dict(known.records)
+            # Only a decision whose record says it was clear is reused: one provisional, or
+            # with no record of how it was measured (an older cache), is measured again.
+            trusted = {name for name, record in known.records.items() if not record["provisional"]}
+            if known.times and not trusted:
+                report.notes.append(
+                    "cached whole-forward times are provisional, or carry no record of how they were "
+                    "measured (an older cache): measured again"
+                )
             if self._options.cuda_graphs and inference and not no_graph and cuda:
                 graph, why = None, None
-                slower_before = "graph_ms" in known and known["graph_ms"] >= known.get("plain_ms", 0.0)
+                graph_known = "cuda_graph" in trusted and {"graph_ms", "plain_ms"} <= times.keys()
+                slower_before = graph_known and times["graph_ms"] >= times["plain_ms"]
                 if not slower_before:
                     with torch.no_grad(), preserved_state(self._model):
-                        bound = None if "graph_ms" in known else _gpu_bound(timer, fused_gm, flat)
+                        bound = None if graph_known else _gpu_bound(timer, fused_gm, flat)
                         if bound is not None:
                             why = bound
                         else:
                             graph, why = try_cuda_graph(fused_gm, flat, self._model)
                 if graph is not None:
                     # Replays copy the inputs in and clone the outputs: worth it when launches, not
-                    # bytes, dominate. Measured, not guessed.
-                    if "graph_ms" not in times or "plain_ms" not in times:
+                    # bytes, dominate. Measured, not guessed; inside the noise, launching (the safe side).
+                    graph_unclear: Optional[timing.Rounds] = None
+                    if graph_known:
+                        replays = times["graph_ms"] < times["plain_ms"]
+                    else:
                         with torch.no_grad(), preserved_state(self._model):
-                            times["plain_ms"] = timer.forward_ms(fused_gm, flat)
-                            times["graph_ms"] = timer.forward_ms(graph, flat)
+                            found, verdict = _measure_decision(timer, graph, fused_gm, flat, 0.0)
+                        times["graph_ms"], times["plain_ms"] = found.candidate_ms, found.baseline_ms
+                        records["cuda_graph"] = make_record(GRAPH_TIMING, found.spread, found.rounds, verdict is None)
+                        replays = bool(verdict)
+                        graph_unclear = found if verdict is None else None
                     plain_ms, graph_ms = times["plain_ms"], times["graph_ms"]
-                    if graph_ms < plain_ms:
+                    if replays:
                         runner = graph
                         report.notes.append(
                             f"the compiled forward replays as one CUDA graph "
                             f"({graph_ms:.3f} ms vs {plain_ms:.3f} ms launched op by op)"
+                        )
+                    elif graph_unclear is not None:
+                        report.notes.append(
+                            "no CUDA graph, provisionally: "
+                            + _unclear_note("replaying against launching", graph_unclear, 0.0)
                         )
                     else:
                         report.notes.append(
@@ -901,23 +933,45 @@ class FusedModule(torch.nn.Module):
                         )
                 elif slower_before:
                     report.notes.append(
-                        f"no CUDA graph: replaying it ({known['graph_ms']:.3f} ms) was measured "
-                        f"not faster than launching ({known.get('plain_ms', 0.0):.3f} ms)"
+                        f"no CUDA graph: replaying it ({times['graph_ms']:.3f} ms) was measured "
+                        f"not faster than launching ({times['plain_ms']:.3f} ms)"
                     )
                 else:
                     report.notes.append(f"no CUDA graph ({why}); kernels launch one by one")
             report.add_phase("cuda_graph", time.perf_counter() - step)
             step = time.perf_counter()
+            candidate = runner  # the fused forward, as it runs: replayed as a graph or launched
+            forward_unclear: Optional[timing.Rounds] = None
+            confirmed_in_use = False
+            decision = "forward_" + ("graph" if runner is not fused_gm else "plain")
+            fused_time = decision.removeprefix("forward_") + "_fused_ms"
             if measured:
-                # The last word on "never slower than eager": the whole forward, as the user calls it.
-                use = "graph" if runner is not fused_gm else "plain"
-                if f"{use}_fused_ms" not in times or "eager_ms" not in times:
+                # The last word at compile time on "never slower than eager": the whole forward,
+                # as the user calls it; the first calls in use may still overrule it.
+                if decision in trusted and {fused_time, "eager_ms"} <= times.keys():
+                    fused_ms, eager_ms = times[fused_time], times["eager_ms"]
+                    faster = fused_ms < eager_ms * (1.0 - FORWARD_MARGIN)
+                    confirmed_in_use = records[decision]["in_use"]
+                    report.notes.append(
+                        "whole-forward times read from the cache (measured "
+                        + ("in use)" if confirmed_in_use else "when first compiled)")
+                    )
+                else:
                     with torch.no_grad(), preserved_state(self._model):
-                        times[f"{use}_fused_ms"], times["eager_ms"] = _forward_times(
-                            timer, runner, lambda *a: self._model(*args, **kwargs), flat
+                        found, verdict = _measure_decision(
+                            timer, runner, lambda *a: self._model(*args, **kwargs), flat, FORWARD_MARGIN
                         )
-                eager_ms, fused_ms = times["eager_ms"], times[f"{use}_fused_ms"]
-                if fused_ms >= eager_ms * (1.0 - FORWARD_MARGIN):
+                    fused_ms, eager_ms = times[fused_time], times["eager_ms"] = found.candidate_ms, found.baseline_ms
+                    records[decision] = make_record(FORWARD_TIMING, found.spread, found.rounds, verdict is None)
+                    faster = bool(verdict)
+                    forward_unclear = found if verdict is None else None
+                if forward_unclear is not None:
+                    report.notes.append(
+                        _unclear_note("the fused forward against the original", forward_unclear, FORWARD_MARGIN)
+                        + ": the original runs, a provisional verdict (not cached as final)"
+                    )
+                    runner = None
+                elif not faster:
                     report.notes.append(
                         f"the fused forward ({fused_ms:.3f} ms) was not at least "
                         f"{100 * FORWARD_MARGIN:.0f}% faster than the original ({eager_ms:.3f} ms) "
@@ -926,14 +980,25 @@ class FusedModule(torch.nn.Module):
                     runner = None
                 else:
                     report.notes.append(f"forward: {fused_ms:.3f} ms fused vs {eager_ms:.3f} ms eager")
-                if known:
-                    report.notes.append("whole-forward times read from the cache (measured when first compiled)")
-                if times != known and vkey is not None:  # None: nothing fused, never cached
-                    write_verdict(root, vkey, times)
+                if (times != known.times or records != known.records) and vkey is not None:
+                    write_verdict(root, vkey, times, records)  # vkey None: nothing fused, never cached
             in_use = None
             if grad and runner is fused_gm and report.fused and self._options.verify_speed:
                 if timer.can_time_forward(device):
                     runner, in_use = self._check_step(timer, fused_gm, args, kwargs, flat, report, root)
+            elif (
+                measured
+                and vkey is not None
+                and (runner is not None or forward_unclear is not None)
+                and not confirmed_in_use
+                and timer.can_time_in_use(device)
+            ):
+                # The fused forward won (or was inside the noise) back to back: its first calls
+                # in use, beside the original, have the last word.
+                filing = _Filing("forward", root, vkey, decision, fused_time, "eager_ms", _calls_model_code(fused_gm))
+                ran = "fused" if runner is not None else "original"
+                in_use = InUseCheck(timer, device, filing, candidate=candidate, compiled_ran=ran)
+                report.notes.append("the forward is checked again in its first calls in use")
             report.add_phase("forward_check", time.perf_counter() - step)
             entry = (runner, report)
             runs_model_code = runner is None or _calls_model_code(fused_gm)
@@ -951,9 +1016,11 @@ class FusedModule(torch.nn.Module):
     def _check_step(self, timer, fused_gm, args: tuple, kwargs: dict, flat: tuple, report, root):
         """The compile's word on "never slower than eager" with gradients on: the forward
         and its backward, fused against the original, in alternating rounds as the
-        whole-forward check times them. Returns what runs - ``fused_gm``, or ``None`` (the
-        original) - and, where the fused one won, the probation that has the last word
-        (``in_use``; None where the verdict was itself measured in use, or can't be)."""
+        whole-forward check times them, measured again where the lead is inside their
+        spread. Returns what runs - ``fused_gm``, or ``None`` (the original: slower, or
+        still inside the noise, a provisional verdict) - and, where the fused one won or
+        the verdict is provisional, the probation that has the last word (``in_use``; None
+        where the verdict was itself measured in use, or can't be)."""
         hooked = self._state.backward_hooked + [
             name for name, p in self._model.named_parameters() if getattr(p, "_backward_hooks", None)
         ]
@@ -964,21 +1031,48 @@ class FusedModule(torch.nn.Module):
             )
             return fused_gm, None
         vkey = _verdict_key(fused_gm, True, kwargs, flat, STEP_TIMING)
-        known = read_verdict(root, vkey) if vkey is not None else {}
-        times = dict(known)
-        if "step_fused_ms" not in times or "step_eager_ms" not in times:
+        known = read_verdict(root, vkey) if vkey is not None else Verdict({}, {})
+        times, records = dict(known.times), dict(known.records)
+        record = known.records.get("step")
+        # Reused only where its record says it was clear; else (provisional, or an older
+        # cache that kept no record) measured again.
+        trusted = record is not None and not record["provisional"] and {"step_fused_ms", "step_eager_ms"} <= set(times)
+        unclear: Optional[timing.Rounds] = None
+        if trusted:
+            assert record is not None
+            fused_ms, eager_ms = times["step_fused_ms"], times["step_eager_ms"]
+            faster = fused_ms < eager_ms * (1.0 - FORWARD_MARGIN)
+            confirmed_in_use = record["in_use"]
+            cached = " (measured in use, read from the cache)" if confirmed_in_use else " (read from the cache)"
+        else:
             params = [p for p in self._model.parameters() if p.requires_grad]
             fused_step = timing.TrainingStep(fused_gm, params, fused=True)
             eager_step = timing.TrainingStep(lambda *a: self._model(*args, **kwargs), params)
             with preserved_state(self._model):
-                times["step_fused_ms"], times["step_eager_ms"] = _forward_times(timer, fused_step, eager_step, flat)
-        fused_ms, eager_ms = times["step_fused_ms"], times["step_eager_ms"]
-        cached = ""
-        if known:
-            cached = " (measured in use, read from the cache)" if IN_USE_MARK in known else " (read from the cache)"
-        if times != known and vkey is not None:
-            write_verdict(root, vkey, times)
-        if fused_ms >= eager_ms * (1.0 - FORWARD_MARGIN):
+                found, verdict = _measure_decision(timer, fused_step, eager_step, flat, FORWARD_MARGIN)
+            fused_ms, eager_ms = times["step_fused_ms"], times["step_eager_ms"] = found.candidate_ms, found.baseline_ms
+            records["step"] = make_record(STEP_TIMING, found.spread, found.rounds, verdict is None)
+            faster, confirmed_in_use, cached = bool(verdict), False, ""
+            unclear = found if verdict is None else None
+        if (times != known.times or records != known.records) and vkey is not None:
+            write_verdict(root, vkey, times, records)
+        checkable = vkey is not None and not confirmed_in_use and timer.can_time_in_use(_device_of(flat))
+        filing = _Filing(
+            "training step", root, vkey, "step", "step_fused_ms", "step_eager_ms", _calls_model_code(fused_gm)
+        )
+        if unclear is not None:
+            note = (
+                _unclear_note(
+                    "the fused training step, forward and backward, against the original's", unclear, FORWARD_MARGIN
+                )
+                + ": the original runs, a provisional verdict (not cached as final)"
+            )
+            if not checkable:
+                report.notes.append(note)
+                return None, None
+            report.notes.append(note + "; its first calls in use decide")
+            return None, InUseCheck(timer, _device_of(flat), filing, candidate=fused_gm, compiled_ran="original")
+        if not faster:
             report.notes.append(
                 f"the fused training step, forward and backward ({fused_ms:.3f} ms), was not at least "
                 f"{100 * FORWARD_MARGIN:.0f}% faster than the original's ({eager_ms:.3f} ms) for these "
@@ -988,9 +1082,9 @@ class FusedModule(torch.nn.Module):
         report.notes.append(
             f"training step, forward and backward: {fused_ms:.3f} ms fused vs {eager_ms:.3f} ms eager{cached}"
         )
-        if IN_USE_MARK in known or vkey is None or not timer.can_time_in_use(_device_of(flat)):
+        if not checkable:
             return fused_gm, None
-        return fused_gm, InUseCheck(timer, _device_of(flat), vkey, root)
+        return fused_gm, InUseCheck(timer, _device_of(flat), filing)
 
     def _compile_failed(self, key: Any, args: tuple, flat: tuple, start: float, err: Exception):
         """Keep a signature whose compile raised as one that runs the original model: one
@@ -1037,9 +1131,10 @@ class FusedModule(torch.nn.Module):
 
     @property
     def checking_in_use(self) -> bool:
-        """Whether a signature's fused training step is still checked in its first calls
-        as the user makes them (docs/training.md, "Checked again in use"): until it
-        settles, some calls run the original model."""
+        """Whether a signature's fused training step or inference forward is still
+        checked in its first calls as the user makes them (docs/training.md, "Checked
+        again in use"; docs/verification.md, "Noise"): until it settles, some calls run
+        the original model (or, after a provisional verdict, the fused one)."""
         return any(entry.in_use is not None for entry in self._compiled.values())
 
     def reports(self) -> list[FusionReport]:
@@ -1069,7 +1164,7 @@ class _Compiled(tuple):
     opaque - which may update the state the guard watches (a counter, a cache)."""
 
     runs_model_code: bool
-    in_use: Optional[InUseCheck]  # the probation of a fused training step, until it settles
+    in_use: Optional[InUseCheck]  # the probation of a fused step or forward, until it settles
 
     def __new__(cls, entry: tuple, runs_model_code: bool, in_use: Optional[InUseCheck] = None):
         made = super().__new__(cls, entry)
@@ -1223,10 +1318,11 @@ def _load_plugins_quietly(plugins):
 #: The whole-forward check: alternating rounds of eager and fused timing, and the
 #: share by which the fused forward must beat the original to replace it (when in
 #: doubt, the original runs). How long each side is timed for is timing.py's
-#: ``FORWARD_BUDGET_MS``.
+#: ``FORWARD_BUDGET_MS``. A lead within the rounds' spread of the margin
+#: (``timing.inside_spread``) is measured again, FORWARD_ROUNDS more rounds; still
+#: inside, the safe side runs and the verdict is provisional (not cached as final).
 FORWARD_ROUNDS = 2
 FORWARD_MARGIN = 0.02
-IN_USE_MARK = "step_in_use"  # in a step verdict: its times were measured in use (in_use.py)
 #: A fused forward this much faster than eager in the first round needs no second one: a
 #: slow moment of the GPU moves a median of several calls by a few percent, not by this.
 CLEAR_GAP = 0.2
@@ -1238,11 +1334,35 @@ WIDE_GAP = 0.5
 FORWARD_TIMING = (
     f"back-to-back events, fused first, best of {FORWARD_ROUNDS} rounds "
     f"(one past a {CLEAR_GAP:.0%} gap), 3 calls for a forward over {FORWARD_BUDGET_MS:g} ms, "
-    f"one eager call over that past a {WIDE_GAP:.0%} gap"
+    f"one eager call over that past a {WIDE_GAP:.0%} gap; a lead inside the rounds' spread "
+    f"measured again over {FORWARD_ROUNDS} more rounds, then provisional"
 )
 
 #: The whole-step check (gradients on) times forward and backward the same way.
 STEP_TIMING = "forward and backward (torch.autograd.grad), " + FORWARD_TIMING
+#: The CUDA graph's check: replaying against launching, timed as the whole forward.
+GRAPH_TIMING = "CUDA graph replay against launching, " + FORWARD_TIMING
+#: A verdict settled in the first calls as the user makes them (in_use.py).
+IN_USE_TIMING = (
+    f"in use: the start of each call marked in stream order, blocks of {BLOCK_CALLS} calls of each side "
+    f"(fused, original, original, fused), the faster block's mean, up to {MAX_ROUNDS} plans"
+)
+
+
+@dataclasses.dataclass
+class _Filing:
+    """What a check in use (in_use.py) settles, and where its verdict goes: ``what`` it
+    checks for the report ("training step", "forward"), the verdict entry (``root``,
+    ``key``), the decision's record name in it and the names of each side's time;
+    ``runs_model_code`` of the fused runner, where it takes over from the original."""
+
+    what: str
+    root: Any
+    key: Optional[dict]
+    decision: str
+    fused_time: str
+    original_time: str
+    runs_model_code: bool = True
 
 
 def writes_into_inputs(forward, flat: Sequence[Any]) -> bool:
@@ -1262,26 +1382,54 @@ def writes_into_inputs(forward, flat: Sequence[Any]) -> bool:
 HOST_SHARE_GPU_BOUND = 0.5
 
 
-def _forward_times(timer: timing.Timer, fused, eager, flat: Sequence[Any]) -> tuple[float, float]:
-    """(fused ms, eager ms) for the whole-forward check, measured by ``timer``. Alternating
-    rounds, the best of each side: a slow moment of the GPU (clocks, another process) then
-    can't decide the verdict by landing on one side only. The fused side goes first in each
-    round: a GPU still ramping its clocks after the compile slows it, not eager, so any bias
-    favours the original. A fused forward more than CLEAR_GAP ahead after one round needs no
-    second; one more than WIDE_GAP ahead of a single eager call over FORWARD_BUDGET_MS needs
-    no more eager calls."""
-    fused_runs, eager_runs = [], []
+def _forward_times(timer: timing.Timer, fused, eager, flat: Sequence[Any], into: Optional[timing.Rounds] = None):
+    """``timing.Rounds`` of fused and eager for the whole-forward check, measured by
+    ``timer``. Alternating rounds, the best of each side: a slow moment of the GPU (clocks,
+    another process) then can't decide the verdict by landing on one side only, and the
+    rounds' spread says how much the times moved. The fused side goes first in each
+    round: a GPU still ramping its clocks after the compile slows it, not eager, so any
+    bias favours the original. A fused forward more than CLEAR_GAP ahead after one round
+    needs no second; one more than WIDE_GAP ahead of a single eager call over
+    FORWARD_BUDGET_MS needs no more eager calls. ``into``: rounds measured before, whose
+    verdict was inside their spread: FORWARD_ROUNDS more rounds are added, no shortcut."""
+    again = into is not None
+    found = into if into is not None else timing.Rounds()
     for round_ in range(FORWARD_ROUNDS):
-        fused_runs.append(timer.forward_ms(fused, flat))
+        found.candidate.append(timer.forward_ms(fused, flat))
         once = None
-        if round_ == 0:
+        if round_ == 0 and not again:
             _, once = timer.forward_once_ms(eager, flat)  # eager ran in capture and verification: no warm-up
-            if once > FORWARD_BUDGET_MS and fused_runs[0] < once * (1.0 - WIDE_GAP):
-                return fused_runs[0], once
-        eager_runs.append(timer.forward_ms(eager, flat, once))
-        if min(fused_runs) < min(eager_runs) * (1.0 - CLEAR_GAP):
+            if once > FORWARD_BUDGET_MS and found.candidate[-1] < once * (1.0 - WIDE_GAP):
+                found.baseline.append(once)
+                return found
+        found.baseline.append(timer.forward_ms(eager, flat, once))
+        if not again and found.candidate_ms < found.baseline_ms * (1.0 - CLEAR_GAP):
             break
-    return min(fused_runs), min(eager_runs)
+    return found
+
+
+def _measure_decision(
+    timer: timing.Timer, fused, eager, flat: Sequence[Any], margin: float
+) -> tuple[timing.Rounds, Optional[bool]]:
+    """Time ``fused`` against ``eager`` (``_forward_times``) and say whether ``fused``
+    is more than ``margin`` faster: ``True``/``False``, or ``None`` where the lead is
+    still inside the rounds' spread after measuring again (the caller takes the safe
+    side, and the verdict is provisional)."""
+    found = _forward_times(timer, fused, eager, flat)
+    verdict = found.verdict(margin)
+    if verdict is None:
+        _forward_times(timer, fused, eager, flat, into=found)
+        verdict = found.verdict(margin)
+    return found, verdict
+
+
+def _unclear_note(what: str, found: timing.Rounds, margin: float) -> str:
+    """A report note on a decision left provisional: its times, lead and spread."""
+    return (
+        f"{what}: {found.candidate_ms:.3f} ms against {found.baseline_ms:.3f} ms, a lead of "
+        f"{100 * found.lead:.1f}% within the timings' spread ({100 * found.spread:.1f}%, {found.rounds} rounds "
+        f"of each, measured twice) of the {100 * margin:.0f}% it must beat"
+    )
 
 
 def _gpu_bound(timer: timing.Timer, forward: torch.fx.GraphModule, flat: Sequence[Any]) -> Optional[str]:

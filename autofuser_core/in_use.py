@@ -1,25 +1,27 @@
-"""The training step's last check, made where the model really runs: the first calls
-after compiling.
+"""The last check of a speed decision, made where the model really runs: the first
+calls after compiling.
 
-The compile's whole-step check times the fused forward and backward against the
-original's, back to back with nothing else in between. A user's training step holds
-more - the loss, the optimiser, data loading, other work on the GPU - and a fused step
-that won back to back can lose there (BENCHMARKS.md, "Training"). So a signature whose
-fused step won at compile time starts on probation: after the compiling call (which
-runs the fused model), its next ``len(PLAN)`` calls follow ``PLAN``, one call of the
-original to warm it up, then blocks of ``BLOCK_CALLS`` calls of each runner in the
-order fused, original, original, fused (drift over the calls reaches both alike). The
-timer marks the start of every call in the device's stream order; the span from one
-call's start to the next is that call's whole step, as the GPU ran it. Each runner's
-time is its faster block's mean (a one-off stall - a checkpoint written, a collection
-- lands in one block). On the call after the plan the check decides: the fused model
-stays only if its step was at least 2% faster (``FORWARD_MARGIN``) than the original's
-and that lead is larger than the spread of either side's blocks (slowest over
-fastest); a lead inside the spread is measured again by a second plan
-(``MAX_ROUNDS``), after which the original runs unless the lead has come clear of the
-spread. Else the original runs for that signature from then on. Both runners compute
-the same results within the verified tolerance, so the calls of the plan are the
-user's calls as usual.
+The compile's whole-step and whole-forward checks time the fused model against the
+original, back to back with nothing else in between. A user's loop holds more - the
+loss, the optimiser, data loading, other work on the GPU, other processes on it - and
+a fused model that won back to back can lose there (BENCHMARKS.md, "Training"), or the
+compile's timings were themselves taken on a busy GPU. So a signature whose fused
+training step, or fused inference forward, won at compile time (or whose forward's
+verdict was provisional: inside the noise) starts on probation: after the compiling
+call, its next ``len(PLAN)`` calls follow ``PLAN``, one call of the original to warm
+it up, then blocks of ``BLOCK_CALLS`` calls of each runner in the order fused,
+original, original, fused (drift over the calls reaches both alike). The timer marks
+the start of every call in the device's stream order; the span from one call's start
+to the next is that call's whole step, as the GPU ran it. Each runner's time is its
+faster block's mean (a one-off stall - a checkpoint written, a collection - lands in
+one block). On the call after the plan the check decides: the fused model stays only
+if it was more than 2% faster (``FORWARD_MARGIN``) than the original and that lead is
+clear of the spread of either side's blocks (slowest over fastest:
+``timing.inside_spread``); a verdict inside the spread is measured again by a second
+plan (``MAX_ROUNDS``), after which the original runs unless it has come clear, and
+the verdict is provisional (``Settled.provisional``: not cached as final). Else the
+original runs for that signature from then on. Both runners compute the same results
+within the verified tolerance, so the calls of the plan are the user's calls as usual.
 
 A call of other inputs between two calls of the plan breaks the spans: the plan starts
 again, and after ``MAX_RESTARTS`` restarts it is given up (the compile's verdict
@@ -34,7 +36,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from .timing import Timer
+from .timing import Timer, inside_spread, spread_of
 
 BLOCK_CALLS = 4
 PLAN = ("original",) + ("fused",) * BLOCK_CALLS + ("original",) * (2 * BLOCK_CALLS) + ("fused",) * BLOCK_CALLS
@@ -51,6 +53,7 @@ class Settled(NamedTuple):
     original_ms: float
     spread: float  # the largest (slowest - fastest) / fastest block of one side
     blocks: int  # blocks of each side measured
+    provisional: bool  # the verdict was still inside the spread after MAX_ROUNDS plans
 
 
 class InUseCheck:
@@ -58,15 +61,23 @@ class InUseCheck:
     it says which runs, ``"fused"`` or ``"original"``, or ``None`` once the plan is done
     and ``settle()`` decides."""
 
-    def __init__(self, timer: Timer, device: torch.device, verdict_key: Any = None, root: Any = None):
+    def __init__(
+        self,
+        timer: Timer,
+        device: torch.device,
+        filing: Any = None,
+        candidate: Any = None,
+        compiled_ran: str = "fused",
+    ):
         self.timer, self.device = timer, device
-        self.verdict_key, self.root = verdict_key, root  # where the caller files the verdict
+        self.filing = filing  # where and how the caller files the verdict
+        self.candidate = candidate  # the caller's fused runner, where it is not what runs now
         self.calls = 0
         self.marks: list[Any] = []
         self.restarts = 0
         self.rounds = 1
         self.blocks: dict[str, list[float]] = {"fused": [], "original": []}  # ms per call, every plan's
-        self.last = "fused"  # what the last call ran (the compiling call ran the fused model)
+        self.last = compiled_ran  # what the last call ran: the compiling call's runner
         self.turn_lost = False  # another check took the turn while this one's plan was under way
 
     def runner(self) -> Optional[str]:
@@ -86,23 +97,24 @@ class InUseCheck:
         return self.restarts > MAX_RESTARTS
 
     def settle(self, margin: float) -> Optional[Settled]:
-        """The plan done: the fused model if its step was at least ``margin`` faster and its
-        lead larger than the spread of either side's blocks; a lead inside the spread is
-        measured again with another plan (``None``: its calls follow), up to ``MAX_ROUNDS``
-        plans, and where it is still inside, the original runs (the safe side)."""
+        """The plan done: the fused model if it was more than ``margin`` faster and that
+        lead is clear of the spread of either side's blocks; a verdict inside the spread
+        is measured again with another plan (``None``: its calls follow), up to
+        ``MAX_ROUNDS`` plans, and where it is still inside, the original runs (the safe
+        side) and the verdict is provisional."""
         spans = [self.timer.between_ms(a, b) for a, b in zip(self.marks, self.marks[1:])]
         for start in range(1, len(PLAN), BLOCK_CALLS):
             self.blocks[PLAN[start]].append(sum(spans[start : start + BLOCK_CALLS]) / BLOCK_CALLS)
         fused, original = min(self.blocks["fused"]), min(self.blocks["original"])
-        tiny = 1e-9  # a clock that gave 0 ms
-        spread = max((max(times) - min(times)) / max(min(times), tiny) for times in self.blocks.values())
-        lead = (original - fused) / max(original, tiny)
-        if lead >= margin and lead <= spread and self.rounds < MAX_ROUNDS:
+        spread = max(spread_of(times) for times in self.blocks.values())
+        lead = (original - fused) / max(original, 1e-9)  # a clock that gave 0 ms
+        unclear = inside_spread(lead, margin, spread)
+        if unclear and self.rounds < MAX_ROUNDS:
             self.rounds += 1
             self.calls, self.marks = 0, []
             return None
-        runner = "fused" if lead >= margin and lead > spread else "original"
-        return Settled(runner, fused, original, spread, len(self.blocks["fused"]))
+        runner = "fused" if lead > margin and not unclear else "original"
+        return Settled(runner, fused, original, spread, len(self.blocks["fused"]), unclear)
 
 
 # One check's plan at a time, in the whole process: two fused modules in one loop (a

@@ -180,6 +180,60 @@ class Timer:
         return float(start.elapsed_time(end))
 
 
+def spread_of(times: Sequence[float]) -> float:
+    """How far apart repeated measurements of one thing are: (slowest - fastest) /
+    fastest; 0 for one measurement."""
+    fastest = min(times)
+    return (max(times) - fastest) / max(fastest, 1e-9)  # a clock that gave 0 ms
+
+
+def inside_spread(lead: float, margin: float, spread: float) -> bool:
+    """Whether a speed decision is unclear: a candidate's ``lead`` over the baseline (a
+    share of the baseline's time, negative where it is slower) is within ``spread`` (the
+    measurements' own scatter, ``spread_of``) of the ``margin`` it must beat. Noise of
+    that size could put the lead on either side of the margin."""
+    return spread > 0 and abs(lead - margin) <= spread
+
+
+class Rounds:
+    """Two candidates timed in alternating rounds: each round's ms of each side. The best
+    round of each side counts (a slow moment lands in one round); the spread of either
+    side's rounds says how far to trust the difference."""
+
+    def __init__(self) -> None:
+        self.candidate: list[float] = []
+        self.baseline: list[float] = []
+
+    @property
+    def candidate_ms(self) -> float:
+        return min(self.candidate)
+
+    @property
+    def baseline_ms(self) -> float:
+        return min(self.baseline)
+
+    @property
+    def rounds(self) -> int:
+        return min(len(self.candidate), len(self.baseline))
+
+    @property
+    def spread(self) -> float:
+        """The larger side's ``spread_of``."""
+        return max(spread_of(self.candidate), spread_of(self.baseline))
+
+    @property
+    def lead(self) -> float:
+        """The candidate's lead over the baseline, a share of the baseline's time."""
+        return (self.baseline_ms - self.candidate_ms) / max(self.baseline_ms, 1e-9)
+
+    def verdict(self, margin: float) -> Optional[bool]:
+        """Whether the candidate beats the baseline by more than ``margin``: ``True`` or
+        ``False`` where the lead is clear of the spread, ``None`` where it is inside."""
+        if inside_spread(self.lead, margin, self.spread):
+            return None
+        return self.lead > margin
+
+
 class TrainingStep:
     """``forward`` and its backward as one callable of ``forward``'s inputs: what a
     training step costs, for the checks that time fused against eager with gradients on

@@ -473,8 +473,9 @@ def test_a_gpu_bound_forward_is_not_tried_as_a_cuda_graph():
 
 def test_a_fused_forward_within_the_margin_of_eager_leaves_the_original_running(tmp_path, use_timer):
     """Timing noise must not decide: a fused forward only 1% faster than eager is not kept,
-    and the best of the alternating rounds counts, not one slow round."""
-    fused_times = itertools.chain([1.5], itertools.repeat(0.99))  # a slow first round, then 1% ahead of eager
+    and the best of the alternating rounds counts, not the slower round (their spread, 0.5%,
+    leaves the 1% lead clearly short of the 2% margin: no second measurement)."""
+    fused_times = itertools.chain([0.995], itertools.repeat(0.99))  # a slower first round, then 1% ahead of eager
     _, model, x = _fake_forward_times(use_timer, lambda: next(fused_times), 1.0)
     with torch.no_grad():
         fused = autofuser.fuse(model, cache_dir=str(tmp_path), cuda_graphs=False, progress=False)

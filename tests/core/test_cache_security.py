@@ -191,7 +191,7 @@ def test_our_folder_that_others_can_write_is_made_private_and_said_once(tmp_path
         write_tuning(root, KEY, CONFIG, [])
         assert read_tuning(root, KEY)["config"] == CONFIG
         cache.write_verdict(root, KEY, {"fused_ms": 1.0})
-        assert read_verdict(root, KEY) == {"fused_ms": 1.0}
+        assert read_verdict(root, KEY).times == {"fused_ms": 1.0}
         load_kernel_module(kernel_name, "VALUE = 1\n", root)
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     said = [r.getMessage() for r in caplog.records if "private" in r.getMessage()]
@@ -251,13 +251,13 @@ def test_another_users_folder_is_not_used_and_warned_about_once(tmp_path, monkey
         assert files[str(planted)] == before[str(planted)]
     if sub in ("", "verdicts"):
         assert "in memory" in messages[0]
-        assert verdict_read == {} and read_verdict(root, KEY) == {"fused_ms": 1.0}
+        assert verdict_read.times == {} and read_verdict(root, KEY).times == {"fused_ms": 1.0}
     if sub in ("", "kernels"):
         assert not (root / "kernels" / f"{kernel_name}.py").exists()
     if sub == "":
         assert files == before  # nothing written anywhere in it
     else:  # the other subfolders are used as usual
-        assert (tuning_read is None) == (sub == "tuning") and (verdict_read == {}) == (sub == "verdicts")
+        assert (tuning_read is None) == (sub == "tuning") and (verdict_read.times == {}) == (sub == "verdicts")
 
 
 @posix_only
@@ -291,7 +291,7 @@ def test_a_symlinked_subfolder_is_not_used(tmp_path, kernel_name, sub):
             with tuning_lock(root, KEY) as held:
                 assert not held
         elif sub == "verdicts":
-            assert read_verdict(root, KEY) == {}
+            assert read_verdict(root, KEY).times == {}
             cache.write_verdict(root, KEY, {"fused_ms": 1.0})
         else:
             load_kernel_module(kernel_name, "VALUE = 1\n", root)
@@ -340,7 +340,7 @@ def test_a_fifo_at_an_entry_path_is_not_read(tmp_path, folder):
     path = entry_path(tmp_path, folder)
     path.parent.mkdir(parents=True, mode=0o700)
     os.mkfifo(path)
-    read = (lambda: read_tuning(tmp_path, KEY)) if folder == "tuning" else (lambda: read_verdict(tmp_path, KEY))
+    read = (lambda: read_tuning(tmp_path, KEY)) if folder == "tuning" else (lambda: read_verdict(tmp_path, KEY).times)
     with pytest.warns(UserWarning, match="not a regular file"):
         assert finishes(read, unblock=path) in (None, {})
     # A write replaces it with a regular file.
@@ -349,7 +349,7 @@ def test_a_fifo_at_an_entry_path_is_not_read(tmp_path, folder):
         assert read_tuning(tmp_path, KEY)["config"] == CONFIG
     else:
         cache.write_verdict(tmp_path, KEY, {"fused_ms": 2.0})
-        assert read_verdict(tmp_path, KEY) == {"fused_ms": 2.0}
+        assert read_verdict(tmp_path, KEY).times == {"fused_ms": 2.0}
     assert stat.S_ISREG(path.lstat().st_mode)
 
 
