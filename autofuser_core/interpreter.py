@@ -2,7 +2,8 @@
 
 Triton decides between the GPU backend and its CPU interpreter once per kernel,
 when ``@triton.jit`` decorates it, from ``TRITON_INTERPRET`` as it is at that
-moment. A plugin's helpers are decorated when the plugin is imported, the
+moment. Triton's own library functions (``tl.sum``, ``tl.sigmoid``, ...) are
+decorated when Triton is imported, a plugin's kernels when the plugin is, the
 kernels AutoFuser writes when a group is compiled; if the variable changed in
 between (set after Triton was imported), the two kinds can't call each other
 and every group fails. Without a GPU and without the interpreter nothing can
@@ -38,8 +39,8 @@ _warned: set[str] = set()
 
 def arrange_interpreter() -> bool:
     """Turn Triton's interpreter on for this process when it has no CUDA device, the user
-    left ``TRITON_INTERPRET`` unset and no kernel has been decorated yet (importing Triton
-    decorates none; importing a plugin does). True if it did."""
+    left ``TRITON_INTERPRET`` unset and no kernel has been decorated yet (in practice:
+    Triton is not imported yet, since importing it decorates its library). True if it did."""
     if "TRITON_INTERPRET" in os.environ or torch.cuda.is_available():
         return False
     if kernels_decorated():
@@ -94,9 +95,9 @@ def kernels_cannot_run(device: torch.device, plugin_modules: Iterable[object]) -
             f"Triton can't run AutoFuser's kernels and nothing is fused. To run them on the CPU under "
             f"Triton's interpreter, {FIX}",
         )
-    # The plugins' own kernels, and those AutoFuser wrote and imported earlier in this process
-    # (kept under KERNEL_PACKAGE and reused for the same source).
-    interpreted, gpu = _jit_kinds([*plugin_modules, KERNEL_PACKAGE])
+    # Triton's library, the plugins' own kernels, and those AutoFuser wrote and imported
+    # earlier in this process (kept under KERNEL_PACKAGE and reused for the same source).
+    interpreted, gpu = _jit_kinds(["triton.language", *plugin_modules, KERNEL_PACKAGE])
     if interpreting() and gpu:
         return (
             "interpreter_mismatch",

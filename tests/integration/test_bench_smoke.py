@@ -21,6 +21,10 @@ from typing import Optional
 import pytest
 import torch
 
+# Imported now, under the variable conftest.py set: a test that changes TRITON_INTERPRET must
+# not be the first to import Triton, whose library would then be decorated for the GPU.
+import triton  # noqa: F401, I001
+
 import autofuser
 from autofuser.cli import build_parser, main
 from autofuser.zoo import harness, train_bench
