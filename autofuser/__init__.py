@@ -18,7 +18,15 @@ block, multiprocessors), one helper for every plugin.
 
 from autofuser_core.codegen import KernelSource
 from autofuser_core.device_limits import DeviceLimits, device_limits
-from autofuser_core.errors import AutoFuserError, CacheError, CaptureError, CompileFailedWarning, PluginError, SpecError
+from autofuser_core.errors import (
+    AutoFuserError,
+    CacheError,
+    CaptureError,
+    CompileFailedWarning,
+    NoKernelsWarning,
+    PluginError,
+    SpecError,
+)
 from autofuser_core.group import GroupProgram, GroupRefused, KernelTensor, program_from_nodes
 from autofuser_core.hookspecs import hookimpl
 from autofuser_core.ir import LoweringContext, Value, broadcast_shapes, describe_tensor
@@ -53,6 +61,7 @@ __all__ = [
     "KernelTensor",
     "LoweringContext",
     "LoweringSpec",
+    "NoKernelsWarning",
     "PluginError",
     "ProductLayoutSpec",
     "QuantizerSpec",
@@ -85,6 +94,10 @@ def capture(model, *example_inputs, **example_kwargs):
 def fuse(model, plugins=None, **options):
     """Return a module that behaves like ``model`` and runs fused Triton kernels
     (see ``autofuser_core.fuse.fuse``)."""
+    from autofuser_core.interpreter import arrange_interpreter
+
+    # Before autofuser_core.fuse imports Triton: Triton decorates its library when imported.
+    arrange_interpreter()
     from autofuser_core.fuse import fuse as _fuse
 
     return _fuse(model, plugins=plugins, **options)

@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 from .errors import CacheError
+from .interpreter import KERNEL_PACKAGE
 
 logger = logging.getLogger("autofuser")
 
@@ -282,7 +283,7 @@ def load_kernel_module(name: str, source: str, root: Path):
     again for every copy."""
     digest = hashlib.sha256(source.encode()).hexdigest()
     _write_readable_copy(root, name, source, digest)
-    module_name = f"autofuser_kernels.{name}"
+    module_name = f"{KERNEL_PACKAGE}.{name}"
     module = sys.modules.get(module_name)
     if module is not None:
         return module

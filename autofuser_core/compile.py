@@ -46,6 +46,7 @@ from .backward import build_backward
 from .cache import cache_dir, load_kernel_module, write_tuning
 from .capture import preserved_state
 from .group import MAX_PRODUCTS, STRICT_FP32, GroupProgram, attr_tensor, product_count
+from .interpreter import kernels_cannot_run, warn_once
 from .ir import AttrRef
 from .launch import FusedKernel, RecomputeForBackward, host_scalars, run_eager, to_device
 from .planner import SPLIT_RULES, Candidate, Plan, Split, plan_fusion_groups
@@ -53,7 +54,6 @@ from .precompile import launch_items
 from .registry import PLUGIN_FAULTS, PluginFault, PluginHookError, describe_target, record_fault
 from .report import FusionReport, GroupEntry, NodeEntry, describe_graph
 from .rewrite import extract_group_module, rewrite_graph
-from .rounding import interpreting
 from .tuning import CONFIG_LIMIT, LATER_ROUND_CONFIGS, finish_compiling, pick_config, precompile_untuned
 from .verify import Verifier, max_error, snapshot, synthetic_mismatch, tolerance
 
@@ -273,18 +273,15 @@ def _compile_graph(
                         decision.program,
                     )
                 )
-        if device.type != "cuda" and not interpreting():
-            report.notes.append("no CUDA device and TRITON_INTERPRET is not 1: every group stays eager")
+        cannot_run = kernels_cannot_run(device, plugin_set.manager.get_plugins())
+        if cannot_run is not None:
+            reason_code, message = cannot_run
+            warn_once(message)
+            report.notes.append(f"{reason_code}: {message}")
             for candidate in plan.kept:
                 report.groups.append(
                     _entry(
-                        candidate.strategy.name,
-                        candidate.nodes,
-                        view,
-                        False,
-                        "no_device",
-                        "Triton needs a CUDA device (or TRITON_INTERPRET=1)",
-                        candidate.program,
+                        candidate.strategy.name, candidate.nodes, view, False, reason_code, message, candidate.program
                     )
                 )
             break

@@ -28,3 +28,9 @@ class CacheError(AutoFuserError):
 class CompileFailedWarning(UserWarning):
     """Compiling one input signature failed inside AutoFuser (a bug, or a device fault):
     that signature runs the original model. The test suite turns it into an error."""
+
+
+class NoKernelsWarning(UserWarning):
+    """No kernel can run in this process (no CUDA device and no Triton interpreter, or
+    the interpreter switched on after Triton was imported): every group stays eager.
+    Shown once per cause, with the fix."""

@@ -41,7 +41,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 from torch.utils.hooks import RemovableHandle
 
-from . import timing
+from . import precompile, timing
 from .cache import Verdict, cache_dir, make_record, read_verdict, write_verdict
 from .capture import bind_inputs, capture, preserved_state
 from .compile import _device_of, compile_graph
@@ -1500,6 +1500,7 @@ def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **opti
     if not isinstance(model, torch.nn.Module):
         hint = " - it is a class; instantiate it first" if isinstance(model, type) else ""
         raise CaptureError(f"fuse() takes an nn.Module instance, got {type(model).__name__}{hint}.")
+    precompile.workers()  # a malformed AUTOFUSER_COMPILE_WORKERS is an error now, not in a compile
     plugin_set = _load_plugins_quietly(plugins)  # the plugins' own options are known once they are loaded
     parsed = FuseOptions.parse(options, plugin_set.registry.options)
     return FusedModule(model, plugins, parsed, plugin_set)

@@ -22,6 +22,7 @@ import pluggy
 
 from . import hookspecs
 from .errors import PluginError, SpecError
+from .interpreter import arrange_interpreter
 from .registry import Registry
 
 ENTRY_POINT_GROUP = "autofuser"
@@ -119,6 +120,8 @@ def load_plugins(plugins: Optional[Sequence[Any]] = None) -> PluginSet:
         whose registration hook failed.
     :raises SpecError: an invalid, duplicate or tied spec.
     """
+    # Before any plugin is imported: Triton reads TRITON_INTERPRET when it decorates their kernels.
+    arrange_interpreter()
     available = installed_entry_points()
     if plugins is None:
         chosen = [

@@ -48,6 +48,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from .errors import AutoFuserError
+
 logger = logging.getLogger("autofuser")
 
 #: Seconds without any answer from the children, while waiting for them, after which
@@ -86,11 +88,17 @@ def workers() -> int:
     use, shared among the ranks on this machine (``LOCAL_WORLD_SIZE``), at most 16;
     0 turns parallel compilation off."""
     configured = os.environ.get("AUTOFUSER_COMPILE_WORKERS")
-    if configured is not None:
+    if configured is not None and configured.strip():
         try:
-            return max(0, int(configured))
+            count = int(configured)
         except ValueError:
-            logger.warning("AUTOFUSER_COMPILE_WORKERS=%r is not an integer; using the default", configured)
+            count = -1
+        if count < 0:
+            raise AutoFuserError(
+                f"AUTOFUSER_COMPILE_WORKERS={configured!r} is not a whole number of processes: set it to 0 "
+                "(compile in this process), a count such as 4, or unset it for the default (the usable cores)"
+            )
+        return count
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

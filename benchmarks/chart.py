@@ -16,7 +16,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = (("autofuser", "AutoFuser", "#1f77b4"), ("torch.compile", "torch.compile (default)", "#ff7f0e"))
-TICKS = (0.25, 0.5, 1, 2, 4, 8, 16, 32)
 BAR, GAP, LABEL_W, PLOT_W, PANEL_GAP = 9, 8, 200, 330, 40
 
 
@@ -24,11 +23,27 @@ def _esc(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
+def axis_range(speedups: list[float]) -> tuple[float, float]:
+    """The axis' ends: the powers of two around every speedup and 1x, however far from 1x
+    (a 0.001x bar must show, not fall off a fixed axis)."""
+    values = [v for v in speedups if v > 0] + [1.0]
+    lo, hi = 2.0 ** math.floor(math.log2(min(values))), 2.0 ** math.ceil(math.log2(max(values)))
+    return lo, max(hi, 2 * lo)
+
+
+def axis_ticks(lo: float, hi: float) -> list[float]:
+    """Powers of two from ``lo`` to ``hi``, thinned to at most about 10 labels."""
+    low, high = round(math.log2(lo)), round(math.log2(hi))
+    step = max(1, math.ceil((high - low) / 10))
+    exponents = sorted(set(range(0, low - 1, -step)) | set(range(0, high + 1, step)))
+    return [2.0**e for e in exponents if low <= e <= high]
+
+
 def render(run: dict) -> str:
     dtypes = [d for d in ("fp32", "bf16") if any(r["dtype"] == d for r in run["rows"])]
     speedups = [r[s]["speedup"] for r in run["rows"] for s, _, _ in SYSTEMS if r[s].get("speedup")]
-    lo = max(t for t in TICKS if t <= min(speedups + [1]))
-    hi = min(t for t in TICKS if t >= max(speedups + [1]))
+    lo, hi = axis_range(speedups)
+    ticks = axis_ticks(lo, hi)
 
     def x(value: float) -> float:
         return LABEL_W + PLOT_W * (math.log2(value) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
@@ -55,7 +70,7 @@ def render(run: dict) -> str:
     for dtype in dtypes:
         rows = {r["model"]: r for r in run["rows"] if r["dtype"] == dtype}
         out.append(f'<text x="4" y="{y0 - 6}" font-weight="bold">{dtype}</text>')
-        for t in TICKS:
+        for t in ticks:
             if lo <= t <= hi:
                 style = 'stroke="#444"' if t == 1 else 'stroke="#ddd"'
                 out.append(

@@ -40,6 +40,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -54,11 +55,10 @@ import autofuser
 from autofuser.zoo.airfoil import TRAIN_SEED, make_dataset, relative_l2, test_set
 from autofuser.zoo.first_call import measure_in_fresh_process
 from autofuser.zoo.models import MESHES, MODELS, ModelEntry, parameter_count
-from autofuser_core.timing import median_call_ms
+from autofuser_core.interpreter import FIX, kernels_decorated
 
 SYSTEMS = ("eager", "torch.compile", "autofuser")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 NO_COMPILE = "skipped: --no-compile"
 TRAIN_LR = 1e-3
 
@@ -73,128 +73,120 @@ def progress(message: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``autofuser bench``."""
-    parser.add_argument(
-        "--models", default="all", help=f"comma-separated model names, or 'all' (default): {', '.join(MODELS)}"
-    )
-    parser.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cuda or cpu (default: cuda when available)",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES),
-        default="fp32",
-        help="fp32, or bf16 = torch.autocast(bfloat16) around every forward (with --train: forward and loss); "
-        "fp32 parameters",
-    )
-    parser.add_argument(
-        "--iters", type=int, default=100, help="timed calls (with --train: training steps) per system (median reported)"
-    )
-    parser.add_argument("--warmup", type=int, default=10, help="untimed calls (with --train: steps) before timing")
-    parser.add_argument("--out", default="bench-results", help="folder for bench.json, bench.md, bench.png")
-    parser.add_argument(
-        "--config",
-        choices=sorted(MESHES),
-        default="airfoil",
-        help="model sizes: airfoil (paper configurations, 221 x 51 mesh) or tiny (CPU tests)",
-    )
-    parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="default", help="torch.compile mode")
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (it needs a C compiler on CPU)")
-    parser.add_argument(
-        "--train",
-        action="store_true",
-        help="measure a training step (zero_grad, forward in train mode, MSE loss, backward, AdamW step) "
-        "instead of the eval-mode forward: step time, first step, peak memory, output and gradient errors. "
-        "Not --train-steps, which pre-trains before anything is measured",
-    )
-    parser.add_argument(
-        "--train-steps",
-        type=int,
-        default=0,
-        help="pre-training: Adam steps on generated airfoils before anything is measured, so the test loss "
-        "means something (default 0: random weights); with or without --train, which measures training steps",
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=None,
-        help="override every model's batch size (default: the paper's, or 2 for --config tiny)",
-    )
-    parser.add_argument(
-        "--tune-budget", type=float, default=None, help="AutoFuser tuning seconds per group (default: fuse()'s own)"
-    )
-    parser.add_argument(
-        "--tune-all-configs",
-        action="store_true",
-        help="AutoFuser tunes every valid config, past the strategies' caps (fuse's "
-        "tune_all_configs): for benchmarks/tuning_stats.py, not for timing first calls",
-    )
-    parser.add_argument(
-        "--fresh-first-calls",
-        action="store_true",
-        help="also time AutoFuser's cold first call and torch.compile's first call each in a new "
-        "process with empty caches (autofuser.zoo.first_call), as a user's first run of a "
-        "script pays them",
-    )
-    parser.add_argument(
-        "--cache-dir",
-        default=None,
-        help="parent of the per-model AutoFuser cache folders (default: OUT/autofuser-cache); "
-        "each model's folder is emptied first",
-    )
+    """The options of ``autofuser bench`` (declared in ``autofuser.cli``, which --help reads
+    without importing the zoo)."""
+    from autofuser.cli import add_bench_arguments
+
+    add_bench_arguments(parser)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    names = list(MODELS) if args.models.strip() == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in names if m not in MODELS]
-    if unknown:
-        progress(f"unknown model(s) {', '.join(unknown)}; the zoo has {', '.join(MODELS)}")
-        return 2
     if args.iters < 1 or args.warmup < 0 or args.train_steps < 0:
         progress("--iters must be >= 1, --warmup and --train-steps >= 0")
         return 2
     if args.train and args.fresh_first_calls:
         progress("--fresh-first-calls times forward first calls; it does not combine with --train")
         return 2
-    device = torch.device(args.device)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         progress("--device cuda but no CUDA device is available; use --device cpu")
         return 2
-    result = run_bench(
-        names,
-        device=device,
-        dtype=args.dtype,
-        iters=args.iters,
-        warmup=args.warmup,
-        out=Path(args.out),
-        config=args.config,
-        compile_mode=args.compile_mode,
-        no_compile=args.no_compile,
-        train_steps=args.train_steps,
-        batch_size=args.batch_size,
-        cache_root=Path(args.cache_dir) if args.cache_dir else None,
-        fuse_options={
-            **({} if args.tune_budget is None else {"tune_budget_s": args.tune_budget}),
-            **({"tune_all_configs": True} if args.tune_all_configs else {}),
-        },
-        fresh_first_calls=args.fresh_first_calls,
-        train=args.train,
-    )
+    custom: dict[str, tuple] = {}
+    try:
+        use_interpreter_on_cpu(device)  # before the factory runs: it may import a plugin's kernels
+    except BenchError as err:
+        progress(str(err))
+        return 2
+    if args.factory is not None:
+        zoo_only = [flag for flag, used in ZOO_ONLY_OPTIONS.items() if used(args)]
+        if zoo_only:
+            progress(
+                f"{', '.join(zoo_only)} apply to zoo models only; drop them to bench {args.factory}, "
+                "or drop MODULE:FACTORY to bench the zoo"
+            )
+            return 2
+        from autofuser.cli import call_factory
+
+        names = [args.factory]
+        custom[args.factory] = call_factory(args.factory, "bench")
+    else:
+        names = list(MODELS) if args.models.strip() == "all" else [m.strip() for m in args.models.split(",")]
+        names = [m for m in names if m]
+        unknown = [m for m in names if m not in MODELS]
+        if unknown:
+            progress(
+                f"unknown model(s) {', '.join(unknown)}; the zoo has {', '.join(MODELS)} "
+                "(or bench your own: autofuser bench path/to/file.py:make_model)"
+            )
+            return 2
+    try:
+        result = run_bench(
+            names,
+            device=device,
+            dtype=args.dtype,
+            iters=args.iters,
+            warmup=args.warmup,
+            out=Path(args.out),
+            config=args.config,
+            compile_mode=args.compile_mode,
+            no_compile=args.no_compile,
+            train_steps=args.train_steps,
+            batch_size=args.batch_size,
+            cache_root=Path(args.cache_dir) if args.cache_dir else None,
+            fuse_options={
+                **({} if args.tune_budget is None else {"tune_budget_s": args.tune_budget}),
+                **({"tune_all_configs": True} if args.tune_all_configs else {}),
+            },
+            fresh_first_calls=args.fresh_first_calls,
+            train=args.train,
+            custom_models=custom,
+        )
+    except BenchError as err:
+        progress(str(err))
+        return 2
     print(result["markdown"])
     return 0
 
 
+#: Options that only mean something for zoo models (each with how to tell it was given).
+ZOO_ONLY_OPTIONS: dict[str, Callable[[argparse.Namespace], bool]] = {
+    "--models": lambda a: a.models.strip() != "all",
+    "--train": lambda a: a.train,
+    "--train-steps": lambda a: a.train_steps != 0,
+    "--batch-size": lambda a: a.batch_size is not None,
+    "--fresh-first-calls": lambda a: a.fresh_first_calls,
+}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="autofuser bench", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    from autofuser.cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 # ---------------------------------------------------------------------------
 # Measuring
 # ---------------------------------------------------------------------------
+
+
+class BenchError(Exception):
+    """``autofuser bench`` can't measure what it was asked to; the message says why and the fix."""
+
+
+def use_interpreter_on_cpu(device: torch.device) -> None:
+    """On a CPU, AutoFuser's kernels run under Triton's interpreter: turn it on, or refuse
+    to run where that is too late (a kernel was already decorated for the GPU backend, so
+    every group would fail and the table would compare eager with eager)."""
+    if device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if kernels_decorated():
+        raise BenchError(
+            "a CPU bench needs Triton's interpreter, and Triton kernels were already built for the GPU "
+            f"in this process, so AutoFuser could fuse nothing. Run it as the `autofuser bench` command, or {FIX}"
+        )
+    # Triton picks the interpreter when a kernel is decorated: set before AutoFuser builds any.
+    os.environ["TRITON_INTERPRET"] = "1"
+    progress("CPU run: TRITON_INTERPRET=1 (AutoFuser kernels run under Triton's interpreter)")
 
 
 def synchronize(device: torch.device) -> None:
@@ -210,20 +202,47 @@ def autocast_for(device: torch.device, dtype: str):
     return torch.autocast(device.type, dtype=DTYPES[dtype])
 
 
-def median_ms(fn: Callable[[], Any], iters: int, warmup: int, device: torch.device) -> float:
-    """Median wall time of one call of ``fn`` in ms, over ``iters`` calls after ``warmup`` calls:
-    on a GPU timed as AutoFuser's whole-forward check times it (CUDA events, calls back to back)."""
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            return median_call_ms(fn, iters, warmup)
+#: How ``timed`` measures, as bench.md says it.
+TIMING = "torch.utils.benchmark.Timer; median and IQR over blocks of calls"
+#: At most this many timed blocks per system; ``--iters`` calls are split among them.
+REPEATS = 10
+#: A spread (IQR over the blocks) above this share of the median marks the time noisy:
+#: torch.utils.benchmark's own threshold for warning about a measurement.
+NOISY_IQR = 0.1
+
+
+def timed(fn: Callable[[], Any], iters: int, warmup: int, device: torch.device) -> dict[str, Any]:
+    """``fn``'s time per call after ``warmup`` calls, by ``torch.utils.benchmark.Timer``:
+    ``iters`` calls in up to ``REPEATS`` blocks of calls back to back (the Timer waits for
+    the GPU around each block, and warms each block up with a call or two of its own).
+    ``ms`` is the median over the blocks of the time per call, ``iqr_ms`` their interquartile
+    range, ``noisy`` whether that spread exceeds ``NOISY_IQR`` of the median (a speedup
+    from such a time is not to be trusted)."""
+    from torch.utils.benchmark import Timer
+    from torch.utils.benchmark.utils.common import Measurement
+
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        begin = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - begin) * 1e3)
-    return float(statistics.median(times))
+    repeats = min(iters, REPEATS)
+    # Timer runs on one thread unless told otherwise: time as the model runs outside it.
+    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        blocks = [timer.timeit(max(1, iters // repeats)) for _ in range(repeats)]
+    (measured,) = Measurement.merge(blocks)
+    ms, iqr_ms = measured.median * 1e3, measured.iqr * 1e3
+    return {"ms": ms, "iqr_ms": iqr_ms, "repeats": repeats, "noisy": iqr_ms > NOISY_IQR * ms}
+
+
+def spread(times_ms: list[float]) -> dict[str, Any]:
+    """``timed``'s fields from per-step times measured elsewhere (the training bench's turns)."""
+    ordered = sorted(times_ms)
+    median = float(statistics.median(ordered))
+    if len(ordered) < 2:
+        iqr = 0.0
+    else:
+        quartiles = statistics.quantiles(ordered, n=4, method="inclusive")
+        iqr = quartiles[2] - quartiles[0]
+    return {"ms": median, "iqr_ms": iqr, "repeats": len(ordered), "noisy": iqr > NOISY_IQR * median}
 
 
 def build(entry: ModelEntry, config: str, batch: int, device: torch.device):
@@ -253,10 +272,31 @@ def first_call_s(fn: Callable[[], Any], device: torch.device) -> tuple[Any, floa
     return out, time.perf_counter() - begin
 
 
-def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
-    out, reference = out.detach().double(), reference.detach().double()
-    denominator = reference.norm()
-    return float((out - reference).norm() / denominator) if denominator > 0 else float((out - reference).norm())
+def output_tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors of a model's output, in order: the output itself, or those inside its
+    tuples, lists and dict values."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for value in out.values() for t in output_tensors(value)]
+    if isinstance(out, (tuple, list)):
+        return [t for value in out for t in output_tensors(value)]
+    return []
+
+
+def relative_error(out: Any, reference: Any) -> float:
+    """``||out - reference|| / ||reference||`` over every tensor of the two outputs together."""
+    outs, references = output_tensors(out), output_tensors(reference)
+    if len(outs) != len(references) or any(o.shape != r.shape for o, r in zip(outs, references)):
+        raise ValueError(
+            f"the output has {len(outs)} tensor(s) of shapes {[list(t.shape) for t in outs]}, eager's "
+            f"{len(references)} of shapes {[list(t.shape) for t in references]}"
+        )
+    if not outs:
+        return 0.0
+    difference = torch.cat([(o.detach().double() - r.detach().double()).flatten() for o, r in zip(outs, references)])
+    denominator = torch.cat([r.detach().double().flatten() for r in references]).norm()
+    return float(difference.norm() / denominator) if denominator > 0 else float(difference.norm())
 
 
 def describe_error(err: BaseException) -> str:
@@ -307,6 +347,8 @@ def _empty_cell(status: str = "not run", error: Optional[str] = None) -> dict[st
         "status": status,
         "error": error,
         "ms": None,
+        "iqr_ms": None,
+        "noisy": None,
         "speedup": None,
         "first_call_s": None,
         "rel_err_vs_eager": None,
@@ -417,14 +459,95 @@ def run_systems(
         release_memory(device)
 
 
+#: What the AutoFuser speedup cell says where no group was fused: the module ran eager's
+#: ops, and its time against eager's is noise, not a speedup.
+NOTHING_FUSED = "nothing fused"
+
+
 def fill_speedups(row: dict[str, Any], time_key: str) -> None:
-    """Every cell's ``speedup``: eager's ``time_key`` over the system's (1 for eager)."""
+    """Every cell's ``speedup``: eager's ``time_key`` over the system's (1 for eager); none
+    for an AutoFuser that fused no group (its ``nothing_fused`` is set instead)."""
     eager_cell = row["systems"]["eager"]
     for system in ("torch.compile", "autofuser"):
         cell = row["systems"][system]
+        if system == "autofuser" and cell.get("fused_groups") == 0:
+            cell["nothing_fused"] = True
+            continue
         if cell[time_key] and eager_cell[time_key]:
             cell["speedup"] = eager_cell[time_key] / cell[time_key]
     eager_cell["speedup"] = 1.0 if eager_cell[time_key] else None
+
+
+def forward_systems(
+    name: str,
+    row: dict[str, Any],
+    model: torch.nn.Module,
+    call: Callable[[Callable[..., Any]], Callable[[], Any]],
+    finish: Callable[[dict[str, Any], Any], None],
+    *,
+    device: torch.device,
+    iters: int,
+    warmup: int,
+    compile_mode: str,
+    no_compile: bool,
+    cache_dir: Path,
+    fuse_options: Optional[dict],
+) -> None:
+    """Run and time every system's forward on ``model`` into ``row``: ``call(fn)`` is the
+    zero-argument call of ``fn`` (the model, or a system wrapping it) on the row's inputs,
+    ``finish(cell, output)`` records what is checked beyond the error against eager."""
+    autofuser_cell = start_autofuser_cell(row, first_call_cold_s=None, first_call_warm_s=None, warm_phases=None)
+    eager_cell, compile_cell = row["systems"]["eager"], row["systems"]["torch.compile"]
+    compile_cell["mode"] = compile_mode
+    reference: Any = None
+
+    def check(cell: dict[str, Any], out: Any) -> None:
+        finish(cell, out)
+        cell["rel_err_vs_eager"] = relative_error(out, reference)
+
+    def run_eager() -> None:
+        nonlocal reference
+        progress(f"{name}: eager")
+        reference, seconds = first_call_s(call(model), device)
+        eager_cell["first_call_s"] = seconds
+        check(eager_cell, reference)
+        eager_cell.update(timed(call(model), iters, warmup, device))
+
+    def run_autofuser() -> None:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        cache_dir.mkdir(parents=True)
+        progress(f"{name}: AutoFuser, cold cache {cache_dir}")
+        cold = autofuser.fuse(model, cache_dir=str(cache_dir), **(fuse_options or {}))
+        _, seconds = first_call_s(call(cold), device)
+        autofuser_cell["first_call_cold_s"] = autofuser_cell["first_call_s"] = seconds
+        autofuser_cell.update(report_fields(cold.report()))
+        del cold
+        release_memory(device)  # the cold module's buffers and CUDA graph pool
+        progress(f"{name}: AutoFuser, warm cache")
+        warm = autofuser.fuse(model, cache_dir=str(cache_dir), **(fuse_options or {}))
+        out, seconds = first_call_s(call(warm), device)
+        autofuser_cell["first_call_warm_s"] = seconds
+        autofuser_cell["warm_cache_hits"] = sum(g.cache_hit for g in warm.report().fused)
+        autofuser_cell["warm_phases"] = dict(warm.report().phases)  # where the warm first call's time went
+        check(autofuser_cell, out)
+        autofuser_cell.update(timed(call(warm), iters, warmup, device))
+
+    def run_compile() -> None:
+        progress(f"{name}: torch.compile (mode {compile_mode})")
+        torch._dynamo.reset()
+        compiled = torch.compile(model, mode=compile_mode)
+        out, seconds = first_call_s(call(compiled), device)
+        compile_cell["first_call_s"] = seconds
+        check(compile_cell, out)
+        compile_cell.update(timed(call(compiled), iters, warmup, device))
+
+    if no_compile:
+        compile_cell.update(status="skipped", error=NO_COMPILE)
+    runs = [("eager", run_eager), ("autofuser", run_autofuser)]
+    runs += [] if no_compile else [("torch.compile", run_compile)]
+    run_systems(name, row, runs, device)
+    if row["systems"]["autofuser"]["status"] == "ok" and autofuser_cell["fused_groups"] == 0:
+        progress(f"{name}: AutoFuser fused no group; its speedup is left out (see the report's reasons)")
 
 
 def bench_model(
@@ -443,72 +566,38 @@ def bench_model(
     fuse_options: Optional[dict] = None,
     fresh_first_calls: bool = False,
 ) -> dict[str, Any]:
-    """One row: every system on model ``name``; errors are recorded, not raised."""
+    """One row: every system on zoo model ``name``; errors are recorded, not raised."""
     entry = MODELS[name]
     mesh = MESHES[config]
     batch = batch_size or entry.batch(config)
     row = start_row(name, config=config, batch=batch, train_steps=train_steps, empty_cell=_empty_cell)
-    autofuser_cell = start_autofuser_cell(row, first_call_cold_s=None, first_call_warm_s=None, warm_phases=None)
+    start_autofuser_cell(row, first_call_cold_s=None, first_call_warm_s=None, warm_phases=None)
     row["systems"]["torch.compile"]["mode"] = compile_mode
     prepared = prepare_model(row, dtype=dtype, device=device)
     if prepared is None:
         return row
     model, x, target = prepared
 
-    def forward(fn):
+    def call(fn):
         return forward_call(fn, x, device, dtype)
 
-    def finish(cell: dict[str, Any], out: torch.Tensor, reference: Optional[torch.Tensor]) -> None:
+    def finish(cell: dict[str, Any], out: torch.Tensor) -> None:
         cell["test_loss"] = float(relative_l2(entry.as_grid(out, mesh), target))
-        if reference is not None:
-            cell["rel_err_vs_eager"] = relative_error(out, reference)
 
-    eager_cell, compile_cell = row["systems"]["eager"], row["systems"]["torch.compile"]
-    reference: Optional[torch.Tensor] = None
-
-    def run_eager() -> None:
-        nonlocal reference
-        progress(f"{name}: eager")
-        reference, seconds = first_call_s(forward(model), device)
-        eager_cell["first_call_s"] = seconds
-        finish(eager_cell, reference, None)
-        eager_cell["rel_err_vs_eager"] = 0.0
-        eager_cell["ms"] = median_ms(forward(model), iters, warmup, device)
-
-    def run_autofuser() -> None:
-        shutil.rmtree(cache_dir, ignore_errors=True)
-        cache_dir.mkdir(parents=True)
-        progress(f"{name}: AutoFuser, cold cache {cache_dir}")
-        cold = autofuser.fuse(model, cache_dir=str(cache_dir), **(fuse_options or {}))
-        _, seconds = first_call_s(forward(cold), device)
-        autofuser_cell["first_call_cold_s"] = autofuser_cell["first_call_s"] = seconds
-        autofuser_cell.update(report_fields(cold.report()))
-        del cold
-        release_memory(device)  # the cold module's buffers and CUDA graph pool
-        progress(f"{name}: AutoFuser, warm cache")
-        warm = autofuser.fuse(model, cache_dir=str(cache_dir), **(fuse_options or {}))
-        out, seconds = first_call_s(forward(warm), device)
-        autofuser_cell["first_call_warm_s"] = seconds
-        autofuser_cell["warm_cache_hits"] = sum(g.cache_hit for g in warm.report().fused)
-        autofuser_cell["warm_phases"] = dict(warm.report().phases)  # where the warm first call's time went
-        finish(autofuser_cell, out, reference)
-        autofuser_cell["ms"] = median_ms(forward(warm), iters, warmup, device)
-
-    def run_compile() -> None:
-        progress(f"{name}: torch.compile (mode {compile_mode})")
-        torch._dynamo.reset()
-        compiled = torch.compile(model, mode=compile_mode)
-        out, seconds = first_call_s(forward(compiled), device)
-        compile_cell["first_call_s"] = seconds
-        finish(compile_cell, out, reference)
-        compile_cell["ms"] = median_ms(forward(compiled), iters, warmup, device)
-
-    if no_compile:
-        compile_cell.update(status="skipped", error=NO_COMPILE)
-    runs = [("eager", run_eager), ("autofuser", run_autofuser)]
-    runs += [] if no_compile else [("torch.compile", run_compile)]
-    run_systems(name, row, runs, device)
-
+    forward_systems(
+        name,
+        row,
+        model,
+        call,
+        finish,
+        device=device,
+        iters=iters,
+        warmup=warmup,
+        compile_mode=compile_mode,
+        no_compile=no_compile,
+        cache_dir=cache_dir,
+        fuse_options=fuse_options,
+    )
     if fresh_first_calls:
         for system in ("autofuser",) + (() if no_compile else ("torch.compile",)):
             progress(f"{name}: {system} first call in a fresh process")
@@ -527,7 +616,84 @@ def bench_model(
             if answer.get("error"):
                 progress(f"{name}: {system} fresh-process first call failed: {answer['error']}")
     fill_speedups(row, "ms")
-    model = x = target = reference = None  # the closures hold them: freed before release_memory empties the cache
+    model = x = target = None  # freed before release_memory empties the cache
+    release_memory(device)
+    return row
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it (nested in tuples, lists, dict values) moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def bench_custom_model(
+    spec: str,
+    made: tuple[torch.nn.Module, tuple, dict],
+    *,
+    device: torch.device,
+    dtype: str,
+    iters: int,
+    warmup: int,
+    compile_mode: str,
+    no_compile: bool,
+    cache_dir: Path,
+    fuse_options: Optional[dict] = None,
+) -> dict[str, Any]:
+    """One row: every system on the user's model, ``made`` = (model, args, kwargs) from the
+    factory ``spec`` names; moved to ``device``, eval mode, no_grad. No target: no test loss."""
+    model, args, kwargs = made
+    row: dict[str, Any] = {
+        "model": spec,
+        "title": type(model).__name__,
+        "paper": None,
+        "family": None,
+        "layout": None,
+        "config": None,
+        "mesh": None,
+        "batch": None,
+        "params": parameter_count(model),
+        "train_steps": 0,
+        "train_losses": [],
+        "systems": {s: _empty_cell() for s in SYSTEMS},
+    }
+    try:
+        model = model.to(device).eval()
+        args, kwargs = to_device(args, device), to_device(kwargs, device)
+    except Exception as err:
+        message = describe_error(err)
+        for cell in row["systems"].values():
+            cell.update(status="error", error=message, traceback=traceback.format_exc())
+        return row
+
+    def call(fn):
+        def run():
+            with torch.no_grad(), autocast_for(device, dtype):
+                return fn(*args, **kwargs)
+
+        return run
+
+    forward_systems(
+        spec,
+        row,
+        model,
+        call,
+        lambda cell, out: None,
+        device=device,
+        iters=iters,
+        warmup=warmup,
+        compile_mode=compile_mode,
+        no_compile=no_compile,
+        cache_dir=cache_dir,
+        fuse_options=fuse_options,
+    )
+    fill_speedups(row, "ms")
+    del model  # freed before release_memory empties the cache (the inputs go with the closures)
     release_memory(device)
     return row
 
@@ -566,21 +732,23 @@ def run_bench(
     fuse_options: Optional[dict] = None,
     fresh_first_calls: bool = False,
     train: bool = False,
+    custom_models: Optional[dict[str, tuple]] = None,
 ) -> dict[str, Any]:
     """Benchmark ``names`` (their forward, or with ``train`` a training step); write bench.json,
-    bench.md, bench.png to ``out``; return the JSON data (plus the table under ``"markdown"``)."""
+    bench.md, bench.png to ``out``; return the JSON data (plus the table under ``"markdown"``).
+    A name in ``custom_models`` is the user's model, ``(model, args, kwargs)``, not a zoo one.
+    On a CPU, raises ``BenchError`` where Triton's interpreter can no longer be turned on."""
+    custom_models = custom_models or {}
     out.mkdir(parents=True, exist_ok=True)
     cache_root = cache_root or out / "autofuser-cache"
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        # Triton picks the interpreter when a kernel is decorated: set it before AutoFuser builds any.
-        os.environ["TRITON_INTERPRET"] = "1"
-        progress("CPU run: TRITON_INTERPRET=1 (AutoFuser kernels run under Triton's interpreter)")
+    use_interpreter_on_cpu(device)
     started = time.perf_counter()
     rows = []
     if train:
         from autofuser.zoo import train_bench  # it builds on this module: imported when used
     for index, name in enumerate(names, 1):
-        progress(f"[{index}/{len(names)}] {name} ({config}, {dtype}, {device}{', training step' if train else ''})")
+        what = "your model" if name in custom_models else f"{config}"
+        progress(f"[{index}/{len(names)}] {name} ({what}, {dtype}, {device}{', training step' if train else ''})")
         options: dict[str, Any] = dict(
             device=device,
             dtype=dtype,
@@ -591,10 +759,14 @@ def run_bench(
             no_compile=no_compile,
             train_steps=train_steps,
             batch_size=batch_size,
-            cache_dir=cache_root / name,
+            cache_dir=cache_root / re.sub(r"[^\w.-]+", "_", name),
             fuse_options=fuse_options,
         )
-        if train:
+        if name in custom_models:
+            for zoo_only in ("config", "train_steps", "batch_size"):
+                del options[zoo_only]
+            rows.append(bench_custom_model(name, custom_models[name], **options))
+        elif train:
             rows.append(train_bench.bench_training_model(name, **options))
         else:
             rows.append(bench_model(name, **options, fresh_first_calls=fresh_first_calls))
@@ -623,7 +795,13 @@ def run_bench(
             "train_steps": train_steps,
             "batch_size": batch_size,
             "fresh_first_calls": fresh_first_calls,
-            "timing": "CUDA events, median" if device.type == "cuda" else "time.perf_counter, median",
+            "factory": next(iter(custom_models), None),
+            "timing": (
+                f"{'CUDA events' if device.type == 'cuda' else 'time.perf_counter'} per step; "
+                "median and IQR over the steps"
+                if train
+                else TIMING
+            ),
             **({"optimizer": "torch.optim.AdamW", "lr": TRAIN_LR, "loss": "mse_loss"} if train else {}),
         },
         "rows": rows,
@@ -651,9 +829,12 @@ COLUMNS = [
     "params",
     "batch",
     "eager ms",
+    "eager IQR ms",
     "torch.compile ms",
+    "torch.compile IQR ms",
     "torch.compile speedup",
     "AutoFuser ms",
+    "AutoFuser IQR ms",
     "AutoFuser speedup",
     "torch.compile first call s",
     "AutoFuser first call s (cold)",
@@ -676,6 +857,26 @@ def format_cell(cell: dict[str, Any], key: str, fmt: str) -> str:
         return f"error: {cell['error'].split(':')[0]}"
     value = cell.get(key)
     return "-" if value is None else format(value, fmt)
+
+
+def format_spread(cell: dict[str, Any], key: str = "iqr_ms", time_key: str = "ms") -> str:
+    """A spread cell: the IQR in ms and as a share of the median, ``noisy`` where that share
+    is over ``NOISY_IQR``; or why the system has none."""
+    text = format_cell(cell, key, ".3f")
+    if cell["status"] != "ok" or cell.get(key) is None or not cell.get(time_key):
+        return text
+    return f"{text} ({100 * cell[key] / cell[time_key]:.0f}%{', noisy' if cell.get('noisy') else ''})"
+
+
+def format_speedup(cell: dict[str, Any], eager: dict[str, Any]) -> str:
+    """A speedup cell: ``nothing fused`` for an AutoFuser that fused no group, and marked
+    ``noisy`` where its time or eager's has a large spread."""
+    if cell["status"] == "ok" and cell.get("nothing_fused"):
+        return NOTHING_FUSED
+    text = format_cell(cell, "speedup", ".2f")
+    if cell["status"] == "ok" and cell.get("speedup") is not None and (cell.get("noisy") or eager.get("noisy")):
+        text += " (noisy)"
+    return text
 
 
 def format_params(count: Optional[int]) -> str:
@@ -722,8 +923,27 @@ def row_errors(row: dict[str, Any]) -> list[str]:
 
 
 def footer_lines(result: dict[str, Any], errors: list[str]) -> list[str]:
-    """The errors (where there are any) and what bench.png is."""
-    lines = ["", "Errors (type: message; tracebacks in bench.json):", *errors] if errors else []
+    """What a noisy time and an unfused run mean (where there are any), the errors (where
+    there are any) and what bench.png is."""
+    cells = [(row, row["systems"][s]) for row in result["rows"] for s in SYSTEMS]
+    lines = []
+    if any(cell.get("noisy") for _, cell in cells):
+        lines += [
+            "",
+            f"noisy: the spread of the times (IQR) is over {NOISY_IQR:.0%} of their median, so a speedup "
+            "built on them is not reliable; run again with more --iters, on an otherwise idle machine.",
+        ]
+    unfused = [row["model"] for row, cell in cells if cell.get("nothing_fused") and cell["status"] == "ok"]
+    if unfused:
+        lines += [
+            "",
+            f"{NOTHING_FUSED}: AutoFuser kept every group of {', '.join(unfused)} eager, so it has no speedup "
+            "to show; the reasons are in bench.json (each row's autofuser report).",
+        ]
+        notes = {note for row, cell in cells if cell.get("nothing_fused") for note in cell["report"]["notes"]}
+        lines += [f"- {note}" for note in sorted(notes)]
+    if errors:
+        lines += ["", "Errors (type: message; tracebacks in bench.json):", *errors]
     return lines + [
         "",
         "bench.png: speedups over eager." if result["plot"] == "bench.png" else f"bench.png: {result['plot']}",
@@ -733,14 +953,16 @@ def footer_lines(result: dict[str, Any], errors: list[str]) -> list[str]:
 def render_markdown(result: dict[str, Any]) -> str:
     settings = result["settings"]
     where = where_run(result)
+    what = settings.get("factory") or f"{settings['config']} config"
     lines = [
-        f"# autofuser bench - {settings['config']} config, {settings['dtype']}, {where}",
+        f"# autofuser bench - {what}, {settings['dtype']}, {where}",
         "",
         f"{result['date']}; torch {result['torch']}, Triton {result['triton']}, AutoFuser {result['autofuser']}; "
         f"median of {settings['iters']} calls after {settings['warmup']} warm-up calls ({settings['timing']}), "
         f"eval mode, no_grad{', bf16 autocast' if settings['dtype'] == 'bf16' else ''}; torch.compile mode "
         f"{settings['compile_mode']}; {settings['train_steps']} training steps. Speedup = eager ms / system ms; "
-        "rel err = ||out - eager|| / ||eager||; test loss = relative L2 vs the airfoil target.",
+        "IQR = the interquartile range of the time per call over the timed blocks (share of the median); "
+        "rel err = ||out - eager|| / ||eager||; test loss = relative L2 vs the airfoil target (zoo models only).",
         "",
     ]
     errors, table = [], []
@@ -749,12 +971,15 @@ def render_markdown(result: dict[str, Any]) -> str:
         cells = [
             row["model"],
             format_params(row["params"]),
-            str(row["batch"]),
+            "-" if row["batch"] is None else str(row["batch"]),
             format_cell(eager, "ms", ".3f"),
+            format_spread(eager),
             format_cell(compiled, "ms", ".3f"),
-            format_cell(compiled, "speedup", ".2f"),
+            format_spread(compiled),
+            format_speedup(compiled, eager),
             format_cell(fused, "ms", ".3f"),
-            format_cell(fused, "speedup", ".2f"),
+            format_spread(fused),
+            format_speedup(fused, eager),
             format_cell(compiled, "first_call_s", ".2f"),
             format_cell(fused, "first_call_cold_s", ".2f"),
             format_cell(fused, "first_call_warm_s", ".2f"),
@@ -791,6 +1016,11 @@ def render_markdown(result: dict[str, Any]) -> str:
                 else:
                     fresh.append(cell["error"] if cell["status"] == "skipped" and cell["error"] else "-")
             lines.append(f"| {row['model']} | {fresh[0]} | {fresh[1]} |")
+    if settings.get("factory"):
+        for row in result["rows"]:
+            text = row["systems"]["autofuser"].get("report_text")
+            if text:
+                lines += ["", f"AutoFuser's fusion report of {row['model']} (cold compile):", "", "```", text, "```"]
     return "\n".join(lines + footer_lines(result, errors))
 
 
@@ -807,21 +1037,18 @@ def write_plot(result: dict[str, Any], path: Path) -> str:
     names = [r["model"] for r in rows]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names) + 2), 4))
     width = 0.38
+    # A log axis, bars drawn from eager's 1x: 0.5x and 2x are equally far from it, and a
+    # 0.001x bar is as visible as a 1000x one.
+    ax.set_yscale("log")
     for k, (system, label) in enumerate((("torch.compile", "torch.compile"), ("autofuser", "AutoFuser"))):
-        values = [r["systems"][system]["speedup"] or 0.0 for r in rows]
+        values = [r["systems"][system]["speedup"] or 1.0 for r in rows]
         positions = [i + (k - 0.5) * width for i in range(len(rows))]
-        bars = ax.bar(positions, values, width, label=label)
+        bars = ax.bar(positions, [v - 1.0 for v in values], width, bottom=1.0, label=label)
         for bar, row in zip(bars, rows):
             cell = row["systems"][system]
-            if cell["status"] != "ok":
-                ax.annotate(
-                    "skipped" if cell["status"] == "skipped" else "error",
-                    (bar.get_x() + width / 2, 0.02),
-                    ha="center",
-                    va="bottom",
-                    rotation=90,
-                    fontsize=7,
-                )
+            if cell["status"] != "ok" or cell.get("nothing_fused"):
+                reason = NOTHING_FUSED if cell["status"] == "ok" else cell["status"]
+                ax.annotate(reason, (bar.get_x() + width / 2, 1.0), ha="center", va="bottom", rotation=90, fontsize=7)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(rows)), names, rotation=20)
     ax.set_ylabel("speedup over eager" + (" (training step)" if result.get("mode") == "train" else ""))

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import copy
 import shutil
-import statistics
 import time
 import traceback
 from pathlib import Path
@@ -62,6 +61,8 @@ from autofuser.zoo.harness import (
     footer_lines,
     format_cell,
     format_params,
+    format_speedup,
+    format_spread,
     geomean_cells,
     prepare_model,
     progress,
@@ -70,6 +71,7 @@ from autofuser.zoo.harness import (
     report_fields,
     row_errors,
     run_systems,
+    spread,
     start_autofuser_cell,
     start_row,
     synchronize,
@@ -83,9 +85,12 @@ TRAIN_COLUMNS = [
     "params",
     "batch",
     "eager step ms",
+    "eager IQR ms",
     "torch.compile step ms",
+    "torch.compile IQR ms",
     "torch.compile speedup",
     "AutoFuser step ms",
+    "AutoFuser IQR ms",
     "AutoFuser speedup",
     "eager first step s",
     "torch.compile first step s",
@@ -108,6 +113,8 @@ def _empty_training_cell(status: str = "not run", error: Optional[str] = None) -
         "status": status,
         "error": error,
         "step_ms": None,
+        "iqr_ms": None,
+        "noisy": None,
         "speedup": None,
         "first_step_s": None,
         "peak_mem_mb": None,
@@ -218,14 +225,14 @@ def _timed_block(step: TrainingStep, steps: int, device: torch.device) -> tuple[
 
 def interleaved_steps(
     steps: dict[str, TrainingStep], iters: int, warmup: int, device: torch.device
-) -> dict[str, "tuple[float, Optional[float]] | BaseException"]:
-    """Each system's (median step ms over ``iters`` steps after ``warmup``, peak MB its steps
-    add), or the error its steps raised.
+) -> dict[str, "tuple[dict[str, Any], Optional[float]] | BaseException"]:
+    """Each system's (its step times' ``harness.spread`` - median ms, IQR, noisy - over ``iters``
+    steps after ``warmup``, peak MB its steps add), or the error its steps raised.
 
     The systems take turns, ``ROUND_STEPS`` steps each, the order rotating every round, so
     a drift of the GPU's clocks or of other load over the run reaches all of them alike
     instead of whichever was timed first."""
-    results: dict[str, "tuple[float, Optional[float]] | BaseException"] = {}
+    results: dict[str, "tuple[dict[str, Any], Optional[float]] | BaseException"] = {}
     times: dict[str, list[float]] = {system: [] for system in steps}
     peaks: dict[str, Optional[float]] = {system: None for system in steps}
     order = list(steps)
@@ -253,7 +260,7 @@ def interleaved_steps(
         done += block
     for system in steps:
         if system not in results:
-            results[system] = (float(statistics.median(times[system])), peaks[system])
+            results[system] = (spread(times[system]), peaks[system])
     return results
 
 
@@ -369,7 +376,8 @@ def bench_training_model(
             cell.update(status="error", error=describe_error(timed), traceback=trace)
             progress(f"{name}: {system} failed: {cell['error']}")
         else:
-            cell["step_ms"], cell["peak_mem_mb"] = timed
+            measured, cell["peak_mem_mb"] = timed
+            cell.update(step_ms=measured["ms"], iqr_ms=measured["iqr_ms"], noisy=measured["noisy"])
     fill_speedups(row, "step_ms")
     steps.clear()
     torch._dynamo.reset()
@@ -396,7 +404,8 @@ def render_training_markdown(result: dict[str, Any]) -> str:
         f"AdamW(lr={settings['lr']:g}) step, on one fixed batch; every system starts from the same weights "
         f"({settings['train_steps']} pre-training steps). Step ms = median of {settings['iters']} steps after "
         f"{settings['warmup']} warm-up steps, the systems taking turns of {ROUND_STEPS} steps "
-        f"({settings['timing']}); speedup = eager step ms / system step ms; "
+        f"({settings['timing']}); speedup = eager step ms / system step ms; IQR = the interquartile range of "
+        "the step times (share of the median); "
         "first step s includes compiling (AutoFuser: cold cache, then a fresh fuse on the warm cache); "
         f"peak MB = the peak memory the timed steps add (CUDA only); torch.compile mode {settings['compile_mode']}; "
         "out / grad rel err = ||x - eager|| / ||eager|| of the first step's output and of all parameters' "
@@ -412,10 +421,13 @@ def render_training_markdown(result: dict[str, Any]) -> str:
                 format_params(row["params"]),
                 str(row["batch"]),
                 format_cell(eager, "step_ms", ".3f"),
+                format_spread(eager, time_key="step_ms"),
                 format_cell(compiled, "step_ms", ".3f"),
-                format_cell(compiled, "speedup", ".2f"),
+                format_spread(compiled, time_key="step_ms"),
+                format_speedup(compiled, eager),
                 format_cell(fused, "step_ms", ".3f"),
-                format_cell(fused, "speedup", ".2f"),
+                format_spread(fused, time_key="step_ms"),
+                format_speedup(fused, eager),
                 format_cell(eager, "first_step_s", ".2f"),
                 format_cell(compiled, "first_step_s", ".2f"),
                 format_cell(fused, "first_step_s", ".2f"),

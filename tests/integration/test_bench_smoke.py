@@ -13,12 +13,20 @@ import contextlib
 import io
 import json
 import math
+import os
+import subprocess
+import sys
 from typing import Optional
 
 import pytest
+import torch
+
+# Imported now, under the variable conftest.py set: a test that changes TRITON_INTERPRET must
+# not be the first to import Triton, whose library would then be decorated for the GPU.
+import triton  # noqa: F401, I001
 
 import autofuser
-from autofuser.cli import main
+from autofuser.cli import build_parser, main
 from autofuser.zoo import harness, train_bench
 
 MODELS = ["galerkin", "fno"]
@@ -299,8 +307,9 @@ def test_train_bench_times_the_systems_in_turns_and_keeps_the_others_when_one_fa
     assert steps["a"].calls == steps["b"].calls == 1 + 12
     assert isinstance(results["c"], RuntimeError) and "pretend" in str(results["c"])
     for name in "ab":
-        milliseconds, peak = results[name]  # type: ignore[misc]
-        assert milliseconds > 0 and peak is None  # peak memory is measured on CUDA only
+        measured, peak = results[name]  # type: ignore[misc]
+        assert measured["ms"] > 0 and measured["repeats"] == 12 and measured["iqr_ms"] >= 0
+        assert peak is None  # peak memory is measured on CUDA only
 
 
 def test_train_bench_a_failing_system_is_an_error_cell(tmp_path, monkeypatch):
@@ -334,3 +343,198 @@ def test_train_and_train_steps_are_told_apart(tmp_path, capsys):
     assert "--train-steps" in helps["train"] and "--train" in helps["train_steps"]
     assert main(["bench", "--train", "--fresh-first-calls", "--models", "fno", *SMOKE, "--out", str(tmp_path)]) == 2
     assert "--fresh-first-calls" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# Triton's interpreter, the user's own model, spread, the command's small things
+# ---------------------------------------------------------------------------
+
+
+def _clean_env(tmp_path) -> dict[str, str]:
+    """This process's environment without TRITON_INTERPRET (as a user's shell has it),
+    the cache in ``tmp_path``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["AUTOFUSER_CACHE_DIR"] = str(tmp_path / "cache")
+    return env
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's first run, without a GPU")
+def test_cpu_bench_from_a_clean_environment_fuses(tmp_path):
+    """No TRITON_INTERPRET: the command turns the interpreter on before Triton is imported,
+    so AutoFuser's kernels run (the issue: every kernel failed, 0 groups fused, a speedup printed)."""
+    out = tmp_path / "bench"
+    command = [sys.executable, "-m", "autofuser.cli", "bench", "--models", "fno", *SMOKE, "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, env=_clean_env(tmp_path), timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads((out / "bench.json").read_text())
+    assert data["triton_interpret"] is True
+    fused = data["rows"][0]["systems"]["autofuser"]
+    assert fused["status"] == "ok", fused["error"]
+    assert fused["fused_groups"] >= 1 and fused["speedup"] > 0
+    assert all(g["reason_code"] not in ("no_device", "interpreter_mismatch") for g in fused["report"]["groups"])
+
+
+def test_cpu_bench_refuses_once_kernels_were_built_for_the_gpu(monkeypatch, capsys, tmp_path):
+    """Too late to turn the interpreter on (kernels already decorated): the bench refuses
+    with the fix instead of printing a table of eager against eager."""
+    (tmp_path / "decorated_kernel.py").write_text("import triton\n\n\n@triton.jit\ndef copy(x):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import decorated_kernel  # noqa: F401 - a library's kernel, decorated when imported
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(harness.BenchError, match="TRITON_INTERPRET=1 before Triton is imported"):
+        harness.use_interpreter_on_cpu(torch.device("cpu"))
+    assert "TRITON_INTERPRET" not in os.environ
+    code = harness.run_from_args(
+        build_parser().parse_args(["bench", "--models", "fno", *SMOKE, "--out", str(tmp_path)])
+    )
+    assert code == 2 and "TRITON_INTERPRET=1 before Triton is imported" in capsys.readouterr().err
+    assert not (tmp_path / "bench.json").exists()
+
+
+MODEL_FILE = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x, scale=1.0):
+        return x + torch.nn.functional.gelu(self.fc(self.norm(x))) * scale
+
+
+def make():
+    torch.manual_seed(0)
+    return Block(24), (torch.randn(1, 37, 24),), {"scale": 0.5}
+
+
+def make_unfusable():
+    return nn.Flatten(), torch.randn(3, 5, 7)
+
+
+def not_a_pair():
+    return 3
+"""
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    path = tmp_path / "my_model.py"
+    path.write_text(MODEL_FILE)
+    return path
+
+
+def test_bench_of_a_module_factory_model(model_file, tmp_path, capsys):
+    spec = f"{model_file}:make"
+    out = tmp_path / "bench"
+    assert (
+        main(["bench", spec, "--device", "cpu", "--iters", "3", "--warmup", "1", "--no-compile", "--out", str(out)])
+        == 0
+    )
+    data = json.loads((out / "bench.json").read_text())
+    assert data["settings"]["factory"] == spec
+    (row,) = data["rows"]
+    assert row["model"] == spec and row["title"] == "Block" and row["params"] == 2 * 24 + 24 * 24 + 24
+    eager, fused = row["systems"]["eager"], row["systems"]["autofuser"]
+    assert eager["status"] == "ok" and eager["ms"] > 0 and eager["test_loss"] is None
+    assert fused["status"] == "ok", fused["error"]
+    assert fused["fused_groups"] >= 1 and 0 <= fused["rel_err_vs_eager"] < 1e-5
+    assert fused["speedup"] == pytest.approx(eager["ms"] / fused["ms"])
+    markdown = (out / "bench.md").read_text()
+    assert f"# autofuser bench - {spec}" in markdown and "fusion report of" in markdown
+    assert markdown.strip().splitlines()[-1] in capsys.readouterr().out
+
+
+def test_bench_of_a_module_factory_refuses_zoo_options_and_bad_factories(model_file, tmp_path, capsys):
+    common = ["--device", "cpu", "--out", str(tmp_path)]
+    assert main(["bench", f"{model_file}:make", "--train", *common]) == 2
+    assert "--train apply to zoo models only" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="must return \\(model, inputs\\)"):
+        main(["bench", f"{model_file}:not_a_pair", *common])
+    with pytest.raises(SystemExit, match="has no function 'nonesuch'"):
+        main(["bench", f"{model_file}:nonesuch", *common])
+
+
+def test_a_bench_that_fused_nothing_shows_no_speedup(model_file, tmp_path):
+    from autofuser.cli import call_factory
+
+    spec = f"{model_file}:make_unfusable"
+    result = harness.run_bench(
+        [spec],
+        device=torch.device("cpu"),
+        iters=2,
+        warmup=0,
+        out=tmp_path,
+        no_compile=True,
+        custom_models={spec: call_factory(spec, "bench")},
+    )
+    fused = result["rows"][0]["systems"]["autofuser"]
+    assert fused["status"] == "ok" and fused["fused_groups"] == 0 and fused["ms"] > 0
+    assert fused["speedup"] is None and fused["nothing_fused"] is True
+    assert result["geomean_speedup"]["autofuser"] is None
+    row = next(line for line in result["markdown"].splitlines() if line.startswith(f"| {spec}"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[harness.COLUMNS.index("AutoFuser speedup")] == harness.NOTHING_FUSED
+
+
+def test_spread_is_the_interquartile_range_and_flags_a_large_one():
+    steady = harness.spread([2.0, 2.0, 2.0, 2.02, 9.0])  # one outlier moves neither quartile much
+    assert steady["ms"] == 2.0 and steady["iqr_ms"] == pytest.approx(0.02) and steady["noisy"] is False
+    noisy = harness.spread([1.0, 2.0, 3.0, 4.0])  # quartiles 1.75 and 3.25
+    assert noisy["ms"] == 2.5 and noisy["iqr_ms"] == pytest.approx(1.5) and noisy["noisy"] is True
+    assert harness.spread([3.0]) == {"ms": 3.0, "iqr_ms": 0.0, "repeats": 1, "noisy": False}
+
+
+def test_timed_reports_median_and_spread_over_blocks():
+    calls = []
+    measured = harness.timed(lambda: calls.append(1), iters=20, warmup=3, device=torch.device("cpu"))
+    assert len(calls) >= 3 + 20  # ten blocks of two calls after the warm-up (and the Timer's own)
+    assert measured["repeats"] == harness.REPEATS and measured["ms"] > 0 and measured["iqr_ms"] >= 0
+    assert measured["noisy"] == (measured["iqr_ms"] > harness.NOISY_IQR * measured["ms"])
+
+
+def test_noisy_times_are_flagged_in_the_table(smoke_run):
+    _, out, _ = smoke_run
+    data = json.loads((out / "bench.json").read_text())
+    row = data["rows"][0]
+    eager = row["systems"]["eager"]
+    assert eager["iqr_ms"] >= 0 and isinstance(eager["noisy"], bool)
+    eager["noisy"] = True  # as a busy machine makes it
+    markdown = harness.render_markdown(data)
+    cells = [
+        c.strip()
+        for c in next(li for li in markdown.splitlines() if li.startswith(f"| {row['model']} ")).strip("|").split("|")
+    ]
+    assert cells[harness.COLUMNS.index("eager IQR ms")].endswith("noisy)")
+    assert cells[harness.COLUMNS.index("AutoFuser speedup")].endswith("(noisy)")
+    assert "not reliable" in markdown
+
+
+def test_models_into_a_closed_pipe_is_quiet(tmp_path):
+    """``autofuser models | head -1``: the reader leaves early, no BrokenPipeError."""
+    command = [sys.executable, "-m", "autofuser.cli", "models", "--config", "tiny"]
+    shell = f"{' '.join(command)} | head -1"
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", shell], capture_output=True, text=True, timeout=120)
+    assert done.stdout.startswith("name") and len(done.stdout.splitlines()) == 1
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.returncode == 0
+
+
+def test_help_shows_defaults_plain_text_and_imports_no_zoo(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
+    assert "(default: 100)" in text and "(default: bench-results)" in text and "MODULE:FACTORY" in text
+    assert "``" not in text
+    probe = (
+        "import sys\nfrom autofuser.cli import main\ntry:\n    main(['bench', '--help'])\n"
+        "except SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('autofuser.zoo.models', 'triton', 'einops') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
