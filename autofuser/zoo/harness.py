@@ -211,6 +211,24 @@ REPEATS = 10
 NOISY_IQR = 0.1
 
 
+#: Calls (or training steps) at most before AutoFuser's timed ones, for its check in use to settle.
+SETTLE_CALLS = 64
+
+
+def settle(fused: Any, step: Callable[[], Any]) -> int:
+    """Run ``step`` until ``fused``'s check in use has settled which runner it keeps (a
+    benchmark times what the user's later calls run, not the check's mix of both); returns
+    how many steps that took. Raises when it has not settled within ``SETTLE_CALLS``: its
+    spans would take in the other systems' calls."""
+    count = 0
+    while fused.checking_in_use and count < SETTLE_CALLS:
+        step()
+        count += 1
+    if fused.checking_in_use:
+        raise RuntimeError(f"AutoFuser's check in use did not settle within {SETTLE_CALLS} calls")
+    return count
+
+
 def timed(fn: Callable[[], Any], iters: int, warmup: int, device: torch.device) -> dict[str, Any]:
     """``fn``'s time per call after ``warmup`` calls, by ``torch.utils.benchmark.Timer``:
     ``iters`` calls in up to ``REPEATS`` blocks of calls back to back (the Timer waits for
@@ -530,6 +548,10 @@ def forward_systems(
         autofuser_cell["warm_cache_hits"] = sum(g.cache_hit for g in warm.report().fused)
         autofuser_cell["warm_phases"] = dict(warm.report().phases)  # where the warm first call's time went
         check(autofuser_cell, out)
+        # Its first calls settle whether the fused forward or the original runs (the check in
+        # use, docs/verification.md): they are not timed.
+        autofuser_cell["settle_calls"] = settle(warm, call(warm))
+        autofuser_cell["warm_notes"] = list(warm.report().notes)
         autofuser_cell.update(timed(call(warm), iters, warmup, device))
 
     def run_compile() -> None:

@@ -71,6 +71,7 @@ from autofuser.zoo.harness import (
     report_fields,
     row_errors,
     run_systems,
+    settle,
     spread,
     start_autofuser_cell,
     start_row,
@@ -196,7 +197,6 @@ class TrainingStep:
 
 
 ROUND_STEPS = 5  # one system's timed steps in a row before the next system's
-SETTLE_STEPS = 64  # at most, before AutoFuser's timed steps: its check in use settles (docs/training.md)
 
 
 def _timed_block(step: TrainingStep, steps: int, device: torch.device) -> tuple[list[float], Optional[float]]:
@@ -341,13 +341,7 @@ def bench_training_model(
         first = step.first()
         autofuser_cell["first_step_warm_s"] = first.seconds
         # Its first steps settle whether the fused step or the original runs: they are not timed.
-        settling = 0
-        while warm.checking_in_use and settling < SETTLE_STEPS:
-            step.step()
-            settling += 1
-        autofuser_cell["settle_steps"] = settling
-        if warm.checking_in_use:  # its spans would take in the other systems' steps
-            raise RuntimeError(f"AutoFuser's check in use did not settle within {SETTLE_STEPS} steps")
+        autofuser_cell["settle_steps"] = settle(warm, step.step)
         autofuser_cell["warm_cache_hits"] = sum(g.cache_hit for g in warm.report().fused)
         # Whether the checked and timed module runs its kernels or, not being faster, the original.
         autofuser_cell["warm_notes"] = list(warm.report().notes)
