@@ -906,13 +906,13 @@ def _function_leaf_for(exc: BaseException, model: torch.nn.Module) -> Optional[_
             continue
         candidates = [caller.f_globals.get(code.co_name), frame.f_globals.get(code.co_name)]
         candidates += [v for v in caller.f_globals.values() if inspect.isfunction(v) and v.__code__ is code]
-        function = next((c for c in candidates if inspect.isfunction(c) and c.__code__ is code), None)
-        if function is None:
+        found = next((c for c in candidates if inspect.isfunction(c) and c.__code__ is code), None)
+        if found is None:
             continue  # a closure or lambda: no name to patch
-        leaf = _FunctionLeaf(function, function_name(function), reason)
-        for scope in (caller.f_globals, function.__globals__):
+        leaf = _FunctionLeaf(found, function_name(found), reason)
+        for scope in (caller.f_globals, found.__globals__):
             for name, value in list(scope.items()):
-                if value is function and not any(s is scope and n == name for s, n in leaf.scopes):
+                if value is found and not any(s is scope and n == name for s, n in leaf.scopes):
                     leaf.scopes.append((scope, name))
         return leaf
     return None
