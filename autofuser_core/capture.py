@@ -918,6 +918,58 @@ def _function_leaf_for(exc: BaseException, model: torch.nn.Module) -> Optional[_
     return None
 
 
+def _describe_output(value: Any) -> tuple:
+    """What code after a leaf call may have been specialised on: the output's structure
+    and each tensor's shape and dtype."""
+    leaves, spec = pytree.tree_flatten(value)
+    return spec, [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v) for v in leaves]
+
+
+class LeafCall:
+    """A leaf function's call in a captured graph (the ``call_function`` target).
+
+    The graph after the call was traced with the output the function returned on the
+    example inputs: its shapes may be baked into later nodes (``h.shape[0]`` as a
+    constant). A function with value-dependent control flow can return other shapes for
+    other values (``x[mask]``), so every call checks that its output has the structure,
+    shapes and dtypes it had at capture and raises ``CaptureError`` where it hasn't,
+    rather than letting the graph compute on with the old shapes.
+    """
+
+    def __init__(self, function: Any, name: str) -> None:
+        self.function, self.name = function, name
+        # fx names the node and the generated code's global after these.
+        self.__name__ = getattr(function, "__name__", "leaf")
+        self.__qualname__ = getattr(function, "__qualname__", self.__name__)
+        self.__module__ = getattr(function, "__module__", None) or __name__
+        self.expected: Optional[tuple] = None  # the first call's, made while tracing
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.function(*args, **kwargs)
+        described = _describe_output(output)
+        if self.expected is None:
+            self.expected = described
+        elif described != self.expected:
+            raise CaptureError(
+                f"{self.name} returned {_format_output(described)} here but "
+                f"{_format_output(self.expected)} when the model was captured: its output's shape "
+                "depends on tensor values, and the graph after it was specialised on the first "
+                f"shapes. Make {self.name} return the same shapes for inputs of the same shape "
+                "(mask or pad instead of dropping entries), or run the model without AutoFuser."
+            )
+        return output
+
+    def __repr__(self) -> str:
+        return f"LeafCall({self.name})"
+
+
+def _format_output(described: tuple) -> str:
+    parts = [
+        f"{str(d[1]).replace('torch.', '')}{list(d[0])}" if isinstance(d, tuple) else d.__name__ for d in described[1]
+    ]
+    return ", ".join(parts) if len(parts) != 1 else parts[0]
+
+
 def _recording_leaf(original: Any, name: str) -> Any:
     """``original`` recorded as one ``call_function`` node when this thread traces, else
     ``original`` itself (a leaf run while a node executes on real values runs whole)."""
@@ -927,7 +979,7 @@ def _recording_leaf(original: Any, name: str) -> Any:
         tracer = _tracer_of_this_thread()
         if tracer is None:
             return original(*args, **kwargs)
-        proxy = tracer.create_proxy("call_function", original, args, kwargs)
+        proxy = tracer.create_proxy("call_function", LeafCall(original, name), args, kwargs)
         proxy.node.meta[OPAQUE_FUNCTION_KEY] = name
         return proxy
 

@@ -13,6 +13,7 @@ from _solver_helpers import centred_keys, stable_cholesky
 
 import autofuser
 from autofuser_core.capture import OPAQUE_FUNCTION_KEY, capture
+from autofuser_core.errors import CaptureError
 
 CHOLESKY = "_solver_helpers:stable_cholesky"
 TOLERANCES = {torch.float32: dict(rtol=2e-4, atol=2e-5), torch.float64: dict(rtol=1e-10, atol=1e-12)}
@@ -96,7 +97,7 @@ def test_helper_leaves_the_block_inlined():
     modules = {n.target for n in gm.graph.nodes if n.op == "call_module"}
     assert {"block.norm1", "block.qkv", "block.proj", "block.norm2", "block.fc1", "block.fc2"} <= modules
     (node,) = [n for n in gm.graph.nodes if OPAQUE_FUNCTION_KEY in n.meta]
-    assert node.target is stable_cholesky and CHOLESKY in node.meta["autofuser_opaque_reason"]
+    assert node.target.function is stable_cholesky and CHOLESKY in node.meta["autofuser_opaque_reason"]
     for shape in ((2, 37, 5), (2, 37, 5)):  # fresh inputs each time
         x = torch.randn(*shape)
         torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
@@ -260,3 +261,30 @@ def test_capture_leaves_helpers_and_modules_as_they_were_and_other_threads_alone
     assert _solver_helpers.stable_cholesky is stable_cholesky
     # one call per attempt (the second with the helper patched), never a proxy
     assert len(SEEN_IN_OTHER_THREAD) >= 2 and set(SEEN_IN_OTHER_THREAD) == {torch.Tensor}
+
+
+def positive_rows(x: torch.Tensor) -> torch.Tensor:
+    """Returns as many rows as are positive in sum: its output's shape depends on values."""
+    keep = x.sum(dim=-1) > 0
+    if keep.all():
+        return x
+    return x[keep]
+
+
+class MeanOfPositiveRows(nn.Module):
+    def forward(self, x):
+        rows = positive_rows(x * 2)
+        return rows.sum(dim=0) / rows.shape[0]  # the row count is specialised while tracing
+
+
+def test_a_leaf_returning_another_shape_raises_instead_of_computing_on():
+    torch.manual_seed(7)
+    model = MeanOfPositiveRows()
+    x = torch.rand(6, 5) + 0.1  # every row positive at capture
+    gm = capture(model, x)
+    assert list(gm.meta["autofuser_opaque"]) == ["test_capture_functions:positive_rows"]
+    fresh = torch.rand(6, 5) + 0.1
+    torch.testing.assert_close(gm(fresh), model(fresh), rtol=0, atol=0)
+    fresh[2] -= 10  # one row negative: eager averages 5 rows, the graph would divide by 6
+    with pytest.raises(CaptureError, match=r"positive_rows returned float32\[5, 5\] here but float32\[6, 5\]"):
+        gm(fresh)
