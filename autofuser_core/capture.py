@@ -21,10 +21,15 @@ on it.  Capture traces with *concrete* proxies instead:
    call), einops gets a backend that lowers rearrange/reduce/repeat to plain
    torch ops on proxies, and ``proxy[idx] = v`` / ``proxy += v`` record the
    in-place operator so aliasing behaves exactly as in eager mode.
-4. If tracing raises, the innermost module whose forward was running is marked
-   opaque (a ``call_module`` leaf, run eagerly) and the trace is retried.  If
-   the culprit is the root itself, the result is one ``call_module`` of the
-   unchanged model and a ``UserWarning`` says so.
+4. If tracing raises inside a user function the module's code calls (a helper
+   with ``if torch.isnan(x).any():``, a jitter loop), that function becomes a
+   leaf: one ``call_function`` node (a ``LeafCall``) that runs it as it is, and
+   the trace is retried, so the module around it is still inlined
+   (``_function_leaf_for`` says which functions qualify).  Otherwise the
+   innermost module whose forward was running is marked opaque (a
+   ``call_module`` leaf, run eagerly) and the trace is retried.  If the culprit
+   is the root itself, the result is one ``call_module`` of the unchanged model
+   and a ``UserWarning`` says so.
 5. Tracing and the final shape pass run on copies of the inputs with the
    inputs' own strides (an expanded or sliced input stays so, and the graph
    records the strides kernels will be launched with), with the RNG state, the
@@ -44,7 +49,8 @@ factories are patched on the ``torch`` module for the duration of a trace, so
 runtime guard.
 
 Results: ``gm.meta["autofuser_opaque"]`` maps each opaque module path ("" for
-the root) to its reason, ``gm.meta["autofuser_input_names"]`` lists the
+the root) and each leaf function (``package.module:Qualified.name``, whose nodes
+carry ``node.meta["autofuser_opaque_function"]``) to its reason, ``gm.meta["autofuser_input_names"]`` lists the
 placeholders in call order, and every tensor-valued node has
 ``node.meta["tensor_meta"]``.
 """
@@ -857,7 +863,7 @@ def _function_leaf_for(exc: BaseException, model: torch.nn.Module) -> Optional[_
     1. Collect the traceback's frames, outermost first, up to the first real
        computation of a recorded node (``_ConcreteTracer._execute``): code below it ran
        on real values and failed there, so its caller is at fault, not it.
-    2. Walk the user frames inwards-out. A module's ``forward`` stops the walk: the
+    2. Walk the user frames from the innermost outwards. A module's ``forward`` stops the walk: the
        module retry (``_trace``) handles it. A frame whose caller is not user code (a
        library calling back) is skipped.
     3. The frame's function is found as a method of one of the model's modules (its
