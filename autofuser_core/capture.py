@@ -856,7 +856,9 @@ def _failure_description(exc: BaseException, path: str, line: int) -> str:
     return f"function that can't be traced at {where} ({_reason(exc)})"
 
 
-def _function_leaf_for(exc: BaseException, model: torch.nn.Module) -> Optional[_FunctionLeaf]:
+def _function_leaf_for(
+    exc: BaseException, model: torch.nn.Module, leaves: dict[str, _FunctionLeaf]
+) -> Optional[_FunctionLeaf]:
     """The innermost user function on ``exc``'s traced stack that can be made a leaf.
 
     Steps:
@@ -868,8 +870,10 @@ def _function_leaf_for(exc: BaseException, model: torch.nn.Module) -> Optional[_
        library calling back) is skipped.
     3. The frame's function is found as a method of one of the model's modules (its
        first argument) or by a global name in its caller's module or its own; that is
-       where the retry patches it. None found: no function leaf, the module stays
-       opaque as before.
+       where the retry patches it. A function already patched in all those places
+       (``leaves``) that failed again was called some other way (through a dict): the
+       walk goes on outwards, to the function calling it. None found: no function
+       leaf, the module stays opaque as before.
     """
     user_packages = _user_packages(model)
     frames: list[tuple[Any, int]] = []
@@ -907,7 +911,9 @@ def _function_leaf_for(exc: BaseException, model: torch.nn.Module) -> Optional[_
                     continue
                 leaf = _FunctionLeaf(function, function_name(function), reason)
                 leaf.instances.append((owner, name))
-                return leaf
+                if not _tried(leaf, leaves):
+                    return leaf
+                continue
         if not user[i - 1]:
             continue
         candidates = [caller.f_globals.get(code.co_name), frame.f_globals.get(code.co_name)]
@@ -920,8 +926,15 @@ def _function_leaf_for(exc: BaseException, model: torch.nn.Module) -> Optional[_
             for name, value in list(scope.items()):
                 if value is found and not any(s is scope and n == name for s, n in leaf.scopes):
                     leaf.scopes.append((scope, name))
-        return leaf
+        if not _tried(leaf, leaves):
+            return leaf
     return None
+
+
+def _tried(leaf: _FunctionLeaf, leaves: dict[str, _FunctionLeaf]) -> bool:
+    """Whether ``leaf`` is already patched everywhere it was found (and still failed)."""
+    known = leaves.get(leaf.name)
+    return known is not None and (known.function is not leaf.function or known.has(leaf))
 
 
 def _describe_output(value: Any) -> tuple:
@@ -1043,7 +1056,7 @@ def _trace_once(
         while culprit and (culprit in opaque or culprit in tracer.leaf_paths):
             culprit = culprit.rpartition(".")[0]
         try:
-            leaf = _function_leaf_for(exc, model)
+            leaf = _function_leaf_for(exc, model, leaves)
         finally:
             exc.__traceback__ = None  # its frames hold the trace's real values
         return None, culprit, _reason(exc), leaf
