@@ -2,7 +2,10 @@
 tensor values) becomes one opaque call, and the module calling it is still inlined."""
 
 import copy
+import os
+import statistics
 import threading
+import types
 
 import _solver_helpers
 import pytest
@@ -12,7 +15,7 @@ import torch.nn.functional as F
 from _solver_helpers import centred_keys, stable_cholesky
 
 import autofuser
-from autofuser_core.capture import OPAQUE_FUNCTION_KEY, capture
+from autofuser_core.capture import OPAQUE_FUNCTION_KEY, _is_user_frame, capture
 from autofuser_core.errors import CaptureError
 
 CHOLESKY = "_solver_helpers:stable_cholesky"
@@ -199,8 +202,6 @@ class LibraryBranch(nn.Module):
         self.fc = nn.Linear(6, 6)
 
     def forward(self, x):
-        import statistics
-
         return self.fc(x) * statistics.median([x.mean(), x.std()])
 
 
@@ -300,3 +301,25 @@ def test_a_leaf_returning_another_shape_raises_instead_of_computing_on():
     fresh[2] -= 10  # one row negative: eager averages 5 rows, the graph would divide by 6
     with pytest.raises(CaptureError, match=r"positive_rows returned float32\[5, 5\] here but float32\[6, 5\]"):
         gm(fresh)
+
+
+def _frame(module: str, path: str):
+    return types.SimpleNamespace(f_globals={"__name__": module}, f_code=types.SimpleNamespace(co_filename=path))
+
+
+def test_which_code_counts_as_the_users():
+    site = os.path.join(os.sep, "env", "lib", "python3.11", "site-packages")
+    solver_package = frozenset({"neuralop"})  # the model's modules are defined in it
+    cases = [
+        (_frame("mylab.linalg", os.path.join(os.sep, "home", "me", "mylab", "linalg.py")), True),
+        (_frame("__main__", os.path.join(os.sep, "home", "me", "train.py")), True),
+        (_frame("__main__", "<ipython-input-3>"), True),
+        (_frame("neuralop.layers.spectral", os.path.join(site, "neuralop", "layers", "spectral.py")), True),
+        (_frame("scipy.linalg", os.path.join(site, "scipy", "linalg.py")), False),
+        (_frame("torch.functional", os.path.join(os.sep, "home", "me", "torch", "functional.py")), False),
+        (_frame("autofuser_core.capture", os.path.join(os.sep, "src", "autofuser_core", "capture.py")), False),
+        (_frame("statistics", statistics.__file__), False),
+        (_frame("", "<eval_with_key>.3"), False),
+    ]
+    for frame, expected in cases:
+        assert _is_user_frame(frame, solver_package) is expected, frame.f_globals
