@@ -323,3 +323,37 @@ def test_which_code_counts_as_the_users():
     ]
     for frame, expected in cases:
         assert _is_user_frame(frame, solver_package) is expected, frame.f_globals
+
+
+class CountsJitter(nn.Module):
+    """A helper method that records on the module when it had to repair its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 7)
+        self.repaired = 0
+
+    def _finite(self, x):
+        if torch.isnan(x).any():
+            self.repaired += 1
+            x = torch.nan_to_num(x)
+        return x
+
+    def forward(self, x):
+        return F.gelu(self._finite(self.fc(x)))
+
+
+def test_a_method_leaf_changing_module_state_does_not_recompile():
+    torch.manual_seed(8)
+    model = CountsJitter()
+    fused = autofuser.fuse(model, progress=False)
+    with torch.no_grad():
+        for call in range(3):
+            x = torch.randn(5, 6)
+            x[0, call] = float("nan")  # the helper repairs it, counting on the module
+            expected = CountsJitter()
+            expected.load_state_dict(model.state_dict())
+            torch.testing.assert_close(fused(x), expected(x), equal_nan=True)
+            assert model.repaired == call + 1
+    assert len(fused.reports()) == 1  # the count the helper keeps is absorbed, not a new signature
+    assert list(fused.report().opaque) == ["test_capture_functions:CountsJitter._finite"]
