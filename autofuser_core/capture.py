@@ -50,9 +50,9 @@ runtime guard.
 
 Results: ``gm.meta["autofuser_opaque"]`` maps each opaque module path ("" for
 the root) and each leaf function (``package.module:Qualified.name``, whose nodes
-carry ``node.meta["autofuser_opaque_function"]``) to its reason, ``gm.meta["autofuser_input_names"]`` lists the
-placeholders in call order, and every tensor-valued node has
-``node.meta["tensor_meta"]``.
+carry ``node.meta["autofuser_opaque_function"]``) to its reason,
+``gm.meta["autofuser_input_names"]`` lists the placeholders in call order, and
+every tensor-valued node has ``node.meta["tensor_meta"]``.
 """
 
 from __future__ import annotations
@@ -865,9 +865,9 @@ def _function_leaf_for(
     1. Collect the traceback's frames, outermost first, up to the first real
        computation of a recorded node (``_ConcreteTracer._execute``): code below it ran
        on real values and failed there, so its caller is at fault, not it.
-    2. Walk the user frames from the innermost outwards. A module's ``forward`` stops the walk: the
-       module retry (``_trace``) handles it. A frame whose caller is not user code (a
-       library calling back) is skipped.
+    2. Walk the user frames from the innermost outwards. A module's ``forward`` stops
+       the walk: the module retry (``_trace``) handles it. A frame whose caller is not
+       user code (a library calling back) is skipped.
     3. The frame's function is found as a method of one of the model's modules (its
        first argument) or by a global name in its caller's module or its own; that is
        where the retry patches it. A function already patched in all those places
@@ -1057,6 +1057,9 @@ def _trace_once(
             culprit = culprit.rpartition(".")[0]
         try:
             leaf = _function_leaf_for(exc, model, leaves)
+        except Exception:  # noqa: BLE001 - a frame we can't read: the module retry, as before
+            log.debug("autofuser: no function leaf for %s", _reason(exc), exc_info=True)
+            leaf = None
         finally:
             exc.__traceback__ = None  # its frames hold the trace's real values
         return None, culprit, _reason(exc), leaf
