@@ -19,7 +19,7 @@ from autofuser_core.capture import OPAQUE_FUNCTION_KEY, _is_user_frame, capture
 from autofuser_core.errors import CaptureError
 
 CHOLESKY = "_solver_helpers:stable_cholesky"
-TOLERANCES = {torch.float32: dict(rtol=2e-4, atol=2e-5), torch.float64: dict(rtol=1e-10, atol=1e-12)}
+TOLERANCES = {torch.float32: dict(rtol=2e-4, atol=2e-5)}  # fused kernels vs eager; float32 only (Cholesky)
 
 
 def jittered_inverse_sqrt(d: torch.Tensor) -> torch.Tensor:
@@ -110,8 +110,8 @@ def test_helper_leaves_the_block_inlined():
     assert {"block.norm1", "block.qkv", "block.proj", "block.norm2", "block.fc1", "block.fc2"} <= modules
     (node,) = [n for n in gm.graph.nodes if OPAQUE_FUNCTION_KEY in n.meta]
     assert node.target.function is stable_cholesky and CHOLESKY in node.meta["autofuser_opaque_reason"]
-    for shape in ((2, 37, 5), (2, 37, 5)):  # fresh inputs each time
-        x = torch.randn(*shape)
+    for _ in range(2):  # fresh inputs, not the capture's
+        x = torch.randn(2, 37, 5)
         torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
 
 
