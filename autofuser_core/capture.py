@@ -21,10 +21,15 @@ on it.  Capture traces with *concrete* proxies instead:
    call), einops gets a backend that lowers rearrange/reduce/repeat to plain
    torch ops on proxies, and ``proxy[idx] = v`` / ``proxy += v`` record the
    in-place operator so aliasing behaves exactly as in eager mode.
-4. If tracing raises, the innermost module whose forward was running is marked
-   opaque (a ``call_module`` leaf, run eagerly) and the trace is retried.  If
-   the culprit is the root itself, the result is one ``call_module`` of the
-   unchanged model and a ``UserWarning`` says so.
+4. If tracing raises inside a user function the module's code calls (a helper
+   with ``if torch.isnan(x).any():``, a jitter loop), that function becomes a
+   leaf: one ``call_function`` node (a ``LeafCall``) that runs it as it is, and
+   the trace is retried, so the module around it is still inlined
+   (``_function_leaf_for`` says which functions qualify).  Otherwise the
+   innermost module whose forward was running is marked opaque (a
+   ``call_module`` leaf, run eagerly) and the trace is retried.  If the culprit
+   is the root itself, the result is one ``call_module`` of the unchanged model
+   and a ``UserWarning`` says so.
 5. Tracing and the final shape pass run on copies of the inputs with the
    inputs' own strides (an expanded or sliced input stays so, and the graph
    records the strides kernels will be launched with), with the RNG state, the
@@ -44,9 +49,10 @@ factories are patched on the ``torch`` module for the duration of a trace, so
 runtime guard.
 
 Results: ``gm.meta["autofuser_opaque"]`` maps each opaque module path ("" for
-the root) to its reason, ``gm.meta["autofuser_input_names"]`` lists the
-placeholders in call order, and every tensor-valued node has
-``node.meta["tensor_meta"]``.
+the root) and each leaf function (``package.module:Qualified.name``, whose nodes
+carry ``node.meta["autofuser_opaque_function"]``) to its reason,
+``gm.meta["autofuser_input_names"]`` lists the placeholders in call order, and
+every tensor-valued node has ``node.meta["tensor_meta"]``.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ import functools
 import inspect
 import logging
 import operator
+import os
+import sysconfig
 import threading
 import warnings
 import weakref
@@ -86,6 +94,7 @@ ROOT_ATTR = "opaque_model"  # attribute holding the model when the root is opaqu
 _REAL = "_autofuser_real_value"  # private node.meta keys, deleted after tracing
 _HOLD = "_autofuser_real_hold"
 _DYN = "_autofuser_data_dependent"
+MAX_FUNCTION_RETRIES = 32  # user functions made leaves (or patched again) in one capture
 
 # Factories are recorded (not baked as constants) so random draws stay fresh.
 _FACTORIES = (
@@ -766,26 +775,294 @@ def _opaque_root(model: torch.nn.Module, sig: inspect.Signature, arguments: dict
     return torch.fx.GraphModule(holder, graph, class_name=type(model).__name__)
 
 
-def _trace_once(model, arguments, opaque) -> tuple[torch.fx.GraphModule | None, str | None, str]:
-    """One tracing attempt: (graph module, None, "") or (None, culprit path, reason)."""
+_EXECUTE_CODE = _ConcreteTracer._execute.__code__
+
+# ----------------------------------------------------------------- function leaves
+#
+# A value-dependent branch inside a plain helper function (a Cholesky with a jitter
+# loop, ``if torch.isnan(x).any():``) would otherwise make the whole module that calls
+# it opaque. Instead, the innermost *user* function on the failing trace's stack
+# becomes a leaf: one ``call_function`` node that runs the function as it is, and the
+# trace is retried, so the module around it (its linears, norms, MLP) is inlined.
+#
+# Which code is the user's: a frame whose module belongs to the top-level package of
+# one of the model's own module classes; else any file outside the standard library
+# and site-/dist-packages. Never torch, triton, einops or AutoFuser itself (the public
+# ``autofuser`` package only where the model's classes live in it, as the zoo's do).
+# A library's function never becomes a leaf: only the user code calling it.
+
+_NEVER_USER = frozenset({"torch", "triton", "einops", "functorch", "autofuser_core", "autofuser_plugins"})
+OPAQUE_FUNCTION_KEY = "autofuser_opaque_function"  # node.meta: the leaf function's name
+_CONTROL_FLOW = "symbolically traced variables cannot be used as inputs to control flow"
+_LIBRARY_DIRS = tuple(
+    os.path.join(os.path.realpath(p), "")
+    for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]}
+)
+
+
+def function_name(function: Any) -> str:
+    """``package.module:Qualified.name``: how a leaf function is named in reports."""
+    return f"{getattr(function, '__module__', '?')}:{getattr(function, '__qualname__', repr(function))}"
+
+
+def _user_packages(model: torch.nn.Module) -> frozenset[str]:
+    tops = {type(m).__module__.partition(".")[0] for m in model.modules()}
+    return frozenset(tops - _NEVER_USER)
+
+
+def _is_user_frame(frame: Any, user_packages: frozenset[str]) -> bool:
+    name = str(frame.f_globals.get("__name__") or "")
+    top = name.partition(".")[0]
+    if top in user_packages:
+        return True
+    if top in _NEVER_USER or top == "autofuser":
+        return False
+    path = frame.f_code.co_filename
+    if path.startswith("<"):  # exec'd or generated code: only a script's or notebook's own
+        return name == "__main__"
+    parts = set(os.path.normpath(path).split(os.sep))
+    if "site-packages" in parts or "dist-packages" in parts:
+        return False
+    return not os.path.realpath(path).startswith(_LIBRARY_DIRS)
+
+
+class _FunctionLeaf:
+    """One user function recorded as a leaf call, and the names it is reached through.
+
+    ``scopes``: (globals dict, name) pairs bound to the function, patched for the trace;
+    ``instances``: (module, attribute) pairs, a method patched on the instance.
+    """
+
+    def __init__(self, function: Any, name: str, reason: str) -> None:
+        self.function, self.name, self.reason = function, name, reason
+        self.scopes: list[tuple[dict, str]] = []
+        self.instances: list[tuple[torch.nn.Module, str]] = []
+
+    def has(self, other: "_FunctionLeaf") -> bool:
+        """Whether every place ``other`` patches is patched here already."""
+        return all(any(s is d and n == m for d, m in self.scopes) for s, n in other.scopes) and all(
+            any(i is o and n == m for o, m in self.instances) for i, n in other.instances
+        )
+
+    def merge(self, other: "_FunctionLeaf") -> None:
+        self.scopes += [(s, n) for s, n in other.scopes if not any(s is d and n == m for d, m in self.scopes)]
+        self.instances += [(i, n) for i, n in other.instances if not any(i is o and n == m for o, m in self.instances)]
+
+
+def _failure_description(exc: BaseException, path: str, line: int) -> str:
+    where = f"{os.path.basename(path)}:{line}"
+    if _CONTROL_FLOW in str(exc):
+        return f"function with value-dependent control flow at {where}"
+    return f"function that can't be traced at {where} ({_reason(exc)})"
+
+
+def _function_leaf_for(
+    exc: BaseException, model: torch.nn.Module, leaves: dict[str, _FunctionLeaf]
+) -> Optional[_FunctionLeaf]:
+    """The innermost user function on ``exc``'s traced stack that can be made a leaf.
+
+    Steps:
+    1. Collect the traceback's frames, outermost first, up to the first real
+       computation of a recorded node (``_ConcreteTracer._execute``): code below it ran
+       on real values and failed there, so its caller is at fault, not it.
+    2. Walk the user frames from the innermost outwards. A module's ``forward`` stops
+       the walk: the module retry (``_trace``) handles it. A frame whose caller is not
+       user code (a library calling back) is skipped.
+    3. The frame's function is found as a method of one of the model's modules (its
+       first argument) or by a global name in its caller's module or its own; that is
+       where the retry patches it. A function already patched in all those places
+       (``leaves``) that failed again was called some other way (through a dict): the
+       walk goes on outwards, to the function calling it. None found: no function
+       leaf, the module stays opaque as before.
+    """
+    user_packages = _user_packages(model)
+    frames: list[tuple[Any, int]] = []
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code is not _EXECUTE_CODE:
+        frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    user = [_is_user_frame(f, user_packages) for f, _ in frames]
+    if not any(user):
+        return None
+    where_frame, where_line = next(frames[i] for i in reversed(range(len(frames))) if user[i])
+    reason = _failure_description(exc, where_frame.f_code.co_filename, where_line)
+    modules = list(model.modules())
+    for i in reversed(range(1, len(frames))):
+        if not user[i]:
+            continue
+        frame, caller = frames[i][0], frames[i - 1][0]
+        code = frame.f_code
+        owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        if isinstance(owner, torch.nn.Module) and any(owner is m for m in modules):
+            method = next(
+                (
+                    (name, value)
+                    for klass in type(owner).__mro__
+                    for name, value in vars(klass).items()
+                    if inspect.isfunction(value) and value.__code__ is code
+                ),
+                None,
+            )
+            if method is not None:
+                name, function = method
+                if name == "forward":
+                    return None  # a module's own code: the module retry's case
+                if not user[i - 1]:
+                    continue
+                leaf = _FunctionLeaf(function, function_name(function), reason)
+                leaf.instances.append((owner, name))
+                if not _tried(leaf, leaves):
+                    return leaf
+                continue
+        if not user[i - 1]:
+            continue
+        candidates = [caller.f_globals.get(code.co_name), frame.f_globals.get(code.co_name)]
+        candidates += [v for v in caller.f_globals.values() if inspect.isfunction(v) and v.__code__ is code]
+        found = next((c for c in candidates if inspect.isfunction(c) and c.__code__ is code), None)
+        if found is None:
+            continue  # a closure or lambda: no name to patch
+        leaf = _FunctionLeaf(found, function_name(found), reason)
+        for scope in (caller.f_globals, found.__globals__):
+            for name, value in list(scope.items()):
+                if value is found and not any(s is scope and n == name for s, n in leaf.scopes):
+                    leaf.scopes.append((scope, name))
+        if not _tried(leaf, leaves):
+            return leaf
+    return None
+
+
+def _tried(leaf: _FunctionLeaf, leaves: dict[str, _FunctionLeaf]) -> bool:
+    """Whether ``leaf`` is already patched everywhere it was found (and still failed)."""
+    known = leaves.get(leaf.name)
+    return known is not None and (known.function is not leaf.function or known.has(leaf))
+
+
+def _describe_output(value: Any) -> tuple:
+    """What code after a leaf call may have been specialised on: the output's structure
+    and each tensor's shape and dtype."""
+    leaves, spec = pytree.tree_flatten(value)
+    return spec, [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v) for v in leaves]
+
+
+class LeafCall:
+    """A leaf function's call in a captured graph (the ``call_function`` target).
+
+    The graph after the call was traced with the output the function returned on the
+    example inputs: its shapes may be baked into later nodes (``h.shape[0]`` as a
+    constant). A function with value-dependent control flow can return other shapes for
+    other values (``x[mask]``), so every call checks that its output has the structure,
+    shapes and dtypes it had at capture and raises ``CaptureError`` where it hasn't,
+    rather than letting the graph compute on with the old shapes.
+    """
+
+    def __init__(self, function: Any, name: str) -> None:
+        self.function, self.name = function, name
+        # fx names the node and the generated code's global after these.
+        self.__name__ = getattr(function, "__name__", "leaf")
+        self.__qualname__ = getattr(function, "__qualname__", self.__name__)
+        self.__module__ = getattr(function, "__module__", None) or __name__
+        self.expected: Optional[tuple] = None  # the first call's, made while tracing
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.function(*args, **kwargs)
+        described = _describe_output(output)
+        if self.expected is None:
+            self.expected = described
+        elif described != self.expected:
+            raise CaptureError(
+                f"{self.name} returned {_format_output(described)} here but "
+                f"{_format_output(self.expected)} when the model was captured: its output's shape "
+                "depends on tensor values, and the graph after it was specialised on the first "
+                f"shapes. Make {self.name} return the same shapes for inputs of the same shape "
+                "(mask or pad instead of dropping entries), or run the model without AutoFuser."
+            )
+        return output
+
+    def __repr__(self) -> str:
+        return f"LeafCall({self.name})"
+
+
+def _format_output(described: tuple) -> str:
+    parts = [
+        f"{str(d[1]).replace('torch.', '')}{list(d[0])}" if isinstance(d, tuple) else d.__name__ for d in described[1]
+    ]
+    return ", ".join(parts) if len(parts) != 1 else parts[0]
+
+
+def _recording_leaf(original: Any, name: str) -> Any:
+    """``original`` recorded as one ``call_function`` node when this thread traces, else
+    ``original`` itself (a leaf run while a node executes on real values runs whole)."""
+
+    @functools.wraps(original)
+    def leaf(*args: Any, **kwargs: Any) -> Any:
+        tracer = _tracer_of_this_thread()
+        if tracer is None:
+            return original(*args, **kwargs)
+        proxy = tracer.create_proxy("call_function", LeafCall(original, name), args, kwargs)
+        proxy.node.meta[OPAQUE_FUNCTION_KEY] = name
+        return proxy
+
+    setattr(leaf, _ORIGINAL, original)
+    return leaf
+
+
+@contextlib.contextmanager
+def _function_leaves(leaves: dict[str, _FunctionLeaf]):
+    """Patch every leaf function where it is reached, for one trace; put all back after.
+
+    The patches are thread-aware (``_recording_leaf``): another thread calling the
+    function meanwhile runs it as always.
+    """
+    undo: list[Any] = []
+    try:
+        for leaf in leaves.values():
+            for scope, name in leaf.scopes:
+                if scope.get(name) is leaf.function:
+                    scope[name] = _recording_leaf(leaf.function, leaf.name)
+                    undo.append((scope, name, leaf.function))
+            for module, name in leaf.instances:
+                if name not in module.__dict__:  # an instance attribute of that name: not ours to shadow
+                    module.__dict__[name] = _recording_leaf(getattr(module, name), leaf.name)
+                    undo.append((module.__dict__, name, _MISSING))
+        yield
+    finally:
+        for scope, name, value in reversed(undo):
+            if value is _MISSING:
+                scope.pop(name, None)
+            else:
+                scope[name] = value
+
+
+def _trace_once(
+    model, arguments, opaque, leaves
+) -> tuple[torch.fx.GraphModule | None, str | None, str, Optional[_FunctionLeaf]]:
+    """One tracing attempt: (graph module, None, "", None) or (None, culprit path,
+    reason, the user function a retry could make a leaf, if any)."""
     tracer = _ConcreteTracer(arguments, opaque)
     try:
         # The graph module is built before the model's attributes are put back: it takes
         # the tensor constants fx stowed on the root (``_tensor_constant0``), which then go.
         with preserved_state(model):
-            with _tracing_patches(tracer):
+            with _tracing_patches(tracer), _function_leaves(leaves):
                 graph = tracer.trace(model)
             for node in graph.nodes:  # real values would keep every activation alive
                 node.meta.pop(_REAL, None)
                 node.meta.pop(_HOLD, None)
                 node.meta.pop(_DYN, None)
-            return torch.fx.GraphModule(tracer.root, graph, class_name=type(model).__name__), None, ""
+            return torch.fx.GraphModule(tracer.root, graph, class_name=type(model).__name__), None, "", None
     except Exception as exc:
         culprit = getattr(exc, "_autofuser_culprit", "")
         # A leaf (or already opaque) module failing on real values means its caller is at fault.
         while culprit and (culprit in opaque or culprit in tracer.leaf_paths):
             culprit = culprit.rpartition(".")[0]
-        return None, culprit, _reason(exc)
+        try:
+            leaf = _function_leaf_for(exc, model, leaves)
+        except Exception:  # noqa: BLE001 - a frame we can't read: the module retry, as before
+            log.debug("autofuser: no function leaf for %s", _reason(exc), exc_info=True)
+            leaf = None
+        finally:
+            exc.__traceback__ = None  # its frames hold the trace's real values
+        return None, culprit, _reason(exc), leaf
 
 
 class _ShapeRecorder(torch.fx.Interpreter):
@@ -839,19 +1116,37 @@ def _trace(
     ``capture`` still sees the model's ``IndexError``.
     """
     opaque: dict[str, str] = {}
+    leaves: dict[str, _FunctionLeaf] = {}
     gm, reason = None, ""  # the loop sets reason whenever no hook does
     if model._forward_hooks or model._forward_pre_hooks or _backward_hooked(model) or "forward" in model.__dict__:
         # fx traces type(model).forward itself: root hooks or an instance-level forward
         # would be silently skipped, so keep such a root whole.
         reason = "the root module has hooks or an instance-level forward"
-    for _ in range(0 if reason else len(list(model.modules())) + 1):
-        gm, culprit, reason = _trace_once(model, arguments, opaque)
-        if gm is not None or not culprit:
+    # Each retry makes one more user function a leaf (or reaches one through one more
+    # name), or else one more module opaque; both are bounded.
+    for _ in range(0 if reason else len(list(model.modules())) + 1 + MAX_FUNCTION_RETRIES):
+        gm, culprit, reason, leaf = _trace_once(model, arguments, opaque, leaves)
+        if gm is not None:
+            break
+        known = leaves.get(leaf.name) if leaf is not None else None
+        if leaf is not None and known is None and len(leaves) < MAX_FUNCTION_RETRIES:
+            log.debug("autofuser: function %s is opaque: %s", leaf.name, leaf.reason)
+            leaves[leaf.name] = leaf
+            continue
+        if leaf is not None and known is not None and known.function is leaf.function and not known.has(leaf):
+            known.merge(leaf)  # the same function, reached through one more name
+            continue
+        # No function to make a leaf, or one that still fails where it is patched (called
+        # through a name the patch doesn't reach): the module around it stays opaque.
+        if not culprit:
             break
         log.debug("autofuser: %s is opaque: %s", culprit, reason)
         opaque[culprit] = reason  # each retry makes one more module opaque
     if gm is None:
         gm, opaque = _opaque_root(model, sig, arguments), {"": reason}
+    else:
+        used = {n.meta.get(OPAQUE_FUNCTION_KEY) for n in gm.graph.nodes}
+        opaque.update({name: leaf.reason for name, leaf in leaves.items() if name in used})
 
     try:
         _propagate_shapes(gm, model, flat_inputs)
@@ -909,7 +1204,8 @@ def capture(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
 
     # Only report paths that are call_module nodes (not those inside an opaque parent).
     targets = {n.target for n in gm.graph.nodes if n.op == "call_module"}
-    opaque = {p: r for p, r in opaque.items() if p == "" or p in targets}
+    functions = {n.meta[OPAQUE_FUNCTION_KEY] for n in gm.graph.nodes if OPAQUE_FUNCTION_KEY in n.meta}
+    opaque = {p: r for p, r in opaque.items() if p == "" or p in targets or p in functions}
     if "" not in opaque:
         for path in sorted(targets - set(opaque)):
             module = model.get_submodule(path)
@@ -918,6 +1214,9 @@ def capture(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
     for node in gm.graph.nodes:
         if node.op == "call_module" and (node.target in opaque or "" in opaque):
             node.meta[OPAQUE_REASON_KEY] = opaque.get(node.target, opaque.get(""))
+        elif node.meta.get(OPAQUE_FUNCTION_KEY) in opaque:
+            name = node.meta[OPAQUE_FUNCTION_KEY]
+            node.meta[OPAQUE_REASON_KEY] = f"{name}: {opaque[name]}"
     gm.meta[OPAQUE_KEY] = opaque
     gm.meta[INPUT_NAMES_KEY] = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
 

@@ -43,7 +43,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import precompile, timing
 from .cache import Verdict, cache_dir, make_record, read_verdict, write_verdict
-from .capture import bind_inputs, capture, preserved_state
+from .capture import LeafCall, bind_inputs, capture, preserved_state
 from .compile import _device_of, compile_graph
 from .cudagraphs import CudaGraphRunner, try_cuda_graph
 from .errors import AutoFuserError, CaptureError, CompileFailedWarning, PluginError
@@ -845,7 +845,10 @@ class FusedModule(torch.nn.Module):
         else:
             grad = torch.is_grad_enabled()
             try:
-                with torch.no_grad():
+                # Verifying runs the graph, and with it the model's own code in opaque parts; a
+                # leaf method's module (the root's own) is no part of the graph module, whose
+                # state that run restores: restore the model's too.
+                with torch.no_grad(), preserved_state(self._model):
                     fused_gm, report = compile_graph(
                         gm, flat, self._plugin_set, self._options, self._progress, backward=grad
                     )
@@ -1204,10 +1207,12 @@ def _capturing() -> bool:
 
 def _calls_model_code(graph_module: torch.fx.GraphModule) -> bool:
     """Whether the rewritten graph calls a module holding one whose class is not torch's own
-    (torch's modules leave the attributes the guard watches alone)."""
-    return any(
+    (torch's modules leave the attributes the guard watches alone), or one of the user's
+    functions that capture kept as a leaf (a method may set ``self.x``)."""
+    nodes = graph_module.graph.nodes
+    return any(isinstance(node.target, LeafCall) for node in nodes) or any(
         not type(inner).__module__.startswith("torch.")
-        for node in graph_module.graph.nodes
+        for node in nodes
         if node.op == "call_module"
         for inner in graph_module.get_submodule(node.target).modules()
     )
