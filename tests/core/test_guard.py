@@ -325,37 +325,37 @@ def test_a_nan_argument_compiles_once_and_minus_zero_is_not_zero():
 
 class Erf(torch.nn.Module):
     def forward(self, x):
-        return torch.erf(x * 0.7 + 1) * 2
+        return torch.trunc(x * 7.0 + 1) * 2
 
 
-def _lower_erf(ctx, x, *, out=None):
+def _lower_trunc(ctx, x, *, out=None):
     if out is not None:
-        ctx.refuse("out_argument", "erf(out=...) writes into a caller's tensor")
-    return ctx.pointwise("tl.erf({0})", x)
+        ctx.refuse("out_argument", "trunc(out=...) writes into a caller's tensor")
+    return ctx.pointwise("tl.where({0} < 0, tl.ceil({0}), tl.floor({0}))", x)
 
 
-def _erf_spec(plugin: str) -> LoweringSpec:
+def _trunc_spec(plugin: str) -> LoweringSpec:
     return LoweringSpec(
-        name=f"{plugin}.erf",
+        name=f"{plugin}.trunc",
         description="the error function",
-        targets=(torch.erf,),
+        targets=(torch.trunc,),
         kind="pointwise",
-        lower=_lower_erf,
-        references=(torch.erf,),
+        lower=_lower_trunc,
+        references=(torch.trunc,),
         samples=lambda dtype: [Sample(args=(torch.randn(3, 37).to(dtype),))],
     )
 
 
 def autofuser_register_lowerings(register):
-    """This test module is itself a plugin module: it lowers erf."""
-    register(_erf_spec("guardmodule"))
+    """This test module is itself a plugin module: it lowers trunc."""
+    register(_trunc_spec("guardmodule"))
 
 
 class ErfPlugin:
     """A plugin given as an object of an importable class."""
 
     def autofuser_register_lowerings(self, register):
-        register(_erf_spec("guardobject"))
+        register(_trunc_spec("guardobject"))
 
 
 @pytest.mark.parametrize("plugin", ["module", "object"])
@@ -367,16 +367,16 @@ def test_a_fused_model_with_a_module_or_object_plugin_saves_and_loads(plugin, tm
     loaded = torch.load(tmp_path / "fused.pt", weights_only=False)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), **TOLERANCE)
-    assert f"guard{plugin}.erf" in [op for group in loaded.report().fused for op in group.ops]
+    assert f"guard{plugin}.trunc" in [op for group in loaded.report().fused for op in group.ops]
 
 
 def test_saving_refuses_plugins_another_process_could_not_load(tmp_path):
     class Local:
         def autofuser_register_lowerings(self, register):
-            register(_erf_spec("local"))
+            register(_trunc_spec("local"))
 
     throwaway = types.ModuleType("throwaway")
-    throwaway.autofuser_register_lowerings = lambda register: register(_erf_spec("throwaway"))
+    throwaway.autofuser_register_lowerings = lambda register: register(_trunc_spec("throwaway"))
     for given, fix in ((throwaway, "importable module"), (Local(), "top level of an importable module")):
         fused = autofuser.fuse(Erf(), plugins=["elementwise", given], progress=False)
         with pytest.raises(autofuser.AutoFuserError, match=f"can't save this FusedModule.*{fix}"):
