@@ -189,3 +189,20 @@ def test_an_input_gradient_takes_the_activation_derivative_as_its_epilogue(dtype
         g for g in backward if "matmul.matmul" in g.ops and "elementwise.erf" in g.ops and "elementwise.exp" in g.ops
     ]
     assert derivative_with_product, str(fused.report())
+
+
+def test_the_block_trains_at_the_airfoil_mesh_size():
+    """The same backward at M = 221 * 51 rows (the Airfoil mesh, batch 1): the row-tiled
+    kernels' last block is partial, and the weight gradients sum 11271 rows."""
+    model = Block(24, 45)
+    eager, reference = copy.deepcopy(model), copy.deepcopy(model).double()
+    x, grad = torch.randn(1, 221 * 51, 24), torch.randn(1, 221 * 51, 24)
+    fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+    got, expected = _gradients(fused, x, grad), _gradients(eager, x, grad)
+    exact = _gradients(reference, x.double(), grad.double())
+    for name, value in got.items():
+        scale = float(exact[name].abs().max())
+        eager_error = float((expected[name].double() - exact[name]).abs().max())
+        error = float((value.double() - exact[name]).abs().max())
+        assert error <= 2 * eager_error + 1e-6 * scale, (name, error, eager_error)
+    assert any("matmul.matmul" in g.ops for g in fused.report().fused if g.phase == "backward")
