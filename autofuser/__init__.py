@@ -18,7 +18,15 @@ block, multiprocessors), one helper for every plugin.
 
 from autofuser_core.codegen import KernelSource
 from autofuser_core.device_limits import DeviceLimits, device_limits
-from autofuser_core.errors import AutoFuserError, CacheError, CaptureError, CompileFailedWarning, PluginError, SpecError
+from autofuser_core.errors import (
+    AutoFuserError,
+    CacheError,
+    CaptureError,
+    CompileFailedWarning,
+    OpaquePartError,
+    PluginError,
+    SpecError,
+)
 from autofuser_core.group import GroupProgram, GroupRefused, KernelTensor, program_from_nodes
 from autofuser_core.hookspecs import hookimpl
 from autofuser_core.ir import LoweringContext, Value, broadcast_shapes, describe_tensor
@@ -53,6 +61,7 @@ __all__ = [
     "KernelTensor",
     "LoweringContext",
     "LoweringSpec",
+    "OpaquePartError",
     "PluginError",
     "ProductLayoutSpec",
     "QuantizerSpec",

@@ -68,7 +68,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from .errors import CacheError
 
-logger = logging.getLogger("autofuser")
+logger = logging.getLogger("autofuser.cache")
 
 ENTRY_VERSION = 1
 

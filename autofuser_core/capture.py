@@ -76,7 +76,7 @@ try:  # einops is optional: without it there is simply nothing to lower.
 except ImportError:  # pragma: no cover
     _einops_backends = None  # type: ignore[assignment]
 
-log = logging.getLogger("autofuser")
+log = logging.getLogger("autofuser.capture")
 
 OPAQUE_KEY = "autofuser_opaque"
 OPAQUE_REASON_KEY = "autofuser_opaque_reason"

@@ -57,7 +57,7 @@ from .rounding import interpreting
 from .tuning import CONFIG_LIMIT, LATER_ROUND_CONFIGS, finish_compiling, pick_config, precompile_untuned
 from .verify import Verifier, max_error, snapshot, synthetic_mismatch, tolerance
 
-logger = logging.getLogger("autofuser")
+logger = logging.getLogger("autofuser.compile")
 
 
 @contextlib.contextmanager

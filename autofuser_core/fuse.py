@@ -41,12 +41,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 from torch.utils.hooks import RemovableHandle
 
-from . import timing
+from . import logs, timing
 from .cache import cache_dir, read_verdict, write_verdict
 from .capture import bind_inputs, capture, preserved_state
 from .compile import _device_of, compile_graph
 from .cudagraphs import CudaGraphRunner, try_cuda_graph
-from .errors import AutoFuserError, CaptureError, CompileFailedWarning, PluginError
+from .errors import AutoFuserError, CaptureError, CompileFailedWarning, OpaquePartError, PluginError
 from .in_use import BLOCK_CALLS, MAX_RESTARTS, InUseCheck, end_turn, take_turn
 from .launch import FusedKernel
 from .plugins import PluginSet, load_plugins
@@ -56,7 +56,7 @@ from .timing import FORWARD_BUDGET_MS
 from .tuning import device_key
 from .verify import snapshot
 
-logger = logging.getLogger("autofuser")
+logger = logging.getLogger("autofuser.compile")
 
 
 class FuseOptions(BaseModel):
@@ -101,6 +101,12 @@ class FuseOptions(BaseModel):
         None,
         description="Quantise weights first: a format name ('mxint8'), or a dict / QuantizeOptions "
         "naming the format and which layers (include, exclude, min_numel).",
+    )
+    fullgraph: bool = Field(
+        False,
+        strict=True,
+        description="Strict capture, as torch.compile's fullgraph=True: raise OpaquePartError, naming the "
+        "part, where a module or function of the model can't be traced and would run as it is.",
     )
     strict_fp32_products: Literal["tf32x3", "ieee"] = Field(
         "tf32x3",
@@ -449,6 +455,8 @@ class FusedModule(torch.nn.Module):
         self._last_key: Any = None
         self._last_report: Optional[FusionReport] = None
         self._warned: set[str] = set()
+        # AUTOFUSER_DISABLE, read once here: every call runs the model itself, nothing compiles.
+        self._disabled = logs.disabled()
         self._watch_state()
         self._forward_signature = inspect.signature(model.forward)
         forward_parameters = self._forward_signature.parameters.values()
@@ -586,6 +594,7 @@ class FusedModule(torch.nn.Module):
         self._plugin_set = _load_plugins_quietly(self._plugins)
         self._compiled, self._last_report, self._last_key = OrderedDict(), None, None
         self._warned = set(state.get("_warned", ()))
+        self._disabled = logs.disabled()  # this process's switch, not the saving one's
         self._watch_state()
         self._forward_signature = inspect.signature(self._model.forward)
 
@@ -664,6 +673,8 @@ class FusedModule(torch.nn.Module):
         return super().__call__(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        if self._disabled:
+            return self._model(*args, **kwargs)
         # The signature of the call before, for a probation (``in_use``) to see calls of other
         # inputs in between; None after a call that ran the original for another reason.
         last_key, self._last_key = self._last_key, None
@@ -821,6 +832,9 @@ class FusedModule(torch.nn.Module):
             warnings.filterwarnings("ignore", "For backward hooks to be called")
             gm = capture(self._model, *args, **kwargs)
         captured_s = time.perf_counter() - start
+        opaque = gm.meta.get("autofuser_opaque", {})
+        if self._options.fullgraph and opaque:
+            raise OpaquePartError(_opaque_message(name, opaque))
         flat = self._flatten(args, kwargs)
         if list(gm.meta.get("autofuser_opaque", {})) == [""]:
             report = FusionReport(
@@ -1031,6 +1045,11 @@ class FusedModule(torch.nn.Module):
 
     def report(self) -> FusionReport:
         """The report of the most recently used compiled signature."""
+        if self._disabled:
+            return FusionReport(
+                plugins=self._plugin_set.names,
+                notes=["AUTOFUSER_DISABLE is set: nothing was compiled, every call runs the original model"],
+            )
         if self._last_report is None:
             raise AutoFuserError("nothing compiled yet: call the fused model on real inputs first, then .report().")
         return self._last_report
@@ -1323,6 +1342,16 @@ def _verdict_key(
     return {"forward": hashlib.sha256(text.encode()).hexdigest(), **device_key(_device_of(flat))}
 
 
+def _opaque_message(name: str, opaque: dict[str, str]) -> str:
+    """The strict-capture error: each part that stayed opaque, why, and the ways out."""
+    parts = "; ".join(f"{name}.{path}: {why}" if path else f"the whole {name}: {why}" for path, why in opaque.items())
+    return (
+        f"fullgraph=True, but {len(opaque)} part(s) of {name} could not be traced and would run as they are: "
+        f"{parts}. Make that code traceable (no branch on a tensor's values, no hooks on the module), "
+        "or fuse without fullgraph=True to run those parts unfused and fuse the rest."
+    )
+
+
 def _describe_inputs(args: tuple) -> str:
     parts = []
     for x in args:
@@ -1352,6 +1381,7 @@ def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **opti
     if not isinstance(model, torch.nn.Module):
         hint = " - it is a class; instantiate it first" if isinstance(model, type) else ""
         raise CaptureError(f"fuse() takes an nn.Module instance, got {type(model).__name__}{hint}.")
+    logs.configure_from_env()
     plugin_set = _load_plugins_quietly(plugins)  # the plugins' own options are known once they are loaded
     parsed = FuseOptions.parse(options, plugin_set.registry.options)
     return FusedModule(model, plugins, parsed, plugin_set)

@@ -39,7 +39,7 @@ from .ir import LoweringContext, LoweringRefused, Value, tensor_meta
 from .registry import Registry, describe_target
 from .specs import LoweringSpec, SplitRule, StrategySpec, dtype_name
 
-logger = logging.getLogger("autofuser")
+logger = logging.getLogger("autofuser.plan")
 
 _RANDOM_FUNCTIONS = {
     torch.rand,

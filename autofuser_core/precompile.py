@@ -48,7 +48,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-logger = logging.getLogger("autofuser")
+logger = logging.getLogger("autofuser.tune")
 
 #: Seconds without any answer from the children, while waiting for them, after which
 #: they are given up on (killed; their configs compile when timed). One config takes
