@@ -256,8 +256,9 @@ def _compile_graph(
                             node=node.name,
                             target=describe_target(node.target),
                             reason_code="extern_not_taken",
-                            reason=f"{view.lowering_of[node].name} is lowered for a strategy with its own compose, "
-                            "and no such strategy took this node (see its refused groups); it runs eager",
+                            reason=f"{view.lowering_of[node].name} fuses only as part of a larger pattern "
+                            "(its plugin's own kernel), which was not found or not kept around this op; "
+                            "it runs as in eager PyTorch",
                         )
                     )
         for decision in plan.decisions:
@@ -409,7 +410,18 @@ def _verify_round(
                 job.configs,
             )
             config = tuned.config
-            job.fused = FusedKernel(job.kernel, job.source, config, program, job.eager, gm, hosted, device)
+            job.fused = FusedKernel(
+                job.kernel,
+                job.source,
+                config,
+                program,
+                job.eager,
+                gm,
+                hosted,
+                device,
+                strategy=job.candidate.strategy.name,
+                ops=entry.ops,
+            )
             outputs = job.fused.launch(*kernel_inputs)
         except Exception as err:
             _refuse_job(job, "codegen_failed", err)

@@ -787,8 +787,11 @@ class FusedModule(torch.nn.Module):
             fused_ms = settled.fused_ms if faster else max(settled.fused_ms, settled.original_ms)
             times = {"step_fused_ms": fused_ms, "step_eager_ms": settled.original_ms, IN_USE_MARK: 1.0}
             write_verdict(check.root, check.verdict_key, times)
+        report.whole = "training step"
+        report.whole_eager_ms, report.whole_fused_ms = settled.original_ms, settled.fused_ms
         if faster:
             return fused_gm
+        report.runs_original = True
         self._compiled[key] = _Compiled((None, report), True)
         return None
 
@@ -931,6 +934,7 @@ class FusedModule(torch.nn.Module):
                             timer, runner, lambda *a: self._model(*args, **kwargs), flat
                         )
                 eager_ms, fused_ms = times["eager_ms"], times[f"{use}_fused_ms"]
+                report.whole_eager_ms, report.whole_fused_ms = eager_ms, fused_ms
                 if fused_ms >= eager_ms * (1.0 - FORWARD_MARGIN):
                     report.notes.append(
                         f"the fused forward ({fused_ms:.3f} ms) was not at least "
@@ -954,6 +958,8 @@ class FusedModule(torch.nn.Module):
         report.quantized = list(self._quantized)
         report.signature = _describe_inputs(args)
         report.device = str(_device_of(flat))
+        report.model = name
+        report.runs_original = entry[0] is None
         report.compile_s = time.perf_counter() - start
         entry = self._compiled[key] = _Compiled(entry, runs_model_code, in_use)
         self._progress(
@@ -987,6 +993,7 @@ class FusedModule(torch.nn.Module):
             with preserved_state(self._model):
                 times["step_fused_ms"], times["step_eager_ms"] = _forward_times(timer, fused_step, eager_step, flat)
         fused_ms, eager_ms = times["step_fused_ms"], times["step_eager_ms"]
+        report.whole, report.whole_eager_ms, report.whole_fused_ms = "training step", eager_ms, fused_ms
         cached = ""
         if known:
             cached = " (measured in use, read from the cache)" if IN_USE_MARK in known else " (read from the cache)"
@@ -1025,6 +1032,7 @@ class FusedModule(torch.nn.Module):
         report.quantized = list(self._quantized)
         report.signature = _describe_inputs(args)
         report.device = str(_device_of(flat))
+        report.model, report.runs_original = name, True
         report.compile_s = time.perf_counter() - start
         entry = self._compiled[key] = _Compiled((None, report), True)
         return entry

@@ -253,7 +253,7 @@ class PlanningView:
                         node.name,
                         describe_target(target),
                         "no_lowering",
-                        "no loaded plugin lowers this op; it runs eager",
+                        "no loaded plugin can fuse this op; it runs as in eager PyTorch",
                     )
                 )
                 continue

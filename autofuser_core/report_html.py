@@ -78,6 +78,169 @@ def format_bytes(n: float) -> str:
     return f"{sign}{n} B"
 
 
+# -- wording shared by the text report and the page ------------------------------
+
+#: Internal homes of public torch functions -> the names users write.
+_PUBLIC_NAMES = (
+    ("torch._VariableFunctionsClass.", "torch."),
+    ("torch._C._VariableFunctions.", "torch."),
+    ("torch._C._nn.", "torch.nn.functional."),
+    ("torch._C._fft.", "torch.fft."),
+    ("torch._C._linalg.", "torch.linalg."),
+    ("torch._C._special.", "torch.special."),
+    ("torch._C.TensorBase.", "Tensor."),
+    ("torch._tensor.Tensor.", "Tensor."),
+    ("_operator.getitem", "x[...] (indexing)"),
+    ("_operator.", "operator."),
+    ("builtins.", ""),
+)
+
+#: Reason codes of candidates that lost to another grouping of the same ops, not to eager.
+ALTERNATIVE_CODES = frozenset({"overlap", "split_faster", "larger_group_faster"})
+
+
+def readable_target(target: str) -> str:
+    """An op as a user writes it: ``torch.view_as_real``, not where torch keeps it."""
+    for internal, public in _PUBLIC_NAMES:
+        if target.startswith(internal):
+            return public + target[len(internal) :]
+    return target
+
+
+def free_nodes(report: "FusionReport") -> set[str]:
+    """Names of the nodes whose result re-reads an input's memory (views): they move no data."""
+    return {node.name for node in report.graph if node.free}
+
+
+def alternatives(report: "FusionReport") -> list[int]:
+    """Indices of skipped candidates that were other ways of grouping ops that are fused
+    anyway (or that lost to another grouping): not a reason anything stayed eager."""
+    covered = {name for g in report.groups if g.fused for name in g.nodes}
+    return [
+        k
+        for k, g in enumerate(report.groups)
+        if not g.fused and (g.reason_code in ALTERNATIVE_CODES or set(g.nodes) <= covered)
+    ]
+
+
+def group_sentence(group) -> str:
+    """What a group does, in words: the strategy's own summary where it gave one."""
+    if group.reason and group.reason_code == "fused":
+        return group.reason
+    if not group.fused:
+        return f"{group.reason_code}: {group.reason}"
+    n = len(group.nodes)
+    if n == 1:
+        return "one op as a generated kernel"
+    return f"{n} ops in one kernel: the values between them stay on chip, never written to memory"
+
+
+def group_origin(report: "FusionReport", group) -> list[str]:
+    """Where in the user's code a group's ops came from: each distinct source line (or,
+    where none was recorded, submodule), in graph order."""
+    by_name = {node.name: node for node in report.graph}
+    places: list[str] = []
+    for name in group.nodes:
+        node = by_name.get(name)
+        if node is None:
+            continue
+        place = node.source or (f"module {node.module}" if node.module else None)
+        if place and place not in places:
+            places.append(place)
+    return places
+
+
+def _speedup(eager_ms: float, fused_ms: float) -> str:
+    return f"{eager_ms / fused_ms:.2f}x" if fused_ms > 0 else "-"
+
+
+def summary_lines(report: "FusionReport") -> list[str]:
+    """The few sentences a user reads first: what was fused, the measured result, where
+    the time goes, what the compile cost."""
+    fused = report.fused
+    free = free_nodes(report)
+    covered = {name for g in fused for name in g.nodes}
+    calls = [n.name for n in report.graph if n.op.startswith("call_")] or [n.node for n in report.unfused_nodes]
+    in_groups = len(covered)
+    views = sum(1 for name in calls if name in free and name not in covered)
+    costly = sum(1 for name in calls if name not in free and name not in covered)
+    lines = [
+        f"{len(fused)} fused kernel{'s' if len(fused) != 1 else ''} run {in_groups} op{'s' if in_groups != 1 else ''}; "
+        f"{costly} op{'s run' if costly != 1 else ' runs'} as in eager"
+        + (f", {views} more {'are free views' if views > 1 else 'is a free view'} (no data moved)" if views else "")
+        + (f"; {len(report.opaque)} part(s) could not be traced" if report.opaque else "")
+        + "."
+    ]
+    what = report.whole
+    if report.whole_eager_ms is not None and report.whole_fused_ms is not None:
+        eager_ms, fused_ms = report.whole_eager_ms, report.whole_fused_ms
+        verdict = (
+            "not faster enough: the original model runs"
+            if report.runs_original
+            else f"{_speedup(eager_ms, fused_ms)} eager's speed"
+        )
+        lines.append(f"Measured {what}: {fused_ms:.3f} ms fused vs {eager_ms:.3f} ms eager, {verdict}.")
+    elif report.runs_original:
+        lines.append(f"The original model runs for these inputs (see the notes); no {what} time was measured.")
+    else:
+        lines.append(
+            f"The {what} was not timed"
+            + (" (no GPU: kernels ran under Triton's CPU interpreter)" if "cuda" not in report.device else "")
+            + "."
+        )
+    timed = [(k, g) for k, g in enumerate(report.groups) if g.fused and g.time_fused_ms is not None]
+    if timed:
+        total = sum(g.time_fused_ms or 0.0 for _, g in timed)
+        top = sorted(timed, key=lambda kg: -(kg[1].time_fused_ms or 0.0))[:3]
+        where = ", ".join(
+            f"#{k} {g.strategy} {g.time_fused_ms:.3f} ms ({100 * (g.time_fused_ms or 0.0) / total:.0f}%)"
+            for k, g in top
+        )
+        rest = ""
+        if report.whole_fused_ms is not None and report.whole_fused_ms > total:
+            rest = f"; outside the fused kernels (eager ops, launches) {report.whole_fused_ms - total:.3f} ms"
+        lines.append(f"Where the time goes: fused kernels {total:.3f} ms, most in {where}{rest}.")
+    elif fused:
+        before = sum(g.bytes_before for g in fused)
+        after = sum(g.bytes_after for g in fused)
+        top = sorted(((k, g) for k, g in enumerate(report.groups) if g.fused), key=lambda kg: -kg[1].bytes_after)[:3]
+        where = ", ".join(f"#{k} {g.strategy} {format_bytes(g.bytes_after)}" for k, g in top)
+        lines.append(
+            f"Memory traffic of the fused ops (predicted, not timed): {format_bytes(before)} -> "
+            f"{format_bytes(after)}; the most in {where}."
+        )
+    if report.compile_s:
+        steps = sorted(report.phases.items(), key=lambda kv: -kv[1])[:3]
+        lines.append(
+            f"Compiling took {report.compile_s:.2f} s"
+            + (": " + ", ".join(f"{name} {s:.2f} s" for name, s in steps) if steps else "")
+            + "."
+        )
+    return lines
+
+
+def eager_lines(report: "FusionReport") -> list[str]:
+    """What stayed eager and why, one line per kind: free views together, then each op and
+    reason with its count (a line of the user's code where all its nodes share one)."""
+    free = free_nodes(report)
+    views: dict[str, int] = {}
+    by_reason: dict[tuple[str, str, str], list[str]] = {}
+    for n in report.unfused_nodes:
+        target = readable_target(n.target)
+        if n.node in free:
+            views[target] = views.get(target, 0) + 1
+        else:
+            by_reason.setdefault((target, n.reason_code, n.reason), []).append(n.node)
+    lines = []
+    if views:
+        listed = ", ".join(f"{t} x{c}" if c > 1 else t for t, c in views.items())
+        lines.append(f"free views, no data moved (they need no kernel): {listed}")
+    for (target, code, reason), nodes in by_reason.items():
+        count = f" x{len(nodes)}" if len(nodes) > 1 else ""
+        lines.append(f"{target}{count}: {reason} [{code}]")
+    return lines
+
+
 def _ms(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.4f}"
 
