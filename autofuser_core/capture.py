@@ -817,11 +817,15 @@ def _user_frame() -> Optional[tuple[str, int, str]]:
     frame: Optional[types.FrameType] = sys._getframe(2)
     while frame is not None:
         file = frame.f_code.co_filename
+        if file.startswith("<eval_with_key>"):
+            # fx's generated code (a torch.compile graph traced again): the line that made
+            # the node is not the user's, and the frames above it are the caller's
+            return None
         mine = _user_file.get(file)
         if mine is None:
             path = os.path.abspath(file)
             stdlib = path.startswith(_STDLIB) and "-packages" + os.sep not in path[len(_STDLIB) :]
-            mine = _user_file[file] = not (file.startswith("<eval_with_key>") or path.startswith(_NOT_USER) or stdlib)
+            mine = _user_file[file] = not (path.startswith(_NOT_USER) or stdlib)
         if mine:
             return file, frame.f_lineno, frame.f_code.co_name
         frame = frame.f_back

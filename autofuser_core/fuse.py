@@ -50,6 +50,7 @@ from .errors import AutoFuserError, CaptureError, CompileFailedWarning, OpaquePa
 from .in_use import BLOCK_CALLS, MAX_RESTARTS, InUseCheck, end_turn, take_turn
 from .launch import FusedKernel
 from .plugins import PluginSet, load_plugins
+from .progress import Progress, short_inputs
 from .quantize import QuantizedLayer, QuantizeOptions, parse_quantize, quantize_model
 from .report import FusionReport
 from .timing import FORWARD_BUDGET_MS
@@ -821,14 +822,20 @@ class FusedModule(torch.nn.Module):
         return tuple(bind_inputs(self._model, args, kwargs, self._forward_signature)[2])
 
     def _progress(self, message: str) -> None:
-        logger.info(message)
-        if self._options.progress:
-            print(f"autofuser: {message}", file=sys.stderr, flush=True)
+        """One line about this model outside a compile (a training step settled in use)."""
+        Progress(self.display_name, self._options.progress).finish(message)
+
+    @property
+    def display_name(self) -> str:
+        """The model's name in progress lines and reports: its class, or what the
+        ``torch.compile`` backend named one of Dynamo's graphs."""
+        return self.__dict__.get("_display_name") or type(self._model).__name__
 
     def _compile(self, args: tuple, kwargs: dict, key: Any):
         start = time.perf_counter()
-        name = type(self._model).__name__
-        self._progress(f"compiling {name} for {_describe_inputs(args)}")
+        name = self.display_name
+        progress = Progress(name, self._options.progress)
+        progress.step("capture", detail=short_inputs(_input_parts(args)))
         with warnings.catch_warnings():
             # Tracing through a module with backward hooks (they do nothing without gradients)
             # makes torch warn that its output is no tensor: it is a proxy.
@@ -851,11 +858,11 @@ class FusedModule(torch.nn.Module):
             grad = torch.is_grad_enabled()
             try:
                 with torch.no_grad():
-                    fused_gm, report = compile_graph(
-                        gm, flat, self._plugin_set, self._options, self._progress, backward=grad
-                    )
+                    fused_gm, report = compile_graph(gm, flat, self._plugin_set, self._options, progress, backward=grad)
             except Exception as err:  # noqa: BLE001 - a fault of ours must not cost the user's call
+                progress.finish("compiling failed; the original model runs (see the warning)")
                 return self._compile_failed(key, args, flat, start, err)
+            progress.step("checking the whole forward")
             report.phases = {"capture": captured_s, **report.phases}
             runner: Union[torch.fx.GraphModule, CudaGraphRunner, None] = fused_gm
             # Graph capture and timing run the forward many times: only for inference
@@ -962,10 +969,8 @@ class FusedModule(torch.nn.Module):
         report.runs_original = entry[0] is None
         report.compile_s = time.perf_counter() - start
         entry = self._compiled[key] = _Compiled(entry, runs_model_code, in_use)
-        self._progress(
-            f"compiled {name} in {report.compile_s:.1f} s: {len(report.fused)} fused group(s), "
-            f"{len(report.skipped)} skipped"
-        )
+        runs = "the original model runs" if report.runs_original else f"{len(report.fused)} fused kernel(s)"
+        progress.finish(f"compiled in {report.compile_s:.1f} s: {runs}; fused.report() says why")
         return entry
 
     def _check_step(self, timer, fused_gm, args: tuple, kwargs: dict, flat: tuple, report, root):
@@ -1016,7 +1021,7 @@ class FusedModule(torch.nn.Module):
     def _compile_failed(self, key: Any, args: tuple, flat: tuple, start: float, err: Exception):
         """Keep a signature whose compile raised as one that runs the original model: one
         warning with the error, and no second attempt on every later call."""
-        name = type(self._model).__name__
+        name = self.display_name
         why = f"{type(err).__name__}: {err}"
         logger.debug("compiling %s failed", name, exc_info=err)
         warnings.warn(
@@ -1361,13 +1366,17 @@ def _opaque_message(name: str, opaque: dict[str, str]) -> str:
 
 
 def _describe_inputs(args: tuple) -> str:
+    return "(" + ", ".join(_input_parts(args)) + ")"
+
+
+def _input_parts(args: tuple) -> list[str]:
     parts = []
     for x in args:
         if isinstance(x, torch.Tensor):
             parts.append(f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
         else:
             parts.append(type(x).__name__)
-    return "(" + ", ".join(parts) + ")"
+    return parts
 
 
 def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **options: Any) -> FusedModule:

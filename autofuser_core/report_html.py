@@ -289,13 +289,13 @@ def _inner_layout(
         rows[depth[name]].append(name)
     columns = max(len(r) for r in rows.values())
     width = columns * NODE_W + (columns - 1) * GAP_X + 2 * CLUSTER_PAD
-    offsets = {}
+    offsets: dict[str, tuple[float, float]] = {}
     for layer, row in rows.items():
         left = (width - (len(row) * NODE_W + (len(row) - 1) * GAP_X)) / 2
         for column, name in enumerate(row):
             offsets[name] = (left + column * (NODE_W + GAP_X), CLUSTER_HEAD + layer * (NODE_H + INNER_GAP_Y))
     height = CLUSTER_HEAD + len(rows) * (NODE_H + INNER_GAP_Y) - INNER_GAP_Y + CLUSTER_PAD
-    return offsets, width, height
+    return offsets, float(width), float(height)
 
 
 def layout(report: "FusionReport") -> tuple[dict[str, _Box], list[list[str]], dict[str, str]]:
@@ -373,19 +373,19 @@ def layout(report: "FusionReport") -> tuple[dict[str, _Box], list[list[str]], di
         neighbours = up if sweep % 2 == 0 else down
         for layer in sorted(layers, reverse=sweep % 2 == 1):
             row = layers[layer]
-            position = {}
+            centre: dict[str, float] = {}
             for key in row:
                 near = [rank[n] for n in neighbours[key]]
-                position[key] = sum(near) / len(near) if near else rank[key]
-            row.sort(key=lambda key: position[key])
+                centre[key] = sum(near) / len(near) if near else rank[key]
+            row.sort(key=lambda key: centre[key])
             for i, key in enumerate(row):
                 rank[key] = i
-    top = MARGIN
+    top: float = MARGIN
     for layer in sorted(layers):
         row = layers[layer]
         # Each box under the middle of what feeds it, then pushed right just enough to keep
         # its neighbours' gap.
-        right = MARGIN - GAP_X
+        right: float = MARGIN - GAP_X
         for key in row:
             box = boxes[key]
             feeding = [boxes[n].x + boxes[n].width / 2 for n in up[key]]
@@ -418,14 +418,15 @@ def render_svg(report: "FusionReport") -> str:
     by_name = {node.name: node for node in report.graph}
     for key, box in boxes.items():
         if key.startswith("group-") and box.inner:
-            k = int(key.removeprefix("group-"))
-            group = report.groups[k]
+            index = int(key.removeprefix("group-"))
+            group = report.groups[index]
             parts.append(
-                f'<g class="cluster" id="cluster-{k}"><title>group #{k}: {_e(group.strategy)}, '
+                f'<g class="cluster" id="cluster-{index}"><title>group #{index}: {_e(group.strategy)}, '
                 f"{_e(' > '.join(group.ops))}</title>"
                 f'<rect x="{box.x:.1f}" y="{box.y:.1f}" width="{box.width:.1f}" height="{box.height:.1f}" rx="8" '
-                f'fill="{colours[k]}" fill-opacity="0.25" stroke="{colours[k]}" stroke-width="2"/>'
-                f'<text x="{box.x + 8:.1f}" y="{box.y + 15:.1f}" font-weight="bold">#{k} {_e(group.strategy)}</text>'
+                f'fill="{colours[index]}" fill-opacity="0.25" stroke="{colours[index]}" stroke-width="2"/>'
+                f'<text x="{box.x + 8:.1f}" y="{box.y + 15:.1f}" font-weight="bold">'
+                f"#{index} {_e(group.strategy)}</text>"
                 "</g>"
             )
     for path in paths:
@@ -459,13 +460,14 @@ def render_svg(report: "FusionReport") -> str:
                         'marker-end="url(#arrow)"/>'
                     )
     for node in report.graph:
-        key = box_of.get(node.name)
-        if key is not None:
-            box = boxes[key]
+        cluster = box_of.get(node.name)
+        k: Optional[int] = None
+        if cluster is not None:
+            box = boxes[cluster]
             x, y = box.x + box.inner[node.name][0], box.y + box.inner[node.name][1]
-            k: Optional[int] = int(key.removeprefix("group-"))
+            k = int(cluster.removeprefix("group-"))
         else:
-            x, y, k = boxes[node.name].x, boxes[node.name].y, None
+            x, y = boxes[node.name].x, boxes[node.name].y
         if k is not None:
             fill, group_class = colours[k], f"node group-{k}"
         else:
