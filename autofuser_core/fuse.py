@@ -970,6 +970,8 @@ class FusedModule(torch.nn.Module):
         report.compile_s = time.perf_counter() - start
         entry = self._compiled[key] = _Compiled(entry, runs_model_code, in_use)
         runs = "the original model runs" if report.runs_original else f"{len(report.fused)} fused kernel(s)"
+        if report.fused and not report.runs_original and _device_of(flat).type != "cuda":
+            runs += " (on CPU under Triton's interpreter: each call is slow)"
         progress.finish(f"compiled in {report.compile_s:.1f} s: {runs}; fused.report() says why")
         return entry
 

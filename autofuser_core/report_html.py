@@ -3,14 +3,16 @@
 No external assets, no script: inline CSS and an inline SVG drawing of the
 graph, so the file can be mailed, attached to an issue or opened offline.
 
-Sections: a summary; the graph, laid out in layers (each node one layer below
-its deepest input) and coloured by the fused group it belongs to (grey: left
-eager); every fusion group with its fate, reason, traffic and the timings that
-were measured; the nodes left eager and why; opaque parts; the generated
-kernel source of every group that got one.
+Sections, in the order a user reads them: the measured result and a summary;
+the graph, laid out in layers (``layout``) with each fused group a cluster of its
+nodes in the group's colour (grey: run as in eager, dashed: free views); the
+fused groups with what each does, the line of the user's code it came from,
+traffic and timings; what stayed eager and why, opaque parts included; the
+alternatives the planner did not take; the generated kernel sources, collapsed.
 
-report.py imports this module (``to_html`` calls ``render_html``, and its text
-table writes sizes with ``format_bytes``); this module never imports report.py
+The wording both renderings share (the summary, what stayed eager, readable op
+names) lives here too. report.py imports this module (``to_html`` calls
+``render_html``, its text uses the shared wording); this module never imports report.py
 when it runs: it only reads the report it is given, and names its type for the
 type checker alone.
 """
@@ -97,7 +99,6 @@ _PUBLIC_NAMES = (
     ("torch._C._special.", "torch.special."),
     ("torch._C.TensorBase.", "Tensor."),
     ("torch._tensor.Tensor.", "Tensor."),
-    ("_operator.getitem", "x[...] (indexing)"),
     ("_operator.", "operator."),
     ("builtins.", ""),
 )
@@ -480,7 +481,7 @@ def render_svg(report: "FusionReport") -> str:
         origin = f"; {node.source}" if node.source else (f"; module {node.module}" if node.module else "")
         target = readable_target(node.target)
         if node.op == "call_module" or " " in target:
-            label = target.split(" ")[0]  # "norm1 (LayerNorm)", "x[...] (indexing)"
+            label = target.split(" ")[0]  # "norm1 (LayerNorm)"
         else:
             label = target.rsplit(".", 1)[-1]
         dash = ' stroke-dasharray="4 3"' if k is None and node.free else ""

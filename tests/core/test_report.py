@@ -123,5 +123,5 @@ def test_measured_summary_and_alternatives_last():
 def test_internal_names_read_as_users_write_them():
     assert readable_target("torch._VariableFunctionsClass.view_as_real") == "torch.view_as_real"
     assert readable_target("torch._C._nn.gelu") == "torch.nn.functional.gelu"
-    assert readable_target("_operator.getitem") == "x[...] (indexing)"
+    assert readable_target("_operator.getitem") == "operator.getitem"
     assert readable_target("Tensor.reshape") == "Tensor.reshape"
