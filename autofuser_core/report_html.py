@@ -165,7 +165,8 @@ def _speedup(eager_ms: float, fused_ms: float) -> str:
 def summary_lines(report: "FusionReport") -> list[str]:
     """The few sentences a user reads first: what was fused, the measured result, where
     the time goes, what the compile cost."""
-    fused = report.fused
+    fused = [g for g in report.fused if g.phase == "forward"]
+    backward = len(report.fused) - len(fused)
     free = free_nodes(report)
     covered = {name for g in fused for name in g.nodes}
     calls = [n.name for n in report.graph if n.op.startswith("call_")] or [n.node for n in report.unfused_nodes]
@@ -173,10 +174,12 @@ def summary_lines(report: "FusionReport") -> list[str]:
     views = sum(1 for name in calls if name in free and name not in covered)
     costly = sum(1 for name in calls if name not in free and name not in covered)
     lines = [
-        f"{len(fused)} fused kernel{'s' if len(fused) != 1 else ''} run {in_groups} op{'s' if in_groups != 1 else ''}; "
+        f"{len(fused)} fused kernel{'s run' if len(fused) != 1 else ' runs'} "
+        f"{in_groups} op{'s' if in_groups != 1 else ''}; "
         f"{costly} op{'s run' if costly != 1 else ' runs'} as in eager"
         + (f", {views} more {'are free views' if views > 1 else 'is a free view'} (no data moved)" if views else "")
         + (f"; {len(report.opaque)} part(s) could not be traced" if report.opaque else "")
+        + (f"; in backward, {backward} more fused kernel{'s' if backward != 1 else ''}" if backward else "")
         + "."
     ]
     what = report.whole
@@ -235,10 +238,12 @@ def eager_lines(report: "FusionReport") -> list[str]:
     by_reason: dict[tuple[str, str, str], list[str]] = {}
     for n in report.unfused_nodes:
         target = readable_target(n.target)
-        if n.node in free:
+        if n.phase == "forward" and n.node in free:  # views are known in the graph drawn: the forward
             views[target] = views.get(target, 0) + 1
-        else:
-            by_reason.setdefault((target, n.reason_code, n.reason), []).append(n.node)
+            continue
+        if n.phase == "backward":
+            target = f"in backward, {target}"
+        by_reason.setdefault((target, n.reason_code, n.reason), []).append(n.node)
     lines = []
     if views:
         listed = ", ".join(f"{t} x{c}" if c > 1 else t for t, c in views.items())

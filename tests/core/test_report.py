@@ -108,7 +108,14 @@ def test_measured_summary_and_alternatives_last():
                 target="torch._VariableFunctionsClass.view_as_real",
                 reason_code="no_lowering",
                 reason="no loaded plugin can fuse this op",
-            )
+            ),
+            NodeEntry(
+                node="relu",  # a name of the forward graph too: this one is a backward graph's
+                target="torch.erf",
+                reason_code="no_lowering",
+                reason="no loaded plugin can fuse this op",
+                phase="backward",
+            ),
         ],
     )
     text = str(report)
@@ -117,6 +124,7 @@ def test_measured_summary_and_alternatives_last():
     assert "torch.view_as_real: no loaded plugin can fuse this op" in text and "_VariableFunctionsClass" not in text
     assert text.index("Measured forward") < text.index("\nFused (") < text.index("\nStayed eager:")
     assert text.index("\nStayed eager:") < text.index("\nAlternatives not taken: 1")
+    assert "in backward, torch.erf: no loaded plugin" in text
     assert "-> 0 B" not in text  # a candidate not taken moves nothing: no traffic is shown for it
 
 
