@@ -1388,12 +1388,15 @@ def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **opti
     :param plugins: ``None`` for every installed plugin, or a list of plugin
         modules, hook-carrying objects or entry-point names.
     :param options: see ``FuseOptions`` (``cache_dir``, ``max_signatures``,
-        ``tune``, ``tune_budget_s``, ``verify_speed``, ``progress``,
+        ``tune``, ``tune_budget_s``, ``verify_speed``, ``progress``, ``fullgraph``,
         ``cuda_graphs``, ``strict_fp32_products``, ``quantize``), and those
         the loaded plugins register (``autofuser_register_options``; the
         attention plugin's ``reassociate_products``). With ``quantize``, the fused module wraps a quantised
         copy of ``model`` (``fused.model``); ``model`` itself is left unchanged.
-    :raises CaptureError: ``model`` is not a module instance.
+    :raises CaptureError: ``model`` is not a module instance; on the first call, with
+        ``fullgraph=True``, ``OpaquePartError`` where a part of the model can't be traced.
+    :raises AutoFuserError: ``AUTOFUSER_LOG`` or ``AUTOFUSER_DISABLE`` holds a value it can't read.
+    With ``AUTOFUSER_DISABLE=1`` the returned module runs ``model`` itself and compiles nothing.
     :raises AutoFuserError: an unknown option, or an invalid value (the message says which, and its owner).
     :raises PluginError, SpecError: a plugin could not be loaded or is invalid.
     """
