@@ -876,8 +876,11 @@ def _is_free(result: torch.Tensor, inputs: list, versions: list[int]) -> bool:
             return True
     if result.numel() == 0:
         return False
-    storage = result.untyped_storage().data_ptr()
-    return any(t.numel() and t.untyped_storage().data_ptr() == storage for t in tensors)
+    try:
+        storage = result.untyped_storage().data_ptr()
+        return any(t.numel() and t.untyped_storage().data_ptr() == storage for t in tensors)
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts: no view to see
+        return False
 
 
 def record_shapes(gm: torch.fx.GraphModule, *inputs: Any) -> None:
