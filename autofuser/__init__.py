@@ -24,6 +24,7 @@ from autofuser_core.errors import (
     CaptureError,
     CompileFailedWarning,
     NoKernelsWarning,
+    OpaquePartError,
     PluginError,
     SpecError,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "LoweringContext",
     "LoweringSpec",
     "NoKernelsWarning",
+    "OpaquePartError",
     "PluginError",
     "ProductLayoutSpec",
     "QuantizerSpec",

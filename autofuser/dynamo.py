@@ -19,6 +19,8 @@ compiled in this process and that Dynamo still holds, oldest first; each has
 
 from __future__ import annotations
 
+import os
+import re
 import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
@@ -29,6 +31,7 @@ from autofuser_core.errors import AutoFuserError
 from autofuser_core.fuse import FusedModule, fuse
 
 _compiled: list[weakref.ref] = []
+_graphs_named = 0  # graphs this backend was handed in this process, for their names
 
 
 def autofuser_backend(
@@ -62,9 +65,25 @@ def autofuser_backend(
     # (*args, **kwargs) until first called; a plain one has the graph's real signature.
     graph_module = torch.fx.GraphModule(gm, gm.graph, class_name=type(gm).__name__)
     fused = fuse(graph_module, plugins=plugins, **options)
+    global _graphs_named
+    _graphs_named += 1
+    fused._display_name = _graph_name(gm, _graphs_named)
     _compiled[:] = [ref for ref in _compiled if ref() is not None]
     _compiled.append(weakref.ref(fused))
     return fused
+
+
+def _graph_name(gm: torch.fx.GraphModule, number: int) -> str:
+    """A Dynamo graph's name in progress lines and reports: the user's function it was
+    captured from, as Dynamo's nodes record it (``stack_trace``), and its number in this
+    process; every graph is a ``GraphModule``, which says nothing."""
+    for node in gm.graph.nodes:
+        trace = node.meta.get("stack_trace")
+        found = re.findall(r'File "([^"]+)", line \d+, in (\S+)', trace) if isinstance(trace, str) else []
+        if found:
+            file, function = found[0]
+            return f"graph {number} of {function} ({os.path.basename(file)})"
+    return f"graph {number}"
 
 
 def compiled_graphs() -> list[FusedModule]:

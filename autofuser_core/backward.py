@@ -31,7 +31,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .capture import record_shapes
 from .launch import FusedKernel, run_eager
 
-logger = logging.getLogger("autofuser")
+logger = logging.getLogger("autofuser.compile")
 
 #: Seed of the sample gradients a backward graph is traced and verified with.
 GRAD_SEED = 4321

@@ -73,7 +73,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 from .errors import CacheError
 from .interpreter import KERNEL_PACKAGE
 
-logger = logging.getLogger("autofuser")
+logger = logging.getLogger("autofuser.cache")
 
 ENTRY_VERSION = 1
 

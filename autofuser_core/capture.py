@@ -52,7 +52,10 @@ Results: ``gm.meta["autofuser_opaque"]`` maps each opaque module path ("" for
 the root) and each leaf function (``package.module:Qualified.name``, whose nodes
 carry ``node.meta["autofuser_opaque_function"]``) to its reason,
 ``gm.meta["autofuser_input_names"]`` lists the placeholders in call order, and
-every tensor-valued node has ``node.meta["tensor_meta"]``.
+every tensor-valued node has ``node.meta["tensor_meta"]``. For the report: each
+call node records the line of the user's code that made it (``autofuser_source``:
+file, line, function) and, where its result re-reads an input's memory (a view),
+``autofuser_free``.
 """
 
 from __future__ import annotations
@@ -63,8 +66,10 @@ import inspect
 import logging
 import operator
 import os
+import sys
 import sysconfig
 import threading
+import types
 import warnings
 import weakref
 from typing import Any, Optional, cast
@@ -84,12 +89,15 @@ try:  # einops is optional: without it there is simply nothing to lower.
 except ImportError:  # pragma: no cover
     _einops_backends = None  # type: ignore[assignment]
 
-log = logging.getLogger("autofuser")
+log = logging.getLogger("autofuser.capture")
 
 OPAQUE_KEY = "autofuser_opaque"
 OPAQUE_REASON_KEY = "autofuser_opaque_reason"
 INPUT_NAMES_KEY = "autofuser_input_names"
 ROOT_ATTR = "opaque_model"  # attribute holding the model when the root is opaque
+
+SOURCE_KEY = "autofuser_source"  # (file, line, function) of the user's code that made a node
+FREE_KEY = "autofuser_free"  # True where the node's result is an input's storage (a view): it moves no data
 
 _REAL = "_autofuser_real_value"  # private node.meta keys, deleted after tracing
 _HOLD = "_autofuser_real_hold"
@@ -422,6 +430,10 @@ class _ConcreteTracer(torch.fx.Tracer):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if kind == "output":
             return node
+        if kind.startswith("call_"):
+            where = _user_frame()
+            if where is not None:
+                node.meta[SOURCE_KEY] = where
         if kind == "placeholder":
             value = _clone_tree(self.inputs[str(target).lstrip("*")])
         else:
@@ -1065,6 +1077,38 @@ def _trace_once(
         return None, culprit, _reason(exc), leaf
 
 
+#: Folders whose frames are not the user's code: torch, einops, AutoFuser's core, and the
+#: standard library but for its site-packages (installed models live there).
+_NOT_USER = tuple(
+    os.path.dirname(os.path.abspath(f)) + os.sep
+    for f in (torch.__file__, __file__)
+    + ((_einops_backends.__file__,) if _einops_backends is not None and _einops_backends.__file__ else ())
+)
+_STDLIB = os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep
+_user_file: dict[str, bool] = {}
+
+
+def _user_frame() -> Optional[tuple[str, int, str]]:
+    """(file, line, function) of the innermost frame of the model's own code: the line of
+    ``forward`` (or of a function it calls) that made the node being created."""
+    frame: Optional[types.FrameType] = sys._getframe(2)
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if file.startswith("<eval_with_key>"):
+            # fx's generated code (a torch.compile graph traced again): the line that made
+            # the node is not the user's, and the frames above it are the caller's
+            return None
+        mine = _user_file.get(file)
+        if mine is None:
+            path = os.path.abspath(file)
+            stdlib = path.startswith(_STDLIB) and "-packages" + os.sep not in path[len(_STDLIB) :]
+            mine = _user_file[file] = not (path.startswith(_NOT_USER) or stdlib)
+        if mine:
+            return file, frame.f_lineno, frame.f_code.co_name
+        frame = frame.f_back
+    return None
+
+
 class _ShapeRecorder(torch.fx.Interpreter):
     """Runs the graph on real values and files each node's tensor metadata under
     ``node.meta["tensor_meta"]``, as ``torch.fx.passes.shape_prop.ShapeProp`` does without
@@ -1076,7 +1120,11 @@ class _ShapeRecorder(torch.fx.Interpreter):
         self.extra_traceback = False  # the model's own error, as ShapeProp's cause was (KeyError stays KeyError)
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        inputs = [self.env[i] for i in n.all_input_nodes if i in self.env] if n.op.startswith("call_") else []
+        versions = [t._version for t in inputs if isinstance(t, torch.Tensor)]
         result = super().run_node(n)
+        if inputs and isinstance(result, torch.Tensor):
+            n.meta[FREE_KEY] = _is_free(result, inputs, versions)
         found = False
 
         def meta(value: Any) -> Any:
@@ -1091,6 +1139,25 @@ class _ShapeRecorder(torch.fx.Interpreter):
             n.meta["tensor_meta"] = described
         n.meta["type"] = type(result)
         return result
+
+
+def _is_free(result: torch.Tensor, inputs: list, versions: list[int]) -> bool:
+    """Whether ``result`` only re-reads an input's memory: a view of an input tensor (or the
+    input itself), or an element of an input tuple, with no input written in place. Judged
+    by what the op did, so it needs no list of view ops."""
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    if [t._version for t in tensors] != versions:
+        return False  # an in-place write: it moves data
+    for value in inputs:
+        if isinstance(value, (tuple, list)) and any(result is v for v in value):
+            return True
+    if result.numel() == 0:
+        return False
+    try:
+        storage = result.untyped_storage().data_ptr()
+        return any(t.numel() and t.untyped_storage().data_ptr() == storage for t in tensors)
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts: no view to see
+        return False
 
 
 def record_shapes(gm: torch.fx.GraphModule, *inputs: Any) -> None:

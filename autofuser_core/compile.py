@@ -51,13 +51,14 @@ from .ir import AttrRef
 from .launch import FusedKernel, RecomputeForBackward, host_scalars, run_eager, to_device
 from .planner import SPLIT_RULES, Candidate, Plan, Split, plan_fusion_groups
 from .precompile import launch_items
+from .progress import step as step_to
 from .registry import PLUGIN_FAULTS, PluginFault, PluginHookError, describe_target, record_fault
 from .report import FusionReport, GroupEntry, NodeEntry, describe_graph
 from .rewrite import extract_group_module, rewrite_graph
 from .tuning import CONFIG_LIMIT, LATER_ROUND_CONFIGS, finish_compiling, pick_config, precompile_untuned
 from .verify import Verifier, max_error, snapshot, synthetic_mismatch, tolerance
 
-logger = logging.getLogger("autofuser")
+logger = logging.getLogger("autofuser.compile")
 
 
 @contextlib.contextmanager
@@ -231,6 +232,7 @@ def _compile_graph(
                 return "decided in an earlier round"
             return _veto(plugin_set, candidate, options)
 
+        step_to(progress, "plan" if round_number == 1 else f"plan (round {round_number})")
         tokens = (STRICT_FP32.set(options.strict_fp32_products), MAX_PRODUCTS.set(max_products), SPLIT_RULES.set(rules))
         step = time.perf_counter()
         try:
@@ -256,8 +258,9 @@ def _compile_graph(
                             node=node.name,
                             target=describe_target(node.target),
                             reason_code="extern_not_taken",
-                            reason=f"{view.lowering_of[node].name} is lowered for a strategy with its own compose, "
-                            "and no such strategy took this node (see its refused groups); it runs eager",
+                            reason=f"{view.lowering_of[node].name} fuses only as part of a larger pattern "
+                            "(its plugin's own kernel), which was not found or not kept around this op; "
+                            "it runs as in eager PyTorch",
                         )
                     )
         for decision in plan.decisions:
@@ -331,6 +334,7 @@ def _compile_graph(
         survivors = [(c, f) for c, f in survivors if f not in slower]
         report.add_phase("backward", time.perf_counter() - step)
     step = time.perf_counter()
+    step_to(progress, "rewrite")
     new_gm = rewrite_graph(gm, [(_program(c), f) for c, f in survivors])
     report.add_phase("rewrite", time.perf_counter() - step)
     report.compile_s = time.perf_counter() - started
@@ -351,7 +355,8 @@ def _verify_round(
     not_generated: list[_Job] = []
     step = time.perf_counter()
     with gc_paused():
-        for candidate in plan.kept:
+        for number, candidate in enumerate(plan.kept):
+            step_to(progress, "generate", number, len(plan.kept), candidate.strategy.name)
             program = _program(candidate)
             job = _Job(candidate, _entry(candidate.strategy.name, candidate.nodes, view, True, "fused", "", program))
             try:
@@ -379,9 +384,13 @@ def _verify_round(
     step = time.perf_counter()
     timer = timing.current()
 
+    checked: list[bool] = []  # one entry per group checked so far, for the progress count
+
     def check(job: _Job) -> None:
         index = jobs.index(job) + 1
         program, entry = _program(job.candidate), job.entry
+        step_to(progress, "verify", len(checked), total, job.source.name)
+        checked.append(True)
         kernel_inputs: Sequence[torch.Tensor]
         # Each config is timed as soon as it is compiled ahead, while the children go on.
         ready = (
@@ -406,7 +415,18 @@ def _verify_round(
                 job.configs,
             )
             config = tuned.config
-            job.fused = FusedKernel(job.kernel, job.source, config, program, job.eager, gm, hosted, device)
+            job.fused = FusedKernel(
+                job.kernel,
+                job.source,
+                config,
+                program,
+                job.eager,
+                gm,
+                hosted,
+                device,
+                strategy=job.candidate.strategy.name,
+                ops=entry.ops,
+            )
             outputs = job.fused.launch(*kernel_inputs)
         except Exception as err:
             _refuse_job(job, "codegen_failed", err)
@@ -471,6 +491,7 @@ def _verify_round(
         raise
     finally:
         finish_compiling(compiling, report)
+    step_to(progress, "verify", total, total)
     del verifier
     tuning = sum(job.entry.tuning_s for job in jobs)
     waited = compiling.waited_s if compiling is not None else 0.0
@@ -576,7 +597,7 @@ def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, dev
                 report.groups.extend(copy.copy(entry) for entry in found.groups)
                 report.unfused_nodes.extend(copy.copy(entry) for entry in found.unfused_nodes)
         else:
-            progress(f"[backward {index}/{len(jobs)}] {job.entry.kernel}")
+            step_to(progress, "backward", index - 1, len(jobs), job.entry.kernel or "")
             built = build_backward(
                 job.fused,
                 inputs,

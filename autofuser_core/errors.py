@@ -21,6 +21,11 @@ class CaptureError(AutoFuserError):
     """The model or its inputs cannot be captured (wrong arguments, not a module)."""
 
 
+class OpaquePartError(CaptureError):
+    """With ``fuse(..., fullgraph=True)``: a part of the model could not be traced and
+    would run as it is, unfused. The message names each such part and why."""
+
+
 class CacheError(AutoFuserError):
     """A cache entry is unusable (corrupt, foreign, or written for another key)."""
 

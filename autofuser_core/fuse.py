@@ -41,22 +41,23 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 from torch.utils.hooks import RemovableHandle
 
-from . import precompile, timing
+from . import logs, precompile, timing
 from .cache import Verdict, cache_dir, make_record, read_verdict, write_verdict
 from .capture import LeafCall, bind_inputs, capture, preserved_state
 from .compile import _device_of, compile_graph
 from .cudagraphs import CudaGraphRunner, try_cuda_graph
-from .errors import AutoFuserError, CaptureError, CompileFailedWarning, PluginError
+from .errors import AutoFuserError, CaptureError, CompileFailedWarning, OpaquePartError, PluginError
 from .in_use import BLOCK_CALLS, MAX_RESTARTS, MAX_ROUNDS, InUseCheck, end_turn, take_turn
 from .launch import FusedKernel
 from .plugins import PluginSet, load_plugins
+from .progress import Progress, short_inputs
 from .quantize import QuantizedLayer, QuantizeOptions, parse_quantize, quantize_model
 from .report import FusionReport
 from .timing import FORWARD_BUDGET_MS
 from .tuning import device_key
 from .verify import snapshot
 
-logger = logging.getLogger("autofuser")
+logger = logging.getLogger("autofuser.compile")
 
 
 class FuseOptions(BaseModel):
@@ -101,6 +102,12 @@ class FuseOptions(BaseModel):
         None,
         description="Quantise weights first: a format name ('mxint8'), or a dict / QuantizeOptions "
         "naming the format and which layers (include, exclude, min_numel).",
+    )
+    fullgraph: bool = Field(
+        False,
+        strict=True,
+        description="Strict capture, as torch.compile's fullgraph=True: raise OpaquePartError, naming the "
+        "part, where a module or function of the model can't be traced and would run as it is.",
     )
     strict_fp32_products: Literal["tf32x3", "ieee"] = Field(
         "tf32x3",
@@ -449,6 +456,8 @@ class FusedModule(torch.nn.Module):
         self._last_key: Any = None
         self._last_report: Optional[FusionReport] = None
         self._warned: set[str] = set()
+        # AUTOFUSER_DISABLE, read once here: every call runs the model itself, nothing compiles.
+        self._disabled = logs.disabled()
         self._watch_state()
         self._forward_signature = inspect.signature(model.forward)
         forward_parameters = self._forward_signature.parameters.values()
@@ -586,6 +595,7 @@ class FusedModule(torch.nn.Module):
         self._plugin_set = _load_plugins_quietly(self._plugins)
         self._compiled, self._last_report, self._last_key = OrderedDict(), None, None
         self._warned = set(state.get("_warned", ()))
+        self._disabled = logs.disabled()  # this process's switch, not the saving one's
         self._watch_state()
         self._forward_signature = inspect.signature(self._model.forward)
 
@@ -664,6 +674,8 @@ class FusedModule(torch.nn.Module):
         return super().__call__(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        if self._disabled:
+            return self._model(*args, **kwargs)
         # The signature of the call before, for a probation (``in_use``) to see calls of other
         # inputs in between; None after a call that ran the original for another reason.
         last_key, self._last_key = self._last_key, None
@@ -786,10 +798,14 @@ class FusedModule(torch.nn.Module):
                 IN_USE_TIMING, settled.spread, settled.blocks, settled.provisional, in_use=True
             )
             write_verdict(filing.root, filing.key, times, records)
+        report.whole = "training step" if filing.what == "training step" else "forward"
+        report.whole_eager_ms, report.whole_fused_ms = settled.original_ms, settled.fused_ms
         if faster:
             if current is not fused:
                 self._compiled[key] = _Compiled((fused, report), filing.runs_model_code)
+            report.runs_original = False
             return fused
+        report.runs_original = True
         self._compiled[key] = _Compiled((None, report), True)
         return None
 
@@ -819,20 +835,29 @@ class FusedModule(torch.nn.Module):
         return tuple(bind_inputs(self._model, args, kwargs, self._forward_signature)[2])
 
     def _progress(self, message: str) -> None:
-        logger.info(message)
-        if self._options.progress:
-            print(f"autofuser: {message}", file=sys.stderr, flush=True)
+        """One line about this model outside a compile (a training step settled in use)."""
+        Progress(self.display_name, self._options.progress).finish(message)
+
+    @property
+    def display_name(self) -> str:
+        """The model's name in progress lines and reports: its class, or what the
+        ``torch.compile`` backend named one of Dynamo's graphs."""
+        return self.__dict__.get("_display_name") or type(self._model).__name__
 
     def _compile(self, args: tuple, kwargs: dict, key: Any):
         start = time.perf_counter()
-        name = type(self._model).__name__
-        self._progress(f"compiling {name} for {_describe_inputs(args)}")
+        name = self.display_name
+        progress = Progress(name, self._options.progress)
+        progress.step("capture", detail=short_inputs(_input_parts(args)))
         with warnings.catch_warnings():
             # Tracing through a module with backward hooks (they do nothing without gradients)
             # makes torch warn that its output is no tensor: it is a proxy.
             warnings.filterwarnings("ignore", "For backward hooks to be called")
             gm = capture(self._model, *args, **kwargs)
         captured_s = time.perf_counter() - start
+        opaque = gm.meta.get("autofuser_opaque", {})
+        if self._options.fullgraph and opaque:
+            raise OpaquePartError(_opaque_message(name, opaque))
         flat = self._flatten(args, kwargs)
         if list(gm.meta.get("autofuser_opaque", {})) == [""]:
             report = FusionReport(
@@ -849,11 +874,11 @@ class FusedModule(torch.nn.Module):
                 # leaf method's module (the root's own) is no part of the graph module, whose
                 # state that run restores: restore the model's too.
                 with torch.no_grad(), preserved_state(self._model):
-                    fused_gm, report = compile_graph(
-                        gm, flat, self._plugin_set, self._options, self._progress, backward=grad
-                    )
+                    fused_gm, report = compile_graph(gm, flat, self._plugin_set, self._options, progress, backward=grad)
             except Exception as err:  # noqa: BLE001 - a fault of ours must not cost the user's call
+                progress.finish("compiling failed; the original model runs (see the warning)")
                 return self._compile_failed(key, args, flat, start, err)
+            progress.step("checking the whole forward")
             report.phases = {"capture": captured_s, **report.phases}
             runner: Union[torch.fx.GraphModule, CudaGraphRunner, None] = fused_gm
             # Graph capture and timing run the forward many times: only for inference
@@ -968,6 +993,7 @@ class FusedModule(torch.nn.Module):
                     records[decision] = make_record(FORWARD_TIMING, found.spread, found.rounds, verdict is None)
                     faster = bool(verdict)
                     forward_unclear = found if verdict is None else None
+                report.whole_eager_ms, report.whole_fused_ms = eager_ms, fused_ms
                 if forward_unclear is not None:
                     report.notes.append(
                         _unclear_note("the fused forward against the original", forward_unclear, FORWARD_MARGIN)
@@ -1008,12 +1034,14 @@ class FusedModule(torch.nn.Module):
         report.quantized = list(self._quantized)
         report.signature = _describe_inputs(args)
         report.device = str(_device_of(flat))
+        report.model = name
+        report.runs_original = entry[0] is None
         report.compile_s = time.perf_counter() - start
         entry = self._compiled[key] = _Compiled(entry, runs_model_code, in_use)
-        self._progress(
-            f"compiled {name} in {report.compile_s:.1f} s: {len(report.fused)} fused group(s), "
-            f"{len(report.skipped)} skipped"
-        )
+        runs = "the original model runs" if report.runs_original else f"{len(report.fused)} fused kernel(s)"
+        if report.fused and not report.runs_original and _device_of(flat).type != "cuda":
+            runs += " (on CPU under Triton's interpreter: each call is slow)"
+        progress.finish(f"compiled in {report.compile_s:.1f} s: {runs}; fused.report() says why")
         return entry
 
     def _check_step(self, timer, fused_gm, args: tuple, kwargs: dict, flat: tuple, report, root):
@@ -1057,6 +1085,7 @@ class FusedModule(torch.nn.Module):
             records["step"] = make_record(STEP_TIMING, found.spread, found.rounds, verdict is None)
             faster, confirmed_in_use, cached = bool(verdict), False, ""
             unclear = found if verdict is None else None
+        report.whole, report.whole_eager_ms, report.whole_fused_ms = "training step", eager_ms, fused_ms
         if (times != known.times or records != known.records) and vkey is not None:
             write_verdict(root, vkey, times, records)
         checkable = vkey is not None and not confirmed_in_use and timer.can_time_in_use(_device_of(flat))
@@ -1092,7 +1121,7 @@ class FusedModule(torch.nn.Module):
     def _compile_failed(self, key: Any, args: tuple, flat: tuple, start: float, err: Exception):
         """Keep a signature whose compile raised as one that runs the original model: one
         warning with the error, and no second attempt on every later call."""
-        name = type(self._model).__name__
+        name = self.display_name
         why = f"{type(err).__name__}: {err}"
         logger.debug("compiling %s failed", name, exc_info=err)
         warnings.warn(
@@ -1108,6 +1137,7 @@ class FusedModule(torch.nn.Module):
         report.quantized = list(self._quantized)
         report.signature = _describe_inputs(args)
         report.device = str(_device_of(flat))
+        report.model, report.runs_original = name, True
         report.compile_s = time.perf_counter() - start
         entry = self._compiled[key] = _Compiled((None, report), True)
         return entry
@@ -1128,6 +1158,11 @@ class FusedModule(torch.nn.Module):
 
     def report(self) -> FusionReport:
         """The report of the most recently used compiled signature."""
+        if self._disabled:
+            return FusionReport(
+                plugins=self._plugin_set.names,
+                notes=["AUTOFUSER_DISABLE is set: nothing was compiled, every call runs the original model"],
+            )
         if self._last_report is None:
             raise AutoFuserError("nothing compiled yet: call the fused model on real inputs first, then .report().")
         return self._last_report
@@ -1476,14 +1511,28 @@ def _verdict_key(
     return {"forward": hashlib.sha256(text.encode()).hexdigest(), **device_key(_device_of(flat))}
 
 
+def _opaque_message(name: str, opaque: dict[str, str]) -> str:
+    """The strict-capture error: each part that stayed opaque, why, and the ways out."""
+    parts = "; ".join(f"{name}.{path}: {why}" if path else f"the whole {name}: {why}" for path, why in opaque.items())
+    return (
+        f"fullgraph=True, but {len(opaque)} part(s) of {name} could not be traced and would run as they are: "
+        f"{parts}. Make that code traceable (no branch on a tensor's values, no hooks on the module), "
+        "or fuse without fullgraph=True to run those parts unfused and fuse the rest."
+    )
+
+
 def _describe_inputs(args: tuple) -> str:
+    return "(" + ", ".join(_input_parts(args)) + ")"
+
+
+def _input_parts(args: tuple) -> list[str]:
     parts = []
     for x in args:
         if isinstance(x, torch.Tensor):
             parts.append(f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
         else:
             parts.append(type(x).__name__)
-    return "(" + ", ".join(parts) + ")"
+    return parts
 
 
 def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **options: Any) -> FusedModule:
@@ -1493,12 +1542,15 @@ def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **opti
     :param plugins: ``None`` for every installed plugin, or a list of plugin
         modules, hook-carrying objects or entry-point names.
     :param options: see ``FuseOptions`` (``cache_dir``, ``max_signatures``,
-        ``tune``, ``tune_budget_s``, ``verify_speed``, ``progress``,
+        ``tune``, ``tune_budget_s``, ``verify_speed``, ``progress``, ``fullgraph``,
         ``cuda_graphs``, ``strict_fp32_products``, ``quantize``), and those
         the loaded plugins register (``autofuser_register_options``; the
         attention plugin's ``reassociate_products``). With ``quantize``, the fused module wraps a quantised
         copy of ``model`` (``fused.model``); ``model`` itself is left unchanged.
-    :raises CaptureError: ``model`` is not a module instance.
+    :raises CaptureError: ``model`` is not a module instance; on the first call, with
+        ``fullgraph=True``, ``OpaquePartError`` where a part of the model can't be traced.
+    :raises AutoFuserError: ``AUTOFUSER_LOG`` or ``AUTOFUSER_DISABLE`` holds a value it can't read.
+    With ``AUTOFUSER_DISABLE=1`` the returned module runs ``model`` itself and compiles nothing.
     :raises AutoFuserError: an unknown option, or an invalid value (the message says which, and its owner).
     :raises PluginError, SpecError: a plugin could not be loaded or is invalid.
     """
@@ -1506,6 +1558,7 @@ def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **opti
         hint = " - it is a class; instantiate it first" if isinstance(model, type) else ""
         raise CaptureError(f"fuse() takes an nn.Module instance, got {type(model).__name__}{hint}.")
     precompile.workers()  # a malformed AUTOFUSER_COMPILE_WORKERS is an error now, not in a compile
+    logs.configure_from_env()
     plugin_set = _load_plugins_quietly(plugins)  # the plugins' own options are known once they are loaded
     parsed = FuseOptions.parse(options, plugin_set.registry.options)
     return FusedModule(model, plugins, parsed, plugin_set)

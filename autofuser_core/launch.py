@@ -41,8 +41,16 @@ class FusedKernel:
         root: torch.nn.Module,
         host_scalars: Sequence[int] = (),
         device: Optional[torch.device] = None,
+        *,
+        strategy: str = "",
+        ops: Sequence[str] = (),
     ):
         self.kernel = kernel
+        # What it runs, for its repr and for people reading ``fused.kernels()``: the
+        # strategy that wrote it, the graph nodes it replaces and their ops.
+        self.strategy = strategy
+        self.nodes = [n.name for n in program.nodes]
+        self.ops = list(ops) or list(program.op_names)
         self.source = source
         self.config = dict(config)
         self.eager = eager  # the group's original ops, as a GraphModule
@@ -81,6 +89,10 @@ class FusedKernel:
         self.backward: Optional[Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], list]] = None
         self.__name__ = source.name
         self.__qualname__ = source.name
+
+    def __repr__(self) -> str:
+        by = f" by {self.strategy}" if self.strategy else ""
+        return f"<FusedKernel {self.source.name}{by}: {' > '.join(self.ops)} (nodes {', '.join(self.nodes)})>"
 
     def matches(self, inputs: Sequence[torch.Tensor]) -> bool:
         """Whether ``inputs`` are what the kernel was made for: shapes, strides and dtypes

@@ -39,7 +39,7 @@ from .ir import LoweringContext, LoweringRefused, Value, tensor_meta
 from .registry import Registry, describe_target
 from .specs import LoweringSpec, SplitRule, StrategySpec, dtype_name
 
-logger = logging.getLogger("autofuser")
+logger = logging.getLogger("autofuser.plan")
 
 _RANDOM_FUNCTIONS = {
     torch.rand,
@@ -253,7 +253,7 @@ class PlanningView:
                         node.name,
                         describe_target(target),
                         "no_lowering",
-                        "no loaded plugin lowers this op; it runs eager",
+                        "no loaded plugin can fuse this op; it runs as in eager PyTorch",
                     )
                 )
                 continue

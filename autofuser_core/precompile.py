@@ -50,7 +50,7 @@ from typing import Any, Optional, Sequence
 
 from .errors import AutoFuserError
 
-logger = logging.getLogger("autofuser")
+logger = logging.getLogger("autofuser.tune")
 
 #: Seconds without any answer from the children, while waiting for them, after which
 #: they are given up on (killed; their configs compile when timed). One config takes

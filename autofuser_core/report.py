@@ -9,13 +9,26 @@ group's kernel source and the timings that were measured.
 
 from __future__ import annotations
 
+import linecache
+import os
 from pathlib import Path
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .quantize import QuantizedLayer
-from .report_html import format_bytes, render_html
+from .report_html import (
+    alternatives,
+    eager_lines,
+    format_bytes,
+    group_origin,
+    group_sentence,
+    render_html,
+    summary_lines,
+)
+
+#: How many alternatives not taken the text report lists by name (the page lists all).
+ALTERNATIVES_LISTED = 8
 
 
 class GroupEntry(BaseModel):
@@ -55,6 +68,12 @@ class GraphNode(BaseModel):
     inputs: list[str] = Field(default_factory=list)
     shape: Optional[list[int]] = None
     dtype: Optional[str] = None
+    # Where it came from: the submodule whose forward made it ("" the model's own), and the
+    # line of the user's code ("model.py:42 in forward: h = self.lin(x)"), where known.
+    module: Optional[str] = None
+    source: Optional[str] = None
+    # Whether its result re-reads an input's memory (a view), so it moves no data.
+    free: bool = False
 
 
 class NodeEntry(BaseModel):
@@ -85,6 +104,15 @@ class FusionReport(BaseModel):
     # tuning included -, rewrite, cuda_graph, forward_check), in order.
     phases: dict[str, float] = Field(default_factory=dict)
     quantized: list[QuantizedLayer] = Field(default_factory=list)
+    # The model's class name (a torch.compile graph: "graph N of <function>").
+    model: str = ""
+    # The whole forward (or, with gradients on, training step: ``whole``) timed as the user
+    # calls it, fused against the original model, where it was timed (on a GPU).
+    whole: Literal["forward", "training step"] = "forward"
+    whole_eager_ms: Optional[float] = None
+    whole_fused_ms: Optional[float] = None
+    # Whether the calls of this signature run the original model (fusing lost, or failed).
+    runs_original: bool = False
 
     def add_phase(self, name: str, seconds: float) -> None:
         self.phases[name] = self.phases.get(name, 0.0) + seconds
@@ -109,69 +137,88 @@ class FusionReport(BaseModel):
         return page
 
     def __str__(self) -> str:
-        lines = [f"AutoFuser report - {self.signature or 'no signature'} on {self.device or '?'}"]
-        lines.append(f"plugins: {', '.join(self.plugins) or 'none'}; compile {self.compile_s:.2f} s")
-        if self.phases:
-            lines.append("compile steps: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.phases.items()))
-        fused = self.fused
-        saved = sum(g.bytes_before - g.bytes_after for g in fused)
-        lines.append(
-            f"{len(fused)} fused group(s), {len(self.skipped)} skipped; predicted traffic saved {format_bytes(saved)}"
+        """The report in the order a user reads it: a summary (what was fused, the measured
+        result, where the time goes), the fused groups, what stayed eager and why, then the
+        alternatives the planner weighed and did not take."""
+        what = self.model or "the model"
+        lines = [f"AutoFuser report: {what}, inputs {self.signature or '?'} on {self.device or '?'}"]
+        lines += [f"  {line}" for line in summary_lines(self)]
+        order = {node.name: i for i, node in enumerate(self.graph)}
+        fused = sorted(
+            ((k, g) for k, g in enumerate(self.groups) if g.fused),
+            key=lambda kg: (kg[1].phase != "forward", min((order.get(n, 0) for n in kg[1].nodes), default=0)),
         )
-        if self.groups:
-            lines.append("")
-            lines.append(f"{'':2}{'strategy':<20}{'ops':<44}{'bytes before->after':<24}{'eager/fused ms':<18}reason")
-            for g in self.groups:
-                mark = "+" if g.fused else "-"
-                ops = " > ".join(g.ops)
-                if len(ops) > 42:
-                    ops = ops[:39] + "..."
-                times = (
-                    f"{g.time_eager_ms:.3f}/{g.time_fused_ms:.3f}"
-                    if g.time_eager_ms is not None and g.time_fused_ms is not None
-                    else "-"
-                )
-                if g.timed == "forward+backward" and times != "-":
-                    times += " f+b"
-                traffic = f"{format_bytes(g.bytes_before)} -> {format_bytes(g.bytes_after)}"
-                strategy = g.strategy if g.phase == "forward" else f"{g.strategy} (bwd)"
-                why = g.reason_code + (f": {g.reason}" if g.reason else "")
-                if g.cache_hit:
-                    why += " (cache hit)"
-                lines.append(f"{mark:2}{strategy:<20}{ops:<44}{traffic:<24}{times:<18}{why}")
-        if self.unfused_nodes:
-            lines.append("")
-            lines.append("left eager:")
-            by_reason: dict[tuple[str, str, str], int] = {}
-            for n in self.unfused_nodes:
-                key = (n.target, n.reason_code, n.reason)
-                by_reason[key] = by_reason.get(key, 0) + 1
-            for (target, code, reason), count in by_reason.items():
-                times = f" x{count}" if count > 1 else ""
-                lines.append(f"  {target}{times}: {code}: {reason}")
-        if self.opaque:
-            lines.append("")
-            lines.append("opaque parts (could not be traced, run as they are):")
+        if fused:
+            lines += ["", f"Fused ({len(fused)} kernel{'s' if len(fused) != 1 else ''}):"]
+            for k, g in fused:
+                lines += _group_lines(self, k, g)
+        others = set(alternatives(self))
+        refused = [(k, g) for k, g in enumerate(self.groups) if not g.fused and k not in others]
+        eager = eager_lines(self)
+        if refused or eager or self.opaque:
+            lines += ["", "Stayed eager:"]
+            for k, g in refused:
+                lines += _group_lines(self, k, g)
+            lines += [f"  {line}" for line in eager]
             for path, reason in self.opaque.items():
-                lines.append(f"  {path or '<whole model>'}: {reason}")
+                lines.append(f"  {path or '<whole model>'}: could not be traced, runs as it is: {reason}")
+        if others:
+            codes = sorted({self.groups[k].reason_code for k in others})
+            lines += [
+                "",
+                f"Alternatives not taken: {len(others)} other grouping(s) of ops, each losing to a group above "
+                f"({', '.join(codes)}):",
+            ]
+            for k in sorted(others)[:ALTERNATIVES_LISTED]:
+                g = self.groups[k]
+                lines.append(f"  #{k} {_strategy(g)}: {' > '.join(g.ops)}: {g.reason or g.reason_code}")
+            if len(others) > ALTERNATIVES_LISTED:
+                lines.append(f"  ... and {len(others) - ALTERNATIVES_LISTED} more (report.skipped lists them all)")
         if self.quantized:
             before = sum(q.bytes_before for q in self.quantized)
             after = sum(q.bytes_after for q in self.quantized)
             lines.append("")
             lines.append(
-                f"quantised weights: {len(self.quantized)} layer(s), {format_bytes(before)} -> {format_bytes(after)}"
+                f"Quantised weights: {len(self.quantized)} layer(s), {format_bytes(before)} -> {format_bytes(after)}"
             )
             for q in self.quantized:
                 lines.append(
                     f"  {q.name} {q.shape}: {q.format}, {format_bytes(q.bytes_before)} -> {format_bytes(q.bytes_after)}"
                 )
-        for note in self.notes:
-            lines.append(f"note: {note}")
+        if self.notes:
+            lines += ["", "Notes:"] + [f"  {note}" for note in self.notes]
+        lines.append("")
+        lines.append(f"plugins: {', '.join(self.plugins) or 'none'}")
         return "\n".join(lines)
+
+
+def _strategy(group: GroupEntry) -> str:
+    return group.strategy if group.phase == "forward" else f"{group.strategy} (backward)"
+
+
+def _group_lines(report: FusionReport, k: int, g: GroupEntry) -> list[str]:
+    """One group: its number, strategy and ops in full; what it does or why it stayed
+    eager; where in the user's code it came from; traffic and times."""
+    lines = [f"  #{k} {_strategy(g)}: {' > '.join(g.ops)}  (nodes {', '.join(g.nodes)})"]
+    lines.append(f"      {group_sentence(g)}")
+    for place in group_origin(report, g)[:3]:
+        lines.append(f"      from {place}")
+    facts = []
+    if g.fused:
+        facts.append(f"memory traffic {format_bytes(g.bytes_before)} -> {format_bytes(g.bytes_after)} (predicted)")
+    if g.time_eager_ms is not None and g.time_fused_ms is not None:
+        both = " forward and backward (f+b)" if g.timed == "forward+backward" else ""
+        facts.append(f"{g.time_fused_ms:.3f} ms fused vs {g.time_eager_ms:.3f} ms eager{both}")
+    if g.kernel:
+        facts.append(f"kernel {g.kernel}" + (" (tuned config from the cache)" if g.cache_hit else ""))
+    if facts:
+        lines.append(f"      {'; '.join(facts)}")
+    return lines
 
 
 def describe_graph(gm) -> list[GraphNode]:
     """The nodes of an fx ``GraphModule`` as report data."""
+    from .capture import FREE_KEY, SOURCE_KEY
     from .registry import describe_target
 
     nodes = []
@@ -184,6 +231,18 @@ def describe_graph(gm) -> list[GraphNode]:
             target = str(node.target)
         meta = node.meta.get("tensor_meta")
         shape = list(meta.shape) if hasattr(meta, "shape") else None
+        stack = node.meta.get("nn_module_stack")
+        module = None
+        if isinstance(stack, dict) and stack:
+            module = next(reversed(stack.values()))[0]
+        elif node.op.startswith("call_"):
+            module = ""  # made by the model's own forward
+        source = None
+        where = node.meta.get(SOURCE_KEY)
+        if where is not None:
+            file, line, function = where
+            code = linecache.getline(file, line).strip()
+            source = f"{os.path.basename(file)}:{line} in {function}" + (f": {code}" if code else "")
         dtype = str(meta.dtype).removeprefix("torch.") if hasattr(meta, "dtype") else None
         nodes.append(
             GraphNode(
@@ -193,6 +252,9 @@ def describe_graph(gm) -> list[GraphNode]:
                 inputs=[n.name for n in node.all_input_nodes],
                 shape=shape,
                 dtype=dtype,
+                module=module,
+                source=source,
+                free=bool(node.meta.get(FREE_KEY, False)),
             )
         )
     return nodes

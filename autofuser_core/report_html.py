@@ -3,14 +3,16 @@
 No external assets, no script: inline CSS and an inline SVG drawing of the
 graph, so the file can be mailed, attached to an issue or opened offline.
 
-Sections: a summary; the graph, laid out in layers (each node one layer below
-its deepest input) and coloured by the fused group it belongs to (grey: left
-eager); every fusion group with its fate, reason, traffic and the timings that
-were measured; the nodes left eager and why; opaque parts; the generated
-kernel source of every group that got one.
+Sections, in the order a user reads them: the measured result and a summary;
+the graph, laid out in layers (``layout``) with each fused group a cluster of its
+nodes in the group's colour (grey: run as in eager, dashed: free views); the
+fused groups with what each does, the line of the user's code it came from,
+traffic and timings; what stayed eager and why, opaque parts included; the
+alternatives the planner did not take; the generated kernel sources, collapsed.
 
-report.py imports this module (``to_html`` calls ``render_html``, and its text
-table writes sizes with ``format_bytes``); this module never imports report.py
+The wording both renderings share (the summary, what stayed eager, readable op
+names) lives here too. report.py imports this module (``to_html`` calls
+``render_html``, its text uses the shared wording); this module never imports report.py
 when it runs: it only reads the report it is given, and names its type for the
 type checker alone.
 """
@@ -18,6 +20,8 @@ type checker alone.
 from __future__ import annotations
 
 import html
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # annotations only: at run time report.py imports this module, not the reverse
@@ -46,6 +50,7 @@ EAGER_FILL = "#e8e8e8"
 IO_FILL = "#ffffff"
 
 NODE_W, NODE_H, GAP_X, GAP_Y, MARGIN = 176, 34, 16, 30, 12
+CLUSTER_HEAD, CLUSTER_PAD, INNER_GAP_Y, DUMMY_W = 24, 10, 14, 8  # a cluster's title row and padding
 
 CSS = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }
@@ -60,6 +65,10 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .graph text { font: 11px monospace; pointer-events: none; }
 pre { background: #f7f7f7; border: 1px solid #ddd; padding: 8px; overflow: auto; font-size: 12px; }
 code { font-size: 12px; }
+td.what { min-width: 260px; max-width: 420px; }
+.summary { background: #eef6ee; border: 1px solid #9c9; padding: 4px 14px; }
+.headline { font-size: 18px; font-weight: 600; }
+details { margin: 6px 0; } summary { cursor: pointer; }
 """
 
 
@@ -78,131 +87,501 @@ def format_bytes(n: float) -> str:
     return f"{sign}{n} B"
 
 
+# -- wording shared by the text report and the page ------------------------------
+
+#: Internal homes of public torch functions -> the names users write.
+_PUBLIC_NAMES = (
+    ("torch._VariableFunctionsClass.", "torch."),
+    ("torch._C._VariableFunctions.", "torch."),
+    ("torch._C._nn.", "torch.nn.functional."),
+    ("torch._C._fft.", "torch.fft."),
+    ("torch._C._linalg.", "torch.linalg."),
+    ("torch._C._special.", "torch.special."),
+    ("torch._C.TensorBase.", "Tensor."),
+    ("torch._tensor.Tensor.", "Tensor."),
+    ("_operator.", "operator."),
+    ("builtins.", ""),
+)
+
+#: Reason codes of candidates that lost to another grouping of the same ops, not to eager.
+ALTERNATIVE_CODES = frozenset({"overlap", "split_faster", "larger_group_faster"})
+
+
+def readable_target(target: str) -> str:
+    """An op as a user writes it: ``torch.view_as_real``, not where torch keeps it."""
+    for internal, public in _PUBLIC_NAMES:
+        if target.startswith(internal):
+            return public + target[len(internal) :]
+    return target
+
+
+def free_nodes(report: "FusionReport") -> set[str]:
+    """Names of the nodes whose result re-reads an input's memory (views): they move no data."""
+    return {node.name for node in report.graph if node.free}
+
+
+def alternatives(report: "FusionReport") -> list[int]:
+    """Indices of skipped candidates that were other ways of grouping ops that are fused
+    anyway (or that lost to another grouping): not a reason anything stayed eager."""
+    covered = {name for g in report.groups if g.fused for name in g.nodes}
+    return [
+        k
+        for k, g in enumerate(report.groups)
+        if not g.fused and (g.reason_code in ALTERNATIVE_CODES or set(g.nodes) <= covered)
+    ]
+
+
+def group_sentence(group) -> str:
+    """What a group does, in words: the strategy's own summary where it gave one."""
+    if group.reason and group.reason_code == "fused":
+        return group.reason
+    if not group.fused:
+        return f"{group.reason_code}: {group.reason}"
+    n = len(group.nodes)
+    if n == 1:
+        return "one op as a generated kernel"
+    return f"{n} ops in one kernel: the values between them stay on chip, never written to memory"
+
+
+def group_origin(report: "FusionReport", group) -> list[str]:
+    """Where in the user's code a group's ops came from: each distinct source line (or,
+    where none was recorded, submodule), in graph order."""
+    by_name = {node.name: node for node in report.graph}
+    places: list[str] = []
+    for name in group.nodes:
+        node = by_name.get(name)
+        if node is None:
+            continue
+        place = node.source or (f"module {node.module}" if node.module else None)
+        if place and place not in places:
+            places.append(place)
+    return places
+
+
+def _speedup(eager_ms: float, fused_ms: float) -> str:
+    return f"{eager_ms / fused_ms:.2f}x" if fused_ms > 0 else "-"
+
+
+def summary_lines(report: "FusionReport") -> list[str]:
+    """The few sentences a user reads first: what was fused, the measured result, where
+    the time goes, what the compile cost."""
+    fused = [g for g in report.fused if g.phase == "forward"]
+    backward = len(report.fused) - len(fused)
+    free = free_nodes(report)
+    covered = {name for g in fused for name in g.nodes}
+    calls = [n.name for n in report.graph if n.op.startswith("call_")] or [n.node for n in report.unfused_nodes]
+    in_groups = len(covered)
+    views = sum(1 for name in calls if name in free and name not in covered)
+    costly = sum(1 for name in calls if name not in free and name not in covered)
+    lines = [
+        f"{len(fused)} fused kernel{'s run' if len(fused) != 1 else ' runs'} "
+        f"{in_groups} op{'s' if in_groups != 1 else ''}; "
+        f"{costly} op{'s run' if costly != 1 else ' runs'} as in eager"
+        + (f", {views} more {'are free views' if views > 1 else 'is a free view'} (no data moved)" if views else "")
+        + (f"; {len(report.opaque)} part(s) could not be traced" if report.opaque else "")
+        + (f"; in backward, {backward} more fused kernel{'s' if backward != 1 else ''}" if backward else "")
+        + "."
+    ]
+    what = report.whole
+    if report.whole_eager_ms is not None and report.whole_fused_ms is not None:
+        eager_ms, fused_ms = report.whole_eager_ms, report.whole_fused_ms
+        verdict = (
+            "not clearly faster: the original model runs"
+            if report.runs_original
+            else f"{_speedup(eager_ms, fused_ms)} eager's speed"
+        )
+        lines.append(f"Measured {what}: {fused_ms:.3f} ms fused vs {eager_ms:.3f} ms eager, {verdict}.")
+    elif report.runs_original:
+        lines.append(f"The original model runs for these inputs (see the notes); no {what} time was measured.")
+    else:
+        lines.append(
+            f"The {what} was not timed"
+            + (" (no GPU: kernels ran under Triton's CPU interpreter)" if "cuda" not in report.device else "")
+            + "."
+        )
+    timed = [(k, g) for k, g in enumerate(report.groups) if g.fused and g.time_fused_ms is not None]
+    if timed:
+        total = sum(g.time_fused_ms or 0.0 for _, g in timed)
+        top = sorted(timed, key=lambda kg: -(kg[1].time_fused_ms or 0.0))[:3]
+        where = ", ".join(
+            f"#{k} {g.strategy} {g.time_fused_ms:.3f} ms ({100 * (g.time_fused_ms or 0.0) / total:.0f}%)"
+            for k, g in top
+        )
+        rest = ""
+        if report.whole_fused_ms is not None and report.whole_fused_ms > total:
+            rest = f"; outside the fused kernels (eager ops, launches) {report.whole_fused_ms - total:.3f} ms"
+        lines.append(f"Where the time goes: fused kernels {total:.3f} ms, most in {where}{rest}.")
+    elif fused:
+        before = sum(g.bytes_before for g in fused)
+        after = sum(g.bytes_after for g in fused)
+        top = sorted(((k, g) for k, g in enumerate(report.groups) if g.fused), key=lambda kg: -kg[1].bytes_after)[:3]
+        where = ", ".join(f"#{k} {g.strategy} {format_bytes(g.bytes_after)}" for k, g in top)
+        lines.append(
+            f"Memory traffic of the fused ops (predicted, not timed): {format_bytes(before)} -> "
+            f"{format_bytes(after)}; the most in {where}."
+        )
+    if report.compile_s:
+        steps = sorted(report.phases.items(), key=lambda kv: -kv[1])[:3]
+        lines.append(
+            f"Compiling took {report.compile_s:.2f} s"
+            + (": " + ", ".join(f"{name} {s:.2f} s" for name, s in steps) if steps else "")
+            + "."
+        )
+    return lines
+
+
+def eager_lines(report: "FusionReport") -> list[str]:
+    """What stayed eager and why, one line per kind: free views together, then each op and
+    reason with its count (a line of the user's code where all its nodes share one)."""
+    free = free_nodes(report)
+    views: dict[str, int] = {}
+    by_reason: dict[tuple[str, str, str], list[str]] = {}
+    for n in report.unfused_nodes:
+        target = readable_target(n.target)
+        if n.phase == "forward" and n.node in free:  # views are known in the graph drawn: the forward
+            views[target] = views.get(target, 0) + 1
+            continue
+        if n.phase == "backward":
+            target = f"in backward, {target}"
+        by_reason.setdefault((target, n.reason_code, n.reason), []).append(n.node)
+    lines = []
+    if views:
+        listed = ", ".join(f"{t} x{c}" if c > 1 else t for t, c in views.items())
+        lines.append(f"free views, no data moved (they need no kernel): {listed}")
+    for (target, code, reason), nodes in by_reason.items():
+        count = f" x{len(nodes)}" if len(nodes) > 1 else ""
+        lines.append(f"{target}{count}: {reason} [{code}]")
+    return lines
+
+
 def _ms(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
 def _group_colours(report: "FusionReport") -> dict[int, str]:
-    """Group index -> fill colour, for fused groups."""
+    """Group index -> fill colour, for the fused groups of the forward graph (the one drawn)."""
     colours: dict[int, str] = {}
     for k, group in enumerate(report.groups):
-        if group.fused:
+        if group.fused and group.phase == "forward":
             colours[k] = PALETTE[len(colours) % len(PALETTE)]
     return colours
 
 
-def _layers(report: "FusionReport") -> dict[str, int]:
-    """Each node's layer: one below its deepest input (the graph is in topological order)."""
+@dataclass
+class _Box:
+    """One box of the layered layout: a node, a fused group drawn as a cluster of its
+    nodes, or a bend point of an edge that spans layers (``dummy``)."""
+
+    key: str
+    width: float
+    height: float
+    layer: int = 0
+    x: float = 0.0
+    y: float = 0.0
+    dummy: bool = False
+    inner: dict[str, tuple[float, float]] = field(default_factory=dict)  # a cluster's nodes: offsets
+
+
+def _inner_layout(
+    names: list[str], inputs: dict[str, list[str]]
+) -> tuple[dict[str, tuple[float, float]], float, float]:
+    """A cluster's own nodes in layers (each one below its deepest input inside the group):
+    offsets from the cluster's corner, and the cluster's size."""
     depth: dict[str, int] = {}
+    for name in names:  # graph order is topological
+        depth[name] = 1 + max((depth[i] for i in inputs[name] if i in depth), default=-1)
+    rows: dict[int, list[str]] = defaultdict(list)
+    for name in names:
+        rows[depth[name]].append(name)
+    columns = max(len(r) for r in rows.values())
+    width = columns * NODE_W + (columns - 1) * GAP_X + 2 * CLUSTER_PAD
+    offsets: dict[str, tuple[float, float]] = {}
+    for layer, row in rows.items():
+        left = (width - (len(row) * NODE_W + (len(row) - 1) * GAP_X)) / 2
+        for column, name in enumerate(row):
+            offsets[name] = (left + column * (NODE_W + GAP_X), CLUSTER_HEAD + layer * (NODE_H + INNER_GAP_Y))
+    height = CLUSTER_HEAD + len(rows) * (NODE_H + INNER_GAP_Y) - INNER_GAP_Y + CLUSTER_PAD
+    return offsets, float(width), float(height)
+
+
+def layout(report: "FusionReport") -> tuple[dict[str, _Box], list[list[str]], dict[str, str]]:
+    """A layered drawing of the graph (Sugiyama's steps, kept small): each fused group
+    contracted to one cluster box; boxes put in layers by longest path; an edge spanning
+    layers bent through a dummy box in each layer between, so it runs between boxes,
+    never through one; the order within a layer by barycentre sweeps (fewer crossings);
+    each box then placed under the middle of its inputs where there is room.
+
+    Returns the boxes by key, each edge as the keys of the boxes it passes, and the
+    cluster key of every node drawn inside a cluster."""
+    colours = _group_colours(report)
+    in_graph = {node.name for node in report.graph}
+    box_of: dict[str, str] = {}
+    members: dict[str, list[str]] = defaultdict(list)
+    for k in colours:
+        if all(name in in_graph for name in report.groups[k].nodes):
+            for name in report.groups[k].nodes:
+                box_of[name] = f"group-{k}"
+    inputs = {node.name: [i for i in node.inputs if i in in_graph] for node in report.graph}
+    order: list[str] = []
+    position: dict[str, int] = {}
     for node in report.graph:
-        depth[node.name] = 1 + max((depth[i] for i in node.inputs if i in depth), default=-1)
-    return depth
+        key = box_of.get(node.name, node.name)
+        members[key].append(node.name)
+        if key not in position:
+            position[key] = len(order)
+            order.append(key)
+    boxes: dict[str, _Box] = {}
+    for key in order:
+        if key.startswith("group-") and key not in in_graph:
+            offsets, width, height = _inner_layout(members[key], inputs)
+            boxes[key] = _Box(key, width, height, inner=offsets)
+        else:
+            boxes[key] = _Box(key, NODE_W, NODE_H)
+    edges: set[tuple[str, str]] = set()
+    for node in report.graph:
+        for source in inputs[node.name]:
+            a, b = box_of.get(source, source), box_of.get(node.name, node.name)
+            if a != b:
+                edges.add((a, b))
+    # The contracted graph is acyclic (the planner keeps no group that makes a cycle), so
+    # the order of first appearance lets each box come after all of its inputs once
+    # settled by longest path: relax in rounds until nothing moves.
+    preds: dict[str, list[str]] = defaultdict(list)
+    for a, b in sorted(edges, key=lambda e: (position[e[0]], position[e[1]])):
+        preds[b].append(a)
+    for _ in range(len(order)):
+        moved = False
+        for key in order:
+            layer = 1 + max((boxes[p].layer for p in preds[key]), default=-1)
+            if layer != boxes[key].layer:
+                boxes[key].layer, moved = layer, True
+        if not moved:
+            break
+    paths: list[list[str]] = []
+    for a, b in sorted(edges, key=lambda e: (position[e[0]], position[e[1]])):
+        path = [a]
+        for layer in range(boxes[a].layer + 1, boxes[b].layer):
+            dummy = f"~{a}>{b}@{layer}"
+            boxes[dummy] = _Box(dummy, DUMMY_W, NODE_H, layer=layer, dummy=True)
+            path.append(dummy)
+        paths.append(path + [b])
+    up: dict[str, list[str]] = defaultdict(list)
+    down: dict[str, list[str]] = defaultdict(list)
+    for path in paths:
+        for a, b in zip(path, path[1:]):
+            up[b].append(a)
+            down[a].append(b)
+    layers: dict[int, list[str]] = defaultdict(list)
+    for key, box in boxes.items():
+        layers[box.layer].append(key)
+    rank = {key: i for i, key in enumerate(boxes)}
+    for sweep in range(4):
+        neighbours = up if sweep % 2 == 0 else down
+        for layer in sorted(layers, reverse=sweep % 2 == 1):
+            row = layers[layer]
+            centre: dict[str, float] = {}
+            for key in row:
+                near = [rank[n] for n in neighbours[key]]
+                centre[key] = sum(near) / len(near) if near else rank[key]
+            row.sort(key=lambda key: centre[key])
+            for i, key in enumerate(row):
+                rank[key] = i
+    top: float = MARGIN
+    for layer in sorted(layers):
+        row = layers[layer]
+        # Each box under the middle of what feeds it, then pushed right just enough to keep
+        # its neighbours' gap.
+        right: float = MARGIN - GAP_X
+        for key in row:
+            box = boxes[key]
+            feeding = [boxes[n].x + boxes[n].width / 2 for n in up[key]]
+            wanted = (sum(feeding) / len(feeding) - box.width / 2) if feeding else MARGIN
+            box.x = max(wanted, right + GAP_X)
+            right = box.x + box.width
+        box_height = max(boxes[key].height for key in row)
+        for key in row:
+            boxes[key].y = top + (box_height - boxes[key].height) / 2 if boxes[key].dummy else top
+        top += box_height + GAP_Y
+    shift = MARGIN - min((box.x for box in boxes.values()), default=MARGIN)
+    for box in boxes.values():
+        box.x += shift
+    return boxes, paths, box_of
 
 
 def render_svg(report: "FusionReport") -> str:
-    """The graph as an inline SVG: boxes in layers, edges as lines, fill by group."""
+    """The graph as an inline SVG: fused groups as clusters of their nodes, filled in the
+    group's colour; nodes left eager grey; inputs, parameters and the output white."""
     colours = _group_colours(report)
-    group_of: dict[str, int] = {}
-    for index, group in enumerate(report.groups):
-        if group.fused:
-            for name in group.nodes:
-                group_of[name] = index
-    depth = _layers(report)
-    rows: dict[int, list[str]] = {}
-    for node in report.graph:
-        rows.setdefault(depth[node.name], []).append(node.name)
-    position = {}
-    for layer, names in rows.items():
-        for column, name in enumerate(names):
-            position[name] = (MARGIN + column * (NODE_W + GAP_X), MARGIN + layer * (NODE_H + GAP_Y))
-    width = MARGIN * 2 + max((len(n) for n in rows.values()), default=1) * (NODE_W + GAP_X)
-    height = MARGIN * 2 + max(len(rows), 1) * (NODE_H + GAP_Y)
+    boxes, paths, box_of = layout(report)
+    width = MARGIN + max((b.x + b.width for b in boxes.values()), default=0)
+    height = MARGIN + max((b.y + b.height for b in boxes.values()), default=0)
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" role="img" aria-label="the graph, coloured by fusion group">',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}" role="img" aria-label="the graph, fused groups as clusters">',
         '<defs><marker id="arrow" viewBox="0 0 8 8" refX="8" refY="4" markerWidth="6" markerHeight="6" '
         'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#777"/></marker></defs>',
     ]
+    by_name = {node.name: node for node in report.graph}
+    for key, box in boxes.items():
+        if key.startswith("group-") and box.inner:
+            index = int(key.removeprefix("group-"))
+            group = report.groups[index]
+            parts.append(
+                f'<g class="cluster" id="cluster-{index}"><title>group #{index}: {_e(group.strategy)}, '
+                f"{_e(' > '.join(group.ops))}</title>"
+                f'<rect x="{box.x:.1f}" y="{box.y:.1f}" width="{box.width:.1f}" height="{box.height:.1f}" rx="8" '
+                f'fill="{colours[index]}" fill-opacity="0.25" stroke="{colours[index]}" stroke-width="2"/>'
+                f'<text x="{box.x + 8:.1f}" y="{box.y + 15:.1f}" font-weight="bold">'
+                f"#{index} {_e(group.strategy)}</text>"
+                "</g>"
+            )
+    for path in paths:
+        points = []
+        for i, key in enumerate(path):
+            box = boxes[key]
+            centre = box.x + box.width / 2
+            if box.dummy:
+                points += [(centre, box.y), (centre, box.y + box.height)]
+            elif i == 0:
+                points.append((centre, box.y + box.height))
+            else:
+                points.append((centre, box.y))
+        d = f"M{points[0][0]:.1f},{points[0][1]:.1f}"
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            middle = (y0 + y1) / 2
+            d += f" C{x0:.1f},{middle:.1f} {x1:.1f},{middle:.1f} {x1:.1f},{y1:.1f}"
+        parts.append(f'<path class="edge" d="{d}" fill="none" stroke="#999" marker-end="url(#arrow)"/>')
+    for key, box in boxes.items():
+        if not box.inner:
+            continue
+        inside = set(box.inner)
+        for name in box.inner:
+            x1, y1 = box.x + box.inner[name][0] + NODE_W / 2, box.y + box.inner[name][1]
+            for source in by_name[name].inputs:
+                if source in inside:
+                    x0 = box.x + box.inner[source][0] + NODE_W / 2
+                    y0 = box.y + box.inner[source][1] + NODE_H
+                    parts.append(
+                        f'<line x1="{x0:.1f}" y1="{y0:.1f}" x2="{x1:.1f}" y2="{y1:.1f}" stroke="#555" '
+                        'marker-end="url(#arrow)"/>'
+                    )
     for node in report.graph:
-        x, y = position[node.name]
-        for source in node.inputs:
-            if source in position:
-                sx, sy = position[source]
-                parts.append(
-                    f'<line x1="{sx + NODE_W / 2}" y1="{sy + NODE_H}" x2="{x + NODE_W / 2}" y2="{y}" '
-                    'stroke="#999" stroke-width="1" marker-end="url(#arrow)"/>'
-                )
-    for node in report.graph:
-        x, y = position[node.name]
-        k = group_of.get(node.name)
+        cluster = box_of.get(node.name)
+        k: Optional[int] = None
+        if cluster is not None:
+            box = boxes[cluster]
+            x, y = box.x + box.inner[node.name][0], box.y + box.inner[node.name][1]
+            k = int(cluster.removeprefix("group-"))
+        else:
+            x, y = boxes[node.name].x, boxes[node.name].y
         if k is not None:
             fill, group_class = colours[k], f"node group-{k}"
         else:
             fill = IO_FILL if node.op in ("placeholder", "output", "get_attr") else EAGER_FILL
-            group_class = "node eager"
+            group_class = "node free" if node.free else "node eager"
         shape = f" {node.dtype}{node.shape}" if node.shape is not None else ""
         where = f"group #{k} ({report.groups[k].strategy})" if k is not None else "not in a fused group"
-        label = node.target.rsplit(".", 1)[-1] if node.op != "call_module" else node.target.split(" ")[0]
-        if k is not None:
-            label = f"#{k} {label}"
+        if k is None and node.free:
+            where = "a free view (no data moved)"
+        origin = f"; {node.source}" if node.source else (f"; module {node.module}" if node.module else "")
+        target = readable_target(node.target)
+        if node.op == "call_module" or " " in target:
+            label = target.split(" ")[0]  # "norm1 (LayerNorm)"
+        else:
+            label = target.rsplit(".", 1)[-1]
+        dash = ' stroke-dasharray="4 3"' if k is None and node.free else ""
         parts.append(
             f'<g class="{group_class}" data-node="{_e(node.name)}"><title>{_e(node.name)} = {_e(node.op)} '
-            f"{_e(node.target)}{_e(shape)}; {_e(where)}</title>"
-            f'<rect x="{x}" y="{y}" width="{NODE_W}" height="{NODE_H}" rx="5" fill="{fill}" '
-            f'stroke="{"#333" if k is not None else "#999"}"/>'
-            f'<text x="{x + 6}" y="{y + 14}">{_e(node.name[:24])}</text>'
-            f'<text x="{x + 6}" y="{y + 27}" fill="#555">{_e(label[:26])}</text></g>'
+            f"{_e(target)}{_e(shape)}; {_e(where)}{_e(origin)}</title>"
+            f'<rect x="{x:.1f}" y="{y:.1f}" width="{NODE_W}" height="{NODE_H}" rx="5" fill="{fill}" '
+            f'stroke="{"#333" if k is not None else "#999"}"{dash}/>'
+            f'<text x="{x + 6:.1f}" y="{y + 14:.1f}">{_e(node.name[:24])}</text>'
+            f'<text x="{x + 6:.1f}" y="{y + 27:.1f}" fill="#555">{_e(label[:26])}</text></g>'
         )
     parts.append("</svg>")
     return "".join(parts)
 
 
-def _group_rows(report: "FusionReport", colours: dict[int, str]) -> list[str]:
+def _origin_html(report: "FusionReport", group) -> str:
+    places = group_origin(report, group)
+    if not places:
+        return "-"
+    return "<br>".join(f"<code>{_e(place)}</code>" for place in places)
+
+
+def _timing(g) -> str:
+    if g.time_eager_ms is None and g.time_fused_ms is None:
+        return "not measured"
+    timing = f"{_ms(g.time_eager_ms)} / {_ms(g.time_fused_ms)}"
+    if g.timed == "forward+backward":
+        timing += "<br><small>forward + backward</small>"
+    return timing
+
+
+def _fused_rows(report: "FusionReport", colours: dict[int, str]) -> list[str]:
     rows = []
     for k, g in enumerate(report.groups):
+        if not g.fused:
+            continue
         swatch = f'<span class="swatch" style="background:{colours[k]}"></span> ' if k in colours else ""
-        fate = '<span class="fused">fused</span>' if g.fused else '<span class="skipped">skipped</span>'
-        reason = _e(g.reason_code) + (f": {_e(g.reason)}" if g.reason else "")
-        timing = (
-            f"{_ms(g.time_eager_ms)} / {_ms(g.time_fused_ms)}"
-            if g.time_eager_ms is not None or g.time_fused_ms is not None
-            else "not measured"
-        )
-        if g.timed == "forward+backward" and timing != "not measured":
-            timing += "<br><small>forward + backward</small>"
         strategy = _e(g.strategy) + ("" if g.phase == "forward" else "<br><small>backward</small>")
         kernel = f'<a href="#kernel-{k}"><code>{_e(g.kernel)}</code></a>' if g.kernel_source else _e(g.kernel or "-")
         error = "-" if g.max_error is None else f"{g.max_error:.3g}"
         rows.append(
-            f'<tr id="group-{k}"><td>{swatch}#{k}</td><td>{strategy}</td><td>{fate}</td><td>{reason}</td>'
+            f'<tr id="group-{k}"><td>{swatch}#{k}</td><td>{strategy}</td>'
+            f'<td class="what"><span class="fused">{_e(g.reason_code)}</span>: {_e(group_sentence(g))}</td>'
             f"<td>{_e(' > '.join(g.ops))}<br><small>{_e(', '.join(g.nodes))}</small></td>"
+            f"<td>{_origin_html(report, g)}</td>"
             f'<td class="num">{format_bytes(g.bytes_before)} -> {format_bytes(g.bytes_after)}</td>'
-            f'<td class="num">{timing}</td><td class="num">{error}</td><td>{kernel}'
+            f'<td class="num">{_timing(g)}</td><td class="num">{error}</td><td>{kernel}'
             f"{' (cache hit)' if g.cache_hit else ''}</td></tr>"
         )
     return rows
 
 
+def _headline(report: "FusionReport") -> str:
+    """The measured result, in one line, or why there is none."""
+    what = report.whole
+    if report.whole_eager_ms is not None and report.whole_fused_ms is not None:
+        eager_ms, fused_ms = report.whole_eager_ms, report.whole_fused_ms
+        timed = f"{fused_ms:.3f} ms fused vs {eager_ms:.3f} ms eager per {what}"
+        if report.runs_original:
+            return f"The original model runs: not clearly faster fused ({timed})"
+        return f"{_speedup(eager_ms, fused_ms)} eager's speed: {timed}"
+    if report.runs_original:
+        return "The original model runs for these inputs"
+    return f"{len(report.fused)} fused kernel(s); {what} not timed" + (
+        " (no GPU: kernels ran under Triton's CPU interpreter)" if "cuda" not in report.device else ""
+    )
+
+
 def render_html(report: "FusionReport", title: str = "") -> str:
     """The page of ``report`` (``FusionReport.to_html``), headed ``title`` (default:
-    "AutoFuser report")."""
+    "AutoFuser report"): the measured result and a summary first, the graph, the fused
+    groups, what stayed eager and why, the alternatives not taken, the kernel sources
+    (collapsed)."""
     colours = _group_colours(report)
-    fused, skipped = report.fused, report.skipped
-    saved = sum(g.bytes_before - g.bytes_after for g in fused)
+    skipped = report.skipped
+    others = alternatives(report)
+    refused = [(k, g) for k, g in enumerate(report.groups) if not g.fused and k not in others]
     heading = title or "AutoFuser report"
     out = [
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_e(heading)}</title>',
         f"<style>{CSS}</style></head><body>",
         f"<h1>{_e(heading)}</h1>",
+        f'<div id="summary" class="summary"><p class="headline">{_e(_headline(report))}</p><ul>'
+        + "".join(f"<li>{_e(line)}</li>" for line in summary_lines(report))
+        + "</ul></div>",
         "<table>",
+        f"<tr><th>model</th><td>{_e(report.model or '-')}</td></tr>",
         f"<tr><th>inputs</th><td>{_e(report.signature or '-')}</td></tr>",
         f"<tr><th>device</th><td>{_e(report.device or '-')}</td></tr>",
         f"<tr><th>plugins</th><td>{_e(', '.join(report.plugins) or 'none')}</td></tr>",
         f"<tr><th>compile time</th><td>{report.compile_s:.2f} s"
         + (" (" + ", ".join(f"{_e(k)} {v:.2f} s" for k, v in report.phases.items()) + ")" if report.phases else "")
         + "</td></tr>",
-        f'<tr><th>groups</th><td id="summary">{len(fused)} fused, {len(skipped)} skipped; predicted traffic '
-        f"saved {format_bytes(saved)}</td></tr>",
+        f"<tr><th>candidates</th><td>{len(report.fused)} fused, {len(refused)} stayed eager, "
+        f"{len(others)} alternatives not taken</td></tr>",
         "</table>",
     ]
     if report.notes:
@@ -216,50 +595,65 @@ def render_html(report: "FusionReport", title: str = "") -> str:
             for k, c in colours.items()
         )
         out.append(
-            f"<p>Each fused group has its colour; grey nodes run eager, white ones are inputs, parameters "
-            f"and the output. Hover a node for its op, shape and group.</p><p>{legend}</p>"
+            "<p>Each fused group is a cluster in its colour, its nodes inside; grey nodes run as in eager "
+            "(dashed: free views, which move no data); white ones are inputs, parameters and the output. "
+            f"Hover a node for its op, shape, group and the line of code that made it.</p><p>{legend}</p>"
         )
         out.append(f'<div class="graph">{render_svg(report)}</div>')
     else:
         out.append("<p>No graph was recorded (the model could not be traced).</p>")
 
-    out.append('<h2 id="groups">Fusion groups</h2>')
-    if report.groups:
+    out.append(f'<h2 id="groups">Fused groups ({len(report.fused)})</h2>')
+    if report.fused:
         out.append(
-            "<table><tr><th>group</th><th>strategy</th><th>fate</th><th>reason</th><th>ops / nodes</th>"
-            "<th>bytes before -> after (predicted)</th><th>eager / fused ms</th><th>max error</th>"
-            "<th>kernel</th></tr>"
+            "<table><tr><th>group</th><th>strategy</th><th>what it does</th><th>ops / nodes</th>"
+            "<th>from your code</th><th>bytes before -> after (predicted)</th><th>eager / fused ms</th>"
+            "<th>max error</th><th>kernel</th></tr>"
         )
-        out += _group_rows(report, colours)
+        out += _fused_rows(report, colours)
         out.append("</table>")
     else:
-        out.append("<p>No fusion candidates.</p>")
+        out.append("<p>No group was fused.</p>")
 
-    out.append(f'<h2 id="skipped">Skipped candidates ({len(skipped)})</h2>')
-    if skipped:
-        out.append("<ul>")
-        for k, g in enumerate(report.groups):
-            if not g.fused:
-                out.append(
-                    f'<li><a href="#group-{k}">#{k}</a> {_e(g.strategy)} over {_e(", ".join(g.nodes))}: '
-                    f"<b>{_e(g.reason_code)}</b>{': ' + _e(g.reason) if g.reason else ''}</li>"
-                )
+    out.append('<h2 id="eager">Stayed eager, and why</h2>')
+    if refused:
+        out.append(
+            "<table><tr><th>group</th><th>strategy</th><th>why</th><th>ops / nodes</th><th>from your code</th>"
+            "<th>eager / fused ms</th></tr>"
+        )
+        out += [
+            f'<tr id="group-{k}"><td>#{k}</td><td>{_e(g.strategy)}</td><td><span class="skipped">'
+            f"{_e(g.reason_code)}</span>{': ' + _e(g.reason) if g.reason else ''}</td>"
+            f"<td>{_e(' > '.join(g.ops))}<br><small>{_e(', '.join(g.nodes))}</small></td>"
+            f'<td>{_origin_html(report, g)}</td><td class="num">{_timing(g)}</td></tr>'
+            for k, g in refused
+        ]
+        out.append("</table>")
+    lines = eager_lines(report)
+    if lines:
+        out.append("<ul>" + "".join(f"<li>{_e(line)}</li>" for line in lines) + "</ul>")
+    if report.opaque:
+        out.append('<h3 id="opaque">Could not be traced (run as they are)</h3><ul>')
+        out += [f"<li>{_e(path or '<whole model>')}: {_e(reason)}</li>" for path, reason in report.opaque.items()]
+        out.append("</ul>")
+    if not (refused or lines or report.opaque):
+        out.append("<p>Nothing: every op is in a fused group.</p>")
+
+    out.append(f'<h2 id="skipped">Alternatives not taken ({len(others)} of {len(skipped)} skipped)</h2>')
+    if others:
+        out.append(
+            "<p>Other ways of grouping ops that the planner weighed; each lost to a group above "
+            "(or to running as in eager), so it moved no memory and saved nothing itself.</p><ul>"
+        )
+        for k in others:
+            g = report.groups[k]
+            out.append(
+                f'<li id="group-{k}">#{k} {_e(g.strategy)} over {_e(", ".join(g.nodes))}: '
+                f"<b>{_e(g.reason_code)}</b>{': ' + _e(g.reason) if g.reason else ''}</li>"
+            )
         out.append("</ul>")
     else:
         out.append("<p>None.</p>")
-
-    out.append(f'<h2 id="eager">Nodes left eager ({len(report.unfused_nodes)})</h2>')
-    if report.unfused_nodes:
-        out.append("<table><tr><th>node</th><th>op</th><th>reason</th></tr>")
-        out += [
-            f"<tr><td>{_e(n.node)}</td><td>{_e(n.target)}</td><td><b>{_e(n.reason_code)}</b>: {_e(n.reason)}</td></tr>"
-            for n in report.unfused_nodes
-        ]
-        out.append("</table>")
-    if report.opaque:
-        out.append('<h2 id="opaque">Opaque parts (run as they are)</h2><ul>')
-        out += [f"<li>{_e(path or '<whole model>')}: {_e(reason)}</li>" for path, reason in report.opaque.items()]
-        out.append("</ul>")
 
     out.append('<h2 id="kernels">Generated kernels</h2>')
     written = [(k, g) for k, g in enumerate(report.groups) if g.kernel_source]
@@ -268,8 +662,9 @@ def render_html(report: "FusionReport", title: str = "") -> str:
     for k, g in written:
         fate = "fused" if g.fused else f"not used: {g.reason_code}"
         out.append(
-            f'<h3 id="kernel-{k}">#{k} {_e(g.strategy)}: <code>{_e(g.kernel or "")}</code> ({_e(fate)})</h3>'
-            f'<pre class="kernel-source">{_e(g.kernel_source)}</pre>'
+            f'<details id="kernel-{k}"><summary>#{k} {_e(g.strategy)}: <code>{_e(g.kernel or "")}</code> '
+            f"({_e(fate)})</summary>"
+            f'<pre class="kernel-source">{_e(g.kernel_source)}</pre></details>'
         )
     out.append("</body></html>")
     return "\n".join(out)

@@ -30,7 +30,7 @@ from .precompile import CompileJob, Compiling, launch_items
 from .precompile import start as start_compiling
 from .registry import PluginHookError
 
-logger = logging.getLogger("autofuser")
+logger = logging.getLogger("autofuser.tune")
 
 
 #: Milliseconds of repeats per tuning config (``rep_ms`` of ``Timer.bench``): for a typical fused

@@ -26,7 +26,7 @@ from .ir import AttrRef
 from .planner import Candidate, barrier_reason
 from .specs import DEFAULT_TOLERANCES, Tolerance, dtype_name
 
-logger = logging.getLogger("autofuser")
+logger = logging.getLogger("autofuser.verify")
 
 
 def snapshot(value: Any) -> Any:

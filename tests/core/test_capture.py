@@ -15,8 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops.layers.torch import Rearrange, Reduce
 
+import autofuser
 from autofuser_core.capture import capture
-from autofuser_core.errors import CaptureError
+from autofuser_core.errors import CaptureError, OpaquePartError
 
 
 def call_modules(gm):
@@ -538,3 +539,17 @@ def test_a_compile_leaves_sympy_unimported(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "sympy imported: False" in done.stdout, done.stdout
+
+
+def test_strict_capture_names_the_part_that_stays_opaque():
+    torch.manual_seed(3)
+    model = WithBranch().eval()
+    x = torch.randn(5, 6)
+    fused = autofuser.fuse(model, plugins=["elementwise", "matmul"], fullgraph=True, progress=False)
+    with pytest.raises(OpaquePartError, match=r"fullgraph=True.*WithBranch\.branch: .*TraceError.*without fullgraph"):
+        fused(x)
+    # Without it the same model runs, that part unfused.
+    lenient = autofuser.fuse(model, plugins=["elementwise", "matmul"], progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(lenient(x), model(x))
+    assert list(lenient.report().opaque) == ["branch"]

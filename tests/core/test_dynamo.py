@@ -4,6 +4,7 @@ included, go through the same pipeline (on CPU under Triton's interpreter)."""
 from __future__ import annotations
 
 import importlib.metadata
+import re
 
 import pytest
 import torch
@@ -111,3 +112,23 @@ def test_bad_options_say_what_is_wrong():
     compiled = torch.compile(Block().eval(), backend="autofuser", options={"tune_budget": 3})
     with pytest.raises(Exception, match="tune_budget.*Known options"):
         compiled(torch.randn(2, 19))
+
+
+def test_progress_names_the_graph_in_one_short_line(capfd):
+    torch.manual_seed(4)
+    model = Block().eval()
+    compiled = torch.compile(model, backend="autofuser", options={"plugins": PLUGINS, "progress": True})
+    x = torch.randn(1, 6, 19)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("autofuser:")]
+    assert lines, "no progress line"
+    # Named after the user's function, not "GraphModule"; every parameter is one of the
+    # graph's inputs, yet the line stays short.
+    assert all("GraphModule" not in line and len(line) < 120 for line in lines), lines
+    assert re.match(r"autofuser: graph \d+ of forward \(test_dynamo\.py\): capture", lines[0]), lines
+    assert "compiled in" in lines[-1] and "fused kernel(s)" in lines[-1]
+    module = compiled_graphs()[-1]  # graphs of earlier tests may still be alive
+    assert re.fullmatch(r"graph \d+ of forward \(test_dynamo\.py\)", module.report().model)
+    # Its nodes come from fx's generated code: no line is pinned on the caller's.
+    assert not [n.source for n in module.report().graph if n.source], module.report().graph

@@ -200,7 +200,7 @@ def test_report_round_trips_and_reads_well():
     assert again == report
     assert json.loads(report.to_json())["groups"][0]["strategy"] == "row_reduction"
     text = str(report)
-    assert "row_reduction" in text and "elementwise.add > reduction.layer_norm" in text  # ops column is cut at 42
+    assert "row_reduction" in text and "elementwise.add > reduction.layer_norm" in text
     assert report.signature == "(float32[3, 7, 37], float32[3, 7, 37])"
     assert report.device == "cpu"
     assert report.plugins == ["attention", "conv", "elementwise", "matmul", "mxint8", "reduction"]

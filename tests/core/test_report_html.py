@@ -10,9 +10,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
+import zlib
+from collections import Counter
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ import torch
 import autofuser
 from autofuser.cli import main as cli_main
 from autofuser_core.report import FusionReport, GroupEntry
+from autofuser_core.report_html import PALETTE
 
 CHROMIUM = next(
     (
@@ -50,9 +54,12 @@ FACTORY = textwrap.dedent("""
 """)
 
 
-def _fused_report():
+def _fused_report(folder):
+    # From a real file, as a user's model is: the report quotes its lines.
+    path = folder / "block_factory.py"
+    path.write_text(FACTORY)
     namespace: dict = {}
-    exec(FACTORY, namespace)
+    exec(compile(FACTORY, str(path), "exec"), namespace)
     model, x = namespace["make"]()
     fused = autofuser.fuse(model, plugins=["elementwise", "reduction", "matmul"], progress=False)
     with torch.no_grad():
@@ -61,7 +68,7 @@ def _fused_report():
 
 
 def test_page_is_self_contained_and_has_every_part(tmp_path):
-    report = _fused_report()
+    report = _fused_report(tmp_path)
     assert report.fused and report.skipped and report.graph
     path = tmp_path / "report.html"
     page = report.to_html(path, title="block")
@@ -81,6 +88,17 @@ def test_page_is_self_contained_and_has_every_part(tmp_path):
         assert group.kernel in page
     assert page.count('class="kernel-source"') == sum(1 for g in report.groups if g.kernel_source)
     assert "not measured" in page  # on CPU nothing is timed, and the page says so
+    # The result leads; alternatives come after what was fused and what stayed eager;
+    # sources are collapsed.
+    order = [page.index(f'id="{part}"') for part in ("summary", "graph", "groups", "eager", "skipped", "kernels")]
+    assert order == sorted(order)
+    assert "forward not timed (no GPU" in page[: page.index('id="graph"')]
+    assert page.count("<details") == page.count('class="kernel-source"') and "<details open" not in page
+    # One cluster per fused group, its nodes drawn inside it; each group says where in forward it came from.
+    assert page.count('<g class="cluster"') == len(report.fused)
+    for group in report.fused:
+        assert f'id="cluster-{report.groups.index(group)}"' in page
+    assert "block_factory.py:12 in forward: h = torch.nn.functional.gelu(self.lin(self.norm(x)))" in page
 
 
 def test_timings_and_colours_where_measured():
@@ -113,7 +131,10 @@ def test_timings_and_colours_where_measured():
     )
     report.add_phase("capture", 0.25)
     report.add_phase("verify", 1.5)
+    report.whole_eager_ms, report.whole_fused_ms = 0.05, 0.02
     page = report.to_html()
+    assert "2.50x eager&#x27;s speed: 0.020 ms fused vs 0.050 ms eager per forward" in page
+    assert page.index("2.50x") < page.index('id="graph"')
     assert "capture 0.25 s, verify 1.50 s" in page
     assert "0.0123 / 0.0071" in page and "0.0090 / 0.0100" in page
     assert "kept eager for speed" in page
@@ -172,7 +193,8 @@ def test_cli_page_renders_in_headless_chromium(tmp_path):
     assert len(re.findall(r'<g class="node ', rendered)) == len(report.graph)
     fused_nodes = {n for g in report.fused for n in g.nodes}
     assert len(re.findall(r'<g class="node group-\d+"', rendered)) == len(fused_nodes) > 0
-    assert f"{len(report.fused)} fused, {len(report.skipped)} skipped" in rendered
+    assert "forward not timed" in rendered and rendered.index('id="summary"') < rendered.index('id="graph"')
+    assert len(re.findall(r'<g class="cluster"', rendered)) == len(report.fused) > 0
     assert report.skipped[0].reason_code in rendered
     for group in report.fused:
         assert group.kernel in rendered
@@ -185,6 +207,53 @@ def test_cli_page_renders_in_headless_chromium(tmp_path):
         timeout=120,
     )
     assert shot.exists() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    width, height, pixels = _png_pixels(shot.read_bytes())
+    assert (width, height) == (1200, 1600)
+    # Not blank: a good part of the page is drawn (text, tables, the graph), not one colour.
+    counts = Counter(pixels)
+    background = counts.most_common(1)[0][1]
+    assert len(pixels) - background > len(pixels) // 50, "the screenshot is (nearly) blank"
+    # The clusters are on screen, each fused group's nodes filled in its own colour.
+    fills = {tuple(int(c[i : i + 2], 16) for i in (1, 3, 5)) for c in PALETTE[: len(report.fused)]}
+    for fill in fills:
+        assert counts[fill] > 500, f"no node in the colour {fill} is visible"
+
+
+def _png_pixels(data: bytes) -> tuple[int, int, list[tuple[int, int, int]]]:
+    """(width, height, RGB of each pixel) of an 8-bit RGB or RGBA PNG, as Chromium writes
+    its screenshots: IDAT inflated, each row's filter undone (PNG spec, section 9)."""
+    width, height, depth, colour = struct.unpack(">IIBB", data[16:26])
+    assert depth == 8 and colour in (2, 6), (depth, colour)
+    channels = 3 if colour == 2 else 4
+    chunks, offset = [], 8
+    while offset < len(data):
+        (length,), kind = struct.unpack(">I", data[offset : offset + 4]), data[offset + 4 : offset + 8]
+        if kind == b"IDAT":
+            chunks.append(data[offset + 8 : offset + 8 + length])
+        offset += 12 + length
+    raw = zlib.decompress(b"".join(chunks))
+    stride = width * channels
+    previous = bytearray(stride)
+    pixels = []
+    for y in range(height):
+        start = y * (stride + 1)
+        kind, row = raw[start], bytearray(raw[start + 1 : start + 1 + stride])
+        for i in range(stride):
+            left = row[i - channels] if i >= channels else 0
+            up, corner = previous[i], previous[i - channels] if i >= channels else 0
+            if kind == 1:
+                row[i] = (row[i] + left) & 255
+            elif kind == 2:
+                row[i] = (row[i] + up) & 255
+            elif kind == 3:
+                row[i] = (row[i] + (left + up) // 2) & 255
+            elif kind == 4:
+                p = left + up - corner
+                pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
+                row[i] = (row[i] + (left if pa <= pb and pa <= pc else up if pb <= pc else corner)) & 255
+        pixels += [tuple(row[i : i + 3]) for i in range(0, stride, channels)]
+        previous = row
+    return width, height, pixels
 
 
 def test_the_page_module_does_not_import_the_report_module():

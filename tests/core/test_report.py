@@ -1,0 +1,135 @@
+"""Tests of the text report (``str(FusionReport)``) and of ``FusedKernel``'s repr: a
+summary first, then the fused groups, then what stayed eager and why in words, then the
+alternatives the planner did not take; views reported as free, not as left eager."""
+
+from __future__ import annotations
+
+import torch
+
+import autofuser
+from autofuser_core.report import FusionReport, GraphNode, GroupEntry, NodeEntry
+from autofuser_core.report_html import readable_target
+
+
+class NormGeluViews(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(19)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        h = torch.nn.functional.gelu(self.norm(x)) * 0.5 + 1.0
+        return h.reshape(b, n * c), x.permute(2, 0, 1)
+
+
+def _fused():
+    torch.manual_seed(0)
+    model = NormGeluViews().eval()
+    fused = autofuser.fuse(model, plugins=["elementwise", "reduction"], progress=False)
+    x = torch.randn(1, 7, 19)
+    with torch.no_grad():
+        for got, want in zip(fused(x), model(x)):
+            torch.testing.assert_close(got, want)
+    return fused
+
+
+def test_text_report_leads_with_the_summary_and_calls_views_free():
+    fused = _fused()
+    report = fused.report()
+    assert report.fused, str(report)
+    text = str(report)
+    first, *_ = text.splitlines()
+    assert first.startswith("AutoFuser report: NormGeluViews, inputs (float32[1, 7, 19]) on cpu")
+    summary = text.index("fused kernel")
+    assert summary < text.index("\nFused (") < text.index("\nStayed eager:")
+    assert "not timed (no GPU" in text[: text.index("\nFused (")]
+    # Both views re-read their input's memory: free, listed together, never as an op left eager.
+    views = {n.name for n in report.graph if n.free}
+    assert {"reshape", "permute"} <= views, report.graph
+    eager_part = text[text.index("\nStayed eager:") :]
+    assert "free views, no data moved" in eager_part and "Tensor.reshape" in eager_part
+    assert "Tensor.permute" in eager_part
+    assert "Tensor.reshape:" not in eager_part and "left eager" not in text
+    # The fused group says where in forward it came from, and its ops in full.
+    group = report.fused[0]
+    assert " > ".join(group.ops) in text
+    assert "test_report.py:" in text and "in forward: h = torch.nn.functional.gelu(self.norm(x))" in text
+
+
+def test_fused_kernel_repr_names_its_group_and_ops():
+    fused = _fused()
+    [kernel] = fused.kernels()
+    text = repr(kernel)
+    group = fused.report().fused[0]
+    assert "object at 0x" not in text
+    assert text.startswith(f"<FusedKernel {group.kernel} by {group.strategy}: ")
+    assert " > ".join(group.ops) in text and ", ".join(group.nodes) in text
+
+
+def test_measured_summary_and_alternatives_last():
+    report = FusionReport(
+        model="Solver",
+        signature="(float32[4, 8])",
+        device="cuda:0",
+        whole_eager_ms=1.0,
+        whole_fused_ms=0.4,
+        graph=[
+            GraphNode(name="x", op="placeholder", target="x"),
+            GraphNode(name="add", op="call_function", target="_operator.add", inputs=["x"]),
+            GraphNode(name="relu", op="call_function", target="torch.relu", inputs=["add"]),
+            GraphNode(name="vr", op="call_function", target="torch._VariableFunctionsClass.view_as_real"),
+        ],
+        groups=[
+            GroupEntry(
+                strategy="elementwise",
+                nodes=["add"],
+                ops=["elementwise.add"],
+                fused=False,
+                reason_code="overlap",
+                reason="overlaps a group that was already kept",
+                bytes_before=110_000,
+            ),
+            GroupEntry(
+                strategy="elementwise",
+                nodes=["add", "relu"],
+                ops=["elementwise.add", "elementwise.relu"],
+                fused=True,
+                reason_code="fused",
+                kernel="af_flat_add_relu_0",
+                bytes_before=200_000,
+                bytes_after=100_000,
+                time_eager_ms=0.3,
+                time_fused_ms=0.1,
+            ),
+        ],
+        unfused_nodes=[
+            NodeEntry(
+                node="vr",
+                target="torch._VariableFunctionsClass.view_as_real",
+                reason_code="no_lowering",
+                reason="no loaded plugin can fuse this op",
+            ),
+            NodeEntry(
+                node="relu",  # a name of the forward graph too: this one is a backward graph's
+                target="torch.erf",
+                reason_code="no_lowering",
+                reason="no loaded plugin can fuse this op",
+                phase="backward",
+            ),
+        ],
+    )
+    text = str(report)
+    assert "Measured forward: 0.400 ms fused vs 1.000 ms eager, 2.50x eager's speed." in text
+    assert "Where the time goes: fused kernels 0.100 ms" in text and "outside the fused kernels" in text
+    assert "torch.view_as_real: no loaded plugin can fuse this op" in text and "_VariableFunctionsClass" not in text
+    assert text.index("Measured forward") < text.index("\nFused (") < text.index("\nStayed eager:")
+    assert text.index("\nStayed eager:") < text.index("\nAlternatives not taken: 1")
+    assert "in backward, torch.erf: no loaded plugin" in text
+    assert "-> 0 B" not in text  # a candidate not taken moves nothing: no traffic is shown for it
+
+
+def test_internal_names_read_as_users_write_them():
+    assert readable_target("torch._VariableFunctionsClass.view_as_real") == "torch.view_as_real"
+    assert readable_target("torch._C._nn.gelu") == "torch.nn.functional.gelu"
+    assert readable_target("_operator.getitem") == "operator.getitem"
+    assert readable_target("Tensor.reshape") == "Tensor.reshape"
