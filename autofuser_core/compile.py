@@ -44,7 +44,7 @@ from torch.nn.utils import parametrize
 from . import timing
 from .backward import build_backward
 from .cache import cache_dir, load_kernel_module, write_tuning
-from .capture import preserved_state
+from .capture import FREE_KEY, preserved_state
 from .group import MAX_PRODUCTS, STRICT_FP32, GroupProgram, attr_tensor, product_count
 from .interpreter import kernels_cannot_run, warn_once
 from .ir import AttrRef
@@ -245,9 +245,18 @@ def _compile_graph(
         report.add_phase("plan", time.perf_counter() - step)
         view = plan.view
         if round_number == 1:
+            by_name = {n.name: n for n in gm.graph.nodes}
             for entry in view.skipped:
+                node = by_name.get(entry.node)
+                free = node is not None and bool(node.meta.get(FREE_KEY, False))
                 report.unfused_nodes.append(
-                    NodeEntry(node=entry.node, target=entry.target, reason_code=entry.reason_code, reason=entry.reason)
+                    NodeEntry(
+                        node=entry.node,
+                        target=entry.target,
+                        reason_code=entry.reason_code,
+                        reason=entry.reason,
+                        free=free,
+                    )
                 )
             # An extern op only a specialised strategy can generate, which none took, runs eager too.
             kept_nodes = {n for candidate in plan.kept for n in candidate.nodes}

@@ -85,6 +85,8 @@ class NodeEntry(BaseModel):
     reason_code: str
     reason: str
     phase: Literal["forward", "backward"] = "forward"  # as GroupEntry's
+    # Its result re-read an input's memory (a view) when the graph ran: no data moved.
+    free: bool = False
 
 
 class FusionReport(BaseModel):

@@ -109,6 +109,8 @@ ALTERNATIVE_CODES = frozenset({"overlap", "split_faster", "larger_group_faster"}
 
 def readable_target(target: str) -> str:
     """An op as a user writes it: ``torch.view_as_real``, not where torch keeps it."""
+    if target.startswith("torch._ops.aten.aten::"):  # an ATen op of a backward graph
+        return "torch.ops.aten." + target[len("torch._ops.aten.aten::") :]
     for internal, public in _PUBLIC_NAMES:
         if target.startswith(internal):
             return public + target[len(internal) :]
@@ -238,7 +240,7 @@ def eager_lines(report: "FusionReport") -> list[str]:
     by_reason: dict[tuple[str, str, str], list[str]] = {}
     for n in report.unfused_nodes:
         target = readable_target(n.target)
-        if n.phase == "forward" and n.node in free:  # views are known in the graph drawn: the forward
+        if n.free or (n.phase == "forward" and n.node in free):
             views[target] = views.get(target, 0) + 1
             continue
         if n.phase == "backward":

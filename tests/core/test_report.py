@@ -133,3 +133,27 @@ def test_internal_names_read_as_users_write_them():
     assert readable_target("torch._C._nn.gelu") == "torch.nn.functional.gelu"
     assert readable_target("_operator.getitem") == "operator.getitem"
     assert readable_target("Tensor.reshape") == "Tensor.reshape"
+    assert readable_target("torch._ops.aten.aten::view") == "torch.ops.aten.view"
+
+
+class NormedProjection(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm = torch.nn.Linear(24, 40), torch.nn.LayerNorm(40)
+
+    def forward(self, x):
+        return self.norm(torch.nn.functional.gelu(self.proj(x)))
+
+
+def test_views_of_a_backward_graph_are_free_too():
+    """A backward graph's views (ATen's view, permute) move no data: listed as free, not
+    as ops that stayed eager."""
+    fused = autofuser.fuse(NormedProjection(), progress=False, tune=False, verify_speed=False)
+    x = torch.randn(3, 37, 24, requires_grad=True)
+    fused(x).square().sum().backward()
+    report = fused.report()
+    free = [n for n in report.unfused_nodes if n.phase == "backward" and n.free]
+    assert free, str(report)
+    text = str(report)
+    assert "free views, no data moved" in text and "torch.ops.aten.view" in text, text
+    assert "in backward, torch.ops.aten.view" not in text, text
