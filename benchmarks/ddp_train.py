@@ -69,7 +69,8 @@ CPU, where AutoFuser's kernels run under Triton's interpreter (tiny config only)
 Rank 0 writes ``ddp_train.json`` and ``ddp_train.md`` to ``--out``. ``--table-only`` with
 ``--baseline`` rewrites them from an earlier run's files. Exit code 0, 1 where a system's
 parameters or gradients differ from the baseline's beyond the tolerance, 2 on bad
-arguments, 124 on a timeout.
+arguments, 124 on a timeout. A system that fails on every rank alike (say, a compile
+error) is an error cell, and the others run on; the exit code is then 1.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ import shutil
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -103,6 +105,7 @@ from autofuser.zoo.harness import (  # noqa: E402
     SETTLE_CALLS,
     BenchError,
     autocast_for,
+    describe_error,
     release_memory,
     spread,
     synchronize,
@@ -403,8 +406,11 @@ def compare(result: dict[str, Any], out: Path, baseline_dir: Path) -> bool:
         base_row = next((r for r in baseline["rows"] if r["model"] == row["model"]), None)
         for system, cell in row["systems"].items():
             base_cell = None if base_row is None else base_row["systems"].get(system)
-            if base_cell is None or base_row["batch"] != row["batch"]:
-                cell["compared"] = f"not in --baseline {baseline_dir}"
+            if cell.get("error"):
+                agree = False  # no result is not a result that agrees
+                continue
+            if base_cell is None or base_cell.get("error") or base_row["batch"] != row["batch"]:
+                cell["compared"] = f"no result in --baseline {baseline_dir}"
                 continue
             mine = torch.load(params_path(out, row["model"], system))
             theirs = torch.load(params_path(baseline_dir, row["model"], system))
@@ -468,6 +474,10 @@ def render_markdown(result: dict[str, Any]) -> str:
     ]
     for row in result["rows"]:
         for system, cell in row["systems"].items():
+            if cell.get("error"):
+                failed = [row["model"], system, str(s["world"]), str(row["batch"]), f"error: {cell['error']}"]
+                lines.append("| " + " | ".join(failed + ["-"] * (len(COLUMNS) - len(failed))) + " |")
+                continue
             flag = "" if cell.get("within_tolerance", True) else " (DIFFERS)"
             fused = system == "autofuser"
             lines.append(
@@ -602,9 +612,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         for system in args.systems:
             if ranks.rank == 0:
                 say(0, f"{name}/{system}: training on {ranks.world} rank(s)")
-            row["systems"][system] = train_system(system, base, entry, data, batch, args, ranks, device, dog, out)
+            error = None
+            try:
+                cell = train_system(system, base, entry, data, batch, args, ranks, device, dog, out)
+            except Exception as err:  # noqa: BLE001 - becomes the cell's error where every rank had one
+                cell, error = {}, describe_error(err)
+                say(ranks.rank, f"{name}/{system} failed:\n{traceback.format_exc()}")
+                release_memory(device)
+            # Every rank tells how the system went: one that failed on every rank alike (a
+            # compile error) becomes an error cell and the run goes on. One that failed on some
+            # ranks only leaves the others inside a collective, and the watchdog ends the run.
+            with dog.phase(f"{name}/{system}: telling the ranks how it went"):
+                errors = [e for e in ranks.gather(error) if e]
+            row["systems"][system] = {"error": errors[0]} if errors else cell
         rows.append(row)
-    agree = True
+    agree = not any(cell.get("error") for row in rows for cell in row["systems"].values())
     if ranks.rank == 0:
         result = {
             "date": datetime.date.today().isoformat(),
@@ -615,7 +637,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "rows": rows,
         }
         if args.baseline:
-            agree = compare(result, out, Path(args.baseline))
+            agree = compare(result, out, Path(args.baseline)) and agree
         write_results(result, out)
         print(render_markdown(result))
     ranks.barrier()
