@@ -14,6 +14,9 @@
 #               benchmarks/tuning_stats.py over their caches
 #   train:DTYPE:MODEL,MODEL  their training steps (`autofuser bench --train`, flags in $TRAIN_FLAGS,
 #               default --iters 30 --warmup 3 --tune-budget 1), each model in its own process
+#   ddp:DTYPE:MODEL,MODEL    DistributedDataParallel training (benchmarks/ddp_train.py, flags in
+#               $DDP_FLAGS): one process standing in for every GPU's rank, then one rank per GPU
+#               compared with it (gradients, parameters, scaling, tuning entries)
 # Results (logs, JSON, markdown tables) go to ${OUT:-bench-results}/<step>.
 # Extra flags for a benchmark script: ${STEP}_FLAGS, e.g. MATMUL_FLAGS="--widths 128".
 # After every step, everything under the results folder is packed into one
@@ -69,6 +72,22 @@ for step in "${steps[@]}"; do
       # shellcheck disable=SC2046
       OUT="$out/train" ZOO_CACHE="$ZOO_CACHE/train-$dtype" BENCH_FLAGS="--train ${TRAIN_FLAGS:---iters 30 --warmup 3 --tune-budget 1}" \
         bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models") ;;
+    ddp:*)
+      IFS=: read -r _ dtype models <<< "$step"
+      [ "$models" = "all" ] && models=galerkin,transformer,transolver,gnot,factformer,fno,ffno,unet,lsm
+      gpus=$(nvidia-smi -L | wc -l)
+      dir="$out/ddp-$dtype"
+      flags=(--models "$models" --dtype "$dtype" --cache-dir "$AUTOFUSER_CACHE_DIR/ddp")
+      # shellcheck disable=SC2086
+      python3 -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/ddp_train.py "${flags[@]}" \
+        --accumulate "$gpus" --out "$dir/one-process" ${DDP_FLAGS:-} > "$dir-one-process.log" 2>&1
+      echo "ddp one process rc=$?"
+      # shellcheck disable=SC2086
+      python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" benchmarks/ddp_train.py "${flags[@]}" \
+        --baseline "$dir/one-process" --delay-rank1-s 5 --out "$dir/ranks" ${DDP_FLAGS:-} > "$dir.log" 2>&1
+      echo "ddp $gpus ranks rc=$?"; tail -n 12 "$dir.log"
+      # The saved parameters served the comparison; they would make the archive hundreds of MB.
+      rm -rf "$dir"/*/params ;;
     *) echo "unknown step $step" ;;
   esac
   echo "step $step took $(( $(date +%s) - start )) s" | tee -a "$out/steps.txt"

@@ -3,6 +3,8 @@
 # benchmarks/gpu_run.sh zoo steps on one GPU, pinned to half the host's physical cores
 # (both hyperthreads of a core go to the same half), so the two runs' compiles don't
 # share cores. Each run's AutoFuser, Triton and Inductor caches are its own.
+# Two independent single-GPU runs; one model trained on both GPUs (DistributedDataParallel)
+# is benchmarks/ddp_train.py (gpu_run.sh's ddp step).
 # Usage: OUT=dir bash benchmarks/zoo_two_gpus.sh [MODEL,MODEL...]   (default: all nine)
 # Extra `autofuser bench` flags in $BENCH_FLAGS, as for zoo_run.sh.
 set -uo pipefail
