@@ -251,7 +251,8 @@ def measure_model(name: str, dtype: str, args, cache_root: Path) -> dict[str, An
     import torch
 
     import autofuser
-    from autofuser.zoo.harness import build, describe_error, forward_call, median_ms, release_memory
+    from autofuser.zoo.harness import build, describe_error, forward_call, release_memory
+    from autofuser.zoo.harness import timed as timed_calls
     from autofuser.zoo.models import MODELS
 
     device = torch.device(args.device)
@@ -267,7 +268,7 @@ def measure_model(name: str, dtype: str, args, cache_root: Path) -> dict[str, An
         options["tune_budget_s"] = args.tune_budget
 
     def timed(fn: Callable[[], Any]) -> float:
-        return median_ms(fn, args.iters, args.warmup, device)
+        return timed_calls(fn, args.iters, args.warmup, device)["ms"]
 
     def fused_on(folder: Path, load: Optional[Load]):
         shutil.rmtree(folder, ignore_errors=True)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 import autofuser
-from autofuser.zoo.harness import first_call_s, median_ms, relative_error
+from autofuser.zoo.harness import first_call_s, relative_error, timed
 from autofuser.zoo.models import MESHES, MODELS
 
 BUNDLED = ["elementwise", "reduction", "matmul", "attention"]
@@ -70,7 +70,7 @@ def bench_model(name: str, device: torch.device, iters: int, warmup: int, cache:
                 error = relative_error(out, reference)
                 if not error <= MAX_ERROR:
                     raise AssertionError(f"relative error {error:.3g} > {MAX_ERROR}")
-                ms = median_ms(lambda: runner(x), iters, warmup, device)
+                ms = timed(lambda: runner(x), iters, warmup, device)["ms"]
                 cell = {"ms": ms, "first_call_s": first_s, "rel_error": error}
                 if system.startswith("autofuser"):
                     report = runner.report()
