@@ -14,6 +14,8 @@
 #               benchmarks/tuning_stats.py over their caches
 #   train:DTYPE:MODEL,MODEL  their training steps (`autofuser bench --train`, flags in $TRAIN_FLAGS,
 #               default --iters 30 --warmup 3 --tune-budget 1), each model in its own process
+#   Both go through torch.compile in each mode of $COMPILE_MODES (default: default,reduce-overhead;
+#   e.g. COMPILE_MODES=default,reduce-overhead,max-autotune), each mode its own columns.
 # Results (logs, JSON, markdown tables) go to ${OUT:-bench-results}/<step>.
 # Extra flags for a benchmark script: ${STEP}_FLAGS, e.g. MATMUL_FLAGS="--widths 128".
 # After every step, everything under the results folder is packed into one
@@ -25,6 +27,7 @@ mkdir -p "$out"
 export AUTOFUSER_CACHE_DIR=${AUTOFUSER_CACHE_DIR:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
 export ZOO_CACHE=${ZOO_CACHE:-/tmp/autofuser-zoo-cache}  # zoo_run.sh's per-model caches
+export COMPILE_MODES=${COMPILE_MODES:-default,reduce-overhead}  # zoo_run.sh's torch.compile modes
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests bandwidth matmul attention conv mxint8 fft "zoo:fp32:all")
