@@ -14,6 +14,8 @@
 #               benchmarks/tuning_stats.py over their caches
 #   train:DTYPE:MODEL,MODEL  their training steps (`autofuser bench --train`, flags in $TRAIN_FLAGS,
 #               default --iters 30 --warmup 3 --tune-budget 1), each model in its own process
+#   Both go through torch.compile in each mode of $COMPILE_MODES (default: default,reduce-overhead;
+#   e.g. COMPILE_MODES=default,reduce-overhead,max-autotune), each mode its own columns.
 #   ddp:DTYPE:MODEL,MODEL    DistributedDataParallel training (benchmarks/ddp_train.py, flags in
 #               $DDP_FLAGS): one process standing in for every GPU's rank, then one rank per GPU
 #               compared with it (gradients, parameters, scaling, tuning entries)
@@ -28,6 +30,7 @@ mkdir -p "$out"
 export AUTOFUSER_CACHE_DIR=${AUTOFUSER_CACHE_DIR:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
 export ZOO_CACHE=${ZOO_CACHE:-/tmp/autofuser-zoo-cache}  # zoo_run.sh's per-model caches
+export COMPILE_MODES=${COMPILE_MODES:-default,reduce-overhead}  # zoo_run.sh's torch.compile modes
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests bandwidth matmul attention conv mxint8 fft "zoo:fp32:all")
@@ -60,7 +63,7 @@ for step in "${steps[@]}"; do
       echo "fft rc=$?"; tail -n 20 "$out/fft.log" ;;
     zoo:*)
       IFS=: read -r _ dtype models <<< "$step"
-      [ "$models" = "all" ] && models=galerkin,transformer,transolver,gnot,factformer,fno,ffno,unet,lsm
+      [ "$models" = "all" ] && models=galerkin,transformer,transolver,gnot,factformer,fno,ffno,unet,lsm,ufno,upt
       # shellcheck disable=SC2046
       OUT="$out/zoo" ZOO_CACHE="$ZOO_CACHE/$dtype" bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models")
       # Where each kernel's tuning winner sat in its config list (the caches zoo_run.sh filled).
@@ -68,7 +71,7 @@ for step in "${steps[@]}"; do
         > "$out/zoo/tuning-stats-$dtype.txt" 2>&1 ;;
     train:*)
       IFS=: read -r _ dtype models <<< "$step"
-      [ "$models" = "all" ] && models=galerkin,transformer,transolver,gnot,factformer,fno,ffno,unet,lsm
+      [ "$models" = "all" ] && models=galerkin,transformer,transolver,gnot,factformer,fno,ffno,unet,lsm,ufno,upt
       # shellcheck disable=SC2046
       OUT="$out/train" ZOO_CACHE="$ZOO_CACHE/train-$dtype" BENCH_FLAGS="--train ${TRAIN_FLAGS:---iters 30 --warmup 3 --tune-budget 1}" \
         bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models") ;;

@@ -1,7 +1,22 @@
-"""Where one fused forward spends its time: the report's notes (CUDA graph or
-not, whole-forward times) and a ``torch.profiler`` table of the GPU kernels and
-the host time per call, for one case of ``benchmarks/attention.py`` (a form) or of ``benchmarks/matmul.py``
-(a case whose name contains ``--form``).
+"""Where a forward spends its time, kernel by kernel.
+
+Side by side (``--zoo NAME`` or ``--factory MODULE:FACTORY``): AutoFuser's and
+``torch.compile(mode="reduce-overhead")``'s replayed forwards (or any of eager,
+autofuser and torch.compile's modes, ``--systems``) under ``torch.profiler``,
+after each has compiled, settled and warmed up: every kernel's name, launches
+per forward and device time per forward, the top ``--top`` of each system, and
+a summary line per system. Writes the markdown to ``--out`` and prints it. On a
+GPU the rows are the GPU kernels (their device time); on a CPU, where a
+CUDA graph replays nothing, they are the CPU ops with their own (self) time, so
+the tool and its tests run without a GPU.
+
+    python benchmarks/profile_case.py --zoo unet --dtype bf16 --out profile-unet-bf16.md
+    python benchmarks/profile_case.py --factory my_model.py:make --systems eager,autofuser,reduce-overhead
+
+One case of ``benchmarks/attention.py`` (a form) or of ``benchmarks/matmul.py``
+(a case whose name contains ``--form``), AutoFuser only, as before: the
+report's notes (CUDA graph or not, whole-forward times), tuning timings and a
+``torch.profiler`` table (GPU only):
 
     python benchmarks/profile_case.py --form galerkin --width 64 --mode bf16
     python benchmarks/profile_case.py --form w-2w-w --width 128 --mode tf32
@@ -14,20 +29,53 @@ import json
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
 import autofuser
-from autofuser_core.timing import forward_ms as forward_time
 
-from attention import FORMS, Softmax, _inputs
-from matmul import CASES, CHAIN_CASES, M, _ms, precision
+#: What ``--systems`` may name: eager, AutoFuser, or torch.compile in a mode.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+SIDE_BY_SIDE_SYSTEMS = ("eager", "autofuser", *COMPILE_MODES)
+#: Kernel names longer than this are cut in the table (Inductor's and cuDNN's run long).
+NAME_WIDTH = 90
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--form", default="galerkin", help=f"{', '.join(sorted(FORMS))} or part of a matmul case name")
+class KernelRow(NamedTuple):
+    """One kernel (on a CPU: one op) of a system's profiled forwards."""
+
+    name: str
+    launches: float  # per forward
+    ms: float  # device time (on a CPU: self CPU time) per forward
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The options, checked: side by side needs exactly one of --zoo and --factory and
+    systems from ``SIDE_BY_SIDE_SYSTEMS``, each named once."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--zoo", help="side by side: a zoo model (autofuser models lists them)")
+    parser.add_argument(
+        "--factory", metavar="MODULE:FACTORY", help="side by side: your model, as autofuser bench takes it"
+    )
+    parser.add_argument(
+        "--systems",
+        default="autofuser,reduce-overhead",
+        help=f"side by side: comma-separated, from {', '.join(SIDE_BY_SIDE_SYSTEMS)} (a mode is torch.compile's)",
+    )
+    parser.add_argument("--config", default="airfoil", choices=("airfoil", "tiny"), help="--zoo: its sizes")
+    parser.add_argument("--batch-size", type=int, default=None, help="--zoo: override its batch size")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="side by side: bf16 = autocast")
+    parser.add_argument("--device", default=None, help="side by side: cuda or cpu (default: cuda when available)")
+    parser.add_argument("--calls", type=int, default=20, help="side by side: forwards profiled per system")
+    parser.add_argument("--warmup", type=int, default=10, help="side by side: forwards before profiling")
+    parser.add_argument("--top", type=int, default=15, help="side by side: kernels listed per system")
+    parser.add_argument("--out", default=None, help="side by side: write the markdown summary here too")
+    parser.add_argument("--form", default="galerkin", help="one attention form or part of a matmul case name")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument(
         "--mode",
@@ -38,6 +86,179 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--tune-budget", type=float, default=2.0)
     args = parser.parse_args(argv)
+    args.side_by_side = args.zoo is not None or args.factory is not None
+    if args.zoo is not None and args.factory is not None:
+        parser.error("--zoo and --factory name the model two ways; give one")
+    if args.zoo is not None:
+        from autofuser.zoo.models import MODELS
+
+        if args.zoo not in MODELS:
+            parser.error(f"--zoo {args.zoo!r} is not a zoo model; choose one of {', '.join(MODELS)}")
+    if args.factory is not None and ":" not in args.factory:
+        parser.error(f"--factory {args.factory!r} is not MODULE:FACTORY (e.g. my_model.py:make)")
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SIDE_BY_SIDE_SYSTEMS]
+    if unknown or not systems or len(set(systems)) != len(systems):
+        parser.error(
+            f"--systems {args.systems!r}: name each of one or more of {', '.join(SIDE_BY_SIDE_SYSTEMS)} once"
+            + (f" ({', '.join(unknown)} unknown)" if unknown else "")
+        )
+    args.systems = systems
+    for option in ("calls", "top"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option} must be at least 1, got {getattr(args, option)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    return args
+
+
+def system_label(system: str) -> str:
+    """How the summary names a system."""
+    return {"eager": "eager", "autofuser": "AutoFuser"}.get(system, f"torch.compile {system}")
+
+
+def kernel_rows(profile: Any, device_type: str, calls: int) -> list[KernelRow]:
+    """Every kernel of ``profile`` (``calls`` forwards) with its launches and time per forward,
+    the longest first. On CUDA, the events that ran on the GPU, each its own time; on a CPU,
+    the ops, each with its self time (an op's children counted once, in themselves)."""
+    launches: dict[str, int] = defaultdict(int)
+    micros: dict[str, float] = defaultdict(float)
+    for event in profile.events():
+        on_device = event.device_type == torch.autograd.DeviceType.CUDA
+        if device_type == "cuda" and on_device:
+            micros[event.name] += event.time_range.elapsed_us()
+        elif device_type != "cuda" and not on_device:
+            micros[event.name] += event.self_cpu_time_total
+        else:
+            continue
+        launches[event.name] += 1
+    rows = [KernelRow(name, launches[name] / calls, micros[name] / 1e3 / calls) for name in launches]
+    return sorted(rows, key=lambda row: (-row.ms, row.name))
+
+
+def render_summary(profiles: dict[str, list[KernelRow]], *, top: int, title: str, where: str, calls: int) -> str:
+    """The markdown summary: one line per system (launches, distinct kernels, kernel time per
+    forward), then each system's ``top`` kernels with their share of its time."""
+    unit = "GPU kernels" if where.startswith("cuda") else "CPU ops (self time; a CPU replays no CUDA graph)"
+    lines = [
+        f"# Kernels per forward: {title}",
+        "",
+        f"{where}; {unit}; {calls} profiled forwards per system, after warm-up; per forward.",
+        "",
+        "| system | launches | distinct | time ms |",
+        "|---|---|---|---|",
+    ]
+    for system, rows in profiles.items():
+        total = sum(row.ms for row in rows)
+        launches = sum(row.launches for row in rows)
+        lines.append(f"| {system_label(system)} | {launches:g} | {len(rows)} | {total:.3f} |")
+    for system, rows in profiles.items():
+        total = sum(row.ms for row in rows) or 1.0
+        shown = rows[:top]
+        lines += [
+            "",
+            f"## {system_label(system)}: top {len(shown)} of {len(rows)}",
+            "",
+            "| kernel | launches | ms | share |",
+            "|---|---|---|---|",
+        ]
+        for row in shown:
+            name = row.name if len(row.name) <= NAME_WIDTH else row.name[: NAME_WIDTH - 3] + "..."
+            name = name.replace("|", "\\|")
+            lines.append(f"| `{name}` | {row.launches:g} | {row.ms:.3f} | {row.ms / total:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def _model_and_call(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Callable, str]:
+    """(model, call(fn) -> zero-argument forward of fn, title) of --zoo or --factory."""
+    from autofuser.zoo.harness import autocast_for, build, to_device
+
+    if args.zoo is not None:
+        from autofuser.zoo.models import MODELS
+
+        entry = MODELS[args.zoo]
+        batch = args.batch_size or entry.batch(args.config)
+        model, x, _ = build(entry, args.config, batch, device)
+        inputs: tuple = (x,)
+        kwargs: dict = {}
+        title = f"{args.zoo} ({args.config}, batch {batch}, {args.dtype})"
+    else:
+        from autofuser.cli import call_factory
+
+        model, inputs, kwargs = call_factory(args.factory, "profile_case")
+        model = model.to(device)
+        inputs, kwargs = to_device(inputs, device), to_device(kwargs, device)
+        title = f"{args.factory} ({args.dtype})"
+
+    def call(fn):
+        def forward():
+            with torch.no_grad(), autocast_for(device, args.dtype):
+                return fn(*inputs, **kwargs)
+
+        return forward
+
+    return model.eval(), call, title
+
+
+def profile_systems(args: argparse.Namespace) -> tuple[dict[str, list[KernelRow]], str, str]:
+    """Each system of ``args.systems`` compiled, warmed up and profiled: ({system: rows}, title, where)."""
+    from autofuser.zoo.harness import settle, use_interpreter_on_cpu
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    use_interpreter_on_cpu(device)
+    model, call, title = _model_and_call(args, device)
+    profiles: dict[str, list[KernelRow]] = {}
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    for system in args.systems:
+        print(f"profile_case: {system_label(system)}", file=sys.stderr, flush=True)
+        torch._dynamo.reset()
+        if system == "eager":
+            runner: Any = model
+        elif system == "autofuser":
+            runner = autofuser.fuse(model, cache_dir=tempfile.mkdtemp(prefix="autofuser-profile-"), progress=False)
+        else:
+            runner = torch.compile(model, mode=system)
+        forward = call(runner)
+        forward()  # compiles
+        if system == "autofuser":
+            settle(runner, forward)  # the runner its check in use keeps, as the bench times it
+        for _ in range(args.warmup):
+            forward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        with torch.profiler.profile(activities=activities) as profile:
+            for _ in range(args.calls):
+                forward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        profiles[system] = kernel_rows(profile, device.type, args.calls)
+        del runner, forward
+    torch._dynamo.reset()
+    where = f"{device.type}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+    return profiles, title, where
+
+
+def side_by_side(args: argparse.Namespace) -> int:
+    profiles, title, where = profile_systems(args)
+    summary = render_summary(profiles, top=args.top, title=title, where=where, calls=args.calls)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(summary)
+    print(summary)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.side_by_side:
+        return side_by_side(args)
+    from autofuser_core.timing import forward_ms as forward_time
+
+    from attention import FORMS, Softmax, _inputs
+    from matmul import CASES, CHAIN_CASES, M, _ms, precision
+
     device = torch.device("cuda")
     torch.manual_seed(0)
     if args.form in FORMS:
@@ -46,7 +267,7 @@ def main(argv=None) -> int:
     else:
         factories = [f for name, (f, _, _) in {**CASES, **CHAIN_CASES}.items() if args.form in name]
         if not factories:
-            parser.error(
+            raise SystemExit(
                 f"--form {args.form!r} is neither an attention form ({', '.join(sorted(FORMS))}) nor part of "
                 f"a matmul case name ({'; '.join({**CASES, **CHAIN_CASES})})"
             )

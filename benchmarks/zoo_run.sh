@@ -5,11 +5,14 @@
 # Extra `autofuser bench` flags go in $BENCH_FLAGS (default: --iters 30 --warmup 5 --tune-budget 1);
 # with --train among them it times training steps (give it its own OUT: the folders are named alike).
 # AutoFuser's per-model caches in $ZOO_CACHE (default /tmp/autofuser-zoo-cache).
+# torch.compile's modes in $COMPILE_MODES (default: default,reduce-overhead - each its own columns;
+# add max-autotune to measure it too, with a longer $MODEL_LIMIT_S).
 set -uo pipefail
 out=${OUT:-bench-results}
 dtype=$1; shift
 flags=${BENCH_FLAGS:---iters 30 --warmup 5 --tune-budget 1}
-limit=${MODEL_LIMIT_S:-200}
+modes=${COMPILE_MODES:-default,reduce-overhead}
+limit=${MODEL_LIMIT_S:-300}  # two torch.compile modes, each compiling once
 cache=${ZOO_CACHE:-/tmp/autofuser-zoo-cache}  # AutoFuser's cache folders, one per model
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
@@ -21,7 +24,7 @@ for model in "$@"; do
   # shellcheck disable=SC2086
   TRITON_CACHE_DIR="$caches/triton" TORCHINDUCTOR_CACHE_DIR="$caches/inductor" \
   timeout "$limit" python3 -m autofuser.cli bench --models "$model" --device cuda --dtype "$dtype" \
-    --out "$dir" --cache-dir "$cache" $flags > "$dir.log" 2>&1
+    --out "$dir" --cache-dir "$cache" --compile-modes "$modes" $flags > "$dir.log" 2>&1
   echo "$model $dtype rc=$?" | tee -a "$out/summary.txt"
   rm -rf "$caches"
   tail -n 3 "$dir.log"

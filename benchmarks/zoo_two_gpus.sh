@@ -5,11 +5,11 @@
 # share cores. Each run's AutoFuser, Triton and Inductor caches are its own.
 # Two independent single-GPU runs; one model trained on both GPUs (DistributedDataParallel)
 # is benchmarks/ddp_train.py (gpu_run.sh's ddp step).
-# Usage: OUT=dir bash benchmarks/zoo_two_gpus.sh [MODEL,MODEL...]   (default: all nine)
+# Usage: OUT=dir bash benchmarks/zoo_two_gpus.sh [MODEL,MODEL...]   (default: all eleven)
 # Extra `autofuser bench` flags in $BENCH_FLAGS, as for zoo_run.sh.
 set -uo pipefail
 out=${OUT:-bench-results}
-models=${1:-galerkin,transformer,factformer,transolver,gnot,fno,ffno,unet,lsm}
+models=${1:-galerkin,transformer,factformer,transolver,gnot,fno,ffno,unet,lsm,ufno,upt}
 mkdir -p "$out"
 { lscpu; nvidia-smi topo -m; } > "$out/host.txt" 2>&1
 # Halves by physical core: logical CPUs of the lower half of the core ids, then the rest.

@@ -61,6 +61,8 @@ CASES: list[tuple[str, str, tuple[str, ...]]] = [
     ("ffno", "ffno", ()),
     ("unet", "unet", ()),
     ("lsm", "lsm", ()),
+    ("ufno", "ufno", ()),
+    ("upt", "upt", ()),
 ]
 
 SMALL = 2000  # outputs with fewer elements are recorded whole

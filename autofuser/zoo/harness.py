@@ -11,9 +11,16 @@ For each chosen model, on one device and one dtype:
    folder - its first call is the cold-cache compile time; then a second fresh
    ``FusedModule`` on the same folder - its first call is the warm-cache
    compile time - and the median time of that one;
-4. torch.compile: after ``torch._dynamo.reset()``, ``torch.compile(model,
-   mode=--compile-mode)``; its first call, then the median time (skipped with
-   ``--no-compile``).
+4. torch.compile, once per mode of ``--compile-modes`` (default: ``default``
+   and ``reduce-overhead``, whose CUDA graphs replay Inductor's kernels as
+   AutoFuser replays its own): after ``torch._dynamo.reset()``,
+   ``torch.compile(model, mode=mode)``; its first call, then the median time,
+   then one more call checked (in reduce-overhead, a replay of the recorded
+   graph rather than the first call's warm-up run); skipped with
+   ``--no-compile``. Each mode is a system of its own (``compile_system``):
+   its own cells, columns and geometric mean, and a failure in one mode is
+   that cell's error. On a CPU, reduce-overhead records no CUDA graph (Inductor
+   skips them off CUDA) and runs the default mode's kernels; its cell says so.
 
 Every system's output is compared with eager (``||out - eager|| / ||eager||``)
 and with the airfoil target (the relative L2 test loss). ``--dtype bf16`` runs
@@ -57,9 +64,31 @@ from autofuser.zoo.first_call import measure_in_fresh_process
 from autofuser.zoo.models import MESHES, MODELS, ModelEntry, parameter_count
 from autofuser_core.interpreter import FIX, kernels_decorated
 
-SYSTEMS = ("eager", "torch.compile", "autofuser")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 NO_COMPILE = "skipped: --no-compile"
+#: torch.compile's modes measured unless ``--compile-modes`` says otherwise.
+DEFAULT_COMPILE_MODES: tuple[str, ...] = ("default", "reduce-overhead")
+#: Modes whose compiled forward replays CUDA graphs (on CUDA).
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+#: A CUDA-graph mode's note on a CPU, where Inductor records no graph.
+NO_CUDA_GRAPHS_ON_CPU = (
+    "no CUDA graphs on a CPU: Inductor skips them off CUDA, so this mode runs the default mode's kernels"
+)
+
+
+def compile_system(mode: str) -> str:
+    """The system (cell, column and geometric-mean key) of torch.compile in ``mode``:
+    ``torch.compile`` for the default mode, ``torch.compile MODE`` for another."""
+    return "torch.compile" if mode == "default" else f"torch.compile {mode}"
+
+
+def systems_of(compile_modes: tuple[str, ...]) -> tuple[str, ...]:
+    """Every system of a run, in table order: eager, torch.compile in each mode, AutoFuser."""
+    return ("eager", *(compile_system(mode) for mode in compile_modes), "autofuser")
+
+
+#: The systems of a run in the default modes.
+SYSTEMS = systems_of(DEFAULT_COMPILE_MODES)
 TRAIN_LR = 1e-3
 
 
@@ -128,7 +157,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             out=Path(args.out),
             config=args.config,
-            compile_mode=args.compile_mode,
+            compile_modes=tuple(args.compile_modes),
             no_compile=args.no_compile,
             train_steps=args.train_steps,
             batch_size=args.batch_size,
@@ -374,8 +403,18 @@ def _empty_cell(status: str = "not run", error: Optional[str] = None) -> dict[st
     }
 
 
-def start_row(name: str, *, config: str, batch: int, train_steps: int, empty_cell: Callable[[], dict]) -> dict:
-    """A row of model ``name`` before anything is measured: every system's cell is ``empty_cell()``."""
+def start_row(
+    name: str,
+    *,
+    config: str,
+    batch: int,
+    train_steps: int,
+    empty_cell: Callable[[], dict],
+    compile_modes: tuple[str, ...] = DEFAULT_COMPILE_MODES,
+    no_compile: bool = False,
+) -> dict:
+    """A row of model ``name`` before anything is measured: every system's cell is ``empty_cell()``
+    (torch.compile's, one per mode, with its ``mode``; skipped with ``no_compile``)."""
     entry = MODELS[name]
     return {
         "model": name,
@@ -389,8 +428,26 @@ def start_row(name: str, *, config: str, batch: int, train_steps: int, empty_cel
         "params": None,
         "train_steps": train_steps,
         "train_losses": [],
-        "systems": {s: empty_cell() for s in SYSTEMS},
+        "systems": system_cells(empty_cell, compile_modes, no_compile),
     }
+
+
+def system_cells(
+    empty_cell: Callable[[], dict], compile_modes: tuple[str, ...], no_compile: bool
+) -> dict[str, dict[str, Any]]:
+    """A row's cells, one per system of ``systems_of(compile_modes)``, before anything is
+    measured; torch.compile's know their mode and are skipped with ``no_compile``."""
+    cells = {system: empty_cell() for system in systems_of(compile_modes)}
+    for mode in compile_modes:
+        cells[compile_system(mode)]["mode"] = mode
+        if no_compile:
+            cells[compile_system(mode)].update(status="skipped", error=NO_COMPILE)
+    return cells
+
+
+def compile_modes_of(row: dict[str, Any]) -> dict[str, str]:
+    """``{system: mode}`` of the torch.compile cells of ``row``, in table order."""
+    return {system: cell["mode"] for system, cell in row["systems"].items() if cell.get("mode")}
 
 
 def prepare_model(row: dict[str, Any], *, dtype: str, device: torch.device) -> Optional[tuple]:
@@ -461,8 +518,8 @@ def run_systems(
 ) -> None:
     """Each ``(system, run)`` in turn: ``run()`` fills the system's cell; one that raises
     becomes the cell's error (type, message, traceback) and the next one runs. After
-    torch.compile's run its caches are reset, unless ``reset_compile`` is false (its
-    compiled module is still to be called)."""
+    each torch.compile run (any mode) its caches are reset, unless ``reset_compile`` is
+    false (its compiled module is still to be called)."""
     for system, run in runs:
         cell = row["systems"][system]
         try:
@@ -472,7 +529,7 @@ def run_systems(
             # The helper's locals (a half-compiled module, its buffers) die with this block.
             cell.update(status="error", error=describe_error(err), traceback=traceback.format_exc())
             progress(f"{name}: {system} failed: {cell['error']}")
-        if system == "torch.compile" and reset_compile:
+        if cell.get("mode") and reset_compile:
             torch._dynamo.reset()
         release_memory(device)
 
@@ -486,8 +543,9 @@ def fill_speedups(row: dict[str, Any], time_key: str) -> None:
     """Every cell's ``speedup``: eager's ``time_key`` over the system's (1 for eager); none
     for an AutoFuser that fused no group (its ``nothing_fused`` is set instead)."""
     eager_cell = row["systems"]["eager"]
-    for system in ("torch.compile", "autofuser"):
-        cell = row["systems"][system]
+    for system, cell in row["systems"].items():
+        if system == "eager":
+            continue
         if system == "autofuser" and cell.get("fused_groups") == 0:
             cell["nothing_fused"] = True
             continue
@@ -506,17 +564,16 @@ def forward_systems(
     device: torch.device,
     iters: int,
     warmup: int,
-    compile_mode: str,
     no_compile: bool,
     cache_dir: Path,
     fuse_options: Optional[dict],
 ) -> None:
     """Run and time every system's forward on ``model`` into ``row``: ``call(fn)`` is the
     zero-argument call of ``fn`` (the model, or a system wrapping it) on the row's inputs,
-    ``finish(cell, output)`` records what is checked beyond the error against eager."""
+    ``finish(cell, output)`` records what is checked beyond the error against eager.
+    torch.compile runs in each mode of the row's cells (``system_cells``)."""
     autofuser_cell = start_autofuser_cell(row, first_call_cold_s=None, first_call_warm_s=None, warm_phases=None)
-    eager_cell, compile_cell = row["systems"]["eager"], row["systems"]["torch.compile"]
-    compile_cell["mode"] = compile_mode
+    eager_cell = row["systems"]["eager"]
     reference: Any = None
 
     def check(cell: dict[str, Any], out: Any) -> None:
@@ -554,19 +611,30 @@ def forward_systems(
         autofuser_cell["warm_notes"] = list(warm.report().notes)
         autofuser_cell.update(timed(call(warm), iters, warmup, device))
 
-    def run_compile() -> None:
-        progress(f"{name}: torch.compile (mode {compile_mode})")
-        torch._dynamo.reset()
-        compiled = torch.compile(model, mode=compile_mode)
-        out, seconds = first_call_s(call(compiled), device)
-        compile_cell["first_call_s"] = seconds
-        check(compile_cell, out)
-        compile_cell.update(timed(call(compiled), iters, warmup, device))
+    def compile_run(system: str, mode: str) -> Callable[[], None]:
+        cell = row["systems"][system]
 
-    if no_compile:
-        compile_cell.update(status="skipped", error=NO_COMPILE)
+        def run_compile() -> None:
+            progress(f"{name}: torch.compile (mode {mode})")
+            torch._dynamo.reset()
+            if mode in CUDA_GRAPH_MODES and device.type != "cuda":
+                cell["note"] = NO_CUDA_GRAPHS_ON_CPU
+            compiled = torch.compile(model, mode=mode)
+            out, seconds = first_call_s(call(compiled), device)
+            cell["first_call_s"] = seconds
+            check(cell, out)
+            first_error = cell["rel_err_vs_eager"]
+            cell.update(timed(call(compiled), iters, warmup, device))
+            # The first call of a CUDA-graph mode runs its warm-up, not the graph the timed calls
+            # replay: check a later call too, and keep the larger error.
+            check(cell, call(compiled)())
+            cell["rel_err_vs_eager"] = max(first_error, cell["rel_err_vs_eager"])
+
+        return run_compile
+
     runs = [("eager", run_eager), ("autofuser", run_autofuser)]
-    runs += [] if no_compile else [("torch.compile", run_compile)]
+    if not no_compile:
+        runs += [(system, compile_run(system, mode)) for system, mode in compile_modes_of(row).items()]
     run_systems(name, row, runs, device)
     if row["systems"]["autofuser"]["status"] == "ok" and autofuser_cell["fused_groups"] == 0:
         progress(f"{name}: AutoFuser fused no group; its speedup is left out (see the report's reasons)")
@@ -580,7 +648,7 @@ def bench_model(
     iters: int,
     warmup: int,
     config: str,
-    compile_mode: str,
+    compile_modes: tuple[str, ...] = DEFAULT_COMPILE_MODES,
     no_compile: bool,
     train_steps: int,
     batch_size: Optional[int],
@@ -592,9 +660,16 @@ def bench_model(
     entry = MODELS[name]
     mesh = MESHES[config]
     batch = batch_size or entry.batch(config)
-    row = start_row(name, config=config, batch=batch, train_steps=train_steps, empty_cell=_empty_cell)
+    row = start_row(
+        name,
+        config=config,
+        batch=batch,
+        train_steps=train_steps,
+        empty_cell=_empty_cell,
+        compile_modes=compile_modes,
+        no_compile=no_compile,
+    )
     start_autofuser_cell(row, first_call_cold_s=None, first_call_warm_s=None, warm_phases=None)
-    row["systems"]["torch.compile"]["mode"] = compile_mode
     prepared = prepare_model(row, dtype=dtype, device=device)
     if prepared is None:
         return row
@@ -615,22 +690,22 @@ def bench_model(
         device=device,
         iters=iters,
         warmup=warmup,
-        compile_mode=compile_mode,
         no_compile=no_compile,
         cache_dir=cache_dir,
         fuse_options=fuse_options,
     )
     if fresh_first_calls:
-        for system in ("autofuser",) + (() if no_compile else ("torch.compile",)):
+        fresh = {"autofuser": "default", **({} if no_compile else compile_modes_of(row))}
+        for system, mode in fresh.items():
             progress(f"{name}: {system} first call in a fresh process")
             answer = measure_in_fresh_process(
                 name,
-                system,
+                "autofuser" if system == "autofuser" else "torch.compile",
                 device=str(device),
                 dtype=dtype,
                 config=config,
                 batch=batch,
-                compile_mode=compile_mode,
+                compile_mode=mode,
                 tune_budget=(fuse_options or {}).get("tune_budget_s"),
             )
             row["systems"][system]["first_call_fresh_s"] = answer.get("first_call_s")
@@ -662,7 +737,7 @@ def bench_custom_model(
     dtype: str,
     iters: int,
     warmup: int,
-    compile_mode: str,
+    compile_modes: tuple[str, ...] = DEFAULT_COMPILE_MODES,
     no_compile: bool,
     cache_dir: Path,
     fuse_options: Optional[dict] = None,
@@ -682,7 +757,7 @@ def bench_custom_model(
         "params": parameter_count(model),
         "train_steps": 0,
         "train_losses": [],
-        "systems": {s: _empty_cell() for s in SYSTEMS},
+        "systems": system_cells(_empty_cell, compile_modes, no_compile),
     }
     try:
         model = model.to(device).eval()
@@ -709,7 +784,6 @@ def bench_custom_model(
         device=device,
         iters=iters,
         warmup=warmup,
-        compile_mode=compile_mode,
         no_compile=no_compile,
         cache_dir=cache_dir,
         fuse_options=fuse_options,
@@ -746,7 +820,7 @@ def run_bench(
     warmup: int = 10,
     out: Path = Path("bench-results"),
     config: str = "airfoil",
-    compile_mode: str = "default",
+    compile_modes: tuple[str, ...] = DEFAULT_COMPILE_MODES,
     no_compile: bool = False,
     train_steps: int = 0,
     batch_size: Optional[int] = None,
@@ -761,6 +835,10 @@ def run_bench(
     A name in ``custom_models`` is the user's model, ``(model, args, kwargs)``, not a zoo one.
     On a CPU, raises ``BenchError`` where Triton's interpreter can no longer be turned on."""
     custom_models = custom_models or {}
+    compile_modes = tuple(compile_modes)
+    if not compile_modes or len(set(compile_modes)) != len(compile_modes):
+        raise BenchError(f"compile_modes {compile_modes!r}: name one or more torch.compile modes, each once")
+    systems = systems_of(compile_modes)
     out.mkdir(parents=True, exist_ok=True)
     cache_root = cache_root or out / "autofuser-cache"
     use_interpreter_on_cpu(device)
@@ -777,7 +855,7 @@ def run_bench(
             iters=iters,
             warmup=warmup,
             config=config,
-            compile_mode=compile_mode,
+            compile_modes=compile_modes,
             no_compile=no_compile,
             train_steps=train_steps,
             batch_size=batch_size,
@@ -812,7 +890,7 @@ def run_bench(
             "iters": iters,
             "warmup": warmup,
             "config": config,
-            "compile_mode": compile_mode,
+            "compile_modes": list(compile_modes),
             "no_compile": no_compile,
             "train_steps": train_steps,
             "batch_size": batch_size,
@@ -826,10 +904,11 @@ def run_bench(
             ),
             **({"optimizer": "torch.optim.AdamW", "lr": TRAIN_LR, "loss": "mse_loss"} if train else {}),
         },
+        "systems": list(systems),
         "rows": rows,
         "geomean_speedup": {
             s: geometric_mean([r["systems"][s]["speedup"] for r in rows if r["systems"][s]["status"] == "ok"])
-            for s in SYSTEMS[1:]
+            for s in systems[1:]
         },
         "wall_s": time.perf_counter() - started,
     }
@@ -846,29 +925,41 @@ def run_bench(
 # Reporting
 # ---------------------------------------------------------------------------
 
-COLUMNS = [
-    "model",
-    "params",
-    "batch",
-    "eager ms",
-    "eager IQR ms",
-    "torch.compile ms",
-    "torch.compile IQR ms",
-    "torch.compile speedup",
-    "AutoFuser ms",
-    "AutoFuser IQR ms",
-    "AutoFuser speedup",
-    "torch.compile first call s",
-    "AutoFuser first call s (cold)",
-    "AutoFuser first call s (warm)",
-    "torch.compile rel err",
-    "AutoFuser rel err",
-    "test loss eager",
-    "test loss torch.compile",
-    "test loss AutoFuser",
-    "fused groups",
-    "skipped groups",
-]
+
+def forward_columns(compile_systems: "tuple[str, ...] | list[str]" = SYSTEMS[1:-1]) -> list[str]:
+    """bench.md's columns of a forward run whose torch.compile systems are ``compile_systems``
+    (``compile_system`` of each mode, in order): each has the same columns as the others."""
+    every = list(compile_systems)
+    return [
+        "model",
+        "params",
+        "batch",
+        "eager ms",
+        "eager IQR ms",
+        *[f"{system} {what}" for system in every for what in ("ms", "IQR ms", "speedup")],
+        "AutoFuser ms",
+        "AutoFuser IQR ms",
+        "AutoFuser speedup",
+        *[f"{system} first call s" for system in every],
+        "AutoFuser first call s (cold)",
+        "AutoFuser first call s (warm)",
+        *[f"{system} rel err" for system in every],
+        "AutoFuser rel err",
+        "test loss eager",
+        *[f"test loss {system}" for system in every],
+        "test loss AutoFuser",
+        "fused groups",
+        "skipped groups",
+    ]
+
+
+#: The columns of a run in the default modes.
+COLUMNS = forward_columns()
+
+
+def compile_systems_of(result: dict[str, Any]) -> list[str]:
+    """The torch.compile systems of a run (one per mode), in table order."""
+    return [system for system in result["systems"] if system not in ("eager", "autofuser")]
 
 
 def format_cell(cell: dict[str, Any], key: str, fmt: str) -> str:
@@ -919,25 +1010,33 @@ def table_lines(columns: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(cells) + " |" for cells in rows]
 
 
+def speedup_columns(result: dict[str, Any]) -> dict[str, str]:
+    """``{system: its speedup column}`` of every system but eager."""
+    return {
+        **{system: f"{system} speedup" for system in compile_systems_of(result)},
+        "autofuser": "AutoFuser speedup",
+    }
+
+
 def geomean_cells(columns: list[str], result: dict[str, Any], speedup_columns: dict[str, str]) -> list[str]:
     """The geometric-mean row: each system's mean speedup in its column ``speedup_columns[system]``."""
     geomean, cells = result["geomean_speedup"], [""] * len(columns)
     cells[0] = "geometric mean"
-    cells[columns.index(speedup_columns["torch.compile"])] = (
-        f"{geomean['torch.compile']:.2f}"
-        if geomean["torch.compile"]
-        else (NO_COMPILE if result["settings"]["no_compile"] else "-")
-    )
-    cells[columns.index(speedup_columns["autofuser"])] = f"{geomean['autofuser']:.2f}" if geomean["autofuser"] else "-"
+    for system, column in speedup_columns.items():
+        if geomean.get(system):
+            text = f"{geomean[system]:.2f}"
+        else:
+            text = NO_COMPILE if result["settings"]["no_compile"] and system != "autofuser" else "-"
+        cells[columns.index(column)] = text
     return cells
 
 
 def row_errors(row: dict[str, Any]) -> list[str]:
     """One line per failed system of ``row``, and one for a failed pre-training."""
     errors = [
-        f"- {row['model']} / {system}: {row['systems'][system]['error']}"
-        for system in SYSTEMS
-        if row["systems"][system]["status"] == "error"
+        f"- {row['model']} / {system}: {cell['error']}"
+        for system, cell in row["systems"].items()
+        if cell["status"] == "error"
     ]
     if row.get("train_error"):
         errors.append(f"- {row['model']} / training (measured untrained): {row['train_error']}")
@@ -947,8 +1046,16 @@ def row_errors(row: dict[str, Any]) -> list[str]:
 def footer_lines(result: dict[str, Any], errors: list[str]) -> list[str]:
     """What a noisy time and an unfused run mean (where there are any), the errors (where
     there are any) and what bench.png is."""
-    cells = [(row, row["systems"][s]) for row in result["rows"] for s in SYSTEMS]
+    cells = [(row, cell) for row in result["rows"] for cell in row["systems"].values()]
     lines = []
+    notes = {
+        (system, cell["note"])
+        for row in result["rows"]
+        for system, cell in row["systems"].items()
+        if cell.get("note") and cell["status"] == "ok"
+    }
+    if notes:
+        lines += ["", *[f"{system}: {note}." for system, note in sorted(notes)]]
     if any(cell.get("noisy") for _, cell in cells):
         lines += [
             "",
@@ -972,6 +1079,15 @@ def footer_lines(result: dict[str, Any], errors: list[str]) -> list[str]:
     ]
 
 
+def compile_modes_text(result: dict[str, Any]) -> str:
+    """What the header says of torch.compile's modes."""
+    settings = result["settings"]
+    if settings["no_compile"]:
+        return "no torch.compile (--no-compile)"
+    modes = settings["compile_modes"]
+    return f"torch.compile mode{'s' if len(modes) > 1 else ''} {', '.join(modes)} (each its own columns)"
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     settings = result["settings"]
     where = where_run(result)
@@ -981,54 +1097,60 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         f"{result['date']}; torch {result['torch']}, Triton {result['triton']}, AutoFuser {result['autofuser']}; "
         f"median of {settings['iters']} calls after {settings['warmup']} warm-up calls ({settings['timing']}), "
-        f"eval mode, no_grad{', bf16 autocast' if settings['dtype'] == 'bf16' else ''}; torch.compile mode "
-        f"{settings['compile_mode']}; {settings['train_steps']} training steps. Speedup = eager ms / system ms; "
+        f"eval mode, no_grad{', bf16 autocast' if settings['dtype'] == 'bf16' else ''}; {compile_modes_text(result)}; "
+        f"{settings['train_steps']} training steps. Speedup = eager ms / system ms; "
         "IQR = the interquartile range of the time per call over the timed blocks (share of the median); "
         "rel err = ||out - eager|| / ||eager||; test loss = relative L2 vs the airfoil target (zoo models only).",
         "",
     ]
     errors, table = [], []
+    compile_systems = compile_systems_of(result)
+    columns = forward_columns(compile_systems)
     for row in result["rows"]:
-        eager, compiled, fused = (row["systems"][s] for s in SYSTEMS)
+        eager, fused = row["systems"]["eager"], row["systems"]["autofuser"]
+        compiled = [row["systems"][system] for system in compile_systems]
         cells = [
             row["model"],
             format_params(row["params"]),
             "-" if row["batch"] is None else str(row["batch"]),
             format_cell(eager, "ms", ".3f"),
             format_spread(eager),
-            format_cell(compiled, "ms", ".3f"),
-            format_spread(compiled),
-            format_speedup(compiled, eager),
+            *[
+                text
+                for cell in compiled
+                for text in (format_cell(cell, "ms", ".3f"), format_spread(cell), format_speedup(cell, eager))
+            ],
             format_cell(fused, "ms", ".3f"),
             format_spread(fused),
             format_speedup(fused, eager),
-            format_cell(compiled, "first_call_s", ".2f"),
+            *[format_cell(cell, "first_call_s", ".2f") for cell in compiled],
             format_cell(fused, "first_call_cold_s", ".2f"),
             format_cell(fused, "first_call_warm_s", ".2f"),
-            format_cell(compiled, "rel_err_vs_eager", ".1e"),
+            *[format_cell(cell, "rel_err_vs_eager", ".1e") for cell in compiled],
             format_cell(fused, "rel_err_vs_eager", ".1e"),
             format_cell(eager, "test_loss", ".4f"),
-            format_cell(compiled, "test_loss", ".4f"),
+            *[format_cell(cell, "test_loss", ".4f") for cell in compiled],
             format_cell(fused, "test_loss", ".4f"),
             "-" if fused["fused_groups"] is None else str(fused["fused_groups"]),
             "-" if fused["skipped_groups"] is None else str(fused["skipped_groups"]),
         ]
         table.append(cells)
         errors += row_errors(row)
-    speedups = {"torch.compile": "torch.compile speedup", "autofuser": "AutoFuser speedup"}
-    lines += table_lines(COLUMNS, table + [geomean_cells(COLUMNS, result, speedups)])
+    lines += table_lines(columns, table + [geomean_cells(columns, result, speedup_columns(result))])
     if settings.get("fresh_first_calls"):
         lines += [
             "",
             "First calls in fresh processes, each with empty AutoFuser, Triton and Inductor caches "
             "(--fresh-first-calls), seconds:",
             "",
-            "| model | torch.compile first call | AutoFuser first call (cold) |",
-            "|---|---|---|",
+            "| model | "
+            + " | ".join(f"{system} first call" for system in compile_systems)
+            + " | AutoFuser first call (cold) |",
+            "|---|" + "---|" * (len(compile_systems) + 1),
         ]
         for row in result["rows"]:
             fresh = []
-            for system in ("torch.compile", "autofuser"):
+            for system in (*compile_systems, "autofuser"):
                 cell = row["systems"][system]
                 if cell.get("first_call_fresh_s") is not None:
                     fresh.append(f"{cell['first_call_fresh_s']:.2f}")
@@ -1037,7 +1159,7 @@ def render_markdown(result: dict[str, Any]) -> str:
                     errors.append(f"- {row['model']} / {system} (fresh process): {cell['first_call_fresh_error']}")
                 else:
                     fresh.append(cell["error"] if cell["status"] == "skipped" and cell["error"] else "-")
-            lines.append(f"| {row['model']} | {fresh[0]} | {fresh[1]} |")
+            lines.append(f"| {row['model']} | " + " | ".join(fresh) + " |")
     if settings.get("factory"):
         for row in result["rows"]:
             text = row["systems"]["autofuser"].get("report_text")
@@ -1057,14 +1179,16 @@ def write_plot(result: dict[str, Any], path: Path) -> str:
         return "not written: matplotlib is not installed (pip install 'autofuser[plot]')"
     rows = result["rows"]
     names = [r["model"] for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names) + 2), 4))
-    width = 0.38
+    systems = [*compile_systems_of(result), "autofuser"]
+    fig, ax = plt.subplots(figsize=(max(6.0, (0.4 + 0.35 * len(systems)) * len(names) + 2), 4))
+    width = 0.8 / len(systems)
     # A log axis, bars drawn from eager's 1x: 0.5x and 2x are equally far from it, and a
     # 0.001x bar is as visible as a 1000x one.
     ax.set_yscale("log")
-    for k, (system, label) in enumerate((("torch.compile", "torch.compile"), ("autofuser", "AutoFuser"))):
+    for k, system in enumerate(systems):
+        label = "AutoFuser" if system == "autofuser" else system
         values = [r["systems"][system]["speedup"] or 1.0 for r in rows]
-        positions = [i + (k - 0.5) * width for i in range(len(rows))]
+        positions = [i + (k - (len(systems) - 1) / 2) * width for i in range(len(rows))]
         bars = ax.bar(positions, [v - 1.0 for v in values], width, bottom=1.0, label=label)
         for bar, row in zip(bars, rows):
             cell = row["systems"][system]

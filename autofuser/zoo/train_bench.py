@@ -24,8 +24,12 @@ bench feeds). For each chosen model:
    ``first_step_warm_s``, and it is the one checked and timed, after the untimed
    steps (``settle_steps``) in which its check in use decides whether the fused
    step or the original runs;
-5. torch.compile: after ``torch._dynamo.reset()``, ``torch.compile(copy,
-   mode=--compile-mode)``; its first step (skipped with ``--no-compile``);
+5. torch.compile, once per mode of ``--compile-modes`` (each its own system,
+   as in the forward bench): after ``torch._dynamo.reset()``,
+   ``torch.compile(copy, mode=mode)``; its first step (skipped with
+   ``--no-compile``); in a CUDA-graph mode every step begins with
+   ``torch.compiler.cudagraph_mark_step_begin()``, as its documentation asks
+   of a training loop;
 6. the step time of each: ``--warmup`` steps of every system, then ``--iters``
    steps of each in turns of ``ROUND_STEPS``, the order rotating every round
    (``interleaved_steps``); a system's median step.
@@ -51,10 +55,15 @@ import torch.nn.functional as F
 
 import autofuser
 from autofuser.zoo.harness import (
-    NO_COMPILE,
+    CUDA_GRAPH_MODES,
+    DEFAULT_COMPILE_MODES,
+    NO_CUDA_GRAPHS_ON_CPU,
     SYSTEMS,
     TRAIN_LR,
     autocast_for,
+    compile_modes_of,
+    compile_modes_text,
+    compile_systems_of,
     describe_error,
     fill_speedups,
     first_call_s,
@@ -72,6 +81,7 @@ from autofuser.zoo.harness import (
     row_errors,
     run_systems,
     settle,
+    speedup_columns,
     spread,
     start_autofuser_cell,
     start_row,
@@ -81,32 +91,38 @@ from autofuser.zoo.harness import (
 )
 from autofuser.zoo.models import MESHES, MODELS, ModelEntry
 
-TRAIN_COLUMNS = [
-    "model",
-    "params",
-    "batch",
-    "eager step ms",
-    "eager IQR ms",
-    "torch.compile step ms",
-    "torch.compile IQR ms",
-    "torch.compile speedup",
-    "AutoFuser step ms",
-    "AutoFuser IQR ms",
-    "AutoFuser speedup",
-    "eager first step s",
-    "torch.compile first step s",
-    "AutoFuser first step s (cold)",
-    "AutoFuser first step s (warm)",
-    "eager peak MB",
-    "torch.compile peak MB",
-    "AutoFuser peak MB",
-    "torch.compile out rel err",
-    "torch.compile grad rel err",
-    "AutoFuser out rel err",
-    "AutoFuser grad rel err",
-    "fused groups",
-    "skipped groups",
-]
+
+def training_columns(compile_systems: "tuple[str, ...] | list[str]" = SYSTEMS[1:-1]) -> list[str]:
+    """bench.md's columns of a ``--train`` run whose torch.compile systems (one per mode) are
+    ``compile_systems``: each has the same columns as the others."""
+    every = list(compile_systems)
+    return [
+        "model",
+        "params",
+        "batch",
+        "eager step ms",
+        "eager IQR ms",
+        *[f"{system} {what}" for system in every for what in ("step ms", "IQR ms", "speedup")],
+        "AutoFuser step ms",
+        "AutoFuser IQR ms",
+        "AutoFuser speedup",
+        "eager first step s",
+        *[f"{system} first step s" for system in every],
+        "AutoFuser first step s (cold)",
+        "AutoFuser first step s (warm)",
+        "eager peak MB",
+        *[f"{system} peak MB" for system in every],
+        "AutoFuser peak MB",
+        *[f"{system} {what}" for system in every for what in ("out rel err", "grad rel err")],
+        "AutoFuser out rel err",
+        "AutoFuser grad rel err",
+        "fused groups",
+        "skipped groups",
+    ]
+
+
+#: The columns of a run in the default modes.
+TRAIN_COLUMNS = training_columns()
 
 
 def _empty_training_cell(status: str = "not run", error: Optional[str] = None) -> dict[str, Any]:
@@ -169,14 +185,20 @@ class TrainingStep:
         mesh: tuple[int, int],
         device: torch.device,
         dtype: str,
+        mark_steps: bool = False,
     ):
         self.module, self.entry, self.x, self.target = module, entry, x, target
         self.mesh, self.device, self.dtype = mesh, device, dtype
+        # torch.compile's CUDA graphs: tell it each step is a new iteration, so a replay may
+        # overwrite the previous step's outputs.
+        self.mark_steps = mark_steps
         self.parameters = list(model.parameters())
         self.optimiser = torch.optim.AdamW(self.parameters, lr=TRAIN_LR)
 
     def forward_backward(self) -> tuple[torch.Tensor, torch.Tensor]:
         """zero_grad, forward and loss (under autocast for bf16), backward: (output, loss)."""
+        if self.mark_steps:
+            torch.compiler.cudagraph_mark_step_begin()
         self.optimiser.zero_grad(set_to_none=True)
         with autocast_for(self.device, self.dtype):
             output = self.module(self.x)
@@ -277,7 +299,7 @@ def bench_training_model(
     iters: int,
     warmup: int,
     config: str,
-    compile_mode: str,
+    compile_modes: tuple[str, ...] = DEFAULT_COMPILE_MODES,
     no_compile: bool,
     train_steps: int,
     batch_size: Optional[int],
@@ -288,9 +310,16 @@ def bench_training_model(
     entry = MODELS[name]
     mesh = MESHES[config]
     batch = batch_size or entry.batch(config, train=True)
-    row = start_row(name, config=config, batch=batch, train_steps=train_steps, empty_cell=_empty_training_cell)
+    row = start_row(
+        name,
+        config=config,
+        batch=batch,
+        train_steps=train_steps,
+        empty_cell=_empty_training_cell,
+        compile_modes=compile_modes,
+        no_compile=no_compile,
+    )
     autofuser_cell = start_autofuser_cell(row, first_step_warm_s=None, settle_steps=None, warm_notes=None)
-    row["systems"]["torch.compile"]["mode"] = compile_mode
     prepared = prepare_model(row, dtype=dtype, device=device)
     if prepared is None:
         return row
@@ -299,9 +328,13 @@ def bench_training_model(
     def fresh_copy() -> torch.nn.Module:
         return copy.deepcopy(base).train()
 
-    def training_step(module: Callable[[torch.Tensor], Any], model: torch.nn.Module) -> TrainingStep:
+    def training_step(
+        module: Callable[[torch.Tensor], Any], model: torch.nn.Module, mark_steps: bool = False
+    ) -> TrainingStep:
         """``module`` (``model``, or a system wrapping it) trained with an optimiser of its own."""
-        return TrainingStep(module, model, entry, x, target, mesh=mesh, device=device, dtype=dtype)
+        return TrainingStep(
+            module, model, entry, x, target, mesh=mesh, device=device, dtype=dtype, mark_steps=mark_steps
+        )
 
     reference: Optional[FirstStep] = None
 
@@ -347,19 +380,25 @@ def bench_training_model(
         autofuser_cell["warm_notes"] = list(warm.report().notes)
         check("autofuser", step, first)
 
-    def run_compile() -> None:
-        progress(f"{name}: torch.compile training step (mode {compile_mode})")
-        torch._dynamo.reset()
-        model = fresh_copy()
-        step = training_step(torch.compile(model, mode=compile_mode), model)
-        first = step.first()
-        row["systems"]["torch.compile"]["first_step_s"] = first.seconds
-        check("torch.compile", step, first)
+    def compile_run(system: str, mode: str) -> Callable[[], None]:
+        def run_compile() -> None:
+            progress(f"{name}: torch.compile training step (mode {mode})")
+            # Each mode's compiled copy is called again when the steps are timed: its caches stay.
+            graphs = mode in CUDA_GRAPH_MODES
+            if graphs and device.type != "cuda":
+                row["systems"][system]["note"] = NO_CUDA_GRAPHS_ON_CPU
+            model = fresh_copy()
+            step = training_step(torch.compile(model, mode=mode), model, mark_steps=graphs)
+            first = step.first()
+            row["systems"][system]["first_step_s"] = first.seconds
+            check(system, step, first)
 
-    if no_compile:
-        row["systems"]["torch.compile"].update(status="skipped", error=NO_COMPILE)
+        return run_compile
+
     runs = [("eager", run_eager), ("autofuser", run_autofuser)]
-    runs += [] if no_compile else [("torch.compile", run_compile)]
+    if not no_compile:
+        torch._dynamo.reset()
+        runs += [(system, compile_run(system, mode)) for system, mode in compile_modes_of(row).items()]
     # torch.compile's caches stay until its steps are timed, with the others'.
     run_systems(name, row, runs, device, reset_compile=False)
     progress(f"{name}: timing {', '.join(steps)} in turns of {ROUND_STEPS} steps")
@@ -401,14 +440,17 @@ def render_training_markdown(result: dict[str, Any]) -> str:
         f"({settings['timing']}); speedup = eager step ms / system step ms; IQR = the interquartile range of "
         "the step times (share of the median); "
         "first step s includes compiling (AutoFuser: cold cache, then a fresh fuse on the warm cache); "
-        f"peak MB = the peak memory the timed steps add (CUDA only); torch.compile mode {settings['compile_mode']}; "
+        f"peak MB = the peak memory the timed steps add (CUDA only); {compile_modes_text(result)}; "
         "out / grad rel err = ||x - eager|| / ||eager|| of the first step's output and of all parameters' "
         "gradients after its backward.",
         "",
     ]
     errors, table = [], []
+    compile_systems = compile_systems_of(result)
+    columns = training_columns(compile_systems)
     for row in result["rows"]:
-        eager, compiled, fused = (row["systems"][s] for s in SYSTEMS)
+        eager, fused = row["systems"]["eager"], row["systems"]["autofuser"]
+        compiled = [row["systems"][system] for system in compile_systems]
         table.append(
             [
                 row["model"],
@@ -416,21 +458,30 @@ def render_training_markdown(result: dict[str, Any]) -> str:
                 str(row["batch"]),
                 format_cell(eager, "step_ms", ".3f"),
                 format_spread(eager, time_key="step_ms"),
-                format_cell(compiled, "step_ms", ".3f"),
-                format_spread(compiled, time_key="step_ms"),
-                format_speedup(compiled, eager),
+                *[
+                    text
+                    for cell in compiled
+                    for text in (
+                        format_cell(cell, "step_ms", ".3f"),
+                        format_spread(cell, time_key="step_ms"),
+                        format_speedup(cell, eager),
+                    )
+                ],
                 format_cell(fused, "step_ms", ".3f"),
                 format_spread(fused, time_key="step_ms"),
                 format_speedup(fused, eager),
                 format_cell(eager, "first_step_s", ".2f"),
-                format_cell(compiled, "first_step_s", ".2f"),
+                *[format_cell(cell, "first_step_s", ".2f") for cell in compiled],
                 format_cell(fused, "first_step_s", ".2f"),
                 format_cell(fused, "first_step_warm_s", ".2f"),
                 format_cell(eager, "peak_mem_mb", ".1f"),
-                format_cell(compiled, "peak_mem_mb", ".1f"),
+                *[format_cell(cell, "peak_mem_mb", ".1f") for cell in compiled],
                 format_cell(fused, "peak_mem_mb", ".1f"),
-                format_cell(compiled, "rel_err_vs_eager", ".1e"),
-                format_cell(compiled, "grad_rel_err_vs_eager", ".1e"),
+                *[
+                    format_cell(cell, key, ".1e")
+                    for cell in compiled
+                    for key in ("rel_err_vs_eager", "grad_rel_err_vs_eager")
+                ],
                 format_cell(fused, "rel_err_vs_eager", ".1e"),
                 format_cell(fused, "grad_rel_err_vs_eager", ".1e"),
                 "-" if fused.get("fused_groups") is None else str(fused["fused_groups"]),
@@ -438,6 +489,5 @@ def render_training_markdown(result: dict[str, Any]) -> str:
             ]
         )
         errors += row_errors(row)
-    speedups = {"torch.compile": "torch.compile speedup", "autofuser": "AutoFuser speedup"}
-    lines += table_lines(TRAIN_COLUMNS, table + [geomean_cells(TRAIN_COLUMNS, result, speedups)])
+    lines += table_lines(columns, table + [geomean_cells(columns, result, speedup_columns(result))])
     return "\n".join(lines + footer_lines(result, errors))

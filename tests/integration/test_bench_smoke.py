@@ -14,6 +14,7 @@ import io
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from typing import Optional
@@ -73,13 +74,14 @@ def test_bench_json_has_every_column_and_small_errors(smoke_run):
     for row in data["rows"]:
         assert row["params"] > 0 and row["batch"] == 2 and row["mesh"] == [17, 9]
         systems = row["systems"]
-        assert set(systems) == {"eager", "torch.compile", "autofuser"}
+        assert list(systems) == ["eager", "torch.compile", "torch.compile reduce-overhead", "autofuser"]
         for cell in systems.values():
             assert CELL_KEYS <= set(cell)
-        eager, compiled, fused = systems["eager"], systems["torch.compile"], systems["autofuser"]
+        eager, fused = systems["eager"], systems["autofuser"]
         assert AUTOFUSER_KEYS <= set(fused)
         assert eager["status"] == "ok" and eager["ms"] > 0 and eager["test_loss"] > 0
-        assert compiled["status"] == "skipped" and compiled["error"] == "skipped: --no-compile"
+        for compiled in (systems["torch.compile"], systems["torch.compile reduce-overhead"]):
+            assert compiled["status"] == "skipped" and compiled["error"] == "skipped: --no-compile"
         assert fused["status"] == "ok", fused["error"]
         assert fused["ms"] > 0 and fused["speedup"] > 0
         assert fused["first_call_cold_s"] > 0 and fused["first_call_warm_s"] > 0
@@ -90,6 +92,7 @@ def test_bench_json_has_every_column_and_small_errors(smoke_run):
         assert len(fused["report"]["groups"]) == fused["fused_groups"] + fused["skipped_groups"]
     assert data["geomean_speedup"]["autofuser"] > 0
     assert data["geomean_speedup"]["torch.compile"] is None
+    assert data["geomean_speedup"]["torch.compile reduce-overhead"] is None
 
 
 def test_bench_markdown_has_every_column(smoke_run):
@@ -103,6 +106,7 @@ def test_bench_markdown_has_every_column(smoke_run):
         assert len(cells) == len(harness.COLUMNS)
         assert all(cells), rows[name]
         assert cells[harness.COLUMNS.index("torch.compile ms")] == "skipped: --no-compile"
+        assert cells[harness.COLUMNS.index("torch.compile reduce-overhead ms")] == "skipped: --no-compile"
         assert not any(c.startswith("error") for c in cells)
     assert "geometric mean" in rows
 
@@ -193,7 +197,8 @@ def test_fresh_first_calls_run_in_their_own_processes_and_errors_are_cells(tmp_p
     fused = row["systems"]["autofuser"]
     assert fused["first_call_fresh_s"] > 0 and fused["first_call_fresh_error"] is None
     assert "first_call_fresh_s" not in row["systems"]["torch.compile"]  # --no-compile: not run
-    assert f"| fno | {harness.NO_COMPILE} | {fused['first_call_fresh_s']:.2f} |" in result["markdown"]
+    skipped = harness.NO_COMPILE
+    assert f"| fno | {skipped} | {skipped} | {fused['first_call_fresh_s']:.2f} |" in result["markdown"]
 
     answer = first_call.measure_in_fresh_process(
         "fno", "autofuser", device="cpu", dtype="fp32", config="tiny", batch=0
@@ -538,3 +543,156 @@ def test_help_shows_defaults_plain_text_and_imports_no_zoo(capsys):
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+
+
+# ---------------------------------------------------------------------------
+# torch.compile's modes: reduce-overhead beside the default, each its own columns
+# ---------------------------------------------------------------------------
+
+ALL_MODES = ["--compile-modes", "default,reduce-overhead,max-autotune"]
+TINY = ["--device", "cpu", "--config", "tiny", "--iters", "2", "--warmup", "1"]
+
+
+class _StandInCompile:
+    """``torch.compile`` without Inductor (no C compiler, no minutes of compiling on the
+    test machine): the model run as it is, a little off eager in reduce-overhead so that
+    each mode's error is told apart, and max-autotune failing on its first call."""
+
+    OFFSET = 1e-3
+
+    def __init__(self):
+        self.modes: list[str] = []
+
+    def __call__(self, model, *, mode=None, **kwargs):
+        self.modes.append(mode)
+
+        def compiled(*args, **kw):
+            if mode == "max-autotune":
+                raise RuntimeError("autotuning found no config (pretend)")
+            out = model(*args, **kw)
+            return out * (1 + self.OFFSET) if mode == "reduce-overhead" else out
+
+        return compiled
+
+
+def _table(markdown: str) -> tuple[list[str], dict[str, list[str]]]:
+    """bench.md's header and its rows by their first cell."""
+    lines = [line for line in markdown.splitlines() if line.startswith("| ")]
+    split = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines]
+    header = next(cells for cells in split if cells[0] == "model")
+    return header, {cells[0]: cells for cells in split if cells[0] != "model"}
+
+
+def test_compile_modes_are_parsed_checked_and_the_old_flag_still_works(capsys):
+    parser = build_parser()
+    assert parser.parse_args(["bench"]).compile_modes == ("default", "reduce-overhead")
+    assert parser.parse_args(["bench", "--compile-mode", "max-autotune"]).compile_modes == ("max-autotune",)
+    assert parser.parse_args(["bench", *ALL_MODES]).compile_modes == ("default", "reduce-overhead", "max-autotune")
+    for bad, says in (("default,fastest", "'fastest'"), ("default,default", "names a mode twice"), (",", "no mode")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", "--compile-modes", bad])
+        assert says in capsys.readouterr().err
+
+
+def test_bench_has_a_column_set_per_compile_mode_and_a_failing_mode_is_its_cell(tmp_path, monkeypatch):
+    """A tiny zoo model with three torch.compile modes: each mode its own cells, columns and
+    geometric mean; reduce-overhead says that a CPU records no CUDA graph; max-autotune's
+    failure is that cell's error while the others are measured."""
+    stand_in = _StandInCompile()
+    monkeypatch.setattr(torch, "compile", stand_in)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["bench", "--models", "fno", *TINY, *ALL_MODES, "--out", str(tmp_path)]) == 0
+    assert stand_in.modes == ["default", "reduce-overhead", "max-autotune"]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    systems = ["eager", "torch.compile", "torch.compile reduce-overhead", "torch.compile max-autotune", "autofuser"]
+    assert data["systems"] == systems and data["settings"]["compile_modes"] == ALL_MODES[1].split(",")
+    (row,) = data["rows"]
+    cells = row["systems"]
+    assert list(cells) == systems
+    default, overhead, autotune = (cells[s] for s in systems[1:4])
+    assert [default["mode"], overhead["mode"], autotune["mode"]] == ["default", "reduce-overhead", "max-autotune"]
+    for cell in (default, overhead):
+        assert cell["status"] == "ok", cell["error"]
+        assert cell["ms"] > 0 and cell["first_call_s"] > 0 and cell["iqr_ms"] >= 0
+        assert cell["speedup"] == pytest.approx(cells["eager"]["ms"] / cell["ms"])
+    assert default["rel_err_vs_eager"] == 0.0
+    assert overhead["rel_err_vs_eager"] == pytest.approx(_StandInCompile.OFFSET, rel=1e-3)
+    assert overhead["note"] == harness.NO_CUDA_GRAPHS_ON_CPU and "note" not in default
+    assert autotune["status"] == "error" and "autotuning found no config" in autotune["error"]
+    assert autotune["ms"] is None and autotune["speedup"] is None
+    assert cells["autofuser"]["status"] == "ok" and cells["autofuser"]["fused_groups"] >= 1
+    geomean = data["geomean_speedup"]
+    assert set(geomean) == set(systems[1:])
+    assert geomean["torch.compile"] == pytest.approx(default["speedup"])
+    assert geomean["torch.compile reduce-overhead"] == pytest.approx(overhead["speedup"])
+    assert geomean["torch.compile max-autotune"] is None
+
+    markdown = (tmp_path / "bench.md").read_text()
+    assert markdown.strip() in printed.getvalue()
+    header, rows = _table(markdown)
+    assert header == harness.forward_columns(systems[1:4])
+    for system in systems[1:4]:
+        for what in ("ms", "IQR ms", "speedup", "first call s", "rel err"):
+            assert f"{system} {what}" in header
+    fno, mean = rows["fno"], rows["geometric mean"]
+    assert len(fno) == len(header) and all(fno)
+    assert fno[header.index("torch.compile reduce-overhead rel err")] == f"{overhead['rel_err_vs_eager']:.1e}"
+    assert fno[header.index("torch.compile max-autotune ms")] == "error: RuntimeError"
+    assert mean[header.index("torch.compile speedup")] == f"{geomean['torch.compile']:.2f}"
+    assert mean[header.index("torch.compile reduce-overhead speedup")] == f"{geomean[systems[2]]:.2f}"
+    assert mean[header.index("torch.compile max-autotune speedup")] == "-"
+    assert "fno / torch.compile max-autotune: RuntimeError: autotuning found no config" in markdown
+    assert f"torch.compile reduce-overhead: {harness.NO_CUDA_GRAPHS_ON_CPU}." in markdown
+
+
+def test_train_bench_has_a_column_set_per_compile_mode(tmp_path, monkeypatch):
+    stand_in = _StandInCompile()
+    monkeypatch.setattr(torch, "compile", stand_in)
+    result = harness.run_bench(
+        ["fno"],
+        device=torch.device("cpu"),
+        config="tiny",
+        iters=2,
+        warmup=0,
+        out=tmp_path,
+        compile_modes=("default", "reduce-overhead", "max-autotune"),
+        train=True,
+    )
+    (row,) = result["rows"]
+    default, overhead, autotune = (row["systems"][harness.compile_system(m)] for m in stand_in.modes)
+    for cell in (default, overhead):
+        assert cell["status"] == "ok", cell["error"]
+        assert cell["step_ms"] > 0 and cell["first_step_s"] > 0 and cell["speedup"] > 0
+    assert default["grad_rel_err_vs_eager"] == 0.0 and default["rel_err_vs_eager"] == 0.0
+    assert overhead["rel_err_vs_eager"] == pytest.approx(_StandInCompile.OFFSET, rel=1e-3)
+    assert overhead["grad_rel_err_vs_eager"] > 0  # its loss, and so its gradients, differ
+    assert overhead["note"] == harness.NO_CUDA_GRAPHS_ON_CPU
+    assert autotune["status"] == "error" and autotune["step_ms"] is None
+    header, rows = _table(result["markdown"])
+    assert header == train_bench.training_columns([harness.compile_system(m) for m in stand_in.modes])
+    assert len(rows["fno"]) == len(header) and all(rows["fno"])
+    assert rows["geometric mean"][header.index("torch.compile reduce-overhead speedup")] == (
+        f"{result['geomean_speedup']['torch.compile reduce-overhead']:.2f}"
+    )
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="Inductor needs a C compiler")
+def test_bench_of_a_module_factory_model_under_reduce_overhead(model_file, tmp_path):
+    """The real torch.compile in reduce-overhead mode on a CPU: it records no CUDA graph but
+    runs, and its output (first call and a later one) is checked against eager's."""
+    spec = f"{model_file}:make"
+    out = tmp_path / "bench"
+    command = ["bench", spec, "--device", "cpu", "--iters", "2", "--warmup", "1", "--out", str(out)]
+    assert main([*command, "--compile-modes", "reduce-overhead"]) == 0
+    data = json.loads((out / "bench.json").read_text())
+    (row,) = data["rows"]
+    assert list(row["systems"]) == ["eager", "torch.compile reduce-overhead", "autofuser"]
+    cell = row["systems"]["torch.compile reduce-overhead"]
+    assert cell["status"] == "ok", cell["error"]
+    assert cell["mode"] == "reduce-overhead" and cell["note"] == harness.NO_CUDA_GRAPHS_ON_CPU
+    assert 0 <= cell["rel_err_vs_eager"] < 1e-5 and cell["ms"] > 0 and cell["speedup"] > 0
+    assert data["geomean_speedup"]["torch.compile reduce-overhead"] == pytest.approx(cell["speedup"])
+    header, rows = _table((out / "bench.md").read_text())
+    assert header == harness.forward_columns(["torch.compile reduce-overhead"])
+    assert rows[spec][header.index("torch.compile reduce-overhead ms")] == f"{cell['ms']:.3f}"

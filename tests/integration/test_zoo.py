@@ -11,6 +11,7 @@ derivative of the complex potential.
 from __future__ import annotations
 
 import cmath
+import contextlib
 import math
 
 import pytest
@@ -37,13 +38,25 @@ def expected_shape(name: str) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------
 
 
-def test_registry_lists_the_nine_models_with_their_airfoil_settings():
-    assert list(MODELS) == ["galerkin", "transformer", "transolver", "gnot", "factformer", "fno", "ffno", "unet", "lsm"]
+def test_registry_lists_the_eleven_models_with_their_airfoil_settings():
+    assert list(MODELS) == [
+        "galerkin",
+        "transformer",
+        "transolver",
+        "gnot",
+        "factformer",
+        "fno",
+        "ffno",
+        "unet",
+        "lsm",
+        "ufno",
+        "upt",
+    ]
     for name, entry in MODELS.items():
         assert entry.layout in ("points", "grid"), name
         assert set(entry.configs) == {"airfoil", "tiny"}, name
         assert "fp32" in entry.dtypes and "bf16" in entry.dtypes, name
-        if entry.family == "transformer":
+        if entry.family == "transformer" and name != "upt":  # UPT: width 512 on latent tokens
             airfoil_config = entry.configs["airfoil"]
             assert (airfoil_config["width"], airfoil_config["layers"], airfoil_config["heads"]) == (128, 8, 8), name
             assert entry.batch_size == 4, name
@@ -342,3 +355,48 @@ def test_repeated_layers_share_their_kernels(name):
     assert all(len(names) == 1 for names in names_by_code.values()), names_by_code.values()
     attention = {g.kernel for g in groups if "attention" in g.strategy}
     assert len(attention) == 1 and sum("attention" in g.strategy for g in groups) == 2, str(fused.report())
+
+
+# ---------------------------------------------------------------------------
+# U-FNO and the UPT-like model: the patterns they add to the zoo, fused
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("name", "strategy"),
+    [("ufno", "implicit_gemm"), ("upt", "softmax_attention")],
+    ids=["ufno-unet-convolutions", "upt-cross-attention"],
+)
+def test_new_zoo_patterns_fuse_and_match_eager(name, strategy, autocast):
+    """U-FNO's U-Net branch (strided 3 x 3 convolutions with batch norm and LeakyReLU) and
+    UPT's cross-attention between points and latent tokens fuse, and the fused model
+    gives eager's output on a fresh airfoil, in fp32 and under bf16 autocast."""
+    torch.manual_seed(0)
+    model = MODELS[name].make("tiny").eval()
+    fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+    x = tiny_input(name, seed=3)
+    region = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.no_grad(), region:
+        got, expected = fused(x), model(x)
+    tolerance = {"atol": 3e-2, "rtol": 3e-2} if autocast else {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+    strategies = [g.strategy for g in fused.report().fused]
+    assert strategy in strategies, str(fused.report())
+
+
+def test_ufno_pads_to_a_multiple_of_8_and_crops_back():
+    """221 x 51 pads to 224 x 56, where the U-Net's three halvings come back to the same
+    size; the tiny 17 x 9 to 24 x 16. A point's output depends on the mesh only through
+    the model, so the crop returns exactly the mesh's points."""
+    from autofuser.zoo.models.ufno import UNetBranch
+
+    model = MODELS["ufno"].make("tiny").eval()
+    seen = []
+    for module in model.modules():
+        if isinstance(module, UNetBranch):
+            module.register_forward_hook(lambda m, args, out: seen.append((args[0].shape, out.shape)))
+    with torch.no_grad():
+        out = model(tiny_input("ufno"))
+    assert out.shape == (TINY_BATCH, *TINY_MESH, 1)
+    assert seen and all(i[-2:] == (24, 16) and i == o for i, o in seen)

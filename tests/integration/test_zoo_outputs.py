@@ -14,8 +14,10 @@ stays under a minute on two loaded CPU cores: galerkin (linear attention, row
 chains), transformer (softmax attention, a product), transolver (slice
 attention, implicit GEMM, an MLP chain), factformer (linear epilogues, row
 reductions, elementwise groups), fno without and with the FFT plugin (the
-spectral mix), ffno, and unet (convolutions as implicit GEMMs, fused
-upsampling). gnot and lsm, the slowest to fuse (a third of a minute each on a
+spectral mix), ffno, unet (convolutions as implicit GEMMs, fused
+upsampling), ufno (strided convolutions with batch norm beside the spectral
+convolution) and upt (cross-attention to latent tokens, sine-cosine
+features). gnot and lsm, the slowest to fuse (a third of a minute each on a
 loaded machine) and made of strategies the others cover, are recorded too and
 run with ``AUTOFUSER_ZOO_OUTPUTS_ALL=1``.
 """

@@ -33,7 +33,9 @@ from .gnot import GNOT
 from .lsm import LSM2d
 from .transformer import Transformer
 from .transolver import Transolver
+from .ufno import UFNO2d
 from .unet import UNet2d
+from .upt import UPT
 
 #: Mesh (H, W) of each configuration: H points around the airfoil, W from the wall outwards.
 MESHES: dict[str, tuple[int, int]] = {"airfoil": (221, 51), "tiny": (17, 9)}
@@ -205,6 +207,37 @@ MODELS: dict[str, ModelEntry] = {
                 "tiny": {"width": 8, "num_token": 4, "num_basis": 4, "depth": 2, "heads": 2, "projection": 16},
             },
             notes="the grid is zero-padded to a multiple of 16 (224 x 64) inside the model and cropped back",
+        ),
+        ModelEntry(
+            name="ufno",
+            title="U-FNO",
+            family="neural operator",
+            layout="grid",
+            batch_size=20,
+            paper="Wen et al., U-FNO - An enhanced Fourier neural operator-based deep-learning model for "
+            "multiphase flow, Advances in Water Resources 2022",
+            builder=UFNO2d,
+            configs={
+                "airfoil": {"width": 32, "modes": (12, 12), "fourier_layers": 3, "ufourier_layers": 3},
+                "tiny": {"width": 8, "modes": (4, 3), "fourier_layers": 1, "ufourier_layers": 1, "projection": 16},
+            },
+            notes="FNO with a U-Net beside the spectral convolution in its last layers; the grid is zero-padded "
+            "to a multiple of 8 (224 x 56) inside the model and cropped back",
+        ),
+        ModelEntry(
+            name="upt",
+            title="UPT (latent tokens)",
+            family="transformer",
+            layout="points",
+            batch_size=8,
+            paper="Alkin et al., Universal Physics Transformers, NeurIPS 2024",
+            builder=UPT,
+            configs={
+                "airfoil": {"width": 512, "latents": 256, "layers": 4, "heads": 8, "mlp_ratio": 4},
+                "tiny": {"width": 16, "latents": 8, "layers": 2, "heads": 2, "mlp_ratio": 2},
+            },
+            notes="points pooled into latent tokens by a perceiver (no supernode message passing), a "
+            "transformer on the tokens, a cross-attention decoder at the mesh points",
         ),
     )
 }

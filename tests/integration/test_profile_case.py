@@ -1,0 +1,106 @@
+"""``benchmarks/profile_case.py`` side by side, on the CPU: its options, its kernel table
+from a real ``torch.profiler`` run of a tiny model, and its markdown summary."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+MODEL_FILE = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(24)
+        self.fc = nn.Linear(24, 40)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.fc(self.norm(x))) * 0.5
+
+
+def make():
+    torch.manual_seed(0)
+    return Block(), torch.randn(1, 37, 24)
+"""
+
+
+@pytest.fixture(scope="module")
+def profile_case():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("profile_case")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_options_default_to_autofuser_beside_reduce_overhead_and_refuse_bad_ones(profile_case, capsys):
+    args = profile_case.parse_args(["--zoo", "unet"])
+    assert args.side_by_side and args.systems == ["autofuser", "reduce-overhead"] and args.top == 15
+    args = profile_case.parse_args(["--factory", "m.py:make", "--systems", "eager, autofuser,max-autotune"])
+    assert args.systems == ["eager", "autofuser", "max-autotune"] and args.zoo is None
+    assert not profile_case.parse_args(["--form", "galerkin"]).side_by_side  # the single-case path
+    for argv, says in (
+        (["--zoo", "nonesuch"], "not a zoo model"),
+        (["--zoo", "unet", "--factory", "m.py:make"], "give one"),
+        (["--factory", "m.py"], "not MODULE:FACTORY"),
+        (["--zoo", "unet", "--systems", "autofuser,fastest"], "fastest unknown"),
+        (["--zoo", "unet", "--systems", "autofuser,autofuser"], "once"),
+        (["--zoo", "unet", "--top", "0"], "--top must be at least 1"),
+        (["--zoo", "unet", "--calls", "0"], "--calls must be at least 1"),
+    ):
+        with pytest.raises(SystemExit):
+            profile_case.parse_args(argv)
+        assert says in capsys.readouterr().err, argv
+
+
+def test_summary_lists_each_systems_top_kernels_per_forward(profile_case):
+    row = profile_case.KernelRow
+    long_name = "triton_per_fused_native_layer_norm_" + "x" * 200
+    profiles = {
+        "autofuser": [row("fused_ln_linear_gelu", 1.0, 0.30), row("copy|kernel", 2.0, 0.10)],
+        "reduce-overhead": [row(long_name, 1.0, 0.25), row("sm90_gemm", 1.0, 0.20), row("triton_poi", 3.0, 0.05)],
+    }
+    text = profile_case.render_summary(profiles, top=2, title="unet (airfoil)", where="cuda (H200)", calls=20)
+    lines = text.splitlines()
+    assert lines[0] == "# Kernels per forward: unet (airfoil)"
+    assert "| AutoFuser | 3 | 2 | 0.400 |" in lines
+    assert "| torch.compile reduce-overhead | 5 | 3 | 0.500 |" in lines
+    assert "## AutoFuser: top 2 of 2" in lines and "## torch.compile reduce-overhead: top 2 of 3" in lines
+    assert "| `fused_ln_linear_gelu` | 1 | 0.300 | 75% |" in lines
+    assert "| `copy\\|kernel` | 2 | 0.100 | 25% |" in lines  # a | in a name does not split the cell
+    cut = long_name[: profile_case.NAME_WIDTH - 3] + "..."
+    assert f"| `{cut}` | 1 | 0.250 | 50% |" in lines
+    assert "| `sm90_gemm` | 1 | 0.200 | 40% |" in lines
+    assert "triton_poi" not in text  # past the top 2
+    assert "GPU kernels" in lines[2]
+
+
+def test_side_by_side_profiles_a_tiny_model_on_the_cpu(profile_case, tmp_path):
+    """A real torch.profiler run of eager and AutoFuser (under the interpreter) on a
+    MODULE:FACTORY model: eager's ops are the model's own, counted once per forward."""
+    (tmp_path / "tiny_block.py").write_text(MODEL_FILE)
+    out = tmp_path / "profile.md"
+    factory = f"{tmp_path / 'tiny_block.py'}:make"
+    argv = ["--factory", factory, "--device", "cpu", "--systems", "eager,autofuser", "--calls", "3"]
+    assert profile_case.main([*argv, "--warmup", "1", "--top", "4", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith(f"# Kernels per forward: {factory} (fp32)")
+    assert "CPU ops (self time" in text
+    assert "## eager: top 4 of" in text and "## AutoFuser: top 4 of" in text
+    profiles, _, where = profile_case.profile_systems(profile_case.parse_args([*argv, "--warmup", "0"]))
+    assert where == "cpu"
+    eager = {row.name: row for row in profiles["eager"]}
+    for op in ("aten::layer_norm", "aten::linear", "aten::gelu"):
+        assert eager[op].launches == 1 and eager[op].ms >= 0, op
+    assert all(earlier.ms >= later.ms for earlier, later in zip(profiles["eager"], profiles["eager"][1:]))
+    assert profiles["autofuser"] and "aten::gelu" not in {row.name for row in profiles["autofuser"]}
+    torch._dynamo.reset()
