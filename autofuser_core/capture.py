@@ -97,6 +97,7 @@ INPUT_NAMES_KEY = "autofuser_input_names"
 ROOT_ATTR = "opaque_model"  # attribute holding the model when the root is opaque
 
 SOURCE_KEY = "autofuser_source"  # (file, line, function) of the user's code that made a node
+CAPTURED_OUTPUT_KEY = "autofuser_captured_output"  # a module call's output structure, shapes and dtypes
 FREE_KEY = "autofuser_free"  # True where the node's result is an input's storage (a view): it moves no data
 
 _REAL = "_autofuser_real_value"  # private node.meta keys, deleted after tracing
@@ -994,6 +995,50 @@ class LeafCall:
         return f"LeafCall({self.name})"
 
 
+class OutputShapeCheck:
+    """The check after an opaque module's call in a captured graph (a ``call_function``
+    node that returns its argument itself): the graph after an opaque module was traced
+    with the output the module returned on the example inputs, so, as for a leaf
+    function (``LeafCall``), each call checks that output keeps the structure, shapes and
+    dtypes it had at capture, and raises ``CaptureError`` naming the module where it
+    doesn't, rather than letting the graph compute on with the old shapes."""
+
+    def __init__(self, path: str, expected: tuple) -> None:
+        self.path, self.expected = path, expected
+        self.__name__ = self.__qualname__ = "output_shape_check"
+        self.__module__ = __name__
+
+    def __call__(self, output: Any) -> Any:
+        described = _describe_output(output)
+        if described != self.expected:
+            raise CaptureError(
+                f"module {self.path} (run as it is: it could not be traced) returned "
+                f"{_format_output(described)} here but {_format_output(self.expected)} when the model "
+                "was captured: its output's shape depends on tensor values, and the graph after it was "
+                f"specialised on the first shapes. Make {self.path} return the same shapes for inputs of "
+                "the same shape (mask or pad instead of dropping entries), or run the model without AutoFuser."
+            )
+        return output
+
+    def __repr__(self) -> str:
+        return f"OutputShapeCheck({self.path})"
+
+
+def _check_opaque_outputs(gm: torch.fx.GraphModule, opaque: dict[str, str]) -> None:
+    """Put an ``OutputShapeCheck`` after each opaque module's call whose output the graph
+    reads, with what it returned at capture (``CAPTURED_OUTPUT_KEY``)."""
+    for node in list(gm.graph.nodes):
+        captured = node.meta.get(CAPTURED_OUTPUT_KEY)
+        if node.op != "call_module" or node.target not in opaque or not node.users or captured is None:
+            continue
+        with gm.graph.inserting_after(node):
+            check = gm.graph.call_function(OutputShapeCheck(str(node.target), captured), (node,))
+        node.replace_all_uses_with(check, delete_user_cb=lambda user: user is not check)
+        check.meta = {k: v for k, v in node.meta.items() if k in ("tensor_meta", "type")}
+        check.meta[FREE_KEY] = True  # it returns its argument itself: no data moves
+    gm.recompile()
+
+
 def _format_output(described: tuple) -> str:
     parts = [
         f"{str(d[1]).replace('torch.', '')}{list(d[0])}" if isinstance(d, tuple) else d.__name__ for d in described[1]
@@ -1125,6 +1170,8 @@ class _ShapeRecorder(torch.fx.Interpreter):
         result = super().run_node(n)
         if inputs and isinstance(result, torch.Tensor):
             n.meta[FREE_KEY] = _is_free(result, inputs, versions)
+        if n.op == "call_module":  # what an opaque one returned, for OutputShapeCheck
+            n.meta[CAPTURED_OUTPUT_KEY] = _describe_output(result)
         found = False
 
         def meta(value: Any) -> Any:
@@ -1278,6 +1325,8 @@ def capture(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any)
             module = model.get_submodule(path)
             if module._forward_hooks or module._forward_pre_hooks or _backward_hooked(module):
                 opaque[path] = "it has hooks, which run only when the module itself is called"
+    if "" not in opaque:  # the whole model opaque: no graph after it was specialised
+        _check_opaque_outputs(gm, opaque)
     for node in gm.graph.nodes:
         if node.op == "call_module" and (node.target in opaque or "" in opaque):
             node.meta[OPAQUE_REASON_KEY] = opaque.get(node.target, opaque.get(""))

@@ -44,7 +44,7 @@ from torch.nn.utils import parametrize
 from . import timing
 from .backward import build_backward
 from .cache import cache_dir, load_kernel_module, write_tuning
-from .capture import FREE_KEY, preserved_state
+from .capture import FREE_KEY, OutputShapeCheck, preserved_state
 from .group import MAX_PRODUCTS, STRICT_FP32, GroupProgram, attr_tensor, product_count
 from .interpreter import kernels_cannot_run, warn_once
 from .ir import AttrRef
@@ -248,7 +248,10 @@ def _compile_graph(
             by_name = {n.name: n for n in gm.graph.nodes}
             for entry in view.skipped:
                 node = by_name.get(entry.node)
-                free = node is not None and bool(node.meta.get(FREE_KEY, False))
+                if node is not None and isinstance(node.target, OutputShapeCheck):
+                    continue  # capture's own check on an opaque part's output: no op of the model
+                # An opaque module that returned its input once is no view for that.
+                free = node is not None and node.op != "call_module" and bool(node.meta.get(FREE_KEY, False))
                 report.unfused_nodes.append(
                     NodeEntry(
                         node=entry.node,

@@ -256,7 +256,7 @@ def describe_graph(gm) -> list[GraphNode]:
                 dtype=dtype,
                 module=module,
                 source=source,
-                free=bool(node.meta.get(FREE_KEY, False)),
+                free=node.op != "call_module" and bool(node.meta.get(FREE_KEY, False)),
             )
         )
     return nodes

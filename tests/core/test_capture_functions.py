@@ -357,3 +357,42 @@ def test_a_method_leaf_changing_module_state_does_not_recompile():
             assert model.repaired == call + 1
     assert len(fused.reports()) == 1  # the count the helper keeps is absorbed, not a new signature
     assert list(fused.report().opaque) == ["test_capture_functions:CountsJitter._finite"]
+
+
+class PositiveRows(nn.Module):
+    """An opaque module (its branch is in its own forward) whose output's row count
+    depends on the values."""
+
+    def forward(self, x):
+        if bool((x < 0).any()):
+            return x[(x > 0).all(dim=1)]
+        return x
+
+
+class MeanOfAModulesRows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rows = PositiveRows()
+
+    def forward(self, x):
+        rows = self.rows(torch.tanh(x) * 2)
+        return rows.sum(dim=0) / rows.shape[0]  # the row count is specialised while tracing
+
+
+def test_an_opaque_module_returning_another_shape_raises_instead_of_computing_on():
+    """The same check for an opaque module's output: it keeps fusing around it, and a
+    call where the module drops rows raises, naming it, where the graph would divide by
+    the captured count."""
+    model = MeanOfAModulesRows()
+    x = torch.rand(6, 5) + 0.1
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False)
+        torch.testing.assert_close(fused(x), model(x))
+        report = fused.report()
+        assert list(report.opaque) == ["rows"], str(report)
+        assert report.fused, str(report)  # the tanh before it, the division after it
+        fresh = torch.rand(6, 5) + 0.1
+        torch.testing.assert_close(fused(fresh), model(fresh))
+        fresh[2] -= 10  # one row negative: eager averages 5 rows, the graph would divide by 6
+        with pytest.raises(CaptureError, match=r"module rows .* returned float32\[5, 5\] here but float32\[6, 5\]"):
+            fused(fresh)
