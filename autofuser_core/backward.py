@@ -35,6 +35,8 @@ logger = logging.getLogger("autofuser.compile")
 
 #: Seed of the sample gradients a backward graph is traced and verified with.
 GRAD_SEED = 4321
+#: ``gm.meta`` flag of a group's backward graph, for compiling (``compile_graph``).
+BACKWARD_GRAPH_KEY = "autofuser_backward_graph"
 
 
 def trace_backward(fused: FusedKernel, inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]):
@@ -158,6 +160,7 @@ def build_backward(
         to_torch_level(gm, (*inputs, *grads))
         record_shapes(gm, *inputs, *grads)
         gm.meta["autofuser_input_names"] = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        gm.meta[BACKWARD_GRAPH_KEY] = True
         fused_gm, report = compile_graph(gm, (*inputs, *grads), progress)
     for entry in [*report.groups, *report.unfused_nodes]:
         entry.phase = "backward"

@@ -42,7 +42,7 @@ import torch.fx
 from torch.nn.utils import parametrize
 
 from . import timing
-from .backward import build_backward
+from .backward import BACKWARD_GRAPH_KEY, build_backward
 from .cache import cache_dir, load_kernel_module, write_tuning
 from .capture import FREE_KEY, OutputShapeCheck, preserved_state
 from .group import MAX_PRODUCTS, STRICT_FP32, GroupProgram, attr_tensor, product_count
@@ -190,6 +190,7 @@ def _compile_graph(
     gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, progress, backward: bool
 ) -> tuple[torch.fx.GraphModule, FusionReport]:
     started = time.perf_counter()
+    backward_graph = bool(gm.meta.get(BACKWARD_GRAPH_KEY))
     report = FusionReport(plugins=list(plugin_set.names), opaque=dict(gm.meta.get("autofuser_opaque", {})))
     _transform_graph(gm, plugin_set, options)
     _spell_negative_bases(gm)
@@ -230,6 +231,13 @@ def _compile_graph(
                 return "decided in an earlier round"
             if (candidate.strategy.name, frozenset(candidate.nodes)) in lost:
                 return "decided in an earlier round"
+            if backward_graph and len(candidate.nodes) == 1 and product_count(candidate.program) == 0:
+                # One pointwise op or reduction as a kernel moves the bytes eager's op moves:
+                # nothing to gain, and a backward graph compiles at the user's first step.
+                return (
+                    "a single op without a product saves no memory traffic; in a backward graph "
+                    "it stays the library's call"
+                )
             return _veto(plugin_set, candidate, options)
 
         step_to(progress, "plan" if round_number == 1 else f"plan (round {round_number})")

@@ -723,3 +723,37 @@ def test_two_fused_modules_in_one_loop_take_turns_in_their_checks(tmp_path, use_
         assert "training step in use" in " ".join(module.report().notes)
         for p, q in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
+
+
+def test_single_ops_of_a_backward_graph_stay_library_calls():
+    """A backward graph's lone reductions (a bias's gradient, a sum over rows) and lone
+    pointwise ops are no kernels of their own: they move what eager moves, and each
+    kernel is compiled at the first step. Products and chains still fuse; gradients are
+    eager's."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down, self.norm = nn.Linear(24, 40), nn.Linear(40, 24), nn.LayerNorm(24)
+
+        def forward(self, x):
+            return self.norm(x + self.down(F.gelu(self.up(x))))
+
+    model = Block()
+    reference = copy.deepcopy(model)
+    fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+    x, grad = torch.randn(3, 37, 24), torch.randn(3, 37, 24)
+    got_x, expected_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    fused(got_x).backward(grad)
+    reference(expected_x).backward(grad)
+    got = {"x": got_x.grad, **{n: p.grad for n, p in model.named_parameters()}}
+    expected = {"x": expected_x.grad, **{n: p.grad for n, p in reference.named_parameters()}}
+    assert_same_tensors(got, expected, scaled=True)
+
+    report = fused.report()
+    backward = [g for g in report.groups if g.phase == "backward"]
+    single = [g for g in backward if g.fused and len(g.ops) == 1 and not g.ops[0].startswith("matmul.")]
+    assert not single, str(report)
+    vetoed = [g for g in backward if g.reason_code == "vetoed" and "single op" in g.reason]
+    assert vetoed and all(g.ops == ["reduction.sum"] for g in vetoed), str(report)
+    assert any(len(g.ops) > 1 for g in backward if g.fused), str(report)
