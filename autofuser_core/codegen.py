@@ -373,7 +373,10 @@ class _AtCoordinates(ValueEmitter):
         lead = len(self.coords) - len(v.shape)
         moved = list(self.coords)
         in_range: list[str] = []  # this read's own range checks (fill mode)
-        for j, (n_out, n_in, scale, offset) in enumerate(zip(v.shape, operand.shape, shift.scales, shift.offsets)):
+        operand_shape = list(operand.shape)
+        for d in shift.new_dims:
+            operand_shape.insert(d, 1)
+        for j, (n_out, n_in, scale, offset) in enumerate(zip(v.shape, operand_shape, shift.scales, shift.offsets)):
             d = lead + j
             outer = self.coords[d] if n_out != 1 else Coordinate("0", None, self.coords[d].valid)
             if scale == 1 and offset == 0 and n_in == n_out:
@@ -394,6 +397,10 @@ class _AtCoordinates(ValueEmitter):
                 in_range.append(check_name)
                 valid = valid + (check_name,)
             moved[d] = Coordinate(name, outer.axis, valid)
+        if shift.new_dims:
+            # The operand lacks these dims: its values are right-aligned to the others.
+            dropped = {lead + d for d in shift.new_dims}
+            moved = [Coordinate("0", None)] * len(dropped) + [c for d, c in enumerate(moved) if d not in dropped]
         result = _AtCoordinates(self.w, moved, self.base_masks, top=False).value(operand)
         if not in_range:
             return result

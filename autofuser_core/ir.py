@@ -98,6 +98,7 @@ class ShiftedIndex:
     scales: tuple[int, ...]
     offsets: tuple[int, ...]
     mode: str
+    new_dims: tuple[int, ...] = ()  # dims of the result the operand lacks: read as size 1 there
 
 
 @dataclass(eq=False)
@@ -338,10 +339,12 @@ class LoweringContext:
         scales: Optional[Sequence[int]] = None,
         mode: str = "fill",
         fill: Any = 0.0,
+        new_dims: Sequence[int] = (),
     ) -> Value:
         """``arg`` (a value, an fx node or a number) read at other coordinates, as ``shape``.
 
-        Along each dim ``d`` (``arg`` and ``shape`` have the same rank), output
+        ``arg`` has one dim per dim of ``shape`` but ``new_dims``, where it is read
+        as if it had a dim of size 1 (a ``stack``'s new dim). Along each dim ``d``, output
         coordinate ``i`` reads ``arg`` at ``scales[d] * i + offsets[d]`` (``scales``
         default 1). A coordinate outside ``arg`` reads, by ``mode``:
 
@@ -363,19 +366,23 @@ class LoweringContext:
         rank = len(shape)
         offsets = tuple(int(o) for o in offsets)
         scales = (1,) * rank if scales is None else tuple(int(s) for s in scales)
+        new_dims = tuple(sorted({int(d) % rank for d in new_dims})) if rank else ()
         if mode not in SHIFT_MODES:
             raise ValueError(f"read_shifted mode {mode!r} is not one of {SHIFT_MODES}")
-        if len(value.shape) != rank or len(offsets) != rank or len(scales) != rank:
+        if len(value.shape) + len(new_dims) != rank or len(offsets) != rank or len(scales) != rank:
             raise ValueError(
-                f"read_shifted: operand of rank {len(value.shape)}, shape {list(shape)}, {len(offsets)} offsets "
-                f"and {len(scales)} scales must all have one entry per dim (insert size-1 dims with read_as first)"
+                f"read_shifted: operand of rank {len(value.shape)} with new dims {list(new_dims)}, shape "
+                f"{list(shape)}, {len(offsets)} offsets and {len(scales)} scales must all have one entry per dim"
             )
+        operand_shape = list(value.shape)
+        for d in new_dims:
+            operand_shape.insert(d, 1)
         if any(s < 1 for s in scales):
             raise ValueError(f"read_shifted: scales {list(scales)} must be positive")
         if any(n == 0 for n in value.shape + shape):
             self.refuse("unsupported_shape", "shifted reads of empty tensors stay eager")
         if mode == "reflect":
-            for n_in, n_out, scale, offset in zip(value.shape, shape, scales, offsets):
+            for n_in, n_out, scale, offset in zip(operand_shape, shape, scales, offsets):
                 low, high = offset, scale * (n_out - 1) + offset
                 if low < -(n_in - 1) or high > 2 * (n_in - 1):
                     self.refuse(
@@ -399,7 +406,7 @@ class LoweringContext:
             shape,
             is_bool=value.is_bool,
             args=args,
-            shift=ShiftedIndex(scales=scales, offsets=offsets, mode=mode),
+            shift=ShiftedIndex(scales=scales, offsets=offsets, mode=mode, new_dims=new_dims),
         )
 
     def packed_weight(
