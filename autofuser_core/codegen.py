@@ -267,6 +267,9 @@ class _Writer(ValueEmitter):
         self.lines: list[str] = []
         self.count = 0
         self.loads: dict[int, str] = {}  # input index -> the name of its tile
+        # Shifted coordinates and range checks by expression: the taps of windows that
+        # overlap move the same coordinate the same way, once is enough.
+        self.shifted_names: dict[str, str] = {}
 
     def emit(self, line: str) -> None:
         self.lines.append("    " + line)
@@ -361,6 +364,13 @@ class _AtCoordinates(ValueEmitter):
         self.loaded[key] = name
         return name
 
+    def named(self, expr: str) -> str:
+        """A name holding ``expr``, written once per kernel."""
+        if expr not in self.w.shifted_names:
+            self.w.shifted_names[expr] = self.fresh()
+            self.emit(f"{self.w.shifted_names[expr]} = {expr}")
+        return self.w.shifted_names[expr]
+
     def reduce(self, v: Value, arg: str) -> str:
         if not self.top:  # group.py refuses these (shifted_reduction)
             raise ValueError("a reduction below a shifted read")
@@ -388,12 +398,10 @@ class _AtCoordinates(ValueEmitter):
                 moved[d] = Coordinate(str(at), None, outer.valid)
                 continue
             expr, check = _shift_expression(outer.expr, n_out, n_in, scale, offset, shift.mode)
-            name = self.fresh()
-            self.emit(f"{name} = {expr}")
+            name = self.named(expr)
             valid = outer.valid
             if check:
-                check_name = self.fresh()
-                self.emit(f"{check_name} = {check.format(name)}")
+                check_name = self.named(check.format(name))
                 in_range.append(check_name)
                 valid = valid + (check_name,)
             moved[d] = Coordinate(name, outer.axis, valid)

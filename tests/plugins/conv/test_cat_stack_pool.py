@@ -131,3 +131,62 @@ def test_cat_and_stack_train_like_eager():
 
     report = trains_like_eager(Both(), torch.randn(2, 3, 5, 7), torch.randn(2, 2, 5, 7))
     assert any("conv.cat" in g.ops for g in report.fused) and any("conv.stack" in g.ops for g in report.fused)
+
+
+class PoolThenRelu(nn.Module):
+    """A CNN encoder's downsampling: a pointwise op, a max-pool, ReLU."""
+
+    def __init__(self, channels: int, **pool):
+        super().__init__()
+        self.shift = nn.Parameter(torch.randn(channels, 1, 1))
+        self.pool = nn.MaxPool2d(**pool)
+
+    def forward(self, x):
+        return F.relu(self.pool(x * 1.5 + self.shift))
+
+
+POOLS = [
+    dict(kernel_size=2),
+    dict(kernel_size=3, stride=2, padding=1),
+    dict(kernel_size=3, stride=2, ceil_mode=True),
+    dict(kernel_size=(2, 3), stride=(1, 2), padding=(1, 1), dilation=(2, 1)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("pool", POOLS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
+@pytest.mark.parametrize("shape", [(1, 3, 9, 7), (2, 3, 6, 11)])
+def test_max_pool_then_relu_is_one_kernel(dtype, pool, shape):
+    model = PoolThenRelu(shape[1], **pool).to(dtype)
+    report = fuse_and_compare(model, torch.randn(shape, dtype=dtype))
+    one_group_with(report, "conv.max_pool2d", "elementwise.relu", "elementwise.mul", "elementwise.add")
+
+
+def test_max_pool_keeps_a_nan_it_meets():
+    x = torch.randn(2, 3, 8, 8)
+    x[0, 1, 3, 4] = float("nan")
+    model = PoolThenRelu(3, kernel_size=3, stride=2, padding=1)
+    with torch.no_grad():
+        expected = model(x)
+        got = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)(x)
+    assert torch.equal(torch.isnan(got), torch.isnan(expected)) and torch.isnan(expected).any()
+    torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+def test_max_pool_trains_like_eager():
+    report = trains_like_eager(PoolThenRelu(3, kernel_size=3, stride=2, padding=1), torch.randn(2, 3, 9, 7))
+    assert any("conv.max_pool2d" in g.ops for g in report.fused), str(report)
+
+
+def test_max_pool_with_indices_stays_eager():
+    class WithIndices(nn.Module):
+        def forward(self, x):
+            values, indices = F.max_pool2d(x, 2, return_indices=True)
+            return values.relu(), indices
+
+    x = torch.randn(1, 2, 6, 6)
+    fused = autofuser.fuse(WithIndices(), progress=False, tune=False, verify_speed=False)
+    with torch.no_grad():
+        got, expected = fused(x), WithIndices()(x)
+    assert torch.equal(got[1], expected[1]) and torch.equal(got[0], expected[0])
+    assert not any("conv.max_pool2d" in g.ops for g in fused.report().fused)
