@@ -341,7 +341,8 @@ class _AtCoordinates(ValueEmitter):
     def load(self, v: Value) -> str:
         k = self.w.program.input_of_load[v.uid]
         tensor = self.w.program.inputs[k]
-        strides = domain_strides(*read_view(tensor, v.shape), self.w.program.domain)
+        # right-aligned to these coordinates (domain_strides reads only their number)
+        strides = domain_strides(*read_view(tensor, v.shape), [0] * len(self.coords))
         key = (k, strides)
         if key in self.loaded:
             return self.loaded[key]
@@ -383,7 +384,8 @@ class _AtCoordinates(ValueEmitter):
         lead = len(self.coords) - len(v.shape)
         moved = list(self.coords)
         in_range: list[str] = []  # this read's own range checks (fill mode)
-        operand_shape = list(operand.shape)
+        fixed = dict(shift.fixed_dims)
+        operand_shape = [n for d, n in enumerate(operand.shape) if d not in fixed]
         for d in shift.new_dims:
             operand_shape.insert(d, 1)
         for j, (n_out, n_in, scale, offset) in enumerate(zip(v.shape, operand_shape, shift.scales, shift.offsets)):
@@ -405,11 +407,12 @@ class _AtCoordinates(ValueEmitter):
                 in_range.append(check_name)
                 valid = valid + (check_name,)
             moved[d] = Coordinate(name, outer.axis, valid)
-        if shift.new_dims:
-            # The operand lacks these dims: its values are right-aligned to the others.
-            dropped = {lead + d for d in shift.new_dims}
-            moved = [Coordinate("0", None)] * len(dropped) + [c for d, c in enumerate(moved) if d not in dropped]
-        result = _AtCoordinates(self.w, moved, self.base_masks, top=False).value(operand)
+        # The operand's own coordinates: without the dims it lacks (new_dims), with those
+        # the result lacks at their fixed index; the values below it align to them.
+        inner = [c for j, c in enumerate(moved[lead:]) if j not in shift.new_dims]
+        for d, index in shift.fixed_dims:
+            inner.insert(d, Coordinate(str(index), None))
+        result = _AtCoordinates(self.w, inner, self.base_masks, top=False).value(operand)
         if not in_range:
             return result
         fill = self.value(v.args[1])

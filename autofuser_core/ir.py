@@ -99,6 +99,7 @@ class ShiftedIndex:
     offsets: tuple[int, ...]
     mode: str
     new_dims: tuple[int, ...] = ()  # dims of the result the operand lacks: read as size 1 there
+    fixed_dims: tuple[tuple[int, int], ...] = ()  # (dim, index): operand dims the result lacks, read at index
 
 
 @dataclass(eq=False)
@@ -340,11 +341,14 @@ class LoweringContext:
         mode: str = "fill",
         fill: Any = 0.0,
         new_dims: Sequence[int] = (),
+        fixed_dims: Optional[dict[int, int]] = None,
     ) -> Value:
         """``arg`` (a value, an fx node or a number) read at other coordinates, as ``shape``.
 
         ``arg`` has one dim per dim of ``shape`` but ``new_dims``, where it is read
-        as if it had a dim of size 1 (a ``stack``'s new dim). Along each dim ``d``, output
+        as if it had a dim of size 1 (a ``stack``'s new dim), plus ``fixed_dims``
+        (``{dim of arg: index}``), which the result lacks and which are read at that
+        one index (a ``select``). Along each dim ``d``, output
         coordinate ``i`` reads ``arg`` at ``scales[d] * i + offsets[d]`` (``scales``
         default 1). A coordinate outside ``arg`` reads, by ``mode``:
 
@@ -369,12 +373,19 @@ class LoweringContext:
         new_dims = tuple(sorted({int(d) % rank for d in new_dims})) if rank else ()
         if mode not in SHIFT_MODES:
             raise ValueError(f"read_shifted mode {mode!r} is not one of {SHIFT_MODES}")
-        if len(value.shape) + len(new_dims) != rank or len(offsets) != rank or len(scales) != rank:
+        fixed: dict[int, int] = {}
+        for d, index in (fixed_dims or {}).items():
+            d = int(d) % max(len(value.shape), 1)
+            if not 0 <= index < value.shape[d]:
+                raise ValueError(f"read_shifted: index {index} of dim {d} is outside the operand's {value.shape[d]}")
+            fixed[d] = int(index)
+        if len(value.shape) - len(fixed) + len(new_dims) != rank or len(offsets) != rank or len(scales) != rank:
             raise ValueError(
-                f"read_shifted: operand of rank {len(value.shape)} with new dims {list(new_dims)}, shape "
-                f"{list(shape)}, {len(offsets)} offsets and {len(scales)} scales must all have one entry per dim"
+                f"read_shifted: operand of rank {len(value.shape)} with new dims {list(new_dims)} and fixed dims "
+                f"{sorted(fixed)}, shape {list(shape)}, {len(offsets)} offsets and {len(scales)} scales must all "
+                "have one entry per dim"
             )
-        operand_shape = list(value.shape)
+        operand_shape = [n for d, n in enumerate(value.shape) if d not in fixed]
         for d in new_dims:
             operand_shape.insert(d, 1)
         if any(s < 1 for s in scales):
@@ -406,7 +417,9 @@ class LoweringContext:
             shape,
             is_bool=value.is_bool,
             args=args,
-            shift=ShiftedIndex(scales=scales, offsets=offsets, mode=mode, new_dims=new_dims),
+            shift=ShiftedIndex(
+                scales=scales, offsets=offsets, mode=mode, new_dims=new_dims, fixed_dims=tuple(sorted(fixed.items()))
+            ),
         )
 
     def packed_weight(

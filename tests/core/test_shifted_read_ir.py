@@ -106,6 +106,10 @@ def test_bad_arguments_are_named():
         ctx.read_shifted(node, (3, 4), (0, 0), mode="mirror")
     with pytest.raises(ValueError, match="must be positive"):
         ctx.read_shifted(node, (3, 4), (0, 0), scales=(1, 0))
+    with pytest.raises(ValueError, match="index 4 of dim 1 is outside"):
+        ctx.read_shifted(node, (3,), (0,), fixed_dims={1: 4})
+    with pytest.raises(ValueError, match="one entry per dim"):
+        ctx.read_shifted(node, (3, 4), (0, 0), new_dims=(0,))
     with pytest.raises(LoweringRefused, match="mirrors more than once"):
         ctx.read_shifted(node, (3, 12), (0, -4), mode="reflect")
     with pytest.raises(LoweringRefused, match="fill of shape"):
