@@ -351,9 +351,9 @@ class _AtCoordinates(ValueEmitter):
             if st == 0 or c.expr == "0":
                 continue
             terms.append(c.expr if st == 1 else f"{c.expr} * {st}")
-            if c.axis is not None:
+            if c.axis is not None:  # a fixed coordinate is inside the operand it was resolved for
                 masks.append(self.base_masks[c.axis])
-            masks.extend(c.valid)
+                masks.extend(c.valid)
         cast = "" if tensor.dtype == torch.bool else ".to(tl.float32)"
         name = f"x{k}_{self.fresh()}"
         if not terms:
