@@ -68,9 +68,9 @@ SPECS = [
         references=(
             lambda x: torch.select(x * 2, 1, 1) + 1,
             lambda x: x.select(-2, -1).sigmoid() * x.select(-2, 0),
-            # the components of a vector field, unbound and recombined
-            lambda x: (lambda u, v, *rest: u * u + v * v)(*torch.unbind(torch.tanh(x), -1)),
-            lambda x: (lambda parts: parts[0] - parts[-1])(x.unbind(0)) * 3,
+            # the components of a vector field, unbound (a graph pass reads them as selects)
+            lambda x: torch.unbind(torch.tanh(x), -1)[1] ** 2 + x.select(-1, 0),
+            lambda x: (x.unbind(0)[0] - x.unbind(0)[-1]) * x.select(0, -1),
         ),
     ),
 ]
