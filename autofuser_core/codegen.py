@@ -33,7 +33,7 @@ from typing import Callable, Optional, cast
 import torch
 import torch.fx
 
-from .group import GroupProgram, KernelTensor
+from .group import GroupProgram, KernelTensor, collect_values, domain_strides, read_view
 from .ir import Value
 from .rounding import CORE_HELPERS, stored
 
@@ -234,6 +234,8 @@ class ValueEmitter:
             name = self.reduce(v, self.value(v.args[0]))
         elif v.op == "dot":
             name = self.dot(v)
+        elif v.op == "shifted":
+            name = self.shifted(v)
         else:
             raise ValueError(f"unknown IR op {v.op!r}")
         self.names[v.uid] = name
@@ -248,6 +250,14 @@ class ValueEmitter:
     def dot(self, v: Value) -> str:
         raise ValueError(f"{type(self).__name__} cannot write a matrix product here")
 
+    def shifted(self, v: Value) -> str:
+        # A strategy whose groups may hold shifted reads refuses them when it composes or
+        # accepts a group; reaching this means one did not, and the group stays eager.
+        raise ValueError(
+            f"{type(self).__name__} cannot read values at shifted coordinates (ctx.read_shifted): "
+            "its strategy must refuse groups that hold them"
+        )
+
 
 class _Writer(ValueEmitter):
     def __init__(self, program: GroupProgram, layout: str):
@@ -257,6 +267,9 @@ class _Writer(ValueEmitter):
         self.lines: list[str] = []
         self.count = 0
         self.loads: dict[int, str] = {}  # input index -> the name of its tile
+        # Shifted coordinates and range checks by expression: the taps of windows that
+        # overlap move the same coordinate the same way, once is enough.
+        self.shifted_names: dict[str, str] = {}
 
     def emit(self, line: str) -> None:
         self.lines.append("    " + line)
@@ -292,6 +305,183 @@ class _Writer(ValueEmitter):
         return name
 
 
+@dataclass(frozen=True)
+class Coordinate:
+    """A tile's coordinate along one dim of the domain, for kernels with shifted reads.
+
+    ``expr`` is a name in the kernel or, where ``axis`` is ``None``, an integer literal
+    (a dim of size 1, a shifted read at a fixed coordinate); ``axis`` is the tile axis it
+    varies along (``"flat"``, ``"row"`` or ``"col"``); ``valid`` names the masks of the
+    lanes whose coordinate lies inside every operand a shifted read in ``fill`` mode
+    read it from (out there it is out of range, and a load along it must be masked)."""
+
+    expr: str
+    axis: Optional[str]
+    valid: tuple[str, ...] = ()
+
+
+class _AtCoordinates(ValueEmitter):
+    """Writes values at one set of coordinates (``coords``, one per dim of the domain):
+    the group's own, or those a shifted read (``ctx.read_shifted``) moves them to, where
+    the values below it are computed again. Each load reads through its own strides at
+    these coordinates, masked to the tile (``base_masks``, by axis) and to the range of
+    the dims it walks."""
+
+    def __init__(self, writer: "_Writer", coords: list[Coordinate], base_masks: dict[str, str], top: bool):
+        super().__init__()
+        self.w, self.coords, self.base_masks, self.top = writer, coords, base_masks, top
+        self.loaded: dict[tuple, str] = {}
+
+    def emit(self, line: str) -> None:
+        self.w.emit(line)
+
+    def fresh(self) -> str:
+        return self.w.fresh()
+
+    def load(self, v: Value) -> str:
+        k = self.w.program.input_of_load[v.uid]
+        tensor = self.w.program.inputs[k]
+        # right-aligned to these coordinates (domain_strides reads only their number)
+        strides = domain_strides(*read_view(tensor, v.shape), [0] * len(self.coords))
+        key = (k, strides)
+        if key in self.loaded:
+            return self.loaded[key]
+        terms, masks = [], []
+        for c, st in zip(self.coords, strides):
+            if st == 0 or c.expr == "0":
+                continue
+            terms.append(c.expr if st == 1 else f"{c.expr} * {st}")
+            if c.axis is not None:  # a fixed coordinate is inside the operand it was resolved for
+                masks.append(self.base_masks[c.axis])
+                masks.extend(c.valid)
+        cast = "" if tensor.dtype == torch.bool else ".to(tl.float32)"
+        name = f"x{k}_{self.fresh()}"
+        if not terms:
+            self.emit(f"{name} = tl.load(in{k}){cast}")
+        else:
+            mask = " & ".join(dict.fromkeys(masks)) or None
+            mask_arg = f", mask={mask}, other=0" if mask else ""
+            self.emit(f"{name} = tl.load(in{k} + {' + '.join(terms)}{mask_arg}){cast}")
+        self.loaded[key] = name
+        return name
+
+    def named(self, expr: str) -> str:
+        """A name holding ``expr``, written once per kernel."""
+        if expr not in self.w.shifted_names:
+            self.w.shifted_names[expr] = self.fresh()
+            self.emit(f"{self.w.shifted_names[expr]} = {expr}")
+        return self.w.shifted_names[expr]
+
+    def reduce(self, v: Value, arg: str) -> str:
+        if not self.top:  # group.py refuses these (shifted_reduction)
+            raise ValueError("a reduction below a shifted read")
+        return self.w.reduce(v, arg)
+
+    def shifted(self, v: Value) -> str:
+        """``v.args[0]`` at the coordinates ``v.shift`` moves these to (see ``ctx.read_shifted``)."""
+        operand, shift = v.args[0], v.shift
+        assert shift is not None
+        lead = len(self.coords) - len(v.shape)
+        moved = list(self.coords)
+        in_range: list[str] = []  # this read's own range checks (fill mode)
+        fixed = dict(shift.fixed_dims)
+        operand_shape = [n for d, n in enumerate(operand.shape) if d not in fixed]
+        for d in shift.new_dims:
+            operand_shape.insert(d, 1)
+        for j, (n_out, n_in, scale, offset) in enumerate(zip(v.shape, operand_shape, shift.scales, shift.offsets)):
+            d = lead + j
+            outer = self.coords[d] if n_out != 1 else Coordinate("0", None, self.coords[d].valid)
+            if scale == 1 and offset == 0 and n_in == n_out:
+                continue
+            if outer.axis is None:
+                at = _shift_constant(scale * int(outer.expr) + offset, n_in, shift.mode)
+                if at is None:  # a fill read wholly outside its operand: only the fill
+                    return self.value(v.args[1])
+                moved[d] = Coordinate(str(at), None, outer.valid)
+                continue
+            expr, check = _shift_expression(outer.expr, n_out, n_in, scale, offset, shift.mode)
+            name = self.named(expr)
+            valid = outer.valid
+            if check:
+                check_name = self.named(check.format(name))
+                in_range.append(check_name)
+                valid = valid + (check_name,)
+            moved[d] = Coordinate(name, outer.axis, valid)
+        # The operand's own coordinates: without the dims it lacks (new_dims), with those
+        # the result lacks at their fixed index; the values below it align to them.
+        inner = [c for j, c in enumerate(moved[lead:]) if j not in shift.new_dims]
+        for d, index in shift.fixed_dims:
+            inner.insert(d, Coordinate(str(index), None))
+        result = _AtCoordinates(self.w, inner, self.base_masks, top=False).value(operand)
+        if not in_range:
+            return result
+        fill = self.value(v.args[1])
+        name = self.fresh()
+        self.emit(f"{name} = tl.where({' & '.join(in_range)}, {result}, {fill})")
+        return name
+
+
+def _shift_constant(at: int, n: int, mode: str) -> Optional[int]:
+    """Where a read at fixed coordinate ``at`` of a dim of size ``n`` lands (``None``: outside, fill)."""
+    if mode == "fill":
+        return at if 0 <= at < n else None
+    if mode == "wrap":
+        return at % n
+    if mode == "clamp":
+        return min(max(at, 0), n - 1)
+    return (n - 1) - abs((n - 1) - abs(at))  # reflect: at most one mirroring (ctx.read_shifted checks)
+
+
+def _shift_expression(coord: str, n_out: int, n_in: int, scale: int, offset: int, mode: str) -> tuple[str, str]:
+    """The operand coordinate read at output coordinate ``coord`` (in ``[0, n_out)``), and,
+    in ``fill`` mode, the check (a template over its name) that it lies in ``[0, n_in)``:
+    empty where it always does."""
+    low, high = offset, scale * (n_out - 1) + offset
+    if mode == "wrap" and low < 0:
+        # Triton's % keeps the dividend's sign: shift by whole periods so it never is negative.
+        offset += -(low // n_in) * n_in
+        low, high = offset, scale * (n_out - 1) + offset
+    expr = coord if scale == 1 else f"{coord} * {scale}"
+    if offset:
+        expr = f"{expr} + {offset}" if offset > 0 else f"{expr} - {-offset}"
+    if mode == "wrap":
+        return (f"({expr}) % {n_in}" if high >= n_in else expr), ""
+    if mode == "clamp":
+        if low < 0:
+            expr = f"tl.maximum({expr}, 0)"
+        if high > n_in - 1:
+            expr = f"tl.minimum({expr}, {n_in - 1})"
+        return expr, ""
+    if mode == "reflect":
+        if low < 0:
+            expr = f"tl.abs({expr})"
+        if high > n_in - 1:
+            expr = f"{n_in - 1} - tl.abs({n_in - 1} - ({expr}))"
+        return expr, ""
+    checks = (["({0} >= 0)"] if low < 0 else []) + ([f"({{0}} < {n_in})"] if high > n_in - 1 else [])
+    return expr, " & ".join(checks)
+
+
+def _emit_coordinates(
+    w: "_Writer", dims: list[int], index: str, prefix: str, axis: str, coords: list[Coordinate]
+) -> None:
+    """One coordinate per dim of ``dims`` (outer to inner) from the linear ``index``, into ``coords``."""
+    sizes = [w.program.domain[d] for d in dims]
+    for i, d in enumerate(dims):
+        divisor = math.prod(sizes[i + 1 :])
+        expr = index if divisor == 1 else f"({index} // {divisor})"
+        if i > 0:
+            expr = f"({expr} % {sizes[i]})"
+        name = f"{prefix}{d}"
+        w.emit(f"{name} = {expr}")
+        coords[d] = Coordinate(name, axis)
+
+
+def _store_offset(coords: list[Coordinate], strides: tuple[int, ...]) -> Optional[str]:
+    terms = [c.expr if st == 1 else f"{c.expr} * {st}" for c, st in zip(coords, strides) if st and c.expr != "0"]
+    return " + ".join(terms) or None
+
+
 def write_kernel(
     program: GroupProgram, layout: str, strategy: str, helpers: Optional[dict[str, str]] = None
 ) -> KernelSource:
@@ -305,6 +495,7 @@ def write_kernel(
     max_extent = max(
         [math.prod(program.domain)]
         + [sum((s - 1) * abs(st) for s, st in zip(program.domain, t.domain_stride)) + 1 for t in tensors]
+        + [sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride)) + 1 for t in tensors]
     )
     wide = max_extent > INT32_LIMIT
     pid = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
@@ -312,7 +503,22 @@ def write_kernel(
     n_outer = program.outer_numel
     constexprs: dict[str, int] = {}
 
-    if layout == "flat":
+    shifted = any(v.op == "shifted" for v in collect_values(program.output_values).values())
+    coords = [Coordinate("0", None) for _ in program.domain]
+    if shifted and layout == "flat":
+        # Shifted reads move coordinates dim by dim: every dim keeps its own coordinate
+        # (no merging), and each load is written where a value needs it.
+        w.emit(f"offs = {pid} * BLOCK + tl.arange(0, BLOCK)")
+        w.emit(f"mask = offs < {n_outer}")
+        walked = memory_order([d for d in outer_dims if program.domain[d] != 1], program)
+        _emit_coordinates(w, walked, "offs", "i", "flat", coords)
+        top = _AtCoordinates(w, coords, {"flat": "mask"}, top=True)
+        results = [top.value(v) for v in program.output_values]
+        for k, (t, res) in enumerate(zip(program.outputs, results)):
+            store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
+            at = _store_offset(coords, t.domain_stride) or "offs * 0"
+            w.emit(f"tl.store(out{k} + {at}, tl.broadcast_to({store}, (BLOCK,)), mask=mask)")
+    elif layout == "flat":
         w.emit(f"offs = {pid} * BLOCK + tl.arange(0, BLOCK)")
         w.emit(f"mask = offs < {n_outer}")
         offsets = w.axis_offsets(memory_order(outer_dims, program), "offs", "i", tensors)
@@ -331,9 +537,6 @@ def write_kernel(
         for k, (t, off, res) in enumerate(zip(program.outputs, out_offsets, results)):
             store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
             w.emit(f"tl.store(out{k} + {off or 'offs * 0'}, tl.broadcast_to({store}, (BLOCK,)), mask=mask)")
-
-        def grid(config, n=n_outer):
-            return (triton_cdiv(n, config["BLOCK"]),)
     else:
         n_cols = program.reduced_numel
         block_r = next_power_of_2(n_cols)
@@ -343,34 +546,65 @@ def write_kernel(
         w.emit(f"row_mask = rows < {n_outer}")
         w.emit(f"col_mask = cols < {n_cols}")
         w.emit("mask = row_mask & col_mask")
-        row_offs = w.axis_offsets(outer_dims, "rows", "r", tensors)
-        col_offs = w.axis_offsets(list(program.reduced_dims), "cols", "c", tensors)
-        for k, t in enumerate(program.inputs):
-            if not t.read:
-                continue
-            cast = "" if t.dtype == torch.bool else ".to(tl.float32)"
-            ro, co = row_offs[k], col_offs[k]
-            if ro is None and co is None:
-                w.emit(f"x{k} = tl.load(in{k}){cast}")
-            else:
-                off = " + ".join(x for x in (ro, co) if x)
-                m = "mask" if ro and co else ("row_mask" if ro else "col_mask")
-                w.emit(f"x{k} = tl.load(in{k} + {off}, mask={m}, other=0){cast}")
-            w.loads[k] = f"x{k}"
-        results = [w.value(v) for v in program.output_values]
-        base = len(program.inputs)
-        for k, (t, res) in enumerate(zip(program.outputs, results)):
-            ro, co = row_offs[base + k], col_offs[base + k]
-            store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
-            reduced_output = all(t.domain_stride[d] == 0 for d in program.reduced_dims)
-            if reduced_output:
-                w.emit(f"tl.store(out{k} + {ro or 'rows * 0'}, tl.broadcast_to({store}, (BLOCK_M, 1)), mask=row_mask)")
-            else:
-                off = " + ".join(x for x in (ro, co) if x) or "rows * 0 + cols * 0"
-                w.emit(f"tl.store(out{k} + {off}, tl.broadcast_to({store}, (BLOCK_M, BLOCK_R)), mask=mask)")
+        if shifted:
+            _emit_coordinates(w, [d for d in outer_dims if program.domain[d] != 1], "rows", "r", "row", coords)
+            _emit_coordinates(w, list(program.reduced_dims), "cols", "c", "col", coords)
+            top = _AtCoordinates(w, coords, {"row": "row_mask", "col": "col_mask"}, top=True)
+            results = [top.value(v) for v in program.output_values]
+            for k, (t, res) in enumerate(zip(program.outputs, results)):
+                store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
+                if all(t.domain_stride[d] == 0 for d in program.reduced_dims):
+                    tile, mask = "(BLOCK_M, 1)", "row_mask"
+                else:
+                    tile, mask = "(BLOCK_M, BLOCK_R)", "mask"
+                at = _store_offset(coords, t.domain_stride) or (
+                    "rows * 0" if mask == "row_mask" else "rows * 0 + cols * 0"
+                )
+                w.emit(f"tl.store(out{k} + {at}, tl.broadcast_to({store}, {tile}), mask={mask})")
+        else:
+            row_offs = w.axis_offsets(outer_dims, "rows", "r", tensors)
+            col_offs = w.axis_offsets(list(program.reduced_dims), "cols", "c", tensors)
+            for k, t in enumerate(program.inputs):
+                if not t.read:
+                    continue
+                cast = "" if t.dtype == torch.bool else ".to(tl.float32)"
+                ro, co = row_offs[k], col_offs[k]
+                if ro is None and co is None:
+                    w.emit(f"x{k} = tl.load(in{k}){cast}")
+                else:
+                    off = " + ".join(x for x in (ro, co) if x)
+                    m = "mask" if ro and co else ("row_mask" if ro else "col_mask")
+                    w.emit(f"x{k} = tl.load(in{k} + {off}, mask={m}, other=0){cast}")
+                w.loads[k] = f"x{k}"
+            results = [w.value(v) for v in program.output_values]
+            base = len(program.inputs)
+            for k, (t, res) in enumerate(zip(program.outputs, results)):
+                ro, co = row_offs[base + k], col_offs[base + k]
+                store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
+                reduced_output = all(t.domain_stride[d] == 0 for d in program.reduced_dims)
+                if reduced_output:
+                    tile = f"tl.broadcast_to({store}, (BLOCK_M, 1))"
+                    w.emit(f"tl.store(out{k} + {ro or 'rows * 0'}, {tile}, mask=row_mask)")
+                else:
+                    off = " + ".join(x for x in (ro, co) if x) or "rows * 0 + cols * 0"
+                    w.emit(f"tl.store(out{k} + {off}, tl.broadcast_to({store}, (BLOCK_M, BLOCK_R)), mask=mask)")
+    return _finish(program, w, layout, strategy, helpers, constexprs, n_outer)
 
-        def grid(config, n=n_outer):
-            return (triton_cdiv(n, config["BLOCK_M"]),)
+
+def _finish(
+    program: GroupProgram,
+    w: _Writer,
+    layout: str,
+    strategy: str,
+    helpers: Optional[dict[str, str]],
+    constexprs: dict[str, int],
+    n_outer: int,
+) -> KernelSource:
+    """``w``'s body as a named kernel module with its launch grid."""
+    block = "BLOCK" if layout == "flat" else "BLOCK_M"
+
+    def grid(config, n=n_outer):
+        return (triton_cdiv(n, config[block]),)
 
     params = [f"in{k}" for k in range(len(program.inputs))] + [f"out{k}" for k in range(len(program.outputs))]
     blocks = ["BLOCK: tl.constexpr"] if layout == "flat" else ["BLOCK_M: tl.constexpr", "BLOCK_R: tl.constexpr"]

@@ -250,6 +250,7 @@ def compose_group(
                 column_dims=v.column_dims,
                 fp32_precision=v.fp32_precision,
                 dtype=v.dtype,
+                shift=v.shift,
             )
         else:
             out = v
@@ -310,7 +311,9 @@ def compose_group(
     if lay_out is None:
         _lay_out(program, product_layouts)
     else:
-        lay_out(program, collect_values(program.output_values))
+        values = collect_values(program.output_values)
+        refuse_shifted_reads(values, "a strategy's own layout")
+        lay_out(program, values)
     return program
 
 
@@ -408,6 +411,56 @@ def collect_values(roots: Sequence[Value]) -> dict[int, Value]:
     return values
 
 
+def top_level_values(roots: Sequence[Value]) -> dict[int, Value]:
+    """The values ``roots`` depend on at the group's own coordinates, by uid: every value
+    but those below a shifted read's operand (``ctx.read_shifted``), which are computed
+    at the shifted coordinates (the shifted value and its fill are included)."""
+    values: dict[int, Value] = {}
+    stack = list(roots)
+    while stack:
+        v = stack.pop()
+        if v.uid not in values:
+            values[v.uid] = v
+            stack.extend(v.args[1:] if v.op == "shifted" else v.args)
+    return values
+
+
+def refuse_shifted_reads(values: Mapping[int, Value], where: str) -> None:
+    """Refuse a group holding a shifted read (``ctx.read_shifted``), which only the core's
+    own one-domain layout reads at its coordinates: ``where`` names what else lays it out."""
+    if any(v.op == "shifted" for v in values.values()):
+        raise GroupRefused(
+            "shifted_read",
+            f"the group reads a value at shifted coordinates (a roll, pad, concatenation or window), "
+            f"which {where} does not lay out",
+        )
+
+
+def _check_shifted_operands(values: Mapping[int, Value]) -> set[int]:
+    """What the operand of every shifted read in ``values`` is made of may be computed
+    again at the shifted coordinates: loads, constants, pointwise ops and further shifted
+    reads, no reduction (its rows would be other rows). Returns the uids of the loads
+    read at shifted coordinates."""
+    loads: set[int] = set()
+    seen: set[int] = set()
+    stack = [v.args[0] for v in values.values() if v.op == "shifted"]
+    while stack:
+        v = stack.pop()
+        if v.uid in seen:
+            continue
+        seen.add(v.uid)
+        if v.op == "reduce":
+            raise GroupRefused(
+                "shifted_reduction",
+                "a reduction is read at shifted coordinates (a roll, pad or window of its result): "
+                "a kernel computes each row's reduction only at that row",
+            )
+        if v.op == "load":
+            loads.add(v.uid)
+        stack.extend(v.args)
+    return loads
+
+
 def product_count(program: Optional[GroupProgram]) -> int:
     """Matrix products (``dot`` values) in a composed group."""
     if program is None:
@@ -423,8 +476,13 @@ def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Produ
     if not products and any(v.packed is not None for v in values.values()):
         raise GroupRefused("packed_weight", "a quantised weight is decoded only inside a matrix product's kernel")
     if products:
+        refuse_shifted_reads(values, "a layout of matrix products")
         _lay_out_products(program, values, products, product_layouts or {})
         return
+    shifted_loads = _check_shifted_operands(values)
+    # Values below a shifted read live at the shifted coordinates, not in the domain:
+    # the kernel writer computes them there (``codegen``); only the rest sets the domain.
+    values = top_level_values(program.output_values)
 
     # A reduction without keepdim drops its dims: it and pointwise ops over only
     # such values (its dtype rounding, `x.sum(-1) * 2`) live in the reduced space
@@ -456,6 +514,10 @@ def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Produ
             out = next(align(a) for a in v.args if a.uid in squeezed)
             for a in v.args:
                 align(a)
+        elif v.op == "shifted":
+            for a in v.args[1:]:  # the fill, read at the group's own coordinates
+                align(a)
+            out = (1,) * (rank - len(v.shape)) + tuple(v.shape)
         elif v.op == "reduce":
             arg = align(v.args[0])
             shift = rank - len(v.args[0].shape)
@@ -498,6 +560,9 @@ def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Produ
     for index, tensor in enumerate(program.inputs):
         if not tensor.read:
             tensor.domain_stride = (0,) * len(program.domain)
+            continue
+        if index not in views and any(program.input_of_load[uid] == index for uid in shifted_loads):
+            tensor.domain_stride = (0,) * len(program.domain)  # read only at shifted coordinates
             continue
         shapes = views.get(index, {tensor.shape})
         if len(shapes) > 1:

@@ -18,6 +18,14 @@ through a ``LoweringContext``:
 - ``ctx.read_as(arg, shape)`` - read a tensor argument with size-1 dims
   inserted or removed (a conv weight ``[O, C, 1, 1]`` as ``[O, C]``, a
   per-channel ``[C]`` as ``[C, 1, 1]``); no data moves;
+- ``ctx.read_shifted(arg, shape, offsets, scales, mode, fill)`` - a value read
+  at other coordinates: output coordinate ``i`` along dim ``d`` reads the
+  operand at ``scales[d] * i + offsets[d]``; where that falls outside the
+  operand, ``mode`` says what is read: ``fill`` (the ``fill`` value, itself a
+  value or a number), ``wrap`` (modulo the operand's size), ``clamp`` (the
+  nearest edge) or ``reflect`` (mirrored about the edge, the edge not
+  repeated). Composed onto a computed value, its ops are computed again at
+  the shifted coordinates;
 - ``ctx.packed_weight(data, scales, ...)`` - a weight stored quantised
   (integer elements plus per-block scales), read only as a product's second
   operand and decoded in registers by a quantiser's helper;
@@ -78,6 +86,22 @@ class PackedWeight:
     exact_tf32: bool = False
 
 
+SHIFT_MODES = ("fill", "wrap", "clamp", "reflect")
+
+
+@dataclass(frozen=True)
+class ShiftedIndex:
+    """Where a ``shifted`` value (``ctx.read_shifted``) reads its operand: along dim ``d``,
+    output coordinate ``i`` reads the operand at ``scales[d] * i + offsets[d]``; ``mode``
+    (one of ``SHIFT_MODES``) says what a coordinate outside the operand reads."""
+
+    scales: tuple[int, ...]
+    offsets: tuple[int, ...]
+    mode: str
+    new_dims: tuple[int, ...] = ()  # dims of the result the operand lacks: read as size 1 there
+    fixed_dims: tuple[tuple[int, int], ...] = ()  # (dim, index): operand dims the result lacks, read at index
+
+
 @dataclass(eq=False)
 class Value:
     """One node of the kernel expression DAG."""
@@ -101,11 +125,13 @@ class Value:
     fp32_precision: Optional[str] = None
     dtype: Optional[torch.dtype] = None  # the product's dtype in eager (set when composed)
     packed: Optional[PackedWeight] = None  # load: a quantised weight (see PackedWeight)
+    # shifted only: args[0] is read at these coordinates, args[1] is the fill ("fill" mode)
+    shift: Optional[ShiftedIndex] = None
     uid: int = field(default_factory=lambda: next(_ids))
 
 
 REDUCE_OPS = ("sum", "max", "min")
-IR_OPS = ("load", "const", "pointwise", "reduce", "dot", "extern")
+IR_OPS = ("load", "const", "pointwise", "reduce", "dot", "extern", "shifted")
 
 
 class LoweringRefused(Exception):
@@ -305,6 +331,96 @@ class LoweringContext:
                 f"{list(value.shape)} can't be read as {list(shape)}: only size-1 dims may be inserted or removed",
             )
         return Value("load", shape, is_bool=value.is_bool, source=value.source)
+
+    def read_shifted(
+        self,
+        arg: Any,
+        shape: Sequence[int],
+        offsets: Sequence[int],
+        scales: Optional[Sequence[int]] = None,
+        mode: str = "fill",
+        fill: Any = 0.0,
+        new_dims: Sequence[int] = (),
+        fixed_dims: Optional[dict[int, int]] = None,
+    ) -> Value:
+        """``arg`` (a value, an fx node or a number) read at other coordinates, as ``shape``.
+
+        ``arg`` has one dim per dim of ``shape`` but ``new_dims``, where it is read
+        as if it had a dim of size 1 (a ``stack``'s new dim), plus ``fixed_dims``
+        (``{dim of arg: index}``), which the result lacks and which are read at that
+        one index (a ``select``). Along each dim ``d``, output
+        coordinate ``i`` reads ``arg`` at ``scales[d] * i + offsets[d]`` (``scales``
+        default 1). A coordinate outside ``arg`` reads, by ``mode``:
+
+        - ``"fill"``: ``fill`` (a number, or a value broadcast to ``shape`` and read
+          at the output's own coordinates) - a zero-padded border, one input's slice
+          of a concatenation (``fill`` being the read of the next input);
+        - ``"wrap"``: ``arg`` at that coordinate modulo its size - a roll, a circular pad;
+        - ``"clamp"``: the nearest edge - a replicated border;
+        - ``"reflect"``: mirrored about the edge, the edge not repeated - a reflected
+          border; the read may reach at most ``size - 1`` past either edge.
+
+        A size-1 dim of ``arg`` is a real extent here, not a broadcast. A group whose
+        values are computed from ``arg`` computes them again at these coordinates;
+        only the core's own layout (one domain, no matrix product) reads this way,
+        and every other composition refuses such a group.
+        """
+        value = self.tensor(arg)
+        shape = tuple(int(s) for s in shape)
+        rank = len(shape)
+        offsets = tuple(int(o) for o in offsets)
+        scales = (1,) * rank if scales is None else tuple(int(s) for s in scales)
+        new_dims = tuple(sorted({int(d) % rank for d in new_dims})) if rank else ()
+        if mode not in SHIFT_MODES:
+            raise ValueError(f"read_shifted mode {mode!r} is not one of {SHIFT_MODES}")
+        fixed: dict[int, int] = {}
+        for d, index in (fixed_dims or {}).items():
+            d = int(d) % max(len(value.shape), 1)
+            if not 0 <= index < value.shape[d]:
+                raise ValueError(f"read_shifted: index {index} of dim {d} is outside the operand's {value.shape[d]}")
+            fixed[d] = int(index)
+        if len(value.shape) - len(fixed) + len(new_dims) != rank or len(offsets) != rank or len(scales) != rank:
+            raise ValueError(
+                f"read_shifted: operand of rank {len(value.shape)} with new dims {list(new_dims)} and fixed dims "
+                f"{sorted(fixed)}, shape {list(shape)}, {len(offsets)} offsets and {len(scales)} scales must all "
+                "have one entry per dim"
+            )
+        operand_shape = [n for d, n in enumerate(value.shape) if d not in fixed]
+        for d in new_dims:
+            operand_shape.insert(d, 1)
+        if any(s < 1 for s in scales):
+            raise ValueError(f"read_shifted: scales {list(scales)} must be positive")
+        if any(n == 0 for n in value.shape + shape):
+            self.refuse("unsupported_shape", "shifted reads of empty tensors stay eager")
+        if mode == "reflect":
+            for n_in, n_out, scale, offset in zip(operand_shape, shape, scales, offsets):
+                low, high = offset, scale * (n_out - 1) + offset
+                if low < -(n_in - 1) or high > 2 * (n_in - 1):
+                    self.refuse(
+                        "unsupported_argument",
+                        f"a reflected read from {low} to {high} of a dim of size {n_in} mirrors more than once",
+                    )
+        if mode == "fill":
+            fill_value = self.tensor(fill)
+            if fill_value.is_bool != value.is_bool:
+                self.refuse("unsupported_dtype", "read_shifted: the fill and the operand differ in being bool")
+            try:
+                if broadcast_shapes(fill_value.shape, shape) != shape:
+                    raise RuntimeError(f"it would grow {list(shape)}")
+            except RuntimeError as err:
+                self.refuse("shape_mismatch", f"read_shifted: fill of shape {list(fill_value.shape)}: {err}")
+            args: tuple[Value, ...] = (value, fill_value)
+        else:
+            args = (value,)
+        return Value(
+            "shifted",
+            shape,
+            is_bool=value.is_bool,
+            args=args,
+            shift=ShiftedIndex(
+                scales=scales, offsets=offsets, mode=mode, new_dims=new_dims, fixed_dims=tuple(sorted(fixed.items()))
+            ),
+        )
 
     def packed_weight(
         self,

@@ -86,7 +86,7 @@ def follow_chain(view, start: torch.fx.Node, cats: bool = True) -> list[torch.fx
             group.extend(extra)
         elif (
             spec.kind != "pointwise"
-            or any(v.op in ("reduce", "dot", "extern") for v in _values(view.lowered[user]))
+            or any(v.op in ("reduce", "dot", "extern", "shifted") for v in _values(view.lowered[user]))
             or (tensor_meta(user).shape != tensor_meta(start).shape and not cats)
         ):
             break

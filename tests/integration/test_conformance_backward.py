@@ -1,6 +1,7 @@
 """Backward conformance: every pointwise and row-reduction lowering, trained through.
 
-For each lowering spec of the elementwise and reduction plugins with samples, each
+For each lowering spec of the elementwise and reduction plugins with samples (and the
+conv plugin's cat, stack and max-pool), each
 float dtype and its first sample, the first reference form is wrapped in a module,
 fused with gradients on, and its input gradients (the backward graph of its group,
 traced by ``autofuser_core.backward`` and fused by the same plugins) compared with
@@ -19,7 +20,9 @@ from test_conformance import DEVICE, FLOAT_DTYPES, PLUGINS, Wrapper, _tensor_arg
 
 import autofuser
 
-FAMILIES = ("elementwise.", "reduction.")
+#: The conv plugin's ops that move values (each input read from its slice, a window)
+#: have the pointwise ops' backward check too.
+FAMILIES = ("elementwise.", "reduction.", "conv.cat", "conv.stack", "conv.max_pool")
 #: Ops whose backward graph holds pointwise ops or row sums that must run as kernels.
 MUST_FUSE_BACKWARD = (
     "elementwise.gelu",

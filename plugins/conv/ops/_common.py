@@ -8,6 +8,9 @@ import torch
 
 from autofuser import LoweringContext, Value
 
+#: What a kernel reads and stores for the ops that move values (cat, stack, pooling).
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 def per_channel(ctx: LoweringContext, arg: Any, channels: int, spatial: int, op: str, name: str) -> Value:
     """A per-channel tensor (``[C]``) read as ``[C, 1, ..., 1]`` (``spatial`` ones), so it
@@ -47,3 +50,17 @@ def module_forward_is(ctx: LoweringContext, base: type) -> None:
     """Refuse a subclass of ``base`` that overrides ``forward``: it is not ``base``'s maths."""
     if type(ctx.module).forward is not base.forward:
         ctx.refuse("overridden_forward", f"{type(ctx.module).__name__} overrides {base.__name__}.forward")
+
+
+def tensor_list(ctx: LoweringContext, op: str, tensors: Any, dim: Any, kwargs: dict) -> list:
+    """``tensors`` (a cat's or a stack's) as a list, after the checks both need: graph
+    values, all of the result's dtype, fp32/fp16/bf16, an int ``dim``, no keywords."""
+    if kwargs:
+        ctx.refuse("unsupported_argument", f"{op}: keyword arguments {sorted(kwargs)}")
+    if not isinstance(tensors, (tuple, list)) or not tensors or not all(ctx.is_tensor(t) for t in tensors):
+        ctx.refuse("unsupported_argument", f"{op}: the tensors must be a non-empty list of graph values")
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        ctx.refuse("unsupported_argument", f"{op}: dim={dim!r} is not an int")
+    if ctx.out_dtype not in FLOAT_DTYPES or any(ctx.dtype(t) != ctx.out_dtype for t in tensors):
+        ctx.refuse("unsupported_dtype", f"{op}: inputs of mixed dtypes, or not fp32/fp16/bf16")
+    return list(tensors)

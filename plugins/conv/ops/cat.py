@@ -1,27 +1,40 @@
-"""``torch.cat`` after an upsampling: lowered as an extern op that only the
-``upsample_fused`` strategy generates, selecting each output element's input
-by its coordinate along the cat's dim (``strategy.py``). A ``cat`` that no
-upsampling feeds stays eager (a copy either way)."""
+"""``torch.cat`` / ``torch.concat`` / ``torch.concatenate``: each input read from its
+slice of the output.
+
+Lowered as a chain of shifted reads (``ctx.read_shifted``) along the cat's dim:
+input ``k``, starting at ``start_k``, is read at ``i - start_k`` and, outside its
+own range, reads the next input's read instead (its ``fill``). Inside a group the
+inputs are computed where their slice is read, so a cat of two computed tensors
+followed by pointwise ops is one kernel and the cat is never written. After an
+upsampling the ``upsample_fused`` strategy takes the cat by this lowering's name
+and selects each output element's input itself (``strategy.py``).
+"""
 
 import torch
 import torch.nn.functional as F
 
 from autofuser import LoweringSpec, Sample
 
+from ._common import tensor_list
+
 
 def lower_cat(ctx, tensors, dim=0, **kwargs):
-    if kwargs:
-        ctx.refuse("unsupported_argument", f"cat: keyword arguments {sorted(kwargs)}")
-    if not isinstance(tensors, (tuple, list)) or not all(ctx.is_tensor(t) for t in tensors):
-        ctx.refuse("unsupported_argument", "cat: the tensors must be a list of graph values")
-    if not isinstance(dim, int) or isinstance(dim, bool):
-        ctx.refuse("unsupported_argument", f"cat: dim={dim!r} is not an int")
+    tensors = tensor_list(ctx, "cat", tensors, dim, kwargs)
     rank = len(ctx.out_shape)
     if any(len(ctx.shape(t)) != rank for t in tensors):
         ctx.refuse("shape_mismatch", "cat: inputs of different ranks (legacy empty tensors)")
-    if any(ctx.dtype(t) != ctx.out_dtype for t in tensors):
-        ctx.refuse("unsupported_dtype", "cat: inputs of mixed dtypes")
-    return ctx.extern()
+    dim %= rank
+    starts, start = [], 0
+    for t in tensors:
+        starts.append(start)
+        start += ctx.shape(t)[dim]
+    value = ctx.const(0.0)  # never read: the inputs cover the output
+    for t, begin in reversed(list(zip(tensors, starts))):
+        if ctx.shape(t)[dim] == 0:
+            continue
+        offsets = [-begin if d == dim else 0 for d in range(rank)]
+        value = ctx.read_shifted(t, ctx.out_shape, offsets, fill=value)
+    return value
 
 
 def _samples(dtype):
@@ -34,9 +47,9 @@ def _samples(dtype):
 SPECS = [
     LoweringSpec(
         name="conv.cat",
-        description="torch.cat of an upsampling and other tensors",
+        description="torch.cat: each input read from its slice of the output (a chain of shifted reads)",
         targets=(torch.cat, torch.concat, torch.concatenate),
-        kind="layout",
+        kind="pointwise",
         lower=lower_cat,
         samples=_samples,
         references=(
@@ -45,6 +58,9 @@ SPECS = [
             lambda low, skip: F.gelu(
                 torch.cat((skip[:, :2], F.interpolate(low, scale_factor=2.0), skip[:, 2:]), dim=-3)
             ),
+            # no upsampling: computed inputs along the last dim, one of them empty
+            lambda low, skip: F.gelu(torch.cat([skip * 2, skip[..., :0], torch.tanh(skip[..., :3])], dim=-1)),
+            lambda low, skip: torch.concat((low.sigmoid(), low - 1), dim=0) + 1,
         ),
     ),
 ]
