@@ -1,12 +1,16 @@
 """Helpers several test files share: a plugin built in a test, a small fused model
-for cache tests, and tuning as on a GPU with a stand-in timer."""
+for cache tests, tuning as on a GPU with a stand-in timer, and a fused model checked
+against eager (its output, its one fused group, a few training steps)."""
 
 from __future__ import annotations
 
+import copy
 import types
 
 import torch
 
+import autofuser
+from autofuser_core.specs import DEFAULT_TOLERANCES
 from autofuser_core.timing import Timer
 
 
@@ -105,3 +109,54 @@ def stand_in_timer_by_kernel(use_timer, kernel_ms):
         return kernel_ms(kernel.source.layout, normed)
 
     use_timer(StandInTimer(bench, tune=False, time=True))
+
+
+def fuse_and_compare(model, *inputs):
+    """The fused model's output against eager's; returns the report."""
+    with torch.no_grad():
+        expected = model(*inputs)
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        got = fused(*inputs)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    tol = DEFAULT_TOLERANCES[str(expected.dtype).removeprefix("torch.")]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol.atol, rtol=tol.rtol)
+    return fused.report()
+
+
+def one_group_with(report, *ops):
+    """The report's only fused group, which must hold ``ops``."""
+    assert len(report.fused) == 1, f"expected one fused group:\n{report}"
+    group = report.fused[0]
+    assert all(op in group.ops for op in ops), f"{ops} not all in {group.ops}:\n{report}"
+    return group
+
+
+def trains_like_eager(model, *inputs, steps: int = 3):
+    """A few SGD steps of the fused model and of a copy of ``model`` in eager give the same
+    losses, input gradients and parameters."""
+    eager = copy.deepcopy(model)
+    fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+    weights = None
+    for _ in range(steps):
+        results = []
+        for net in (fused, eager):
+            leaves = [x.detach().requires_grad_() for x in inputs]
+            out = net(*leaves)
+            if weights is None:
+                weights = torch.randn(out.shape)
+            loss = (out * weights).sum()
+            loss.backward()
+            results.append((loss.detach(), [x.grad for x in leaves]))
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+        (loss_f, grads_f), (loss_e, grads_e) = results
+        torch.testing.assert_close(loss_f, loss_e, atol=1e-4, rtol=1e-4)
+        for ours, theirs in zip(grads_f, grads_e):
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+    for ours, theirs in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+    report = fused.report()
+    assert report.fused, str(report)
+    return report
