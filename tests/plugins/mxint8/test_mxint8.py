@@ -275,7 +275,7 @@ def test_layer_selection_and_report():
     entry = report.quantized[0]
     assert entry.bytes_before == 96 * 40 * 4 and entry.bytes_after == 96 * 64 + 96 * 2
     text = str(report)
-    assert "quantised weights: 1 layer(s)" in text and "fc1 [96, 40]: mxint8" in text
+    assert "Quantised weights: 1 layer(s)" in text and "fc1 [96, 40]: mxint8" in text
     # The caller's model keeps its float layers.
     assert type(model.fc1) is nn.Linear and type(fused.model.fc1) is MXInt8Linear
     assert type(fused.model.fc2) is nn.Linear and torch.equal(fused.model.fc2.weight, model.fc2.weight)
