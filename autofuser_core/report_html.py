@@ -164,20 +164,30 @@ def _speedup(eager_ms: float, fused_ms: float) -> str:
     return f"{eager_ms / fused_ms:.2f}x" if fused_ms > 0 else "-"
 
 
+def coverage(report: "FusionReport") -> tuple[int, int, int]:
+    """The forward graph's call nodes as ``(in fused groups, run as in eager, free views)``:
+    views move no data and count as neither fused nor eager (an opaque part counts as one
+    op run as in eager, whatever it holds)."""
+    free = free_nodes(report)
+    covered = {name for g in report.fused if g.phase == "forward" for name in g.nodes}
+    calls = [n.name for n in report.graph if n.op.startswith("call_")] or [
+        n.node for n in report.unfused_nodes if n.phase == "forward"
+    ]
+    views = sum(1 for name in calls if name in free and name not in covered)
+    costly = sum(1 for name in calls if name not in free and name not in covered)
+    return len(covered), costly, views
+
+
 def summary_lines(report: "FusionReport") -> list[str]:
     """The few sentences a user reads first: what was fused, the measured result, where
     the time goes, what the compile cost."""
     fused = [g for g in report.fused if g.phase == "forward"]
     backward = len(report.fused) - len(fused)
-    free = free_nodes(report)
-    covered = {name for g in fused for name in g.nodes}
-    calls = [n.name for n in report.graph if n.op.startswith("call_")] or [n.node for n in report.unfused_nodes]
-    in_groups = len(covered)
-    views = sum(1 for name in calls if name in free and name not in covered)
-    costly = sum(1 for name in calls if name not in free and name not in covered)
+    in_groups, costly, views = coverage(report)
+    share = f" ({100 * in_groups / (in_groups + costly):.0f}% of the compute ops)" if in_groups + costly else ""
     lines = [
         f"{len(fused)} fused kernel{'s run' if len(fused) != 1 else ' runs'} "
-        f"{in_groups} op{'s' if in_groups != 1 else ''}; "
+        f"{in_groups} op{'s' if in_groups != 1 else ''}{share}; "
         f"{costly} op{'s run' if costly != 1 else ' runs'} as in eager"
         + (f", {views} more {'are free views' if views > 1 else 'is a free view'} (no data moved)" if views else "")
         + (f"; {len(report.opaque)} part(s) could not be traced" if report.opaque else "")

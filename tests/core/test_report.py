@@ -8,7 +8,7 @@ import torch
 
 import autofuser
 from autofuser_core.report import FusionReport, GraphNode, GroupEntry, NodeEntry
-from autofuser_core.report_html import readable_target
+from autofuser_core.report_html import coverage, readable_target
 
 
 class NormGeluViews(torch.nn.Module):
@@ -50,6 +50,11 @@ def test_text_report_leads_with_the_summary_and_calls_views_free():
     assert "free views, no data moved" in eager_part and "Tensor.reshape" in eager_part
     assert "Tensor.permute" in eager_part
     assert "Tensor.reshape:" not in eager_part and "left eager" not in text
+    # The share of compute ops in fused groups, views counted as neither.
+    in_groups, eager, free = coverage(report)
+    assert in_groups == sum(len(g.nodes) for g in report.fused) and free >= 2
+    share = f"({100 * in_groups / (in_groups + eager):.0f}% of the compute ops)"
+    assert share in text.splitlines()[1], text
     # The fused group says where in forward it came from, and its ops in full.
     group = report.fused[0]
     assert " > ".join(group.ops) in text
