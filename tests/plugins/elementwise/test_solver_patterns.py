@@ -15,24 +15,14 @@ import torch.nn.functional as F
 import autofuser
 from autofuser_core.specs import DEFAULT_TOLERANCES
 
+from _helpers import fuse_and_compare
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @pytest.fixture(autouse=True)
 def _seed(request):
     torch.manual_seed(zlib.crc32(request.node.name.encode()))
-
-
-def fuse_and_compare(model, *inputs):
-    """The fused model's output against eager's; returns the report."""
-    with torch.no_grad():
-        expected = model(*inputs)
-        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
-        got = fused(*inputs)
-    assert got.dtype == expected.dtype and got.shape == expected.shape
-    tol = DEFAULT_TOLERANCES[str(expected.dtype).removeprefix("torch.")]
-    torch.testing.assert_close(got.float(), expected.float(), atol=tol.atol, rtol=tol.rtol)
-    return fused.report()
 
 
 def fused_group_with(report, *ops):
