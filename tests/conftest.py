@@ -49,3 +49,19 @@ def stand_in_timer(use_timer):
     from _helpers import StandInTimer
 
     return use_timer(StandInTimer())
+
+
+@pytest.fixture
+def original_runs(monkeypatch):
+    """Each call of a fused module that ran the original model appends to this list."""
+    from autofuser_core.fuse import FusedModule
+
+    runs: list = []
+    run_original = FusedModule._run_original
+
+    def counted(self, args, kwargs):
+        runs.append(True)
+        return run_original(self, args, kwargs)
+
+    monkeypatch.setattr(FusedModule, "_run_original", counted)
+    return runs

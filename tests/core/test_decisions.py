@@ -15,7 +15,7 @@ import torch
 
 import autofuser
 from autofuser_core import in_use, timing
-from autofuser_core.fuse import FORWARD_MARGIN, FORWARD_ROUNDS, FusedModule
+from autofuser_core.fuse import FORWARD_MARGIN, FORWARD_ROUNDS
 
 from _helpers import StandInTimer
 
@@ -36,20 +36,6 @@ def _noisy_timer(use_timer, fused_ms, eager_ms, in_use_ms=None) -> StandInTimer:
             in_use=in_use_ms,
         )
     )
-
-
-@pytest.fixture
-def original_runs(monkeypatch):
-    """Each call of a fused module that ran the original model appends to this list."""
-    runs: list = []
-    run_original = FusedModule._run_original
-
-    def counted(self, args, kwargs):
-        runs.append(True)
-        return run_original(self, args, kwargs)
-
-    monkeypatch.setattr(FusedModule, "_run_original", counted)
-    return runs
 
 
 def _calls(fused, model, x, n: int, original_runs: list) -> list[bool]:

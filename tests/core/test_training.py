@@ -460,22 +460,6 @@ def _train_beside_eager(fused, model, reference, x, steps: int, original_runs: l
     return ran
 
 
-@pytest.fixture
-def original_runs(monkeypatch):
-    """Each call of a fused module that ran the original model appends to this list."""
-    from autofuser_core.fuse import FusedModule
-
-    runs: list = []
-    run_original = FusedModule._run_original
-
-    def counted(self, args, kwargs):
-        runs.append(True)
-        return run_original(self, args, kwargs)
-
-    monkeypatch.setattr(FusedModule, "_run_original", counted)
-    return runs
-
-
 @pytest.mark.parametrize("in_use_faster", [False, True])
 def test_a_fused_step_that_won_at_compile_is_settled_by_its_first_calls_in_use(
     tmp_path, use_timer, original_runs, in_use_faster
