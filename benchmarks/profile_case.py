@@ -13,6 +13,10 @@ the tool and its tests run without a GPU.
     python benchmarks/profile_case.py --zoo unet --dtype bf16 --out profile-unet-bf16.md
     python benchmarks/profile_case.py --factory my_model.py:make --systems eager,autofuser,reduce-overhead
 
+``--train`` profiles training steps instead (train mode; zero_grad, forward,
+a mean-square loss over the outputs, backward; the optimiser, the same on every
+side, left out): where a step's backward spends its time.
+
 One case of ``benchmarks/attention.py`` (a form) or of ``benchmarks/matmul.py``
 (a case whose name contains ``--form``), AutoFuser only, as before: the
 report's notes (CUDA graph or not, whole-forward times), tuning timings and a
@@ -71,6 +75,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=None, help="--zoo: override its batch size")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="side by side: bf16 = autocast")
     parser.add_argument("--device", default=None, help="side by side: cuda or cpu (default: cuda when available)")
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="side by side: profile training steps (zero_grad, forward, loss, backward; no optimiser) in train mode",
+    )
     parser.add_argument("--calls", type=int, default=20, help="side by side: forwards profiled per system")
     parser.add_argument("--warmup", type=int, default=10, help="side by side: forwards before profiling")
     parser.add_argument("--top", type=int, default=15, help="side by side: kernels listed per system")
@@ -136,14 +145,16 @@ def kernel_rows(profile: Any, device_type: str, calls: int) -> list[KernelRow]:
     return sorted(rows, key=lambda row: (-row.ms, row.name))
 
 
-def render_summary(profiles: dict[str, list[KernelRow]], *, top: int, title: str, where: str, calls: int) -> str:
+def render_summary(
+    profiles: dict[str, list[KernelRow]], *, top: int, title: str, where: str, calls: int, call: str = "forward"
+) -> str:
     """The markdown summary: one line per system (launches, distinct kernels, kernel time per
     forward), then each system's ``top`` kernels with their share of its time."""
     unit = "GPU kernels" if where.startswith("cuda") else "CPU ops (self time; a CPU replays no CUDA graph)"
     lines = [
-        f"# Kernels per forward: {title}",
+        f"# Kernels per {call}: {title}",
         "",
-        f"{where}; {unit}; {calls} profiled forwards per system, after warm-up; per forward.",
+        f"{where}; {unit}; {calls} profiled {call}s per system, after warm-up; per {call}.",
         "",
         "| system | launches | distinct | time ms |",
         "|---|---|---|---|",
@@ -197,6 +208,23 @@ def _model_and_call(args: argparse.Namespace, device: torch.device) -> tuple[tor
 
         return forward
 
+    def training_call(fn):
+        # The loss reads every output; the optimiser is left out: it is the same code on every side.
+        def step():
+            # reduce-overhead's CUDA graphs: each step is a new iteration (a no-op elsewhere).
+            torch.compiler.cudagraph_mark_step_begin()
+            for parameter in model.parameters():
+                parameter.grad = None
+            with autocast_for(device, args.dtype):
+                found = fn(*inputs, **kwargs)
+                outputs = found if isinstance(found, (tuple, list)) else (found,)
+                loss = sum(o.float().square().mean() for o in outputs if o.is_floating_point())
+            loss.backward()
+
+        return step
+
+    if args.train:
+        return model.train(), training_call, title + ", training steps"
     return model.eval(), call, title
 
 
@@ -242,7 +270,8 @@ def profile_systems(args: argparse.Namespace) -> tuple[dict[str, list[KernelRow]
 
 def side_by_side(args: argparse.Namespace) -> int:
     profiles, title, where = profile_systems(args)
-    summary = render_summary(profiles, top=args.top, title=title, where=where, calls=args.calls)
+    call = "training step" if args.train else "forward"
+    summary = render_summary(profiles, top=args.top, title=title, where=where, calls=args.calls, call=call)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(summary)

@@ -104,3 +104,20 @@ def test_side_by_side_profiles_a_tiny_model_on_the_cpu(profile_case, tmp_path):
     assert all(earlier.ms >= later.ms for earlier, later in zip(profiles["eager"], profiles["eager"][1:]))
     assert profiles["autofuser"] and "aten::gelu" not in {row.name for row in profiles["autofuser"]}
     torch._dynamo.reset()
+
+
+def test_train_profiles_training_steps_with_their_backward(profile_case, tmp_path):
+    """--train profiles whole training steps: eager's rows hold each op's backward too, once
+    per step, and the step leaves the model's gradients set."""
+    (tmp_path / "tiny_block.py").write_text(MODEL_FILE)
+    factory = f"{tmp_path / 'tiny_block.py'}:make"
+    args = profile_case.parse_args(
+        ["--factory", factory, "--device", "cpu", "--systems", "eager", "--calls", "2", "--warmup", "0", "--train"]
+    )
+    profiles, title, _ = profile_case.profile_systems(args)
+    assert title.endswith("training steps")
+    eager = {row.name: row for row in profiles["eager"]}
+    for op in ("aten::gelu", "aten::gelu_backward", "aten::native_layer_norm_backward"):
+        assert eager[op].launches == 1, op
+    text = profile_case.render_summary(profiles, top=3, title=title, where="cpu", calls=2, call="training step")
+    assert text.startswith("# Kernels per training step:")
