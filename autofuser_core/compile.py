@@ -186,6 +186,14 @@ def _veto(plugin_set, candidate: Candidate, options) -> Optional[str]:
     return None
 
 
+def _rows_kept_whole(program) -> bool:
+    """Whether a group's program (without products) reduces over rows and still writes every
+    element of them (a normalisation's shape), as opposed to pointwise work or a plain reduction."""
+    if not program.reduced_dims:
+        return False
+    return any(any(t.domain_stride[d] != 0 for d in program.reduced_dims) for t in program.outputs)
+
+
 def _compile_graph(
     gm: torch.fx.GraphModule, inputs: tuple, plugin_set, options, progress, backward: bool
 ) -> tuple[torch.fx.GraphModule, FusionReport]:
@@ -231,9 +239,13 @@ def _compile_graph(
                 return "decided in an earlier round"
             if (candidate.strategy.name, frozenset(candidate.nodes)) in lost:
                 return "decided in an earlier round"
-            if backward_graph and len(candidate.nodes) == 1 and product_count(candidate.program) == 0:
-                # One pointwise op or reduction as a kernel moves the bytes eager's op moves:
-                # nothing to gain, and a backward graph compiles at the user's first step.
+            lone = backward_graph and len(candidate.nodes) == 1 and product_count(candidate.program) == 0
+            if lone and not _rows_kept_whole(candidate.program):
+                # One pointwise op or plain reduction as a kernel moves the bytes eager's op
+                # moves: nothing to gain, and a backward graph compiles at the user's first step.
+                # A lone op that keeps its rows whole (a norm, a softmax) is planned and timed:
+                # libraries' kernels for such ops are slow on narrow rows (BENCHMARKS.md,
+                # "Training"), and the group's timing keeps the faster.
                 return (
                     "a single op without a product saves no memory traffic; in a backward graph "
                     "it stays the library's call"

@@ -713,7 +713,8 @@ def test_single_ops_of_a_backward_graph_stay_library_calls():
     """A backward graph's lone reductions (a bias's gradient, a sum over rows) and lone
     pointwise ops are no kernels of their own: they move what eager moves, and each
     kernel is compiled at the first step. Products and chains still fuse; gradients are
-    eager's."""
+    eager's. A lone norm that keeps its rows whole is not vetoed (its timing decides):
+    ``test_a_lone_norm_of_a_backward_graph_is_planned``."""
 
     class Block(nn.Module):
         def __init__(self):
@@ -741,3 +742,40 @@ def test_single_ops_of_a_backward_graph_stay_library_calls():
     vetoed = [g for g in backward if g.reason_code == "vetoed" and "single op" in g.reason]
     assert vetoed and all(g.ops == ["reduction.sum"] for g in vetoed), str(report)
     assert any(len(g.ops) > 1 for g in backward if g.fused), str(report)
+
+
+def test_a_lone_norm_of_a_backward_graph_is_planned():
+    """A norm recomputed alone in a backward graph (the layer norms on K and V before a
+    linear attention's products) is planned as a row kernel, not vetoed as a single op:
+    libraries' norms are slow on narrow rows and the group's timing keeps the faster.
+    Gradients stay eager's."""
+
+    class NormedProducts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm_k, self.norm_v = nn.LayerNorm(6), nn.LayerNorm(6)
+
+        def forward(self, q, k, v):
+            k, v = self.norm_k(k), self.norm_v(v)
+            context = torch.einsum("bhnd,bhne->bhde", k, v) / k.shape[2]
+            return torch.einsum("bhnd,bhde->bhne", q, context)
+
+    model = NormedProducts()
+    reference = copy.deepcopy(model)
+    fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+    shape = (3, 2, 53, 6)
+    q, k, v, grad = (torch.randn(shape) for _ in range(4))
+    got_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    fused(*got_inputs).backward(grad)
+    reference(*expected_inputs).backward(grad)
+    got = {**{f"in{i}": t.grad for i, t in enumerate(got_inputs)}, **{n: p.grad for n, p in model.named_parameters()}}
+    expected = {
+        **{f"in{i}": t.grad for i, t in enumerate(expected_inputs)},
+        **{n: p.grad for n, p in reference.named_parameters()},
+    }
+    assert_same_tensors(got, expected, scaled=True)
+    backward = [g for g in fused.report().groups if g.phase == "backward"]
+    norms = [g for g in backward if g.fused and len(g.ops) == 1 and "layer_norm" in g.ops[0]]
+    assert norms, str(fused.report())
+    assert not [g for g in backward if g.reason_code == "vetoed" and "layer_norm" in g.ops[0]], str(fused.report())
