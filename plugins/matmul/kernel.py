@@ -41,6 +41,14 @@ from autofuser.kernel import (
     weight_tile,
 )
 
+#: Strict fp32 products sum K in chunks of this many elements (a multiple of every BLOCK_K).
+K_CHUNK = 512
+
+
+def strict_fp32(layout) -> bool:
+    """Whether a product runs in fp32 at fp32's accuracy (no 16-bit operands, no TF32)."""
+    return layout.operand_dtype is None and layout.precision != "tf32"
+
 
 def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[dict[str, str]] = None) -> KernelSource:
     """Write the Triton source for a group with one product; see module doc."""
@@ -132,15 +140,28 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
         known = emit_prepasses(w, prologue_values, L.k)
         # 3. main loop
         w.emit("acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)")
-        w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):")
-        w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", 2)
-        w.emit(f"k_mask = ks < {L.k}", 2)
-        w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 2)
-        a_name = TileBlock(w, 2, "k", known).value(a)
+        chunked = strict_fp32(L) and L.k > K_CHUNK
+        if chunked:
+            # Tensor cores do not round each addition into their fp32 accumulator to nearest:
+            # its error grows with K. A long K in strict fp32 is summed in chunks, each chunk's
+            # sum added to ``acc`` by an ordinary fp32 addition.
+            w.emit(f"for c0 in range(0, {L.k}, {K_CHUNK}):")
+            w.emit("part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)", 2)
+            w.emit(f"for k0 in range(c0, tl.minimum(c0 + {K_CHUNK}, {L.k}), BLOCK_K):", 2)
+        else:
+            w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):")
+        inner = 3 if chunked else 2
+        w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", inner)
+        w.emit(f"k_mask = ks < {L.k}", inner)
+        w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", inner)
+        a_name = TileBlock(w, inner, "k", known).value(a)
         for line in b_load("k0"):
-            w.emit(line, 2)
-        w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", 2)
-        w.emit(f"acc += {dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision, L.b_packed)}", 2)
+            w.emit(line, inner)
+        w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))", inner)
+        target = "part" if chunked else "acc"
+        w.emit(f"{target} += {dot_line('a_tile', 'b_tile', L.operand_dtype, L.precision, L.b_packed)}", inner)
+        if chunked:
+            w.emit("acc += part", 2)
 
     # 4. epilogue and stores
     block = TileBlock(w, 1, "n", {dot.uid: "acc"})
