@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU steps in one go. Each argument names a step; with none, every step runs:
-#   tests       the GPU-only tests, a conformance subset and the capture tests
+#   tests       the GPU-only tests, a conformance subset (fp32 and bf16, forward and
+#               backward), the capture, linear/slice attention and MLP kernel tests
 #   tests-device  every test file written to run on the machine's device (DEVICE or the
 #               `device` fixture); the other files build CPU tensors for the interpreter, and on
 #               a GPU machine those are not fused, so they are CI's only
@@ -39,11 +40,19 @@ for step in "${steps[@]}"; do
   start=$(date +%s)
   case "$step" in
     tests)
+      # A few minutes: the CUDA tests, each lowering's first sample forward and backward, the
+      # attention and MLP kernels (tests-device runs every device test, about 15 minutes).
       python3 -m pytest -q -p no:cacheprovider tests/core/test_capture.py tests/integration/test_cuda.py \
-        tests/integration/test_conformance.py -k "sample0-form0 or test_capture or test_cuda" 2>&1 | tail -n 30 | tee "$out/tests.log" ;;
+        tests/integration/test_conformance.py tests/integration/test_conformance_backward.py \
+        tests/plugins/attention/test_linear_attention.py tests/plugins/attention/test_slice_attention.py \
+        tests/plugins/matmul/test_mlp_persistent.py \
+        -k "not float16 and (sample0-form0 or sample0] or test_capture or test_cuda or persistent or attention)" \
+        > "$out/tests.log" 2>&1
+      echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -n 40 ;;
     tests-device)
       python3 -m pytest -q -p no:cacheprovider tests/integration/test_cuda.py tests/core/test_capture.py \
-        tests/integration/test_conformance.py tests/plugins/elementwise/test_elementwise_ops.py \
+        tests/integration/test_conformance.py tests/integration/test_conformance_backward.py \
+        tests/plugins/elementwise/test_elementwise_ops.py \
         tests/plugins/attention/test_attention.py tests/plugins/attention/test_linear_attention.py \
         tests/plugins/attention/test_slice_attention.py tests/plugins/matmul/test_mlp_persistent.py \
         > "$out/tests-device.log" 2>&1
