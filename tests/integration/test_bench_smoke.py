@@ -529,7 +529,8 @@ def test_models_into_a_closed_pipe_is_quiet(tmp_path):
     assert done.returncode == 0
 
 
-def test_help_shows_defaults_plain_text_and_imports_no_zoo(capsys):
+def test_help_shows_defaults_plain_text_and_imports_no_zoo_nor_torch(capsys):
+    """``--help`` answers without importing torch (a second of the command's start otherwise)."""
     with pytest.raises(SystemExit) as exited:
         main(["bench", "--help"])
     assert exited.value.code == 0
@@ -539,7 +540,7 @@ def test_help_shows_defaults_plain_text_and_imports_no_zoo(capsys):
     probe = (
         "import sys\nfrom autofuser.cli import main\ntry:\n    main(['bench', '--help'])\n"
         "except SystemExit:\n    pass\n"
-        "print(sorted(m for m in ('autofuser.zoo.models', 'triton', 'einops') if m in sys.modules))"
+        "print(sorted(m for m in ('autofuser.zoo.models', 'triton', 'einops', 'torch') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
