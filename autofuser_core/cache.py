@@ -1,8 +1,9 @@
 """The on-disk cache: generated kernel sources and tuning results.
 
-Layout under ``cache_dir()`` (``$AUTOFUSER_CACHE_DIR``, else
-``$XDG_CACHE_HOME/autofuser``, else ``~/.cache/autofuser``; created private to
-the user, mode 0700):
+Layout under ``cache_dir()`` (``$AUTOFUSER_CACHE_DIR``, else the system's user
+cache folder for ``autofuser`` as ``platformdirs`` names it: ``$XDG_CACHE_HOME/autofuser``
+or ``~/.cache/autofuser`` on Linux, ``~/Library/Caches/autofuser`` on macOS,
+``%LOCALAPPDATA%\\autofuser\\Cache`` on Windows; created private to the user, mode 0700):
 
 - ``kernels/<name>.py`` - generated Triton source, kept for people to read.
   Nothing is ever imported from it: the source is always regenerated from the
@@ -70,6 +71,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
+import platformdirs
+
 from .errors import CacheError
 from .interpreter import KERNEL_PACKAGE
 
@@ -102,8 +105,7 @@ def cache_dir(override: Optional[str] = None) -> Path:
     created is returned all the same: reads miss and writes fall back to memory."""
     root = override or os.environ.get("AUTOFUSER_CACHE_DIR")
     if not root:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "autofuser")
+        root = platformdirs.user_cache_dir("autofuser", appauthor=False)
     path = Path(root)
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
