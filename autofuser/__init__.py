@@ -16,34 +16,94 @@ and grids are checked against ``device_limits(device)`` (shared memory per
 block, multiprocessors), one helper for every plugin.
 """
 
-from autofuser_core.codegen import KernelSource
-from autofuser_core.device_limits import DeviceLimits, device_limits
-from autofuser_core.errors import (
-    AutoFuserError,
-    CacheError,
-    CaptureError,
-    CompileFailedWarning,
-    NoKernelsWarning,
-    OpaquePartError,
-    PluginError,
-    SpecError,
-)
-from autofuser_core.group import GroupProgram, GroupRefused, KernelTensor, program_from_nodes
-from autofuser_core.hookspecs import hookimpl
-from autofuser_core.ir import LoweringContext, Value, broadcast_shapes, describe_tensor
-from autofuser_core.oplib import collect_specs
-from autofuser_core.plugins import load_plugins
-from autofuser_core.specs import (
-    DEFAULT_TOLERANCES,
-    PRODUCT_TOLERANCES,
-    LoweringSpec,
-    ProductLayoutSpec,
-    QuantizerSpec,
-    Sample,
-    SplitRule,
-    StrategySpec,
-    Tolerance,
-)
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type checker sees the names; at run time ``__getattr__`` imports them
+    from autofuser_core.codegen import KernelSource
+    from autofuser_core.device_limits import DeviceLimits, device_limits
+    from autofuser_core.errors import (
+        AutoFuserError,
+        CacheError,
+        CaptureError,
+        CompileFailedWarning,
+        NoKernelsWarning,
+        OpaquePartError,
+        PluginError,
+        SpecError,
+    )
+    from autofuser_core.group import GroupProgram, GroupRefused, KernelTensor, program_from_nodes
+    from autofuser_core.hookspecs import hookimpl
+    from autofuser_core.ir import LoweringContext, Value, broadcast_shapes, describe_tensor
+    from autofuser_core.oplib import collect_specs
+    from autofuser_core.plugins import load_plugins
+    from autofuser_core.specs import (
+        DEFAULT_TOLERANCES,
+        PRODUCT_TOLERANCES,
+        LoweringSpec,
+        ProductLayoutSpec,
+        QuantizerSpec,
+        Sample,
+        SplitRule,
+        StrategySpec,
+        Tolerance,
+    )
+
+#: Where each public name lives. ``import autofuser`` imports none of them (nor torch): the
+#: ``autofuser`` command's ``--help`` is answered without torch, and a name's module is
+#: imported on its first use (PEP 562), as ``from autofuser import fuse`` does at once.
+_LAZY_NAMES = {
+    "KernelSource": "autofuser_core.codegen",
+    "DeviceLimits": "autofuser_core.device_limits",
+    "device_limits": "autofuser_core.device_limits",
+    **dict.fromkeys(
+        (
+            "AutoFuserError",
+            "CacheError",
+            "CaptureError",
+            "CompileFailedWarning",
+            "NoKernelsWarning",
+            "OpaquePartError",
+            "PluginError",
+            "SpecError",
+        ),
+        "autofuser_core.errors",
+    ),
+    **dict.fromkeys(("GroupProgram", "GroupRefused", "KernelTensor", "program_from_nodes"), "autofuser_core.group"),
+    "hookimpl": "autofuser_core.hookspecs",
+    **dict.fromkeys(("LoweringContext", "Value", "broadcast_shapes", "describe_tensor"), "autofuser_core.ir"),
+    "collect_specs": "autofuser_core.oplib",
+    "load_plugins": "autofuser_core.plugins",
+    **dict.fromkeys(
+        (
+            "DEFAULT_TOLERANCES",
+            "PRODUCT_TOLERANCES",
+            "LoweringSpec",
+            "ProductLayoutSpec",
+            "QuantizerSpec",
+            "Sample",
+            "SplitRule",
+            "StrategySpec",
+            "Tolerance",
+        ),
+        "autofuser_core.specs",
+    ),
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autofuser' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_NAMES))
+
 
 # The one place the version is written: pyproject.toml reads it from here.
 __version__ = "0.1.0"

@@ -9,9 +9,10 @@
 and AutoFuser (``autofuser.zoo.harness``); ``models`` lists the zoo; ``report``
 fuses one model on example inputs and writes its report as one HTML page.
 
-This module imports only the standard library at the top (``autofuser`` itself
-imports torch, not Triton): ``main`` decides on Triton's interpreter before
-anything imports Triton, and ``--help`` stays quick.
+This module imports only the standard library at the top (``import autofuser``
+imports nothing more until a public name is used): ``main`` decides on Triton's
+interpreter before anything imports Triton, and ``--help`` is answered without
+importing torch.
 """
 
 from __future__ import annotations

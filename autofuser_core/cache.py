@@ -1,8 +1,9 @@
 """The on-disk cache: generated kernel sources and tuning results.
 
-Layout under ``cache_dir()`` (``$AUTOFUSER_CACHE_DIR``, else
-``$XDG_CACHE_HOME/autofuser``, else ``~/.cache/autofuser``; created private to
-the user, mode 0700):
+Layout under ``cache_dir()`` (``$AUTOFUSER_CACHE_DIR``, else the system's user
+cache folder for ``autofuser`` as ``platformdirs`` names it: ``$XDG_CACHE_HOME/autofuser``
+or ``~/.cache/autofuser`` on Linux, ``~/Library/Caches/autofuser`` on macOS,
+``%LOCALAPPDATA%\\autofuser\\Cache`` on Windows; created private to the user, mode 0700):
 
 - ``kernels/<name>.py`` - generated Triton source, kept for people to read.
   Nothing is ever imported from it: the source is always regenerated from the
@@ -39,7 +40,7 @@ at all - one warning, and the process runs as with an unwritable folder. See
 
 Several processes (the ranks of a distributed job, say) sharing one folder
 tune each kernel once: a process that misses an entry takes the entry's lock
-(``tuning/<key-hash>.lock``, an advisory ``flock``), reads again, and tunes
+(``tuning/<key-hash>.lock``, an advisory ``flock`` taken through ``filelock``), reads again, and tunes
 only if the entry is still missing; the others wait for the lock and then read
 its result. The operating system drops the lock of a process that dies, and
 an entry appears only by the final rename, so a process killed while tuning
@@ -69,6 +70,9 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Optional
+
+import filelock
+import platformdirs
 
 from .errors import CacheError
 from .interpreter import KERNEL_PACKAGE
@@ -102,8 +106,7 @@ def cache_dir(override: Optional[str] = None) -> Path:
     created is returned all the same: reads miss and writes fall back to memory."""
     root = override or os.environ.get("AUTOFUSER_CACHE_DIR")
     if not root:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "autofuser")
+        root = platformdirs.user_cache_dir("autofuser", appauthor=False)
     path = Path(root)
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -573,15 +576,22 @@ def tuning_lock(
     """Hold ``key``'s entry lock, so that one process at a time tunes it.
 
     Yields ``True`` while the lock is held, ``False`` where there is no lock to
-    take (no ``fcntl``, a folder that can't be written or is not used, a lock
+    take (no ``flock``, a folder that can't be written or is not used, a lock
     path that is a link or not a regular file, a file system without locks, or
     ``timeout_s`` - default ``LOCK_TIMEOUT_S`` - spent waiting): the caller then
     tunes on its own, which is only slower. ``on_wait`` is called once if another
     process holds the lock.
+
+    The lock is ``filelock``'s ``flock`` lock, which opens the lock file with
+    ``O_NOFOLLOW | O_NONBLOCK`` (a link is refused, a FIFO never waited on), creates
+    it mode 0600, and leaves it in place on release. Two of its options keep the
+    cache's rules (docs/cache.md): ``fallback_to_soft=False``, since its fallback on a
+    file system without ``flock`` writes a marker file (a pid, a host name) into the
+    folder, where tuning without the lock is only slower; and ``on_acquired``, which
+    refuses a lock file that is not a regular file (a FIFO or a device opens, and
+    ``flock`` takes it).
     """
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: each process tunes; atomic writes still keep entries whole
+    if not filelock.has_fcntl:  # not POSIX: each process tunes; atomic writes still keep entries whole
         yield False
         return
     if not _usable(root, "tuning"):
@@ -591,38 +601,60 @@ def tuning_lock(
     path = root / "tuning" / f"{digest}.lock"
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = _open_lock(path)
-    except CacheError as err:
-        _warn_no_lock(path, str(err))
-        yield False
-        return
     except OSError as err:
         _warn_unwritable(root, err)
         yield False
         return
+    lock = filelock.UnixFileLock(
+        path,
+        mode=0o600,
+        thread_local=False,
+        fallback_to_soft=False,
+        on_acquired=_refuse_irregular_lock_file,
+    )
+    if not _acquire(lock, root, path, on_wait, LOCK_TIMEOUT_S if timeout_s is None else timeout_s):
+        yield False
+        return
     try:
-        held = _acquire(fcntl, fd, path, on_wait, LOCK_TIMEOUT_S if timeout_s is None else timeout_s)
-        if held:
-            _remove_stale_temporaries(path.parent, f".{digest}.json.")
-        yield held
+        _remove_stale_temporaries(path.parent, f".{digest}.json.")
+        yield True
     finally:
-        os.close(fd)  # closing drops the lock
+        lock.release()
 
 
-def _open_lock(path: Path) -> int:
-    """The lock file's descriptor: opened without following a link and without blocking
-    (a FIFO), and refused (``CacheError``) unless it is a regular file."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags, 0o600)
-    except OSError as err:
-        if err.errno in (errno.ELOOP, errno.EMLINK):
-            raise CacheError("it is a symbolic link") from None
-        raise
+def _refuse_irregular_lock_file(fd: int) -> None:
+    """``filelock``'s ``on_acquired``: raising makes it let go of the lock and close the file."""
     if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
         raise CacheError("it is not a regular file")
-    return fd
+
+
+def _acquire(lock, root: Path, path: Path, on_wait: Optional[Callable[[], None]], timeout_s: float) -> bool:
+    """Take ``lock``; ``False`` (said why, where it matters) where it is not taken."""
+    try:
+        try:
+            lock.acquire(blocking=False)
+            return True
+        except filelock.Timeout:  # another process holds it
+            if on_wait is not None:
+                on_wait()
+        lock.acquire(timeout=timeout_s)
+        return True
+    except filelock.Timeout:
+        warnings.warn(
+            f"AutoFuser: waited {timeout_s:.0f} s for another process to finish tuning ({path}); tuning here as well."
+        )
+    except CacheError as err:
+        _warn_no_lock(path, str(err))
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW's answer (EMLINK: the BSDs')
+            _warn_no_lock(path, "it is a symbolic link")
+        elif err.errno in (errno.EISDIR, errno.ENXIO):  # a folder; ENXIO: a socket
+            _warn_no_lock(path, "it is not a regular file")
+        elif err.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):  # no locks (some network mounts)
+            logger.debug("cannot lock %s: %s", path, err)
+        else:
+            _warn_unwritable(root, err)
+    return False
 
 
 def _warn_no_lock(path: Path, why: str) -> None:
@@ -631,33 +663,8 @@ def _warn_no_lock(path: Path, why: str) -> None:
         warnings.warn(
             f"AutoFuser: not using the tuning lock {path}: {why}; tuning without it (other processes "
             "sharing the cache may tune the same kernel too). Remove it to share tuning again.",
-            stacklevel=4,
+            stacklevel=5,
         )
-
-
-def _acquire(fcntl, fd: int, path: Path, on_wait, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    delay = 0.02
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            pass
-        except OSError as err:  # a file system without locks (some network mounts)
-            logger.debug("cannot lock %s: %s", path, err)
-            return False
-        if on_wait is not None:
-            on_wait()
-            on_wait = None
-        if time.monotonic() >= deadline:
-            warnings.warn(
-                f"AutoFuser: waited {timeout_s:.0f} s for another process to finish tuning "
-                f"({path}); tuning here as well."
-            )
-            return False
-        time.sleep(delay)
-        delay = min(delay * 2, 0.5)
 
 
 def _remove_stale_temporaries(folder: Path, prefix: str) -> None:

@@ -72,7 +72,7 @@ class FuseOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     cache_dir: Optional[str] = Field(
-        None, strict=True, description="Cache folder; default $AUTOFUSER_CACHE_DIR or ~/.cache/autofuser."
+        None, strict=True, description="Cache folder; default $AUTOFUSER_CACHE_DIR, else your user cache folder."
     )
     max_signatures: int = Field(8, ge=1, strict=True, description="Compiled signatures kept; later new ones run eager.")
     tune: bool = Field(True, strict=True, description="Benchmark each kernel's configs on a GPU (cached).")

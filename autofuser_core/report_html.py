@@ -2,6 +2,9 @@
 
 No external assets, no script: inline CSS and an inline SVG drawing of the
 graph, so the file can be mailed, attached to an issue or opened offline.
+The markup is in the jinja2 templates ``templates/report.html.j2`` (the page)
+and ``templates/graph.svg.j2`` (the graph), autoescaped; this module works out
+what goes in them (the wording, the layout's geometry).
 
 Sections, in the order a user reads them: the measured result and a summary;
 the graph, laid out in layers (``layout``) with each fused group a cluster of its
@@ -19,7 +22,6 @@ type checker alone.
 
 from __future__ import annotations
 
-import html
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
@@ -70,10 +72,6 @@ td.what { min-width: 260px; max-width: 420px; }
 .headline { font-size: 18px; font-weight: 600; }
 details { margin: 6px 0; } summary { cursor: pointer; }
 """
-
-
-def _e(value) -> str:
-    return html.escape(str(value), quote=True)
 
 
 def format_bytes(n: float) -> str:
@@ -425,28 +423,24 @@ def render_svg(report: "FusionReport") -> str:
     group's colour; nodes left eager grey; inputs, parameters and the output white."""
     colours = _group_colours(report)
     boxes, paths, box_of = layout(report)
-    width = MARGIN + max((b.x + b.width for b in boxes.values()), default=0)
-    height = MARGIN + max((b.y + b.height for b in boxes.values()), default=0)
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-        f'viewBox="0 0 {width:.0f} {height:.0f}" role="img" aria-label="the graph, fused groups as clusters">',
-        '<defs><marker id="arrow" viewBox="0 0 8 8" refX="8" refY="4" markerWidth="6" markerHeight="6" '
-        'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#777"/></marker></defs>',
-    ]
-    by_name = {node.name: node for node in report.graph}
+    clusters = []
     for key, box in boxes.items():
         if key.startswith("group-") and box.inner:
             index = int(key.removeprefix("group-"))
             group = report.groups[index]
-            parts.append(
-                f'<g class="cluster" id="cluster-{index}"><title>group #{index}: {_e(group.strategy)}, '
-                f"{_e(' > '.join(group.ops))}</title>"
-                f'<rect x="{box.x:.1f}" y="{box.y:.1f}" width="{box.width:.1f}" height="{box.height:.1f}" rx="8" '
-                f'fill="{colours[index]}" fill-opacity="0.25" stroke="{colours[index]}" stroke-width="2"/>'
-                f'<text x="{box.x + 8:.1f}" y="{box.y + 15:.1f}" font-weight="bold">'
-                f"#{index} {_e(group.strategy)}</text>"
-                "</g>"
+            clusters.append(
+                dict(
+                    index=index,
+                    strategy=group.strategy,
+                    ops=group.ops,
+                    colour=colours[index],
+                    x=box.x,
+                    y=box.y,
+                    width=box.width,
+                    height=box.height,
+                )
             )
+    edges = []
     for path in paths:
         points = []
         for i, key in enumerate(path):
@@ -462,21 +456,18 @@ def render_svg(report: "FusionReport") -> str:
         for (x0, y0), (x1, y1) in zip(points, points[1:]):
             middle = (y0 + y1) / 2
             d += f" C{x0:.1f},{middle:.1f} {x1:.1f},{middle:.1f} {x1:.1f},{y1:.1f}"
-        parts.append(f'<path class="edge" d="{d}" fill="none" stroke="#999" marker-end="url(#arrow)"/>')
+        edges.append(d)
+    by_name = {node.name: node for node in report.graph}
+    inner_edges = []
     for key, box in boxes.items():
-        if not box.inner:
-            continue
         inside = set(box.inner)
         for name in box.inner:
             x1, y1 = box.x + box.inner[name][0] + NODE_W / 2, box.y + box.inner[name][1]
             for source in by_name[name].inputs:
                 if source in inside:
                     x0 = box.x + box.inner[source][0] + NODE_W / 2
-                    y0 = box.y + box.inner[source][1] + NODE_H
-                    parts.append(
-                        f'<line x1="{x0:.1f}" y1="{y0:.1f}" x2="{x1:.1f}" y2="{y1:.1f}" stroke="#555" '
-                        'marker-end="url(#arrow)"/>'
-                    )
+                    inner_edges.append((x0, box.y + box.inner[source][1] + NODE_H, x1, y1))
+    nodes = []
     for node in report.graph:
         cluster = box_of.get(node.name)
         k: Optional[int] = None
@@ -487,10 +478,10 @@ def render_svg(report: "FusionReport") -> str:
         else:
             x, y = boxes[node.name].x, boxes[node.name].y
         if k is not None:
-            fill, group_class = colours[k], f"node group-{k}"
+            fill, css_class = colours[k], f"node group-{k}"
         else:
             fill = IO_FILL if node.op in ("placeholder", "output", "get_attr") else EAGER_FILL
-            group_class = "node free" if node.free else "node eager"
+            css_class = "node free" if node.free else "node eager"
         shape = f" {node.dtype}{node.shape}" if node.shape is not None else ""
         where = f"group #{k} ({report.groups[k].strategy})" if k is not None else "not in a fused group"
         if k is None and node.free:
@@ -501,54 +492,31 @@ def render_svg(report: "FusionReport") -> str:
             label = target.split(" ")[0]  # "norm1 (LayerNorm)"
         else:
             label = target.rsplit(".", 1)[-1]
-        dash = ' stroke-dasharray="4 3"' if k is None and node.free else ""
-        parts.append(
-            f'<g class="{group_class}" data-node="{_e(node.name)}"><title>{_e(node.name)} = {_e(node.op)} '
-            f"{_e(target)}{_e(shape)}; {_e(where)}{_e(origin)}</title>"
-            f'<rect x="{x:.1f}" y="{y:.1f}" width="{NODE_W}" height="{NODE_H}" rx="5" fill="{fill}" '
-            f'stroke="{"#333" if k is not None else "#999"}"{dash}/>'
-            f'<text x="{x + 6:.1f}" y="{y + 14:.1f}">{_e(node.name[:24])}</text>'
-            f'<text x="{x + 6:.1f}" y="{y + 27:.1f}" fill="#555">{_e(label[:26])}</text></g>'
+        nodes.append(
+            dict(
+                name=node.name,
+                css_class=css_class,
+                title=f"{node.name} = {node.op} {target}{shape}; {where}{origin}",
+                x=x,
+                y=y,
+                fill=fill,
+                stroke="#333" if k is not None else "#999",
+                dashed=k is None and node.free,
+                label=label,
+            )
         )
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-def _origin_html(report: "FusionReport", group) -> str:
-    places = group_origin(report, group)
-    if not places:
-        return "-"
-    return "<br>".join(f"<code>{_e(place)}</code>" for place in places)
-
-
-def _timing(g) -> str:
-    if g.time_eager_ms is None and g.time_fused_ms is None:
-        return "not measured"
-    timing = f"{_ms(g.time_eager_ms)} / {_ms(g.time_fused_ms)}"
-    if g.timed == "forward+backward":
-        timing += "<br><small>forward + backward</small>"
-    return timing
-
-
-def _fused_rows(report: "FusionReport", colours: dict[int, str]) -> list[str]:
-    rows = []
-    for k, g in enumerate(report.groups):
-        if not g.fused:
-            continue
-        swatch = f'<span class="swatch" style="background:{colours[k]}"></span> ' if k in colours else ""
-        strategy = _e(g.strategy) + ("" if g.phase == "forward" else "<br><small>backward</small>")
-        kernel = f'<a href="#kernel-{k}"><code>{_e(g.kernel)}</code></a>' if g.kernel_source else _e(g.kernel or "-")
-        error = "-" if g.max_error is None else f"{g.max_error:.3g}"
-        rows.append(
-            f'<tr id="group-{k}"><td>{swatch}#{k}</td><td>{strategy}</td>'
-            f'<td class="what"><span class="fused">{_e(g.reason_code)}</span>: {_e(group_sentence(g))}</td>'
-            f"<td>{_e(' > '.join(g.ops))}<br><small>{_e(', '.join(g.nodes))}</small></td>"
-            f"<td>{_origin_html(report, g)}</td>"
-            f'<td class="num">{format_bytes(g.bytes_before)} -> {format_bytes(g.bytes_after)}</td>'
-            f'<td class="num">{_timing(g)}</td><td class="num">{error}</td><td>{kernel}'
-            f"{' (cache hit)' if g.cache_hit else ''}</td></tr>"
-        )
-    return rows
+    width = MARGIN + max((b.x + b.width for b in boxes.values()), default=0)
+    height = MARGIN + max((b.y + b.height for b in boxes.values()), default=0)
+    return _template("graph.svg.j2").render(
+        width=width,
+        height=height,
+        clusters=clusters,
+        edges=edges,
+        inner_edges=inner_edges,
+        nodes=nodes,
+        node_w=NODE_W,
+        node_h=NODE_H,
+    )
 
 
 def _headline(report: "FusionReport") -> str:
@@ -567,116 +535,49 @@ def _headline(report: "FusionReport") -> str:
     )
 
 
+_environment = None
+
+
+def _template(name: str):
+    """A template of ``autofuser_core/templates`` (package data), autoescaped: every value
+    put into a page is escaped unless marked safe, and the report carries the user's
+    module, node and source-line names."""
+    global _environment
+    if _environment is None:
+        import jinja2  # only for writing a page
+
+        _environment = jinja2.Environment(
+            loader=jinja2.PackageLoader("autofuser_core", "templates"),
+            autoescape=True,
+            undefined=jinja2.StrictUndefined,
+            trim_blocks=True,
+            lstrip_blocks=True,
+        )
+        _environment.filters.update(bytes=format_bytes, ms=_ms, f1=lambda v: f"{v:.1f}")
+    return _environment.get_template(name)
+
+
 def render_html(report: "FusionReport", title: str = "") -> str:
     """The page of ``report`` (``FusionReport.to_html``), headed ``title`` (default:
     "AutoFuser report"): the measured result and a summary first, the graph, the fused
     groups, what stayed eager and why, the alternatives not taken, the kernel sources
-    (collapsed)."""
-    colours = _group_colours(report)
-    skipped = report.skipped
+    (collapsed). Written from ``templates/report.html.j2``."""
+    from markupsafe import Markup  # jinja2's own dependency
+
     others = alternatives(report)
-    refused = [(k, g) for k, g in enumerate(report.groups) if not g.fused and k not in others]
-    heading = title or "AutoFuser report"
-    out = [
-        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_e(heading)}</title>',
-        f"<style>{CSS}</style></head><body>",
-        f"<h1>{_e(heading)}</h1>",
-        f'<div id="summary" class="summary"><p class="headline">{_e(_headline(report))}</p><ul>'
-        + "".join(f"<li>{_e(line)}</li>" for line in summary_lines(report))
-        + "</ul></div>",
-        "<table>",
-        f"<tr><th>model</th><td>{_e(report.model or '-')}</td></tr>",
-        f"<tr><th>inputs</th><td>{_e(report.signature or '-')}</td></tr>",
-        f"<tr><th>device</th><td>{_e(report.device or '-')}</td></tr>",
-        f"<tr><th>plugins</th><td>{_e(', '.join(report.plugins) or 'none')}</td></tr>",
-        f"<tr><th>compile time</th><td>{report.compile_s:.2f} s"
-        + (" (" + ", ".join(f"{_e(k)} {v:.2f} s" for k, v in report.phases.items()) + ")" if report.phases else "")
-        + "</td></tr>",
-        f"<tr><th>candidates</th><td>{len(report.fused)} fused, {len(refused)} stayed eager, "
-        f"{len(others)} alternatives not taken</td></tr>",
-        "</table>",
-    ]
-    if report.notes:
-        out.append("<ul>" + "".join(f"<li>{_e(n)}</li>" for n in report.notes) + "</ul>")
-
-    out.append(f'<h2 id="graph">Graph ({len(report.graph)} nodes)</h2>')
-    if report.graph:
-        legend = " ".join(
-            f'<span class="swatch" style="background:{c}"></span> <a href="#group-{k}">#{k} '
-            f"{_e(report.groups[k].strategy)}</a>"
-            for k, c in colours.items()
-        )
-        out.append(
-            "<p>Each fused group is a cluster in its colour, its nodes inside; grey nodes run as in eager "
-            "(dashed: free views, which move no data); white ones are inputs, parameters and the output. "
-            f"Hover a node for its op, shape, group and the line of code that made it.</p><p>{legend}</p>"
-        )
-        out.append(f'<div class="graph">{render_svg(report)}</div>')
-    else:
-        out.append("<p>No graph was recorded (the model could not be traced).</p>")
-
-    out.append(f'<h2 id="groups">Fused groups ({len(report.fused)})</h2>')
-    if report.fused:
-        out.append(
-            "<table><tr><th>group</th><th>strategy</th><th>what it does</th><th>ops / nodes</th>"
-            "<th>from your code</th><th>bytes before -> after (predicted)</th><th>eager / fused ms</th>"
-            "<th>max error</th><th>kernel</th></tr>"
-        )
-        out += _fused_rows(report, colours)
-        out.append("</table>")
-    else:
-        out.append("<p>No group was fused.</p>")
-
-    out.append('<h2 id="eager">Stayed eager, and why</h2>')
-    if refused:
-        out.append(
-            "<table><tr><th>group</th><th>strategy</th><th>why</th><th>ops / nodes</th><th>from your code</th>"
-            "<th>eager / fused ms</th></tr>"
-        )
-        out += [
-            f'<tr id="group-{k}"><td>#{k}</td><td>{_e(g.strategy)}</td><td><span class="skipped">'
-            f"{_e(g.reason_code)}</span>{': ' + _e(g.reason) if g.reason else ''}</td>"
-            f"<td>{_e(' > '.join(g.ops))}<br><small>{_e(', '.join(g.nodes))}</small></td>"
-            f'<td>{_origin_html(report, g)}</td><td class="num">{_timing(g)}</td></tr>'
-            for k, g in refused
-        ]
-        out.append("</table>")
-    lines = eager_lines(report)
-    if lines:
-        out.append("<ul>" + "".join(f"<li>{_e(line)}</li>" for line in lines) + "</ul>")
-    if report.opaque:
-        out.append('<h3 id="opaque">Could not be traced (run as they are)</h3><ul>')
-        out += [f"<li>{_e(path or '<whole model>')}: {_e(reason)}</li>" for path, reason in report.opaque.items()]
-        out.append("</ul>")
-    if not (refused or lines or report.opaque):
-        out.append("<p>Nothing: every op is in a fused group.</p>")
-
-    out.append(f'<h2 id="skipped">Alternatives not taken ({len(others)} of {len(skipped)} skipped)</h2>')
-    if others:
-        out.append(
-            "<p>Other ways of grouping ops that the planner weighed; each lost to a group above "
-            "(or to running as in eager), so it moved no memory and saved nothing itself.</p><ul>"
-        )
-        for k in others:
-            g = report.groups[k]
-            out.append(
-                f'<li id="group-{k}">#{k} {_e(g.strategy)} over {_e(", ".join(g.nodes))}: '
-                f"<b>{_e(g.reason_code)}</b>{': ' + _e(g.reason) if g.reason else ''}</li>"
-            )
-        out.append("</ul>")
-    else:
-        out.append("<p>None.</p>")
-
-    out.append('<h2 id="kernels">Generated kernels</h2>')
-    written = [(k, g) for k, g in enumerate(report.groups) if g.kernel_source]
-    if not written:
-        out.append("<p>No kernel was generated.</p>")
-    for k, g in written:
-        fate = "fused" if g.fused else f"not used: {g.reason_code}"
-        out.append(
-            f'<details id="kernel-{k}"><summary>#{k} {_e(g.strategy)}: <code>{_e(g.kernel or "")}</code> '
-            f"({_e(fate)})</summary>"
-            f'<pre class="kernel-source">{_e(g.kernel_source)}</pre></details>'
-        )
-    out.append("</body></html>")
-    return "\n".join(out)
+    return _template("report.html.j2").render(
+        report=report,
+        heading=title or "AutoFuser report",
+        css=Markup(CSS),
+        headline=_headline(report),
+        summary=summary_lines(report),
+        colours=_group_colours(report),
+        svg=Markup(render_svg(report)) if report.graph else "",
+        fused=[(k, g) for k, g in enumerate(report.groups) if g.fused],
+        refused=[(k, g) for k, g in enumerate(report.groups) if not g.fused and k not in others],
+        others=others,
+        origins={k: group_origin(report, g) for k, g in enumerate(report.groups)},
+        sentence=group_sentence,
+        eager=eager_lines(report),
+        written=[(k, g) for k, g in enumerate(report.groups) if g.kernel_source],
+    )

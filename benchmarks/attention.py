@@ -11,8 +11,9 @@ solvers' shape) and 8 heads of width 64, in one run on one GPU:
   projected point features to the scattered result.
 
 Each in strict fp32 (torch's default), with TF32 allowed (on every side), and
-in bf16 under ``torch.autocast``; under eager, ``torch.compile`` and
-AutoFuser. Every output is checked against eager before it is timed (a
+in bf16 under ``torch.autocast``; under eager, ``torch.compile`` in each mode
+of ``--compile-modes`` (default: the default mode and reduce-overhead, timed as
+its CUDA-graph replays) and AutoFuser. Every output is checked against eager before it is timed (a
 failed check is marked in the table). Beside each case: its FLOP count and the
 time those FLOPs take at the matrix rate of that precision, measured in the
 same run with a large ``torch.matmul``.
@@ -36,7 +37,8 @@ import triton
 import triton.testing
 from einops import rearrange
 
-from matmul import _cells, _flat, _ms, measure, precision  # the matmul benchmark's timing, checks and cells
+from _compile_modes import add_compile_modes_argument, compile_key, compile_keys_in
+from matmul import _cells, _flat, _ms, column_title, measure, precision  # the matmul benchmark's timing, checks, cells
 
 N = 221 * 51
 BATCH = 4
@@ -127,6 +129,7 @@ def main(argv=None) -> int:
     parser.add_argument("--forms", default="softmax,galerkin,slice")
     parser.add_argument("--modes", default="fp32,tf32,bf16")
     parser.add_argument("--tune-budget", type=float, default=5.0, help="AutoFuser tuning seconds per group")
+    add_compile_modes_argument(parser)
     parser.add_argument(
         "--budget-s",
         type=float,
@@ -143,7 +146,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     rates = measure_rates(device)
     print("matrix rate TFLOP/s: " + ", ".join(f"{k} {v / 1e12:.0f}" for k, v in rates.items()), file=sys.stderr)
-    systems = ["eager", "compile", "autofuser"]
+    systems = ["eager", *(compile_key(mode) for mode in args.compile_modes), "autofuser"]
     rows = []
     for width in [int(w) for w in args.widths.split(",")]:
         for form in args.forms.split(","):
@@ -198,25 +201,36 @@ def main(argv=None) -> int:
         "eager); 'at matrix rate': the form's FLOPs at that rate; '!' marks an output that failed its check "
         "against eager; AutoFuser's group column: the form recognised (fused) or why not."
     )
-    lines = [
-        header,
-        "",
-        "| form | head width | precision | GFLOP | at matrix rate | eager | torch.compile | "
-        "AutoFuser | AutoFuser's group |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    lines += [_line(row, systems) for row in rows]
-    table = "\n".join(lines)
+    table = "\n".join([header, "", *rows_table(rows)])
     (out / "attention.md").write_text(table + "\n")
     print(table)
     return 0
 
 
+def rows_table(rows) -> list[str]:
+    """The markdown table of ``rows`` (as ``attention.json`` or a summary in
+    ``benchmarks/results/attention.json`` holds them): a column per system the rows have."""
+    systems = ["eager", *compile_keys_in(rows), "autofuser"]
+    return [
+        "| form | head width | precision | GFLOP | at matrix rate | "
+        + " | ".join(column_title(s) for s in systems)
+        + " | AutoFuser's group |",
+        "|---|---|---|---|---|" + "---|" * (len(systems) + 1),
+        *(_line(row, systems) for row in rows),
+    ]
+
+
 def _line(row, systems):
     cells = _cells(row, systems)
     groups = row.get("autofuser", {}).get("groups", [])
-    group = next((g for g in groups if g["fused"]), groups[0] if groups else None)
-    what = "-" if group is None else (group["summary"].split(":")[0] if group["fused"] else f"eager: {group['reason']}")
+    # A summary's groups (benchmarks/results/attention.json) are the fused ones, without a summary of their own.
+    group = next((g for g in groups if g.get("fused", True)), groups[0] if groups else None)
+    if group is None:
+        what = "-"
+    elif group.get("fused", True):
+        what = group.get("summary", group["strategy"]).split(":")[0]
+    else:
+        what = f"eager: {group['reason']}"
     return (
         f"| {row['form']} | {row['width']} | {row['mode']} | {row['GFLOP']:.2f} | {row['at_matrix_rate_ms']:.3f} | "
         + " | ".join(cells)

@@ -6,8 +6,9 @@ Measures, in one run on one GPU:
 - a 6-op pointwise chain on 2**26 fp32 elements;
 - layer norm and softmax on (65536, 1024) fp32;
 
-each under eager PyTorch, ``torch.compile`` (default mode) and AutoFuser, as
-the median of Triton's ``do_bench``. Every output is checked against eager
+each under eager PyTorch, ``torch.compile`` in each mode of ``--compile-modes``
+(default: the default mode and reduce-overhead, timed as its CUDA-graph
+replays) and AutoFuser, as the median of Triton's ``do_bench``. Every output is checked against eager
 before it is timed. Prints a markdown table and writes ``bandwidth.json`` and
 ``bandwidth.md`` to ``--out``.
 
@@ -26,6 +27,8 @@ import torch
 import triton.testing
 
 import autofuser
+
+from _compile_modes import add_compile_modes_argument, compile_key, compile_keys_in, compiled
 
 
 class PointwiseChain(torch.nn.Module):
@@ -71,6 +74,7 @@ def cases(device):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench-results")
+    add_compile_modes_argument(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bandwidth.py needs a CUDA GPU", file=sys.stderr)
@@ -85,12 +89,22 @@ def main(argv=None) -> int:
         with torch.no_grad():
             expected = model(*inputs)
             fused = autofuser.fuse(model)
-            compiled = torch.compile(model)
             row = {"case": name, "bytes": nbytes}
-            for label, fn in (("eager", model), ("torch.compile", compiled), ("autofuser", fused)):
-                got = fn(*inputs)
-                err = float((got - expected).abs().max() / expected.abs().max())
-                ms = _ms(fn, *inputs)
+            systems = [("eager", lambda: model)]
+            systems += [(compile_key(mode), lambda mode=mode: compiled(model, mode)) for mode in args.compile_modes]
+            systems += [("autofuser", lambda: fused)]
+            for label, build in systems:
+                try:
+                    torch._dynamo.reset()
+                    fn = build()
+                    got = fn(*inputs)
+                    err = float((got - expected).abs().max() / expected.abs().max())  # before the next call
+                    ms = _ms(fn, *inputs)
+                except Exception as exc:  # a mode that fails to compile or run is its cell, not the end of the run
+                    row[label] = {
+                        "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                    }
+                    continue
                 row[label] = {
                     "ms": ms,
                     "GB/s": nbytes / (ms * 1e-3) / 1e9,
@@ -108,21 +122,34 @@ def main(argv=None) -> int:
         "cases": rows,
     }
     (out / "bandwidth.json").write_text(json.dumps(result, indent=1))
-    lines = [
-        f"Copy bandwidth {peak:.0f} GB/s on {result['gpu']} ({result['date']}, torch {result['torch']}, "
-        f"Triton {result['triton']}). Time in ms (share of copy bandwidth).",
-        "",
-        "| case | eager | torch.compile | AutoFuser | AutoFuser vs eager |",
-        "|---|---|---|---|---|",
-    ]
-    for row in rows:
-        cells = [f"{row[k]['ms']:.3f} ({row[k]['of_copy']:.0%})" for k in ("eager", "torch.compile", "autofuser")]
-        speedup = row["eager"]["ms"] / row["autofuser"]["ms"]
-        lines.append(f"| {row['case']} | " + " | ".join(cells) + f" | {speedup:.2f}x |")
-    table = "\n".join(lines)
+    table = render(result)
     (out / "bandwidth.md").write_text(table + "\n")
     print(table)
     return 0
+
+
+def render(result: dict) -> str:
+    """The markdown table of ``result`` (as ``bandwidth.json`` or ``benchmarks/results/bandwidth.json``
+    holds it): a column per system its cases have."""
+    rows = result["cases"]
+    systems = ["eager", *compile_keys_in(rows), "autofuser"]
+    titles = {"eager": "eager", "autofuser": "AutoFuser"}
+    lines = [
+        f"Copy bandwidth {result['copy_GB/s']:.0f} GB/s on {result['gpu']} ({result['date']}, torch {result['torch']}, "
+        f"Triton {result['triton']}). Time in ms (share of copy bandwidth).",
+        "",
+        "| case | " + " | ".join(titles.get(s, s) for s in systems) + " | AutoFuser vs eager |",
+        "|---|" + "---|" * (len(systems) + 1),
+    ]
+    for row in rows:
+        cells = []
+        for system in systems:
+            cell = row.get(system, {"error": "not run"})
+            cells.append(f"{cell['ms']:.3f} ({cell['of_copy']:.0%})" if "ms" in cell else cell["error"][:60])
+        eager, fused = row.get("eager", {}).get("ms"), row.get("autofuser", {}).get("ms")
+        speedup = f"{eager / fused:.2f}x" if eager and fused else "-"
+        lines.append(f"| {row['case']} | " + " | ".join(cells) + f" | {speedup} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """The chart in BENCHMARKS.md: speedup over eager of AutoFuser and ``torch.compile`` on
 every zoo model, fp32 and bf16, from one zoo run of ``benchmarks/results/zoo.json``.
+``torch.compile``'s modes are bars of their own: the default mode, and reduce-overhead
+and max-autotune where the run measured them (``autofuser bench --compile-modes``); a
+run from before they were measured has no cells for them, and no bars or legend entry.
 
 Plain SVG written by hand (no plotting library needed); the speedup axis is
 logarithmic, so 0.5x and 2x sit equally far from eager's 1x.
@@ -15,7 +18,13 @@ import math
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SYSTEMS = (("autofuser", "AutoFuser", "#1f77b4"), ("torch.compile", "torch.compile (default)", "#ff7f0e"))
+#: Every system a chart may show: (the rows' key, the legend's name, colour), in bar order.
+SYSTEMS = (
+    ("autofuser", "AutoFuser", "#1f77b4"),
+    ("torch.compile", "torch.compile (default)", "#ff7f0e"),
+    ("torch.compile reduce-overhead", "torch.compile (reduce-overhead)", "#2ca02c"),
+    ("torch.compile max-autotune", "torch.compile (max-autotune)", "#9467bd"),
+)
 BAR, GAP, LABEL_W, PLOT_W, PANEL_GAP = 9, 8, 200, 330, 40
 
 
@@ -39,9 +48,15 @@ def axis_ticks(lo: float, hi: float) -> list[float]:
     return [2.0**e for e in exponents if low <= e <= high]
 
 
+def systems_in(run: dict) -> list[tuple[str, str, str]]:
+    """The systems of ``SYSTEMS`` that some row of ``run`` has a cell for, in bar order."""
+    return [system for system in SYSTEMS if any(system[0] in r for r in run["rows"])]
+
+
 def render(run: dict) -> str:
+    systems = systems_in(run)
     dtypes = [d for d in ("fp32", "bf16") if any(r["dtype"] == d for r in run["rows"])]
-    speedups = [r[s]["speedup"] for r in run["rows"] for s, _, _ in SYSTEMS if r[s].get("speedup")]
+    speedups = [r[s]["speedup"] for r in run["rows"] for s, _, _ in systems if r.get(s, {}).get("speedup")]
     lo, hi = axis_range(speedups)
     ticks = axis_ticks(lo, hi)
 
@@ -49,10 +64,12 @@ def render(run: dict) -> str:
         return LABEL_W + PLOT_W * (math.log2(value) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
 
     models = list(dict.fromkeys(r["model"] for r in run["rows"]))
-    panel_h = len(models) * (len(SYSTEMS) * BAR + GAP)
+    panel_h = len(models) * (len(systems) * BAR + GAP)
     top = 60
     height = top + len(dtypes) * (panel_h + PANEL_GAP) + 20
-    width = LABEL_W + PLOT_W + 70
+    # The legend's entries side by side, each at least 120 wide (a swatch and its name).
+    entry_w = [max(120, 30 + 6 * len(name)) for _, name, _ in systems]
+    width = max(LABEL_W + PLOT_W + 70, LABEL_W + sum(entry_w))
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'font-family="sans-serif" font-size="11">',
@@ -60,8 +77,8 @@ def render(run: dict) -> str:
         f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">Speedup over eager, zoo run '
         f"{_esc(str(run['run']))} ({_esc(run['gpu'])}, commit {_esc(run['commit'])})</text>",
     ]
-    for i, (_, name, colour) in enumerate(SYSTEMS):
-        lx = LABEL_W + i * 120
+    for i, (_, name, colour) in enumerate(systems):
+        lx = LABEL_W + sum(entry_w[:i])
         out.append(
             f'<rect x="{lx}" y="28" width="10" height="10" fill="{colour}"/>'
             f'<text x="{lx + 14}" y="37">{_esc(name)}</text>'
@@ -85,8 +102,8 @@ def render(run: dict) -> str:
                 f'<text x="{LABEL_W - 6}" y="{y + BAR + 3}" text-anchor="end">'
                 f"{_esc(row['title'] if row else model)}</text>"
             )
-            for key, _, colour in SYSTEMS:
-                value = row[key].get("speedup") if row else None
+            for key, _, colour in systems:
+                value = row.get(key, {}).get("speedup") if row else None
                 if value:
                     x1, x2 = sorted((x(1), x(value)))
                     out.append(

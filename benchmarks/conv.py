@@ -12,8 +12,9 @@ On B x C x 221 x 51 (B = 20, the zoo's batch), in one run on one GPU:
 - instance norm + GELU;
 
 each in fp32 (cuDNN's default TF32 for convolutions on every side) and in bf16
-under ``torch.autocast``; under eager, ``torch.compile`` and AutoFuser. Every
-output is checked against eager before it is timed; the floor is the bytes
+under ``torch.autocast``; under eager, ``torch.compile`` in each mode of
+``--compile-modes`` (default: the default mode and reduce-overhead, timed as
+its CUDA-graph replays) and AutoFuser. Every output is checked against eager before it is timed; the floor is the bytes
 the block must move at the measured copy bandwidth.
 
     python benchmarks/conv.py --out bench-results/
@@ -34,7 +35,8 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from matmul import _flat, _line, _ms, measure  # noqa: E402  (shared timing, checks and table row)
+from _compile_modes import add_compile_modes_argument, compile_key, compile_keys_in  # noqa: E402
+from matmul import _flat, _line, _ms, column_title, measure  # noqa: E402  (shared timing, checks and table row)
 
 BATCH, H, W = 20, 221, 51
 
@@ -119,6 +121,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench-results")
     parser.add_argument("--modes", default="fp32,bf16")
     parser.add_argument("--tune-budget", type=float, default=8.0, help="AutoFuser tuning seconds per group")
+    add_compile_modes_argument(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("conv.py needs a CUDA GPU", file=sys.stderr)
@@ -127,7 +130,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bandwidth = _bandwidth(device)
-    systems = ["eager", "compile", "autofuser"]
+    systems = ["eager", *(compile_key(mode) for mode in args.compile_modes), "autofuser"]
     rows = []
     for case, width, model, inputs, fp32_bytes in _cases(device):
         torch.manual_seed(0)
@@ -159,17 +162,20 @@ def main(argv=None) -> int:
         f"Triton {result['triton']}; copy {bandwidth / 1e9:.0f} GB/s. Time in ms (speedup over eager); "
         "'kept': AutoFuser's fused groups."
     )
-    lines = [
-        header,
-        "",
-        "| case | C | precision | floor | eager | torch.compile | AutoFuser | kept |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    lines += [f"{_line(row, systems)} {row.get('kept', '-')} |" for row in rows]
-    table = "\n".join(lines)
+    table = "\n".join([header, "", *rows_table(rows)])
     (out / "conv.md").write_text(table + "\n")
     print(table)
     return 0
+
+
+def rows_table(rows) -> list[str]:
+    """The markdown table of ``rows`` (as ``conv.json`` holds them): a column per system the rows have."""
+    systems = ["eager", *compile_keys_in(rows), "autofuser"]
+    return [
+        "| case | C | precision | floor | " + " | ".join(column_title(s) for s in systems) + " | kept |",
+        "|---|---|---|---|" + "---|" * (len(systems) + 1),
+        *(f"{_line(row, systems)} {row.get('kept', '-')} |" for row in rows),
+    ]
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ For the zoo's ``fno`` and ``ffno`` in their airfoil configuration (fp32, eval,
 no grad), side by side in one process:
 
 - eager PyTorch;
-- ``torch.compile`` (default mode);
+- ``torch.compile`` in each mode of ``--compile-modes`` (default: the default
+  mode and reduce-overhead, timed as its CUDA-graph replays);
 - AutoFuser with the bundled plugins only (the spectral convolution stays eager);
 - AutoFuser with the bundled plugins and ``fft``.
 
@@ -35,8 +36,17 @@ import autofuser
 from autofuser.zoo.harness import first_call_s, relative_error, timed
 from autofuser.zoo.models import MESHES, MODELS
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _compile_modes import (  # noqa: E402
+    DEFAULT_COMPILE_MODES,
+    add_compile_modes_argument,
+    compile_key,
+    compile_keys_in,
+    compiled,
+)
+
 BUNDLED = ["elementwise", "reduction", "matmul", "attention"]
-SYSTEMS = ("eager", "torch.compile", "autofuser (bundled)", "autofuser + fft")
+AUTOFUSER_SYSTEMS = ("autofuser (bundled)", "autofuser + fft")
 MAX_ERROR = 1e-4
 
 
@@ -44,7 +54,15 @@ def progress(message: str) -> None:
     print(f"fft_plugin: {message}", file=sys.stderr, flush=True)
 
 
-def bench_model(name: str, device: torch.device, iters: int, warmup: int, cache: str, config: str) -> dict:
+def bench_model(
+    name: str,
+    device: torch.device,
+    iters: int,
+    warmup: int,
+    cache: str,
+    config: str,
+    compile_modes: tuple[str, ...] = DEFAULT_COMPILE_MODES,
+) -> dict:
     entry = MODELS[name]
     torch.manual_seed(0)
     model = entry.make(config).to(device).eval()
@@ -55,7 +73,7 @@ def bench_model(name: str, device: torch.device, iters: int, warmup: int, cache:
         reference = model(x)
         systems = {
             "eager": lambda: model,
-            "torch.compile": lambda: torch.compile(model),
+            **{compile_key(mode): (lambda mode=mode: compiled(model, mode)) for mode in compile_modes},
             "autofuser (bundled)": lambda: autofuser.fuse(model, plugins=BUNDLED, cache_dir=cache, progress=False),
             "autofuser + fft": lambda: autofuser.fuse(
                 model, plugins=BUNDLED + ["fft"], cache_dir=cache, progress=False
@@ -88,18 +106,21 @@ def bench_model(name: str, device: torch.device, iters: int, warmup: int, cache:
 
 
 def render(result: dict) -> str:
+    """The markdown table of ``result`` (as ``fft_plugin.json`` or ``benchmarks/results/fft_plugin.json``
+    holds it): a column per system its rows have."""
+    systems = ("eager", *compile_keys_in(result["rows"]), *AUTOFUSER_SYSTEMS)
     lines = [
-        f"FNO / F-FNO with and without autofuser-plugin-fft on {result['device']} ({result['date']}), "
-        f"fp32, {result['config']} configuration; median ms per forward (speed-up over eager)",
+        f"FNO / F-FNO with and without autofuser-plugin-fft on {result.get('device', result.get('gpu'))} "
+        f"({result['date']}), fp32, {result['config']} configuration; median ms per forward (speed-up over eager)",
         "",
-        "| model | batch | " + " | ".join(SYSTEMS) + " | spectral groups fused |",
-        "|---|---|" + "---|" * len(SYSTEMS) + "---|",
+        "| model | batch | " + " | ".join(systems) + " | spectral groups fused |",
+        "|---|---|" + "---|" * len(systems) + "---|",
     ]
     for row in result["rows"]:
         eager = row["eager"].get("ms")
         cells = []
-        for system in SYSTEMS:
-            cell = row[system]
+        for system in systems:
+            cell = row.get(system, {"error": "not run"})
             if "ms" not in cell:
                 cells.append(f"error: {cell['error'][:60]}")
             else:
@@ -121,6 +142,7 @@ def main(argv=None) -> int:
         default="airfoil",
         help="tiny: toy sizes, a quick check that the script runs",
     )
+    add_compile_modes_argument(parser)
     args = parser.parse_args(argv)
     import autofuser_plugin_fft  # noqa: F401 - fail early, with pip's instructions, if it isn't installed
 
@@ -132,7 +154,7 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as cache:
         for name in args.models.split(","):
-            rows.append(bench_model(name, device, args.iters, args.warmup, cache, args.config))
+            rows.append(bench_model(name, device, args.iters, args.warmup, cache, args.config, args.compile_modes))
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -15,8 +15,9 @@
 #               benchmarks/tuning_stats.py over their caches
 #   train:DTYPE:MODEL,MODEL  their training steps (`autofuser bench --train`, flags in $TRAIN_FLAGS,
 #               default --iters 30 --warmup 3 --tune-budget 1), each model in its own process
-#   Both go through torch.compile in each mode of $COMPILE_MODES (default: default,reduce-overhead;
-#   e.g. COMPILE_MODES=default,reduce-overhead,max-autotune), each mode its own columns.
+#   Every benchmark above goes through torch.compile in each mode of $COMPILE_MODES (default:
+#   default,reduce-overhead; e.g. COMPILE_MODES=default,reduce-overhead,max-autotune), each mode
+#   its own columns.
 #   ddp:DTYPE:MODEL,MODEL    DistributedDataParallel training (benchmarks/ddp_train.py, flags in
 #               $DDP_FLAGS): one process standing in for every GPU's rank, then one rank per GPU
 #               compared with it (gradients, parameters, scaling, tuning entries)
@@ -31,7 +32,7 @@ mkdir -p "$out"
 export AUTOFUSER_CACHE_DIR=${AUTOFUSER_CACHE_DIR:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
 export ZOO_CACHE=${ZOO_CACHE:-/tmp/autofuser-zoo-cache}  # zoo_run.sh's per-model caches
-export COMPILE_MODES=${COMPILE_MODES:-default,reduce-overhead}  # zoo_run.sh's torch.compile modes
+export COMPILE_MODES=${COMPILE_MODES:-default,reduce-overhead}  # every benchmark's torch.compile modes
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests bandwidth matmul attention conv mxint8 fft "zoo:fp32:all")
@@ -61,14 +62,16 @@ for step in "${steps[@]}"; do
       flags_var="${step^^}_FLAGS"
       mkdir -p "$out/$step"
       # shellcheck disable=SC2086
-      python3 "benchmarks/$step.py" --out "$out/$step" ${!flags_var:-} > "$out/$step.log" 2>&1
+      python3 "benchmarks/$step.py" --out "$out/$step" --compile-modes "$COMPILE_MODES" ${!flags_var:-} \
+        > "$out/$step.log" 2>&1
       echo "$step rc=$?"; tail -n 40 "$out/$step.log" ;;
     fft)
       # The plugin is its own distribution; nothing outside the machine is reachable, hence no deps/isolation.
       python3 -m pip install -q --no-deps --no-build-isolation ./examples/autofuser-plugin-fft 2>&1 | tail -n 3
       mkdir -p "$out/fft"
       # shellcheck disable=SC2086
-      python3 benchmarks/fft_plugin.py --out "$out/fft" ${FFT_FLAGS:-} > "$out/fft.log" 2>&1
+      python3 benchmarks/fft_plugin.py --out "$out/fft" --compile-modes "$COMPILE_MODES" ${FFT_FLAGS:-} \
+        > "$out/fft.log" 2>&1
       echo "fft rc=$?"; tail -n 20 "$out/fft.log" ;;
     zoo:*)
       IFS=: read -r _ dtype models <<< "$step"

@@ -11,13 +11,15 @@ For M = 8 * 221 * 51 rows and widths 128 and 256, in one run on one GPU:
   of three and four products;
 
 each in strict fp32, with TF32 allowed (on every side), and in bf16 under
-``torch.autocast``; under eager, ``torch.compile`` (default, and
-max-autotune-no-cudagraphs with ``--max-autotune``) and AutoFuser. Every
-output is checked against eager before it is timed. Beside each case: its
+``torch.autocast``; under eager, ``torch.compile`` in each mode of
+``--compile-modes`` (default: the default mode and reduce-overhead, timed as
+its CUDA-graph replays; ``--max-autotune`` adds max-autotune-no-cudagraphs)
+and AutoFuser. Every output is checked against eager before it is timed. Beside each case: its
 roofline floor, ``max(bytes / copy bandwidth, FLOPs / matrix rate)``, with the
 bandwidth and the matrix rate of each precision measured in the same run.
 
-    python benchmarks/matmul.py --out bench-results/ [--max-autotune] [--cases "block tail,post-attention"]
+    python benchmarks/matmul.py --out bench-results/ [--compile-modes default,reduce-overhead,max-autotune]
+        [--cases "block tail,post-attention"]
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import triton
 import triton.testing
 
 import autofuser
+
+from _compile_modes import add_compile_modes_argument, compile_key, compile_keys_in, compiled, mode_of
 
 M = 8 * 221 * 51
 
@@ -171,7 +175,10 @@ def main(argv=None) -> int:
     parser.add_argument("--widths", default="128,256")
     parser.add_argument("--modes", default="fp32,tf32,bf16")
     parser.add_argument("--cases", default="", help="comma-separated substrings: only cases whose name contains one")
-    parser.add_argument("--max-autotune", action="store_true", help="also torch.compile max-autotune-no-cudagraphs")
+    add_compile_modes_argument(parser)
+    parser.add_argument(
+        "--max-autotune", action="store_true", help="also torch.compile max-autotune-no-cudagraphs (a mode to add)"
+    )
     parser.add_argument("--tune-budget", type=float, default=8.0, help="AutoFuser tuning seconds per group")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -181,7 +188,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bandwidth, rates = measure_ceilings(device)
-    systems = ["eager", "compile"] + (["compile-max"] if args.max_autotune else []) + ["autofuser"]
+    modes = tuple(args.compile_modes)
+    if args.max_autotune and "max-autotune-no-cudagraphs" not in modes:
+        modes += ("max-autotune-no-cudagraphs",)
+    systems = ["eager", *(compile_key(mode) for mode in modes), "autofuser"]
     rows = []
     for width in [int(w) for w in args.widths.split(",")]:
         for case, (factory, flops_of, bytes_of) in {**CASES, **CHAIN_CASES}.items():
@@ -213,30 +223,43 @@ def main(argv=None) -> int:
         "cases": rows,
     }
     (out / "matmul.json").write_text(json.dumps(result, indent=1))
+    text = table(result)
+    (out / "matmul.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def systems_in(rows) -> list[str]:
+    """The systems of a table of ``rows``: eager, torch.compile in each mode the rows have
+    (rows written before a mode was measured have no column for it), AutoFuser."""
+    return ["eager", *compile_keys_in(rows), "autofuser"]
+
+
+def column_title(system: str) -> str:
+    if system in ("eager", "autofuser"):
+        return {"eager": "eager", "autofuser": "AutoFuser"}[system]
+    return compile_key(mode_of(system))
+
+
+def table(result) -> str:
+    """The markdown table of a run's ``result`` (as ``matmul.json`` holds it, or a run of
+    ``benchmarks/results/matmul.json``)."""
+    rates, rows = result["matmul_TFLOP/s"], result["cases"]
     header = (
-        f"M = {M} rows; {result['gpu']}, {result['date']}, torch {result['torch']}, Triton {result['triton']}; "
-        f"copy {bandwidth / 1e9:.0f} GB/s; matrix rate fp32 {rates['fp32'] / 1e12:.0f}, "
-        f"tf32 {rates['tf32'] / 1e12:.0f}, bf16 {rates['bf16'] / 1e12:.0f} TFLOP/s. "
-        "Time in ms (speedup over eager)."
+        f"M = {result.get('rows', result.get('rows_M'))} rows; {result['gpu']}, {result['date']}, "
+        f"torch {result['torch']}, "
+        f"Triton {result['triton']}; copy {result['copy_GB/s']:.0f} GB/s; matrix rate fp32 {rates['fp32']:.0f}, "
+        f"tf32 {rates['tf32']:.0f}, bf16 {rates['bf16']:.0f} TFLOP/s. Time in ms (speedup over eager)."
     )
-    cols = {
-        "eager": "eager",
-        "compile": "torch.compile",
-        "compile-max": "compile max-autotune",
-        "autofuser": "AutoFuser",
-    }
+    systems = systems_in(rows)
     lines = [
         header,
         "",
-        "| case | width | precision | floor | " + " | ".join(cols[s] for s in systems) + " |",
+        "| case | width | precision | floor | " + " | ".join(column_title(s) for s in systems) + " |",
         "|---|---|---|---|" + "---|" * len(systems),
     ]
-    for row in rows:
-        lines.append(_line(row, systems))
-    table = "\n".join(lines)
-    (out / "matmul.md").write_text(table + "\n")
-    print(table)
-    return 0
+    lines += [_line(row, systems) for row in rows]
+    return "\n".join(lines)
 
 
 def _flat(out):
@@ -246,14 +269,14 @@ def _flat(out):
 
 
 def build_system(system: str, model, tune_budget: float):
-    """The callable a benchmark times for ``system``: eager, torch.compile (default or
-    max-autotune-no-cudagraphs) or AutoFuser."""
+    """The callable a benchmark times for ``system``: eager, torch.compile in a mode
+    (``torch.compile``, ``torch.compile <mode>``: ``_compile_modes``) or AutoFuser."""
     if system == "eager":
         return model
-    if system in ("compile", "compile-max"):
-        torch._dynamo.reset()
-        return torch.compile(model, mode="max-autotune-no-cudagraphs" if system == "compile-max" else None)
-    return autofuser.fuse(model, tune_budget_s=tune_budget, progress=False)
+    if system == "autofuser":
+        return autofuser.fuse(model, tune_budget_s=tune_budget, progress=False)
+    torch._dynamo.reset()
+    return compiled(model, mode_of(system))
 
 
 def measure(system: str, model, inputs, expected, tune_budget: float, keep=lambda group: True) -> dict:

@@ -10,8 +10,9 @@ Cases:
   widths 128 and 256): linear + GELU, layer norm + linear, MLP, feed-forward half.
 
 Systems, side by side in this process, all under torch's default fp32 matmul
-precision ("highest": no TF32 anywhere): fp32 eager, ``torch.compile``,
-AutoFuser fp32, eager on the MXINT8-quantised model (dequantising in torch on
+precision ("highest": no TF32 anywhere): fp32 eager, ``torch.compile`` in each
+mode of ``--compile-modes`` (default: the default mode and reduce-overhead,
+timed as its CUDA-graph replays), AutoFuser fp32, eager on the MXINT8-quantised model (dequantising in torch on
 every call), and AutoFuser MXINT8 (``fuse(model, quantize="mxint8")``).
 Every output is checked before it is timed: fp32 systems against fp32 eager,
 the MXINT8 AutoFuser against eager of the same quantised model (fp32
@@ -43,16 +44,40 @@ import autofuser
 from autofuser.zoo.models import MESHES, MODELS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _compile_modes import (  # noqa: E402
+    DEFAULT_COMPILE_MODES,
+    LEGACY_KEYS,
+    add_compile_modes_argument,
+    compile_key,
+    compile_keys_in,
+    compiled,
+    mode_of,
+)
 from matmul import CASES, M  # noqa: E402  (the product chains of the matmul benchmark)
 
-SYSTEMS = ("eager", "compile", "autofuser", "eager-mxint8", "autofuser-mxint8")
 TITLES = {
     "eager": "fp32 eager",
-    "compile": "torch.compile",
     "autofuser": "AutoFuser fp32",
     "eager-mxint8": "eager MXINT8",
     "autofuser-mxint8": "AutoFuser MXINT8",
 }
+
+
+def systems_of(compile_keys) -> tuple[str, ...]:
+    """Every system of a row, in table order, with torch.compile's cells under ``compile_keys``."""
+    return ("eager", *compile_keys, "autofuser", "eager-mxint8", "autofuser-mxint8")
+
+
+#: The systems of a run in the default modes.
+SYSTEMS = systems_of(compile_key(mode) for mode in DEFAULT_COMPILE_MODES)
+
+
+def is_compile(system: str) -> bool:
+    return system in LEGACY_KEYS or system.startswith("torch.compile")
+
+
+def column_title(system: str) -> str:
+    return TITLES.get(system) or compile_key(mode_of(system))
 
 
 def _ms(fn, *args):
@@ -71,13 +96,15 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref.float()).norm() / ref.float().norm())
 
 
-def bench_case(name: str, model: torch.nn.Module, x: torch.Tensor, tune_budget: float, deadline: float) -> dict:
+def bench_case(
+    name: str, model: torch.nn.Module, x: torch.Tensor, tune_budget: float, deadline: float, systems=SYSTEMS
+) -> dict:
     """Every system on one model and input; a failing or skipped system is a cell, not a crash."""
     row: dict = {"case": name}
     with torch.no_grad():
         expected = model(x)
         quantised_reference = None
-        for system in SYSTEMS:
+        for system in systems:
             if time.perf_counter() > deadline:
                 row[system] = {"error": "skipped: the run's time limit was reached"}
                 continue
@@ -85,9 +112,9 @@ def bench_case(name: str, model: torch.nn.Module, x: torch.Tensor, tune_budget: 
                 start = time.perf_counter()
                 if system == "eager":
                     fn, weights = model, _weight_bytes(model)
-                elif system == "compile":
+                elif is_compile(system):
                     torch._dynamo.reset()
-                    fn, weights = torch.compile(model), _weight_bytes(model)
+                    fn, weights = compiled(model, mode_of(system)), _weight_bytes(model)
                 elif system == "autofuser":
                     fn = autofuser.fuse(model, tune_budget_s=tune_budget, progress=False)
                     weights = _weight_bytes(model)
@@ -97,10 +124,10 @@ def bench_case(name: str, model: torch.nn.Module, x: torch.Tensor, tune_budget: 
                 else:
                     fn = autofuser.fuse(model, quantize="mxint8", tune_budget_s=tune_budget, progress=False)
                     weights = _weight_bytes(fn.model)
-                if system == "compile" and not x.is_cuda:
+                if is_compile(system) and not x.is_cuda:
                     row[system] = {"error": "not run on the CPU"}
                     continue
-                got = fn(x)
+                got = fn(x)  # checked before the next call (a CUDA-graph replay overwrites it)
                 if x.is_cuda:
                     torch.cuda.synchronize()
                 first = time.perf_counter() - start
@@ -152,7 +179,9 @@ def main(argv=None) -> int:
         "--time-limit", type=float, default=420.0, help="seconds after which remaining systems are skipped (and say so)"
     )
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run under the interpreter")
+    add_compile_modes_argument(parser)
     args = parser.parse_args(argv)
+    systems = systems_of(compile_key(mode) for mode in args.compile_modes)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("mxint8.py needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
@@ -180,8 +209,8 @@ def main(argv=None) -> int:
     rows = []
     for name, model, x in cases:
         print(f"mxint8 bench: {name} ...", file=sys.stderr, flush=True)
-        rows.append(bench_case(name, model, x, args.tune_budget, deadline))
-        print(_line(rows[-1]), file=sys.stderr, flush=True)
+        rows.append(bench_case(name, model, x, args.tune_budget, deadline, systems))
+        print(_line(rows[-1], systems), file=sys.stderr, flush=True)
         (out / "mxint8.partial.json").write_text(json.dumps(rows, indent=1))
         del model, x
         if device.type == "cuda":
@@ -202,14 +231,7 @@ def main(argv=None) -> int:
         "products without TF32 (AutoFuser: 3xTF32). Each cell: ms (speed-up over fp32 eager); "
         "weights: parameter + buffer bytes; error: relative L2 against fp32 eager."
     )
-    lines = [
-        header,
-        "",
-        "| case | " + " | ".join(TITLES[s] for s in SYSTEMS) + " | weights fp32 -> MXINT8 | error MXINT8 |",
-        "|---|" + "---|" * (len(SYSTEMS) + 2),
-    ]
-    lines += [_line(row) for row in rows]
-    table = "\n".join(lines)
+    table = "\n".join([header, "", *rows_table(rows)])
     (out / "mxint8.md").write_text(table + "\n")
     print(table)
     return 0
@@ -219,10 +241,21 @@ def _size(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
-def _line(row: dict) -> str:
+def rows_table(rows) -> list[str]:
+    """The markdown table of ``rows`` (as ``mxint8.json`` or a summary in
+    ``benchmarks/results/mxint8.json`` holds them): a column per system the rows have."""
+    systems = systems_of(compile_keys_in(rows))
+    return [
+        "| case | " + " | ".join(column_title(s) for s in systems) + " | weights fp32 -> MXINT8 | error MXINT8 |",
+        "|---|" + "---|" * (len(systems) + 2),
+        *(_line(row, systems) for row in rows),
+    ]
+
+
+def _line(row: dict, systems) -> str:
     eager = row.get("eager", {}).get("ms")
     cells = []
-    for system in SYSTEMS:
+    for system in systems:
         cell = row.get(system, {})
         if "ms" in cell:
             cells.append(f"{cell['ms']:.3f}" + (f" ({eager / cell['ms']:.2f}x)" if eager else ""))

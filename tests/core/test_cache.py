@@ -155,6 +155,16 @@ def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the Linux default; other systems: docs/cache.md")
+def test_cache_dir_default_is_the_users_cache_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv("AUTOFUSER_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    root = cache_dir()
+    assert root == tmp_path / "home" / ".cache" / "autofuser"
+    assert root.is_dir() and stat.S_IMODE(root.stat().st_mode) == 0o700
+
+
 def test_kernel_and_tuning_subfolders_are_private(tmp_path):
     root = cache_dir(str(tmp_path / "c"))
     write_tuning(root, KEY, CONFIG, [])

@@ -5,6 +5,7 @@ links, FIFOs and oversized files inside the cache are never followed or read."""
 from __future__ import annotations
 
 import contextvars
+import errno
 import inspect
 import json
 import logging
@@ -400,7 +401,7 @@ def test_an_oversized_entry_is_not_read(tmp_path, monkeypatch):
 
 @posix_only
 @pytest.mark.skipif(sys.platform == "win32", reason="entry locks use POSIX flock")
-@pytest.mark.parametrize("kind", ["symlink", "dangling-symlink", "fifo"])
+@pytest.mark.parametrize("kind", ["symlink", "dangling-symlink", "fifo", "folder"])
 def test_a_lock_path_that_is_not_a_regular_file_is_not_used(tmp_path, kind):
     lock = tmp_path / "tuning" / f"{key_digest(KEY)}.lock"
     lock.parent.mkdir(parents=True, mode=0o700)
@@ -410,8 +411,10 @@ def test_a_lock_path_that_is_not_a_regular_file_is_not_used(tmp_path, kind):
         lock.symlink_to(victim)
     elif kind == "dangling-symlink":
         lock.symlink_to(victim)  # following it would create the victim
-    else:
+    elif kind == "fifo":
         os.mkfifo(lock)
+    else:
+        lock.mkdir()
 
     def take():
         with tuning_lock(tmp_path, KEY, timeout_s=1) as held:
@@ -423,6 +426,75 @@ def test_a_lock_path_that_is_not_a_regular_file_is_not_used(tmp_path, kind):
         assert victim.read_text() == "someone's file\n"
     else:
         assert not victim.exists()
+    assert sorted(p.name for p in lock.parent.iterdir()) == [lock.name]  # no marker or other file left
+
+
+def hold_lock_elsewhere(path: Path):
+    """An open file holding ``flock`` on ``path``, as another process tuning would (a second
+    open file description conflicts even within one process)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    handle = open(path, "a")
+    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return handle
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="entry locks use POSIX flock")
+def test_a_held_lock_is_waited_for_said_once_and_given_up_after_the_timeout(tmp_path):
+    lock = tmp_path / "tuning" / f"{key_digest(KEY)}.lock"
+    other = hold_lock_elsewhere(lock)
+    waits = []
+    with pytest.warns(UserWarning, match="waited 0 s for another process"):
+        with tuning_lock(tmp_path, KEY, on_wait=lambda: waits.append(1), timeout_s=0.3) as held:
+            assert held is False
+    assert waits == [1]
+    other.close()  # the other process finished: the lock is free
+    with tuning_lock(tmp_path, KEY, on_wait=lambda: waits.append(2)) as held:
+        assert held is True and waits == [1]
+        assert not lock_is_free(lock)
+    assert lock_is_free(lock)  # released
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="entry locks use POSIX flock")
+def test_a_lock_file_is_made_private_and_left_in_place(tmp_path):
+    lock = tmp_path / "tuning" / f"{key_digest(KEY)}.lock"
+    old_mask = os.umask(0o022)
+    try:
+        with tuning_lock(tmp_path, KEY) as held:
+            assert held is True and not lock_is_free(lock)
+    finally:
+        os.umask(old_mask)
+    assert lock_is_free(lock) and stat.S_IMODE(lock.stat().st_mode) == 0o600  # waiters share its inode
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="entry locks use POSIX flock")
+def test_a_file_system_without_locks_tunes_without_one_and_writes_no_marker(tmp_path, monkeypatch, recwarn):
+    """No ``flock`` (some network mounts): tuning goes on without the lock, silently, and no
+    soft-lock marker (a pid, a host name) is written into the cache folder."""
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with tuning_lock(tmp_path, KEY, timeout_s=1) as held:
+        assert held is False
+    assert [str(w.message) for w in recwarn] == []
+    assert [p.name for p in (tmp_path / "tuning").iterdir()] == [f"{key_digest(KEY)}.lock"]
+    assert (tmp_path / "tuning" / f"{key_digest(KEY)}.lock").stat().st_size == 0
+
+
+def lock_is_free(path: Path) -> bool:
+    import fcntl
+
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return True
 
 
 # ---------------------------------------------------------------------------

@@ -82,7 +82,7 @@ def test_page_is_self_contained_and_has_every_part(tmp_path):
     for group in report.groups:
         assert group.reason_code in page
     skipped = report.skipped[0]
-    assert skipped.reason and skipped.reason.split(";")[0].replace("'", "&#x27;") in page
+    assert skipped.reason and skipped.reason.split(";")[0].replace("'", "&#39;") in page
     for group in report.fused:
         assert group.kernel_source and "@triton.jit" in group.kernel_source
         assert group.kernel in page
@@ -99,6 +99,47 @@ def test_page_is_self_contained_and_has_every_part(tmp_path):
     for group in report.fused:
         assert f'id="cluster-{report.groups.index(group)}"' in page
     assert "block_factory.py:12 in forward: h = torch.nn.functional.gelu(self.lin(self.norm(x)))" in page
+
+
+def test_names_from_the_users_model_are_escaped():
+    """The page shows the model's class name, its submodules' names and its source lines:
+    a model whose names are markup gets them shown as text, never run as a script."""
+
+    class Hostile(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.add_module("<script>alert(1)</script>", torch.nn.Linear(7, 5))
+
+        def forward(self, x):
+            return torch.relu(getattr(self, "<script>alert(1)</script>")(x) * 2.0 + 1.0)
+
+    Hostile.__name__ = Hostile.__qualname__ = "<script>alert('model')</script>"
+    torch.manual_seed(0)
+    model, x = Hostile().eval(), torch.randn(3, 7)
+    fused = autofuser.fuse(model, plugins=["elementwise", "matmul"], progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x))
+    report = fused.report()
+    assert report.model.startswith("<script>") and any(n.module == "<script>alert(1)</script>" for n in report.graph)
+    page = report.to_html()
+    assert "<script" not in page.lower()
+    assert "&lt;script&gt;alert(&#39;model&#39;)&lt;/script&gt;" in page  # the model's name, as text
+    assert 'data-node="_script_alert_1_script_"' in page and "&lt;script&gt;alert(1)&lt;/script&gt; (Linear)" in page
+
+
+def test_the_templates_ship_with_the_package():
+    """The page's templates are package data: a wheel without them could not write a page."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from pathlib import Path
+
+    import autofuser_core
+
+    root = Path(autofuser_core.__file__).parent
+    templates = sorted(p.relative_to(root).as_posix() for p in (root / "templates").iterdir())
+    assert "templates/report.html.j2" in templates and "templates/graph.svg.j2" in templates
+    pyproject = tomllib.loads((root.parent / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["autofuser_core"]
+    assert all(any(Path(t).match(p) for p in patterns) for t in templates), (templates, patterns)
 
 
 def test_timings_and_colours_where_measured():
@@ -133,7 +174,7 @@ def test_timings_and_colours_where_measured():
     report.add_phase("verify", 1.5)
     report.whole_eager_ms, report.whole_fused_ms = 0.05, 0.02
     page = report.to_html()
-    assert "2.50x eager&#x27;s speed: 0.020 ms fused vs 0.050 ms eager per forward" in page
+    assert "2.50x eager&#39;s speed: 0.020 ms fused vs 0.050 ms eager per forward" in page
     assert page.index("2.50x") < page.index('id="graph"')
     assert "capture 0.25 s, verify 1.50 s" in page
     assert "0.0123 / 0.0071" in page and "0.0090 / 0.0100" in page

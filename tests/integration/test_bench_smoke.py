@@ -10,6 +10,7 @@ gradients must match eager's too.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import math
@@ -17,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -529,7 +531,8 @@ def test_models_into_a_closed_pipe_is_quiet(tmp_path):
     assert done.returncode == 0
 
 
-def test_help_shows_defaults_plain_text_and_imports_no_zoo(capsys):
+def test_help_shows_defaults_plain_text_and_imports_no_zoo_nor_torch(capsys):
+    """``--help`` answers without importing torch (a second of the command's start otherwise)."""
     with pytest.raises(SystemExit) as exited:
         main(["bench", "--help"])
     assert exited.value.code == 0
@@ -539,7 +542,7 @@ def test_help_shows_defaults_plain_text_and_imports_no_zoo(capsys):
     probe = (
         "import sys\nfrom autofuser.cli import main\ntry:\n    main(['bench', '--help'])\n"
         "except SystemExit:\n    pass\n"
-        "print(sorted(m for m in ('autofuser.zoo.models', 'triton', 'einops') if m in sys.modules))"
+        "print(sorted(m for m in ('autofuser.zoo.models', 'triton', 'einops', 'torch') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
@@ -696,3 +699,149 @@ def test_bench_of_a_module_factory_model_under_reduce_overhead(model_file, tmp_p
     header, rows = _table((out / "bench.md").read_text())
     assert header == harness.forward_columns(["torch.compile reduce-overhead"])
     assert rows[spec][header.index("torch.compile reduce-overhead ms")] == f"{cell['ms']:.3f}"
+
+
+# ---------------------------------------------------------------------------
+# The kernel suites (benchmarks/*.py) and the chart: a column per torch.compile mode
+# ---------------------------------------------------------------------------
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SUITES = ("bandwidth", "matmul", "attention", "conv", "mxint8", "fft_plugin")
+
+
+@pytest.fixture(scope="module")
+def suites():
+    """The suites' modules, imported as their scripts import each other (from their folder)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield {name: importlib.import_module(name) for name in (*SUITES, "chart", "_compile_modes")}
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_each_suite_takes_compile_modes_and_refuses_bad_ones(suites, suite, capsys, tmp_path):
+    for bad, says in (("default,fastest", "'fastest'"), ("reduce-overhead,reduce-overhead", "names a mode twice")):
+        with pytest.raises(SystemExit) as exited:
+            suites[suite].main(["--out", str(tmp_path), "--compile-modes", bad])
+        assert exited.value.code == 2 and says in capsys.readouterr().err
+    modes = suites["_compile_modes"].parse_compile_modes
+    assert modes("default, reduce-overhead,max-autotune") == ("default", "reduce-overhead", "max-autotune")
+    assert suites["_compile_modes"].DEFAULT_COMPILE_MODES == ("default", "reduce-overhead")
+
+
+def test_cuda_graph_modes_replay_a_new_step_on_every_call(suites, monkeypatch):
+    """reduce-overhead (and max-autotune) mark a new CUDA-graph step before each call, so each
+    timed call replays the graph; the default mode is torch.compile's callable as it is."""
+    stand_in, marks = _StandInCompile(), []
+    monkeypatch.setattr(torch, "compile", stand_in)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(len(marks)))
+    compiled = suites["_compile_modes"].compiled
+    x = torch.randn(3, 5)
+    default = compiled(torch.nn.ReLU(), "default")
+    torch.testing.assert_close(default(x), torch.relu(x))
+    assert marks == [] and stand_in.modes == [None]
+    overhead = compiled(torch.nn.ReLU(), "reduce-overhead")
+    for _ in range(3):
+        torch.testing.assert_close(overhead(x), torch.relu(x) * (1 + _StandInCompile.OFFSET))
+    assert marks == [0, 1, 2] and stand_in.modes == [None, "reduce-overhead"]
+
+
+def _with_reduce_overhead(rows: list[dict], old_key: str) -> list[dict]:
+    """``rows`` as a run with reduce-overhead would write them: its cell beside the default's."""
+    new = []
+    for row in rows:
+        row = json.loads(json.dumps(row))
+        if "ms" in row.get(old_key, {}):
+            row["torch.compile reduce-overhead"] = {**row[old_key], "ms": row[old_key]["ms"] * 0.5}
+        new.append(row)
+    return new
+
+
+def _header_and_rows(lines: list[str]) -> tuple[list[str], list[list[str]]]:
+    split = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines if line.startswith("| ")]
+    return split[0], [cells for cells in split[1:] if not set(cells[0]) <= {"-"}]
+
+
+@pytest.mark.parametrize("suite", ["bandwidth", "matmul", "attention", "mxint8", "fft_plugin"])
+def test_each_suites_table_reads_todays_results_and_shows_reduce_overhead_where_measured(suites, suite):
+    """Today's benchmarks/results/<suite>.json (no reduce-overhead cells; some under the keys
+    the suites wrote before) renders as it did; the same rows with reduce-overhead cells get
+    its column, beside the default mode's, with each row's value in it."""
+    module, summary = suites[suite], json.loads((BENCHMARKS / "results" / f"{suite}.json").read_text())
+    if suite == "bandwidth":
+        run, key, render = summary, "cases", lambda run: module.render(run).splitlines()
+    elif suite == "fft_plugin":
+        run, key, render = summary, "rows", lambda run: module.render(run).splitlines()
+    elif suite == "matmul":
+        run, key, render = summary["runs"][-1], "cases", lambda run: module.table(run).splitlines()
+    else:
+        run = summary if suite == "attention" else summary["runs"][-1]
+        key, render = "cases", lambda run: module.rows_table(run["cases"])
+    default_key = "compile" if suite == "mxint8" else "torch.compile"  # mxint8's summary: the old key
+    header, rows = _header_and_rows(render(run))
+    assert "torch.compile" in header and not any("reduce-overhead" in h for h in header)
+    assert rows and all(len(cells) == len(header) for cells in rows)
+    measured = {**run, key: _with_reduce_overhead(run[key], default_key)}
+    header2, rows2 = _header_and_rows(render(measured))
+    at = header2.index("torch.compile reduce-overhead")
+    assert header2[at - 1] == "torch.compile" and header2[:at] + header2[at + 1 :] == header
+    for cells, row in zip(rows2, measured[key]):
+        assert len(cells) == len(header2)
+        assert cells[at].startswith(f"{row['torch.compile reduce-overhead']['ms']:.3f}")
+
+
+def test_conv_and_matmul_tables_read_cells_under_the_old_keys(suites):
+    """Rows written before --compile-modes (``compile``, matmul's ``compile-max``) still read,
+    in the columns of their modes."""
+    cell = {"ms": 2.0, "first_call_s": 1.0, "rel_err": 1e-6}
+    row = {"case": "conv 3x3", "width": 32, "mode": "fp32", "floor_ms": 0.5, "eager": {"ms": 4.0}}
+    old = {**row, "compile": cell, "compile-max": {**cell, "ms": 1.0}, "autofuser": {**cell, "ms": 0.8}}
+    header, (cells,) = _header_and_rows(suites["conv"].rows_table([old]))
+    assert header[4:8] == [
+        "eager",
+        "torch.compile",
+        "torch.compile max-autotune-no-cudagraphs",
+        "AutoFuser",
+    ]
+    assert cells[4:8] == ["4.000 (1.00x)", "2.000 (2.00x)", "1.000 (4.00x)", "0.800 (5.00x)"]
+    new = {**row, "torch.compile": cell, "torch.compile reduce-overhead": {**cell, "ms": 1.6}, "autofuser": cell}
+    header, (cells,) = _header_and_rows(suites["conv"].rows_table([new]))
+    assert header[5:7] == ["torch.compile", "torch.compile reduce-overhead"] and cells[6] == "1.600 (2.50x)"
+
+
+def test_the_chart_reads_todays_zoo_summary_and_draws_reduce_overhead_where_measured(suites):
+    chart = suites["chart"]
+    summary = json.loads((BENCHMARKS / "results" / "zoo.json").read_text())
+    run = next(r for r in summary["runs"] if str(r["run"]) == "N")
+    today = chart.render(run)
+    assert today == (BENCHMARKS / "results" / "zoo.svg").read_text()  # the committed chart, unchanged
+    assert "reduce-overhead" not in today and "#2ca02c" not in today
+    measured = {**run, "rows": _with_reduce_overhead(run["rows"], "torch.compile")}
+    for row in measured["rows"]:
+        if "torch.compile reduce-overhead" in row:
+            row["torch.compile reduce-overhead"]["speedup"] = 2 * row["torch.compile"]["speedup"]
+    drawn = chart.render(measured)
+    assert "torch.compile (reduce-overhead)" in drawn
+    bars = sum(1 for r in measured["rows"] if r.get("torch.compile reduce-overhead", {}).get("speedup"))
+    assert bars > 0 and drawn.count('fill="#2ca02c"/>') == bars + 1  # one per speedup, one in the legend
+    assert drawn.count('fill="#1f77b4"/>') == today.count('fill="#1f77b4"/>')  # AutoFuser's bars as before
+
+
+def test_fft_suite_runs_each_compile_mode_on_the_cpu(suites, monkeypatch, tmp_path):
+    """A CPU smoke run of a suite's loop (fft_plugin, tiny FNO; torch.compile stood in for):
+    each mode its own checked cell, reduce-overhead a new step per call, both in the table."""
+    pytest.importorskip("autofuser_plugin_fft")
+    stand_in, marks = _StandInCompile(), []
+    stand_in.OFFSET = 0.0  # the suite fails a cell whose output is off eager
+    monkeypatch.setattr(torch, "compile", stand_in)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    row = suites["fft_plugin"].bench_model("fno", torch.device("cpu"), 2, 1, str(tmp_path), "tiny")
+    assert stand_in.modes == [None, "reduce-overhead"]
+    for system in ("eager", "torch.compile", "torch.compile reduce-overhead", "autofuser (bundled)", "autofuser + fft"):
+        assert "error" not in row[system], row[system]
+        assert row[system]["ms"] > 0 and row[system]["rel_error"] <= 1e-4
+    assert len(marks) >= 3  # the first call, warm-up and the timed calls: each a step
+    result = {"device": "cpu", "date": "today", "config": "tiny", "rows": [row]}
+    header, (cells,) = _header_and_rows(suites["fft_plugin"].render(result).splitlines())
+    assert header[2:5] == ["eager", "torch.compile", "torch.compile reduce-overhead"] and len(cells) == len(header)
