@@ -4,6 +4,7 @@ Public API::
 
     model = autofuser.fuse(model)          # compiles on the first forward
     y = model(x)
+    autofuser.mark_dynamic(x, 1)           # x's dim 1 varies: kernels take its size at run time
     print(model.report())                  # what was fused, what wasn't, and why
 
 Plugins implement the hooks in ``autofuser_core.hookspecs`` with the spec
@@ -18,6 +19,7 @@ block, multiprocessors), one helper for every plugin.
 
 from autofuser_core.codegen import KernelSource
 from autofuser_core.device_limits import DeviceLimits, device_limits
+from autofuser_core.dynamic import mark_dynamic
 from autofuser_core.errors import (
     AutoFuserError,
     CacheError,
@@ -81,6 +83,7 @@ __all__ = [
     "fuse",
     "hookimpl",
     "load_plugins",
+    "mark_dynamic",
     "program_from_nodes",
 ]
 

@@ -56,6 +56,14 @@ class GroupEntry(BaseModel):
     tuning_s: float = 0.0
     cache_hit: bool = False
     kernel_source: Optional[str] = None  # the generated Triton source, where one was written
+    # With dynamic dims (docs/dynamic.md): the sizes the kernel takes at run time, by
+    # parameter name, and the size bucket each was tuned for; or why the kernel stays
+    # specialised on the shape; and whether an earlier shape of the class checked it on
+    # synthetic inputs (this one on its real inputs only).
+    run_time_sizes: dict[str, int] = Field(default_factory=dict)
+    size_buckets: dict[str, int] = Field(default_factory=dict)
+    specialised: Optional[str] = None
+    class_checked: bool = False
 
 
 class GraphNode(BaseModel):
@@ -115,6 +123,9 @@ class FusionReport(BaseModel):
     whole_fused_ms: Optional[float] = None
     # Whether the calls of this signature run the original model (fusing lost, or failed).
     runs_original: bool = False
+    # The dynamic dims of this signature's shape class ("x dim 1 (size 37, bucket 64)"):
+    # empty where it is specialised on its shapes (docs/dynamic.md).
+    dynamic_dims: list[str] = Field(default_factory=list)
 
     def add_phase(self, name: str, seconds: float) -> None:
         self.phases[name] = self.phases.get(name, 0.0) + seconds
@@ -126,6 +137,29 @@ class FusionReport(BaseModel):
     @property
     def skipped(self) -> list[GroupEntry]:
         return [g for g in self.groups if not g.fused]
+
+    def _dynamic_lines(self) -> list[str]:
+        """The summary's word on dynamic dims: which, which kernels take sizes at run time
+        (and the size buckets they were tuned for), which stay specialised and why."""
+        if not self.dynamic_dims:
+            return []
+        fused = self.fused
+        run_time = [g for g in fused if g.run_time_sizes]
+        buckets = sorted({b for g in run_time for b in g.size_buckets.values()})
+        lines = [f"dynamic dims: {'; '.join(self.dynamic_dims)}"]
+        lines.append(
+            f"{len(run_time)} of {len(fused)} fused kernel(s) take their sizes at run time (one source for every "
+            f"size of the class)" + (f", tuned per size bucket: {', '.join(map(str, buckets))}" if buckets else "")
+        )
+        specialised = sorted({g.strategy for g in fused if g.specialised})
+        if specialised:
+            lines.append(
+                f"specialised on each shape (their strategies don't take run-time sizes): {', '.join(specialised)}"
+            )
+        checked = sum(g.class_checked for g in fused)
+        if checked:
+            lines.append(f"{checked} kernel(s) checked on synthetic inputs for an earlier shape of this class")
+        return lines
 
     def to_json(self, **kwargs) -> str:
         return self.model_dump_json(indent=kwargs.pop("indent", 1), **kwargs)
@@ -145,6 +179,7 @@ class FusionReport(BaseModel):
         what = self.model or "the model"
         lines = [f"AutoFuser report: {what}, inputs {self.signature or '?'} on {self.device or '?'}"]
         lines += [f"  {line}" for line in summary_lines(self)]
+        lines += [f"  {line}" for line in self._dynamic_lines()]
         order = {node.name: i for i, node in enumerate(self.graph)}
         fused = sorted(
             ((k, g) for k, g in enumerate(self.groups) if g.fused),

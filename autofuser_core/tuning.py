@@ -24,6 +24,7 @@ import torch
 
 from . import timing
 from .cache import cache_dir, read_tuning, tuning_lock, write_tuning
+from .dynamic import bucket
 from .launch import cast_inputs
 from .planner import Candidate
 from .precompile import CompileJob, Compiling, launch_items
@@ -91,6 +92,9 @@ def _tuning_configs(candidate: Candidate, every: bool = False) -> tuple[list[dic
 
 def _tuning_key(source, device: torch.device, options) -> dict[str, Any]:
     key = {"kernel": source.name, "source_sha256": source.source_hash, **device_key(device)}
+    if source.sizes:
+        # One source serves every size of a dynamic dim: tuned, and cached, per size bucket.
+        key["size_buckets"] = {name: bucket(value) for name, value in sorted(source.sizes.items())}
     if options.tune_all_configs:
         key["all_configs"] = True  # kept apart: a capped entry is not a whole list's
     return key

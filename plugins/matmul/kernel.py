@@ -37,6 +37,7 @@ from autofuser.kernel import (
     emit_stores,
     index_term,
     needs_int64,
+    sized,
     triton_cdiv,
     weight_tile,
 )
@@ -63,8 +64,8 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
         constexprs["BLOCK_N"] = dot_block(L.n)
 
     w.emit("pid = tl.program_id(0)")
-    w.emit(f"num_m = tl.cdiv({L.rows}, BLOCK_M)")
-    w.emit(f"num_n = tl.cdiv({L.n}, BLOCK_N)")
+    w.emit(f"num_m = tl.cdiv({sized(L.rows)}, BLOCK_M)")
+    w.emit(f"num_n = tl.cdiv({sized(L.n)}, BLOCK_N)")
     w.emit("in_group = GROUP_M * num_n")
     w.emit("first_m = (pid // in_group) * GROUP_M")
     w.emit("size_m = tl.minimum(num_m - first_m, GROUP_M)")
@@ -73,8 +74,8 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     cast = ".to(tl.int64)" if wide else ""
     w.emit(f"rows = (pid_m{cast} * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]")
     w.emit(f"cols = (pid_n{cast} * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]")
-    w.emit(f"row_mask = rows < {L.rows}")
-    w.emit(f"col_mask = cols < {L.n}")
+    w.emit(f"row_mask = rows < {sized(L.rows)}")
+    w.emit(f"col_mask = cols < {sized(L.n)}")
     row_offs = emit_offsets(
         w.emit, [L.out_domain[d] for d in row_dims], [[st[d] for d in row_dims] for st in strides], "rows", "r"
     )
@@ -107,7 +108,7 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
             b_index,
             b_tensor.dtype,
             " + ".join(b_terms) or "0",
-            f"(kk < {L.k}) & col_mask",
+            f"(kk < {sized(L.k)}) & col_mask",
             L.b_packed,
             start,
             "BLOCK_K",
@@ -121,7 +122,7 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
         constexprs["BLOCK_K"] = L.block_k
         w.emit("ks = tl.arange(0, BLOCK_K)[None, :]")
         w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
-        w.emit(f"k_mask = ks < {L.k}")
+        w.emit(f"k_mask = ks < {sized(L.k)}")
         a_name = TileBlock(w, 1, "k", {}).value(a)
         w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))")
         for line in b_load("0"):
@@ -132,9 +133,9 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
         known = emit_prepasses(w, prologue_values, L.k)
         # 3. main loop
         w.emit("acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)")
-        w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):")
+        w.emit(f"for k0 in range(0, {sized(L.k)}, BLOCK_K):")
         w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", 2)
-        w.emit(f"k_mask = ks < {L.k}", 2)
+        w.emit(f"k_mask = ks < {sized(L.k)}", 2)
         w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", 2)
         a_name = TileBlock(w, 2, "k", known).value(a)
         for line in b_load("k0"):

@@ -52,7 +52,7 @@ def deviations(ctx, op, args, kwargs):
             "degenerate_correction", f"{op}: {n} elements with correction={correction} leave no degrees of freedom"
         )
 
-    mean = ctx.pointwise("{0} / %r" % float(n), ctx.reduce("sum", x, dims, keepdim=True))
+    mean = ctx.pointwise("{0} / {1}", ctx.reduce("sum", x, dims, keepdim=True), ctx.count(n))
     return ctx.pointwise("{0} - {1}", x, mean), dims, float(n - correction), bool(b["keepdim"])
 
 
