@@ -92,9 +92,10 @@ def _tuning_configs(candidate: Candidate, every: bool = False) -> tuple[list[dic
 
 def _tuning_key(source, device: torch.device, options) -> dict[str, Any]:
     key = {"kernel": source.name, "source_sha256": source.source_hash, **device_key(device)}
-    if source.sizes:
+    sizes = getattr(source, "sizes", None)  # duck-typed sources without run-time sizes have none
+    if sizes:
         # One source serves every size of a dynamic dim: tuned, and cached, per size bucket.
-        key["size_buckets"] = {name: bucket(value) for name, value in sorted(source.sizes.items())}
+        key["size_buckets"] = {name: bucket(value) for name, value in sorted(sizes.items())}
     if options.tune_all_configs:
         key["all_configs"] = True  # kept apart: a capped entry is not a whole list's
     return key
