@@ -67,6 +67,8 @@ class KernelSource:
     # from a dynamic dimension, passed at every launch (docs/dynamic.md). Empty for a
     # kernel specialised on its shapes.
     sizes: dict[str, int] = field(default_factory=dict)
+    # The size buckets of the dynamic dims those sizes derive from: tuning is keyed by them.
+    size_buckets: tuple[int, ...] = ()
 
     def launch_args(self, config: dict) -> dict:
         """The keyword arguments of a launch with ``config``: the layout's fixed sizes win over a config's."""

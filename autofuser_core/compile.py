@@ -45,7 +45,7 @@ from . import timing
 from .backward import BACKWARD_GRAPH_KEY, build_backward
 from .cache import cache_dir, load_kernel_module, write_tuning
 from .capture import FREE_KEY, OutputShapeCheck, preserved_state
-from .dynamic import CLASS_CHECKED, SIZE_RULE, bucket, collecting_sizes, passed_sizes
+from .dynamic import CLASS_CHECKED, SIZE_RULE, bucket, checked_key, collecting_sizes, passed_sizes
 from .group import MAX_PRODUCTS, STRICT_FP32, GroupProgram, attr_tensor, product_count
 from .interpreter import kernels_cannot_run, warn_once
 from .ir import AttrRef
@@ -385,6 +385,8 @@ def _verify_round(
                 with collecting_sizes(candidate.strategy.dynamic_sizes) as named:
                     job.source = candidate.strategy.generate(program, view.helpers)
                 job.source.sizes = passed_sizes(job.source.source, named)
+                if job.source.sizes:
+                    job.source.size_buckets = _class_buckets()
                 _note_sizes(job.entry, job.source, candidate.strategy)
                 job.entry.kernel_source = job.source.source
                 module = load_kernel_module(job.source.name, job.source.source, cache_dir(options.cache_dir))
@@ -478,7 +480,7 @@ def _verify_round(
         samples = (list(kernel_inputs), list(outputs)) if backward else None
         del outputs
         in_class = CLASS_CHECKED.get()
-        if entry.fused and in_class is not None and job.source.source_hash in in_class:
+        if entry.fused and in_class is not None and checked_key(job.source.source_hash, config) in in_class:
             # Checked on synthetic inputs for an earlier shape of this shape class, the same
             # source with other run-time sizes: this shape's real inputs suffice.
             entry.class_checked = True
@@ -543,6 +545,12 @@ def _verify_round(
     return jobs + not_generated
 
 
+def _class_buckets() -> tuple[int, ...]:
+    """The size buckets of the dynamic dims of the compile under way (its ``SizeRule``)."""
+    rule = SIZE_RULE.get()
+    return tuple(sorted({bucket(size) for size in rule.dynamic})) if rule is not None else ()
+
+
 def _note_sizes(entry: GroupEntry, source, strategy) -> None:
     """The report's word on a group's sizes while dynamic dims are in force: the sizes its
     kernel takes at run time and their buckets, or why it stays specialised on the shape."""
@@ -550,7 +558,7 @@ def _note_sizes(entry: GroupEntry, source, strategy) -> None:
         return
     if source.sizes:
         entry.run_time_sizes = dict(source.sizes)
-        entry.size_buckets = {name: bucket(value) for name, value in source.sizes.items()}
+        entry.size_buckets = list(source.size_buckets)
     elif not strategy.dynamic_sizes:
         entry.specialised = (
             f"strategy {strategy.name!r} does not take sizes at run time (StrategySpec.dynamic_sizes): "

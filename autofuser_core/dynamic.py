@@ -177,9 +177,15 @@ def passed_sizes(source: str, collector: Optional[SizeArguments]) -> dict[str, i
     return {name: value for name, value in collector.values.items() if name in params}
 
 
-#: While a later shape of a known shape class compiles: the digests of the kernel
-#: sources already checked for that class (on real and synthetic inputs). Such a kernel
-#: is checked on the new shape's real inputs only (compile.py).
+def checked_key(source_hash: str, config: dict) -> str:
+    """What a shape class remembers of a kernel it checked: its source and its config
+    (another config of one source is another binary, checked in full)."""
+    return f"{source_hash}:{sorted(config.items())}"
+
+
+#: While a later shape of a known shape class compiles: ``checked_key`` of each kernel
+#: already checked for that class (on real and synthetic inputs). Such a kernel is
+#: checked on the new shape's real inputs only (compile.py).
 CLASS_CHECKED: contextvars.ContextVar[Optional[set[str]]] = contextvars.ContextVar(
     "autofuser_class_checked", default=None
 )

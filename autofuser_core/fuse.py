@@ -46,7 +46,7 @@ from .cache import Verdict, cache_dir, make_record, read_verdict, write_verdict
 from .capture import LeafCall, bind_inputs, capture, preserved_state
 from .compile import _device_of, compile_graph
 from .cudagraphs import CudaGraphRunner, try_cuda_graph
-from .dynamic import SizeRule, bucket, class_checked, marked_dims, size_rule
+from .dynamic import SizeRule, bucket, checked_key, class_checked, marked_dims, size_rule
 from .errors import AutoFuserError, CaptureError, CompileFailedWarning, OpaquePartError, PluginError
 from .in_use import BLOCK_CALLS, MAX_RESTARTS, MAX_ROUNDS, InUseCheck, end_turn, take_turn
 from .launch import FusedKernel
@@ -1122,7 +1122,7 @@ class FusedModule(torch.nn.Module):
             except Exception as err:  # noqa: BLE001 - a fault of ours must not cost the user's call
                 progress.finish("compiling failed; the original model runs (see the warning)")
                 return self._compile_failed(key, args, flat, start, err, shape_class)
-            checked_sources = {kernel.source.source_hash for kernel in fused_kernels(fused_gm)}
+            checked_sources = {checked_key(k.source.source_hash, k.config) for k in fused_kernels(fused_gm)}
             progress.step("checking the whole forward")
             report.phases = {"capture": captured_s, **report.phases}
             runner: Union[torch.fx.GraphModule, CudaGraphRunner, None] = fused_gm

@@ -57,11 +57,11 @@ class GroupEntry(BaseModel):
     cache_hit: bool = False
     kernel_source: Optional[str] = None  # the generated Triton source, where one was written
     # With dynamic dims (docs/dynamic.md): the sizes the kernel takes at run time, by
-    # parameter name, and the size bucket each was tuned for; or why the kernel stays
+    # parameter name, and the size buckets of the dynamic dims it was tuned for; or why the kernel stays
     # specialised on the shape; and whether an earlier shape of the class checked it on
     # synthetic inputs (this one on its real inputs only).
     run_time_sizes: dict[str, int] = Field(default_factory=dict)
-    size_buckets: dict[str, int] = Field(default_factory=dict)
+    size_buckets: list[int] = Field(default_factory=list)
     specialised: Optional[str] = None
     class_checked: bool = False
 
@@ -145,11 +145,11 @@ class FusionReport(BaseModel):
             return []
         fused = self.fused
         run_time = [g for g in fused if g.run_time_sizes]
-        buckets = sorted({b for g in run_time for b in g.size_buckets.values()})
+        buckets = sorted({b for g in run_time for b in g.size_buckets})
         lines = [f"dynamic dims: {'; '.join(self.dynamic_dims)}"]
         lines.append(
             f"{len(run_time)} of {len(fused)} fused kernel(s) take their sizes at run time (one source for every "
-            f"size of the class)" + (f", tuned per size bucket: {', '.join(map(str, buckets))}" if buckets else "")
+            f"size of the class)" + (f", tuned for size bucket(s) {', '.join(map(str, buckets))}" if buckets else "")
         )
         specialised = sorted({g.strategy for g in fused if g.specialised})
         if specialised:

@@ -24,7 +24,6 @@ import torch
 
 from . import timing
 from .cache import cache_dir, read_tuning, tuning_lock, write_tuning
-from .dynamic import bucket
 from .launch import cast_inputs
 from .planner import Candidate
 from .precompile import CompileJob, Compiling, launch_items
@@ -92,10 +91,9 @@ def _tuning_configs(candidate: Candidate, every: bool = False) -> tuple[list[dic
 
 def _tuning_key(source, device: torch.device, options) -> dict[str, Any]:
     key = {"kernel": source.name, "source_sha256": source.source_hash, **device_key(device)}
-    sizes = getattr(source, "sizes", None)  # duck-typed sources without run-time sizes have none
-    if sizes:
+    if getattr(source, "sizes", None):  # duck-typed sources without run-time sizes have none
         # One source serves every size of a dynamic dim: tuned, and cached, per size bucket.
-        key["size_buckets"] = {name: bucket(value) for name, value in sorted(sizes.items())}
+        key["size_buckets"] = list(source.size_buckets)
     if options.tune_all_configs:
         key["all_configs"] = True  # kept apart: a capped entry is not a whole list's
     return key

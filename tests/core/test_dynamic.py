@@ -182,10 +182,12 @@ def test_tuning_is_keyed_by_size_bucket():
     class Options:
         tune_all_configs = False
 
-    def key(sizes):
-        return _tuning_key(KernelSource("af_k", "x = 1", "rows", lambda c: (1,), sizes=sizes), device, Options())
+    def key(points):
+        source = KernelSource("af_k", "x = 1", "rows", lambda c: (1,), sizes={"sz0": 3 * points})
+        source.size_buckets = (bucket(points),)
+        return _tuning_key(source, device, Options())
 
-    assert key({"sz0": 37}) == key({"sz0": 45})  # both bucket 64
-    assert key({"sz0": 37}) != key({"sz0": 101})
-    assert key({"sz0": 101})["size_buckets"] == {"sz0": bucket(101)} == {"sz0": 128}
-    assert "size_buckets" not in key({})
+    assert key(37) == key(45)  # both in bucket 64
+    assert key(37) != key(101)
+    assert key(101)["size_buckets"] == [128]
+    assert "size_buckets" not in _tuning_key(KernelSource("af_k", "x = 1", "rows", lambda c: (1,)), device, Options())
