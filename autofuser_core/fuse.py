@@ -11,6 +11,12 @@ hook registered, drops every compiled version (``_ModelState``). Up to
 ``max_signatures`` compiled versions are kept; past that, new signatures run
 the original model, with one warning. docs/guard.md lists what the guard sees.
 
+Dimensions that vary between calls (``dynamic=``, ``mark_dynamic``) make shape
+classes: a new size of a dynamic dim compiles its exact shape again (cheap: the
+kernels, taking that size at run time, are the class's), and the classes of one
+signature that differ only in their size buckets count once against
+``max_signatures`` (docs/dynamic.md).
+
 The wrapper owns no parameters of its own: it shares the original model's,
 so ``state_dict``, ``load_state_dict``, ``.to()``, ``eval()`` and optimisers
 act on the model itself, and updated weights take effect without recompiling.
@@ -1858,7 +1864,7 @@ def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **opti
         modules, hook-carrying objects or entry-point names.
     :param options: see ``FuseOptions`` (``cache_dir``, ``max_signatures``,
         ``tune``, ``tune_budget_s``, ``verify_speed``, ``progress``, ``fullgraph``,
-        ``cuda_graphs``, ``strict_fp32_products``, ``quantize``), and those
+        ``cuda_graphs``, ``strict_fp32_products``, ``quantize``, ``dynamic``), and those
         the loaded plugins register (``autofuser_register_options``; the
         attention plugin's ``reassociate_products``). With ``quantize``, the fused module wraps a quantised
         copy of ``model`` (``fused.model``); ``model`` itself is left unchanged.

@@ -123,6 +123,18 @@ def test_mark_dynamic_takes_sizes_at_run_time_from_the_first_call(tmp_path, orig
     assert original_runs == [True]
 
 
+def test_a_class_keeps_its_most_recent_shapes(tmp_path, monkeypatch, original_runs):
+    from autofuser_core import fuse as fuse_module
+
+    monkeypatch.setattr(fuse_module, "MAX_SHAPES_PER_CLASS", 2)
+    model = _model()
+    fused = autofuser.fuse(model, progress=False, cache_dir=str(tmp_path), dynamic=True)
+    for points in (37, 41, 45, 41):  # one bucket (64): one class
+        _check(fused, model, 3, points)
+    assert [r.signature for r in fused.reports()] == ["(float32[3, 45, 12])", "(float32[3, 41, 12])"]
+    assert original_runs == []
+
+
 def test_dynamic_true_is_dynamic_from_the_start(tmp_path, original_runs):
     model = _model()
     fused = autofuser.fuse(model, progress=False, cache_dir=str(tmp_path), dynamic=True)
