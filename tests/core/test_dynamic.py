@@ -15,6 +15,7 @@ from torch import nn
 import autofuser
 from autofuser_core.codegen import KernelSource
 from autofuser_core.dynamic import SizeRule, bucket, collecting_sizes, size_rule, sized
+from autofuser_core.fuse import fused_kernels
 from autofuser_core.tuning import _tuning_key
 
 #: Odd point counts, none a divisor of a static size of the model below: twelve of them,
@@ -78,6 +79,13 @@ def test_twelve_point_counts_share_kernels_and_match_eager(tmp_path, original_ru
     assert all(names == names_per_shape[0] for names in names_per_shape)
     assert len(names_per_shape[0]) == len(first)
     assert _kernel_files(tmp_path) == set(first) | names_per_shape[0]
+    # ... loaded once: every compiled shape of the class launches the same kernel object.
+    loaded: dict[str, set[int]] = {}
+    for runner, _ in fused._compiled.values():
+        for kernel in fused_kernels(runner):
+            loaded.setdefault(kernel.source.name, set()).add(id(kernel.kernel))
+    assert set(loaded) == set(first) | names_per_shape[0]
+    assert all(len(ids) == 1 for ids in loaded.values())
     # Batch 1 is a class of its own (size-1 dims are specialised), sharing its sources too.
     for points in POINT_COUNTS[:4]:
         _check(fused, model, 1, points)
