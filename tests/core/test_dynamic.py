@@ -143,6 +143,60 @@ def test_a_class_keeps_its_most_recent_shapes(tmp_path, monkeypatch, original_ru
     assert original_runs == []
 
 
+class PerPointScale(nn.Module):
+    """Inputs that broadcast against the points: a per-point weight ``[B, N, 1]``, and a
+    position table ``[1, N, C]`` read through a permuted (channels-first) view."""
+
+    def forward(self, x, weight, table):
+        h = F.gelu(x * weight + table.transpose(1, 2).transpose(1, 2))
+        return torch.softmax(h, dim=-1) - h.amax(dim=1, keepdim=True)
+
+
+def test_broadcast_and_permuted_inputs_with_a_dynamic_dim(tmp_path, original_runs):
+    model = PerPointScale()
+    fused = autofuser.fuse(model, progress=False, cache_dir=str(tmp_path))
+    names = []
+    for points in (29, 37, 53):
+        x, weight = torch.randn(2, points, 6), torch.rand(2, points, 1) + 0.5
+        table = torch.randn(1, 6, points).transpose(1, 2)  # [1, N, C], channels-first in memory
+        for t in (x, weight, table):
+            autofuser.mark_dynamic(t, 1)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x, weight, table), model(x, weight, table), atol=1e-5, rtol=1e-5)
+        names.append(set(_sources(fused)))
+    assert names[0] and names[0] == names[1] == names[2]
+    assert original_runs == []
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float16, 2e-2), (torch.bfloat16, 8e-2)])
+def test_half_precision_with_a_dynamic_dim(tmp_path, dtype, tol):
+    model = _model().to(dtype)
+    fused = autofuser.fuse(model, progress=False, cache_dir=str(tmp_path), dynamic=True)
+    for points in (37, 77):
+        x = torch.randn(3, points, 12, dtype=dtype)
+        with torch.no_grad():
+            got, want = fused(x), model(x)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert fused.report().fused and all(g.run_time_sizes for g in fused.report().fused)
+
+
+def test_training_with_a_dynamic_dim_gives_eager_gradients(tmp_path):
+    model = PointCloudBlock().train()
+    fused = autofuser.fuse(model, progress=False, cache_dir=str(tmp_path), dynamic=True, verify_speed=False)
+    for points in (37, 45):
+        x = torch.randn(2, points, 12)
+        fused(x).square().mean().backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model(x).square().mean().backward()
+        for g, want in zip(got, (p.grad for p in model.parameters())):
+            torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-4)
+        model.zero_grad()
+    report = fused.report()
+    assert report.dynamic_dims and report.fused and all(g.run_time_sizes for g in report.fused)
+
+
 def test_dynamic_true_is_dynamic_from_the_start(tmp_path, original_runs):
     model = _model()
     fused = autofuser.fuse(model, progress=False, cache_dir=str(tmp_path), dynamic=True)
