@@ -147,9 +147,10 @@ class FusionReport(BaseModel):
         run_time = [g for g in fused if g.run_time_sizes]
         buckets = sorted({b for g in run_time for b in g.size_buckets})
         lines = [f"dynamic dims: {'; '.join(self.dynamic_dims)}"]
+        keyed = f", tuning keyed by size bucket(s) {', '.join(map(str, buckets))}" if buckets else ""
         lines.append(
             f"{len(run_time)} of {len(fused)} fused kernel(s) take their sizes at run time (one source for every "
-            f"size of the class)" + (f", tuned for size bucket(s) {', '.join(map(str, buckets))}" if buckets else "")
+            f"size of the class){keyed}"
         )
         specialised = sorted({g.strategy for g in fused if g.specialised})
         if specialised:
