@@ -138,30 +138,6 @@ class FusionReport(BaseModel):
     def skipped(self) -> list[GroupEntry]:
         return [g for g in self.groups if not g.fused]
 
-    def _dynamic_lines(self) -> list[str]:
-        """The summary's word on dynamic dims: which, which kernels take sizes at run time
-        (and the size buckets they were tuned for), which stay specialised and why."""
-        if not self.dynamic_dims:
-            return []
-        fused = self.fused
-        run_time = [g for g in fused if g.run_time_sizes]
-        buckets = sorted({b for g in run_time for b in g.size_buckets})
-        lines = [f"dynamic dims: {'; '.join(self.dynamic_dims)}"]
-        keyed = f", tuning keyed by size bucket(s) {', '.join(map(str, buckets))}" if buckets else ""
-        lines.append(
-            f"{len(run_time)} of {len(fused)} fused kernel(s) take their sizes at run time (one source for every "
-            f"size of the class){keyed}"
-        )
-        specialised = sorted({g.strategy for g in fused if g.specialised})
-        if specialised:
-            lines.append(
-                f"specialised on each shape (their strategies don't take run-time sizes): {', '.join(specialised)}"
-            )
-        checked = sum(g.class_checked for g in fused)
-        if checked:
-            lines.append(f"{checked} kernel(s) checked on synthetic inputs for an earlier shape of this class")
-        return lines
-
     def to_json(self, **kwargs) -> str:
         return self.model_dump_json(indent=kwargs.pop("indent", 1), **kwargs)
 
@@ -180,7 +156,6 @@ class FusionReport(BaseModel):
         what = self.model or "the model"
         lines = [f"AutoFuser report: {what}, inputs {self.signature or '?'} on {self.device or '?'}"]
         lines += [f"  {line}" for line in summary_lines(self)]
-        lines += [f"  {line}" for line in self._dynamic_lines()]
         order = {node.name: i for i, node in enumerate(self.graph)}
         fused = sorted(
             ((k, g) for k, g in enumerate(self.groups) if g.fused),

@@ -92,7 +92,8 @@ def test_twelve_point_counts_share_kernels_and_match_eager(tmp_path, original_ru
     assert len(_kernel_files(tmp_path)) <= 3 * len(first)
     assert original_runs == []
     text = str(fused.report())
-    assert "dynamic dims: x dim 1" in text and "take their sizes at run time" in text
+    assert "Dynamic dims: x dim 1" in text and "take their sizes at run time" in text
+    assert "Dynamic dims: x dim 1" in fused.report().to_html()
 
 
 def test_a_later_shape_of_a_class_is_checked_on_its_real_inputs_only(tmp_path):
@@ -107,7 +108,7 @@ def test_a_later_shape_of_a_class_is_checked_on_its_real_inputs_only(tmp_path):
         fused(torch.randn(3, 45, 12))  # same bucket (64): same class
     later = fused.report()
     assert later.fused and all(g.class_checked and g.max_error is not None for g in later.fused)
-    assert "earlier shape of this class" in str(later)
+    assert "checked on synthetic inputs for an earlier shape of this class" in str(later)
 
 
 def test_mark_dynamic_takes_sizes_at_run_time_from_the_first_call(tmp_path, original_runs):
