@@ -54,6 +54,8 @@ def mark_dynamic(tensor: torch.Tensor, dim) -> None:
         )
     dims = [dim] if not isinstance(dim, (list, tuple, range)) else list(dim)
     rank = tensor.dim()
+    if rank == 0:
+        raise AutoFuserError("mark_dynamic(): a 0-d tensor (a scalar) has no dims to mark; mark a tensor with dims.")
     found = set(getattr(tensor, MARK_ATTRIBUTE, ()))
     for d in dims:
         if not isinstance(d, int) or isinstance(d, bool):

@@ -233,6 +233,8 @@ def test_bad_dynamic_input_is_refused_with_the_fix():
         autofuser.mark_dynamic(x, 3)
     with pytest.raises(autofuser.AutoFuserError, match="is not an int"):
         autofuser.mark_dynamic(x, "1")
+    with pytest.raises(autofuser.AutoFuserError, match="0-d tensor"):
+        autofuser.mark_dynamic(torch.tensor(1.0), 0)
     with pytest.raises(autofuser.AutoFuserError, match="takes a torch.Tensor"):
         autofuser.mark_dynamic([1, 2], 0)
     with pytest.raises(autofuser.AutoFuserError, match=r"dynamic='yes'.*give None .* True or False"):
