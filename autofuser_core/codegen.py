@@ -235,7 +235,8 @@ class ValueEmitter:
             return self.names[v.uid]
         if v.op == "const":
             if v.size is not None and sized(v.size) != str(v.size):
-                return sized(v.size)  # an element count of a dynamic dim: taken at run time
+                # an element count of a dynamic dim: taken at run time
+                return f"({sized(v.size)} - {v.size_less})" if v.size_less else sized(v.size)
             return literal(v.constant)
         if v.op == "load":
             name = self.load(v)

@@ -198,6 +198,42 @@ def test_training_with_a_dynamic_dim_gives_eager_gradients(tmp_path):
     assert report.dynamic_dims and report.fused and all(g.run_time_sizes for g in report.fused)
 
 
+class PointStatistics(nn.Module):
+    """Statistics over the points, a reduced dim that varies: mean, variance (N - 1),
+    standard deviation and RMS."""
+
+    def forward(self, x):
+        centred = (x - x.mean(1, keepdim=True)) / (x.var(1, keepdim=True) + 1e-5).sqrt()
+        return centred + x.std(1, keepdim=True, correction=0) * x.pow(2).mean(1, keepdim=True).sqrt()
+
+
+def test_statistics_over_a_dynamic_reduced_dim_share_kernels(tmp_path, original_runs):
+    model = PointStatistics()
+    fused = autofuser.fuse(model, progress=False, cache_dir=str(tmp_path), dynamic=True)
+    names = []
+    for points in (37, 101, 301):  # three buckets: BLOCK_R 64, 128, 512
+        x = torch.randn(3, points, 7) * 3.0 + 1.0
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)
+        names.append(set(_sources(fused)))
+        assert all(g.run_time_sizes for g in fused.report().fused)
+    assert names[0] and names[0] == names[1] == names[2]
+    assert original_runs == []
+
+
+def test_sources_of_unchanging_shapes_are_those_of_dynamic_false(tmp_path):
+    x = torch.randn(3, 37, 12)
+    bodies = []
+    for dynamic in (None, False):
+        fused = autofuser.fuse(_model(), progress=False, cache_dir=str(tmp_path / str(dynamic)), dynamic=dynamic)
+        with torch.no_grad():
+            fused(x)
+            fused(x)
+        bodies.append({name: source.split("@triton.jit", 1)[1] for name, source in _sources(fused).items()})
+    assert bodies[0] and bodies[0] == bodies[1]
+    assert not any("sz0" in body for body in bodies[0].values())
+
+
 def test_dynamic_true_is_dynamic_from_the_start(tmp_path, original_runs):
     model = _model()
     fused = autofuser.fuse(model, progress=False, cache_dir=str(tmp_path), dynamic=True)

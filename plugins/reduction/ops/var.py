@@ -54,14 +54,10 @@ def deviations(ctx, op, args, kwargs):
         )
 
     mean = ctx.pointwise("{0} / {1}", ctx.reduce("sum", x, dims, keepdim=True), ctx.count(n))
-    # N - correction, from the count: a kernel whose N varies takes N at run time. Exact in
-    # fp32 for a whole correction (N < 2**24); any other stays the literal eager divides by.
-    if not correction:
-        denominator = ctx.count(n)
-    elif float(correction).is_integer():
-        denominator = ctx.pointwise("{0} - %r" % float(correction), ctx.count(n))
-    else:
-        denominator = float(n - correction)
+    # N - correction as a count: a kernel whose N varies takes N at run time (and
+    # subtracts a whole correction as an integer); a fractional one stays a literal.
+    whole = float(correction).is_integer()
+    denominator = ctx.count(n, less=int(correction)) if whole else float(n - correction)
     return ctx.pointwise("{0} - {1}", x, mean), dims, denominator, bool(b["keepdim"])
 
 
