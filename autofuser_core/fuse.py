@@ -81,7 +81,13 @@ class FuseOptions(BaseModel):
     cache_dir: Optional[str] = Field(
         None, strict=True, description="Cache folder; default $AUTOFUSER_CACHE_DIR or ~/.cache/autofuser."
     )
-    max_signatures: int = Field(8, ge=1, strict=True, description="Compiled signatures kept; later new ones run eager.")
+    max_signatures: int = Field(
+        8,
+        ge=1,
+        strict=True,
+        description="Compiled signatures kept; later new ones run eager. The shape classes of one signature "
+        "with dynamic dims count once, however many sizes compile (docs/dynamic.md).",
+    )
     tune: bool = Field(True, strict=True, description="Benchmark each kernel's configs on a GPU (cached).")
     tune_budget_s: float = Field(20.0, gt=0, strict=True, description="Tuning time per group, seconds.")
     tune_all_configs: bool = Field(
