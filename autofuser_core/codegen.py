@@ -364,7 +364,7 @@ class _AtCoordinates(ValueEmitter):
         for c, st in zip(self.coords, strides):
             if st == 0 or c.expr == "0":
                 continue
-            terms.append(c.expr if st == 1 else f"{c.expr} * {st}")
+            terms.append(c.expr if st == 1 else f"{c.expr} * {sized(st)}")
             if c.axis is not None:  # a fixed coordinate is inside the operand it was resolved for
                 masks.append(self.base_masks[c.axis])
                 masks.extend(c.valid)
@@ -483,16 +483,16 @@ def _emit_coordinates(
     sizes = [w.program.domain[d] for d in dims]
     for i, d in enumerate(dims):
         divisor = math.prod(sizes[i + 1 :])
-        expr = index if divisor == 1 else f"({index} // {divisor})"
+        expr = index if divisor == 1 else f"({index} // {sized(divisor)})"
         if i > 0:
-            expr = f"({expr} % {sizes[i]})"
+            expr = f"({expr} % {sized(sizes[i])})"
         name = f"{prefix}{d}"
         w.emit(f"{name} = {expr}")
         coords[d] = Coordinate(name, axis)
 
 
 def _store_offset(coords: list[Coordinate], strides: tuple[int, ...]) -> Optional[str]:
-    terms = [c.expr if st == 1 else f"{c.expr} * {st}" for c, st in zip(coords, strides) if st and c.expr != "0"]
+    terms = [c.expr if st == 1 else f"{c.expr} * {sized(st)}" for c, st in zip(coords, strides) if st and c.expr != "0"]
     return " + ".join(terms) or None
 
 
@@ -523,7 +523,7 @@ def write_kernel(
         # Shifted reads move coordinates dim by dim: every dim keeps its own coordinate
         # (no merging), and each load is written where a value needs it.
         w.emit(f"offs = {pid} * BLOCK + tl.arange(0, BLOCK)")
-        w.emit(f"mask = offs < {n_outer}")
+        w.emit(f"mask = offs < {sized(n_outer)}")
         walked = memory_order([d for d in outer_dims if program.domain[d] != 1], program)
         _emit_coordinates(w, walked, "offs", "i", "flat", coords)
         top = _AtCoordinates(w, coords, {"flat": "mask"}, top=True)

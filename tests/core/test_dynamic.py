@@ -234,6 +234,27 @@ def test_sources_of_unchanging_shapes_are_those_of_dynamic_false(tmp_path):
     assert not any("sz0" in body for body in bodies[0].values())
 
 
+class PaddedChannels(nn.Module):
+    """Shifted reads (a pad and a roll) along the channels, with the points dynamic."""
+
+    def forward(self, x):
+        h = F.pad(x, (1, 2))
+        return torch.sigmoid(h) * 2.0 + torch.roll(h, 1, dims=2)
+
+
+def test_shifted_reads_along_a_static_dim_share_kernels(tmp_path, original_runs):
+    model = PaddedChannels()
+    fused = autofuser.fuse(model, progress=False, cache_dir=str(tmp_path), dynamic=True)
+    names = []
+    for points in (37, 45, 101):
+        x = torch.randn(2, points, 6)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), model(x), atol=1e-6, rtol=1e-6)
+        names.append(set(_sources(fused)))
+    assert names[0] and names[0] == names[1] == names[2]
+    assert original_runs == []
+
+
 def test_dynamic_true_is_dynamic_from_the_start(tmp_path, original_runs):
     model = _model()
     fused = autofuser.fuse(model, progress=False, cache_dir=str(tmp_path), dynamic=True)
