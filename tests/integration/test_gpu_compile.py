@@ -44,7 +44,8 @@ def test_fused_kernels_compile_for_sm90(model_name, tmp_path):
 class _PointBlocks(nn.Module):
     """Blocks over points whose kernels take the point count at run time: ``kind``
     "mlp" (a pre-norm MLP), "chain" (a row-tiled chain), "epilogue" (a linear with its
-    epilogue, then a mean over the points) or "flat" (pointwise ops)."""
+    epilogue, then a mean over the points), "flat" (pointwise ops) or "shifted" (a pad
+    and a roll of the channels)."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -62,6 +63,9 @@ class _PointBlocks(nn.Module):
         if self.kind == "epilogue":
             h = F.gelu(self.b(x))
             return h - h.mean(dim=1, keepdim=True)
+        if self.kind == "shifted":
+            h = F.pad(x, (1, 2))
+            return torch.sigmoid(h) + torch.roll(h, 1, dims=2)
         return torch.sigmoid(x) * x.transpose(0, 1).contiguous().transpose(0, 1) + 1.0
 
 
@@ -72,6 +76,7 @@ class _PointBlocks(nn.Module):
         ("chain", {"row_chain"}),
         ("epilogue", {"linear_epilogue", "row_reduction"}),
         ("flat", {"elementwise"}),
+        ("shifted", {"elementwise"}),
     ],
 )
 def test_kernels_with_run_time_sizes_compile_for_sm90(kind, strategies, tmp_path):
