@@ -395,9 +395,10 @@ class _ShapeClass:
     dynamic dims, within the same size buckets (docs/dynamic.md). ``dims``: the dynamic
     dims of each tensor argument, by position; ``described``: those dims for the report;
     ``family``: its key without size buckets, which counts once against ``max_signatures``;
-    ``verified``: digests of the kernel sources whose checks passed for this class (a
-    later shape of it checks them on its real inputs only); ``runs_original``: what the
-    class's first compile decided, where it measured the whole forward on a GPU."""
+    ``verified``: the kernels (``checked_key``: source digest and config) whose checks
+    passed for this class (a later shape of it checks them on its real inputs only);
+    ``shapes``: how many of its shapes compiled; ``first_report``: the first one's report,
+    whose whole-forward verdict (measured on a GPU) its later shapes follow."""
 
     dims: tuple[frozenset[int], ...]
     described: list[str]
