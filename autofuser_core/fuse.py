@@ -1099,6 +1099,7 @@ class FusedModule(torch.nn.Module):
                 klass = self._classes[class_key] = _ShapeClass(dims, described, family)
             rule = self._size_rule(tensors, dims)
         later_in_class = klass is not None and klass.shapes > 0
+        checked_sources: set[str] = set()  # the kernels this compile checked, for its class
         progress = Progress(name, self._options.progress)
         progress.step("capture", detail=short_inputs(_input_parts(args)))
         with warnings.catch_warnings():
@@ -1418,8 +1419,8 @@ class FusedModule(torch.nn.Module):
             klass.first_report = report
         else:
             report.notes.append(
-                f"shape {klass.shapes} of its shape class: kernels shared with the class's first shape "
-                f"({klass.first_report.signature}) were checked on these inputs, not on synthetic ones again"
+                f"shape {klass.shapes} of its shape class (the first: {klass.first_report.signature}): kernels "
+                "the class had checked already were checked on these inputs only, not on synthetic ones again"
             )
         members = [k for k, e in self._compiled.items() if e.shape_class == class_key]
         for old in members[: max(0, len(members) - MAX_SHAPES_PER_CLASS)]:
