@@ -1461,10 +1461,11 @@ class FusedModule(torch.nn.Module):
         changed inside an object that ``forward`` reads (``self.cfg.scale = 2``,
         a list attribute changed in place), a class attribute or a global.
         Also starts the count of model changes afresh, after which calls ran
-        the original model.
+        the original model, and forgets which dims ``dynamic=None`` saw change.
         """
         self._compiled.clear()
         self._classes.clear()
+        self._learned_dims.clear()  # dynamic=None learns again which dims vary
         self._last_report = None
         self._watch_state()
         self._warned.discard("state")
