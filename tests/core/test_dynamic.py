@@ -255,6 +255,19 @@ def test_shifted_reads_along_a_static_dim_share_kernels(tmp_path, original_runs)
     assert original_runs == []
 
 
+def test_reset_forgets_which_dims_changed(tmp_path):
+    model = _model()
+    fused = autofuser.fuse(model, progress=False, cache_dir=str(tmp_path))
+    for points in (37, 45):
+        _check(fused, model, 3, points)
+    assert fused.report().dynamic_dims  # the second count made dim 1 dynamic
+    fused.reset()
+    _check(fused, model, 3, 53)
+    assert fused.report().dynamic_dims == []  # specialised first again
+    _check(fused, model, 3, 59)
+    assert fused.report().dynamic_dims
+
+
 def test_dynamic_true_is_dynamic_from_the_start(tmp_path, original_runs):
     model = _model()
     fused = autofuser.fuse(model, progress=False, cache_dir=str(tmp_path), dynamic=True)
