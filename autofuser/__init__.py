@@ -4,6 +4,7 @@ Public API::
 
     model = autofuser.fuse(model)          # compiles on the first forward
     y = model(x)
+    autofuser.mark_dynamic(x, 1)           # x's dim 1 varies: kernels take its size at run time
     print(model.report())                  # what was fused, what wasn't, and why
 
 Plugins implement the hooks in ``autofuser_core.hookspecs`` with the spec
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the type checker sees the names; at run time ``__getattr__`` imports them
     from autofuser_core.codegen import KernelSource
     from autofuser_core.device_limits import DeviceLimits, device_limits
+    from autofuser_core.dynamic import mark_dynamic
     from autofuser_core.errors import (
         AutoFuserError,
         CacheError,
@@ -55,6 +57,7 @@ _LAZY_NAMES = {
     "KernelSource": "autofuser_core.codegen",
     "DeviceLimits": "autofuser_core.device_limits",
     "device_limits": "autofuser_core.device_limits",
+    "mark_dynamic": "autofuser_core.dynamic",
     **dict.fromkeys(
         (
             "AutoFuserError",
@@ -141,6 +144,7 @@ __all__ = [
     "fuse",
     "hookimpl",
     "load_plugins",
+    "mark_dynamic",
     "program_from_nodes",
 ]
 

@@ -43,6 +43,7 @@ from autofuser_core.codegen import (
     used_helpers,
     write_kernel,
 )
+from autofuser_core.dynamic import sized
 from autofuser_core.group import (
     MAX_PRODUCTS,
     ROUNDED_DTYPES,
@@ -108,6 +109,7 @@ __all__ = [
     "read_view",
     "rounded",
     "row_reduction",
+    "sized",
     "stored",
     "strategy_header",
     "tensor_meta",

@@ -20,7 +20,11 @@ writer:
    each output in its own dtype through its own strides.
 
 Shapes and strides are compile-time constants: kernels are specialised, like
-the rest of the compiled graph, on the real input shapes.
+the rest of the compiled graph, on the real input shapes. Where a dimension is
+dynamic (docs/dynamic.md), every integer derived from its size is written
+through ``sized`` instead: the name of a run-time argument of the kernel
+(``KernelSource.sizes`` holds this program's values), so one source serves
+every size of that dimension; ``BLOCK_R`` then comes from the size's bucket.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Callable, Optional, cast
 import torch
 import torch.fx
 
+from .dynamic import size_parameters, sized
 from .group import GroupProgram, KernelTensor, collect_values, domain_strides, read_view
 from .ir import Value
 from .rounding import CORE_HELPERS, stored
@@ -58,10 +63,16 @@ class KernelSource:
     # Configs whose kernel converts the inputs the launcher would convert
     # (``KernelTensor.cast_from``) itself: they take them as they arrive.
     converts_casts: Callable[[dict], bool] = lambda config: False
+    # Run-time sizes by parameter name (``sz0``...): the sizes of this program that derive
+    # from a dynamic dimension, passed at every launch (docs/dynamic.md). Empty for a
+    # kernel specialised on its shapes.
+    sizes: dict[str, int] = field(default_factory=dict)
+    # The size buckets of the dynamic dims those sizes derive from: tuning is keyed by them.
+    size_buckets: tuple[int, ...] = ()
 
     def launch_args(self, config: dict) -> dict:
         """The keyword arguments of a launch with ``config``: the layout's fixed sizes win over a config's."""
-        return {**config, **self.constexprs}
+        return {**config, **self.constexprs, **self.sizes}
 
     def casts(self, program, config: dict) -> list:
         """(slot, dtype) of each input the launcher converts before a launch with ``config``."""
@@ -157,15 +168,15 @@ def emit_offsets(
     coords = []
     for i, size in enumerate(sizes):
         divisor = math.prod(sizes[i + 1 :])
-        expr = index if divisor == 1 else f"({index} // {divisor})"
+        expr = index if divisor == 1 else f"({index} // {sized(divisor)})"
         if i > 0:
-            expr = f"({expr} % {size})"
+            expr = f"({expr} % {sized(size)})"
         name = f"{prefix}{i}"
         emit(f"{name} = {expr}")
         coords.append(name)
     offsets: list[Optional[str]] = []
     for t in strides:
-        terms = [c if st == 1 else f"{c} * {st}" for c, st in zip(coords, t) if st != 0]
+        terms = [c if st == 1 else f"{c} * {sized(st)}" for c, st in zip(coords, t) if st != 0]
         offsets.append(" + ".join(terms) if terms else None)
     return offsets
 
@@ -223,6 +234,9 @@ class ValueEmitter:
         if v.uid in self.names:
             return self.names[v.uid]
         if v.op == "const":
+            if v.size is not None and sized(v.size) != str(v.size):
+                # an element count of a dynamic dim: taken at run time
+                return f"({sized(v.size)} - {v.size_less})" if v.size_less else sized(v.size)
             return literal(v.constant)
         if v.op == "load":
             name = self.load(v)
@@ -350,7 +364,7 @@ class _AtCoordinates(ValueEmitter):
         for c, st in zip(self.coords, strides):
             if st == 0 or c.expr == "0":
                 continue
-            terms.append(c.expr if st == 1 else f"{c.expr} * {st}")
+            terms.append(c.expr if st == 1 else f"{c.expr} * {sized(st)}")
             if c.axis is not None:  # a fixed coordinate is inside the operand it was resolved for
                 masks.append(self.base_masks[c.axis])
                 masks.extend(c.valid)
@@ -469,16 +483,16 @@ def _emit_coordinates(
     sizes = [w.program.domain[d] for d in dims]
     for i, d in enumerate(dims):
         divisor = math.prod(sizes[i + 1 :])
-        expr = index if divisor == 1 else f"({index} // {divisor})"
+        expr = index if divisor == 1 else f"({index} // {sized(divisor)})"
         if i > 0:
-            expr = f"({expr} % {sizes[i]})"
+            expr = f"({expr} % {sized(sizes[i])})"
         name = f"{prefix}{d}"
         w.emit(f"{name} = {expr}")
         coords[d] = Coordinate(name, axis)
 
 
 def _store_offset(coords: list[Coordinate], strides: tuple[int, ...]) -> Optional[str]:
-    terms = [c.expr if st == 1 else f"{c.expr} * {st}" for c, st in zip(coords, strides) if st and c.expr != "0"]
+    terms = [c.expr if st == 1 else f"{c.expr} * {sized(st)}" for c, st in zip(coords, strides) if st and c.expr != "0"]
     return " + ".join(terms) or None
 
 
@@ -509,7 +523,7 @@ def write_kernel(
         # Shifted reads move coordinates dim by dim: every dim keeps its own coordinate
         # (no merging), and each load is written where a value needs it.
         w.emit(f"offs = {pid} * BLOCK + tl.arange(0, BLOCK)")
-        w.emit(f"mask = offs < {n_outer}")
+        w.emit(f"mask = offs < {sized(n_outer)}")
         walked = memory_order([d for d in outer_dims if program.domain[d] != 1], program)
         _emit_coordinates(w, walked, "offs", "i", "flat", coords)
         top = _AtCoordinates(w, coords, {"flat": "mask"}, top=True)
@@ -520,7 +534,7 @@ def write_kernel(
             w.emit(f"tl.store(out{k} + {at}, tl.broadcast_to({store}, (BLOCK,)), mask=mask)")
     elif layout == "flat":
         w.emit(f"offs = {pid} * BLOCK + tl.arange(0, BLOCK)")
-        w.emit(f"mask = offs < {n_outer}")
+        w.emit(f"mask = offs < {sized(n_outer)}")
         offsets = w.axis_offsets(memory_order(outer_dims, program), "offs", "i", tensors)
         for k, (t, off) in enumerate(zip(program.inputs, offsets)):
             if not t.read:
@@ -543,8 +557,8 @@ def write_kernel(
         constexprs["BLOCK_R"] = block_r
         w.emit(f"rows = ({pid} * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]")
         w.emit("cols = tl.arange(0, BLOCK_R)[None, :]")
-        w.emit(f"row_mask = rows < {n_outer}")
-        w.emit(f"col_mask = cols < {n_cols}")
+        w.emit(f"row_mask = rows < {sized(n_outer)}")
+        w.emit(f"col_mask = cols < {sized(n_cols)}")
         w.emit("mask = row_mask & col_mask")
         if shifted:
             _emit_coordinates(w, [d for d in outer_dims if program.domain[d] != 1], "rows", "r", "row", coords)
@@ -607,6 +621,7 @@ def _finish(
         return (triton_cdiv(n, config[block]),)
 
     params = [f"in{k}" for k in range(len(program.inputs))] + [f"out{k}" for k in range(len(program.outputs))]
+    params += size_parameters()  # run-time sizes of dynamic dims (none where the kernel is specialised)
     blocks = ["BLOCK: tl.constexpr"] if layout == "flat" else ["BLOCK_M: tl.constexpr", "BLOCK_R: tl.constexpr"]
     header = strategy_header(program, layout, strategy)
     body = "\n".join(w.lines)

@@ -45,6 +45,7 @@ from . import timing
 from .backward import BACKWARD_GRAPH_KEY, build_backward
 from .cache import cache_dir, load_kernel_module, write_tuning
 from .capture import FREE_KEY, OutputShapeCheck, preserved_state
+from .dynamic import CLASS_CHECKED, SIZE_RULE, bucket, checked_key, collecting_sizes, passed_sizes
 from .group import MAX_PRODUCTS, STRICT_FP32, GroupProgram, attr_tensor, product_count
 from .interpreter import kernels_cannot_run, warn_once
 from .ir import AttrRef
@@ -392,7 +393,13 @@ def _verify_round(
             program = _program(candidate)
             job = _Job(candidate, _entry(candidate.strategy.name, candidate.nodes, view, True, "fused", "", program))
             try:
-                job.source = candidate.strategy.generate(program, view.helpers)
+                # A strategy that takes dynamic sizes at run time names them while it writes.
+                with collecting_sizes(candidate.strategy.dynamic_sizes) as named:
+                    job.source = candidate.strategy.generate(program, view.helpers)
+                job.source.sizes = passed_sizes(job.source.source, named)
+                if job.source.sizes:
+                    job.source.size_buckets = _class_buckets()
+                _note_sizes(job.entry, job.source, candidate.strategy)
                 job.entry.kernel_source = job.source.source
                 module = load_kernel_module(job.source.name, job.source.source, cache_dir(options.cache_dir))
                 job.kernel_path = module.__file__  # the private copy that ran (compile children read it)
@@ -484,7 +491,12 @@ def _verify_round(
         entry.max_error = worst
         samples = (list(kernel_inputs), list(outputs)) if backward else None
         del outputs
-        if entry.fused:
+        in_class = CLASS_CHECKED.get()
+        if entry.fused and in_class is not None and checked_key(job.source.source_hash, config) in in_class:
+            # Checked on synthetic inputs for an earlier shape of this shape class, the same
+            # source with other run-time sizes: this shape's real inputs suffice.
+            entry.class_checked = True
+        elif entry.fused:
             refusal = synthetic_mismatch(job, kernel_inputs, tol)
             if refusal is not None:
                 entry.fused, entry.reason_code, entry.reason = False, "mismatch", refusal
@@ -543,6 +555,27 @@ def _verify_round(
             )
         report.groups.append(job.entry)
     return jobs + not_generated
+
+
+def _class_buckets() -> tuple[int, ...]:
+    """The size buckets of the dynamic dims of the compile under way (its ``SizeRule``)."""
+    rule = SIZE_RULE.get()
+    return tuple(sorted({bucket(size) for size in rule.dynamic})) if rule is not None else ()
+
+
+def _note_sizes(entry: GroupEntry, source, strategy) -> None:
+    """The report's word on a group's sizes while dynamic dims are in force: the sizes its
+    kernel takes at run time and their buckets, or why it stays specialised on the shape."""
+    if SIZE_RULE.get() is None:
+        return
+    if source.sizes:
+        entry.run_time_sizes = dict(source.sizes)
+        entry.size_buckets = list(source.size_buckets)
+    elif not strategy.dynamic_sizes:
+        entry.specialised = (
+            f"strategy {strategy.name!r} does not take sizes at run time (StrategySpec.dynamic_sizes): "
+            "its kernel is written for each shape"
+        )
 
 
 def _split_rules(job: _Job, round_number: int) -> list[Split]:

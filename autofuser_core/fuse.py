@@ -11,6 +11,12 @@ hook registered, drops every compiled version (``_ModelState``). Up to
 ``max_signatures`` compiled versions are kept; past that, new signatures run
 the original model, with one warning. docs/guard.md lists what the guard sees.
 
+Dimensions that vary between calls (``dynamic=``, ``mark_dynamic``) make shape
+classes: a new size of a dynamic dim compiles its exact shape again (cheap: the
+kernels, taking that size at run time, are the class's), and the classes of one
+signature that differ only in their size buckets count once against
+``max_signatures`` (docs/dynamic.md).
+
 The wrapper owns no parameters of its own: it shares the original model's,
 so ``state_dict``, ``load_state_dict``, ``.to()``, ``eval()`` and optimisers
 act on the model itself, and updated weights take effect without recompiling.
@@ -46,6 +52,7 @@ from .cache import Verdict, cache_dir, make_record, read_verdict, write_verdict
 from .capture import LeafCall, bind_inputs, capture, preserved_state
 from .compile import _device_of, compile_graph
 from .cudagraphs import CudaGraphRunner, try_cuda_graph
+from .dynamic import SizeRule, bucket, checked_key, class_checked, marked_dims, size_rule
 from .errors import AutoFuserError, CaptureError, CompileFailedWarning, OpaquePartError, PluginError
 from .in_use import BLOCK_CALLS, MAX_RESTARTS, MAX_ROUNDS, InUseCheck, end_turn, take_turn
 from .launch import FusedKernel
@@ -74,7 +81,13 @@ class FuseOptions(BaseModel):
     cache_dir: Optional[str] = Field(
         None, strict=True, description="Cache folder; default $AUTOFUSER_CACHE_DIR, else your user cache folder."
     )
-    max_signatures: int = Field(8, ge=1, strict=True, description="Compiled signatures kept; later new ones run eager.")
+    max_signatures: int = Field(
+        8,
+        ge=1,
+        strict=True,
+        description="Compiled signatures kept; later new ones run eager. The shape classes of one signature "
+        "with dynamic dims count once, however many sizes compile (docs/dynamic.md).",
+    )
     tune: bool = Field(True, strict=True, description="Benchmark each kernel's configs on a GPU (cached).")
     tune_budget_s: float = Field(20.0, gt=0, strict=True, description="Tuning time per group, seconds.")
     tune_all_configs: bool = Field(
@@ -108,6 +121,15 @@ class FuseOptions(BaseModel):
         strict=True,
         description="Strict capture, as torch.compile's fullgraph=True: raise OpaquePartError, naming the "
         "part, where a module or function of the model can't be traced and would run as it is.",
+    )
+    dynamic: Optional[bool] = Field(
+        None,
+        strict=True,
+        description="Dimensions whose size varies between calls, as torch.compile's dynamic=: None "
+        "specialises first, and a later call that differs only in some dimensions' sizes makes those "
+        "dimensions dynamic from then on; True makes every dimension of the inputs dynamic from the "
+        "start; False specialises on every shape (and ignores mark_dynamic). A dynamic dimension's size "
+        "reaches the kernels at run time, so its sizes share kernels (docs/dynamic.md).",
     )
     strict_fp32_products: Literal["tf32x3", "ieee"] = Field(
         "tf32x3",
@@ -187,6 +209,10 @@ _ALLOWED_VALUES = {
 }
 
 
+#: Options whose allowed values the type's hint alone would not say.
+_ALLOWED_HINTS = {"dynamic": "give None (specialise first, then what varies), True or False"}
+
+
 def _option_problems(err: ValidationError, plugin: Optional[str] = None) -> str:
     """Each refused option as ``name=value (type): what is wrong; what is allowed``, and
     the plugin owning it where ``plugin`` is given."""
@@ -195,7 +221,7 @@ def _option_problems(err: ValidationError, plugin: Optional[str] = None) -> str:
     for e in err.errors():
         name = ".".join(map(str, e["loc"]))
         given = e.get("input")
-        hint = _ALLOWED_VALUES.get(e["type"])
+        hint = _ALLOWED_HINTS.get(name) or _ALLOWED_VALUES.get(e["type"])
         problems.append(f"{name}={given!r} ({type(given).__name__}){owner}: {e['msg']}" + (f"; {hint}" if hint else ""))
     return "; ".join(problems)
 
@@ -278,6 +304,108 @@ def _argument_key(x: Any) -> Any:
 
 #: Dicts whose tensors capture takes as inputs (torch's pytree flattens them).
 _FLATTENED_DICTS = (dict, OrderedDict, defaultdict)
+
+
+# -- the shape-class guard: dynamic dimensions (docs/dynamic.md) ---------------------
+
+
+def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The call's tensor arguments in the order ``_argument_key`` walks them: a tensor's
+    place in this list is its *position*, by which dynamic dims are remembered."""
+    found: list[torch.Tensor] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+            return
+        kind = type(x)
+        if kind is tuple or kind is list or (isinstance(x, tuple) and hasattr(kind, "_fields")):
+            for item in x:
+                walk(item)
+        elif kind in _FLATTENED_DICTS:
+            for item in x.values():
+                walk(item)
+
+    for x in args:
+        walk(x)
+    for x in kwargs.values():
+        walk(x)
+    return found
+
+
+def _layout_class(tensor: torch.Tensor) -> Any:
+    """A tensor's strides as far as they don't depend on its sizes: ``("dense", order)``
+    for one that covers its memory without gaps in some order of its dims (contiguous,
+    a permute of a contiguous one), else its exact strides."""
+    sizes, strides = tensor.shape, tensor.stride()
+    order = sorted((d for d in range(tensor.dim()) if sizes[d] != 1), key=lambda d: (-strides[d], d))
+    expected = 1
+    for d in reversed(order):
+        if strides[d] != expected:
+            return ("strided", tuple(strides))
+        expected *= sizes[d]
+    return ("dense", tuple(order))
+
+
+def _class_tensor_key(tensor: torch.Tensor, dims: frozenset[int], buckets: bool) -> Any:
+    """A tensor's key in a shape class: each dim of ``dims`` of size 2 or more by its size
+    bucket (``buckets``) or as any size; sizes 0 and 1 stay specialised, as torch's do."""
+    shape = tuple(
+        (("*", bucket(size)) if buckets else "*") if d in dims and size >= 2 else size
+        for d, size in enumerate(tensor.shape)
+    )
+    general = any(isinstance(s, tuple) or s == "*" for s in shape)
+    stride = _layout_class(tensor) if general else tensor.stride()
+    return "T", shape, tensor.dtype, tensor.device, stride, tensor.requires_grad
+
+
+def _class_argument_key(x: Any, tensor_key) -> Any:
+    """``_argument_key`` with each tensor keyed by ``tensor_key(tensor)``."""
+    if isinstance(x, torch.Tensor):
+        return tensor_key(x)
+    kind = type(x)
+    if kind is tuple or kind is list or (isinstance(x, tuple) and hasattr(kind, "_fields")):
+        return kind, tuple(_class_argument_key(item, tensor_key) for item in x)
+    if kind in _FLATTENED_DICTS:
+        return kind, tuple((_constant_key(k), _class_argument_key(v, tensor_key)) for k, v in x.items())
+    return _constant_key(x)
+
+
+def _class_key(key: tuple, args: tuple, kwargs: dict, dims: Sequence[frozenset[int]], buckets: bool = True) -> tuple:
+    """The signature ``key`` of this call with each tensor's dims of ``dims`` (by position)
+    generalised (``_class_tensor_key``): what every call of one shape class shares."""
+    position = iter(range(len(dims)))
+
+    def tensor_key(tensor: torch.Tensor) -> Any:
+        return _class_tensor_key(tensor, dims[next(position)], buckets)
+
+    arguments = tuple(_class_argument_key(x, tensor_key) for x in args)
+    keywords = tuple((name, _class_argument_key(v, tensor_key)) for name, v in kwargs.items()) if kwargs else ()
+    return (arguments, keywords, *key[2:])
+
+
+#: Compiled shapes kept per shape class; the least recently called goes first past it
+#: (its next call compiles again, finding every kernel in the class's cache).
+MAX_SHAPES_PER_CLASS = 32
+
+
+@dataclasses.dataclass
+class _ShapeClass:
+    """One shape class of a fused model: calls that differ only in the sizes of their
+    dynamic dims, within the same size buckets (docs/dynamic.md). ``dims``: the dynamic
+    dims of each tensor argument, by position; ``described``: those dims for the report;
+    ``family``: its key without size buckets, which counts once against ``max_signatures``;
+    ``verified``: the kernels (``checked_key``: source digest and config) whose checks
+    passed for this class (a later shape of it checks them on its real inputs only);
+    ``shapes``: how many of its shapes compiled; ``first_report``: the first one's report,
+    whose whole-forward verdict (measured on a GPU) its later shapes follow."""
+
+    dims: tuple[frozenset[int], ...]
+    described: list[str]
+    family: Any  # the class key without buckets: the classes of one family share a signature slot
+    verified: set[str] = dataclasses.field(default_factory=set)
+    shapes: int = 0
+    first_report: Optional[FusionReport] = None
 
 
 # -- the signature guard: the model's own state -------------------------------------
@@ -453,6 +581,9 @@ class FusedModule(torch.nn.Module):
         object.__setattr__(self, "_model", model)
         self._options = options
         self._compiled: "OrderedDict[Any, _Compiled]" = OrderedDict()
+        self._classes: dict[Any, _ShapeClass] = {}  # shape classes by class key (docs/dynamic.md)
+        # dynamic=None: the dims, by tensor position, that changed between two calls.
+        self._learned_dims: dict[int, frozenset[int]] = {}
         self._last_key: Any = None
         self._last_report: Optional[FusionReport] = None
         self._warned: set[str] = set()
@@ -513,6 +644,7 @@ class FusedModule(torch.nn.Module):
         # .to()/.cuda()/.half() move the model; compiled graphs hold its tensors, so drop them.
         self._model._apply(fn, *args, **kwargs)
         self._compiled.clear()
+        self._classes.clear()
         self._state.take()  # parameters may be new objects now; nothing compiled holds the old ones
         self._state_key = _StateKey(self._state.constants)
         return self
@@ -563,6 +695,7 @@ class FusedModule(torch.nn.Module):
     _PER_PROCESS = (
         "_plugin_set",
         "_compiled",
+        "_classes",
         "_last_report",
         "_last_key",
         "_forward_signature",
@@ -579,6 +712,7 @@ class FusedModule(torch.nn.Module):
         clone._plugins = self._plugins
         object.__setattr__(clone, "_model", copy.deepcopy(self._model, memo))
         clone._plugin_set, clone._compiled, clone._last_report = self._plugin_set, OrderedDict(), None
+        clone._classes = {}
         clone._last_key = None
         clone._watch_state()
         clone._forward_signature = inspect.signature(clone._model.forward)
@@ -594,6 +728,8 @@ class FusedModule(torch.nn.Module):
         self._plugins = _plugins_to_load(self._plugins)
         self._plugin_set = _load_plugins_quietly(self._plugins)
         self._compiled, self._last_report, self._last_key = OrderedDict(), None, None
+        self._classes = {}
+        self._learned_dims = dict(state.get("_learned_dims", {}))
         self._warned = set(state.get("_warned", ()))
         self._disabled = logs.disabled()  # this process's switch, not the saving one's
         self._watch_state()
@@ -624,6 +760,7 @@ class FusedModule(torch.nn.Module):
         if not changes or not self._compiled:
             return  # plain attribute values only (they are in the signature), or nothing to drop
         self._compiled.clear()  # compiled graphs hold the old objects
+        self._classes.clear()
         self._last_report = None
         self._state_changes += 1
         shown = "; ".join(changes[:3]) + ("; ..." if len(changes) > 3 else "")
@@ -698,14 +835,18 @@ class FusedModule(torch.nn.Module):
             return self._run_original(args, kwargs)
         entry = self._compiled.get(key)
         if entry is None:
-            if len(self._compiled) >= self._options.max_signatures:
+            shape_class = self._shape_class(key, args, kwargs) if self._options.dynamic is not False else None
+            new_slot = shape_class is None or shape_class[3] not in {c.family for c in self._classes.values()}
+            if new_slot and self._signatures_held() >= self._options.max_signatures:
                 self._warn_once(
                     "full",
                     (
                         f"AutoFuser: {self._options.max_signatures} signatures are already compiled "
                         "(max_signatures); new ones - new input shapes, dtypes or non-tensor arguments, or new "
                         "values of the model's plain attributes - run the original model. Raise max_signatures "
-                        "to compile more."
+                        "to compile more; sizes that vary from call to call (point counts) compile once per "
+                        "shape class with autofuser.mark_dynamic(x, dim) or fuse(..., dynamic=True) "
+                        "(docs/dynamic.md)."
                     ),
                 )
                 return self._run_original(args, kwargs)
@@ -714,7 +855,7 @@ class FusedModule(torch.nn.Module):
                 # saves are not the caller's, whose saved-tensor hooks (a checkpoint
                 # counting what its region saves, offloading) must not see them.
                 with _own_saved_tensors():
-                    entry = self._compile(args, kwargs, key)
+                    entry = self._compile(args, kwargs, key, shape_class)
             finally:
                 self._state.absorb()  # capture and verification ran the forward a few times
             compiled_now = True
@@ -802,12 +943,111 @@ class FusedModule(torch.nn.Module):
         report.whole_eager_ms, report.whole_fused_ms = settled.original_ms, settled.fused_ms
         if faster:
             if current is not fused:
-                self._compiled[key] = _Compiled((fused, report), filing.runs_model_code)
+                self._compiled[key] = _Compiled((fused, report), filing.runs_model_code, like=entry)
             report.runs_original = False
             return fused
         report.runs_original = True
-        self._compiled[key] = _Compiled((None, report), True)
+        self._compiled[key] = _Compiled((None, report), True, like=entry)
         return None
+
+    # -- shape classes (docs/dynamic.md) -------------------------------------------
+
+    def _signatures_held(self) -> int:
+        """Compiled signatures counted against ``max_signatures``: the shape classes that
+        differ only in their size buckets count once together, however many of their shapes
+        compiled (a bucket is a power of two: a few cover any range of sizes)."""
+        specialised = sum(1 for entry in self._compiled.values() if entry.shape_class is None)
+        return specialised + len({klass.family for klass in self._classes.values()})
+
+    def _dynamic_dims(self, tensors: Sequence[torch.Tensor]) -> list[frozenset[int]]:
+        """The dynamic dims of each tensor argument: marked (``mark_dynamic``), every dim
+        (``dynamic=True``), or seen to change (``dynamic=None``)."""
+        every = self._options.dynamic is True
+        dims = []
+        for position, tensor in enumerate(tensors):
+            found = marked_dims(tensor) | self._learned_dims.get(position, frozenset())
+            if every:
+                found = frozenset(range(tensor.dim()))
+            dims.append(frozenset(d for d in found if d < tensor.dim()))
+        return dims
+
+    def _learn_dims(self, key: tuple, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]) -> None:
+        """``dynamic=None``: where this call differs from a compiled specialised one only in
+        some dims' sizes (same ranks, dtypes, layouts, other arguments and state), those
+        dims are dynamic from now on."""
+        every = [frozenset(range(t.dim())) for t in tensors]
+        shape_free = _class_key(key, args, kwargs, every, buckets=False)
+        shapes = [tuple(t.shape) for t in tensors]
+        for entry in self._compiled.values():
+            if entry.shape_class is not None or entry.shape_free != shape_free:
+                continue
+            for position, (old, new) in enumerate(zip(entry.shapes, shapes)):
+                changed = frozenset(d for d, (a, b) in enumerate(zip(old, new)) if a != b)
+                if changed:
+                    self._learned_dims[position] = self._learned_dims.get(position, frozenset()) | changed
+            logger.info("sizes changed between calls: dims %s are dynamic from now on", self._learned_dims)
+            return
+
+    def _shape_class(self, key: tuple, args: tuple, kwargs: dict) -> Optional[tuple]:
+        """This call's shape class - ``(class key, dims by position, description, the class
+        key without buckets)`` - or ``None`` where it has no dynamic dim (it compiles
+        specialised, as ever)."""
+        tensors = _tensors_in(args, kwargs)
+        dims = self._dynamic_dims(tensors)
+        if self._options.dynamic is None and not any(self._generalised(tensors, dims)):
+            self._learn_dims(key, args, kwargs, tensors)
+            dims = self._dynamic_dims(tensors)
+        if not any(self._generalised(tensors, dims)):
+            return None
+        for position, found in enumerate(dims):
+            if found:  # a dim marked once stays dynamic at its position, marked again or not
+                self._learned_dims[position] = self._learned_dims.get(position, frozenset()) | found
+        names = self._argument_names(args, kwargs)
+        described = [
+            f"{names[p] if p < len(names) else f'tensor {p}'} dim {d} (size {t.shape[d]}, bucket {bucket(t.shape[d])})"
+            for p, (t, ds) in enumerate(zip(tensors, dims))
+            for d in sorted(ds)
+            if t.shape[d] >= 2
+        ]
+        family = _class_key(key, args, kwargs, dims, buckets=False)
+        return _class_key(key, args, kwargs, dims), tuple(dims), described, family
+
+    @staticmethod
+    def _generalised(tensors: Sequence[torch.Tensor], dims: Sequence[frozenset[int]]) -> list[bool]:
+        """Per tensor, whether a dynamic dim of it is generalised (sizes 0 and 1 stay specialised)."""
+        return [any(t.shape[d] >= 2 for d in ds) for t, ds in zip(tensors, dims)]
+
+    def _argument_names(self, args: tuple, kwargs: dict) -> list[str]:
+        """A name per tensor argument, by position, for the report (``x``, ``inputs[1]``)."""
+        params = [p.name for p in self._forward_signature.parameters.values()]
+        names: list[str] = []
+
+        def walk(x: Any, name: str) -> None:
+            if isinstance(x, torch.Tensor):
+                names.append(name)
+                return
+            kind = type(x)
+            if kind is tuple or kind is list or (isinstance(x, tuple) and hasattr(kind, "_fields")):
+                for i, item in enumerate(x):
+                    walk(item, f"{name}[{i}]")
+            elif kind in _FLATTENED_DICTS:
+                for k, item in x.items():
+                    walk(item, f"{name}[{k!r}]")
+
+        for i, x in enumerate(args):
+            walk(x, params[i] if i < len(params) else f"argument {i + 1}")
+        for k, x in kwargs.items():
+            walk(x, k)
+        return names
+
+    def _size_rule(self, tensors: Sequence[torch.Tensor], dims: Sequence[frozenset[int]]) -> SizeRule:
+        """Which sizes of this call's compile are dynamic: its dynamic dims' sizes; static,
+        every other size of its inputs and of the model's parameters and buffers."""
+        dynamic = {t.shape[d] for t, ds in zip(tensors, dims) for d in ds if t.shape[d] >= 2}
+        static = {size for t, ds in zip(tensors, dims) for d, size in enumerate(t.shape) if d not in ds}
+        for tensor in [*self._model.parameters(), *self._model.buffers()]:
+            static.update(tensor.shape)
+        return SizeRule(frozenset(dynamic), frozenset(static - dynamic))
 
     def _unguardable_argument(self, args: tuple, kwargs: dict) -> str:
         """Which argument the guard refused, for the warning: its parameter name."""
@@ -844,9 +1084,22 @@ class FusedModule(torch.nn.Module):
         ``torch.compile`` backend named one of Dynamo's graphs."""
         return self.__dict__.get("_display_name") or type(self._model).__name__
 
-    def _compile(self, args: tuple, kwargs: dict, key: Any):
+    def _compile(self, args: tuple, kwargs: dict, key: Any, shape_class: Optional[tuple] = None):
         start = time.perf_counter()
         name = self.display_name
+        # A call with dynamic dims: its kernels take those sizes at run time (size_rule), and
+        # a later shape of a class already compiled checks its kernels on its inputs only.
+        tensors = _tensors_in(args, kwargs)
+        rule: Optional[SizeRule] = None
+        klass: Optional[_ShapeClass] = None
+        if shape_class is not None:
+            class_key, dims, described, family = shape_class
+            klass = self._classes.get(class_key)
+            if klass is None:
+                klass = self._classes[class_key] = _ShapeClass(dims, described, family)
+            rule = self._size_rule(tensors, dims)
+        later_in_class = klass is not None and klass.shapes > 0
+        checked_sources: set[str] = set()  # the kernels this compile checked, for its class
         progress = Progress(name, self._options.progress)
         progress.step("capture", detail=short_inputs(_input_parts(args)))
         with warnings.catch_warnings():
@@ -873,11 +1126,17 @@ class FusedModule(torch.nn.Module):
                 # Verifying runs the graph, and with it the model's own code in opaque parts; a
                 # leaf method's module (the root's own) is no part of the graph module, whose
                 # state that run restores: restore the model's too.
-                with torch.no_grad(), preserved_state(self._model):
+                with (
+                    torch.no_grad(),
+                    preserved_state(self._model),
+                    size_rule(rule),
+                    class_checked(klass.verified if klass is not None else None),
+                ):
                     fused_gm, report = compile_graph(gm, flat, self._plugin_set, self._options, progress, backward=grad)
             except Exception as err:  # noqa: BLE001 - a fault of ours must not cost the user's call
                 progress.finish("compiling failed; the original model runs (see the warning)")
-                return self._compile_failed(key, args, flat, start, err)
+                return self._compile_failed(key, args, flat, start, err, shape_class)
+            checked_sources = {checked_key(k.source.source_hash, k.config) for k in fused_kernels(fused_gm)}
             progress.step("checking the whole forward")
             report.phases = {"capture": captured_s, **report.phases}
             runner: Union[torch.fx.GraphModule, CudaGraphRunner, None] = fused_gm
@@ -892,7 +1151,17 @@ class FusedModule(torch.nn.Module):
             # itself (FNO's `out_ft[..., :m] = ...`) or into parameters and buffers (the same
             # addresses on every replay) are fine.
             no_graph = False
-            if self._options.cuda_graphs and inference and cuda:
+            if later_in_class:
+                # The class's first shape measured the whole forward; its later shapes run
+                # what it chose, without timing each shape again (docs/dynamic.md).
+                assert klass is not None and klass.first_report is not None
+                if klass.first_report.runs_original and klass.first_report.whole_fused_ms is not None:
+                    runner = None
+                    report.notes.append(
+                        "this shape class's first shape ran the original model (the fused forward was not "
+                        "faster): so does this shape"
+                    )
+            elif self._options.cuda_graphs and inference and cuda:
                 with preserved_state(self._model):
                     no_graph = writes_into_inputs(fused_gm, flat)
                 if no_graph:
@@ -905,7 +1174,9 @@ class FusedModule(torch.nn.Module):
                         "in host memory (torch.tensor(2.5)), copied to the GPU on every call"
                     )
             timer = timing.current()
-            measured = self._options.verify_speed and inference and timer.can_time_forward(device)
+            measured = (
+                self._options.verify_speed and inference and timer.can_time_forward(device) and not later_in_class
+            )
             vkey = _verdict_key(fused_gm, bool(report.fused), kwargs, flat) if measured else None
             root = cache_dir(self._options.cache_dir)
             known = read_verdict(root, vkey) if vkey is not None else Verdict({}, {})
@@ -918,7 +1189,7 @@ class FusedModule(torch.nn.Module):
                     "cached whole-forward times are provisional, or carry no record of how they were "
                     "measured (an older cache): measured again"
                 )
-            if self._options.cuda_graphs and inference and not no_graph and cuda:
+            if self._options.cuda_graphs and inference and not no_graph and cuda and not later_in_class:
                 graph, why = None, None
                 graph_known = "cuda_graph" in trusted and {"graph_ms", "plain_ms"} <= times.keys()
                 slower_before = graph_known and times["graph_ms"] >= times["plain_ms"]
@@ -1012,7 +1283,7 @@ class FusedModule(torch.nn.Module):
                 if (times != known.times or records != known.records) and vkey is not None:
                     write_verdict(root, vkey, times, records)  # vkey None: nothing fused, never cached
             in_use = None
-            if grad and runner is fused_gm and report.fused and self._options.verify_speed:
+            if grad and runner is fused_gm and report.fused and self._options.verify_speed and not later_in_class:
                 if timer.can_time_forward(device):
                     runner, in_use = self._check_step(timer, fused_gm, args, kwargs, flat, report, root)
             elif (
@@ -1038,6 +1309,9 @@ class FusedModule(torch.nn.Module):
         report.runs_original = entry[0] is None
         report.compile_s = time.perf_counter() - start
         entry = self._compiled[key] = _Compiled(entry, runs_model_code, in_use)
+        self._file_shape(entry, key, args, kwargs, tensors, shape_class, report)
+        if klass is not None and not report.runs_original:
+            klass.verified.update(checked_sources)
         runs = "the original model runs" if report.runs_original else f"{len(report.fused)} fused kernel(s)"
         if report.fused and not report.runs_original and _device_of(flat).type != "cuda":
             runs += " (on CPU under Triton's interpreter: each call is slow)"
@@ -1118,7 +1392,43 @@ class FusedModule(torch.nn.Module):
             return fused_gm, None
         return fused_gm, InUseCheck(timer, _device_of(flat), filing)
 
-    def _compile_failed(self, key: Any, args: tuple, flat: tuple, start: float, err: Exception):
+    def _file_shape(
+        self,
+        entry: "_Compiled",
+        key: Any,
+        args: tuple,
+        kwargs: dict,
+        tensors: Sequence[torch.Tensor],
+        shape_class: Optional[tuple],
+        report: FusionReport,
+    ) -> None:
+        """Note what the guard needs of a compiled ``entry``: its shape class (and the class's
+        shapes past MAX_SHAPES_PER_CLASS dropped, least recently called first), or, where
+        ``dynamic=None`` may yet make dims dynamic, its key without sizes."""
+        if self._options.dynamic is not False:
+            entry.shape_free = _class_key(key, args, kwargs, [frozenset(range(t.dim())) for t in tensors], False)
+            entry.shapes = tuple(tuple(t.shape) for t in tensors)
+        if shape_class is None:
+            return
+        class_key, _, described, _ = shape_class
+        klass = self._classes[class_key]
+        entry.shape_class = class_key
+        report.dynamic_dims = list(described)
+        klass.shapes += 1
+        if klass.first_report is None:
+            klass.first_report = report
+        else:
+            report.notes.append(
+                f"shape {klass.shapes} of its shape class (the first: {klass.first_report.signature}): kernels "
+                "the class had checked already were checked on these inputs only, not on synthetic ones again"
+            )
+        members = [k for k, e in self._compiled.items() if e.shape_class == class_key]
+        for old in members[: max(0, len(members) - MAX_SHAPES_PER_CLASS)]:
+            del self._compiled[old]
+
+    def _compile_failed(
+        self, key: Any, args: tuple, flat: tuple, start: float, err: Exception, shape_class: Optional[tuple] = None
+    ):
         """Keep a signature whose compile raised as one that runs the original model: one
         warning with the error, and no second attempt on every later call."""
         name = self.display_name
@@ -1140,6 +1450,8 @@ class FusedModule(torch.nn.Module):
         report.model, report.runs_original = name, True
         report.compile_s = time.perf_counter() - start
         entry = self._compiled[key] = _Compiled((None, report), True)
+        if shape_class is not None:
+            entry.shape_class = shape_class[0]
         return entry
 
     def reset(self) -> None:
@@ -1149,9 +1461,11 @@ class FusedModule(torch.nn.Module):
         changed inside an object that ``forward`` reads (``self.cfg.scale = 2``,
         a list attribute changed in place), a class attribute or a global.
         Also starts the count of model changes afresh, after which calls ran
-        the original model.
+        the original model, and forgets which dims ``dynamic=None`` saw change.
         """
         self._compiled.clear()
+        self._classes.clear()
+        self._learned_dims.clear()  # dynamic=None learns again which dims vary
         self._last_report = None
         self._watch_state()
         self._warned.discard("state")
@@ -1199,14 +1513,30 @@ class FusedModule(torch.nn.Module):
 class _Compiled(tuple):
     """``(runner, report)`` of one compiled signature. ``runs_model_code``: whether calling
     the runner runs some of the model's own Python - the whole model, or a part kept
-    opaque - which may update the state the guard watches (a counter, a cache)."""
+    opaque - which may update the state the guard watches (a counter, a cache).
+    ``shape_class``: the key of the shape class it belongs to (``None``: specialised);
+    ``shape_free`` and ``shapes``: its signature without sizes and its tensors' shapes,
+    for ``dynamic=None`` to see which dims a later call changes. ``like``: an entry
+    this one replaces, whose guard attributes it keeps."""
 
     runs_model_code: bool
     in_use: Optional[InUseCheck]  # the probation of a fused step or forward, until it settles
+    shape_class: Any
+    shape_free: Any
+    shapes: tuple
 
-    def __new__(cls, entry: tuple, runs_model_code: bool, in_use: Optional[InUseCheck] = None):
+    def __new__(
+        cls,
+        entry: tuple,
+        runs_model_code: bool,
+        in_use: Optional[InUseCheck] = None,
+        like: Optional["_Compiled"] = None,
+    ):
         made = super().__new__(cls, entry)
         made.runs_model_code, made.in_use = runs_model_code, in_use
+        made.shape_class = like.shape_class if like is not None else None
+        made.shape_free = like.shape_free if like is not None else None
+        made.shapes = like.shapes if like is not None else ()
         return made
 
 
@@ -1543,7 +1873,7 @@ def fuse(model: torch.nn.Module, plugins: Optional[Sequence[Any]] = None, **opti
         modules, hook-carrying objects or entry-point names.
     :param options: see ``FuseOptions`` (``cache_dir``, ``max_signatures``,
         ``tune``, ``tune_budget_s``, ``verify_speed``, ``progress``, ``fullgraph``,
-        ``cuda_graphs``, ``strict_fp32_products``, ``quantize``), and those
+        ``cuda_graphs``, ``strict_fp32_products``, ``quantize``, ``dynamic``), and those
         the loaded plugins register (``autofuser_register_options``; the
         attention plugin's ``reassociate_products``). With ``quantize``, the fused module wraps a quantised
         copy of ``model`` (``fused.model``); ``model`` itself is left unchanged.

@@ -112,6 +112,11 @@ class Value:
     args: tuple["Value", ...] = ()
     template: str = ""
     constant: Any = None
+    # const only: the element count the constant is, less ``size_less``
+    # (``LoweringContext.count``), which a kernel whose sizes vary takes at run time
+    # instead of as a literal (docs/dynamic.md).
+    size: Optional[int] = None
+    size_less: int = 0
     source: Any = None  # load: torch.fx.Node or AttrRef
     reduce_op: str = ""
     dims: tuple[int, ...] = ()  # reduce: dims of args[0].shape, non-negative
@@ -223,6 +228,13 @@ class LoweringContext:
         if isinstance(value, (int, float)):
             return Value("const", (), constant=float(value))
         self.refuse("unsupported_argument", f"constant {value!r} of type {type(value).__name__}")
+
+    def count(self, n: int, less: int = 0) -> Value:
+        """The element count ``n`` less ``less`` (a variance's correction) - what a mean
+        or norm divides by - as a float constant: a literal in kernels specialised on
+        their shapes, a run-time size in kernels whose sizes vary (docs/dynamic.md),
+        where a literal would make every size a kernel of its own."""
+        return Value("const", (), constant=float(n - less), size=int(n), size_less=int(less))
 
     def tensor(self, arg: Any) -> Value:
         """An operand: a tensor-valued fx node, or a Python number as a constant."""
@@ -511,10 +523,10 @@ class LoweringContext:
         """``(x - mean) * rsqrt(var + eps) * weight + bias`` over ``dims`` (``n`` elements):
         the standardisation that layer, group and instance norms share."""
         x = self.tensor(x)
-        mean = self.pointwise("{0} / %r" % float(n), self.reduce("sum", x, dims, keepdim=True))
+        mean = self.pointwise("{0} / {1}", self.reduce("sum", x, dims, keepdim=True), self.count(n))
         deviation = self.pointwise("{0} - {1}", x, mean)
         squares = self.reduce("sum", self.pointwise("{0} * {0}", deviation), dims, keepdim=True)
-        var = self.pointwise("{0} / %r" % float(n), squares)
+        var = self.pointwise("{0} / {1}", squares, self.count(n))
         out = self.pointwise("{0} * tl.rsqrt({1} + %r)" % eps, deviation, var)
         if weight is not None:
             out = self.pointwise("{0} * {1}", out, weight)

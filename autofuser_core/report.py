@@ -56,6 +56,14 @@ class GroupEntry(BaseModel):
     tuning_s: float = 0.0
     cache_hit: bool = False
     kernel_source: Optional[str] = None  # the generated Triton source, where one was written
+    # With dynamic dims (docs/dynamic.md): the sizes the kernel takes at run time, by
+    # parameter name, and the size buckets of the dynamic dims it was tuned for; or why the kernel stays
+    # specialised on the shape; and whether an earlier shape of the class checked it on
+    # synthetic inputs (this one on its real inputs only).
+    run_time_sizes: dict[str, int] = Field(default_factory=dict)
+    size_buckets: list[int] = Field(default_factory=list)
+    specialised: Optional[str] = None
+    class_checked: bool = False
 
 
 class GraphNode(BaseModel):
@@ -115,6 +123,9 @@ class FusionReport(BaseModel):
     whole_fused_ms: Optional[float] = None
     # Whether the calls of this signature run the original model (fusing lost, or failed).
     runs_original: bool = False
+    # The dynamic dims of this signature's shape class ("x dim 1 (size 37, bucket 64)"):
+    # empty where it is specialised on its shapes (docs/dynamic.md).
+    dynamic_dims: list[str] = Field(default_factory=list)
 
     def add_phase(self, name: str, seconds: float) -> None:
         self.phases[name] = self.phases.get(name, 0.0) + seconds

@@ -176,6 +176,32 @@ def coverage(report: "FusionReport") -> tuple[int, int, int]:
     return len(covered), costly, views
 
 
+def dynamic_lines(report: "FusionReport") -> list[str]:
+    """The summary's word on dynamic dims (docs/dynamic.md): which, which kernels take
+    sizes at run time (and the size buckets that key their tuning), which stay specialised
+    and why, and which were checked for an earlier shape of the class."""
+    if not report.dynamic_dims:
+        return []
+    fused = report.fused
+    run_time = [g for g in fused if g.run_time_sizes]
+    buckets = sorted({b for g in run_time for b in g.size_buckets})
+    keyed = f"; tuning keyed by size bucket(s) {', '.join(map(str, buckets))}" if buckets else ""
+    lines = [
+        f"Dynamic dims: {'; '.join(report.dynamic_dims)}.",
+        f"{len(run_time)} of {len(fused)} fused kernel(s) take their sizes at run time (one source for every "
+        f"size of the class){keyed}.",
+    ]
+    specialised = sorted({g.strategy for g in fused if g.specialised})
+    if specialised:
+        lines.append(
+            f"Specialised on each shape (their strategies don't take run-time sizes): {', '.join(specialised)}."
+        )
+    checked = sum(g.class_checked for g in fused)
+    if checked:
+        lines.append(f"{checked} kernel(s) checked on synthetic inputs for an earlier shape of this class.")
+    return lines
+
+
 def summary_lines(report: "FusionReport") -> list[str]:
     """The few sentences a user reads first: what was fused, the measured result, where
     the time goes, what the compile cost."""
@@ -230,6 +256,7 @@ def summary_lines(report: "FusionReport") -> list[str]:
             f"Memory traffic of the fused ops (predicted, not timed): {format_bytes(before)} -> "
             f"{format_bytes(after)}; the most in {where}."
         )
+    lines += dynamic_lines(report)
     if report.compile_s:
         steps = sorted(report.phases.items(), key=lambda kv: -kv[1])[:3]
         lines.append(

@@ -204,6 +204,12 @@ class StrategySpec(Spec):
        by name).
     5. ``split_rules``: on a GPU, the splits of a kept group's nodes it is timed
        against, in order (``SplitRule``); none by default.
+    6. ``dynamic_sizes``: whether ``generate`` writes every size, stride and
+       element count of its indexing through ``autofuser.kernel.sized`` and
+       assembles its kernel with ``write_kernel`` or ``assemble_kernel``, so a
+       dimension that varies between calls reaches its kernel as a run-time
+       argument (docs/dynamic.md). ``False`` (the default): its kernels stay
+       specialised on each shape, which is always correct.
     """
 
     block_params: tuple[str, ...] = ()
@@ -216,6 +222,7 @@ class StrategySpec(Spec):
     max_tuned_configs: Optional[int] = Field(default=None, ge=1)
     generate: Callable[..., Any]
     split_rules: tuple[SplitRule, ...] = ()
+    dynamic_sizes: bool = Field(default=False, strict=True)
 
 
 class QuantizerSpec(Spec):

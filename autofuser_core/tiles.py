@@ -40,6 +40,7 @@ from .codegen import (
     strategy_header,
     used_helpers,
 )
+from .dynamic import size_parameters, sized
 from .group import GroupProgram, collect_values
 from .ir import Value
 from .rounding import interpreting, rounded, stored
@@ -205,7 +206,7 @@ def weight_tile(
 def index_term(axis: str, stride: int) -> Optional[str]:
     if stride == 0:
         return None
-    return axis if stride == 1 else f"{axis} * {stride}"
+    return axis if stride == 1 else f"{axis} * {sized(stride)}"
 
 
 def all_values(program: GroupProgram) -> list[Value]:
@@ -220,9 +221,9 @@ def emit_prepasses(w: TileWriter, prologue_values: list[Value], k: int, indent: 
             name = w.fresh()
             known[v.uid] = name
             w.emit(f"{name} = tl.full((BLOCK_M, 1), {REDUCTION_NEUTRAL[v.reduce_op]}, tl.float32)", indent)
-        w.emit(f"for k0 in range(0, {k}, BLOCK_K):", indent)
+        w.emit(f"for k0 in range(0, {sized(k)}, BLOCK_K):", indent)
         w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", indent + 1)
-        w.emit(f"k_mask = ks < {k}", indent + 1)
+        w.emit(f"k_mask = ks < {sized(k)}", indent + 1)
         block = TileBlock(w, indent + 1, "k", {u: n for u, n in known.items() if u not in {v.uid for v in level}})
         for v in level:
             arg = block.value(v.args[0])
@@ -278,6 +279,7 @@ def emit_stores(w: TileWriter, program: GroupProgram, block: TileBlock) -> None:
 
 def assemble_kernel(program, w, blocks, helpers, layout, strategy, extra_header):
     params = [f"in{k}" for k in range(len(program.inputs))] + [f"out{k}" for k in range(len(program.outputs))]
+    params += size_parameters()  # run-time sizes of dynamic dims (none where the kernel is specialised)
     body = "\n".join(w.lines)
     helper_text = used_helpers(helpers, body)
     digest = hashlib.sha256(f"{helper_text}\n{', '.join(params + blocks)}\n{body}".encode()).hexdigest()[:10]

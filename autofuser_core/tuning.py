@@ -91,6 +91,9 @@ def _tuning_configs(candidate: Candidate, every: bool = False) -> tuple[list[dic
 
 def _tuning_key(source, device: torch.device, options) -> dict[str, Any]:
     key = {"kernel": source.name, "source_sha256": source.source_hash, **device_key(device)}
+    if getattr(source, "sizes", None):  # duck-typed sources without run-time sizes have none
+        # One source serves every size of a dynamic dim: tuned, and cached, per size bucket.
+        key["size_buckets"] = list(source.size_buckets)
     if options.tune_all_configs:
         key["all_configs"] = True  # kept apart: a capped entry is not a whole list's
     return key

@@ -36,7 +36,7 @@ for job in json.load(open(sys.argv[1])):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     fn = getattr(module, job["name"])
-    signature = {**job["pointers"], **{k: "constexpr" for k in job["constexprs"]}}
+    signature = {**job["pointers"], **job.get("scalars", {}), **{k: "constexpr" for k in job["constexprs"]}}
     triton.compile(ASTSource(fn, signature, constexprs=job["constexprs"]), target=GPUTarget("cuda", 90, 32),
                    options=job.get("options"))
     print("compiled", job["name"])
@@ -44,6 +44,8 @@ for job in json.load(open(sys.argv[1])):
 
 
 def _job(tmp_path, source, input_dtypes, output_dtypes, launch_args) -> dict:
+    """One kernel's job; a kernel with dynamic dims takes its run-time sizes
+    (``KernelSource.sizes``) as integer arguments, typed as Triton types them."""
     path = tmp_path / f"{source.name}.py"
     path.write_text(source.source)
     names = [f"in{k}" for k in range(len(input_dtypes))] + [f"out{k}" for k in range(len(output_dtypes))]
@@ -54,6 +56,7 @@ def _job(tmp_path, source, input_dtypes, output_dtypes, launch_args) -> dict:
         "path": str(path),
         "constexprs": constexprs,
         "pointers": {n: POINTER_TYPES[d] for n, d in zip(names, dtypes)},
+        "scalars": {n: "i32" if v < 2**31 else "i64" for n, v in getattr(source, "sizes", {}).items()},
     }
 
 

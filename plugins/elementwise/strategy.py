@@ -55,4 +55,5 @@ ELEMENTWISE_STRATEGY = StrategySpec(
     is_valid=is_valid,
     default_config=default_config,
     generate=generate,
+    dynamic_sizes=True,  # write_kernel takes dynamic sizes at run time
 )

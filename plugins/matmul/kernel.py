@@ -37,6 +37,7 @@ from autofuser.kernel import (
     emit_stores,
     index_term,
     needs_int64,
+    sized,
     triton_cdiv,
     weight_tile,
 )
@@ -71,8 +72,8 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
         constexprs["BLOCK_N"] = dot_block(L.n)
 
     w.emit("pid = tl.program_id(0)")
-    w.emit(f"num_m = tl.cdiv({L.rows}, BLOCK_M)")
-    w.emit(f"num_n = tl.cdiv({L.n}, BLOCK_N)")
+    w.emit(f"num_m = tl.cdiv({sized(L.rows)}, BLOCK_M)")
+    w.emit(f"num_n = tl.cdiv({sized(L.n)}, BLOCK_N)")
     w.emit("in_group = GROUP_M * num_n")
     w.emit("first_m = (pid // in_group) * GROUP_M")
     w.emit("size_m = tl.minimum(num_m - first_m, GROUP_M)")
@@ -81,8 +82,8 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     cast = ".to(tl.int64)" if wide else ""
     w.emit(f"rows = (pid_m{cast} * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]")
     w.emit(f"cols = (pid_n{cast} * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]")
-    w.emit(f"row_mask = rows < {L.rows}")
-    w.emit(f"col_mask = cols < {L.n}")
+    w.emit(f"row_mask = rows < {sized(L.rows)}")
+    w.emit(f"col_mask = cols < {sized(L.n)}")
     row_offs = emit_offsets(
         w.emit, [L.out_domain[d] for d in row_dims], [[st[d] for d in row_dims] for st in strides], "rows", "r"
     )
@@ -115,7 +116,7 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
             b_index,
             b_tensor.dtype,
             " + ".join(b_terms) or "0",
-            f"(kk < {L.k}) & col_mask",
+            f"(kk < {sized(L.k)}) & col_mask",
             L.b_packed,
             start,
             "BLOCK_K",
@@ -129,7 +130,7 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
         constexprs["BLOCK_K"] = L.block_k
         w.emit("ks = tl.arange(0, BLOCK_K)[None, :]")
         w.emit("kk = tl.arange(0, BLOCK_K)[:, None]")
-        w.emit(f"k_mask = ks < {L.k}")
+        w.emit(f"k_mask = ks < {sized(L.k)}")
         a_name = TileBlock(w, 1, "k", {}).value(a)
         w.emit(f"a_tile = tl.broadcast_to({a_name}, (BLOCK_M, BLOCK_K))")
         for line in b_load("0"):
@@ -145,14 +146,14 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
             # Tensor cores do not round each addition into their fp32 accumulator to nearest:
             # its error grows with K. A long K in strict fp32 is summed in chunks, each chunk's
             # sum added to ``acc`` by an ordinary fp32 addition.
-            w.emit(f"for c0 in range(0, {L.k}, {K_CHUNK}):")
+            w.emit(f"for c0 in range(0, {sized(L.k)}, {K_CHUNK}):")
             w.emit("part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)", 2)
-            w.emit(f"for k0 in range(c0, tl.minimum(c0 + {K_CHUNK}, {L.k}), BLOCK_K):", 2)
+            w.emit(f"for k0 in range(c0, tl.minimum(c0 + {K_CHUNK}, {sized(L.k)}), BLOCK_K):", 2)
         else:
-            w.emit(f"for k0 in range(0, {L.k}, BLOCK_K):")
+            w.emit(f"for k0 in range(0, {sized(L.k)}, BLOCK_K):")
         inner = 3 if chunked else 2
         w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", inner)
-        w.emit(f"k_mask = ks < {L.k}", inner)
+        w.emit(f"k_mask = ks < {sized(L.k)}", inner)
         w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", inner)
         a_name = TileBlock(w, inner, "k", known).value(a)
         for line in b_load("k0"):

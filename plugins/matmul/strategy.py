@@ -177,6 +177,7 @@ def _strategy(name, description):
         default_config=default_config,
         generate=generate,
         split_rules=(NORM_APART,),  # one product: only a norm in front of it can go apart
+        dynamic_sizes=True,  # the rows (M) may vary: a run-time size; K and N are weights' sizes
     )
 
 

@@ -96,4 +96,5 @@ ROW_REDUCTION_STRATEGY = StrategySpec(
     is_valid=is_valid,
     default_config=default_config,
     generate=generate,
+    dynamic_sizes=True,  # write_kernel takes dynamic sizes at run time; BLOCK_R from their bucket
 )

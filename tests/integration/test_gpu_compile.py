@@ -41,6 +41,58 @@ def test_fused_kernels_compile_for_sm90(model_name, tmp_path):
     _compile_for_sm90(jobs, tmp_path)
 
 
+class _PointBlocks(nn.Module):
+    """Blocks over points whose kernels take the point count at run time: ``kind``
+    "mlp" (a pre-norm MLP), "chain" (a row-tiled chain), "epilogue" (a linear with its
+    epilogue, then a mean over the points), "flat" (pointwise ops) or "shifted" (a pad
+    and a roll of the channels)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.ln, self.n1 = nn.LayerNorm(16), nn.LayerNorm(16)
+        self.mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        if self.kind == "mlp":
+            return x + self.mlp(self.ln(x))
+        if self.kind == "chain":
+            h = self.n1(x + self.a(x))
+            return self.ln(h + self.c(F.gelu(self.b(h))))
+        if self.kind == "epilogue":
+            h = F.gelu(self.b(x))
+            return h - h.mean(dim=1, keepdim=True)
+        if self.kind == "shifted":
+            h = F.pad(x, (1, 2))
+            return torch.sigmoid(h) + torch.roll(h, 1, dims=2)
+        return torch.sigmoid(x) * x.transpose(0, 1).contiguous().transpose(0, 1) + 1.0
+
+
+@pytest.mark.parametrize(
+    ("kind", "strategies"),
+    [
+        ("mlp", {"mlp"}),
+        ("chain", {"row_chain"}),
+        ("epilogue", {"linear_epilogue", "row_reduction"}),
+        ("flat", {"elementwise"}),
+        ("shifted", {"elementwise"}),
+    ],
+)
+def test_kernels_with_run_time_sizes_compile_for_sm90(kind, strategies, tmp_path):
+    """Dynamic dims (docs/dynamic.md): kernels that take sizes at run time - the core's
+    flat and rows layouts, the product, MLP and row-chain kernels - compile for a GPU."""
+    torch.manual_seed(0)
+    model = _PointBlocks(kind).eval()
+    fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False, dynamic=True)
+    with torch.no_grad():
+        fused(torch.randn(2, 37, 16))
+    kernels = fused.kernels()
+    assert kernels and all(k.source.sizes for k in kernels), str(fused.report())
+    assert strategies <= {k.strategy for k in kernels}, str(fused.report())
+    _compile_for_sm90([job for k in kernels for job in _jobs_of(tmp_path, k)], tmp_path)
+
+
 def _kept(gm, strategies: tuple[str, ...], count: int):
     """The plan of ``gm`` and its kept candidates of ``strategies`` (``count`` of them)."""
     plan = plan_fusion_groups(gm, autofuser.load_plugins().registry)

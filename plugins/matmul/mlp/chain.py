@@ -233,4 +233,5 @@ CHAIN_STRATEGY = StrategySpec(
     generate=generate,
     # As the MLP strategy's: shorter chains, then also its norms apart, then only its norms apart.
     split_rules=(FEWER_PRODUCTS, FEWER_PRODUCTS_NORM_APART, NORM_APART),
+    dynamic_sizes=True,  # the rows may vary: a run-time size
 )

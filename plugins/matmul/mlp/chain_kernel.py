@@ -41,6 +41,7 @@ from autofuser.kernel import (
     index_term,
     needs_int64,
     row_reduction,
+    sized,
     stored,
     triton_cdiv,
 )
@@ -234,7 +235,7 @@ def write_chain_kernel(program: GroupProgram, strategy: str, helpers: Optional[d
     cast = ".to(tl.int64)" if needs_int64(program) else ""
     w.emit(f"pid = tl.program_id(0){cast}")
     w.emit("rows = (pid * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]")
-    w.emit(f"row_mask = rows < {L.rows}")
+    w.emit(f"row_mask = rows < {sized(L.rows)}")
     offsets = emit_offsets(w.emit, list(L.lead), [list(st[:-1]) for st in strides], "rows", "r")
     w.row_offsets = dict(zip(sites, offsets))
     w.widths = sorted({L.width[v] for v in L.width if L.width[v] > 1})

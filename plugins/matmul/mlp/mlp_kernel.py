@@ -31,6 +31,7 @@ from autofuser.kernel import (
     emit_stores,
     index_term,
     needs_int64,
+    sized,
     triton_cdiv,
     weight_tile,
 )
@@ -49,7 +50,7 @@ def _emit_rows(
     w.emit(f"pid_m = tl.cast({tile}, tl.int64)" if wide else f"pid_m = {tile}")
     w.emit("cols = tl.arange(0, BLOCK_N)[None, :]")
     w.emit("rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]")
-    w.emit(f"row_mask = rows < {rows}")
+    w.emit(f"row_mask = rows < {sized(rows)}")
     w.emit(f"col_mask = cols < {out_domain[-1]}")
     row_dims = list(range(len(out_domain) - 1))
     offsets = emit_offsets(
@@ -96,13 +97,16 @@ def write_mlp_kernel(program: GroupProgram, strategy: str, helpers: Optional[dic
         _write_rows(whole, program, "tile", weights)
         _write_rows(halves, program, "(2 * whole + tile)", weights)
         w.emit("if SPLIT_TAIL:  # whole row blocks while every program has one, then half blocks")
-        w.emit(f"whole = {L.rows} // BLOCK_M // PROGRAMS * PROGRAMS", 2)
+        w.emit(f"whole = {sized(L.rows)} // BLOCK_M // PROGRAMS * PROGRAMS", 2)
         w.emit("for tile in range(tl.program_id(0), whole, PROGRAMS):", 2)
         w.lines += ["        " + line for line in whole.lines]
-        w.emit(f"for tile in range(tl.program_id(0), tl.cdiv({L.rows} - whole * BLOCK_M, BLOCK_M // 2), PROGRAMS):", 2)
+        w.emit(
+            f"for tile in range(tl.program_id(0), tl.cdiv({sized(L.rows)} - whole * BLOCK_M, BLOCK_M // 2), PROGRAMS):",
+            2,
+        )
         w.lines += ["        " + re.sub(r"\bBLOCK_M\b", "(BLOCK_M // 2)", line) for line in halves.lines]
         w.emit("else:")
-        w.emit(f"for tile in range(tl.program_id(0), tl.cdiv({L.rows}, BLOCK_M), PROGRAMS):", 2)
+        w.emit(f"for tile in range(tl.program_id(0), tl.cdiv({sized(L.rows)}, BLOCK_M), PROGRAMS):", 2)
         w.lines += ["        " + line for line in whole.lines]
         persistent = w.lines
         w.lines = (

@@ -208,4 +208,5 @@ MLP_STRATEGY = StrategySpec(
     generate=generate,
     # Timed against its products apart, then also its norm apart, then only its norm apart.
     split_rules=(FEWER_PRODUCTS, FEWER_PRODUCTS_NORM_APART, NORM_APART),
+    dynamic_sizes=True,  # the rows may vary: a run-time size
 )

@@ -14,7 +14,7 @@ def lower_mean(ctx, *args, **kwargs):
     x = cast_to_dtype_arg(ctx, "mean", x, ctx.dtype(b["input"]), b.get("dtype"))
     total = ctx.reduce("sum", x, dims, keepdim=bool(b["keepdim"]))
     # Divide, as eager does, rather than multiply by 1/N, which rounds twice.
-    return ctx.pointwise("{0} / %r" % float(count(shape, dims)), total)
+    return ctx.pointwise("{0} / {1}", total, ctx.count(count(shape, dims)))
 
 
 def _samples(dtype):

@@ -23,7 +23,7 @@ DEFAULT_EPS = torch.finfo(torch.float32).eps
 def rms_normalize(ctx, x, dims, n, eps, weight):
     """``x * rsqrt(mean(x^2) + eps) * weight`` over ``dims`` (``n`` elements)."""
     squares = ctx.reduce("sum", ctx.pointwise("{0} * {0}", x), dims, keepdim=True)
-    mean_square = ctx.pointwise("{0} / %r" % float(n), squares)
+    mean_square = ctx.pointwise("{0} / {1}", squares, ctx.count(n))
     out = ctx.pointwise("{0} * tl.rsqrt({1} + %r)" % eps, x, mean_square)
     if weight is not None:
         out = ctx.pointwise("{0} * {1}", out, weight)

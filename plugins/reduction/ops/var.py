@@ -13,7 +13,8 @@ from ._common import bind, count, float_input, reduction_dims
 
 
 def deviations(ctx, op, args, kwargs):
-    """What an fx ``var``/``std`` node asks for: ``(x - mean, dims, N - correction, keepdim)``.
+    """What an fx ``var``/``std`` node asks for: ``(x - mean, dims, N - correction, keepdim)``
+    (``N - correction`` a value of the kernel, or a number).
 
     torch has three signatures: ``(input, dim, unbiased, keepdim)``,
     ``(input, unbiased)`` (a bool in second place), and
@@ -52,8 +53,12 @@ def deviations(ctx, op, args, kwargs):
             "degenerate_correction", f"{op}: {n} elements with correction={correction} leave no degrees of freedom"
         )
 
-    mean = ctx.pointwise("{0} / %r" % float(n), ctx.reduce("sum", x, dims, keepdim=True))
-    return ctx.pointwise("{0} - {1}", x, mean), dims, float(n - correction), bool(b["keepdim"])
+    mean = ctx.pointwise("{0} / {1}", ctx.reduce("sum", x, dims, keepdim=True), ctx.count(n))
+    # N - correction as a count: a kernel whose N varies takes N at run time (and
+    # subtracts a whole correction as an integer); a fractional one stays a literal.
+    whole = float(correction).is_integer()
+    denominator = ctx.count(n, less=int(correction)) if whole else float(n - correction)
+    return ctx.pointwise("{0} - {1}", x, mean), dims, denominator, bool(b["keepdim"])
 
 
 def scaled_variance(ctx, deviation, dims, denominator, keepdim, finish):
@@ -70,7 +75,7 @@ def scaled_variance(ctx, deviation, dims, denominator, keepdim, finish):
     largest = ctx.reduce("max", ctx.pointwise("tl.abs({0})", deviation), dims, keepdim=True)
     power = ctx.pointwise("tl.where({0} > 0.0, {0}, 1.0)", ctx.pointwise("tl.exp2(tl.floor(tl.log2({0})))", largest))
     squares = ctx.pointwise("({0} / {1}) * ({0} / {1})", deviation, power)
-    mean_square = ctx.pointwise("{0} / %r" % denominator, ctx.reduce("sum", squares, dims, keepdim=True))
+    mean_square = ctx.pointwise("{0} / {1}", ctx.reduce("sum", squares, dims, keepdim=True), denominator)
     result = finish(mean_square, power)
     # One value per row already: a max over the kept dims only drops them (NaN kept).
     return result if keepdim else ctx.reduce("max", result, dims, keepdim=False)
