@@ -45,7 +45,15 @@ from . import timing
 from .backward import BACKWARD_GRAPH_KEY, build_backward
 from .cache import cache_dir, load_kernel_module, write_tuning
 from .capture import FREE_KEY, OutputShapeCheck, preserved_state
-from .group import MAX_PRODUCTS, STRICT_FP32, GroupProgram, attr_tensor, product_count
+from .group import (
+    MAX_PRODUCTS,
+    SAVED_FOR_BACKWARD,
+    STRICT_FP32,
+    GroupProgram,
+    attr_tensor,
+    product_count,
+    saved_products,
+)
 from .interpreter import kernels_cannot_run, warn_once
 from .ir import AttrRef
 from .launch import FusedKernel, RecomputeForBackward, host_scalars, run_eager, to_device
@@ -246,6 +254,9 @@ def _compile_graph(
         try:
             with gc_paused():
                 plan = plan_fusion_groups(gm, registry, veto=veto, options=options, earlier=plan)
+                if backward:
+                    for candidate in plan.kept:
+                        _save_products(candidate, plan.view)
         finally:
             SPLIT_RULES.reset(tokens[2])
             MAX_PRODUCTS.reset(tokens[1])
@@ -359,6 +370,37 @@ def _compile_graph(
     report.add_phase("rewrite", time.perf_counter() - step)
     report.compile_s = time.perf_counter() - started
     return new_gm, report
+
+
+def _save_products(candidate: Candidate, view) -> None:
+    """With gradients on, ``candidate``'s program composed again with the results of its
+    products as outputs its backward reads (``group.saved_products``), where its strategy
+    writes such outputs (``StrategySpec.writes_saved_outputs``), composes them and accepts
+    the result; else its program stays as planned and its backward computes them again.
+    Run under the planning round's settings (products per group, fp32 precision, splits),
+    so the program differs from the planned one only by those outputs."""
+    strategy = candidate.strategy
+    saved = saved_products(candidate.nodes, view.lowered)
+    candidate.products_recomputed = [n.name for n in saved]
+    if not saved or not strategy.writes_saved_outputs:
+        return
+    # All of them, else without the first ones: a layout stores what follows its last
+    # product (an MLP's second product's result, not its hidden one's).
+    for first in range(len(saved)):
+        token = SAVED_FOR_BACKWARD.set(frozenset(saved[first:]))
+        try:
+            program = view.compose_for(strategy, list(candidate.nodes))
+            refused = strategy.accepts(program)
+        except Exception as err:  # noqa: BLE001 - a layout that can't store them: those are recomputed
+            logger.debug("group %s can't store %s: %s", [n.name for n in candidate.nodes], saved[first:], err)
+            continue
+        finally:
+            SAVED_FOR_BACKWARD.reset(token)
+        stored = {t.name for t in program.outputs if t.saved}
+        if refused is None and stored:
+            candidate.program = program
+            candidate.products_recomputed = [name for name in candidate.products_recomputed if name not in stored]
+            return
 
 
 def _verify_round(
@@ -633,6 +675,7 @@ def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, dev
             times = _step_times(timer, job.fused, inputs) if timer.can_time(device, options) else None
             done[alike] = built, times
         entry = job.entry
+        _record_saving(entry, job)
         if times is not None:
             # A group costs its forward and its backward: both sides timed as one step
             # (the whole step is checked again in fuse.py).
@@ -646,6 +689,22 @@ def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, dev
                 )
                 slower.append(job.fused)
     return slower
+
+
+def _record_saving(entry: GroupEntry, job: _Job) -> None:
+    """The report's account of what ``job``'s backward takes from its forward: the values
+    its kernel saves that its backward graph reads, their bytes, and its products the
+    backward computes again (all of them where it has no backward graph of its own)."""
+    fused = job.fused
+    assert fused is not None
+    backward = fused.backward
+    reads = list(getattr(backward, "reads_saved", ()))
+    entry.saved_for_backward = [fused.saved_names[j] for j in reads]
+    layouts = [fused.output_layout[fused.n_visible + j] for j in reads]
+    entry.saved_bytes = sum(math.prod(shape) * dtype.itemsize for shape, _, dtype in layouts)
+    entry.products_recomputed = list(job.candidate.products_recomputed)
+    if backward is None:
+        entry.products_recomputed = [*fused.saved_names, *entry.products_recomputed]
 
 
 def _alike(fused: FusedKernel, inputs: Sequence[torch.Tensor]) -> str:

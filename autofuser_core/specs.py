@@ -204,6 +204,13 @@ class StrategySpec(Spec):
        by name).
     5. ``split_rules``: on a GPU, the splits of a kept group's nodes it is timed
        against, in order (``SplitRule``); none by default.
+    6. ``writes_saved_outputs``: whether ``generate`` writes every output of the
+       programs it is given, those only a backward reads included
+       (``KernelTensor.saved``: a product's result inside the group). With
+       gradients on, a kept group of such a strategy is composed again with
+       its products' results as outputs (when its ``compose`` and ``accepts``
+       take that), and its backward reads them instead of computing the
+       products again; other groups recompute them (docs/training.md).
     """
 
     block_params: tuple[str, ...] = ()
@@ -216,6 +223,7 @@ class StrategySpec(Spec):
     max_tuned_configs: Optional[int] = Field(default=None, ge=1)
     generate: Callable[..., Any]
     split_rules: tuple[SplitRule, ...] = ()
+    writes_saved_outputs: bool = False
 
 
 class QuantizerSpec(Spec):

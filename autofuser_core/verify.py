@@ -323,7 +323,7 @@ def synthetic_mismatch(job, kernel_inputs: Sequence[Any], tol: Tolerance) -> Opt
             "group %s: eager refuses the synthetic inputs (%s); checked on the real ones only", job.entry.nodes, err
         )
         return None
-    expected = [expected] if len(program.outputs) == 1 else list(expected)
+    expected = [expected] if len(program.visible_outputs) == 1 else list(expected)
     try:
         outputs = job.fused.launch(*drawn)
     except Exception as err:

@@ -177,6 +177,9 @@ def _strategy(name, description):
         default_config=default_config,
         generate=generate,
         split_rules=(NORM_APART,),  # one product: only a norm in front of it can go apart
+        # Every output is an epilogue value written from the product's tile, the product's
+        # own result (saved for backward) included.
+        writes_saved_outputs=True,
     )
 
 
