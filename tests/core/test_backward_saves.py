@@ -295,3 +295,29 @@ def test_gradients_of_gradients_recompute_from_the_inputs():
     assert any(g.saved_for_backward for g in fused.report().fused), str(fused.report())
     for ours, theirs in zip(*results):
         torch.testing.assert_close(ours, theirs, **FP32)
+
+
+def test_a_checkpointed_forward_saves_its_products_again_when_recomputed():
+    """Activation checkpointing drops what the forward saved and runs it again in
+    backward: the second run's kernel writes the products' results again, and the
+    gradients are eager's, the first (compiling) call included."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = nn.Sequential(nn.Linear(20, 36), nn.GELU(), nn.Linear(36, 20), nn.Tanh())
+    reference = copy.deepcopy(model)
+    token = MAX_PRODUCTS.set(1)
+    try:
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        for _ in range(2):
+            grads, x = [], torch.randn(2, 17, 20)
+            for module in (fused, reference):
+                leaf = x.clone().requires_grad_()
+                checkpoint(module, leaf, use_reentrant=False).square().mean().backward()
+                grads.append([leaf.grad] + [p.grad for p in module.parameters()])
+                module.zero_grad(set_to_none=True)
+            for ours, theirs in zip(*grads):
+                torch.testing.assert_close(ours, theirs, **FP32)
+    finally:
+        MAX_PRODUCTS.reset(token)
+    saved = [n for g in _forward_groups(fused.report()) for n in g.saved_for_backward]
+    assert sorted(saved) == ["_0", "_2"], str(fused.report())
