@@ -321,3 +321,22 @@ def test_a_checkpointed_forward_saves_its_products_again_when_recomputed():
         MAX_PRODUCTS.reset(token)
     saved = [n for g in _forward_groups(fused.report()) for n in g.saved_for_backward]
     assert sorted(saved) == ["_0", "_2"], str(fused.report())
+
+
+def test_a_kernel_writing_a_wrong_saved_value_keeps_its_group_eager(monkeypatch):
+    """A saved value is checked against eager's value of its node like any output: one
+    off by 1 leaves the group eager (``mismatch``), and the gradients stay eager's."""
+    from autofuser_core.launch import FusedKernel
+
+    launch = FusedKernel.launch
+
+    def off_by_one(self, *inputs):
+        outputs = launch(self, *inputs)
+        for saved in outputs[self.n_visible :]:
+            saved.add_(1.0)
+        return outputs
+
+    monkeypatch.setattr(FusedKernel, "launch", off_by_one)
+    report = _check_gradients(BiasTanh(), [torch.randn(37, 24)], "fp32")
+    (group,) = [g for g in report.groups if g.phase == "forward" and "matmul.addmm" in g.ops and len(g.ops) == 2]
+    assert not group.fused and group.reason_code == "mismatch" and "addmm" in group.reason, str(report)
