@@ -33,6 +33,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .capture import record_shapes
 from .launch import FusedKernel, run_eager
 from .rewrite import SAVED_NODES_KEY
+from .specs import PRODUCT_TOLERANCES, dtype_name
+from .verify import max_error
 
 logger = logging.getLogger("autofuser.compile")
 
@@ -184,9 +186,10 @@ def _outputs(values: Any) -> list[Optional[torch.Tensor]]:
 def build_backward(
     fused: FusedKernel, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], compile_graph, progress
 ):
-    """The group's backward graph, fused, or ``None`` where it can't be had (an op
-    ``make_fx`` can't trace): then the group's backward recomputes its eager ops.
-    Returns ``(FusedBackward, report)``."""
+    """The group's backward graph, fused: ``(FusedBackward, report)``; or, where it can't be
+    had, why (an op ``make_fx`` can't trace, or a traced graph whose gradients differ from
+    eager's backward on the same samples): then the group's backward recomputes its eager
+    ops."""
     # ``outputs``: every output the kernel wrote, those saved for the backward last.
     outputs, saved = list(outputs[: fused.n_visible]), list(outputs[fused.n_visible :])
     # Sample gradients from a generator of their own: the user's random stream stays as it was.
@@ -199,12 +202,19 @@ def build_backward(
         gm, slots = trace_backward(fused, inputs, grads, saved)
     except Exception as err:  # noqa: BLE001 - an op make_fx can't trace: the eager backward serves
         logger.debug("tracing a backward failed", exc_info=err)
-        return None
+        return f"its backward could not be traced ({type(err).__name__})"
     reach = output_reach(fused, inputs)
     with no_autocast(), torch.no_grad():
         to_torch_level(gm, (*inputs, *saved, *grads))
         reads = _drop_unread_saved(gm, len(inputs), len(saved))
         saved = [saved[j] for j in reads]
+        traced = gm(*inputs, *saved, *grads)
+    differs = _differs_from_eager(fused, inputs, grads, slots, traced)
+    if differs is not None:
+        # A decomposition can pair an op's forward with a derivative that reads another of its
+        # outputs than the decomposed forward returns: the eager backward serves.
+        return f"its traced backward {differs}"
+    with no_autocast(), torch.no_grad():
         record_shapes(gm, *inputs, *saved, *grads)
         gm.meta["autofuser_input_names"] = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         gm.meta[BACKWARD_GRAPH_KEY] = True
@@ -212,6 +222,49 @@ def build_backward(
     for entry in [*report.groups, *report.unfused_nodes]:
         entry.phase = "backward"
     return FusedBackward(fused_gm, slots, grads, reach, reads), report
+
+
+def _differs_from_eager(
+    fused: FusedKernel,
+    inputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    slots: Sequence[int],
+    traced: Any,
+) -> Optional[str]:
+    """How the traced backward's gradients (``traced``, one per slot) differ from those of
+    eager's own backward of the group on the same inputs, or ``None`` where they agree
+    within the product tolerance of their dtype (the traced graph is the same arithmetic,
+    decomposed)."""
+    leaves = [t.detach().requires_grad_(k in slots) for k, t in enumerate(inputs)]
+    expected: Sequence[Optional[torch.Tensor]] = [None] * len(slots)
+    try:
+        with torch.enable_grad():
+            found = run_eager(fused, leaves)
+            outputs = found if isinstance(found, (tuple, list)) else (found,)
+            pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+            if pairs:
+                expected = torch.autograd.grad(
+                    [o for o, _ in pairs], [leaves[k] for k in slots], [g for _, g in pairs], allow_unused=True
+                )
+    except RuntimeError as err:
+        # Eager's own backward can fail where the traced one ran (an in-place op's broadcast
+        # shape, as in ``output_reach``): nothing to compare with.
+        logger.debug("eager's backward of %s failed; its traced one is not compared", fused.nodes, exc_info=err)
+        return None
+    # The narrowest dtype the group computes in bounds how far two orders of the same
+    # arithmetic drift apart: its outputs' gradients', or autocast's (an fp32 input's
+    # gradient then comes through bf16 products).
+    dtypes = {dtype_name(g.dtype) for g in grads}
+    dtypes |= {dtype_name(torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
+    for k, got, want in zip(slots, _outputs(traced), expected):
+        if want is None or got is None:
+            continue  # no gradient in eager: the traced graph gives zeros, which are not used
+        known = [PRODUCT_TOLERANCES[d] for d in dtypes | {dtype_name(want.dtype)} if d in PRODUCT_TOLERANCES]
+        tol = max(known or [PRODUCT_TOLERANCES["float32"]], key=lambda t: (t.atol, t.rtol))
+        ok, error = max_error(got, want, tol, scale_rows=True)
+        if not ok:
+            return f"gives input {k} a gradient off eager's by {error:.3g}"
+    return None
 
 
 def _drop_unread_saved(gm: torch.fx.GraphModule, count: int, kept: int) -> list[int]:

@@ -667,6 +667,9 @@ def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, dev
                 lambda gm, samples, say: compile_graph(gm, samples, plugin_set, options, say),
                 lambda msg: progress(f"[backward {index}/{len(jobs)}] {msg}"),
             )
+            if isinstance(built, str):
+                report.notes.append(f"{job.entry.kernel}: {built}; its eager ops are recomputed in backward")
+                built = None
             if built is not None:
                 job.fused.backward, found = built
                 report.groups.extend(found.groups)
