@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from types import SimpleNamespace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -31,8 +32,10 @@ from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .capture import record_shapes
+from .group import GroupProgram
+from .ir import AttrRef
 from .launch import FusedKernel, run_eager
-from .rewrite import SAVED_NODES_KEY
+from .rewrite import SAVED_NODES_KEY, extract_group_module
 from .specs import PRODUCT_TOLERANCES, dtype_name
 from .verify import max_error
 
@@ -101,6 +104,38 @@ def trace_backward(
     decompositions = dict(core_aten_decompositions())
     gm = make_fx(backward, decomposition_table=decompositions)(*inputs, *saved, *grads)
     return gm, slots
+
+
+def saved_values_read(root: torch.fx.GraphModule, program: GroupProgram) -> Optional[set[str]]:
+    """The names of ``program``'s outputs saved for backward (``KernelTensor.saved``) that
+    its traced backward reads, found before any kernel is written: the backward traced on
+    meta tensors (shapes, strides and dtypes only) and its dead code dropped, as
+    ``build_backward`` does. ``None`` where it can't be traced so (an op without a meta
+    kernel): then every saved value is kept, and ``build_backward`` drops what is unread."""
+    eager = extract_group_module(root, program)
+    live_attrs, attr_inputs = [], {}
+    for slot, tensor in enumerate(program.inputs):
+        if isinstance(tensor.source, AttrRef):
+            owner, _, name = tensor.source.path.rpartition(".")
+            live_attrs.append((slot, root.get_submodule(owner) if owner else root, name))
+            attr_inputs[slot] = tensor.source.path
+    group = SimpleNamespace(eager=eager, live_attrs=live_attrs, attr_inputs=attr_inputs)
+
+    def meta(tensor) -> torch.Tensor:
+        dtype = tensor.cast_from or tensor.dtype  # eager reads it before the launcher's cast
+        return torch.empty_strided(tensor.shape, tensor.stride, dtype=dtype, device="meta")
+
+    inputs = [meta(t) for t in program.inputs]
+    saved = [meta(t) for t in program.outputs if t.saved]
+    grads = [meta(t) for t in program.visible_outputs]
+    try:
+        gm, _ = trace_backward(group, inputs, grads, saved)  # type: ignore[arg-type]
+    except Exception as err:  # noqa: BLE001 - no meta kernel, data-dependent ops: keep them all
+        logger.debug("tracing %s on meta tensors failed", [n.name for n in program.nodes], exc_info=err)
+        return None
+    gm.graph.eliminate_dead_code()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][len(inputs) : len(inputs) + len(saved)]
+    return {t.name for t, node in zip([t for t in program.outputs if t.saved], placeholders) if node.users}
 
 
 def _sum(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

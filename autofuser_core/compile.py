@@ -42,7 +42,7 @@ import torch.fx
 from torch.nn.utils import parametrize
 
 from . import timing
-from .backward import BACKWARD_GRAPH_KEY, build_backward
+from .backward import BACKWARD_GRAPH_KEY, build_backward, saved_values_read
 from .cache import cache_dir, load_kernel_module, write_tuning
 from .capture import FREE_KEY, OutputShapeCheck, preserved_state
 from .group import (
@@ -387,20 +387,38 @@ def _save_products(candidate: Candidate, view) -> None:
     # All of them, else without the first ones: a layout stores what follows its last
     # product (an MLP's second product's result, not its hidden one's).
     for first in range(len(saved)):
-        token = SAVED_FOR_BACKWARD.set(frozenset(saved[first:]))
-        try:
-            program = view.compose_for(strategy, list(candidate.nodes))
-            refused = strategy.accepts(program)
-        except Exception as err:  # noqa: BLE001 - a layout that can't store them: those are recomputed
-            logger.debug("group %s can't store %s: %s", [n.name for n in candidate.nodes], saved[first:], err)
+        program = _composed_saving(candidate, view, saved[first:])
+        if program is None:
             continue
-        finally:
-            SAVED_FOR_BACKWARD.reset(token)
-        stored = {t.name for t in program.outputs if t.saved}
-        if refused is None and stored:
-            candidate.program = program
-            candidate.products_recomputed = [name for name in candidate.products_recomputed if name not in stored]
-            return
+        stored = [n for n in saved[first:] if n.name in {t.name for t in program.outputs if t.saved}]
+        candidate.products_recomputed = [n.name for n in saved[:first]]
+        # Only what the backward will read: a product only a residual add follows needs none.
+        read = saved_values_read(view.gm, program)
+        if read is not None and len(read) < len(stored):
+            wanted = [n for n in stored if n.name in read]
+            program = _composed_saving(candidate, view, wanted) if wanted else None
+            if program is None:
+                return  # nothing read, or the layout refuses the smaller set: as planned
+        candidate.program = program
+        return
+
+
+def _composed_saving(candidate: Candidate, view, saved: list) -> Optional[GroupProgram]:
+    """``candidate``'s nodes composed again by its strategy with the results of ``saved`` as
+    outputs for its backward, or ``None`` where the composition or ``accepts`` refuses."""
+    strategy = candidate.strategy
+    token = SAVED_FOR_BACKWARD.set(frozenset(saved))
+    try:
+        program = view.compose_for(strategy, list(candidate.nodes))
+        refused = strategy.accepts(program)
+    except Exception as err:  # noqa: BLE001 - a layout that can't store them: those are recomputed
+        logger.debug("group %s can't store %s: %s", [n.name for n in candidate.nodes], saved, err)
+        return None
+    finally:
+        SAVED_FOR_BACKWARD.reset(token)
+    if refused is not None or not any(t.saved for t in program.outputs):
+        return None
+    return program
 
 
 def _verify_round(

@@ -242,12 +242,24 @@ class LinearResidual(nn.Module):
         return x + self.fc(x) * 0.5
 
 
-def test_a_product_whose_result_no_derivative_reads_is_not_held(backward_products):
+def test_a_product_whose_result_no_derivative_reads_is_neither_written_nor_held(backward_products, monkeypatch):
     """A residual add's and a scale's derivatives don't read the product's result: the
-    backward takes none, so nothing is held from forward to backward."""
+    backward traced on meta tensors before the kernel is written reads none, so the
+    kernel writes nothing for it and nothing is held from forward to backward."""
+    from autofuser_core.launch import FusedKernel
+
+    written = []
+    init = FusedKernel.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        written.append(self.saved_names)
+
+    monkeypatch.setattr(FusedKernel, "__init__", recording)
     report = _check_gradients(LinearResidual(), [torch.randn(2, 23, 20)], "fp32")
     (group,) = _forward_groups(report)
     assert group.saved_for_backward == [] and group.saved_bytes == 0 and group.products_recomputed == [], str(report)
+    assert written and not any(written), written
     assert sum(backward_products) == 2
 
 
