@@ -42,11 +42,19 @@ import torch.fx
 from torch.nn.utils import parametrize
 
 from . import timing
-from .backward import BACKWARD_GRAPH_KEY, build_backward
+from .backward import BACKWARD_GRAPH_KEY, build_backward, saved_values_read
 from .cache import cache_dir, load_kernel_module, write_tuning
 from .capture import FREE_KEY, OutputShapeCheck, preserved_state
 from .dynamic import CLASS_CHECKED, SIZE_RULE, bucket, checked_key, collecting_sizes, passed_sizes
-from .group import MAX_PRODUCTS, STRICT_FP32, GroupProgram, attr_tensor, product_count
+from .group import (
+    MAX_PRODUCTS,
+    SAVED_FOR_BACKWARD,
+    STRICT_FP32,
+    GroupProgram,
+    attr_tensor,
+    product_count,
+    saved_products,
+)
 from .interpreter import kernels_cannot_run, warn_once
 from .ir import AttrRef
 from .launch import FusedKernel, RecomputeForBackward, host_scalars, run_eager, to_device
@@ -259,6 +267,9 @@ def _compile_graph(
         try:
             with gc_paused():
                 plan = plan_fusion_groups(gm, registry, veto=veto, options=options, earlier=plan)
+                if backward:
+                    for candidate in plan.kept:
+                        _save_products(candidate, plan.view)
         finally:
             SPLIT_RULES.reset(tokens[2])
             MAX_PRODUCTS.reset(tokens[1])
@@ -372,6 +383,55 @@ def _compile_graph(
     report.add_phase("rewrite", time.perf_counter() - step)
     report.compile_s = time.perf_counter() - started
     return new_gm, report
+
+
+def _save_products(candidate: Candidate, view) -> None:
+    """With gradients on, ``candidate``'s program composed again with the results of its
+    products as outputs its backward reads (``group.saved_products``), where its strategy
+    writes such outputs (``StrategySpec.writes_saved_outputs``), composes them and accepts
+    the result; else its program stays as planned and its backward computes them again.
+    Run under the planning round's settings (products per group, fp32 precision, splits),
+    so the program differs from the planned one only by those outputs."""
+    strategy = candidate.strategy
+    saved = saved_products(candidate.nodes, view.lowered)
+    candidate.products_recomputed = [n.name for n in saved]
+    if not saved or not strategy.writes_saved_outputs:
+        return
+    # All of them, else without the first ones: a layout stores what follows its last
+    # product (an MLP's second product's result, not its hidden one's).
+    for first in range(len(saved)):
+        program = _composed_saving(candidate, view, saved[first:])
+        if program is None:
+            continue
+        stored = [n for n in saved[first:] if n.name in {t.name for t in program.outputs if t.saved}]
+        candidate.products_recomputed = [n.name for n in saved[:first]]
+        # Only what the backward will read: a product only a residual add follows needs none.
+        read = saved_values_read(view.gm, program)
+        if read is not None and len(read) < len(stored):
+            wanted = [n for n in stored if n.name in read]
+            program = _composed_saving(candidate, view, wanted) if wanted else None
+            if program is None:
+                return  # nothing read, or the layout refuses the smaller set: as planned
+        candidate.program = program
+        return
+
+
+def _composed_saving(candidate: Candidate, view, saved: list) -> Optional[GroupProgram]:
+    """``candidate``'s nodes composed again by its strategy with the results of ``saved`` as
+    outputs for its backward, or ``None`` where the composition or ``accepts`` refuses."""
+    strategy = candidate.strategy
+    token = SAVED_FOR_BACKWARD.set(frozenset(saved))
+    try:
+        program = view.compose_for(strategy, list(candidate.nodes))
+        refused = strategy.accepts(program)
+    except Exception as err:  # noqa: BLE001 - a layout that can't store them: those are recomputed
+        logger.debug("group %s can't store %s: %s", [n.name for n in candidate.nodes], saved, err)
+        return None
+    finally:
+        SAVED_FOR_BACKWARD.reset(token)
+    if refused is not None or not any(t.saved for t in program.outputs):
+        return None
+    return program
 
 
 def _verify_round(
@@ -670,6 +730,9 @@ def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, dev
                 lambda gm, samples, say: compile_graph(gm, samples, plugin_set, options, say),
                 lambda msg: progress(f"[backward {index}/{len(jobs)}] {msg}"),
             )
+            if isinstance(built, str):
+                report.notes.append(f"{job.entry.kernel}: {built}; its eager ops are recomputed in backward")
+                built = None
             if built is not None:
                 job.fused.backward, found = built
                 report.groups.extend(found.groups)
@@ -678,6 +741,7 @@ def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, dev
             times = _step_times(timer, job.fused, inputs) if timer.can_time(device, options) else None
             done[alike] = built, times
         entry = job.entry
+        _record_saving(entry, job)
         if times is not None:
             # A group costs its forward and its backward: both sides timed as one step
             # (the whole step is checked again in fuse.py).
@@ -691,6 +755,22 @@ def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, dev
                 )
                 slower.append(job.fused)
     return slower
+
+
+def _record_saving(entry: GroupEntry, job: _Job) -> None:
+    """The report's account of what ``job``'s backward takes from its forward: the values
+    its kernel saves that its backward graph reads, their bytes, and its products the
+    backward computes again (all of them where it has no backward graph of its own)."""
+    fused = job.fused
+    assert fused is not None
+    backward = fused.backward
+    reads = list(getattr(backward, "reads_saved", ()))
+    entry.saved_for_backward = [fused.saved_names[j] for j in reads]
+    layouts = [fused.output_layout[fused.n_visible + j] for j in reads]
+    entry.saved_bytes = sum(math.prod(shape) * dtype.itemsize for shape, _, dtype in layouts)
+    entry.products_recomputed = list(job.candidate.products_recomputed)
+    if backward is None:
+        entry.products_recomputed = [*fused.saved_names, *entry.products_recomputed]
 
 
 def _alike(fused: FusedKernel, inputs: Sequence[torch.Tensor]) -> str:

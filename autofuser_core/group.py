@@ -48,6 +48,12 @@ STRICT_FP32 = contextvars.ContextVar("autofuser_strict_fp32", default="tf32x3")
 #: re-planning the nodes of a multi-product group that stayed eager, so they still
 #: fuse in smaller groups (``autofuser_core.compile``).
 MAX_PRODUCTS = contextvars.ContextVar("autofuser_max_products", default=8)
+#: Nodes of the group being composed whose values its backward takes from the forward
+#: (``saved_products``): with gradients on, ``compose_group`` and ``program_from_nodes``
+#: make each an output (``KernelTensor.saved``) even where nothing outside reads it.
+SAVED_FOR_BACKWARD: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
+    "autofuser_saved_for_backward", default=frozenset()
+)
 
 
 def layout_settings() -> tuple:
@@ -89,6 +95,10 @@ class KernelTensor:
     # ``cast_from``): an fp32 weight that a 16-bit product reads, converted once per call
     # instead of once per program that reads it.
     cast_from: Optional[torch.dtype] = None
+    # An output only the group's backward reads (a product's result, saved as eager saves
+    # it, so the backward need not compute the product again): the kernel writes it, the
+    # graph never sees it (``GroupProgram.visible_outputs``).
+    saved: bool = False
 
     @property
     def name(self) -> str:
@@ -132,6 +142,12 @@ class GroupProgram:
         if self.product_layout is not None:
             return getattr(self.product_layout, "precision", None)
         return self.products_precision
+
+    @property
+    def visible_outputs(self) -> list[KernelTensor]:
+        """The outputs the graph reads, in order: all but those saved for backward, which
+        come last."""
+        return [t for t in self.outputs if not t.saved]
 
     @property
     def has_reduction(self) -> bool:
@@ -289,12 +305,12 @@ def compose_group(
 
     outputs: list[KernelTensor] = []
     output_values: list[Value] = []
-    for node in nodes:
-        if any(user not in members for user in node.users):
-            meta = tensor_meta(node)
-            outputs.append(KernelTensor(node, tuple(meta.shape), meta.dtype, tuple(meta.stride)))
-            output_values.append(composed[node])
-    if not outputs:
+    for node in _output_nodes(nodes, members):
+        meta = tensor_meta(node)
+        saved = not any(user not in members for user in node.users)
+        outputs.append(KernelTensor(node, tuple(meta.shape), meta.dtype, tuple(meta.stride), saved=saved))
+        output_values.append(composed[node])
+    if not any(not t.saved for t in outputs):
         raise GroupRefused("no_outputs", "no value of the group is used outside it")
 
     program = GroupProgram(
@@ -354,13 +370,13 @@ def program_from_nodes(
             seen.add(arg)
             inputs.append(KernelTensor(arg, tuple(meta.shape), meta.dtype, tuple(meta.stride)))
     outputs: list[KernelTensor] = []
-    for node in nodes:
-        if any(user not in members for user in node.users):
-            meta = tensor_meta(node)
-            if meta is None:
-                raise GroupRefused("not_a_tensor", f"{node.name}'s result is not a single tensor")
-            outputs.append(KernelTensor(node, tuple(meta.shape), meta.dtype, tuple(meta.stride)))
-    if not outputs:
+    for node in _output_nodes(nodes, members):
+        meta = tensor_meta(node)
+        if meta is None:
+            raise GroupRefused("not_a_tensor", f"{node.name}'s result is not a single tensor")
+        saved = not any(user not in members for user in node.users)
+        outputs.append(KernelTensor(node, tuple(meta.shape), meta.dtype, tuple(meta.stride), saved=saved))
+    if not any(not t.saved for t in outputs):
         raise GroupRefused("no_outputs", "no value of the group is used outside it")
     return GroupProgram(
         nodes=list(nodes),
@@ -373,6 +389,38 @@ def program_from_nodes(
         products_precision=products_precision,
         summary=summary,
     )
+
+
+def _output_nodes(nodes: Sequence[torch.fx.Node], members: set[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The group's outputs: the nodes used outside it in graph order, then those saved for
+    its backward (``SAVED_FOR_BACKWARD``) that nothing outside reads, in graph order."""
+    saved = SAVED_FOR_BACKWARD.get()
+    used = [n for n in nodes if any(user not in members for user in n.users)]
+    return used + [n for n in nodes if n in saved and n not in used]
+
+
+def saved_products(nodes: Sequence[torch.fx.Node], lowered: Mapping[torch.fx.Node, Value]) -> list[torch.fx.Node]:
+    """The nodes of a group whose values its backward takes from the forward rather than
+    computing again (docs/training.md, "What a backward saves"): each node whose own
+    lowering makes a matrix product (a ``dot`` value, ``ctx.matmul``), where nothing
+    outside the group reads it already. Eager's derivative of a product reads only its
+    operands, so its result is needed only by the ops after it (an activation's
+    derivative); computing it again would cost the product a third time in the step."""
+    members = set(nodes)
+    found = []
+    for node in nodes:
+        value = lowered.get(node)
+        if value is None or any(user not in members for user in node.users):
+            continue
+        own = _own_values(value)
+        if any(v.op == "dot" for v in own):
+            found.append(node)
+    return found
+
+
+def _own_values(root: Value) -> list[Value]:
+    """The values of one node's lowering, down to its loads (other nodes' values)."""
+    return list(collect_values([root]).values())
 
 
 def _is_no_op(value: Value, meta) -> bool:

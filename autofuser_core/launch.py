@@ -3,9 +3,11 @@
 ``FusedKernel`` allocates the outputs with exactly the shapes and strides eager
 produced, launches the Triton kernel on the live inputs (parameters included,
 read at call time), and returns one tensor or a tuple. If an input arrives
-with another shape or layout than it was compiled for, or gradients are
-needed, it does not guess: it runs the group's original ops instead (for
-gradients, through ``RecomputeForBackward``: kernel forward, eager backward).
+with another shape or layout than it was compiled for, it does not guess: it
+runs the group's original ops instead. When gradients are needed it runs through
+``RecomputeForBackward``: kernel forward, then the group's fused backward graph
+(or its eager ops recomputed, where it has none). Outputs the kernel writes only for
+that backward (``KernelTensor.saved``) never reach the graph.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import threading
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.fx
 import triton
 from torch.nn.utils import parametrize
 from triton import knobs
@@ -73,7 +76,11 @@ class FusedKernel:
         self.host_scalars, self.device = list(host_scalars), device
         self.host_moves = [(slot, device) for slot in self.host_scalars]  # built once, not per call
         self.output_layout = [(t.shape, t.stride, t.dtype) for t in program.outputs]
-        self.single_output = len(program.outputs) == 1
+        # The graph gets the outputs it reads; those the kernel writes only for the group's
+        # backward (``KernelTensor.saved``, last) go to ``RecomputeForBackward``'s context.
+        self.n_visible = len(program.visible_outputs)
+        self.saved_names = [t.name for t in program.outputs if t.saved]
+        self.single_output = self.n_visible == 1
         # Parameters and buffers are fetched from their live module on every call,
         # so an optimiser step or a replaced parameter takes effect at once.
         self.n_inputs = len(program.inputs)
@@ -86,7 +93,9 @@ class FusedKernel:
         # through its placeholders: backward substitutes them by path.
         self.attr_inputs = {k: t.source.path for k, t in enumerate(program.inputs) if isinstance(t.source, AttrRef)}
         # The group's fused backward (backward.FusedBackward), where one was built and kept.
-        self.backward: Optional[Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], list]] = None
+        # Called as ``backward(inputs, grads, saved)``; its ``reads_saved`` says which of the
+        # values saved for backward it reads.
+        self.backward: Optional[Callable[..., list]] = None
         self.__name__ = source.name
         self.__qualname__ = source.name
 
@@ -141,7 +150,7 @@ class FusedKernel:
         if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
             outputs = RecomputeForBackward.apply(self, *inputs)
         else:
-            outputs = self.launch(*inputs)
+            outputs = self.launch(*inputs)[: self.n_visible]
         return outputs[0] if self.single_output else tuple(outputs)
 
 
@@ -298,10 +307,19 @@ def _substituted_parametrizations(substitutes: Sequence[tuple[torch.nn.Module, s
         parametrize._cache_enabled = enabled
 
 
-def run_eager(fused: FusedKernel, inputs: Sequence[torch.Tensor]) -> Any:
+def run_eager(
+    fused: FusedKernel,
+    inputs: Sequence[torch.Tensor],
+    saved: Optional[dict[str, torch.Tensor]] = None,
+    made: Optional[dict[str, torch.Tensor]] = None,
+) -> Any:
     """The group's original ops on ``inputs``, the kernel's inputs in its order: the
     parameters among them stand in for the module's own (the eager group reads those by
-    path), so gradients reach ``inputs`` themselves."""
+    path), so gradients reach ``inputs`` themselves.
+
+    ``saved``: tensors, by node name in ``fused.eager``, that the ops after each such node
+    read instead of its result; the result it computed goes into ``made`` (how a backward
+    takes a value from the forward and still differentiates the op that made it)."""
     params, parametrized = {}, []
     for slot, module, name in fused.live_attrs:
         if parametrize.is_parametrized(module, name):
@@ -309,11 +327,41 @@ def run_eager(fused: FusedKernel, inputs: Sequence[torch.Tensor]) -> Any:
         else:
             params[fused.attr_inputs[slot]] = inputs[slot]
     with _substituted_parametrizations(parametrized):
-        return torch.func.functional_call(fused.eager, params, tuple(inputs))  # type: ignore[arg-type]
+        if not saved:
+            return torch.func.functional_call(fused.eager, params, tuple(inputs))  # type: ignore[arg-type]
+        assert isinstance(fused.eager, torch.fx.GraphModule)  # saved values name its nodes
+        module = _WithSavedValues(fused.eager, saved, {} if made is None else made)
+        params = {f"eager.{path}": tensor for path, tensor in params.items()}
+        return torch.func.functional_call(module, params, tuple(inputs))
+
+
+class _WithSavedValues(torch.nn.Module):
+    """A group's eager module run node by node, the ops after each node of ``saved``
+    reading the tensor given for it (``run_eager``)."""
+
+    def __init__(self, eager: torch.fx.GraphModule, saved: dict[str, torch.Tensor], made: dict[str, torch.Tensor]):
+        super().__init__()
+        self.eager, self.saved, self.made = eager, saved, made
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        outer = self
+
+        class Substituting(torch.fx.Interpreter):
+            def run_node(self, n: torch.fx.Node) -> Any:
+                result = super().run_node(n)
+                if n.name in outer.saved:
+                    outer.made[n.name] = result
+                    return outer.saved[n.name]
+                return result
+
+        return Substituting(self.eager).run(*inputs)
 
 
 class RecomputeForBackward(torch.autograd.Function):
-    """Forward by the fused kernel; backward by recomputing the group's eager ops.
+    """Forward by the fused kernel; backward by the group's fused backward graph, which
+    reads the group's inputs and the values the kernel saved for it (its products'
+    results, ``KernelTensor.saved``), or where it has none by recomputing the group's
+    eager ops.
 
     The recomputation runs under the forward's autocast state (as eager's
     backward uses the dtypes its forward chose). With ``create_graph=True``
@@ -331,16 +379,25 @@ class RecomputeForBackward(torch.autograd.Function):
         ctx.autocast = {
             device: torch.get_autocast_dtype(device) for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)
         }
-        ctx.save_for_backward(*inputs)
-        return tuple(fused.launch(*inputs))
+        outputs = fused.launch(*inputs)
+        # Of the values written for backward, only those its backward graph reads are held
+        # (none where the group recomputes its eager ops).
+        # The backward as it is now, with what it reads: the one this forward saved for.
+        ctx.backward = fused.backward
+        reads = getattr(fused.backward, "reads_saved", ())
+        saved = [outputs[fused.n_visible + j] for j in reads]
+        ctx.n_inputs = len(inputs)
+        ctx.save_for_backward(*inputs, *saved)
+        return tuple(outputs[: fused.n_visible])
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         higher_order = torch.is_grad_enabled()
-        inputs = list(ctx.saved_tensors)
-        if ctx.fused.backward is not None and not higher_order:
+        held = list(ctx.saved_tensors)
+        inputs, saved = held[: ctx.n_inputs], held[ctx.n_inputs :]
+        if ctx.backward is not None and not higher_order:
             # Its own backward graph; gradients of gradients need the differentiable recompute.
-            return (None, *ctx.fused.backward(inputs, grads))
+            return (None, *ctx.backward(inputs, grads, saved))
         if not higher_order:
             inputs = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
         with torch.enable_grad(), contextlib.ExitStack() as stack:

@@ -34,7 +34,7 @@ from typing import Any, Optional, cast
 import torch
 import torch.fx
 
-from .group import GroupProgram, GroupRefused, compose_group, layout_settings, product_count
+from .group import SAVED_FOR_BACKWARD, GroupProgram, GroupRefused, compose_group, layout_settings, product_count
 from .ir import LoweringContext, LoweringRefused, Value, tensor_meta
 from .registry import Registry, describe_target
 from .specs import LoweringSpec, SplitRule, StrategySpec, dtype_name
@@ -173,6 +173,9 @@ class Candidate:
     strategy: StrategySpec
     nodes: list[torch.fx.Node]
     program: Optional[GroupProgram] = None
+    # With gradients on: its products whose results its program does not store for its
+    # backward (``compile._save_products``), by node name.
+    products_recomputed: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -367,7 +370,7 @@ class PlanningView:
         returns the same program (don't change it) or raises the same refusal.
         The round's ``SPLIT_RULES`` are applied to the composed program each time."""
         ordered = tuple(sorted(nodes, key=self.order.__getitem__))
-        key = (ordered, lay_out, layout_settings())
+        key = (ordered, lay_out, layout_settings(), SAVED_FOR_BACKWARD.get())
         known = self._composed.get(key)
         if known is None:
             try:

@@ -64,6 +64,14 @@ class GroupEntry(BaseModel):
     size_buckets: list[int] = Field(default_factory=list)
     specialised: Optional[str] = None
     class_checked: bool = False
+    # With gradients on (a forward group): the nodes whose results its kernel writes for its
+    # backward, which reads them instead of computing them again (products' results), and
+    # their bytes held from forward to backward; and its products whose results it could not
+    # store (its strategy writes no such output), which its backward computes again where it
+    # needs them (docs/training.md, "What a backward saves").
+    saved_for_backward: list[str] = Field(default_factory=list)
+    saved_bytes: int = 0
+    products_recomputed: list[str] = Field(default_factory=list)
 
 
 class GraphNode(BaseModel):
@@ -224,6 +232,13 @@ def _group_lines(report: FusionReport, k: int, g: GroupEntry) -> list[str]:
         facts.append(f"{g.time_fused_ms:.3f} ms fused vs {g.time_eager_ms:.3f} ms eager{both}")
     if g.kernel:
         facts.append(f"kernel {g.kernel}" + (" (tuned config from the cache)" if g.cache_hit else ""))
+    if g.saved_for_backward:
+        facts.append(
+            f"saves {len(g.saved_for_backward)} value(s) for backward ({', '.join(g.saved_for_backward)}, "
+            f"{format_bytes(g.saved_bytes)})"
+        )
+    if g.products_recomputed:
+        facts.append(f"backward computes {', '.join(g.products_recomputed)} again")
     if facts:
         lines.append(f"      {'; '.join(facts)}")
     return lines

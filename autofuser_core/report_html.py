@@ -140,6 +140,11 @@ def group_sentence(group) -> str:
     n = len(group.nodes)
     if n == 1:
         return "one op as a generated kernel"
+    if group.saved_for_backward:
+        return (
+            f"{n} ops in one kernel: the values between them stay on chip, but for "
+            f"{', '.join(group.saved_for_backward)}, written for backward"
+        )
     return f"{n} ops in one kernel: the values between them stay on chip, never written to memory"
 
 
@@ -257,6 +262,21 @@ def summary_lines(report: "FusionReport") -> list[str]:
             f"{format_bytes(after)}; the most in {where}."
         )
     lines += dynamic_lines(report)
+    saving = [g for g in fused if g.saved_for_backward]
+    recomputing = [g for g in fused if g.products_recomputed]
+    if saving or recomputing:
+        values = sum(len(g.saved_for_backward) for g in saving)
+        lines.append(
+            f"For backward: {len(saving)} fused group(s) save {values} product result(s), "
+            f"{format_bytes(sum(g.saved_bytes for g in saving))} held until backward"
+            + (
+                f"; {len(recomputing)} group(s) compute "
+                f"{sum(len(g.products_recomputed) for g in recomputing)} product(s) again in backward"
+                if recomputing
+                else ""
+            )
+            + "."
+        )
     if report.compile_s:
         steps = sorted(report.phases.items(), key=lambda kv: -kv[1])[:3]
         lines.append(

@@ -28,6 +28,10 @@ import torch.fx
 
 from .group import GroupProgram, KernelTensor
 
+#: ``GraphModule.meta`` key of a group's eager module: the names of its nodes whose values
+#: the kernel writes for the group's backward (``KernelTensor.saved``), in output order.
+SAVED_NODES_KEY = "autofuser_saved_nodes"
+
 
 def _output_node(tensor: KernelTensor) -> torch.fx.Node:
     """The node a group output stands for: only inputs can be parameters (``AttrRef``)."""
@@ -45,9 +49,13 @@ def extract_group_module(gm: torch.fx.GraphModule, program: GroupProgram) -> tor
             env[tensor.source] = placeholder
     for node in program.nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
-    outs = [env[_output_node(t)] for t in program.outputs]
+    outs = [env[_output_node(t)] for t in program.visible_outputs]
     graph.output(outs[0] if len(outs) == 1 else tuple(outs))
-    return torch.fx.GraphModule(gm, graph, class_name="EagerGroup")
+    eager = torch.fx.GraphModule(gm, graph, class_name="EagerGroup")
+    # The nodes whose values the kernel also writes for the group's backward, by their
+    # names in this module (``backward.trace_backward`` reads them from the forward).
+    eager.meta[SAVED_NODES_KEY] = [env[_output_node(t)].name for t in program.outputs if t.saved]
+    return eager
 
 
 def rewrite_graph(gm: torch.fx.GraphModule, groups: Sequence[tuple[GroupProgram, Any]]) -> torch.fx.GraphModule:
@@ -87,12 +95,14 @@ def rewrite_graph(gm: torch.fx.GraphModule, groups: Sequence[tuple[GroupProgram,
             # Parameters are not graph inputs: the FusedKernel reads them live.
             args = [env[t.source] for t in program.inputs if isinstance(t.source, torch.fx.Node)]
             call = graph.call_function(fused, tuple(args))
-            if len(program.outputs) == 1:
-                source = _output_node(program.outputs[0])
+            # Outputs saved only for the group's backward stay inside its FusedKernel.
+            visible = program.visible_outputs
+            if len(visible) == 1:
+                source = _output_node(visible[0])
                 env[source] = call
                 call.meta.update(source.meta)
             else:
-                for k, out in enumerate(program.outputs):
+                for k, out in enumerate(visible):
                     source = _output_node(out)
                     item = graph.call_function(operator.getitem, (call, k))
                     item.meta.update(source.meta)

@@ -210,6 +210,13 @@ class StrategySpec(Spec):
        dimension that varies between calls reaches its kernel as a run-time
        argument (docs/dynamic.md). ``False`` (the default): its kernels stay
        specialised on each shape, which is always correct.
+    7. ``writes_saved_outputs``: whether ``generate`` writes every output of the
+       programs it is given, those only a backward reads included
+       (``KernelTensor.saved``: a product's result inside the group). With
+       gradients on, a kept group of such a strategy is composed again with
+       its products' results as outputs (when its ``compose`` and ``accepts``
+       take that), and its backward reads them instead of computing the
+       products again; other groups recompute them (docs/training.md).
     """
 
     block_params: tuple[str, ...] = ()
@@ -223,6 +230,7 @@ class StrategySpec(Spec):
     generate: Callable[..., Any]
     split_rules: tuple[SplitRule, ...] = ()
     dynamic_sizes: bool = Field(default=False, strict=True)
+    writes_saved_outputs: bool = False
 
 
 class QuantizerSpec(Spec):

@@ -24,6 +24,7 @@ import torch.fx
 from .group import ROUNDED_DTYPES, GroupProgram, attr_tensor
 from .ir import AttrRef
 from .planner import Candidate, barrier_reason
+from .rewrite import SAVED_NODES_KEY
 from .specs import DEFAULT_TOLERANCES, Tolerance, dtype_name
 
 logger = logging.getLogger("autofuser.verify")
@@ -302,6 +303,26 @@ def _synthetic_inputs(program: GroupProgram, kernel_inputs: Sequence[Any]) -> Op
     return drawn if any_drawn else None
 
 
+class _Recording(torch.fx.Interpreter):
+    """A group's eager module run node by node, keeping the values of the nodes whose
+    results the kernel also writes for the group's backward (``saved``, in output order)."""
+
+    def __init__(self, eager: torch.fx.GraphModule):
+        super().__init__(eager)
+        self.names = list(eager.meta.get(SAVED_NODES_KEY, ()))
+        self.found: dict[str, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.name in self.names:
+            self.found[n.name] = result
+        return result
+
+    @property
+    def saved(self) -> list[Any]:
+        return [self.found[name] for name in self.names]
+
+
 def synthetic_mismatch(job, kernel_inputs: Sequence[Any], tol: Tolerance) -> Optional[str]:
     """Why the group's kernel disagrees with its own eager ops on synthetic inputs
     (``_synthetic_inputs``), compared as fp16/bf16 results are on the real ones
@@ -317,13 +338,16 @@ def synthetic_mismatch(job, kernel_inputs: Sequence[Any], tol: Tolerance) -> Opt
         # Through the interpreter, node by node, as the real check's eager values came: the
         # group module's generated Python can differ from its nodes (fx prints
         # ``operator.pow(-2.0, y)`` as ``-2.0 ** y``, which Python reads as ``-(2.0 ** y)``).
-        expected = torch.fx.Interpreter(job.eager).run(*drawn)
+        recording = _Recording(job.eager)
+        expected = recording.run(*drawn)
     except Exception as err:
         logger.debug(
             "group %s: eager refuses the synthetic inputs (%s); checked on the real ones only", job.entry.nodes, err
         )
         return None
-    expected = [expected] if len(program.outputs) == 1 else list(expected)
+    expected = [expected] if len(program.visible_outputs) == 1 else list(expected)
+    # Outputs written for the backward (last) are checked too: eager's values of their nodes.
+    expected += recording.saved
     try:
         outputs = job.fused.launch(*drawn)
     except Exception as err:

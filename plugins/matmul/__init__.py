@@ -1,4 +1,4 @@
-"""Matrix products (nn.Linear, F.linear, matmul, @, mm, bmm, matmul-shaped einsum)
+"""Matrix products (nn.Linear, F.linear, matmul, @, mm, bmm, addmm, baddbmm, matmul-shaped einsum)
 and the strategies that fuse them with what comes before and after: matmul,
 linear + epilogue, layer norm + linear; the layout of a group with one product
 (``layout.py``) and its kernel writer (``kernel.py``); whole MLP blocks and

@@ -178,6 +178,9 @@ def _strategy(name, description):
         generate=generate,
         split_rules=(NORM_APART,),  # one product: only a norm in front of it can go apart
         dynamic_sizes=True,  # the rows (M) may vary: a run-time size; K and N are weights' sizes
+        # Every output is an epilogue value written from the product's tile, the product's
+        # own result (saved for backward) included.
+        writes_saved_outputs=True,
     )
 
 

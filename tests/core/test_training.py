@@ -550,9 +550,9 @@ def test_groups_alike_share_one_backward_and_train_like_eager(tmp_path, monkeypa
     traced = []
     trace = backward.trace_backward
 
-    def counted(fused, inputs, grads):
+    def counted(fused, *args):
         traced.append(fused.source.name)
-        return trace(fused, inputs, grads)
+        return trace(fused, *args)
 
     monkeypatch.setattr(backward, "trace_backward", counted)
 
@@ -779,3 +779,41 @@ def test_a_lone_norm_of_a_backward_graph_is_planned():
     norms = [g for g in backward if g.fused and len(g.ops) == 1 and "layer_norm" in g.ops[0]]
     assert norms, str(fused.report())
     assert not [g for g in backward if g.reason_code == "vetoed" and "layer_norm" in g.ops[0]], str(fused.report())
+
+
+class _CrossAttention(nn.Module):
+    """Queries of the points attend to a few latent tokens (UPT's decoder), through
+    ``F.scaled_dot_product_attention`` on transposed head views."""
+
+    def __init__(self, width: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.to_q = nn.Linear(width, width, bias=False)
+        self.to_kv = nn.Linear(width, 2 * width, bias=False)
+
+    def forward(self, x, latents):
+        b, n, c = x.shape
+        q = self.to_q(x).reshape(b, n, self.heads, c // self.heads).transpose(1, 2)
+        k, v = (
+            t.reshape(b, -1, self.heads, c // self.heads).transpose(1, 2) for t in self.to_kv(latents).chunk(2, dim=-1)
+        )
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def test_a_traced_backward_that_differs_from_eagers_is_not_used():
+    """ATen's decomposition of the CPU flash attention's forward returns the probabilities
+    where its backward reads the log-sum-exp: the traced backward graph computes wrong
+    gradients. Each traced graph is checked against eager's backward on the compile's
+    samples, and this one is dropped for the group's eager backward."""
+    model = _CrossAttention()
+    reference = copy.deepcopy(model)
+    fused = autofuser.fuse(model, plugins=["attention"], progress=False, tune=False, verify_speed=False)
+    x, latents = torch.randn(2, 37, 16), torch.randn(2, 8, 16)
+    for net in (fused, reference):
+        net(x, latents).square().sum().backward()
+    assert [g.strategy for g in fused.report().fused] == ["softmax_attention"]
+    (kernel,) = fused.kernels()
+    assert kernel.backward is None  # the traced graph was refused, saying why
+    assert any("its traced backward gives input" in note for note in fused.report().notes), fused.report().notes
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **FP32, msg=lambda m: f"{name}: {m}")

@@ -234,4 +234,6 @@ CHAIN_STRATEGY = StrategySpec(
     # As the MLP strategy's: shorter chains, then also its norms apart, then only its norms apart.
     split_rules=(FEWER_PRODUCTS, FEWER_PRODUCTS_NORM_APART, NORM_APART),
     dynamic_sizes=True,  # the rows may vary: a run-time size
+    # A step's result that is an output is stored whole or chunk by chunk, as any output.
+    writes_saved_outputs=True,
 )

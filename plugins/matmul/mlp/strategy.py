@@ -209,4 +209,7 @@ MLP_STRATEGY = StrategySpec(
     # Timed against its products apart, then also its norm apart, then only its norm apart.
     split_rules=(FEWER_PRODUCTS, FEWER_PRODUCTS_NORM_APART, NORM_APART),
     dynamic_sizes=True,  # the rows may vary: a run-time size
+    # Its outputs are the second product's epilogue values, that product's own result (saved
+    # for backward) included; the hidden activation is never an output (``lay_out_mlp``).
+    writes_saved_outputs=True,
 )
