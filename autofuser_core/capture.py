@@ -1170,6 +1170,11 @@ class _ShapeRecorder(torch.fx.Interpreter):
         result = super().run_node(n)
         if inputs and isinstance(result, torch.Tensor):
             n.meta[FREE_KEY] = _is_free(result, inputs, versions)
+        elif (
+            inputs and isinstance(result, (tuple, list)) and result and all(isinstance(r, torch.Tensor) for r in result)
+        ):
+            # chunk, split, unbind: a tuple of views moves no data either
+            n.meta[FREE_KEY] = all(_is_free(r, inputs, versions) for r in result)
         if n.op == "call_module":  # what an opaque one returned, for OutputShapeCheck
             n.meta[CAPTURED_OUTPUT_KEY] = _describe_output(result)
         found = False
@@ -1205,6 +1210,49 @@ def _is_free(result: torch.Tensor, inputs: list, versions: list[int]) -> bool:
         return any(t.numel() and t.untyped_storage().data_ptr() == storage for t in tensors)
     except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts: no view to see
         return False
+
+
+def judge_views(nodes: list[torch.fx.Node]) -> None:
+    """File under ``FREE_KEY`` whether each of ``nodes`` (a graph pass's new nodes, which
+    the capture's run never saw) is a view of its inputs, by running it on meta tensors
+    of its inputs' recorded metadata: no data, no device. A node that can't run so, or
+    whose inputs lack metadata, is judged to move data (the report counts it as work)."""
+    for node in nodes:
+        if node.op not in ("call_function", "call_method") or not hasattr(node.meta.get("tensor_meta"), "shape"):
+            continue
+        node.meta[FREE_KEY] = _is_view_on_meta(node)
+
+
+def _is_view_on_meta(node: torch.fx.Node) -> bool:
+    inputs: list[torch.Tensor] = []
+
+    def as_meta(arg: Any) -> Any:
+        if isinstance(arg, torch.fx.Node):
+            meta = arg.meta.get("tensor_meta")
+            if not hasattr(meta, "shape"):
+                raise LookupError(arg.name)
+            value = torch.empty_strided(tuple(meta.shape), tuple(meta.stride), dtype=meta.dtype, device="meta")
+            inputs.append(value)
+            return value
+        if isinstance(arg, (torch.device, torch.Tensor)) or (isinstance(arg, str) and arg.startswith("cuda")):
+            raise LookupError("a device or a constant tensor")  # would allocate off the meta device
+        return arg
+
+    try:
+        args = map_aggregate(node.args, as_meta)
+        kwargs = map_aggregate(node.kwargs, as_meta)
+        if not inputs or "device" in node.kwargs or "out" in node.kwargs:
+            return False
+        versions = [t._version for t in inputs]
+        if node.op == "call_method":
+            result = getattr(args[0], cast(str, node.target))(*args[1:], **kwargs)
+        else:
+            result = cast(Any, node.target)(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - any op that can't run on meta tensors counts as work
+        return False
+    if [t._version for t in inputs] != versions or not isinstance(result, torch.Tensor):
+        return False
+    return any(result is t or result._base is t for t in inputs)
 
 
 def record_shapes(gm: torch.fx.GraphModule, *inputs: Any) -> None:
