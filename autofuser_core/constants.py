@@ -1,0 +1,126 @@
+"""Values no input reaches, computed once while compiling.
+
+A captured graph is specialised on its inputs' shapes, dtypes and device (the
+guard compiles again when they change), so an op whose arguments are all
+Python constants, or the results of such ops, computes the same tensor on
+every call: the normalised mesh indices an FNO concatenates to its input
+(``linspace``, ``meshgrid``, ``stack``), a rotary embedding's angles over a
+fixed number of positions. ``fold_constants`` computes each such value once
+and replaces the op by a read of the stored tensor (a non-persistent buffer of
+the graph module: not in any ``state_dict``, moved by ``.to()``), so nothing
+is left to run, fused or eager.
+
+Only what cannot change between calls is folded:
+
+1. the op and everything it is computed from are ``call_function`` /
+   ``call_method`` nodes without tensor inputs of the graph, parameters or
+   buffers (a parameter changes under an optimiser step; a module call may
+   read any state), none a barrier (``planner.barrier_reason``: a mutation,
+   random numbers, an opaque part) and none an opaque function leaf;
+2. the stored value never reaches the model's output nor an op that writes
+   into memory, directly or through views of it (the caller could change it,
+   and the next call would read the changed value);
+3. it is a tensor of at most ``FOLD_LIMIT_BYTES`` of storage (folding trades
+   memory held between calls for work each call does) whose elements don't share
+   memory (an ``expand`` stays the free view it is, of the value folded before it).
+
+The report's notes say how many ops were folded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx.node import map_arg
+
+from .capture import FREE_KEY, LeafCall, OutputShapeCheck
+from .planner import barrier_reason
+
+logger = logging.getLogger(__name__)
+
+#: The largest value (bytes of its storage) kept between calls.
+FOLD_LIMIT_BYTES = 16 * 2**20
+
+ATTRIBUTE_PREFIX = "_autofuser_constant_"
+
+
+def _evaluate(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> Any:
+    args = map_arg(node.args, values.__getitem__)
+    kwargs = map_arg(node.kwargs, values.__getitem__)
+    with torch.no_grad():
+        if node.op == "call_method":
+            return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+        return node.target(*args, **kwargs)  # type: ignore[operator]
+
+
+def _overlaps(value: torch.Tensor) -> bool:
+    """Whether elements of ``value`` share memory (a zero stride over a dim of more than one)."""
+    return any(stride == 0 and size > 1 for size, stride in zip(value.shape, value.stride()))
+
+
+def _escapes(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    """Whether ``node``'s value reaches the output or a writing op, itself or through views."""
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        for user in current.users:
+            if user.op == "output" or barrier_reason(user, gm) is not None:
+                return True
+            if user.meta.get(FREE_KEY) and user not in seen:  # a view: its readers read this memory
+                seen.add(user)
+                stack.append(user)
+    return False
+
+
+def fold_constants(gm: torch.fx.GraphModule) -> list[str]:
+    """Fold every value no input reaches (module doc); returns the names of the ops folded."""
+    values: dict[torch.fx.Node, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method") or any(n not in values for n in node.all_input_nodes):
+            continue
+        if isinstance(node.target, (LeafCall, OutputShapeCheck)) or barrier_reason(node, gm) is not None:
+            continue
+        try:
+            value = _evaluate(node, values)
+        except Exception as err:  # noqa: BLE001 - it then runs as it did
+            logger.debug("not folding %s: %s", node.name, err)
+            continue
+        if isinstance(value, torch.Tensor) and _overlaps(value):
+            continue  # an expand: it stays the free view it is, of the value folded before it
+        values[node] = value
+    folded: list[str] = []
+    stored = 0
+    for node in list(values):
+        value = values[node]
+        if all(user in values for user in node.users) or not isinstance(value, torch.Tensor):
+            continue  # read only by other constants (or not a tensor): folded with them or kept
+        if value.requires_grad or _escapes(node, gm):
+            continue
+        try:
+            size = value.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if size > FOLD_LIMIT_BYTES:
+            continue
+        name = f"{ATTRIBUTE_PREFIX}{stored}"
+        while hasattr(gm, name):
+            stored += 1
+            name = f"{ATTRIBUTE_PREFIX}{stored}"
+        gm.register_buffer(name, value, persistent=False)
+        stored += 1
+        with gm.graph.inserting_before(node):
+            read = gm.graph.get_attr(name)
+        read.meta = {k: v for k, v in node.meta.items() if k != FREE_KEY}
+        node.replace_all_uses_with(read)
+    # The ops now read by no one: the folded ones and what they were computed from.
+    for node in reversed(list(values)):
+        if not node.users:
+            folded.append(node.name)
+            gm.graph.erase_node(node)
+    if folded:
+        gm.graph.lint()
+        gm.recompile()
+    return folded[::-1]
