@@ -1228,7 +1228,7 @@ def _is_view_on_meta(node: torch.fx.Node) -> bool:
 
     def as_meta(arg: Any) -> Any:
         if isinstance(arg, torch.fx.Node):
-            meta = arg.meta.get("tensor_meta")
+            meta: Any = arg.meta.get("tensor_meta")
             if not hasattr(meta, "shape"):
                 raise LookupError(arg.name)
             value = torch.empty_strided(tuple(meta.shape), tuple(meta.stride), dtype=meta.dtype, device="meta")

@@ -201,3 +201,25 @@ def test_coverage_counts_complex_library_calls_apart_from_work_left_eager():
     assert f"{counts.share(counts.fused):.0f}% of the compute ops, 100% with the library calls" in first, first
     assert "3 are library calls left on purpose" in first and "0 ops run as in eager" in first, first
     assert "library call on purpose (complex-valued" in str(report)
+
+
+class ChunkedProjection(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qk = torch.nn.Linear(6, 10)
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, dim=-1)  # a tuple of views
+        return torch.sigmoid(q) * k.contiguous()
+
+
+def test_a_tuple_of_views_is_a_free_view_and_a_copy_is_work():
+    model = ChunkedProjection()
+    x = torch.randn(3, 7, 6)
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-5)
+    report = fused.report()
+    free = {readable_target(n.target) for n in report.graph if n.free}
+    assert any("chunk" in t for t in free), report.graph
+    assert not any("contiguous" in t for t in free)  # a permuted or sliced tensor made contiguous is copied
