@@ -121,3 +121,14 @@ def test_complex_einsum_stays_the_library_product_and_is_reported_as_one():
     assert entry.reason_code == "unsupported_dtype" and "complex64" in entry.reason
     # the real view of its result feeds the fused multiplication
     assert any("mul" in op for g in report.fused for op in g.ops)
+
+
+def test_product_form_under_bf16_autocast_matches_eager():
+    a, b = torch.randn(2, 5, 7, 6), torch.randn(5, 11, 7, 6)  # fp32 inputs, the product in bf16
+    model = Einsum("bixy,ioxy->boxy")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got, report = _fused(model, a, b)
+    assert got.dtype == expected.dtype == torch.bfloat16 and got.stride() == expected.stride()
+    tol = PRODUCT_TOLERANCES["bfloat16"]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol.atol, rtol=tol.rtol)
+    assert any("matmul" in op for g in report.fused for op in g.ops), str(report)
