@@ -16,7 +16,9 @@ Only what cannot change between calls is folded:
    ``call_method`` nodes without tensor inputs of the graph, parameters or
    buffers (a parameter changes under an optimiser step; a module call may
    read any state), none a barrier (``planner.barrier_reason``: a mutation,
-   random numbers, an opaque part) and none an opaque function leaf;
+   random numbers, an opaque part), none an opaque function leaf, and none
+   written into by a later op, itself or through a view (FNO's zero spectrum
+   filled by slice assignments is not the zeros it was made as);
 2. the stored value never reaches the model's output nor an op that writes
    into memory, directly or through views of it (the caller could change it,
    and the next call would read the changed value);
@@ -61,13 +63,14 @@ def _overlaps(value: torch.Tensor) -> bool:
     return any(stride == 0 and size > 1 for size, stride in zip(value.shape, value.stride()))
 
 
-def _escapes(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
-    """Whether ``node``'s value reaches the output or a writing op, itself or through views."""
+def _reaches(node: torch.fx.Node, gm: torch.fx.GraphModule, output: bool = True) -> bool:
+    """Whether ``node``'s value reaches a writing op (or, with ``output``, the model's
+    output), itself or through views of it."""
     stack, seen = [node], set()
     while stack:
         current = stack.pop()
         for user in current.users:
-            if user.op == "output" or barrier_reason(user, gm) is not None:
+            if (output and user.op == "output") or barrier_reason(user, gm) is not None:
                 return True
             if user.meta.get(FREE_KEY) and user not in seen:  # a view: its readers read this memory
                 seen.add(user)
@@ -83,6 +86,8 @@ def fold_constants(gm: torch.fx.GraphModule) -> list[str]:
             continue
         if isinstance(node.target, (LeafCall, OutputShapeCheck)) or barrier_reason(node, gm) is not None:
             continue
+        if _reaches(node, gm, output=False):
+            continue  # written into later (a buffer filled by slice assignment): not what it was
         try:
             value = _evaluate(node, values)
         except Exception as err:  # noqa: BLE001 - it then runs as it did
@@ -97,7 +102,7 @@ def fold_constants(gm: torch.fx.GraphModule) -> list[str]:
         value = values[node]
         if all(user in values for user in node.users) or not isinstance(value, torch.Tensor):
             continue  # read only by other constants (or not a tensor): folded with them or kept
-        if value.requires_grad or _escapes(node, gm):
+        if value.requires_grad or _reaches(node, gm):
             continue
         try:
             size = value.untyped_storage().nbytes()

@@ -91,3 +91,23 @@ def test_written_values_and_parameters_are_not_folded():
         fused(x)
         model.scale.add_(0.25)  # an optimiser step: the next call reads the new value
         torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+class FillsABuffer(torch.nn.Module):
+    """A zero buffer filled by slice assignment, then read: FNO's spectrum without the fft plugin."""
+
+    def forward(self, x):
+        spectrum = torch.zeros(x.shape[0], 8)
+        spectrum[:, :3] = x[:, :3] * 2.0
+        return x[:, :1] * torch.sin(spectrum)
+
+
+def test_a_value_written_into_later_is_not_folded_nor_what_is_computed_from_it():
+    model = FillsABuffer()
+    fused = _fuse(model)
+    for seed in range(2):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), model(x))
+    notes = " ".join(fused.report().notes)
+    assert "computed once" not in notes, notes
