@@ -45,7 +45,7 @@ from . import timing
 from .backward import BACKWARD_GRAPH_KEY, build_backward
 from .cache import cache_dir, load_kernel_module, write_tuning
 from .capture import FREE_KEY, OutputShapeCheck, judge_views, preserved_state
-from .constants import fold_constants
+from .constants import fold_checked
 from .group import MAX_PRODUCTS, STRICT_FP32, GroupProgram, attr_tensor, product_count
 from .interpreter import kernels_cannot_run, warn_once
 from .ir import AttrRef
@@ -198,7 +198,9 @@ def _compile_graph(
     report = FusionReport(plugins=list(plugin_set.names), opaque=dict(gm.meta.get("autofuser_opaque", {})))
     _transform_graph(gm, plugin_set, options)
     _spell_negative_bases(gm)
-    folded = [] if backward_graph else fold_constants(gm)
+    folded, undone = ([], "") if backward_graph else fold_checked(gm, inputs)
+    if undone:
+        report.notes.append(f"values no input reaches were not folded into constants: {undone}")
     if folded:
         listed = ", ".join(folded[:6]) + (", ..." if len(folded) > 6 else "")
         report.notes.append(

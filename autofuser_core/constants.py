@@ -26,20 +26,26 @@ Only what cannot change between calls is folded:
    memory held between calls for work each call does) whose elements don't share
    memory (an ``expand`` stays the free view it is, of the value folded before it).
 
-The report's notes say how many ops were folded.
+Folding happens before planning, so verification compares fused groups against
+the folded graph and could not see a wrong fold: ``fold_checked`` therefore runs
+the graph once as captured and once folded on the real inputs (copies, state
+restored) and undoes the folding unless both give the same outputs. The report's
+notes say how many ops were folded, or that a fold was undone.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx
 from torch.fx.node import map_arg
 
-from .capture import FREE_KEY, LeafCall, OutputShapeCheck
+from .capture import FREE_KEY, LeafCall, OutputShapeCheck, preserved_state
 from .planner import barrier_reason
+from .verify import snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -129,3 +135,44 @@ def fold_constants(gm: torch.fx.GraphModule) -> list[str]:
         gm.graph.lint()
         gm.recompile()
     return folded[::-1]
+
+
+def _run(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> list:
+    with preserved_state(gm), torch.no_grad():
+        out = torch.fx.Interpreter(gm).run(*[snapshot(x) for x in inputs])
+    return [v for v in torch.utils._pytree.tree_leaves(out)]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return type(a) is type(b) and (a == b if not isinstance(a, torch.Tensor) else True)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b) or not a.is_floating_point():
+        return torch.equal(a, b)
+    # the same ops on the same values; only a nondeterministic GPU op can differ, and by rounding
+    scale = a.detach().abs().nan_to_num(0.0, 0.0, 0.0).max().item() if a.numel() else 0.0
+    return torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6 * max(scale, 1e-30), equal_nan=True)
+
+
+def fold_checked(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> tuple[list[str], str]:
+    """``fold_constants`` on ``gm``, kept only where the folded graph gives the captured
+    graph's outputs on ``inputs``; returns the folded ops' names and, where a fold was
+    undone, why (else "")."""
+    before = copy.deepcopy(gm.graph)
+    folded = fold_constants(gm)
+    if not folded:
+        return [], ""
+    original = torch.fx.GraphModule(gm, before)
+    try:
+        expected, got = _run(original, inputs), _run(gm, inputs)
+        same = len(expected) == len(got) and all(_same(a, b) for a, b in zip(expected, got))
+        why = "" if same else "the folded graph's outputs differ from the captured graph's"
+    except Exception as err:  # noqa: BLE001 - then nothing is folded
+        why = f"checking it raised {type(err).__name__}: {err}"
+    if why:
+        gm.graph = before  # recompiles
+        for name in [n for n, _ in gm.named_buffers(recurse=False) if n.startswith(ATTRIBUTE_PREFIX)]:
+            delattr(gm, name)
+        return [], why
+    return folded, ""

@@ -111,3 +111,19 @@ def test_a_value_written_into_later_is_not_folded_nor_what_is_computed_from_it()
             torch.testing.assert_close(fused(x), model(x))
     notes = " ".join(fused.report().notes)
     assert "computed once" not in notes, notes
+
+
+def test_a_fold_that_changes_the_outputs_is_undone(monkeypatch):
+    """The safety net under the rules: were a write missed (here every op is taken for
+    pure), the folded graph's outputs differ from the captured graph's and the fold is
+    undone, named in the report's notes."""
+    import autofuser_core.constants as constants
+
+    monkeypatch.setattr(constants, "barrier_reason", lambda node, gm: None)
+    model = FillsABuffer()
+    fused = _fuse(model)
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x))
+    notes = " ".join(fused.report().notes)
+    assert "not folded into constants: the folded graph's outputs differ" in notes, notes
