@@ -30,7 +30,7 @@ from autofuser_core.errors import (
 )
 from autofuser_core.group import GroupProgram, GroupRefused, KernelTensor, program_from_nodes
 from autofuser_core.hookspecs import hookimpl
-from autofuser_core.ir import LoweringContext, Value, broadcast_shapes, describe_tensor
+from autofuser_core.ir import LoweringContext, Value, annotate_node, broadcast_shapes, describe_tensor
 from autofuser_core.oplib import collect_specs
 from autofuser_core.plugins import load_plugins
 from autofuser_core.specs import (
@@ -73,6 +73,7 @@ __all__ = [
     "StrategySpec",
     "Tolerance",
     "Value",
+    "annotate_node",
     "broadcast_shapes",
     "capture",
     "collect_specs",

@@ -82,7 +82,7 @@ from torch.fx.proxy import TraceError
 from torch.utils import _pytree as pytree
 
 from autofuser_core.errors import CaptureError
-from autofuser_core.ir import describe_tensor
+from autofuser_core.ir import FREE_KEY, describe_tensor
 
 try:  # einops is optional: without it there is simply nothing to lower.
     from einops import _backends as _einops_backends
@@ -98,7 +98,6 @@ ROOT_ATTR = "opaque_model"  # attribute holding the model when the root is opaqu
 
 SOURCE_KEY = "autofuser_source"  # (file, line, function) of the user's code that made a node
 CAPTURED_OUTPUT_KEY = "autofuser_captured_output"  # a module call's output structure, shapes and dtypes
-FREE_KEY = "autofuser_free"  # True where the node's result is an input's storage (a view): it moves no data
 
 _REAL = "_autofuser_real_value"  # private node.meta keys, deleted after tracing
 _HOLD = "_autofuser_real_hold"
@@ -1210,49 +1209,6 @@ def _is_free(result: torch.Tensor, inputs: list, versions: list[int]) -> bool:
         return any(t.numel() and t.untyped_storage().data_ptr() == storage for t in tensors)
     except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts: no view to see
         return False
-
-
-def judge_views(nodes: list[torch.fx.Node]) -> None:
-    """File under ``FREE_KEY`` whether each of ``nodes`` (a graph pass's new nodes, which
-    the capture's run never saw) is a view of its inputs, by running it on meta tensors
-    of its inputs' recorded metadata: no data, no device. A node that can't run so, or
-    whose inputs lack metadata, is judged to move data (the report counts it as work)."""
-    for node in nodes:
-        if node.op not in ("call_function", "call_method") or not hasattr(node.meta.get("tensor_meta"), "shape"):
-            continue
-        node.meta[FREE_KEY] = _is_view_on_meta(node)
-
-
-def _is_view_on_meta(node: torch.fx.Node) -> bool:
-    inputs: list[torch.Tensor] = []
-
-    def as_meta(arg: Any) -> Any:
-        if isinstance(arg, torch.fx.Node):
-            meta: Any = arg.meta.get("tensor_meta")
-            if not hasattr(meta, "shape"):
-                raise LookupError(arg.name)
-            value = torch.empty_strided(tuple(meta.shape), tuple(meta.stride), dtype=meta.dtype, device="meta")
-            inputs.append(value)
-            return value
-        if isinstance(arg, (torch.device, torch.Tensor)) or (isinstance(arg, str) and arg.startswith("cuda")):
-            raise LookupError("a device or a constant tensor")  # would allocate off the meta device
-        return arg
-
-    try:
-        args = map_aggregate(node.args, as_meta)
-        kwargs = map_aggregate(node.kwargs, as_meta)
-        if not inputs or "device" in node.kwargs or "out" in node.kwargs:
-            return False
-        versions = [t._version for t in inputs]
-        if node.op == "call_method":
-            result = getattr(args[0], cast(str, node.target))(*args[1:], **kwargs)
-        else:
-            result = cast(Any, node.target)(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - any op that can't run on meta tensors counts as work
-        return False
-    if [t._version for t in inputs] != versions or not isinstance(result, torch.Tensor):
-        return False
-    return any(result is t or result._base is t for t in inputs)
 
 
 def record_shapes(gm: torch.fx.GraphModule, *inputs: Any) -> None:

@@ -44,7 +44,7 @@ from torch.nn.utils import parametrize
 from . import timing
 from .backward import BACKWARD_GRAPH_KEY, build_backward
 from .cache import cache_dir, load_kernel_module, write_tuning
-from .capture import FREE_KEY, OutputShapeCheck, judge_views, preserved_state
+from .capture import FREE_KEY, OutputShapeCheck, preserved_state
 from .constants import fold_checked
 from .group import MAX_PRODUCTS, STRICT_FP32, GroupProgram, attr_tensor, product_count
 from .interpreter import kernels_cannot_run, warn_once
@@ -136,9 +136,7 @@ def compile_graph(
 def _transform_graph(gm: torch.fx.GraphModule, plugin_set, options) -> None:
     """Step 1: every plugin's ``autofuser_transform_graph``. A pass that raises is undone (the graph as it was before
     it) and reported; the graph then
-    still computes the model's function, without that pass. The nodes the passes made
-    are judged views or work (``judge_views``), as the capture judged its own."""
-    captured = {n.name for n in gm.graph.nodes}  # names: undoing a pass copies the graph's nodes
+    still computes the model's function, without that pass."""
     for impl in plugin_set.manager.hook.autofuser_transform_graph.get_hookimpls():
         before = copy.deepcopy(gm.graph)
         try:
@@ -152,7 +150,6 @@ def _transform_graph(gm: torch.fx.GraphModule, plugin_set, options) -> None:
                 err,
                 "its rewrite of the graph was undone and the graph is planned without it",
             )
-    judge_views([n for n in gm.graph.nodes if n.name not in captured])
 
 
 def _spell_negative_bases(gm: torch.fx.GraphModule) -> None:

@@ -43,7 +43,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx
 
-from autofuser import describe_tensor
+from autofuser import annotate_node, broadcast_shapes
 
 from .ops.einsum import parse_matmul_equation, parse_transposed_a_equation
 
@@ -217,12 +217,15 @@ def _apply(value: torch.Tensor, steps) -> list[torch.Tensor]:
     return out
 
 
-def _insert(graph: torch.fx.Graph, current, steps, values, origin: torch.fx.Node):
-    """Nodes for ``steps`` after ``current``, each with its metadata; where the einsum
-    came from (``origin``'s module) goes with them, for the report."""
+def _insert(graph: torch.fx.Graph, current, steps, values, start: torch.Tensor, origin: torch.fx.Node):
+    """Nodes for ``steps`` after ``current`` (whose value is like ``start``), each with its
+    metadata and whether it is a view; where the einsum came from (``origin``'s module)
+    goes with them, for the report."""
+    previous = start
     for (kind, arg), value in zip(steps, values):
         current = graph.call_function(torch.permute if kind == "permute" else torch.reshape, (current, arg))
-        current.meta["tensor_meta"] = describe_tensor(value)
+        annotate_node(current, value, (previous,))
+        previous = value
         if "nn_module_stack" in origin.meta:
             current.meta["nn_module_stack"] = origin.meta["nn_module_stack"]
     return current
@@ -241,12 +244,15 @@ def _form_with_einsums_layout(equation: str, metas: list, out_meta: Any):
             torch.empty_strided(tuple(m.shape), tuple(m.stride), dtype=m.dtype, device="meta") for m in metas
         )
         a_chain, b_chain = _apply(a_value, form.a_steps), _apply(b_value, form.b_steps)
-        product = torch.matmul(a_chain[-1] if a_chain else a_value, b_chain[-1] if b_chain else b_value)
-        product = product.to(out_meta.dtype)  # under autocast both run in its dtype
+        a_last, b_last = a_chain[-1] if a_chain else a_value, b_chain[-1] if b_chain else b_value
+        # matmul's result, contiguous, in the einsum's dtype (autocast's, where it runs);
+        # built, not computed: a meta matmul would import sympy, seconds of a cold first call
+        lead = broadcast_shapes(a_last.shape[:-2], b_last.shape[:-2])
+        product = torch.empty((*lead, a_last.shape[-2], b_last.shape[-1]), dtype=out_meta.dtype, device="meta")
         out_chain = _apply(product, form.out_steps)
         result = out_chain[-1] if out_chain else product
         if tuple(result.shape) == tuple(out_meta.shape) and tuple(result.stride()) == tuple(out_meta.stride):
-            return form, (a_chain, b_chain, product, out_chain)
+            return form, (a_value, a_chain, b_value, b_chain, product, out_chain)
     return None
 
 
@@ -283,14 +289,14 @@ def rewrite_einsums_as_products(gm: torch.fx.GraphModule) -> int:
         found = _form_with_einsums_layout(equation, metas, out_meta)
         if found is None:
             continue
-        form, (a_chain, b_chain, product, out_chain) = found
+        form, (a_value, a_chain, b_value, b_chain, product, out_chain) = found
         with graph.inserting_before(node):
-            a = _insert(graph, operands[0], form.a_steps, a_chain, node)
-            b = _insert(graph, operands[1], form.b_steps, b_chain, node)
+            a = _insert(graph, operands[0], form.a_steps, a_chain, a_value, node)
+            b = _insert(graph, operands[1], form.b_steps, b_chain, b_value, node)
             current = graph.call_function(torch.matmul, (a, b))
-            current.meta = {key: v for key, v in node.meta.items() if key != "tensor_meta"}
-            current.meta["tensor_meta"] = describe_tensor(product)
-            current = _insert(graph, current, form.out_steps, out_chain, node)
+            current.meta = dict(node.meta)  # where the einsum came from, for the report
+            annotate_node(current, product)
+            current = _insert(graph, current, form.out_steps, out_chain, product, node)
         node.replace_all_uses_with(current)
         graph.erase_node(node)
         rewritten += 1
