@@ -28,17 +28,12 @@ def lower_repeat(ctx, input, *sizes):
     return ctx.read_shifted(input, out, [0] * len(out), mode="wrap", new_dims=range(new))
 
 
-def _tiles(x, y):
-    """The repeat counts that tile ``x`` to ``y``'s shape."""
-    lead = y.dim() - x.dim()
-    return (*y.shape[:lead], *(s // n for s, n in zip(y.shape[lead:], x.shape)))
-
-
 def _samples(dtype):
+    # (x, y): x.repeat(2, 1, 3) has y's shape (a new leading dim, a dim of 2 tiled 3 times)
     return [
-        Sample(args=(randn((2, 3, 7, 1), dtype), randn((2, 3, 7, 5), dtype)), note="a size-1 dim repeated"),
-        Sample(args=(randn((3, 5), dtype), randn((2, 6, 5), dtype)), note="tiled, a new leading dim"),
-        Sample(args=(randn((1, 4), dtype), randn((1, 4), dtype)), note="batch 1, repeat once"),
+        Sample(args=(randn((37, 2), dtype), randn((2, 37, 6), dtype)), note="(37, 2) -> (2, 37, 6)"),
+        Sample(args=(randn((5, 2), dtype), randn((2, 5, 6), dtype)), note="(5, 2) -> (2, 5, 6)"),
+        Sample(args=(randn((1, 2), dtype), randn((2, 1, 6), dtype)), note="one row"),
     ]
 
 
@@ -51,12 +46,11 @@ SPECS = [
         lower=lower_repeat,
         samples=_samples,
         references=(
-            lambda x, y: y / (x + 1e-5).repeat(*_tiles(x, y)).abs().add(1),
-            lambda x, y: (
-                (x * 2).repeat(y.shape[0], 2, 1)[:, : y.shape[1]] * 0.5 + y
-                if x.dim() == 2
-                else x.repeat(1, 1, 1, 1) * y
-            ),
+            lambda x, y: y / (x + 1e-5).repeat(2, 1, 3).abs().add(1),
+            # a computed value repeated inside a chain
+            lambda x, y: torch.sigmoid(x * 2).repeat(2, 1, 3) - y,
+            # a size-1 dim repeated, as Transolver repeats its slice norm over the head width
+            lambda x, y: y * x[:, :1].repeat(2, 1, 6),
         ),
     ),
 ]
