@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the type checker sees the names; at run time ``__getattr__`
     )
     from autofuser_core.group import GroupProgram, GroupRefused, KernelTensor, program_from_nodes
     from autofuser_core.hookspecs import hookimpl
-    from autofuser_core.ir import LoweringContext, Value, broadcast_shapes, describe_tensor
+    from autofuser_core.ir import LoweringContext, Value, annotate_node, broadcast_shapes, describe_tensor
     from autofuser_core.oplib import collect_specs
     from autofuser_core.plugins import load_plugins
     from autofuser_core.specs import (
@@ -73,7 +73,9 @@ _LAZY_NAMES = {
     ),
     **dict.fromkeys(("GroupProgram", "GroupRefused", "KernelTensor", "program_from_nodes"), "autofuser_core.group"),
     "hookimpl": "autofuser_core.hookspecs",
-    **dict.fromkeys(("LoweringContext", "Value", "broadcast_shapes", "describe_tensor"), "autofuser_core.ir"),
+    **dict.fromkeys(
+        ("LoweringContext", "Value", "annotate_node", "broadcast_shapes", "describe_tensor"), "autofuser_core.ir"
+    ),
     "collect_specs": "autofuser_core.oplib",
     "load_plugins": "autofuser_core.plugins",
     **dict.fromkeys(
@@ -136,6 +138,7 @@ __all__ = [
     "StrategySpec",
     "Tolerance",
     "Value",
+    "annotate_node",
     "broadcast_shapes",
     "capture",
     "collect_specs",

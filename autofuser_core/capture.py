@@ -82,7 +82,7 @@ from torch.fx.proxy import TraceError
 from torch.utils import _pytree as pytree
 
 from autofuser_core.errors import CaptureError
-from autofuser_core.ir import describe_tensor
+from autofuser_core.ir import FREE_KEY, describe_tensor
 
 try:  # einops is optional: without it there is simply nothing to lower.
     from einops import _backends as _einops_backends
@@ -98,7 +98,6 @@ ROOT_ATTR = "opaque_model"  # attribute holding the model when the root is opaqu
 
 SOURCE_KEY = "autofuser_source"  # (file, line, function) of the user's code that made a node
 CAPTURED_OUTPUT_KEY = "autofuser_captured_output"  # a module call's output structure, shapes and dtypes
-FREE_KEY = "autofuser_free"  # True where the node's result is an input's storage (a view): it moves no data
 
 _REAL = "_autofuser_real_value"  # private node.meta keys, deleted after tracing
 _HOLD = "_autofuser_real_hold"
@@ -1170,6 +1169,11 @@ class _ShapeRecorder(torch.fx.Interpreter):
         result = super().run_node(n)
         if inputs and isinstance(result, torch.Tensor):
             n.meta[FREE_KEY] = _is_free(result, inputs, versions)
+        elif (
+            inputs and isinstance(result, (tuple, list)) and result and all(isinstance(r, torch.Tensor) for r in result)
+        ):
+            # chunk, split, unbind: a tuple of views moves no data either
+            n.meta[FREE_KEY] = all(_is_free(r, inputs, versions) for r in result)
         if n.op == "call_module":  # what an opaque one returned, for OutputShapeCheck
             n.meta[CAPTURED_OUTPUT_KEY] = _describe_output(result)
         found = False

@@ -45,6 +45,7 @@ from . import timing
 from .backward import BACKWARD_GRAPH_KEY, build_backward, saved_values_read
 from .cache import cache_dir, load_kernel_module, write_tuning
 from .capture import FREE_KEY, OutputShapeCheck, preserved_state
+from .constants import fold_checked
 from .dynamic import CLASS_CHECKED, SIZE_RULE, bucket, checked_key, collecting_sizes, passed_sizes
 from .group import (
     MAX_PRODUCTS,
@@ -211,6 +212,15 @@ def _compile_graph(
     report = FusionReport(plugins=list(plugin_set.names), opaque=dict(gm.meta.get("autofuser_opaque", {})))
     _transform_graph(gm, plugin_set, options)
     _spell_negative_bases(gm)
+    folded, undone = ([], "") if backward_graph else fold_checked(gm, inputs)
+    if undone:
+        report.notes.append(f"values no input reaches were not folded into constants: {undone}")
+    if folded:
+        listed = ", ".join(folded[:6]) + (", ..." if len(folded) > 6 else "")
+        report.notes.append(
+            f"{len(folded)} op(s) that no input or parameter reaches were computed once while compiling "
+            f"and are read as stored constants ({listed})"
+        )
     report.graph = describe_graph(gm)
     registry = plugin_set.registry.guarded()
 

@@ -131,7 +131,11 @@ def autofuser_transform_graph(gm, options):
 
     Called once per compiled signature, after capture and before planning, for
     every plugin (all are called; results are ignored). The graph must keep
-    computing the same function; ``gm.recompile()`` is done by the core.
+    computing the same function; ``gm.recompile()`` is done by the core. File
+    each node you add with ``autofuser.annotate_node(node, value, inputs)``: its
+    ``tensor_meta`` from a tensor computed alike (a meta tensor will do) and
+    whether it is a view of ``inputs``, which the report counts as free (the
+    capture judged its own nodes from the values it saw).
 
     :param gm: the captured ``torch.fx.GraphModule``, with ``tensor_meta`` on
         its nodes.

@@ -177,6 +177,21 @@ def describe_tensor(value: torch.Tensor):
     return TensorMetadata(value.shape, value.dtype, value.requires_grad, stride, None, value.is_quantized, {})
 
 
+#: ``node.meta`` key: True where the node's result re-reads an input's memory (a view), so
+#: it moves no data (the report counts it as free). The capture sets it from the values it
+#: saw; a graph pass sets it on the nodes it adds through ``annotate_node``.
+FREE_KEY = "autofuser_free"
+
+
+def annotate_node(node: torch.fx.Node, value: torch.Tensor, inputs: Sequence[torch.Tensor] = ()) -> None:
+    """File what a graph pass knows of a node it added: ``value``'s metadata (a tensor
+    computed alike, a meta tensor will do) and whether it is a view of one of ``inputs``
+    (the tensors it was computed from, alike), which the report counts as free."""
+    node.meta["tensor_meta"] = describe_tensor(value)
+    base = value._base
+    node.meta[FREE_KEY] = any(value is t or (base is not None and (base is t or base is t._base)) for t in inputs)
+
+
 def tensor_meta(node: Any):
     """The ``TensorMetadata`` recorded for an fx node, or ``None`` for non-tensors."""
     if isinstance(node, torch.fx.Node):

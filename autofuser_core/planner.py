@@ -200,6 +200,9 @@ class PlanningView:
         self.nodes: list[torch.fx.Node] = list(gm.graph.nodes)
         self.order = {n: i for i, n in enumerate(self.nodes)}
         self._space_groups: Optional[list[list[torch.fx.Node]]] = None
+        # Nodes that groups grow around, not into: the planner's second pass sets them to
+        # the nodes already kept (``plan_fusion_groups``).
+        self.excluded: frozenset[torch.fx.Node] = frozenset()
         self.product_layouts = registry.product_layouts()  # compose_group's layouts of groups with products
         if earlier is not None and (
             earlier.gm is not gm or earlier.registry is not registry or earlier.nodes != self.nodes
@@ -434,7 +437,7 @@ class PlanningView:
         members: dict[int, list[torch.fx.Node]] = {}
         fresh_ids = itertools.count()
         for node in self.nodes:
-            if node not in self.lowered or (nodes is not None and node not in nodes):
+            if node not in self.lowered or (nodes is not None and node not in nodes) or node in self.excluded:
                 continue
             gid = next(fresh_ids)  # not len(members): merges delete ids, and a reused id would collide
             group_of[node] = gid
@@ -477,16 +480,24 @@ def plan_fusion_groups(
     composed groups are reused (``PlanningView``)."""
     view = PlanningView(gm, registry, options, earlier.view if earlier is not None else None)
     plan = Plan(view)
-    candidates: list[Candidate] = []
-    for strategy in registry.strategies_by_priority():
-        try:
-            proposed = strategy.propose(view)
-        except Exception as err:
-            logger.warning("strategy %s (plugin %s) failed to propose groups: %s", strategy.name, strategy.plugin, err)
-            continue
-        candidates.extend(Candidate(strategy, sorted(nodes, key=view.order.__getitem__)) for nodes in proposed if nodes)
-    candidates.sort(key=lambda c: (-c.strategy.priority, -len(c.nodes), view.order[c.nodes[0]]))
 
+    def propose() -> list[Candidate]:
+        candidates: list[Candidate] = []
+        for strategy in registry.strategies_by_priority():
+            try:
+                proposed = strategy.propose(view)
+            except Exception as err:
+                logger.warning(
+                    "strategy %s (plugin %s) failed to propose groups: %s", strategy.name, strategy.plugin, err
+                )
+                continue
+            candidates.extend(
+                Candidate(strategy, sorted(nodes, key=view.order.__getitem__)) for nodes in proposed if nodes
+            )
+        candidates.sort(key=lambda c: (-c.strategy.priority, -len(c.nodes), view.order[c.nodes[0]]))
+        return candidates
+
+    candidates = propose()
     kept_of: dict[torch.fx.Node, int] = {}
     kept_groups: dict[int, set[torch.fx.Node]] = {}
 
@@ -498,39 +509,62 @@ def plan_fusion_groups(
             "not fusing %s with %s: [%s] %s", [n.name for n in candidate.nodes], candidate.strategy.name, code, reason
         )
 
-    for candidate in candidates:
+    def consider(candidate: Candidate) -> None:
         nodes = candidate.nodes
         if any(n not in view.lowered for n in nodes):
             refuse(candidate, "not_lowered", "the strategy proposed nodes that have no lowering")
-            continue
+            return
         if any(n in kept_of for n in nodes):
             refuse(candidate, "overlap", "overlaps a group that was already kept")
-            continue
+            return
         if view.straddles_barrier(nodes):
             refuse(candidate, "barrier", "a mutation, random or opaque op sits between its first and last node")
-            continue
+            return
         try:
             candidate.program = view.compose_for(candidate.strategy, nodes)
         except GroupRefused as refusal:
             refuse(candidate, refusal.code, refusal.reason)
-            continue
+            return
         except Exception as err:
             refuse(candidate, "compose_failed", f"{type(err).__name__}: {err}")
-            continue
+            return
         verdict = candidate.strategy.accepts(candidate.program)
         if verdict is not None:
             refuse(candidate, *verdict)
-            continue
+            return
         if view.creates_cycle(set(nodes), kept_of, kept_groups):
             refuse(candidate, "cycle", "contracting it into one kernel would create a cycle in the graph")
-            continue
+            return
         vetoed = veto(candidate) if veto is not None else None
         if vetoed:
             refuse(candidate, "vetoed", str(vetoed))
-            continue
+            return
         gid = len(kept_groups)
         kept_groups[gid] = set(nodes)
         for n in nodes:
             kept_of[n] = gid
         plan.kept.append(candidate)
+
+    for candidate in candidates:
+        consider(candidate)
+    # A candidate that lost to an overlapping group leaves its other nodes to no group
+    # unless one was proposed without the kept nodes: a second pass proposes again with
+    # the kept nodes excluded from growing (a rotary embedding's pointwise ops beside an
+    # attention kernel that took the product they fed), and takes what touches them.
+    left = {n for d in plan.decisions if d.reason_code == "overlap" for n in d.nodes if n not in kept_of} - set(
+        view.barriers
+    )
+    if left:
+        view.excluded, view._space_groups = frozenset(kept_of), None
+        try:
+            tried = {(c.strategy.name, tuple(c.nodes)) for c in candidates}
+            for candidate in propose():
+                nodes = set(candidate.nodes)
+                if (candidate.strategy.name, tuple(candidate.nodes)) in tried or not nodes & left:
+                    continue
+                if not nodes.isdisjoint(kept_of):
+                    continue  # refused as an overlap in the first pass already
+                consider(candidate)
+        finally:
+            view.excluded, view._space_groups = frozenset(), None
     return plan

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 if TYPE_CHECKING:  # annotations only: at run time report.py imports this module, not the reverse
     from .report import FusionReport
@@ -167,18 +167,67 @@ def _speedup(eager_ms: float, fused_ms: float) -> str:
     return f"{eager_ms / fused_ms:.2f}x" if fused_ms > 0 else "-"
 
 
-def coverage(report: "FusionReport") -> tuple[int, int, int]:
-    """The forward graph's call nodes as ``(in fused groups, run as in eager, free views)``:
-    views move no data and count as neither fused nor eager (an opaque part counts as one
-    op run as in eager, whatever it holds)."""
+class Coverage(NamedTuple):
+    """The forward graph's call nodes by what runs them (``coverage``)."""
+
+    fused: int  # in fused groups
+    library: int  # left to a library call on purpose (``library_calls``)
+    eager: int  # real work run as in eager, for no such reason
+    views: int  # free views: no data moved, counted as neither
+
+    @property
+    def compute(self) -> int:
+        return self.fused + self.library + self.eager
+
+    def share(self, count: int) -> float:
+        """``count`` as a share (0-100) of the compute nodes."""
+        return 100.0 * count / self.compute if self.compute else 100.0
+
+
+def _library_code(code: str) -> bool:
+    """A candidate's reason code saying the library's call was measured (or is known) faster:
+    ``slower`` (the fused kernel lost to eager when timed) and a strategy's ``*_faster``
+    refusal (the conv plugin's ``cudnn_faster``); splits and regroupings are no such verdict."""
+    return code == "slower" or (code.endswith("_faster") and code not in ALTERNATIVE_CODES)
+
+
+def library_calls(report: "FusionReport") -> dict[str, str]:
+    """The forward's nodes no fused group covers that are left to a library call on
+    purpose, each with why: complex-valued ones (an FFT, a complex product: kernels
+    read real tensors, the library computes these), and those whose group was refused
+    because the library's call was measured (or is known) faster."""
+    covered = {name for g in report.fused if g.phase == "forward" for name in g.nodes}
+    nodes = {n.name: n for n in report.graph}
+    out: dict[str, str] = {}
+    for group in report.groups:
+        if group.phase == "forward" and not group.fused and _library_code(group.reason_code):
+            for name in group.nodes:
+                if name not in covered:
+                    out.setdefault(name, f"the library's call is faster [{group.reason_code}]")
+    for node in report.graph:
+        if not node.op.startswith("call_") or node.name in covered or node.name in out or node.free:
+            continue
+        dtypes = [node.dtype, *(nodes[i].dtype for i in node.inputs if i in nodes)]
+        if any(d is not None and d.startswith("complex") for d in dtypes):
+            out[node.name] = "complex-valued: the library's kernel (kernels read real tensors)"
+    return out
+
+
+def coverage(report: "FusionReport") -> Coverage:
+    """The forward graph's call nodes as ``Coverage(fused, library, eager, views)``: in
+    fused groups, left to a library call on purpose (``library_calls``), other work run as
+    in eager, and free views, which move no data and count as none of the others (an
+    opaque part counts as one op run as in eager, whatever it holds)."""
     free = free_nodes(report)
     covered = {name for g in report.fused if g.phase == "forward" for name in g.nodes}
     calls = [n.name for n in report.graph if n.op.startswith("call_")] or [
         n.node for n in report.unfused_nodes if n.phase == "forward"
     ]
+    library = library_calls(report)
     views = sum(1 for name in calls if name in free and name not in covered)
-    costly = sum(1 for name in calls if name not in free and name not in covered)
-    return len(covered), costly, views
+    on_purpose = sum(1 for name in calls if name not in free and name not in covered and name in library)
+    costly = sum(1 for name in calls if name not in free and name not in covered and name not in library)
+    return Coverage(len(covered), on_purpose, costly, views)
 
 
 def dynamic_lines(report: "FusionReport") -> list[str]:
@@ -212,12 +261,24 @@ def summary_lines(report: "FusionReport") -> list[str]:
     the time goes, what the compile cost."""
     fused = [g for g in report.fused if g.phase == "forward"]
     backward = len(report.fused) - len(fused)
-    in_groups, costly, views = coverage(report)
-    share = f" ({100 * in_groups / (in_groups + costly):.0f}% of the compute ops)" if in_groups + costly else ""
+    counts = coverage(report)
+    in_groups, library, costly, views = counts
+    share = ""
+    if counts.compute:
+        share = f" ({counts.share(in_groups):.0f}% of the compute ops"
+        if library:
+            share += f", {counts.share(in_groups + library):.0f}% with the library calls left on purpose"
+        share += ")"
     lines = [
         f"{len(fused)} fused kernel{'s run' if len(fused) != 1 else ' runs'} "
         f"{in_groups} op{'s' if in_groups != 1 else ''}{share}; "
-        f"{costly} op{'s run' if costly != 1 else ' runs'} as in eager"
+        + (
+            f"{library} {'are library calls' if library != 1 else 'is a library call'} left on purpose "
+            "(complex-valued, or the library measured faster); "
+            if library
+            else ""
+        )
+        + f"{costly} op{'s run' if costly != 1 else ' runs'} as in eager"
         + (f", {views} more {'are free views' if views > 1 else 'is a free view'} (no data moved)" if views else "")
         + (f"; {len(report.opaque)} part(s) could not be traced" if report.opaque else "")
         + (f"; in backward, {backward} more fused kernel{'s' if backward != 1 else ''}" if backward else "")
@@ -289,8 +350,10 @@ def summary_lines(report: "FusionReport") -> list[str]:
 
 def eager_lines(report: "FusionReport") -> list[str]:
     """What stayed eager and why, one line per kind: free views together, then each op and
-    reason with its count (a line of the user's code where all its nodes share one)."""
+    reason with its count (a line of the user's code where all its nodes share one); a
+    library call left on purpose says so first."""
     free = free_nodes(report)
+    library = library_calls(report)
     views: dict[str, int] = {}
     by_reason: dict[tuple[str, str, str], list[str]] = {}
     for n in report.unfused_nodes:
@@ -300,6 +363,8 @@ def eager_lines(report: "FusionReport") -> list[str]:
             continue
         if n.phase == "backward":
             target = f"in backward, {target}"
+        elif n.node in library:
+            target = f"library call on purpose ({library[n.node]}): {target}"
         by_reason.setdefault((target, n.reason_code, n.reason), []).append(n.node)
     lines = []
     if views:

@@ -75,7 +75,7 @@ for step in "${steps[@]}"; do
       echo "fft rc=$?"; tail -n 20 "$out/fft.log" ;;
     zoo:*)
       IFS=: read -r _ dtype models <<< "$step"
-      [ "$models" = "all" ] && models=galerkin,transformer,transolver,gnot,factformer,fno,ffno,unet,lsm,ufno,upt
+      [ "$models" = "all" ] && models=galerkin,transformer,transolver,transolver2d,gnot,factformer,fno,ffno,unet,lsm,ufno,upt
       # shellcheck disable=SC2046
       OUT="$out/zoo" ZOO_CACHE="$ZOO_CACHE/$dtype" bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models")
       # Where each kernel's tuning winner sat in its config list (the caches zoo_run.sh filled).
@@ -83,13 +83,13 @@ for step in "${steps[@]}"; do
         > "$out/zoo/tuning-stats-$dtype.txt" 2>&1 ;;
     train:*)
       IFS=: read -r _ dtype models <<< "$step"
-      [ "$models" = "all" ] && models=galerkin,transformer,transolver,gnot,factformer,fno,ffno,unet,lsm,ufno,upt
+      [ "$models" = "all" ] && models=galerkin,transformer,transolver,transolver2d,gnot,factformer,fno,ffno,unet,lsm,ufno,upt
       # shellcheck disable=SC2046
       OUT="$out/train" ZOO_CACHE="$ZOO_CACHE/train-$dtype" BENCH_FLAGS="--train ${TRAIN_FLAGS:---iters 30 --warmup 3 --tune-budget 1}" \
         bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models") ;;
     ddp:*)
       IFS=: read -r _ dtype models <<< "$step"
-      [ "$models" = "all" ] && models=galerkin,transformer,transolver,gnot,factformer,fno,ffno,unet,lsm
+      [ "$models" = "all" ] && models=galerkin,transformer,transolver,transolver2d,gnot,factformer,fno,ffno,unet,lsm
       gpus=$(nvidia-smi -L | wc -l)
       dir="$out/ddp-$dtype"
       flags=(--models "$models" --dtype "$dtype" --cache-dir "$AUTOFUSER_CACHE_DIR/ddp")

@@ -3,7 +3,7 @@
 ``import autofuser`` does not import it: only ``autofuser bench`` and
 ``autofuser models`` do, and the tests and benchmarks that use its models.
 
-- ``autofuser.zoo.models.MODELS``: nine neural PDE solvers (transformers and
+- ``autofuser.zoo.models.MODELS``: twelve neural PDE solvers (transformers and
   neural operators), each in an "airfoil" configuration that follows its paper
   or the standard neural-solver benchmark, and a "tiny" one for CPU tests;
 - ``autofuser.zoo.airfoil``: a synthetic airfoil task (potential flow around

@@ -8,7 +8,7 @@ import torch
 
 import autofuser
 from autofuser_core.report import FusionReport, GraphNode, GroupEntry, NodeEntry
-from autofuser_core.report_html import coverage, readable_target
+from autofuser_core.report_html import coverage, library_calls, readable_target
 
 
 class NormGeluViews(torch.nn.Module):
@@ -51,10 +51,10 @@ def test_text_report_leads_with_the_summary_and_calls_views_free():
     assert "Tensor.permute" in eager_part
     assert "Tensor.reshape:" not in eager_part and "left eager" not in text
     # The share of compute ops in fused groups, views counted as neither.
-    in_groups, eager, free = coverage(report)
-    assert in_groups == sum(len(g.nodes) for g in report.fused) and free >= 2
+    in_groups, library, eager, free = coverage(report)
+    assert in_groups == sum(len(g.nodes) for g in report.fused) and free >= 2 and library == 0
     share = f"({100 * in_groups / (in_groups + eager):.0f}% of the compute ops)"
-    assert share in text.splitlines()[1], text
+    assert share in text.splitlines()[1] and "library" not in text.splitlines()[1], text
     # The fused group says where in forward it came from, and its ops in full.
     group = report.fused[0]
     assert " > ".join(group.ops) in text
@@ -162,3 +162,64 @@ def test_views_of_a_backward_graph_are_free_too():
     text = str(report)
     assert "free views, no data moved" in text and "torch.ops.aten.view" in text, text
     assert "in backward, torch.ops.aten.view" not in text, text
+
+
+class SpectralLayer(torch.nn.Module):
+    """An FNO-style layer without the fft plugin: FFTs and a complex product between
+    pointwise work and a product that fuse."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(3, 5, 4, 3, 2) / 3)
+        self.lift = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = self.lift(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        spectrum = torch.fft.rfft2(h)[:, :, :4, :3]
+        mixed = torch.einsum("bixy,ioxy->boxy", spectrum, torch.view_as_complex(self.weight))
+        return torch.nn.functional.gelu(torch.fft.irfft2(mixed, s=(4, 3)) * 0.5 + 1.0)
+
+
+def test_coverage_counts_complex_library_calls_apart_from_work_left_eager():
+    model = SpectralLayer()
+    x = torch.randn(1, 3, 11, 7)
+    with torch.no_grad():
+        expected = model(x)
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        torch.testing.assert_close(fused(x), expected, atol=1e-5, rtol=1e-5)
+    report = fused.report()
+    counts = coverage(report)
+    library = library_calls(report)
+    targets = {n.name: n.target for n in report.graph}
+    # rfft2, the complex einsum and irfft2 (complex in or out); the slice of the spectrum and
+    # the complex view of the real weights are views
+    assert sorted(name for name in library) == ["einsum", "fft_irfft2", "fft_rfft2"], library
+    assert all(any(op in targets[name] for op in ("rfft2", "einsum")) for name in library), targets
+    assert all("complex-valued" in why for why in library.values())
+    assert counts.library == 3 and counts.fused >= 3 and counts.eager == 0, counts
+    first = str(report).splitlines()[1]
+    assert f"{counts.share(counts.fused):.0f}% of the compute ops, 100% with the library calls" in first, first
+    assert "3 are library calls left on purpose" in first and "0 ops run as in eager" in first, first
+    assert "library call on purpose (complex-valued" in str(report)
+
+
+class ChunkedProjection(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qk = torch.nn.Linear(6, 10)
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, dim=-1)  # a tuple of views
+        return torch.sigmoid(q) * k.contiguous()
+
+
+def test_a_tuple_of_views_is_a_free_view_and_a_copy_is_work():
+    model = ChunkedProjection()
+    x = torch.randn(3, 7, 6)
+    with torch.no_grad():
+        fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+        torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-5)
+    report = fused.report()
+    free = {readable_target(n.target) for n in report.graph if n.free}
+    assert any("chunk" in t for t in free), report.graph
+    assert not any("contiguous" in t for t in free)  # a permuted or sliced tensor made contiguous is copied

@@ -38,11 +38,12 @@ def expected_shape(name: str) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------
 
 
-def test_registry_lists_the_eleven_models_with_their_airfoil_settings():
+def test_registry_lists_the_twelve_models_with_their_airfoil_settings():
     assert list(MODELS) == [
         "galerkin",
         "transformer",
         "transolver",
+        "transolver2d",
         "gnot",
         "factformer",
         "fno",
@@ -59,7 +60,10 @@ def test_registry_lists_the_eleven_models_with_their_airfoil_settings():
         if entry.family == "transformer" and name != "upt":  # UPT: width 512 on latent tokens
             airfoil_config = entry.configs["airfoil"]
             assert (airfoil_config["width"], airfoil_config["layers"], airfoil_config["heads"]) == (128, 8, 8), name
-            assert entry.batch_size == 4, name
+            assert entry.batch_size == (8 if name == "transolver2d" else 4), name
+    # the authors' structured-mesh Transolver on Airfoil: 64 slices over the 221 x 51 grid, batch 8
+    assert MODELS["transolver2d"].configs["airfoil"]["slices"] == 64
+    assert MODELS["transolver2d"].configs["airfoil"]["mesh"] == (221, 51)
     assert MODELS["fno"].configs["airfoil"] == {"width": 32, "modes": (12, 12), "layers": 4}
     assert MODELS["fno"].batch_size == 20
     assert MODELS["lsm"].configs["airfoil"] == {"width": 32, "num_token": 4, "num_basis": 12, "depth": 4, "heads": 8}
@@ -365,8 +369,8 @@ def test_repeated_layers_share_their_kernels(name):
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     ("name", "strategy"),
-    [("ufno", "implicit_gemm"), ("upt", "softmax_attention")],
-    ids=["ufno-unet-convolutions", "upt-cross-attention"],
+    [("ufno", "implicit_gemm"), ("upt", "softmax_attention"), ("transolver2d", "implicit_gemm")],
+    ids=["ufno-unet-convolutions", "upt-cross-attention", "transolver2d-grid-convolutions"],
 )
 def test_new_zoo_patterns_fuse_and_match_eager(name, strategy, autocast):
     """U-FNO's U-Net branch (strided 3 x 3 convolutions with batch norm and LeakyReLU) and

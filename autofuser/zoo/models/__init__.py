@@ -33,6 +33,7 @@ from .gnot import GNOT
 from .lsm import LSM2d
 from .transformer import Transformer
 from .transolver import Transolver
+from .transolver2d import TransolverStructured2D
 from .ufno import UFNO2d
 from .unet import UNet2d
 from .upt import UPT
@@ -134,6 +135,22 @@ MODELS: dict[str, ModelEntry] = {
                 "airfoil": {**_transformer_configs()["airfoil"], "slices": 64, "mesh": MESHES["airfoil"]},
                 "tiny": {**_transformer_configs()["tiny"], "slices": 8, "mesh": MESHES["tiny"]},
             },
+        ),
+        ModelEntry(
+            name="transolver2d",
+            title="Transolver, structured mesh (authors' code)",
+            family="transformer",
+            layout="points",
+            batch_size=8,
+            paper="Wu et al., Transolver: A Fast Transformer Solver for PDEs on General Geometries, ICML 2024 "
+            "(the authors' Transolver_Structured_Mesh_2D and Airfoil settings)",
+            builder=TransolverStructured2D,
+            configs={
+                "airfoil": {**_transformer_configs()["airfoil"], "slices": 64, "mesh": MESHES["airfoil"]},
+                "tiny": {**_transformer_configs()["tiny"], "slices": 8, "mesh": MESHES["tiny"]},
+            },
+            notes="written as the authors wrote it: the grid's permutes and contiguous copies, the clamped "
+            "temperature, the repeated slice norm and the last block's own head",
         ),
         ModelEntry(
             name="gnot",

@@ -39,7 +39,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from autofuser import describe_tensor
+from autofuser import annotate_node
 
 #: One region of the output spectrum: the weight it uses (index into ``weights``),
 #: its range per spatial dim, and the spatial dims the weight has (in the weight's order).
@@ -247,10 +247,6 @@ def find_spectral_mixes(gm: torch.fx.GraphModule) -> list[SpectralMix]:
     return found
 
 
-def _annotate(node: torch.fx.Node, value: torch.Tensor) -> None:
-    node.meta["tensor_meta"] = describe_tensor(value)
-
-
 def _meta_tensor(node: torch.fx.Node) -> torch.Tensor:
     meta = _meta(node)
     return torch.empty_strided(tuple(meta.shape), tuple(meta.stride), dtype=meta.dtype, device="meta")
@@ -267,11 +263,13 @@ def rewrite_spectral_mixes(gm: torch.fx.GraphModule) -> int:
         for weight in match.weights:
             with graph.inserting_after(anchor):
                 anchor = graph.call_function(torch.view_as_real, (weight,))
-            _annotate(anchor, torch.view_as_real(_meta_tensor(weight)))
+            complex_weight = _meta_tensor(weight)
+            annotate_node(anchor, torch.view_as_real(complex_weight), (complex_weight,))  # a view: free
             real_weights.append(anchor)
         with graph.inserting_after(anchor):
             real_spectrum = graph.call_function(torch.view_as_real, (match.spectrum,))
-        _annotate(real_spectrum, torch.view_as_real(_meta_tensor(match.spectrum)))
+        spectrum = _meta_tensor(match.spectrum)
+        annotate_node(real_spectrum, torch.view_as_real(spectrum), (spectrum,))
         with graph.inserting_after(real_spectrum):
             meta = _meta(match.buffer)
             mixed = graph.call_function(
@@ -282,10 +280,10 @@ def rewrite_spectral_mixes(gm: torch.fx.GraphModule) -> int:
             f"{n.name} = {getattr(n.target, '__name__', n.target)}" for n in [match.buffer, *match.replaced]
         ]
         real_out = torch.view_as_real(_meta_tensor(match.buffer))
-        _annotate(mixed, real_out)
+        annotate_node(mixed, real_out)
         with graph.inserting_after(mixed):
             result = graph.call_function(torch.view_as_complex, (mixed,))
-        _annotate(result, torch.view_as_complex(real_out))
+        annotate_node(result, torch.view_as_complex(real_out), (real_out,))
         match.buffer.replace_all_uses_with(result, delete_user_cb=lambda user: user not in match.replaced)
         for node in reversed(match.replaced):
             graph.erase_node(node)

@@ -14,8 +14,11 @@ Equations that contract the leading matrix dim of both operands
 (``bhnd,bhne->bhde``: ``k^T @ v``, as linear and slice attention write it) have
 no plain product in the IR (its ``a`` is read untransposed): they are lowered as
 extern ops, which only a strategy with its own compose takes (the attention
-plugin's linear and slice attention); anywhere else they run eager. Anything
-else stays eager.
+plugin's linear and slice attention); anywhere else they run eager. Every other
+two-operand equation of real tensors (several batch, row, column or contracted
+letters: ``bixy,ioxy->boxy``, ``bnij,bjk->bnik``) was written by this plugin's
+graph pass as views around ``torch.matmul`` (``einsum_rewrite.py``) before
+lowering; what reaches this lowering then stays eager, with the reason.
 """
 
 from typing import Optional
@@ -23,6 +26,7 @@ from typing import Optional
 import torch
 
 from autofuser import PRODUCT_TOLERANCES, LoweringSpec, Sample
+from autofuser.kernel import tensor_meta
 
 
 def parse_matmul_equation(equation: str) -> Optional[bool]:
@@ -86,7 +90,20 @@ def lower_einsum(ctx, equation, *operands):
         return ctx.matmul(operands[1], operands[0], transpose_b=transpose_b)
     if parse_transposed_a_equation(equation) and all(ctx.is_tensor(t) for t in operands):
         return ctx.extern()
-    ctx.refuse("unsupported_equation", f"einsum {equation!r} is not a plain matrix product")
+    # Every other product form was written as views around matmul by the plugin's graph
+    # pass (einsum_rewrite.py); say why this one was not.
+    from ..einsum_rewrite import product_form
+
+    if not all(ctx.is_tensor(t) for t in operands):
+        ctx.refuse("unsupported_equation", f"einsum {equation!r}: an operand is not a tensor")
+    form = product_form(equation, *(tensor_meta(t) for t in operands))
+    why = (
+        form
+        if isinstance(form, str)
+        else "written as a batched product its result would have other strides than einsum's, "
+        "and code after it was traced against einsum's"
+    )
+    ctx.refuse("unsupported_equation", f"einsum {equation!r} is not a matrix product: {why}; it runs as in eager")
 
 
 def _samples(dtype):

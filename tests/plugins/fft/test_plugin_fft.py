@@ -13,6 +13,7 @@ import torch
 
 import autofuser
 from autofuser_core.plugins import installed_entry_points
+from autofuser_core.report_html import coverage
 
 try:
     import autofuser_plugin_fft
@@ -122,6 +123,12 @@ def test_fno_block_fuses_the_spectral_mix_and_the_pointwise_ops_around_the_ffts(
     # The slice assignments are gone, so no mutation is left to stop the add + GELU from fusing.
     assert not any(n.reason_code == "mutation" for n in report.unfused_nodes)
     assert any(g.fused and "elementwise.gelu" in g.ops for g in report.groups)
+    # The real and complex views the rewrite put around spectral_mix move no data (annotate_node),
+    # and the FFTs are library calls on purpose: nothing else is left eager.
+    views = [n for n in report.graph if "view_as" in n.target]
+    assert len(views) == 4 and all(n.free for n in views), views  # two weights, the spectrum, the result
+    counts = coverage(report)
+    assert counts.library == 2 and counts.eager == 0, (counts, str(report))
 
 
 def test_without_the_plugin_the_spectral_ops_stay_eager():
