@@ -183,14 +183,15 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 DEFAULT_COMPILE_MODES = ("default", "reduce-overhead")
 
 
-def compile_modes(text: str) -> tuple[str, ...]:
-    """``--compile-modes``: comma-separated torch.compile modes, each named once."""
+def compile_modes(text: str, hint: str = " (or --no-compile for no torch.compile column)") -> tuple[str, ...]:
+    """``--compile-modes``: comma-separated torch.compile modes, each named once; ``hint``
+    ends the error's advice."""
     modes = tuple(mode.strip() for mode in text.split(",") if mode.strip())
     unknown = [mode for mode in modes if mode not in COMPILE_MODES]
     if unknown or not modes:
         raise argparse.ArgumentTypeError(
             f"{', '.join(map(repr, unknown)) or 'no mode'}: give one or more of {', '.join(COMPILE_MODES)}, "
-            "comma-separated (or --no-compile for no torch.compile column)"
+            f"comma-separated{hint}"
         )
     if len(set(modes)) != len(modes):
         raise argparse.ArgumentTypeError(f"{text!r} names a mode twice; name each once")

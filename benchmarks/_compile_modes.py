@@ -22,9 +22,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-#: Measured unless ``--compile-modes`` says otherwise.
-DEFAULT_COMPILE_MODES = ("default", "reduce-overhead")
+from autofuser.cli import COMPILE_MODES, DEFAULT_COMPILE_MODES, compile_modes
+
 #: Modes whose compiled callable replays CUDA graphs (on CUDA).
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 #: Keys of cells written before ``--compile-modes``, and their mode.
@@ -32,17 +31,9 @@ LEGACY_KEYS = {"compile": "default", "compile-max": "max-autotune-no-cudagraphs"
 
 
 def parse_compile_modes(text: str) -> tuple[str, ...]:
-    """``--compile-modes``: comma-separated torch.compile modes, each named once."""
-    modes = tuple(mode.strip() for mode in text.split(",") if mode.strip())
-    unknown = [mode for mode in modes if mode not in COMPILE_MODES]
-    if unknown or not modes:
-        raise argparse.ArgumentTypeError(
-            f"{', '.join(map(repr, unknown)) or 'no mode'}: give one or more of {', '.join(COMPILE_MODES)}, "
-            "comma-separated"
-        )
-    if len(set(modes)) != len(modes):
-        raise argparse.ArgumentTypeError(f"{text!r} names a mode twice; name each once")
-    return modes
+    """``--compile-modes``: comma-separated torch.compile modes, each named once (the
+    bench's own parser: one rule for both)."""
+    return compile_modes(text, hint="")
 
 
 def add_compile_modes_argument(parser: argparse.ArgumentParser) -> None:

@@ -160,3 +160,16 @@ def trains_like_eager(model, *inputs, steps: int = 3):
     report = fused.report()
     assert report.fused, str(report)
     return report
+
+
+def lock_is_free(path) -> bool:
+    """Whether no process holds the ``flock`` on the file at ``path``."""
+    import fcntl
+
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return True

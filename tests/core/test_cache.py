@@ -27,7 +27,7 @@ import autofuser
 from autofuser_core import cache
 from autofuser_core.cache import cache_dir, key_digest, load_kernel_module, read_tuning, write_tuning
 
-from _helpers import NormGelu, StandInTimer
+from _helpers import NormGelu, StandInTimer, lock_is_free
 
 KEY = {
     "kernel": "af_flat_mul_add_0123456789",
@@ -524,18 +524,6 @@ def stopping_script(where: str, marker: Path) -> str:
             time.sleep(600)
     """),
     ).replace("timer = CpuTimer()", f"timer = CpuTimer()\n{target} = {replacement}")
-
-
-def lock_is_free(path: Path) -> bool:
-    import fcntl
-
-    with open(path, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        return True
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="entry locks use POSIX flock")

@@ -25,7 +25,7 @@ import autofuser
 from autofuser_core import cache
 from autofuser_core.cache import key_digest, load_kernel_module, read_tuning, read_verdict, tuning_lock, write_tuning
 
-from _helpers import NormGelu
+from _helpers import NormGelu, lock_is_free
 
 posix_only = pytest.mark.skipif(os.name != "posix", reason="owners, modes, FIFOs and O_NOFOLLOW are POSIX")
 
@@ -483,18 +483,6 @@ def test_a_file_system_without_locks_tunes_without_one_and_writes_no_marker(tmp_
     assert [str(w.message) for w in recwarn] == []
     assert [p.name for p in (tmp_path / "tuning").iterdir()] == [f"{key_digest(KEY)}.lock"]
     assert (tmp_path / "tuning" / f"{key_digest(KEY)}.lock").stat().st_size == 0
-
-
-def lock_is_free(path: Path) -> bool:
-    import fcntl
-
-    with open(path, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        return True
 
 
 # ---------------------------------------------------------------------------

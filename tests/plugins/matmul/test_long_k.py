@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from autofuser_plugins.matmul.kernel import K_CHUNK
-from tests._helpers import fuse_and_compare, one_group_with
+
+from _helpers import fuse_and_compare, one_group_with
 
 
 class Gram(torch.nn.Module):
