@@ -396,6 +396,9 @@ class _AtCoordinates(ValueEmitter):
         operand, shift = v.args[0], v.shift
         assert shift is not None
         lead = len(self.coords) - len(v.shape)
+        if shift.reshaped:
+            inner = self._reshaped_coordinates(list(self.coords[lead:]), v.shape, operand.shape)
+            return _AtCoordinates(self.w, inner, self.base_masks, top=False).value(operand)
         moved = list(self.coords)
         in_range: list[str] = []  # this read's own range checks (fill mode)
         fixed = dict(shift.fixed_dims)
@@ -433,6 +436,74 @@ class _AtCoordinates(ValueEmitter):
         name = self.fresh()
         self.emit(f"{name} = tl.where({' & '.join(in_range)}, {result}, {fill})")
         return name
+
+    def _reshaped_coordinates(
+        self, coords: list[Coordinate], out_shape: tuple[int, ...], in_shape: tuple[int, ...]
+    ) -> list[Coordinate]:
+        """The operand's coordinates (one per dim of ``in_shape``) at the same row-major
+        position as ``coords`` in ``out_shape`` (``ctx.read_reshaped``). The dims are cut
+        into runs whose element counts agree on both sides (``[b, n, h, d] -> [b, n, h*d]``:
+        b, n, then h and d against h*d), so only the dims that a run merges or splits are
+        divided: each run's position is its output coordinates' row-major index, and each
+        operand coordinate its quotient and remainder."""
+        runs: list[tuple[list[int], list[int]]] = []
+        i = k = 0
+        while i < len(out_shape) or k < len(in_shape):
+            outs, ins = [], []
+            n_out = n_in = 1
+            # at least one dim a side, then the smaller count grows until the two agree;
+            # trailing size-1 dims join the last run
+            while True:
+                if i < len(out_shape) and (not outs or n_out < n_in or (n_out == n_in and k >= len(in_shape))):
+                    n_out *= out_shape[i]
+                    outs.append(i)
+                    i += 1
+                elif k < len(in_shape) and (not ins or n_in < n_out or (n_out == n_in and i >= len(out_shape))):
+                    n_in *= in_shape[k]
+                    ins.append(k)
+                    k += 1
+                else:
+                    break
+            runs.append((outs, ins))
+        inner: list[Coordinate] = []
+        for outs, ins in runs:
+            terms, axes, valid, constant = [], [], [], 0
+            weight = 1
+            for j in reversed(outs):
+                n = out_shape[j]
+                c = coords[j] if n != 1 else Coordinate("0", None, coords[j].valid)
+                valid.extend(c.valid)
+                if c.axis is None:
+                    constant += int(c.expr) * weight
+                else:
+                    axes.append(c.axis)
+                    terms.append(c.expr if weight == 1 else f"{c.expr} * {weight}")
+                weight *= n
+            if not terms:
+                position = None
+            else:
+                position = " + ".join(reversed(terms)) + (f" + {constant}" if constant else "")
+                if " " in position:  # more than one coordinate's name as it is
+                    position = self.named(position)
+            # a coordinate built from several tile axes is valid where each of them is
+            axis = axes[0] if axes else None
+            masks = tuple(dict.fromkeys(valid + [self.base_masks[a] for a in axes[1:]]))
+            below = 1
+            for k in ins:
+                below *= in_shape[k]
+            for k in ins:
+                n = in_shape[k]
+                below //= n
+                if n == 1:
+                    inner.append(Coordinate("0", None, masks))
+                elif position is None:
+                    inner.append(Coordinate(str(constant // below % n), None, masks))
+                else:
+                    expr = position if below == 1 else f"{position} // {below}"
+                    if k != ins[0]:  # the run's first dim needs no remainder: position < its count
+                        expr = f"({expr}) % {n}"
+                    inner.append(Coordinate(expr if expr == position else self.named(expr), axis, masks))
+        return inner
 
 
 def _shift_constant(at: int, n: int, mode: str) -> Optional[int]:

@@ -26,6 +26,9 @@ through a ``LoweringContext``:
   nearest edge) or ``reflect`` (mirrored about the edge, the edge not
   repeated). Composed onto a computed value, its ops are computed again at
   the shifted coordinates;
+- ``ctx.read_reshaped(arg, shape)`` - a value's elements, in row-major order,
+  read as another shape of as many elements (a reshape that eager must copy,
+  since no strides express it); also composed at the moved coordinates;
 - ``ctx.packed_weight(data, scales, ...)`` - a weight stored quantised
   (integer elements plus per-block scales), read only as a product's second
   operand and decoded in registers by a quantiser's helper;
@@ -100,6 +103,10 @@ class ShiftedIndex:
     mode: str
     new_dims: tuple[int, ...] = ()  # dims of the result the operand lacks: read as size 1 there
     fixed_dims: tuple[tuple[int, int], ...] = ()  # (dim, index): operand dims the result lacks, read at index
+    # ``ctx.read_reshaped``: the operand's elements in row-major order, read as the result's
+    # shape (scales 1, offsets 0, no new or fixed dims); its coordinates come from the
+    # result's by division and remainder
+    reshaped: bool = False
 
 
 @dataclass(eq=False)
@@ -447,6 +454,38 @@ class LoweringContext:
             shift=ShiftedIndex(
                 scales=scales, offsets=offsets, mode=mode, new_dims=new_dims, fixed_dims=tuple(sorted(fixed.items()))
             ),
+        )
+
+    def read_reshaped(self, arg: Any, shape: Sequence[int]) -> Value:
+        """``arg`` (a value or an fx node) read as ``shape``: its elements in row-major
+        order, as ``torch.reshape`` orders them, whatever ``arg``'s strides. A read at
+        output coordinates ``i`` takes ``arg`` at the coordinates of the same row-major
+        position, found by division and remainder; what ``arg`` is computed from is
+        computed there, each tensor read through its own strides. For the reshapes eager
+        has to copy (a merge of dims that a permute made non-adjacent in memory); a
+        reshape that is a view needs no value at all (its readers read its strides).
+        Like every shifted read, only the core's own one-domain layout takes it."""
+        value = self.tensor(arg)
+        shape = tuple(int(s) for s in shape)
+        count = 1
+        for n in value.shape:
+            count *= n
+        target = 1
+        for n in shape:
+            target *= n
+        if count != target:
+            self.refuse(
+                "shape_mismatch", f"{list(value.shape)} ({count} elements) can't be read as {list(shape)} ({target})"
+            )
+        if count == 0:
+            self.refuse("unsupported_shape", "reshaped reads of empty tensors stay eager")
+        rank = len(shape)
+        return Value(
+            "shifted",
+            shape,
+            is_bool=value.is_bool,
+            args=(value,),
+            shift=ShiftedIndex(scales=(1,) * rank, offsets=(0,) * rank, mode="wrap", reshaped=True),
         )
 
     def packed_weight(

@@ -1,5 +1,5 @@
-"""Shifted reads (``ctx.read_shifted``): the index arithmetic of each mode against
-torch, the refusals where a read can't be honoured (a reduction below it, a matrix
+"""Shifted and reshaped reads (``ctx.read_shifted``, ``ctx.read_reshaped``): the index
+arithmetic of each mode against torch, the refusals where a read can't be honoured (a reduction below it, a matrix
 product or a strategy's own layout in its group), and bad arguments named."""
 
 from __future__ import annotations
@@ -132,3 +132,38 @@ def test_a_read_at_a_fixed_coordinate_is_resolved_when_written():
         torch.testing.assert_close(fused(x), EdgeColumns()(x))
     report = fused.report()
     assert any(g.ops.count("elementwise.pad") == 3 for g in report.fused), str(report)
+
+
+def test_a_reshaped_read_with_another_element_count_is_refused():
+    ctx, node = _context()
+    with pytest.raises(LoweringRefused, match=r"\[3, 4\] \(12 elements\) can't be read as \[5, 2\]"):
+        ctx.read_reshaped(node, (5, 2))
+
+
+@pytest.mark.parametrize(
+    "shape, op",
+    [
+        ((2, 3, 5, 4), lambda x: x.permute(0, 2, 1, 3).reshape(2, 5, 12)),  # merge in the last run
+        ((6, 5, 1), lambda x: x.transpose(0, 1).reshape(2, 15)),  # one run over every dim, a size-1 dim in it
+        ((4, 6), lambda x: x.t().reshape(4, 3, 2)),  # split and merge in one run (6 x 4 -> 4 x 3 x 2)
+        ((1, 7, 3), lambda x: x.transpose(1, 2).reshape(-1)),  # batch 1, everything merged
+    ],
+    ids=["merge-heads", "size-1", "regroup", "flatten"],
+)
+def test_reshaped_reads_take_torchs_row_major_order(shape, op):
+    model = Shifted(lambda y: op(y).sigmoid())
+    x = torch.randn(shape)
+    fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x))
+    report = fused.report()
+    assert any("elementwise.reshape" in g.ops and "elementwise.sigmoid" in g.ops for g in report.fused), str(report)
+
+
+def test_a_reduction_below_a_reshaped_read_refuses_the_group():
+    # x transposed: the products keep its strides, so the reshape copies
+    x = torch.randn(2, 5, 7).transpose(1, 2)
+    view = _view(Shifted(lambda y: (y.sum(1, keepdim=True) * y).reshape(2, -1)), x)
+    with pytest.raises(GroupRefused) as err:
+        view.compose(_nodes(view, "mul", "sum_1", "mul_1", "reshape"))
+    assert err.value.code == "shifted_reduction"

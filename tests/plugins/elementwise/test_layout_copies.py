@@ -10,6 +10,8 @@ import zlib
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
 
 import autofuser
 from autofuser_core.specs import DEFAULT_TOLERANCES
@@ -106,3 +108,70 @@ def test_clone_in_other_formats_stays_eager_and_right(memory_format):
     x = torch.randn(2, 3, 5, 7)
     report = fuse_and_compare(Clone(), x)
     assert all("elementwise.clone" not in g.ops for g in report.fused), str(report)
+
+
+class MergeHeads(nn.Module):
+    """The einops head merge of attention outputs (``b h n d -> b n (h d)``): a permute,
+    then a reshape eager copies; the merged tokens are returned and read by a chain."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):  # x: [B, H, N, D]
+        merged = rearrange(x, "b h n d -> b n (h d)")
+        return merged, F.gelu(merged * self.scale) + 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 3, 13, 5), (2, 4, 7, 3)])
+def test_head_merge_after_a_permute_is_read_in_the_chain(dtype, shape):
+    model = MergeHeads(shape[1] * shape[3]).to(dtype)
+    expected, got, report = fused_outputs(model, torch.randn(shape, dtype=dtype))
+    one_group_with(report, "elementwise.reshape", "elementwise.gelu", "elementwise.mul")
+    assert_same(expected, got)
+    b, _, n, _ = shape
+    torch.testing.assert_close(got[0].view(b * n, -1), expected[0].view(b * n, -1), rtol=0, atol=0)
+
+
+class MergeThenNorm(nn.Module):
+    """A merged reshape under a layer norm over the merged dim (rows layout: the merged
+    coordinate walks the reduced axis) and a merge of a row dim with a reduced one."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x):  # x: [B, C, N] -> channels last, points and channels merged in pairs
+        tokens = x.transpose(1, 2).reshape(x.shape[0], -1, 2 * x.shape[1])
+        return self.norm(torch.tanh(tokens)), tokens.sum(-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_merged_reshape_under_a_reduction(dtype):
+    model = MergeThenNorm(2 * 5).to(dtype)
+    expected, got, report = fused_outputs(model, torch.randn(3, 5, 14, dtype=dtype))
+    assert any("elementwise.reshape" in g.ops for g in report.fused), str(report)
+    assert_same(expected, got)
+
+
+def test_reshape_that_is_a_view_stays_a_free_view():
+    class Split(nn.Module):
+        def forward(self, x):
+            return torch.relu(x.transpose(1, 2).reshape(2, 7, 3, 2) + 1.0)  # splits a dim: a view
+
+    x = torch.randn(2, 6, 7)
+    report = fuse_and_compare(Split(), x)
+    one_group_with(report, "elementwise.relu")
+    assert all("elementwise.reshape" not in g.ops for g in report.fused), str(report)
+
+
+def test_reshape_of_a_computed_value_is_computed_at_the_reshaped_coordinates():
+    class Reordered(nn.Module):
+        def forward(self, x, y):  # eager's mul keeps x's permuted strides, so the reshape copies
+            return (x.permute(0, 2, 1) * 2.0 + 1.0).reshape(x.shape[0], -1) * y
+
+    x, y = torch.randn(3, 5, 11), torch.randn(3, 55)
+    expected, got, report = fused_outputs(Reordered(), x, y)
+    one_group_with(report, "elementwise.reshape", "elementwise.mul", "elementwise.add")
+    assert_same(expected, got)
