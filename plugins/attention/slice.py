@@ -67,9 +67,24 @@ def _logit_path(view, softmax: torch.fx.Node) -> Optional[list[torch.fx.Node]]:
             return path
         if not _is_pointwise(view, current):
             return None
-        previous = [a for a in current.all_input_nodes if a in view.lowered and len(a.users) == 1]
+        previous = [
+            a
+            for a in current.all_input_nodes
+            if a in view.lowered and len(a.users) == 1 and not _from_parameters_only(a)
+        ]
         current = previous[0] if len(previous) == 1 else None
     return None
+
+
+def _from_parameters_only(node: torch.fx.Node, depth: int = 4) -> bool:
+    """Whether ``node`` is computed from parameters and buffers alone (no input reaches it):
+    the authors' ``torch.clamp(self.temperature, min=0.1, max=5)``, a step's operand, not
+    the logits' path."""
+    if node.op == "get_attr":
+        return True
+    if node.op == "placeholder" or depth == 0 or not node.all_input_nodes:
+        return False
+    return all(_from_parameters_only(a, depth - 1) for a in node.all_input_nodes)
 
 
 def _sum_over_points(view, node: torch.fx.Node, weights: torch.fx.Node) -> bool:
@@ -98,7 +113,9 @@ def _denominator_path(view, start: torch.fx.Node, end: torch.fx.Node) -> Optiona
         if user is end:
             return path
         value = view.lowered.get(user)
-        if value is None or not (value.op == "extern" or _constant_step_any_shape(view, user, current)):
+        if value is None or not (
+            _is_identity_on_column(view, user, current) or _constant_step_any_shape(view, user, current)
+        ):
             return None
         path.append(user)
         current = user
@@ -110,6 +127,27 @@ def _constant_step_any_shape(view, node, previous) -> bool:
         return False
     loads = [v for v in _values(view.lowered[node]) if v.op == "load"]
     return bool(loads) and all(v.source is previous for v in loads)
+
+
+def _repeats_a_column(view, node, previous) -> bool:
+    """``node`` repeats ``previous`` only along its size-1 dims, in place (the authors'
+    ``norm[..., None].repeat(1, 1, 1, d)``): the same values as the broadcast the kernel
+    reads the column with anyway."""
+    value = view.lowered.get(node)
+    shift = value.shift if value is not None and value.op == "shifted" else None
+    if shift is None or shift.reshaped or shift.new_dims or shift.fixed_dims or shift.mode != "wrap":
+        return False
+    if value.args[0].op != "load" or value.args[0].source is not previous:
+        return False
+    if any(s != 1 for s in shift.scales) or any(o != 0 for o in shift.offsets):
+        return False
+    before, after = value.args[0].shape, value.shape
+    return len(before) == len(after) and all(b == a or b == 1 for b, a in zip(before, after))
+
+
+def _is_identity_on_column(view, node, previous) -> bool:
+    """The views and repeats on the sums: the kernel holds the sums as a column already."""
+    return view.lowered[node].op == "extern" or _repeats_a_column(view, node, previous)
 
 
 def _aggregation(view, weights: torch.fx.Node):
@@ -301,11 +339,14 @@ def compose_slice_attention(view, nodes: list[torch.fx.Node]) -> AttentionProgra
     )
     layout.logit_steps = steps_after(view, logits[0], logits[1:], index, (batch, n, g, layout.logit_tiles))
     # The views on the sums are the identity here: the kernel holds the sums as a column already.
-    layout.sum_steps = [
-        _step(view, node, previous, {}, None)
-        for previous, node in zip([sums] + path, path)
-        if view.lowered[node].op != "extern"
-    ]
+    layout.sum_steps = []
+    column = sums  # the last node whose values the kernel's column holds
+    for node in path:
+        if _is_identity_on_column(view, node, column):
+            column = node
+            continue
+        layout.sum_steps.append(_step(view, node, column, {}, None))
+        column = node
     layout.score_steps = steps_after(view, scores, steps)
     base.summary = (
         f"form slice: slice attention ({n} points -> {g} slices per head, head width {df}) as a chain "

@@ -369,12 +369,24 @@ def test_repeated_layers_share_their_kernels(name):
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     ("name", "strategy"),
-    [("ufno", "implicit_gemm"), ("upt", "softmax_attention"), ("transolver2d", "implicit_gemm")],
-    ids=["ufno-unet-convolutions", "upt-cross-attention", "transolver2d-grid-convolutions"],
+    [
+        ("ufno", "implicit_gemm"),
+        ("upt", "softmax_attention"),
+        ("transolver2d", "implicit_gemm"),
+        ("transolver2d", "slice_attention"),
+    ],
+    ids=[
+        "ufno-unet-convolutions",
+        "upt-cross-attention",
+        "transolver2d-grid-convolutions",
+        "transolver2d-authors-slice-attention",
+    ],
 )
 def test_new_zoo_patterns_fuse_and_match_eager(name, strategy, autocast):
     """U-FNO's U-Net branch (strided 3 x 3 convolutions with batch norm and LeakyReLU) and
-    UPT's cross-attention between points and latent tokens fuse, and the fused model
+    UPT's cross-attention between points and latent tokens fuse, the structured-mesh
+    Transolver's slice attention as its authors wrote it (clamped temperature, repeated
+    norm) is one slice-attention chain, and the fused model
     gives eager's output on a fresh airfoil, in fp32 and under bf16 autocast."""
     torch.manual_seed(0)
     model = MODELS[name].make("tiny").eval()

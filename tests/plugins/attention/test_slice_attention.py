@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from einops import rearrange
 from test_attention import TOLERANCES  # the softmax attention tests' tolerances
 
 import autofuser
@@ -156,3 +157,34 @@ def test_tf32_products_fuse_slice_attention_without_pipelined_8_warp_configs():
     assert any(c["num_warps"] == 8 and c["num_stages"] == 2 for c in S.slice_configs(program("ieee")))
     default = S.slice_default_config(program("tf32", 128))  # 8 warps for this many slices
     assert default["num_warps"] == 8 and default["num_stages"] == 1, default
+
+
+class AuthorsForms(PhysicsAttention):
+    """The forms of the authors' code: the temperature clamped, the norm offset by eps
+    before its view and repeated over the head width."""
+
+    def forward(self, x):
+        x_mid, fx_mid = self._project(x)
+        weights = torch.softmax(self.to_slice(x_mid) / torch.clamp(self.temperature, min=0.1, max=5), dim=-1)
+        norm = weights.sum(2)
+        tokens = torch.einsum("bhnd,bhng->bhgd", fx_mid, weights)
+        tokens = tokens / ((norm + 1e-5)[:, :, :, None].repeat(1, 1, 1, fx_mid.shape[-1]))
+        q, k, v = self.to_q(tokens), self.to_k(tokens), self.to_v(tokens)
+        attention = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * self.scale, dim=-1)
+        out = torch.einsum("bhgd,bhng->bhnd", torch.matmul(attention, v), weights)
+        return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_the_authors_clamped_temperature_and_repeated_norm_are_one_chain(dtype):
+    model = AuthorsForms(HEADS * 24, HEADS, 8)
+    with torch.no_grad():
+        model.temperature.uniform_(0.05, 1.0)  # some heads below the clamp's minimum
+    model = model.to(DEVICE, dtype).eval()
+    x = torch.randn(3, 37, HEADS * 24, dtype=dtype, device=DEVICE)
+    fused, got, expected = run(model, x)
+    torch.testing.assert_close(got.float(), expected.float(), **TOLERANCES[dtype])
+    (group,) = slice_groups(fused)
+    assert {"elementwise.repeat", "attention.unsqueeze_index", "elementwise.add"} <= set(group.ops), group.ops
+    # the clamp reads parameters only: computed beside the chain, which reads its result
+    assert "elementwise.clamp" not in group.ops
