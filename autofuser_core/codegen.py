@@ -449,7 +449,8 @@ class _AtCoordinates(ValueEmitter):
         runs: list[tuple[list[int], list[int]]] = []
         i = k = 0
         while i < len(out_shape) or k < len(in_shape):
-            outs, ins = [], []
+            outs: list[int] = []
+            ins: list[int] = []
             n_out = n_in = 1
             # at least one dim a side, then the smaller count grows until the two agree;
             # trailing size-1 dims join the last run
@@ -467,8 +468,10 @@ class _AtCoordinates(ValueEmitter):
             runs.append((outs, ins))
         inner: list[Coordinate] = []
         for outs, ins in runs:
-            terms, axes, valid, constant = [], [], [], 0
-            weight = 1
+            terms: list[str] = []
+            axes: list[str] = []
+            valid: list[str] = []
+            constant, weight = 0, 1
             for j in reversed(outs):
                 n = out_shape[j]
                 c = coords[j] if n != 1 else Coordinate("0", None, coords[j].valid)
