@@ -16,7 +16,7 @@ from einops import rearrange
 import autofuser
 from autofuser_core.specs import DEFAULT_TOLERANCES
 
-from _helpers import fuse_and_compare, one_group_with
+from _helpers import fuse_and_compare, one_group_with, trains_like_eager
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -175,3 +175,17 @@ def test_reshape_of_a_computed_value_is_computed_at_the_reshaped_coordinates():
     expected, got, report = fused_outputs(Reordered(), x, y)
     one_group_with(report, "elementwise.reshape", "elementwise.mul", "elementwise.add")
     assert_same(expected, got)
+
+
+def test_layout_copies_train_like_eager():
+    class Both(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.merge, self.copy = MergeHeads(12), CopyInsideChain(3)
+
+        def forward(self, x):  # x: [B, H, N, D], H = 3, D = 4
+            merged, mixed = self.merge(x)
+            copied = self.copy(x)  # [B, N, D, H]
+            return merged * mixed + copied.reshape(merged.shape)
+
+    trains_like_eager(Both(), torch.randn(2, 3, 7, 4))
