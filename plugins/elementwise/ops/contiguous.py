@@ -1,5 +1,5 @@
-"""``x.contiguous()`` and ``x.clone(memory_format=torch.contiguous_format)``: the values
-unchanged, written in the row-major layout.
+"""``x.contiguous()`` and ``x.clone(memory_format=...)``: the values unchanged, written
+in the row-major layout (``clone``: in the layout its memory format gives).
 
 Real solver code copies its layouts this way between a permute and a reshape
 (Transolver's structured-mesh model: ``permute -> contiguous -> reshape``). Lowered as
@@ -50,13 +50,9 @@ def lower_contiguous(ctx, input, memory_format=torch.contiguous_format):
 
 @lowering
 def lower_clone(ctx, input, *, memory_format=torch.preserve_format):
-    if memory_format is not torch.contiguous_format:
-        # preserve_format keeps a dense input's strides and makes others row-major; the
-        # node's strides say which, but only the row-major copy is asked for here.
-        ctx.refuse(
-            "unsupported_argument",
-            f"clone(memory_format={memory_format}): only memory_format=torch.contiguous_format is lowered",
-        )
+    # Whatever the format (preserve_format keeps a dense input's strides and makes others
+    # row-major; channels_last puts channels last), eager's result is a new tensor in the
+    # strides its node recorded, and a group writes every output in its node's strides.
     return _identity(ctx, input, copies=True)
 
 
@@ -86,11 +82,15 @@ SPECS = [
     ),
     LoweringSpec(
         name="elementwise.clone",
-        description="x.clone(memory_format=torch.contiguous_format): a row-major copy",
+        description="x.clone(): a copy, in the strides its memory format gives",
         targets=("clone", torch.clone),
         kind="pointwise",
         lower=lower_clone,
         samples=_samples,
-        references=(lambda x, y: x.permute(2, 0, 1).clone(memory_format=torch.contiguous_format) + y,),
+        references=(
+            lambda x, y: x.permute(2, 0, 1).clone(memory_format=torch.contiguous_format) + y,
+            # preserve_format: the permuted strides kept, as eager keeps them
+            lambda x, y: torch.clone(torch.sigmoid(x.permute(2, 0, 1))) * y,
+        ),
     ),
 ]
