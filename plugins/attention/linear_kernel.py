@@ -14,6 +14,12 @@
 Points are read once (k and v in stage 1, q in stage 3); the only other
 traffic is the d x dv partials. Head widths are padded to a power of two >= 16
 (``tl.dot``'s minimum) with masks.
+
+With dynamic dims (docs/dynamic.md) the point and query counts, the strides and
+the batch entries are written through ``sized``, and so is the ``/ n`` on the
+context: one source serves every point count. The launcher derives each split's
+share of the points (``CHUNK``) from the count at launch, so any ``SPLITS`` and
+``BLOCK_N`` are correct for any count.
 """
 
 from __future__ import annotations
