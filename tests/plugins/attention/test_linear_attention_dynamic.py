@@ -74,7 +74,9 @@ def test_galerkin_block_on_many_point_counts_writes_one_source_per_bucket(tmp_pa
     fused = _fuse(model, tmp_path)  # dynamic=None: the second count makes the points dynamic
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     by_class: dict[tuple[int, int], set[str]] = {}  # (batch, size bucket) -> chain sources
-    for batch, counts in ((3, POINT_COUNTS), (1, POINT_COUNTS[::3])):
+    # The matmul form differs only in its scale (``* (1.0 / n)``): fewer counts suffice.
+    calls = ((3, POINT_COUNTS), (1, POINT_COUNTS[::3])) if style == "einsum" else ((3, (37, 45, 101, 301)), (1, (59,)))
+    for batch, counts in calls:
         for number, points in enumerate(counts):
             x = torch.randn(batch, points, 20) * 2.0 + 0.5
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
@@ -101,7 +103,7 @@ def test_galerkin_block_on_many_point_counts_writes_one_source_per_bucket(tmp_pa
             assert group.specialised is None
             by_class.setdefault((batch, bucket(points)), set()).add(group.kernel)
     # Batch 1 is a shape class of its own (size-1 dims are specialised, as in torch).
-    assert len(by_class) == 4 + 3
+    assert set(by_class) == {(b, bucket(p)) for b, counts in calls for p in counts if (b, p) != (3, 37)}
     assert all(len(names) == 1 for names in by_class.values()), by_class
     assert original_runs == []
 
