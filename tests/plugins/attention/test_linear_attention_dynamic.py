@@ -166,5 +166,6 @@ def test_fourier_reassociated_takes_the_count_at_run_time_as_written_stays_speci
                     assert points in group.run_time_sizes.values()
                 else:
                     assert not group.run_time_sizes and "written for each shape" in group.specialised
+                    assert "don't take run-time sizes): linear_attention." in str(fused.report())
     assert len(names[True]) == 1 and len(names[False]) == 2
     assert original_runs == []
