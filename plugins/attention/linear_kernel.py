@@ -160,14 +160,17 @@ def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource
 
     bodies = "\n".join("\n".join(lines) for _, _, lines in (partials, combine, apply))
     helper_text = used_helpers(helpers, bodies)
-    name = f"af_attention_{L.form}_{digest(helper_text, bodies, repr(partial_params))}"
-    stage_names = [f"{name}_partials", f"{name}_combine", f"{name}_apply"]
-    types = {f"in{k}": POINTER_TYPES[t.dtype] for k, t in enumerate(program.inputs)}
-    types.update(partial="*fp32", context="*fp32", out0=POINTER_TYPES[L.out.dtype])
     # The launcher's sizes: the points (each split's share is derived at launch, so one
     # source serves every point count), the queries and the batch entries (the grids).
     points, queries, entries = sized(L.m), sized(L.n), sized(L.batch_numel)
     run_time = size_parameters()  # every size named above and in the kernels (docs/dynamic.md)
+    # The name hashes what the launcher runs too: a process reuses a module by its name, and
+    # two programs can differ only there (the batch entries, or which sizes it takes).
+    launcher = f"{points} {queries} {entries} {run_time}"
+    name = f"af_attention_{L.form}_{digest(helper_text, bodies, repr(partial_params), launcher)}"
+    stage_names = [f"{name}_partials", f"{name}_combine", f"{name}_apply"]
+    types = {f"in{k}": POINTER_TYPES[t.dtype] for k, t in enumerate(program.inputs)}
+    types.update(partial="*fp32", context="*fp32", out0=POINTER_TYPES[L.out.dtype])
     functions, stages = chain_stages(stage_names, (partials, combine, apply), types, run_time)
     passed = ["".join(f"{s}={s}, " for s in stage.get("sizes", ())) for stage in stages]
     launch = [
