@@ -43,7 +43,7 @@ from autofuser_core.codegen import (
     used_helpers,
     write_kernel,
 )
-from autofuser_core.dynamic import sized
+from autofuser_core.dynamic import literal_sizes, size_parameters, sized
 from autofuser_core.group import (
     MAX_PRODUCTS,
     ROUNDED_DTYPES,
@@ -101,6 +101,7 @@ __all__ = [
     "interpreting",
     "kernel_header",
     "literal",
+    "literal_sizes",
     "needs_int64",
     "next_power_of_2",
     "op_label",
@@ -109,6 +110,7 @@ __all__ = [
     "read_view",
     "rounded",
     "row_reduction",
+    "size_parameters",
     "sized",
     "stored",
     "strategy_header",

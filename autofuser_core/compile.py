@@ -46,7 +46,15 @@ from .backward import BACKWARD_GRAPH_KEY, build_backward, saved_values_read
 from .cache import cache_dir, load_kernel_module, write_tuning
 from .capture import FREE_KEY, OutputShapeCheck, preserved_state
 from .constants import fold_checked
-from .dynamic import CLASS_CHECKED, SIZE_RULE, bucket, checked_key, collecting_sizes, passed_sizes
+from .dynamic import (
+    CLASS_CHECKED,
+    SIZE_RULE,
+    SizeArguments,
+    bucket,
+    checked_key,
+    collecting_sizes,
+    passed_sizes,
+)
 from .group import (
     MAX_PRODUCTS,
     SAVED_FOR_BACKWARD,
@@ -469,7 +477,7 @@ def _verify_round(
                 job.source.sizes = passed_sizes(job.source.source, named)
                 if job.source.sizes:
                     job.source.size_buckets = _class_buckets()
-                _note_sizes(job.entry, job.source, candidate.strategy)
+                _note_sizes(job.entry, job.source, candidate.strategy, named)
                 job.entry.kernel_source = job.source.source
                 module = load_kernel_module(job.source.name, job.source.source, cache_dir(options.cache_dir))
                 job.kernel_path = module.__file__  # the private copy that ran (compile children read it)
@@ -633,7 +641,7 @@ def _class_buckets() -> tuple[int, ...]:
     return tuple(sorted({bucket(size) for size in rule.dynamic})) if rule is not None else ()
 
 
-def _note_sizes(entry: GroupEntry, source, strategy) -> None:
+def _note_sizes(entry: GroupEntry, source, strategy, named: Optional[SizeArguments] = None) -> None:
     """The report's word on a group's sizes while dynamic dims are in force: the sizes its
     kernel takes at run time and their buckets, or why it stays specialised on the shape."""
     if SIZE_RULE.get() is None:
@@ -641,6 +649,8 @@ def _note_sizes(entry: GroupEntry, source, strategy) -> None:
     if source.sizes:
         entry.run_time_sizes = dict(source.sizes)
         entry.size_buckets = list(source.size_buckets)
+    elif named is not None and named.specialised:
+        entry.specialised = named.specialised  # this form of the strategy's groups (``literal_sizes``)
     elif not strategy.dynamic_sizes:
         entry.specialised = (
             f"strategy {strategy.name!r} does not take sizes at run time (StrategySpec.dynamic_sizes): "

@@ -121,6 +121,8 @@ class SizeArguments:
 
     values: dict[str, int] = field(default_factory=dict)
     by_value: dict[int, str] = field(default_factory=dict)
+    # Why the writer wrote this kernel with literal sizes after all (``literal_sizes``).
+    specialised: Optional[str] = None
 
     def name(self, n: int) -> str:
         if n not in self.by_value:
@@ -159,6 +161,22 @@ def sized(n: int) -> str:
     return collector.name(int(n))
 
 
+@contextlib.contextmanager
+def literal_sizes(reason: str) -> Iterator[None]:
+    """While open, ``sized`` writes literals even where the strategy takes run-time sizes:
+    for a form of its groups its writer can't write with run-time sizes. The kernel is
+    then written for each shape (correct, one compile per shape), and the report gives
+    ``reason`` (a sentence saying why) as the group's ``specialised``."""
+    collector = _COLLECTOR.get()
+    if collector is not None:
+        collector.specialised = reason
+    token = _COLLECTOR.set(None)
+    try:
+        yield
+    finally:
+        _COLLECTOR.reset(token)
+
+
 def size_parameters() -> list[str]:
     """The run-time size parameters the kernel being written takes, in order: appended to
     its signature by the functions that assemble kernels (``write_kernel``,
@@ -167,11 +185,13 @@ def size_parameters() -> list[str]:
     return list(collector.values) if collector is not None else []
 
 
-_PARAMETERS = re.compile(r"^def \w+\(([^)]*)\):", re.MULTILINE)
+# A kernel's parameters, and a chain launcher's (indented: a method of its class).
+_PARAMETERS = re.compile(r"^\s*def \w+\(([^)]*)\):", re.MULTILINE)
 
 
 def passed_sizes(source: str, collector: Optional[SizeArguments]) -> dict[str, int]:
-    """The named sizes the kernel in ``source`` takes as parameters: what its launches pass."""
+    """The named sizes the kernel in ``source`` takes as parameters (a kernel's, or a host-side
+    launcher's that hands them on to the kernels it launches): what its launches pass."""
     if collector is None or not collector.values:
         return {}
     found = _PARAMETERS.findall(source)

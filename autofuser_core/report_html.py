@@ -247,8 +247,11 @@ def dynamic_lines(report: "FusionReport") -> list[str]:
     ]
     specialised = sorted({g.strategy for g in fused if g.specialised})
     if specialised:
+        # A strategy that takes run-time sizes may still write one form of its groups per shape
+        # (``literal_sizes``); each entry's ``specialised`` says why.
         lines.append(
-            f"Specialised on each shape (their strategies don't take run-time sizes): {', '.join(specialised)}."
+            f"Specialised on each shape (their strategies, or these forms of their groups, don't take "
+            f"run-time sizes): {', '.join(specialised)}."
         )
     checked = sum(g.class_checked for g in fused)
     if checked:

@@ -209,7 +209,10 @@ class StrategySpec(Spec):
        assembles its kernel with ``write_kernel`` or ``assemble_kernel``, so a
        dimension that varies between calls reaches its kernel as a run-time
        argument (docs/dynamic.md). ``False`` (the default): its kernels stay
-       specialised on each shape, which is always correct.
+       specialised on each shape, which is always correct. A form of its
+       groups it can't write so, ``generate`` writes inside
+       ``autofuser.kernel.literal_sizes(reason)``: specialised, with the reason
+       in the report.
     7. ``writes_saved_outputs``: whether ``generate`` writes every output of the
        programs it is given, those only a backward reads included
        (``KernelTensor.saved``: a product's result inside the group). With

@@ -71,7 +71,14 @@ def _chain_jobs(tmp_path, source, launch_args, chain=None) -> list[dict]:
         spec.loader.exec_module(module)
         chain = getattr(module, source.name)
     return [
-        {"name": s["name"], "path": str(path), "constexprs": s["constexprs"], "pointers": s["pointers"]}
+        {
+            "name": s["name"],
+            "path": str(path),
+            "constexprs": s["constexprs"],
+            "pointers": s["pointers"],
+            # run-time sizes (dynamic dims) after the pointers, as the stage takes them
+            "scalars": {n: "i32" if launch_args[n] < 2**31 else "i64" for n in s.get("sizes", ())},
+        }
         for s in chain.stages(launch_args)
     ]
 

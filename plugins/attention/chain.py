@@ -17,6 +17,8 @@ without one (``tests/integration/test_gpu_compile.py``).
 from __future__ import annotations
 
 import hashlib
+import re
+from typing import Sequence
 
 import torch
 
@@ -34,14 +36,22 @@ def jit_function(name: str, params: list[str], blocks: list[str], lines: list[st
     return f"@triton.jit\ndef {name}({signature}):\n" + "\n".join(lines) + "\n"
 
 
-def chain_stages(names: list[str], sources, types: dict[str, str]) -> tuple[list[str], list[dict]]:
+def chain_stages(
+    names: list[str], sources, types: dict[str, str], sizes: Sequence[str] = ()
+) -> tuple[list[str], list[dict]]:
     """A chain's ``@triton.jit`` functions and its stage descriptions (for ``chain_module``):
-    ``sources`` is one ``(params, blocks, lines)`` per stage, ``types`` each pointer argument's type."""
-    functions = [jit_function(n, params, blocks, lines) for n, (params, blocks, lines) in zip(names, sources)]
-    stages = [
-        {"name": n, "pointers": {p: types[p] for p in params}, "constexprs": {b: b for b in blocks}}
-        for n, (params, blocks, _) in zip(names, sources)
-    ]
+    ``sources`` is one ``(params, blocks, lines)`` per stage, ``types`` each pointer argument's type.
+    ``sizes``: the chain's run-time sizes (``autofuser.kernel.sized``); each stage takes, after
+    its pointers, those its lines use, and its description lists them (``sizes``)."""
+    functions, stages = [], []
+    for name, (params, blocks, lines) in zip(names, sources):
+        text = "\n".join(lines)
+        used = [s for s in sizes if re.search(rf"\b{s}\b", text)]
+        functions.append(jit_function(name, params + used, blocks, lines))
+        stage = {"name": name, "pointers": {p: types[p] for p in params}, "constexprs": {b: b for b in blocks}}
+        if used:  # only then: a chain without run-time sizes keeps its text
+            stage["sizes"] = used
+        stages.append(stage)
     return functions, stages
 
 
@@ -102,6 +112,11 @@ def chain_module(
         + "        for stage in self.stages(config):\n"
         + "            fn = globals()[stage['name']]\n"
         + "            args = [given.get(name) or _DTYPES[kind] for name, kind in stage['pointers'].items()]\n"
+        + (
+            "            args += [config[name] for name in stage.get('sizes', ())]  # run-time sizes\n"
+            if any("sizes" in s for s in stages)
+            else ""
+        )
         + "            fn.warmup(*args, grid=(1,), num_warps=config.get('num_warps', 4),\n"
         + "                      num_stages=config.get('num_stages', 2), **stage['constexprs'])\n\n\n"
         + f"{entry} = _Chain()\n"

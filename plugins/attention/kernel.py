@@ -26,6 +26,7 @@ are compile-time constants, like every AutoFuser kernel.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from typing import Optional
 
@@ -44,6 +45,7 @@ from autofuser.kernel import (
     interpreting,
     op_label,
     rounded,
+    sized,
     stored,
     triton_cdiv,
     used_helpers,
@@ -113,15 +115,36 @@ class _Writer:
         mask = f", mask={_all(used)}, other=0" if used else ""
         return f"tl.load({base} + {' + '.join(terms)}{mask}){cast}"
 
-    def steps(self, steps: list[Step], current: str, tiles: dict, indent: int) -> str:
-        """Emit written-out ``steps`` on the tile named ``current``; returns the result's name."""
+    def steps(self, steps: list[Step], current: str, tiles: dict, indent: int, counts: bool = False) -> str:
+        """Emit written-out ``steps`` on the tile named ``current``; returns the result's name.
+        ``counts``: a constant that is a size derived from a dynamic one, or its reciprocal
+        (the ``/ n`` of linear attention), is read at run time (``run_time_constant``)."""
         loaded: dict = {}
         for step in steps:
-            result = _StepValues(self, current, tiles, loaded, indent).value(step.value)
+            result = _StepValues(self, current, tiles, loaded, indent, counts).value(step.value)
             if step.dtype in ROUNDED:
                 result = rounded(result, step.dtype)
             self.emit(f"{current} = {result}  # {op_label(step.node)}", indent)
         return current
+
+
+def run_time_constant(constant) -> Optional[str]:
+    """A step's constant as a run-time size where it is one that derives from a dynamic
+    size (``sized``), ``n``, or its reciprocal ``1 / n`` (``x / n``, ``x * (1.0 / n)``:
+    linear attention's scale by the point count, which capture wrote as a literal);
+    else ``None`` (the literal stays). Which constants are named never decides
+    correctness: each program passes its own sizes."""
+    if isinstance(constant, bool) or not isinstance(constant, (int, float)) or not math.isfinite(constant):
+        return None
+    if constant >= 2 and float(constant).is_integer():
+        name = sized(int(constant))
+        return None if name == str(int(constant)) else name
+    if 0 < constant <= 0.5:
+        n = round(1.0 / constant)
+        name = sized(n)
+        # Only an exact reciprocal: 1.0 / n in double is what ``1.0 / n`` wrote.
+        return f"(1.0 / {name})" if 1.0 / n == constant and name != str(n) else None
+    return None
 
 
 class _StepValues(ValueEmitter):
@@ -129,9 +152,17 @@ class _StepValues(ValueEmitter):
     tensor in ``tiles`` reads it at (rows, keys), once for all the steps
     (``loaded``); any other load is the previous step's result."""
 
-    def __init__(self, writer: _Writer, current: str, tiles: dict, loaded: dict, indent: int):
+    def __init__(self, writer: _Writer, current: str, tiles: dict, loaded: dict, indent: int, counts: bool = False):
         super().__init__()
         self.w, self.current, self.tiles, self.loaded, self.indent = writer, current, tiles, loaded, indent
+        self.counts = counts
+
+    def value(self, v: Value) -> str:
+        if self.counts and v.op == "const" and v.size is None:
+            found = run_time_constant(v.constant)
+            if found is not None:
+                return found
+        return super().value(v)
 
     def emit(self, line: str) -> None:
         self.w.emit(line, self.indent)

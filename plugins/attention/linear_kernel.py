@@ -14,6 +14,12 @@
 Points are read once (k and v in stage 1, q in stage 3); the only other
 traffic is the d x dv partials. Head widths are padded to a power of two >= 16
 (``tl.dot``'s minimum) with masks.
+
+With dynamic dims (docs/dynamic.md) the point and query counts, the strides and
+the batch entries are written through ``sized``, and so is the ``/ n`` on the
+context: one source serves every point count. The launcher derives each split's
+share of the points (``CHUNK``) from the count at launch, so any ``SPLITS`` and
+``BLOCK_N`` are correct for any count.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from autofuser.kernel import (
     index_term,
     op_label,
     rounded,
+    size_parameters,
+    sized,
     stored,
     used_helpers,
 )
@@ -91,7 +99,7 @@ def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource
     w.emit("acc = tl.zeros((BLOCK_D, BLOCK_DV), tl.float32)  # this split's k'^T @ v'")
     w.emit("for n0 in range(0, CHUNK, BLOCK_N):")
     w.emit("points = split * CHUNK + n0 + tl.arange(0, BLOCK_N)[:, None]", 2)
-    w.emit(f"point_mask = points < {L.m}", 2)
+    w.emit(f"point_mask = points < {sized(L.m)}", 2)
     for name, op, norm, width, block, cols, mask in (
         ("k", L.k, L.k_norm, L.d, block_d, "d_cols", d_mask),
         ("v", L.v, L.v_norm, L.dv, block_dv, "dv_cols", dv_mask),
@@ -120,7 +128,7 @@ def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource
     if L.ctx_dtype in ROUNDED:
         c.emit(f"ctx = {rounded('ctx', L.ctx_dtype)}  # the context product's dtype")
     if L.ctx_steps:
-        c.steps(L.ctx_steps, "ctx", {}, 1)
+        c.steps(L.ctx_steps, "ctx", {}, 1, counts=True)  # ``/ n``: the point count at run time
         c.emit(f"ctx = tl.where((c_rows < {L.d}) & (c_cols < {L.dv}), ctx, 0.0)  # padding stays 0")
     c.emit(f"tl.store(context + batch * {ctx_size} + c_rows * BLOCK_DV + c_cols, ctx)")
     combine = (["partial", "context"], ["SPLITS", "BLOCK_D", "BLOCK_DV"], c.lines)
@@ -131,7 +139,7 @@ def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource
     a.emit(f"batch = tl.program_id(1){cast64}")
     _offsets(a, L.batch, [("q", f"in{L.q.index}", L.q), ("out", "out0", L.out)])
     a.emit("rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")
-    a.emit(f"row_mask = rows < {L.n}")
+    a.emit(f"row_mask = rows < {sized(L.n)}")
     a.emit("d_cols = tl.arange(0, BLOCK_D)[None, :]")
     a.emit("dv_cols = tl.arange(0, BLOCK_DV)[None, :]")
     a.emit(f"ctx = tl.load(context + batch * {ctx_size} + tl.arange(0, BLOCK_D)[:, None] * BLOCK_DV + dv_cols)")
@@ -140,7 +148,7 @@ def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource
     a.emit(f"out = {dot_line('q', as_operand('ctx', out_operand), out_operand, L.precision)}  # q @ context")
     if L.out_dtype in ROUNDED:
         a.emit(f"out = {rounded('out', L.out_dtype)}  # the product's dtype")
-    a.steps(L.out_steps, "out", {}, 1)
+    a.steps(L.out_steps, "out", {}, 1, counts=True)
     out_off = " + ".join(
         [index_term("rows", L.out.row_stride) or "rows * 0", index_term("dv_cols", L.out.col_stride) or "dv_cols * 0"]
     )
@@ -152,27 +160,38 @@ def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource
 
     bodies = "\n".join("\n".join(lines) for _, _, lines in (partials, combine, apply))
     helper_text = used_helpers(helpers, bodies)
-    name = f"af_attention_{L.form}_{digest(helper_text, bodies, repr(partial_params))}"
+    # The launcher's sizes: the points (each split's share is derived at launch, so one
+    # source serves every point count), the queries and the batch entries (the grids).
+    points, queries, entries = sized(L.m), sized(L.n), sized(L.batch_numel)
+    run_time = size_parameters()  # every size named above and in the kernels (docs/dynamic.md)
+    # The name hashes what the launcher runs too: a process reuses a module by its name, and
+    # two programs can differ only there (the batch entries, or which sizes it takes).
+    launcher = f"{points} {queries} {entries} {run_time}"
+    name = f"af_attention_{L.form}_{digest(helper_text, bodies, repr(partial_params), launcher)}"
     stage_names = [f"{name}_partials", f"{name}_combine", f"{name}_apply"]
     types = {f"in{k}": POINTER_TYPES[t.dtype] for k, t in enumerate(program.inputs)}
     types.update(partial="*fp32", context="*fp32", out0=POINTER_TYPES[L.out.dtype])
-    functions, stages = chain_stages(stage_names, (partials, combine, apply), types)
+    functions, stages = chain_stages(stage_names, (partials, combine, apply), types, run_time)
+    passed = ["".join(f"{s}={s}, " for s in stage.get("sizes", ())) for stage in stages]
     launch = [
-        f"chunk = {split_chunk(L.m)}  # points per split",
+        f"chunk = {split_chunk(points)}  # points per split",
         "device = out0.device",
-        f"partial = torch.empty(({L.batch_numel}, SPLITS, BLOCK_D, BLOCK_DV), dtype=torch.float32, device=device)",
-        f"context = torch.empty(({L.batch_numel}, BLOCK_D, BLOCK_DV), dtype=torch.float32, device=device)",
+        f"partial = torch.empty(({entries}, SPLITS, BLOCK_D, BLOCK_DV), dtype=torch.float32, device=device)",
+        f"context = torch.empty(({entries}, BLOCK_D, BLOCK_DV), dtype=torch.float32, device=device)",
         "sizes = dict(BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=num_warps)",
-        f"{stage_names[0]}[(SPLITS, {L.batch_numel})]({', '.join(inputs)}, partial, BLOCK_N=BLOCK_N, CHUNK=chunk, "
+        f"{stage_names[0]}[(SPLITS, {entries})]({', '.join(inputs)}, partial, {passed[0]}BLOCK_N=BLOCK_N, CHUNK=chunk, "
         "SPLITS=SPLITS, num_stages=num_stages, **sizes)",
-        f"{stage_names[1]}[({L.batch_numel},)](partial, context, SPLITS=SPLITS, **sizes)",
-        f"{stage_names[2]}[(triton.cdiv({L.n}, BLOCK_M), {L.batch_numel})]({', '.join(inputs)}, context, out0, "
-        "BLOCK_M=BLOCK_M, **sizes)",
+        f"{stage_names[1]}[({entries},)](partial, context, {passed[1]}SPLITS=SPLITS, **sizes)",
+        f"{stage_names[2]}[(triton.cdiv({queries}, BLOCK_M), {entries})]({', '.join(inputs)}, context, out0, "
+        f"{passed[2]}BLOCK_M=BLOCK_M, **sizes)",
     ]
     signature = ", ".join(
-        inputs + ["out0", "*", "BLOCK_M", "BLOCK_N", "SPLITS", "BLOCK_D", "BLOCK_DV", "num_warps=4", "num_stages=2"]
+        inputs
+        + ["out0", "*", "BLOCK_M", "BLOCK_N", "SPLITS", "BLOCK_D", "BLOCK_DV", "num_warps=4", "num_stages=2"]
+        + run_time
     )
-    derived = {"CHUNK": split_chunk(L.m, "config['SPLITS']", "config['BLOCK_N']")}
+    named_points = f"config[{points!r}]" if points != str(L.m) else L.m
+    derived = {"CHUNK": split_chunk(named_points, "config['SPLITS']", "config['BLOCK_N']")}
     source = chain_module(
         _header(program, strategy),
         helper_text,

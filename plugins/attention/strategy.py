@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 from autofuser import StrategySpec, device_limits
-from autofuser.kernel import dot_block, next_power_of_2
+from autofuser.kernel import dot_block, literal_sizes, next_power_of_2
 
 from .kernel import write_attention_kernel
 from .layout import AttentionProgram
@@ -240,7 +240,11 @@ def linear_default_config(program):
 
 def linear_generate(program, helpers):
     if program.linear is None:
-        return write_attention_kernel(program, "linear_attention", helpers)
+        # The online kernel (and its passes) is written for each shape: its sizes are literals.
+        with literal_sizes(
+            "a Fourier chain as written runs the online attention kernel, which is written for each shape"
+        ):
+            return write_attention_kernel(program, "linear_attention", helpers)
     return write_linear_attention(program, "linear_attention", helpers)
 
 
@@ -257,6 +261,7 @@ LINEAR_STRATEGY = StrategySpec(
     is_valid=linear_is_valid,
     default_config=linear_default_config,
     generate=linear_generate,
+    dynamic_sizes=True,  # the Galerkin chain (and a reassociated Fourier one) takes the point count at run time
 )
 
 

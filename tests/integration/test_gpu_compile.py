@@ -307,6 +307,33 @@ def test_linear_and_slice_attention_chains_compile_for_sm90(dtype, tmp_path, mon
     _compile_for_sm90(jobs, tmp_path)
 
 
+class _GalerkinForm(nn.Module):
+    """Galerkin attention with its layer norms and the ``/ n`` by the point count."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm_k, self.norm_v = nn.LayerNorm(width), nn.LayerNorm(width)
+
+    def forward(self, q, k, v):
+        context = torch.einsum("bhnd,bhne->bhde", self.norm_k(k), self.norm_v(v)) / k.shape[-2]
+        return torch.einsum("bhnd,bhde->bhne", q, context)
+
+
+def test_linear_attention_chain_with_run_time_sizes_compiles_for_sm90(tmp_path):
+    """Dynamic dims (docs/dynamic.md): the Galerkin chain taking the point count at run
+    time compiles for a GPU, each kernel with the run-time sizes it takes."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 37, 24) for _ in range(3))
+    fused = autofuser.fuse(_GalerkinForm(24).eval(), progress=False, tune=False, verify_speed=False, dynamic=True)
+    with torch.no_grad():
+        fused(q, k, v)
+    (kernel,) = [k for k in fused.kernels() if k.source.layout == "attention_chain"]
+    assert 37 in kernel.source.sizes.values(), str(fused.report())
+    jobs = _jobs_of(tmp_path, kernel)
+    assert len(jobs) == 3 and all(job["scalars"] for job in jobs)  # each stage takes the count
+    _compile_for_sm90(jobs, tmp_path)
+
+
 class ConvForms(nn.Module):
     """The conv plugin's kernels side by side: 1x1 convolutions in 1, 2 and 3 dims with
     batch norm, activation and residual epilogues (channels-last input, one output

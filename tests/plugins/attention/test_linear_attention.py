@@ -239,3 +239,20 @@ def test_chain_warmup_compiles_every_stage_with_its_own_arguments():
         for arg, pointer in zip(args, stage["pointers"]):
             # the model's tensors (parameters included) are fp16; the chain's scratch buffers fp32
             assert arg == (torch.float16 if pointer.startswith("in") or pointer == "out0" else torch.float32)
+
+
+def test_galerkin_chains_differing_only_in_their_batch_are_two_kernels(tmp_path):
+    """Two shapes whose chains differ only in the launcher (the batch entries it launches
+    over) get two kernel names: a process reuses a loaded module by its name."""
+    model = Galerkin(16, "einsum").eval()
+    fused = autofuser.fuse(
+        model, progress=False, tune=False, verify_speed=False, cache_dir=str(tmp_path), dynamic=False
+    )
+    names = set()
+    for batch in (3, 5):
+        qkv = torch.randn(batch, 37, 3 * HEADS * 16, device=DEVICE)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(qkv), model(qkv), **TOLERANCES[F32])
+        (group,) = linear_groups(fused)  # fused: not refused as a mismatch
+        names.add(group.kernel)
+    assert len(names) == 2
