@@ -460,7 +460,10 @@ def _finish_chain(
     sources.append((params, ["BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV"], w.lines))
     bodies = "\n".join("\n".join(lines) for _, _, lines in sources)
     helper_text = used_helpers(helpers, bodies)
-    name = f"af_attention_{L.form}_{digest(helper_text, bodies, repr(params))}"
+    # The name hashes what the launcher runs too (the scratch it allocates, the grids): a
+    # process reuses a module by its name, and two programs can differ only there (the batch).
+    launcher = repr((allocs, [(p[0], p[1]) for p in passes], L.n, L.batch_numel))
+    name = f"af_attention_{L.form}_{digest(helper_text, bodies, repr(params), launcher)}"
     stage_names = [f"{name}_pass_{p[0]}" for p in passes] + [f"{name}_attend"]
     functions, stages = chain_stages(stage_names, sources, types)
     launch = ["device = out0.device"] + allocs

@@ -207,7 +207,10 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     stages_src = (aggregate, mix, scatter)
     bodies = "\n".join("\n".join(lines) for _, _, lines in stages_src)
     helper_text = used_helpers(helpers, bodies)
-    name = f"af_attention_slice_{digest(helper_text, bodies)}"
+    # The name hashes what the launcher runs too (each split's points, the grids): a process
+    # reuses a module by its name, and two programs can differ only there (the batch).
+    launcher = repr((split_chunk(L.n), L.n, L.batch_numel))
+    name = f"af_attention_slice_{digest(helper_text, bodies, launcher)}"
     stage_names = [f"{name}_aggregate", f"{name}_mix", f"{name}_scatter"]
     types = {f"in{k}": POINTER_TYPES[t.dtype] for k, t in enumerate(program.inputs)}
     types.update(partial="*fp32", partial_sums="*fp32", mixed_tokens="*fp32", out0=POINTER_TYPES[L.out.dtype])

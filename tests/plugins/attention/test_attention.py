@@ -517,3 +517,30 @@ def test_a_refusing_compose_leaves_its_nodes_to_the_generic_strategies():
     assert [(d.strategy, d.reason_code, d.reason) for d in plan.decisions] == [
         ("grab", "not_today", "this strategy declines")
     ]
+
+
+def test_chains_differing_only_in_their_batch_are_two_kernels(tmp_path):
+    """A softmax chain (passes over k and v first: 256 queries or more in strict fp32) whose
+    programs differ only in the batch entries its launcher covers gets a kernel name per
+    batch: a process reuses a loaded module by its name, and one launcher's grid and
+    scratch would be wrong for the other batch."""
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    model = Attend()
+    fused = autofuser.fuse(
+        model, progress=False, tune=False, verify_speed=False, cache_dir=str(tmp_path), dynamic=False
+    )
+    names = set()
+    for batch in (1, 3):
+        q, k, v = (torch.randn(batch, 2, 260, 8, device=DEVICE) for _ in range(3))
+        with torch.no_grad():
+            torch.testing.assert_close(fused(q, k, v), model(q, k, v), atol=1e-4, rtol=1e-4)
+        groups = [g for g in fused.report().fused if g.strategy == "softmax_attention"]
+        assert len(groups) == 1, str(fused.report())  # fused: not refused as a mismatch
+        names.add(groups[0].kernel)
+    layouts = {k.source.layout for k in fused.kernels() if k.source.layout.startswith("attention")}
+    assert layouts == {"attention_chain"}
+    assert len(names) == 2

@@ -188,3 +188,20 @@ def test_the_authors_clamped_temperature_and_repeated_norm_are_one_chain(dtype):
     assert {"elementwise.repeat", "attention.unsqueeze_index", "elementwise.add"} <= set(group.ops), group.ops
     # the clamp reads parameters only: computed beside the chain, which reads its result
     assert "elementwise.clamp" not in group.ops
+
+
+def test_chains_differing_only_in_their_batch_are_two_kernels(tmp_path):
+    """Two programs of one slice attention that differ only in the batch entries its
+    launcher covers get two kernel names: a process reuses a loaded module by its name."""
+    model = make(8, 5, torch.float32)
+    fused = autofuser.fuse(
+        model, progress=False, tune=False, verify_speed=False, cache_dir=str(tmp_path), dynamic=False
+    )
+    names = set()
+    for batch in (2, 4):
+        x = torch.randn(batch, 37, HEADS * 8, device=DEVICE)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
+        (group,) = slice_groups(fused)  # fused: not refused as a mismatch
+        names.add(group.kernel)
+    assert len(names) == 2
