@@ -32,7 +32,7 @@ EXPECTED_OPS = (
     "add sub rsub mul div neg abs exp log sin cos sqrt rsqrt pow square tanh sigmoid relu leaky_relu gelu silu "
     "softplus elu expand zeros_like ones_like full_like new_zeros new_ones new_full where masked_fill clamp "
     "clamp_min clamp_max maximum minimum gt ge lt le eq ne cast to_copy erf dropout "
-    "identity roll pad select repeat"
+    "identity roll pad select repeat contiguous clone reshape"
 ).split()
 
 
