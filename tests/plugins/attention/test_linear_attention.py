@@ -212,26 +212,7 @@ def test_chain_warmup_compiles_every_stage_with_its_own_arguments():
     qkv = torch.randn(1, 37, 3 * HEADS * 16, dtype=torch.float16, device=DEVICE)
     fused, _, _ = run(model.to(torch.float16), qkv)
     (kernel,) = [k for k in fused.kernels() if k.source.layout == "attention_chain"]
-    calls = []
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def warmup(self, *args, grid, **kwargs):
-            calls.append((self.name, args, kwargs))
-
-    module = __import__("sys").modules[type(kernel.kernel).__module__]
-    stages = kernel.kernel.stages(kernel.launch_args)
-    saved = {s["name"]: getattr(module, s["name"]) for s in stages}
-    try:
-        for name in saved:
-            setattr(module, name, Recorder(name))
-        dtypes = [*kernel.kernel_dtypes, *[dtype for _, _, dtype in kernel.output_layout]]
-        kernel.kernel.warmup(*dtypes, grid=(1,), **kernel.launch_args)
-    finally:
-        for name, fn in saved.items():
-            setattr(module, name, fn)
+    calls, stages = warmup_calls(kernel)
     assert [c[0] for c in calls] == [s["name"] for s in stages]
     for (name, args, kwargs), stage in zip(calls, stages):
         assert len(args) == len(stage["pointers"]) and kwargs["num_warps"] == kernel.launch_args["num_warps"]
@@ -256,3 +237,29 @@ def test_galerkin_chains_differing_only_in_their_batch_are_two_kernels(tmp_path)
         (group,) = linear_groups(fused)  # fused: not refused as a mismatch
         names.add(group.kernel)
     assert len(names) == 2
+
+
+def warmup_calls(kernel):
+    """Each stage's ``warmup`` call as a chain kernel's ``warmup`` makes it (stage name, its
+    positional arguments, its keyword arguments), recorded instead of compiled; and the stages."""
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def warmup(self, *args, grid, **kwargs):
+            calls.append((self.name, args, kwargs))
+
+    module = __import__("sys").modules[type(kernel.kernel).__module__]
+    stages = kernel.kernel.stages(kernel.launch_args)
+    saved = {s["name"]: getattr(module, s["name"]) for s in stages}
+    try:
+        for name in saved:
+            setattr(module, name, Recorder(name))
+        dtypes = [*kernel.kernel_dtypes, *[dtype for _, _, dtype in kernel.output_layout]]
+        kernel.kernel.warmup(*dtypes, grid=(1,), **kernel.launch_args)
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+    return calls, stages

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from einops import rearrange
 from test_attention import TOLERANCES  # the softmax attention tests' tolerances
-from test_linear_attention import Fourier, _fourier_inputs
+from test_linear_attention import Fourier, _fourier_inputs, warmup_calls
 
 import autofuser
 from autofuser_core.dynamic import bucket
@@ -178,29 +178,10 @@ def test_chain_warmup_passes_each_stage_its_run_time_sizes(tmp_path):
     with torch.no_grad():
         fused(torch.randn(3, 45, 20))
     (kernel,) = [k for k in fused.kernels() if k.source.layout == "attention_chain"]
-    calls = []
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def warmup(self, *args, grid, **kwargs):
-            calls.append((self.name, args))
-
-    module = __import__("sys").modules[type(kernel.kernel).__module__]
-    stages = kernel.kernel.stages(kernel.launch_args)
-    saved = {s["name"]: getattr(module, s["name"]) for s in stages}
-    try:
-        for name in saved:
-            setattr(module, name, Recorder(name))
-        dtypes = [*kernel.kernel_dtypes, *[dtype for _, _, dtype in kernel.output_layout]]
-        kernel.kernel.warmup(*dtypes, grid=(1,), **kernel.launch_args)
-    finally:
-        for name, fn in saved.items():
-            setattr(module, name, fn)
-    assert [name for name, _ in calls] == [s["name"] for s in stages]
+    calls, stages = warmup_calls(kernel)
+    assert [name for name, _, _ in calls] == [s["name"] for s in stages]
     assert all(s.get("sizes") for s in stages), "every stage reads the point count"
-    for (_, args), stage in zip(calls, stages):
+    for (_, args, _), stage in zip(calls, stages):
         sizes = args[len(stage["pointers"]) :]
         assert list(sizes) == [kernel.launch_args[s] for s in stage["sizes"]]
         assert 45 in sizes  # the point count, which every stage reads
