@@ -94,6 +94,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "(no autocast), to see what reading fp32 weights costs a fused kernel",
     )
     parser.add_argument("--tune-budget", type=float, default=2.0)
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="side by side: AutoFuser's cache folder (default: a new empty one, so it compiles cold); "
+        "pass a benchmark's to profile the kernels it tuned",
+    )
     args = parser.parse_args(argv)
     args.side_by_side = args.zoo is not None or args.factory is not None
     if args.zoo is not None and args.factory is not None:
@@ -245,7 +251,8 @@ def profile_systems(args: argparse.Namespace) -> tuple[dict[str, list[KernelRow]
         if system == "eager":
             runner: Any = model
         elif system == "autofuser":
-            runner = autofuser.fuse(model, cache_dir=tempfile.mkdtemp(prefix="autofuser-profile-"), progress=False)
+            cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="autofuser-profile-")
+            runner = autofuser.fuse(model, cache_dir=cache_dir, progress=False)
         else:
             runner = torch.compile(model, mode=system)
         forward = call(runner)
