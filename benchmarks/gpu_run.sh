@@ -15,6 +15,9 @@
 #               benchmarks/tuning_stats.py over their caches
 #   train:DTYPE:MODEL,MODEL  their training steps (`autofuser bench --train`, flags in $TRAIN_FLAGS,
 #               default --iters 30 --warmup 3 --tune-budget 1), each model in its own process
+#   dynamic:DTYPE  benchmarks/dynamic.py     (a zoo model on 50 point counts between 4k and 16k: first
+#               calls and steady times against AutoFuser dynamic=False; flags in $DYNAMIC_FLAGS,
+#               e.g. DYNAMIC_FLAGS="--model transformer --counts 20")
 #   Every benchmark above goes through torch.compile in each mode of $COMPILE_MODES (default:
 #   default,reduce-overhead; e.g. COMPILE_MODES=default,reduce-overhead,max-autotune), each mode
 #   its own columns.
@@ -73,6 +76,13 @@ for step in "${steps[@]}"; do
       python3 benchmarks/fft_plugin.py --out "$out/fft" --compile-modes "$COMPILE_MODES" ${FFT_FLAGS:-} \
         > "$out/fft.log" 2>&1
       echo "fft rc=$?"; tail -n 20 "$out/fft.log" ;;
+    dynamic:*)
+      dtype=${step#dynamic:}
+      # Each system in a process of its own, with empty AutoFuser, Triton and Inductor caches.
+      # shellcheck disable=SC2086
+      python3 benchmarks/dynamic.py --out "$out/dynamic-$dtype" --dtype "$dtype" --compile-modes "$COMPILE_MODES" \
+        ${DYNAMIC_FLAGS:-} > "$out/dynamic-$dtype.log" 2>&1
+      echo "dynamic:$dtype rc=$?"; tail -n 20 "$out/dynamic-$dtype.log" ;;
     zoo:*)
       IFS=: read -r _ dtype models <<< "$step"
       [ "$models" = "all" ] && models=galerkin,transformer,transolver,transolver2d,gnot,factformer,fno,ffno,unet,lsm,ufno,upt
