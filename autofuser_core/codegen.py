@@ -38,7 +38,15 @@ import torch
 import torch.fx
 
 from .dynamic import size_parameters, sized
-from .group import GroupProgram, KernelTensor, collect_values, domain_strides, read_view
+from .group import (
+    GroupProgram,
+    GroupRefused,
+    KernelTensor,
+    collect_values,
+    cross_sum_of,
+    domain_strides,
+    read_view,
+)
 from .ir import Value
 from .rounding import CORE_HELPERS, stored
 
@@ -69,10 +77,18 @@ class KernelSource:
     sizes: dict[str, int] = field(default_factory=dict)
     # The size buckets of the dynamic dims those sizes derive from: tuning is keyed by them.
     size_buckets: tuple[int, ...] = ()
+    # Outputs the kernel writes as partial rows (``GroupProgram.cross_reduces``): for each,
+    # the launcher passes an fp32 buffer of one row of the output's size per program and
+    # stores the rows' sum in the output (``launch.kernel_outputs``).
+    partial_outputs: tuple[int, ...] = ()
 
     def launch_args(self, config: dict) -> dict:
         """The keyword arguments of a launch with ``config``: the layout's fixed sizes win over a config's."""
         return {**config, **self.constexprs, **self.sizes}
+
+    def output_dtypes(self, program) -> list:
+        """What the kernel writes each output as: its dtype, fp32 for a partial output."""
+        return [torch.float32 if k in self.partial_outputs else t.dtype for k, t in enumerate(program.outputs)]
 
     def casts(self, program, config: dict) -> list:
         """(slot, dtype) of each input the launcher converts before a launch with ``config``."""
@@ -311,6 +327,12 @@ class _Writer(ValueEmitter):
         name = self.fresh()
         if self.layout != "rows" or not self.program.reduced_dims or v.uid in self.program.identity_reduces:
             self.emit(f"{name} = {arg}  # reduction over size-1 dims")
+        elif v.uid in self.program.cross_reduces:
+            full = f"tl.broadcast_to({arg}, (BLOCK_M, BLOCK_R))"
+            if v.args[0].is_bool:
+                full = f"{full}.to(tl.float32)"
+            # this program's rows summed: one partial row of the output
+            self.emit(f"{name} = tl.sum(tl.where(mask, {full}, 0.0), axis=0)[None, :]")
         else:
             full = f"tl.broadcast_to({arg}, (BLOCK_M, BLOCK_R))"
             if v.args[0].is_bool:
@@ -578,6 +600,9 @@ def write_kernel(
         raise ValueError(f"unknown layout {layout!r}")
     if layout == "flat" and program.reduced_dims:
         raise ValueError("the flat layout cannot reduce; use rows")
+    shifted = any(v.op == "shifted" for v in collect_values(program.output_values).values())
+    if program.cross_reduces and shifted:
+        raise GroupRefused("cross_sum_shifted", "sums over the rows beside shifted reads are not written")
     w = _Writer(program, layout)
     tensors = program.inputs + program.outputs
     max_extent = max(
@@ -591,7 +616,6 @@ def write_kernel(
     n_outer = program.outer_numel
     constexprs: dict[str, int] = {}
 
-    shifted = any(v.op == "shifted" for v in collect_values(program.output_values).values())
     coords = [Coordinate("0", None) for _ in program.domain]
     if shifted and layout == "flat":
         # Shifted reads move coordinates dim by dim: every dim keeps its own coordinate
@@ -664,13 +688,20 @@ def write_kernel(
                     m = "mask" if ro and co else ("row_mask" if ro else "col_mask")
                     w.emit(f"x{k} = tl.load(in{k} + {off}, mask={m}, other=0){cast}")
                 w.loads[k] = f"x{k}"
-            results = [w.value(v) for v in program.output_values]
+            # a cross sum's partial rows are stored unrounded: the launcher's sum rounds once
+            results = [w.value(cross_sum_of(program, k) or v) for k, v in enumerate(program.output_values)]
             base = len(program.inputs)
             for k, (t, res) in enumerate(zip(program.outputs, results)):
                 ro, co = row_offs[base + k], col_offs[base + k]
                 store = res if t.dtype == torch.bool else stored(res, t.dtype, TL_DTYPES[t.dtype])
                 reduced_output = all(t.domain_stride[d] == 0 for d in program.reduced_dims)
-                if reduced_output:
+                if cross_sum_of(program, k) is not None:
+                    # one fp32 row per program, columns in the order of the output's elements
+                    w.emit(
+                        f"tl.store(out{k} + {pid} * {sized(n_cols)} + cols, "
+                        f"tl.broadcast_to({res}, (1, BLOCK_R)), mask=col_mask)"
+                    )
+                elif reduced_output:
                     tile = f"tl.broadcast_to({store}, (BLOCK_M, 1))"
                     w.emit(f"tl.store(out{k} + {ro or 'rows * 0'}, {tile}, mask=row_mask)")
                 else:
@@ -709,7 +740,10 @@ def _finish(
         + (helper_text + "\n\n\n" if helper_text else "")
         + f"@triton.jit\ndef {name}({', '.join(params + blocks)}):\n{body}\n"
     )
-    return KernelSource(name=name, source=source, layout=layout, grid=grid, constexprs=constexprs)
+    partial = tuple(k for k in range(len(program.outputs)) if cross_sum_of(program, k) is not None)
+    return KernelSource(
+        name=name, source=source, layout=layout, grid=grid, constexprs=constexprs, partial_outputs=partial
+    )
 
 
 def op_stem(op_name: str) -> str:

@@ -129,6 +129,11 @@ class GroupProgram:
     # that laid it out (``ProductLayoutSpec``), which its strategy reads.
     product_layout: Optional[Any] = None
     identity_reduces: set[int] = field(default_factory=set)  # reductions over size-1 dims only
+    # Sums over exactly the outer dims (every dim but ``reduced_dims``) whose results are
+    # outputs and nothing else: a layer norm's weight gradient beside its input gradient.
+    # Each program sums its rows into one partial row of the output's size; the launcher
+    # adds the partial rows (``KernelSource.partial_outputs``).
+    cross_reduces: set[int] = field(default_factory=set)
     # fp32 products of a group laid out without a product layout (a strategy's own
     # compose): "tf32" where torch allows it, else "tf32x3"/"ieee"; None without products.
     products_precision: Optional[str] = None
@@ -554,6 +559,7 @@ def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Produ
 
     aligned: dict[int, tuple[int, ...]] = {}
     reduced_sets: set[tuple[int, ...]] = set()
+    dims_of: dict[int, tuple[int, ...]] = {}  # each reduction's dims, where not the identity
 
     def align(v: Value) -> tuple[int, ...]:
         if v.uid in aligned:
@@ -575,6 +581,7 @@ def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Produ
             effective = tuple(d for d in dims if arg[d] != 1)
             if effective:
                 reduced_sets.add(effective)
+                dims_of[v.uid] = tuple(sorted(effective))
             else:
                 program.identity_reduces.add(v.uid)
             out = tuple(1 if d in dims else s for d, s in enumerate(arg))
@@ -587,9 +594,6 @@ def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Produ
 
     for v in program.output_values:
         align(v)
-    if len(reduced_sets) > 1:
-        raise GroupRefused("mixed_reductions", f"reductions over different dims {sorted(reduced_sets)}")
-    reduced = next(iter(reduced_sets)) if reduced_sets else ()
 
     domain = [1] * rank
     for shape in aligned.values():
@@ -599,6 +603,12 @@ def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Produ
                     raise GroupRefused("shape_mismatch", f"sizes {domain[d]} and {s} meet in dim {d}")
                 domain[d] = s
     program.domain = tuple(domain)
+    cross: tuple[int, ...] = ()
+    if len(reduced_sets) > 1:
+        reduced, cross = _rows_and_cross(program, values, dims_of)
+        program.cross_reduces = {uid for uid, dims in dims_of.items() if dims == cross}
+    else:
+        reduced = next(iter(reduced_sets)) if reduced_sets else ()
     program.reduced_dims = tuple(d for d in reduced if domain[d] != 1)
 
     views: dict[int, set[tuple[int, ...]]] = {}
@@ -616,11 +626,13 @@ def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Produ
         if len(shapes) > 1:
             raise GroupRefused("mixed_views", f"{tensor.name} is read with several shapes {sorted(shapes)}")
         tensor.domain_stride = domain_strides(*read_view(tensor, next(iter(shapes))), program.domain)
-    for tensor, value in zip(program.outputs, program.output_values):
+    for index, (tensor, value) in enumerate(zip(program.outputs, program.output_values)):
         shape_s = aligned[value.uid]
+        # What this output is reduced over: the rows' dims, or the outer dims for a cross sum.
+        own_reduced = cross if cross_sum_of(program, index) is not None else reduced
         for d in range(rank):
             full = shape_s[d] == program.domain[d]
-            if d in reduced:
+            if d in own_reduced:
                 continue
             if not full:
                 raise GroupRefused(
@@ -629,7 +641,7 @@ def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Produ
                     f"{list(program.domain)} outside the reduced dims",
                 )
         if value.uid in squeezed:
-            kept = [d for d in range(rank) if d not in reduced]
+            kept = [d for d in range(rank) if d not in own_reduced]
             strides = [0] * rank
             own = list(tensor.stride)
             offset = len(kept) - len(own)
@@ -639,9 +651,70 @@ def _lay_out(program: GroupProgram, product_layouts: Optional[Mapping[int, Produ
             tensor.domain_stride = tuple(strides)
         else:
             tensor.domain_stride = domain_strides(tensor.shape, tensor.stride, program.domain)
-        reduced_full = [shape_s[d] == program.domain[d] for d in reduced if program.domain[d] != 1]
+        reduced_full = [shape_s[d] == program.domain[d] for d in own_reduced if program.domain[d] != 1]
         if reduced_full and any(reduced_full) and not all(reduced_full):
             raise GroupRefused("output_broadcasts", f"output {tensor.name} is partly reduced")
+
+
+def _summed(value: Value, dtype: torch.dtype) -> Optional[Value]:
+    """The reduction an output ``value`` of ``dtype`` writes: itself, or the reduction it
+    rounds to ``dtype`` (half-precision groups round every result where eager rounds)."""
+    if value.op == "reduce":
+        return value
+    if value.op == "pointwise" and len(value.args) == 1 and value.template == rounded("{0}", dtype):
+        inner = value.args[0]
+        return inner if inner.op == "reduce" else None
+    return None
+
+
+def cross_sum_of(program: GroupProgram, index: int) -> Optional[Value]:
+    """The cross sum (``GroupProgram.cross_reduces``) output ``index`` writes, if it writes one:
+    the kernel stores its partial rows unrounded, and the launcher's sum of them rounds once."""
+    if not program.cross_reduces:
+        return None
+    reduce = _summed(program.output_values[index], program.outputs[index].dtype)
+    return reduce if reduce is not None and reduce.uid in program.cross_reduces else None
+
+
+def _rows_and_cross(
+    program: GroupProgram, values: Mapping[int, Value], dims_of: Mapping[int, tuple[int, ...]]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Of two sets of reduced dims, the rows' and the cross sums' (``GroupProgram.cross_reduces``):
+    the cross set is every dim of the domain the rows' set leaves out, and its reductions
+    are sums written as outputs that nothing else in the group reads. Any other mix of
+    reductions is refused."""
+    sets = sorted(set(dims_of.values()))
+    refusal = GroupRefused("mixed_reductions", f"reductions over different dims {sets}")
+    if len(sets) != 2:
+        raise refusal
+    wide = {d for d, s in enumerate(program.domain) if s != 1}
+
+    def can_cross(dims: tuple[int, ...], rows: tuple[int, ...]) -> bool:
+        if set(dims) | set(rows) != wide or set(dims) & set(rows):
+            return False
+        members = {uid for uid, d in dims_of.items() if d == dims}
+        if any(values[uid].reduce_op != "sum" for uid in members):
+            return False
+        # Each is written as an output, itself or rounded to the output's dtype, and read by
+        # nothing else; the output is floating (the partial rows are summed in fp32, and
+        # torch sums bools to int64).
+        written = {}
+        for t, v in zip(program.outputs, program.output_values):
+            reduce = _summed(v, t.dtype)
+            if reduce is not None and reduce.uid in members and t.dtype.is_floating_point:
+                written[reduce.uid] = v.uid
+        if set(written) != members:
+            return False
+        allowed_readers = set(written.values())
+        return not any(a.uid in members and v.uid not in allowed_readers for v in values.values() for a in v.args)
+
+    # Where either set could be the cross one, the rows are the set holding the last dim
+    # (the contiguous one in a dense tensor), so rows are read along memory.
+    last_first = sorted(sets, key=lambda dims: -max(dims))
+    for rows, cross in ((last_first[0], last_first[1]), (last_first[1], last_first[0])):
+        if can_cross(cross, rows):
+            return rows, cross
+    raise refusal
 
 
 def _lay_out_products(

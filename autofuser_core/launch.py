@@ -118,7 +118,8 @@ class FusedKernel:
             torch.empty_strided(shape, stride, dtype=dtype, device=device)
             for shape, stride, dtype in self.output_layout
         ]
-        args = (*cast_inputs(inputs, self.casts), *outputs)
+        written = kernel_outputs(self.source, outputs, self.grid)
+        args = (*cast_inputs(inputs, self.casts), *written)
         values = self.direct.values(args) if self.direct is not None else None
         if values is not None and self.direct is not None:
             self.direct.launch(values)
@@ -131,6 +132,7 @@ class FusedKernel:
             # runs, for the whole process: two threads interpreting at once break each other.
             with _INTERPRETER_LOCK:
                 self.launcher(*args, **self.launch_args)
+        finish_partials(self.source, outputs, written)
         return outputs
 
     def with_live_attrs(self, graph_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -152,6 +154,24 @@ class FusedKernel:
         else:
             outputs = self.launch(*inputs)[: self.n_visible]
         return outputs[0] if self.single_output else tuple(outputs)
+
+
+def kernel_outputs(source: KernelSource, outputs: list[torch.Tensor], grid: tuple) -> list[torch.Tensor]:
+    """What the kernel writes in place of ``outputs``: each of ``source.partial_outputs`` as
+    an fp32 buffer of one row per program (``grid[0]`` of them), each row the output's size."""
+    if not source.partial_outputs:
+        return outputs
+    written = list(outputs)
+    for k in source.partial_outputs:
+        out = outputs[k]
+        written[k] = torch.empty((grid[0], out.numel()), dtype=torch.float32, device=out.device)
+    return written
+
+
+def finish_partials(source: KernelSource, outputs: list[torch.Tensor], written: list[torch.Tensor]) -> None:
+    """Each partial output's rows summed into the output (``kernel_outputs``)."""
+    for k in source.partial_outputs:
+        outputs[k].copy_(written[k].sum(0).view(outputs[k].shape))
 
 
 class DirectLaunch:

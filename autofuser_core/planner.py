@@ -462,7 +462,53 @@ class PlanningView:
                     group_of[n] = a
                 members[a] = union
                 del members[b]
+        self._join_siblings(group_of, members, compose)
         return list(members.values())
+
+    def _only_leaves(self, node: torch.fx.Node) -> bool:
+        """Whether ``node``'s result reaches nothing but the graph's output (through ops no
+        plugin lowers, such as views)."""
+        stack, seen = list(node.users), set()
+        while stack:
+            user = stack.pop()
+            if user in seen or user.op == "output":
+                continue
+            seen.add(user)
+            if user in self.lowered:
+                return False
+            stack.extend(user.users)
+        return True
+
+    def _join_siblings(self, group_of: dict, members: dict, compose) -> None:
+        """A lone op whose result only leaves the graph, and that reads a tensor a group also
+        reads, joins that group where the union composes: the tensor is read once, and an op
+        too small to pay for a kernel of its own (a backward's sum of a gradient beside the
+        norm that reads it) is fused at all. Only what leaves the graph joins: an op whose
+        result other groups read could close a cycle through them."""
+        for node in self.nodes:
+            gid = group_of.get(node)
+            if gid is None or len(members[gid]) != 1 or not self._only_leaves(node):
+                continue
+            for source in node.all_input_nodes:
+                joined = False
+                for sibling in source.users:
+                    other = group_of.get(sibling)
+                    if other is None or other == gid:
+                        continue
+                    union = sorted(members[other] + [node], key=self.order.__getitem__)
+                    if self.straddles_barrier(union) or self.creates_cycle(set(union)):
+                        continue
+                    try:
+                        compose(union)
+                    except Exception:  # noqa: BLE001 - GroupRefused, or an IR the core can't lay out
+                        continue
+                    group_of[node] = other
+                    members[other] = union
+                    del members[gid]
+                    joined = True
+                    break
+                if joined:
+                    break
 
 
 @dataclass
