@@ -91,7 +91,11 @@ def _jobs_of(tmp_path, kernel) -> list[dict]:
             tmp_path,
             kernel.source,
             kernel.kernel_dtypes,
-            [dtype for _, _, dtype in kernel.output_layout],
+            # what the kernel writes: fp32 partial rows for a cross sum (``KernelSource.partial_outputs``)
+            [
+                torch.float32 if k in kernel.source.partial_outputs else d
+                for k, (_, _, d) in enumerate(kernel.output_layout)
+            ],
             kernel.launch_args,
         )
     ]

@@ -136,3 +136,18 @@ def test_training_a_norm_sums_its_weight_gradients_in_the_backward_row_kernel():
     ]
     assert not lone_sums, f"sums left to torch in backward:\n{report}"
     assert any(sum(n.startswith("sum") for n in g.nodes) >= 3 for g in backward), str(report)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_sum_kernel_compiles_for_sm90(dtype, tmp_path):
+    """The interpreter accepts programs the GPU compiler refuses: the partial-row kernel
+    is compiled for an H100/H200 (sm_90) with the config it launches with."""
+    from _sm90 import _compile_for_sm90, _jobs_of
+
+    x, g = torch.randn(2, 37, 24, dtype=dtype), torch.randn(2, 37, 24, dtype=dtype)
+    fused = autofuser.fuse(NormGradients(), progress=False, tune=False, verify_speed=False)
+    with torch.no_grad():
+        fused(x, g, torch.randn(24, dtype=dtype))
+    kernels = [k for k in fused.kernels() if k.source.partial_outputs]
+    assert kernels, str(fused.report())
+    _compile_for_sm90([job for k in kernels for job in _jobs_of(tmp_path, k)], tmp_path)
