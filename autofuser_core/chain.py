@@ -1,5 +1,9 @@
 """Kernel chains: several ``@triton.jit`` kernels run one after the other as one fused group.
 
+Public as part of the kernel-writing API (``autofuser.kernel``): the attention
+chains (``plugins/attention/``) and the split reduction (``plugins/reduction/``)
+write their stages with it.
+
 A group's kernel module names one entry point, which the core launches as
 ``entry[grid](*inputs, *outputs, **config)`` - exactly how a ``@triton.jit``
 function is launched. For a chain, the entry is a small host-side launcher
@@ -61,7 +65,9 @@ def split_chunk(points: int, splits: str = "SPLITS", block: str = "BLOCK_N") -> 
     return f"triton.cdiv(triton.cdiv({points}, {splits}), {block}) * {block}"
 
 
-def digest(*parts: str) -> str:
+def chain_digest(*parts: str) -> str:
+    """A short stable hash of a chain's parts, for its name: a process reuses a loaded
+    module by its name, so everything the launcher runs must go into it."""
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:10]
 
 
