@@ -95,6 +95,21 @@ def _varies_along(strides, program) -> bool:
     return any(strides[d] != 0 and program.domain[d] > 1 for d in program.reduced_dims)
 
 
+def _operands_first(roots) -> list:
+    """Every value ``roots`` depend on, each after its operands."""
+    order, seen = [], set()
+    stack = [(v, False) for v in reversed(roots)]
+    while stack:
+        v, expanded = stack.pop()
+        if expanded:
+            order.append(v)
+        elif v.uid not in seen:  # marked when expanded: its operands are then pushed above it
+            seen.add(v.uid)
+            stack.append((v, True))
+            stack.extend((a, False) for a in v.args)
+    return order
+
+
 def plan_split(program) -> tuple[Optional[SplitPlan], Optional[tuple[str, str]]]:
     """The program's ``SplitPlan``, or a refusal ``(reason_code, sentence)``."""
     values = collect_values(program.output_values)
@@ -109,30 +124,31 @@ def plan_split(program) -> tuple[Optional[SplitPlan], Optional[tuple[str, str]]]
     }
     after: dict[int, bool] = {}  # uid -> computed from a reduction's result
     along: dict[int, bool] = {}  # uid -> varies along the reduced dims (before any reduction)
-    for v in sorted(values.values(), key=lambda v: v.uid):  # operands have smaller uids
+    nested = rows_again = False
+    for v in _operands_first(program.output_values):
         if v.op == "load":
             after[v.uid] = False
             along[v.uid] = program.input_of_load.get(v.uid) in row_inputs
-            continue
-        args = v.args
-        if is_reduction[v.uid]:
-            if after[args[0].uid]:
-                return None, (
-                    "nested_reduction",
-                    "a reduction reads another reduction's result (a norm or softmax over rows of "
-                    f"{program.reduced_numel} elements): the split reduction computes each in one pass",
-                )
+        elif is_reduction[v.uid]:
+            nested = nested or after[v.args[0].uid]
             after[v.uid], along[v.uid] = True, False
-            continue
-        after[v.uid] = any(after[a.uid] for a in args)
-        along[v.uid] = any(along[a.uid] for a in args)
-        if after[v.uid] and along[v.uid]:
-            return None, (
-                "reads_rows_again",
-                "a value after a reduction varies along the reduced dims (x - x.mean() over a long row): "
-                "it would need another pass over the rows",
-            )
-    reductions = tuple(values[uid] for uid in sorted(values) if is_reduction[uid])
+        else:
+            after[v.uid] = any(after[a.uid] for a in v.args)
+            along[v.uid] = any(along[a.uid] for a in v.args)
+            rows_again = rows_again or (after[v.uid] and along[v.uid])
+    if nested:
+        return None, (
+            "nested_reduction",
+            "a reduction reads another reduction's result (a norm or softmax over rows of "
+            f"{program.reduced_numel} elements): the split reduction computes each in one pass",
+        )
+    if rows_again:
+        return None, (
+            "reads_rows_again",
+            "a value after a reduction varies along the reduced dims (x - x.mean() over a long row): "
+            "it would need another pass over the rows",
+        )
+    reductions = tuple(v for v in _operands_first(program.output_values) if is_reduction[v.uid])
     row_outputs, final_outputs = [], []
     for k, (t, v) in enumerate(zip(program.outputs, program.output_values)):
         if along[v.uid]:
@@ -228,20 +244,19 @@ def splits_for(program, config, per_sm: int) -> int:
 
 def _tiles(program) -> list[tuple[int, int]]:
     """(BLOCK_M, BLOCK_R) pairs, the most promising first: the lanes' axis wide, the other
-    as long as the tile allows."""
+    as long as the tile allows (``TILE_LIMIT``, read at call time)."""
     outer = next_power_of_2(program.outer_numel)
     reduced = next_power_of_2(program.reduced_numel)
+    tiles = [min(t, TILE_LIMIT) for t in (4096, 8192, 2048)]
     pairs = []
     if _lanes_on_outer(program):
         for m in (128, 64, 256, 32, 16):
-            m = min(m, outer)
-            for tile in (4096, 8192, 2048):
-                pairs.append((m, max(1, min(reduced, tile // m))))
+            m = min(m, outer, TILE_LIMIT)
+            pairs += [(m, max(1, min(reduced, tile // m))) for tile in tiles]
     else:
         for r in (2048, 1024, 4096, 512):
-            r = min(r, reduced)
-            for tile in (4096, 8192, 2048):
-                pairs.append((max(1, min(outer, tile // r)), r))
+            r = min(r, reduced, TILE_LIMIT)
+            pairs += [(max(1, min(outer, tile // r)), r) for tile in tiles]
     return list(dict.fromkeys(pairs))
 
 
