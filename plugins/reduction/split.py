@@ -494,7 +494,9 @@ def generate(program, helpers):
         + [sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride)) + 1 for t in tensors]
         + [len(plan.reductions) * MAX_SPLITS * program.outer_numel]
     )
-    wide = max_extent > INT32_LIMIT
+    # A later shape of a dynamic dim's class runs this source with sizes up to its bucket,
+    # twice this shape's at most: index in int64 wherever that could pass int32.
+    wide = max_extent * 2 > INT32_LIMIT
     partials = _partials_stage(program, plan, wide)
     combine = _combine_stage(program, plan, wide)
     bodies = "\n".join("\n".join(lines) for _, _, lines in (partials, combine))
@@ -558,4 +560,5 @@ SPLIT_REDUCTION_STRATEGY = StrategySpec(
     default_config=default_config,
     generate=generate,
     max_tuned_configs=12,
+    dynamic_sizes=True,  # sizes through ``sized``; the launcher derives CHUNK from the count at launch
 )

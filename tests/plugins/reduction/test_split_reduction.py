@@ -194,9 +194,31 @@ def test_a_centred_long_row_is_refused_as_a_second_pass(long_rows):
     assert "reads_rows_again" in reasons, str(report)
 
 
-def test_layer_norm_weight_and_bias_gradients_train_like_eager(long_rows):
-    """A layer norm over a short width in a model over many points: its backward's weight
-    and bias gradients sum over every point, which the split reduction takes."""
+def test_a_pooled_model_trains_like_eager(long_rows):
+    """A mean over many points with a per-channel scale before it and a bias after it:
+    the forward is one split reduction, and its backward (the scale's gradient sums over
+    every point too) goes through the same strategies."""
+
+    class Pool(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.randn(12))
+            self.bias = torch.nn.Parameter(torch.randn(12))
+
+        def forward(self, x):
+            return torch.tanh(x * self.scale).mean(1, keepdim=True) + self.bias
+
+    torch.manual_seed(0)
+    report = trains_like_eager(Pool(), torch.randn(2, 75, 12))
+    forward = [g for g in report.fused if g.strategy == "split_reduction" and g.phase == "forward"]
+    assert len(forward) == 1 and "elementwise.tanh" in forward[0].ops, str(report)
+    backward = [g for g in report.fused if g.strategy == "split_reduction" and g.phase == "backward"]
+    assert backward, str(report)
+
+
+def test_a_layer_norm_block_over_many_points_trains_like_eager(long_rows):
+    """The norm's rows are short (its width); its backward's weight and bias gradients sum
+    over every point. Whatever runs them, training matches eager."""
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -207,9 +229,7 @@ def test_layer_norm_weight_and_bias_gradients_train_like_eager(long_rows):
             return torch.nn.functional.gelu(self.norm(x)) + x
 
     torch.manual_seed(0)
-    report = trains_like_eager(Block(), torch.randn(2, 45, 12))
-    backward = [g for g in report.fused if g.strategy == "split_reduction" and g.phase == "backward"]
-    assert backward, str(report)
+    trains_like_eager(Block(), torch.randn(2, 45, 12))
 
 
 def test_every_config_gives_the_same_sums(long_rows):
@@ -231,3 +251,21 @@ def test_every_config_gives_the_same_sums(long_rows):
         out = torch.empty(24)
         kernel.kernel[(1,)](x, out, **kernel.source.launch_args(config))
         torch.testing.assert_close(out, x.sum((0, 1)), atol=1e-5, rtol=1e-4)
+
+
+def test_a_dynamic_point_count_takes_its_size_at_run_time(long_rows, tmp_path):
+    model = WeightAndBiasGradients()
+    fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False, cache_dir=str(tmp_path))
+    names = []
+    for points in (37, 45, 61):  # one bucket (64): one source
+        g, xhat = torch.randn(2, points, 12), torch.randn(2, points, 12)
+        autofuser.mark_dynamic(g, 1)
+        autofuser.mark_dynamic(xhat, 1)
+        with torch.no_grad():
+            got = fused(g, xhat)
+        for ours, theirs in zip(got, model(g, xhat)):
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+        group = _split_group(fused.report())
+        assert group.run_time_sizes, str(fused.report())
+        names.append(group.kernel)
+    assert names[0] == names[1] == names[2]
