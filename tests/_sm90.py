@@ -84,7 +84,7 @@ def _chain_jobs(tmp_path, source, launch_args, chain=None) -> list[dict]:
 
 
 def _jobs_of(tmp_path, kernel) -> list[dict]:
-    if kernel.source.layout == "attention_chain":
+    if kernel.source.layout.endswith("_chain"):  # attention_chain, reduction_chain
         return _chain_jobs(tmp_path, kernel.source, kernel.launch_args, kernel.kernel)
     return [
         _job(
