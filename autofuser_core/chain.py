@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -79,7 +79,7 @@ def chain_module(
     launch_lines: list[str],
     signature: str,
     stages: list[dict],
-    derived: dict[str, str] = None,
+    derived: Optional[dict[str, str]] = None,
     tensor_names: tuple[str, ...] = (),
 ) -> str:
     """The module text: the kernels, then the launcher ``entry``.

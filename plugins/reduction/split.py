@@ -171,10 +171,11 @@ def plan_split(program) -> tuple[Optional[SplitPlan], Optional[tuple[str, str]]]
 
 
 def propose(view):
-    """The row strategy's groups, and unions of those over too-long rows that read a
-    common input (a weight gradient's ``(g * xhat).sum((0, 1))`` beside the bias
-    gradient's ``g.sum((0, 1))``): the union reads that input once for both. Growing
-    along producer-consumer edges never joins such siblings."""
+    """The row strategy's groups whose rows are too long for it (the others would only
+    crowd the report with refusals), and unions of those that read a common input (a
+    weight gradient's ``(g * xhat).sum((0, 1))`` beside the bias gradient's
+    ``g.sum((0, 1))``): the union reads that input once for both. Growing along
+    producer-consumer edges never joins such siblings."""
     groups = row_strategy.propose(view)
     long_rows = []
     for group in groups:
@@ -184,7 +185,7 @@ def propose(view):
             continue
         if program.reduced_numel > row_strategy.MAX_TILE:
             long_rows.append(group)
-    return groups + _join_siblings(view, long_rows)
+    return long_rows + _join_siblings(view, long_rows)
 
 
 def _outside_inputs(group) -> set:

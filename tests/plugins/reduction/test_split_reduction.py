@@ -92,6 +92,7 @@ def test_row_too_long_is_refused_by_rows_and_taken_by_split(long_rows):
 def test_short_rows_stay_with_the_row_strategy():
     report, _ = _fuse_and_check(WeightAndBiasGradients(), torch.randn(2, 9, 6), torch.randn(2, 9, 6))
     assert {g.strategy for g in report.fused} == {"row_reduction"}, str(report)
+    assert not any(g.strategy == "split_reduction" for g in report.groups), str(report)  # not even proposed
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
