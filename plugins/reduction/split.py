@@ -75,7 +75,7 @@ PROGRAMS_PER_SM = (4, 2, 8)
 MAX_SPLITS = 1024
 #: Outer rows per program of the combining kernel.
 COMBINE_BLOCK = 128
-WARPS = (2, 4, 8)
+WARPS = (4, 8, 2)
 #: What the neutral element of each reduction is in an accumulator.
 NEUTRAL = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
 
