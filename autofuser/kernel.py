@@ -21,12 +21,17 @@ the whole kernel down:
 - the pieces under both: dtypes (``TL_DTYPES``), literals, rounding to a low
   precision dtype (``rounded``, ``stored``), the header naming the fx nodes a
   kernel replaces (``kernel_header``), and helpers a kernel calls
-  (``used_helpers``).
+  (``used_helpers``);
+- kernel chains, several kernels run as one group by a host-side launcher
+  with a kernel's interface that allocates their scratch buffers
+  (``chain_stages``, ``chain_module``, ``split_chunk``, ``chain_digest``,
+  ``POINTER_TYPES``): the attention chains and the split reduction.
 
 What a group is made of (``GroupProgram``, ``KernelTensor``, ``Value``) and how
 to refuse one (``GroupRefused``) are in ``autofuser`` itself.
 """
 
+from autofuser_core.chain import POINTER_TYPES, chain_digest, chain_module, chain_stages, jit_function, split_chunk
 from autofuser_core.codegen import (
     INT32_LIMIT,
     TL_DTYPES,
@@ -75,6 +80,7 @@ from autofuser_core.tiles import (
 
 __all__ = [
     "INT32_LIMIT",
+    "POINTER_TYPES",
     "MAX_PRODUCTS",
     "ROUNDED_DTYPES",
     "STRICT_FP32",
@@ -89,6 +95,9 @@ __all__ = [
     "as_operand",
     "assemble_kernel",
     "attr_tensor",
+    "chain_digest",
+    "chain_module",
+    "chain_stages",
     "collect_values",
     "domain_strides",
     "dot_block",
@@ -99,6 +108,7 @@ __all__ = [
     "fp32_precision",
     "index_term",
     "interpreting",
+    "jit_function",
     "kernel_header",
     "literal",
     "literal_sizes",
@@ -112,6 +122,7 @@ __all__ = [
     "row_reduction",
     "size_parameters",
     "sized",
+    "split_chunk",
     "stored",
     "strategy_header",
     "tensor_meta",

@@ -61,7 +61,7 @@ def _job(tmp_path, source, input_dtypes, output_dtypes, launch_args) -> dict:
 
 
 def _chain_jobs(tmp_path, source, launch_args, chain=None) -> list[dict]:
-    """One job per kernel of a chain (``plugins/attention/chain.py``): its ``stages``
+    """One job per kernel of a chain (``autofuser_core/chain.py``): its ``stages``
     give each kernel's argument types and compile-time constants."""
     path = tmp_path / f"{source.name}.py"
     path.write_text(source.source)
@@ -84,7 +84,7 @@ def _chain_jobs(tmp_path, source, launch_args, chain=None) -> list[dict]:
 
 
 def _jobs_of(tmp_path, kernel) -> list[dict]:
-    if kernel.source.layout == "attention_chain":
+    if kernel.source.layout.endswith("_chain"):  # attention_chain, reduction_chain
         return _chain_jobs(tmp_path, kernel.source, kernel.launch_args, kernel.kernel)
     return [
         _job(

@@ -14,8 +14,8 @@
   reading it into a layout (``layout.py``), or refusing with a reason;
 - ``strategy.py``: the ``softmax_attention``, ``linear_attention`` and
   ``slice_attention`` strategies (their own compose, configs, validity rules);
-- ``kernel.py``, ``linear_kernel.py``, ``slice_kernel.py``: the kernel writers;
-  ``chain.py``: the launcher of a chain of kernels;
+- ``kernel.py``, ``linear_kernel.py``, ``slice_kernel.py``: the kernel writers
+  (a chain of kernels is launched through ``autofuser.kernel.chain_module``);
 - ``options.py``: the plugin's ``fuse()`` option ``reassociate_products``.
 """
 

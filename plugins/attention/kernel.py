@@ -35,9 +35,13 @@ import torch
 from autofuser import KernelSource, Value
 from autofuser.kernel import (
     INT32_LIMIT,
+    POINTER_TYPES,
     TL_DTYPES,
     ValueEmitter,
     as_operand,
+    chain_digest,
+    chain_module,
+    chain_stages,
     dot_block,
     dot_line,
     emit_offsets,
@@ -52,7 +56,6 @@ from autofuser.kernel import (
 )
 from autofuser.kernel import kernel_header as core_kernel_header
 
-from .chain import POINTER_TYPES, chain_module, chain_stages, digest
 from .layout import AttentionLayout, Operand, Step
 from .prepass import (
     PASS_ROWS,
@@ -463,7 +466,7 @@ def _finish_chain(
     # The name hashes what the launcher runs too (the scratch it allocates, the grids): a
     # process reuses a module by its name, and two programs can differ only there (the batch).
     launcher = repr((allocs, [(p[0], p[1]) for p in passes], L.n, L.batch_numel))
-    name = f"af_attention_{L.form}_{digest(helper_text, bodies, repr(params), launcher)}"
+    name = f"af_attention_{L.form}_{chain_digest(helper_text, bodies, repr(params), launcher)}"
     stage_names = [f"{name}_pass_{p[0]}" for p in passes] + [f"{name}_attend"]
     functions, stages = chain_stages(stage_names, sources, types)
     launch = ["device = out0.device"] + allocs

@@ -29,8 +29,12 @@ import torch
 from autofuser import KernelSource
 from autofuser.kernel import (
     INT32_LIMIT,
+    POINTER_TYPES,
     TL_DTYPES,
     as_operand,
+    chain_digest,
+    chain_module,
+    chain_stages,
     dot_block,
     dot_line,
     emit_offsets,
@@ -39,11 +43,11 @@ from autofuser.kernel import (
     rounded,
     size_parameters,
     sized,
+    split_chunk,
     stored,
     used_helpers,
 )
 
-from .chain import POINTER_TYPES, chain_module, chain_stages, digest, split_chunk
 from .kernel import ROUNDED, _all, _Writer, kernel_header, load_cast
 from .layout import LinearAttentionLayout, Operand, RowNorm
 
@@ -167,7 +171,7 @@ def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource
     # The name hashes what the launcher runs too: a process reuses a module by its name, and
     # two programs can differ only there (the batch entries, or which sizes it takes).
     launcher = f"{points} {queries} {entries} {run_time}"
-    name = f"af_attention_{L.form}_{digest(helper_text, bodies, repr(partial_params), launcher)}"
+    name = f"af_attention_{L.form}_{chain_digest(helper_text, bodies, repr(partial_params), launcher)}"
     stage_names = [f"{name}_partials", f"{name}_combine", f"{name}_apply"]
     types = {f"in{k}": POINTER_TYPES[t.dtype] for k, t in enumerate(program.inputs)}
     types.update(partial="*fp32", context="*fp32", out0=POINTER_TYPES[L.out.dtype])

@@ -160,7 +160,7 @@ def write_pass(
     steps: tuple[str, ...] = (),
     per_entry: bool = False,
 ) -> tuple[list, list, list]:
-    """One pass's ``(params, blocks, lines)`` for ``chain.chain_stages``: grid (blocks of
+    """One pass's ``(params, blocks, lines)`` for ``autofuser.kernel.chain_stages``: grid (blocks of
     ``PASS_ROWS`` rows, batch entries); reads ``op`` ([rows, width] per batch entry) through
     its strides and writes ``{name}_a`` (and for a split ``{name}_b``, the low parts, and
     ``{name}_f``, each row's unscale factor), contiguous [batch, rows, block].

@@ -23,18 +23,22 @@ import torch
 from autofuser import KernelSource
 from autofuser.kernel import (
     INT32_LIMIT,
+    POINTER_TYPES,
     TL_DTYPES,
     as_operand,
+    chain_digest,
+    chain_module,
+    chain_stages,
     dot_block,
     dot_line,
     index_term,
     op_label,
     rounded,
+    split_chunk,
     stored,
     used_helpers,
 )
 
-from .chain import POINTER_TYPES, chain_module, chain_stages, digest, split_chunk
 from .kernel import ROUNDED, _all, _Writer, kernel_header, load_cast
 from .layout import LinearMap, SliceLayout
 from .linear_kernel import _offsets
@@ -210,7 +214,7 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
     # The name hashes what the launcher runs too (each split's points, the grids): a process
     # reuses a module by its name, and two programs can differ only there (the batch).
     launcher = repr((split_chunk(L.n), L.n, L.batch_numel))
-    name = f"af_attention_slice_{digest(helper_text, bodies, launcher)}"
+    name = f"af_attention_slice_{chain_digest(helper_text, bodies, launcher)}"
     stage_names = [f"{name}_aggregate", f"{name}_mix", f"{name}_scatter"]
     types = {f"in{k}": POINTER_TYPES[t.dtype] for k, t in enumerate(program.inputs)}
     types.update(partial="*fp32", partial_sums="*fp32", mixed_tokens="*fp32", out0=POINTER_TYPES[L.out.dtype])

@@ -1,11 +1,13 @@
 """Reductions (sum, mean, amax, var), softmax, log-softmax, layer norm and RMS
-norm, and the row-reduction strategy, which fuses them with the pointwise ops
-before and after."""
+norm; the row-reduction strategy, which fuses them with the pointwise ops
+before and after, and the split reduction, which takes rows too long for one
+program."""
 
 from autofuser import collect_specs, hookimpl
 
 from . import ops
 from .native_norm import decompose_native_layer_norms
+from .split import SPLIT_REDUCTION_STRATEGY
 from .strategy import ROW_REDUCTION_STRATEGY
 
 
@@ -23,3 +25,4 @@ def autofuser_register_lowerings(register):
 @hookimpl
 def autofuser_register_strategies(register):
     register(ROW_REDUCTION_STRATEGY)
+    register(SPLIT_REDUCTION_STRATEGY)

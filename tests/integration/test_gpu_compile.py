@@ -473,3 +473,28 @@ def test_row_chain_kernels_compile_for_sm90_as_a_gpu_writes_them(tmp_path, monke
         finally:
             torch.set_float32_matmul_precision(before)
     _compile_for_sm90(jobs, tmp_path)
+
+
+class _LongRowForms(nn.Module):
+    """The split reduction's two orientations: a norm's weight and bias gradients (kept
+    channels contiguous) and a mean and a max over the contiguous last dim."""
+
+    def forward(self, g, xhat, x):
+        return (g * xhat).sum((0, 1)), g.sum((0, 1)), x.mean(-1) + x.amax(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_split_reduction_chains_compile_for_sm90(dtype, tmp_path, monkeypatch):
+    from autofuser_plugins.reduction import strategy as row_strategy
+
+    monkeypatch.setattr(row_strategy, "MAX_TILE", 64)  # these rows count as too long
+    g, xhat = (torch.randn(2, 37, 12, dtype=dtype) for _ in range(2))
+    x = torch.randn(3, 301, dtype=dtype)
+    fused = autofuser.fuse(_LongRowForms(), progress=False, tune=False, verify_speed=False)
+    with torch.no_grad():
+        fused(g, xhat, x)
+    kernels = [k for k in fused.kernels() if k.source.layout == "reduction_chain"]
+    assert len(kernels) == 2, str(fused.report())
+    jobs = [job for k in kernels for job in _jobs_of(tmp_path, k)]
+    assert len(jobs) == 4
+    _compile_for_sm90(jobs, tmp_path)

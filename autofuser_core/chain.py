@@ -1,5 +1,9 @@
 """Kernel chains: several ``@triton.jit`` kernels run one after the other as one fused group.
 
+Public as part of the kernel-writing API (``autofuser.kernel``): the attention
+chains (``plugins/attention/``) and the split reduction (``plugins/reduction/``)
+write their stages with it.
+
 A group's kernel module names one entry point, which the core launches as
 ``entry[grid](*inputs, *outputs, **config)`` - exactly how a ``@triton.jit``
 function is launched. For a chain, the entry is a small host-side launcher
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -61,7 +65,9 @@ def split_chunk(points: int, splits: str = "SPLITS", block: str = "BLOCK_N") -> 
     return f"triton.cdiv(triton.cdiv({points}, {splits}), {block}) * {block}"
 
 
-def digest(*parts: str) -> str:
+def chain_digest(*parts: str) -> str:
+    """A short stable hash of a chain's parts, for its name: a process reuses a loaded
+    module by its name, so everything the launcher runs must go into it."""
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:10]
 
 
@@ -73,7 +79,7 @@ def chain_module(
     launch_lines: list[str],
     signature: str,
     stages: list[dict],
-    derived: dict[str, str] = None,
+    derived: Optional[dict[str, str]] = None,
     tensor_names: tuple[str, ...] = (),
 ) -> str:
     """The module text: the kernels, then the launcher ``entry``.
