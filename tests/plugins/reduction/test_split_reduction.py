@@ -162,13 +162,15 @@ def test_epilogue_with_a_per_channel_operand(long_rows, dtype):
 
 
 def test_broadcast_prologue_operand_and_a_prologue_output(long_rows):
-    """A per-channel scale read once per program, and the product also used outside the
-    group: the first kernel stores it as it computes it."""
+    """A per-channel scale read once per program, and a value of the prologue also an
+    output: the first kernel stores it as it computes it. (A row sum of it beside the
+    sum over the points would make the points' sum a cross sum of that row kernel,
+    tests/core/test_cross_sums.py.)"""
 
     class Both(torch.nn.Module):
         def forward(self, g, x, scale):
             y = g * x * scale
-            return y.sum((0, 1)), torch.sigmoid(y).sum(-1)
+            return y.sum((0, 1)), torch.sigmoid(y)
 
     report, _ = _fuse_and_check(Both(), torch.randn(2, 41, 10), torch.randn(2, 41, 10), torch.randn(10))
     _split_group(report)
