@@ -204,6 +204,13 @@ def _veto(plugin_set, candidate: Candidate, options) -> Optional[str]:
     return None
 
 
+def _sums_across_rows(program) -> bool:
+    """Whether a group's program (without products) reduces over dims that are not its
+    innermost, keeping the innermost: a bias's gradient, a column sum over every row."""
+    wide = [d for d, size in enumerate(program.domain) if size != 1]
+    return bool(program.reduced_dims) and bool(wide) and wide[-1] not in program.reduced_dims
+
+
 def _rows_kept_whole(program) -> bool:
     """Whether a group's program (without products) reduces over rows and still writes every
     element of them (a normalisation's shape), as opposed to pointwise work or a plain reduction."""
@@ -267,12 +274,13 @@ def _compile_graph(
             if (candidate.strategy.name, frozenset(candidate.nodes)) in lost:
                 return "decided in an earlier round"
             lone = backward_graph and len(candidate.nodes) == 1 and product_count(candidate.program) == 0
-            if lone and not _rows_kept_whole(candidate.program):
+            if lone and not (_rows_kept_whole(candidate.program) or _sums_across_rows(candidate.program)):
                 # One pointwise op or plain reduction as a kernel moves the bytes eager's op
                 # moves: nothing to gain, and a backward graph compiles at the user's first step.
-                # A lone op that keeps its rows whole (a norm, a softmax) is planned and timed:
-                # libraries' kernels for such ops are slow on narrow rows (BENCHMARKS.md,
-                # "Training"), and the group's timing keeps the faster.
+                # A lone op that keeps its rows whole (a norm, a softmax), or that sums over the
+                # rows keeping the contiguous dim (a linear layer's bias gradient), is planned
+                # and timed: libraries' kernels for such ops are slow on narrow rows and on
+                # column sums (BENCHMARKS.md, "Training"), and the group's timing keeps the faster.
                 return (
                     "a single op without a product saves no memory traffic; in a backward graph "
                     "it stays the library's call"
