@@ -225,7 +225,7 @@ def test_chain_warmup_compiles_every_stage_with_its_own_arguments():
 def test_galerkin_chains_differing_only_in_their_batch_are_two_kernels(tmp_path):
     """Two shapes whose chains differ only in the launcher (the batch entries it launches
     over) get two kernel names: a process reuses a loaded module by its name."""
-    model = Galerkin(16, "einsum").eval()
+    model = Galerkin(16, "einsum").to(DEVICE).eval()
     fused = autofuser.fuse(
         model, progress=False, tune=False, verify_speed=False, cache_dir=str(tmp_path), dynamic=False
     )
