@@ -34,8 +34,8 @@ CASES = [
     (1, 37, 64, 8, F32),
     (3, 37, 16, 8, F16),
     # 1127 points once (fp32); bf16's long case needs fewer for the same ragged edges: with
-    # the default config (4 splits of 64-point blocks) 603 points are 3 blocks a split, the
-    # last split's first block partial and its others empty, as 1127's (5 blocks a split).
+    # the default config (4 splits of 64-point blocks) 603 points are 3 blocks a split, and
+    # the last split ends in a partial block and empty ones, as 1127's (5 blocks a split) does.
     (1, 603, 16, 32, BF16),
     (1, 37, 64, 8, BF16),
 ]
