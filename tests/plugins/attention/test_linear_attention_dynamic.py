@@ -74,8 +74,11 @@ def test_galerkin_block_on_many_point_counts_writes_one_source_per_bucket(tmp_pa
     fused = _fuse(model, tmp_path)  # dynamic=None: the second count makes the points dynamic
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     by_class: dict[tuple[int, int], set[str]] = {}  # (batch, size bucket) -> chain sources
-    # The matmul form differs only in its scale (``* (1.0 / n)``): fewer counts suffice.
-    calls = ((3, POINT_COUNTS), (1, POINT_COUNTS[::3])) if style == "einsum" else ((3, (37, 45, 101, 301)), (1, (59,)))
+    # The matmul form differs only in its scale (``* (1.0 / n)``), bf16 only in its rounding
+    # (which counts share a source is the same): fewer counts suffice, one per bucket but
+    # the first's, where a second count shares the source of the first dynamic one.
+    few = ((3, (37, 45, 59, 101, 301)), (1, (77,)))
+    calls = ((3, POINT_COUNTS), (1, POINT_COUNTS[::3])) if (style, precision) == ("einsum", "fp32") else few
     for batch, counts in calls:
         for number, points in enumerate(counts):
             x = torch.randn(batch, points, 20) * 2.0 + 0.5

@@ -4,7 +4,7 @@ The zoo's ``PhysicsAttention`` (point-cloud variant: linear projections) is
 fused into one group - slice weights with their temperature, aggregation with
 the normalisation by the weight sums, attention among the slices, scatter
 back - that runs as a chain of three kernels, and matches eager on awkward
-shapes (37 and 1127 points, head widths 16, 24 and 64, batch 1 and 3, 8 and
+shapes (37, 603 and 1127 points, head widths 16, 24 and 64, batch 1 and 3, 8 and
 32 slices) in fp32, fp16 and bf16 (also under autocast). The report names
 the form; a chain whose weights are used elsewhere is refused with a reason.
 """
@@ -33,7 +33,10 @@ CASES = [
     (1, 1127, 16, 32, F32),
     (1, 37, 64, 8, F32),
     (3, 37, 16, 8, F16),
-    (1, 1127, 16, 32, BF16),
+    # 1127 points once (fp32); bf16's long case needs fewer for the same ragged edges: with
+    # the default config (4 splits of 64-point blocks) 603 points are 3 blocks a split, and
+    # the last split ends in a partial block and empty ones, as 1127's (5 blocks a split) does.
+    (1, 603, 16, 32, BF16),
     (1, 37, 64, 8, BF16),
 ]
 
