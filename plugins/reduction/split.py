@@ -274,16 +274,9 @@ def configs(program):
 
 
 def is_valid(program, config):
-    tile = config["BLOCK_M"] * config["BLOCK_R"]
-    per_thread = tile / (32 * config["num_warps"])
-    if tile > TILE_LIMIT:
-        return f"a {config['BLOCK_M']} x {config['BLOCK_R']} tile exceeds {TILE_LIMIT} elements"
-    if per_thread < 1:
-        return "more threads than elements"
-    if per_thread > 64:
-        return f"{per_thread:.0f} elements per thread would spill registers"
-    if config["BLOCK_M"] > 1 and config["BLOCK_M"] // 2 >= program.outer_numel:
-        return "more rows per program than there are rows"
+    refusal = row_strategy.tile_refusal(program, config["BLOCK_M"], config["BLOCK_R"], config["num_warps"], TILE_LIMIT)
+    if refusal is not None:
+        return refusal
     if config["BLOCK_R"] > 1 and config["BLOCK_R"] // 2 >= program.reduced_numel:
         return "a step longer than the rows"
     if not 1 <= config["SPLITS"] <= MAX_SPLITS:
@@ -367,14 +360,8 @@ def _partials_stage(program, plan: SplitPlan, wide: bool):
 
     emit_head(f"pid_m = tl.program_id(0){cast64}")
     emit_head(f"split = tl.program_id(1){cast64}")
-    emit_head(f"outer = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)){outer_index}  # kept rows")
-    emit_head(f"outer_mask = outer < {n_outer}")
-    outer_offs = emit_offsets(
-        emit_head,
-        [program.domain[d] for d in outer_dims],
-        [[t.domain_stride[d] for d in outer_dims] for t in tensors],
-        "outer",
-        "o",
+    outer_offs = _outer_offsets(
+        program, outer_dims, tensors, emit_head, f"(pid_m * BLOCK_M + tl.arange(0, BLOCK_M)){outer_index}", n_outer
     )
 
     def load_line(stage: _Stage, k: int) -> str:
@@ -432,6 +419,20 @@ def _partials_stage(program, plan: SplitPlan, wide: bool):
     return params + ["partial"], ["BLOCK_M", "BLOCK_R", "CHUNK", "SPLITS"], lines
 
 
+def _outer_offsets(program, outer_dims, tensors, emit, index: str, n_outer: str) -> list:
+    """Emit the kept rows' index ``outer`` (``index``), its mask, and each tensor's offset
+    along the kept dims; return the offsets (``emit_offsets``)."""
+    emit(f"outer = {index}  # kept rows")
+    emit(f"outer_mask = outer < {n_outer}")
+    return emit_offsets(
+        emit,
+        [program.domain[d] for d in outer_dims],
+        [[t.domain_stride[d] for d in outer_dims] for t in tensors],
+        "outer",
+        "o",
+    )
+
+
 def _combine_stage(program, plan: SplitPlan, wide: bool):
     """The second kernel's ``(params, blocks, lines)``."""
     outer_dims = [d for d in range(len(program.domain)) if d not in program.reduced_dims]
@@ -443,14 +444,8 @@ def _combine_stage(program, plan: SplitPlan, wide: bool):
     def emit_head(line: str) -> None:
         lines.append("    " + line)
 
-    emit_head(f"outer = tl.program_id(0){cast64} * BLOCK_F + tl.arange(0, BLOCK_F)")
-    emit_head(f"outer_mask = outer < {n_outer}")
-    outer_offs = emit_offsets(
-        emit_head,
-        [program.domain[d] for d in outer_dims],
-        [[t.domain_stride[d] for d in outer_dims] for t in tensors],
-        "outer",
-        "o",
+    outer_offs = _outer_offsets(
+        program, outer_dims, tensors, emit_head, f"tl.program_id(0){cast64} * BLOCK_F + tl.arange(0, BLOCK_F)", n_outer
     )
     for j, v in enumerate(plan.reductions):
         emit_head(f"r{j} = tl.full((BLOCK_F,), {NEUTRAL[v.reduce_op]}, tl.float32)")

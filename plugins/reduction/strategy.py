@@ -61,17 +61,24 @@ def configs(program):
     return sorted(({"BLOCK_M": m, "num_warps": w} for m in ROW_BLOCKS for w in WARPS), key=distance)
 
 
-def is_valid(program, config):
-    tile, per_thread = _tile(program, config)
-    if tile > MAX_TILE:
-        return f"a {config['BLOCK_M']} x {_block_r(program)} tile exceeds {MAX_TILE} elements"
+def tile_refusal(program, block_m: int, block_r: int, num_warps: int, limit: int):
+    """Why a ``block_m`` x ``block_r`` tile on ``num_warps`` warps does not suit ``program``
+    (too large, too few or too many elements per thread, more rows than there are), or None."""
+    tile = block_m * block_r
+    per_thread = tile / (32 * num_warps)
+    if tile > limit:
+        return f"a {block_m} x {block_r} tile exceeds {limit} elements"
     if per_thread < 1:
         return "more threads than elements"
     if per_thread > 64:
         return f"{per_thread:.0f} elements per thread would spill registers"
-    if config["BLOCK_M"] > 1 and config["BLOCK_M"] // 2 >= program.outer_numel:
+    if block_m > 1 and block_m // 2 >= program.outer_numel:
         return "more rows per program than there are rows"
     return None
+
+
+def is_valid(program, config):
+    return tile_refusal(program, config["BLOCK_M"], _block_r(program), config["num_warps"], MAX_TILE)
 
 
 def default_config(program):
