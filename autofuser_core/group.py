@@ -676,6 +676,11 @@ def cross_sum_of(program: GroupProgram, index: int) -> Optional[Value]:
     return reduce if reduce is not None and reduce.uid in program.cross_reduces else None
 
 
+#: The outputs a cross sum may write: its partial rows are fp32, so a float64 sum would
+#: lose precision against eager's, and torch sums bools to int64.
+CROSS_SUM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _rows_and_cross(
     program: GroupProgram, values: Mapping[int, Value], dims_of: Mapping[int, tuple[int, ...]]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -701,12 +706,18 @@ def _rows_and_cross(
         written = {}
         for t, v in zip(program.outputs, program.output_values):
             reduce = _summed(v, t.dtype)
-            if reduce is not None and reduce.uid in members and t.dtype.is_floating_point:
+            if reduce is not None and reduce.uid in members and t.dtype in CROSS_SUM_DTYPES:
                 written[reduce.uid] = v.uid
         if set(written) != members:
             return False
-        allowed_readers = set(written.values())
-        return not any(a.uid in members and v.uid not in allowed_readers for v in values.values() for a in v.args)
+        # Nothing in the group reads a cross sum or its rounding: inside the kernel either
+        # holds one program's partial row, not the sum.
+        wrappers = {w for r, w in written.items() if w != r}
+        for v in values.values():
+            for a in v.args:
+                if a.uid in wrappers or (a.uid in members and v.uid not in wrappers):
+                    return False
+        return True
 
     # Where either set could be the cross one, the rows are the set holding the last dim
     # (the contiguous one in a dense tensor), so rows are read along memory.

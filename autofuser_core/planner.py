@@ -496,7 +496,11 @@ class PlanningView:
                     if other is None or other == gid:
                         continue
                     union = sorted(members[other] + [node], key=self.order.__getitem__)
-                    if self.straddles_barrier(union) or self.creates_cycle(set(union)):
+                    # A cycle can run through another group (one member reads the target
+                    # group, another feeds the lone op): the other groups count as contracted.
+                    kept = {n: g for n, g in group_of.items() if g not in (other, gid)}
+                    kept_groups = {g: set(m) for g, m in members.items() if g not in (other, gid)}
+                    if self.straddles_barrier(union) or self.creates_cycle(set(union), kept, kept_groups):
                         continue
                     try:
                         compose(union)

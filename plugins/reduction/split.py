@@ -225,6 +225,8 @@ def accepts(program):
             "row_fits",
             f"rows of {program.reduced_numel} elements fit in one program: the row_reduction strategy takes them",
         )
+    if program.cross_reduces:
+        return ("cross_sums", "sums over the kept rows beside the row reductions are written by the rows' kernel")
     _, refusal = plan_split(program)
     return refusal
 

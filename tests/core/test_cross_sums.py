@@ -151,3 +151,51 @@ def test_cross_sum_kernel_compiles_for_sm90(dtype, tmp_path):
     kernels = [k for k in fused.kernels() if k.source.partial_outputs]
     assert kernels, str(fused.report())
     _compile_for_sm90([job for k in kernels for job in _jobs_of(tmp_path, k)], tmp_path)
+
+
+class CrossSumRoundedAndReadAgain(nn.Module):
+    """In half precision the sum is rounded before it is an output: the rounding is read
+    again in the group too, so the sum can't be one program's partial row there."""
+
+    def forward(self, x):
+        s = x.sum(0, keepdim=True)
+        return x - x.mean(-1, keepdim=True) + s, s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_sum_read_again_is_no_cross_sum_in_any_dtype(dtype):
+    x = torch.randn(600, 24, dtype=dtype)  # many programs: a partial row is not the sum
+    expected, got, report = _fused(CrossSumRoundedAndReadAgain(), x)
+    _close(got, expected)
+    assert not [g for g in report.groups if g.reason_code == "mismatch"], str(report)
+
+
+class SiblingThroughAnotherGroup(nn.Module):
+    """``last`` reads ``x`` as the norm group does, and ``b``, which a group reading the
+    norm's mean computes: joining ``last`` to the norm group would close a cycle through
+    that other group."""
+
+    def forward(self, x, z):
+        m = x.mean(-1, keepdim=True)
+        r = x - m
+        a = z * m
+        b = z.amax(-1, keepdim=True)
+        c = a + b
+        last = x * b
+        return r, c, last
+
+
+def test_a_lone_op_joins_no_group_through_a_cycle():
+    # rows of another width in z: ``last`` can't join the group computing ``b``
+    x, z = torch.randn(2, 29, 24), torch.randn(2, 29, 13)
+    expected, got, report = _fused(SiblingThroughAnotherGroup(), x, z)
+    _close(got, expected)
+    assert not [g for g in report.groups if g.reason_code == "cycle"], str(report)
+
+
+def test_many_programs_add_their_partial_rows():
+    """Far more rows than a program holds: the launcher adds many partial rows."""
+    x, g = torch.randn(4, 300, 24), torch.randn(4, 300, 24)
+    expected, got, report = _fused(NormGradients(), x, g, torch.randn(24))
+    _close(got, expected)
+    assert sum(n.startswith("sum") for n in report.fused[0].nodes) == 2, str(report)
