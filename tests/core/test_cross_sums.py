@@ -199,3 +199,29 @@ def test_many_programs_add_their_partial_rows():
     expected, got, report = _fused(NormGradients(), x, g, torch.randn(24))
     _close(got, expected)
     assert sum(n.startswith("sum") for n in report.fused[0].nodes) == 2, str(report)
+
+
+def test_cross_sums_with_a_dynamic_row_count():
+    """The rows' count at run time (docs/dynamic.md): every count's sums are eager's."""
+    model = NormGradients()
+    fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False, dynamic=True)
+    w = torch.randn(24)
+    with torch.no_grad():
+        for n in (37, 53, 70):
+            x, g = torch.randn(3, n, 24), torch.randn(3, n, 24)
+            _close(fused(x, g, w), model(x, g, w))
+            group = fused.report().fused[0]
+            assert sum(node.startswith("sum") for node in group.nodes) == 2, str(fused.report())
+            assert group.run_time_sizes, str(fused.report())  # one kernel source for every count
+
+
+def test_a_nan_or_inf_in_one_row_reaches_its_column_of_the_sum():
+    x, g = torch.randn(2, 90, 24), torch.randn(2, 90, 24)
+    g[1, 77, 5] = float("nan")
+    g[0, 3, 9] = float("inf")
+    expected, got, report = _fused(NormGradients(), x, g, torch.randn(24))
+    for ours, theirs in zip(got, expected):
+        assert torch.equal(ours.isnan(), theirs.isnan()) and torch.equal(ours.isinf(), theirs.isinf())
+        finite = theirs.isfinite()
+        torch.testing.assert_close(ours[finite], theirs[finite], atol=1e-4, rtol=1e-4)
+    assert sum(n.startswith("sum") for n in report.fused[0].nodes) == 2, str(report)
