@@ -489,30 +489,34 @@ class PlanningView:
             gid = group_of.get(node)
             if gid is None or len(members[gid]) != 1 or not self._only_leaves(node):
                 continue
-            for source in node.all_input_nodes:
-                joined = False
-                for sibling in source.users:
-                    other = group_of.get(sibling)
-                    if other is None or other == gid:
-                        continue
-                    union = sorted(members[other] + [node], key=self.order.__getitem__)
-                    # A cycle can run through another group (one member reads the target
-                    # group, another feeds the lone op): the other groups count as contracted.
-                    kept = {n: g for n, g in group_of.items() if g not in (other, gid)}
-                    kept_groups = {g: set(m) for g, m in members.items() if g not in (other, gid)}
-                    if self.straddles_barrier(union) or self.creates_cycle(set(union), kept, kept_groups):
-                        continue
-                    try:
-                        compose(union)
-                    except Exception:  # noqa: BLE001 - GroupRefused, or an IR the core can't lay out
-                        continue
-                    group_of[node] = other
-                    members[other] = union
-                    del members[gid]
-                    joined = True
-                    break
-                if joined:
-                    break
+            other = self._sibling_group(node, gid, group_of, members, compose)
+            if other is not None:
+                group_of[node] = other
+                members[other] = sorted(members[other] + [node], key=self.order.__getitem__)
+                del members[gid]
+
+    def _sibling_group(self, node: torch.fx.Node, gid: int, group_of: dict, members: dict, compose) -> Optional[int]:
+        """The first group reading one of ``node``'s inputs that ``node`` (alone in group
+        ``gid``) can join: the union composes, straddles no barrier and closes no cycle."""
+        for source in node.all_input_nodes:
+            for sibling in source.users:
+                other = group_of.get(sibling)
+                if other is None or other == gid:
+                    continue
+                union = sorted(members[other] + [node], key=self.order.__getitem__)
+                if self.straddles_barrier(union):
+                    continue
+                try:
+                    compose(union)
+                except Exception:  # noqa: BLE001 - GroupRefused, or an IR the core can't lay out
+                    continue
+                # A cycle can run through another group (one member reads the target group,
+                # another feeds the lone op): the other groups count as contracted.
+                kept = {n: g for n, g in group_of.items() if g not in (other, gid)}
+                kept_groups = {g: set(m) for g, m in members.items() if g not in (other, gid)}
+                if not self.creates_cycle(set(union), kept, kept_groups):
+                    return other
+        return None
 
 
 @dataclass
