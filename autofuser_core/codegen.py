@@ -327,17 +327,15 @@ class _Writer(ValueEmitter):
         name = self.fresh()
         if self.layout != "rows" or not self.program.reduced_dims or v.uid in self.program.identity_reduces:
             self.emit(f"{name} = {arg}  # reduction over size-1 dims")
-        elif v.uid in self.program.cross_reduces:
-            full = f"tl.broadcast_to({arg}, (BLOCK_M, BLOCK_R))"
-            if v.args[0].is_bool:
-                full = f"{full}.to(tl.float32)"
-            # this program's rows summed: one partial row of the output
-            self.emit(f"{name} = tl.sum(tl.where(mask, {full}, 0.0), axis=0)[None, :]")
         else:
             full = f"tl.broadcast_to({arg}, (BLOCK_M, BLOCK_R))"
             if v.args[0].is_bool:
                 full = f"{full}.to(tl.float32)"
-            self.emit(f"{name} = {row_reduction(v.reduce_op, full, 'mask')}")
+            if v.uid in self.program.cross_reduces:
+                # this program's rows summed: one partial row of the output
+                self.emit(f"{name} = tl.sum(tl.where(mask, {full}, 0.0), axis=0)[None, :]")
+            else:
+                self.emit(f"{name} = {row_reduction(v.reduce_op, full, 'mask')}")
         return name
 
 
