@@ -34,9 +34,9 @@ from autofuser.zoo import harness, train_bench
 
 MODELS = ["galerkin", "fno"]
 # F-FNO's weight-normed layers: every system trains a deep copy of the model. Not Galerkin:
-# the --train path is the same for every model, and a Galerkin training step under the
-# interpreter (two compiles, cold and warm, of 45 kernels) took 37 s of the 54 s this fixture
-# took; tests/core/test_training.py trains the fused Galerkin against eager.
+# the --train path is the same for every model, and a Galerkin step compiles its 45 kernels
+# twice under the interpreter (cold and warm), most of this fixture's cost;
+# tests/core/test_training.py trains the fused Galerkin against eager.
 TRAIN_MODELS = ["fno", "ffno"]
 SMOKE = ["--device", "cpu", "--config", "tiny", "--iters", "2", "--warmup", "1", "--no-compile"]
 CELL_KEYS = {"status", "error", "ms", "speedup", "first_call_s", "rel_err_vs_eager", "test_loss"}
