@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from types import SimpleNamespace
 from typing import Any, Callable, Optional, Sequence
 
@@ -227,6 +228,7 @@ def build_backward(
     ops."""
     # ``outputs``: every output the kernel wrote, those saved for the backward last.
     outputs, saved = list(outputs[: fused.n_visible]), list(outputs[fused.n_visible :])
+    started = time.perf_counter()
     # Sample gradients from a generator of their own: the user's random stream stays as it was.
     generator = torch.Generator(device=outputs[0].device if outputs else "cpu").manual_seed(GRAD_SEED)
     grads = [
@@ -253,7 +255,9 @@ def build_backward(
         record_shapes(gm, *inputs, *saved, *grads)
         gm.meta["autofuser_input_names"] = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         gm.meta[BACKWARD_GRAPH_KEY] = True
+        traced_s = time.perf_counter() - started
         fused_gm, report = compile_graph(gm, (*inputs, *saved, *grads), progress)
+    report.phases = {"trace": traced_s, **report.phases}
     for entry in [*report.groups, *report.unfused_nodes]:
         entry.phase = "backward"
     return FusedBackward(fused_gm, slots, grads, reach, reads), report

@@ -766,7 +766,14 @@ def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, dev
                 report.groups.extend(found.groups)
                 report.unfused_nodes.extend(found.unfused_nodes)
                 report.notes.extend(found.notes)
+                for name, seconds in found.phases.items():
+                    report.backward_phases[name] = report.backward_phases.get(name, 0.0) + seconds
+            timed_s = time.perf_counter()
             times = _step_times(timer, job.fused, inputs) if timer.can_time(device, options) else None
+            if times is not None:  # each group with its backward against eager's (the "backward" phase's rest)
+                report.backward_phases["time_groups"] = (
+                    report.backward_phases.get("time_groups", 0.0) + time.perf_counter() - timed_s
+                )
             done[alike] = built, times
         entry = job.entry
         _record_saving(entry, job)

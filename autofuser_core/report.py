@@ -121,6 +121,9 @@ class FusionReport(BaseModel):
     # Seconds spent in each step of the compile (capture, plan, generate, verify -
     # tuning included -, rewrite, cuda_graph, forward_check), in order.
     phases: dict[str, float] = Field(default_factory=dict)
+    # The "backward" phase split up: the same steps summed over every backward graph built,
+    # with "trace" (tracing, partitioning and checking each graph against eager's backward).
+    backward_phases: dict[str, float] = Field(default_factory=dict)
     quantized: list[QuantizedLayer] = Field(default_factory=list)
     # The model's class name (a torch.compile graph: "graph N of <function>").
     model: str = ""

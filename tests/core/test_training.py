@@ -119,6 +119,9 @@ def test_zoo_model_trains_like_eager(name):
     report = fused.report()
     assert len([g for g in report.fused if g.phase == "forward"]) >= 3, str(report)
     assert len([g for g in report.fused if g.phase == "backward"]) >= 3, str(report)
+    # The backward graphs' compile steps, summed over them: each was traced, planned and verified.
+    assert {"trace", "plan", "verify"} <= set(report.backward_phases), report.backward_phases
+    assert report.phases["backward"] >= report.backward_phases["trace"] > 0
     assert len(fused.reports()) == 1  # one compilation: optimiser steps don't invalidate it
     assert got[0] != got[-1]  # it did learn something
     assert_same_tensors(got_gradients, expected_gradients, scaled=True)
