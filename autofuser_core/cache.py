@@ -74,6 +74,11 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import filelock
 import platformdirs
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: private folders are removed only by the exit hook
+    fcntl = None  # type: ignore[assignment]
+
 from .errors import CacheError
 from .interpreter import KERNEL_PACKAGE
 
@@ -337,21 +342,126 @@ def module_from_source(module_name: str, source: str, path: Path):
 
 def private_kernel_dir() -> Path:
     """This process's private folder for the kernel files it imports: made by
-    ``tempfile.mkdtemp`` (a new name, mode 0700, ours), removed when the process exits.
-    A forked child that loads kernels makes its own."""
+    ``tempfile.mkdtemp`` (a new name, mode 0700, ours) when the first kernel is loaded,
+    and removed when the process exits. A forked child that loads kernels makes its own.
+
+    A process that ends without running its exit hooks (killed by a signal, or leaving
+    through ``os._exit``, as forked children and distributed ranks do) can't remove its
+    folder, so every folder holds a lock file (``PRIVATE_LOCK``) that its process keeps
+    locked (``flock``) for its whole life; the operating system drops the lock when the
+    process dies, however it dies. Making a folder, a process first removes this user's
+    folders whose lock is free (``_remove_dead_private_dirs``): what a dead process left
+    lasts only until the next process loads a kernel."""
     global _private_kernel_dir
     pid = os.getpid()
     if _private_kernel_dir is None or _private_kernel_dir[0] != pid:
-        folder = Path(tempfile.mkdtemp(prefix="autofuser-kernels-"))
+        _remove_dead_private_dirs(Path(tempfile.gettempdir()))
+        folder = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX))
+        # A fork inherits its parent's descriptor; the parent's lock stays the parent's
+        # (and held while the child lives, which is right: the child reads its files).
+        lock = _lock_private_dir(folder)
+        if lock is not None:
+            _private_locks[folder] = lock
         _private_kernel_dir = (pid, folder)
         _private_files.clear()
         atexit.register(_remove_private_dir, pid, folder)
     return _private_kernel_dir[1]
 
 
+def remove_private_kernel_dir() -> None:
+    """Remove this process's private kernel folder now, for a process about to leave
+    through ``os._exit`` (which skips the exit hook that would). A kernel loaded after
+    this makes a new folder."""
+    global _private_kernel_dir
+    if _private_kernel_dir is not None and _private_kernel_dir[0] == os.getpid():
+        _remove_private_dir(*_private_kernel_dir)
+        _private_kernel_dir = None
+
+
+#: The private kernel folders' name prefix (``tempfile.mkdtemp`` adds random letters).
+PRIVATE_PREFIX = "autofuser-kernels-"
+#: The lock file in each private folder, locked by its process for its whole life
+#: (kernel files are ``<name>.py``, so no kernel is ever written over it).
+PRIVATE_LOCK = ".alive.lock"
+# Each private folder this process made -> its open, locked PRIVATE_LOCK (a fork inherits
+# its parent's entries, which its exit hooks, checking the pid, leave alone).
+_private_locks: dict[Path, int] = {}
+
+
+def _lock_private_dir(folder: Path) -> Optional[int]:
+    """Create ``folder/PRIVATE_LOCK`` already locked; returns its descriptor, kept open.
+
+    The file is created and locked under another name and then renamed into place, so
+    that another process sweeping for dead folders never finds an unlocked lock file in
+    a folder whose process is still setting it up. ``None`` without ``flock`` (the
+    folder is then removed only by the exit hook)."""
+    if fcntl is None:
+        return None
+    tmp = folder / f"{PRIVATE_LOCK}.new"
+    fd = os.open(
+        tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o600
+    )
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, folder / PRIVATE_LOCK)
+    except OSError as err:  # a file system without locks: the exit hook still removes the folder
+        logger.debug("cannot lock the private kernel folder %s: %s", folder, err)
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return None
+    return fd
+
+
+def _remove_dead_private_dirs(parent: Path) -> None:
+    """Remove the private kernel folders in ``parent`` that a dead process of this user left.
+
+    Only folders of ours are touched: a name with ``PRIVATE_PREFIX``, a real folder (not
+    a link) owned by this user, holding a regular ``PRIVATE_LOCK`` (opened without
+    following a link) whose ``flock`` this process gets at once. A live process holds
+    its lock, so its folder is left alone, whatever its pid or pid namespace; a folder
+    without a lock file (one being set up, or left by an older AutoFuser) is left alone
+    too. The lock is held while the folder is removed, so two processes sweeping at
+    once don't both remove it. ``shutil.rmtree`` does not follow links inside it."""
+    if fcntl is None:
+        return
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(PRIVATE_PREFIX):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            fd = os.open(
+                os.path.join(entry.path, PRIVATE_LOCK),
+                os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0),
+            )
+        except OSError:  # gone, not ours to read, no lock file, or the lock file is a link
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: its process is alive
+                continue
+            logger.debug("removing %s, left by a process that ended without removing it", entry.path)
+            shutil.rmtree(entry.path, ignore_errors=True)
+        finally:
+            os.close(fd)
+
+
 def _remove_private_dir(pid: int, folder: Path) -> None:
     if os.getpid() == pid:  # not from a forked child that inherited the exit hook
         shutil.rmtree(folder, ignore_errors=True)
+        lock = _private_locks.pop(folder, None)  # popped: a second call never closes a reused number
+        if lock is not None:
+            with contextlib.suppress(OSError):
+                os.close(lock)
 
 
 def _private_kernel_file(name: str, source: str, digest: str) -> Path:

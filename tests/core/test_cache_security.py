@@ -10,6 +10,7 @@ import inspect
 import json
 import logging
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -157,6 +158,64 @@ def test_the_private_kernel_folder_is_ours_and_removed_at_exit(tmp_path):
     assert done.returncode == 0, done.stderr
     private_file = Path(done.stdout.strip())
     assert private_file.name == "af_exit_check.py" and not private_file.parent.exists()
+
+
+# Loads a kernel, says where its private file is, then leaves as argv[2] says.
+LEAVING_SCRIPT = """
+import os, signal, sys
+from autofuser_core import cache
+module = cache.load_kernel_module("af_leaving", "VALUE = 1\\n", cache.Path(sys.argv[1]))
+print(module.__file__, flush=True)
+if sys.argv[2] == "killed":
+    os.kill(os.getpid(), signal.SIGKILL)
+elif sys.argv[2] == "os._exit":
+    os._exit(0)
+elif sys.argv[2] == "waits":
+    sys.stdin.read()
+"""
+
+
+@posix_only
+def test_private_folders_of_processes_that_died_without_exit_hooks_are_removed_by_the_next(tmp_path):
+    """A process killed by a signal or leaving through ``os._exit`` can't remove its private
+    folder; the next process to load a kernel does, and touches nothing else: not a live
+    process's folder, not a folder without a lock file, not a link."""
+    temp = tmp_path / "tmp"
+    temp.mkdir(mode=0o700)
+    env = {**os.environ, "TMPDIR": str(temp)}
+    no_lock = temp / "autofuser-kernels-nolock"
+    no_lock.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / cache.PRIVATE_LOCK).touch()
+    (temp / "autofuser-kernels-link").symlink_to(elsewhere)
+
+    def start(how: str) -> subprocess.Popen:
+        command = [sys.executable, "-c", LEAVING_SCRIPT, str(tmp_path / "cache"), how]
+        return subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def folder(process: subprocess.Popen) -> Path:
+        return Path(process.stdout.readline().strip()).parent
+
+    alive = start("waits")
+    try:
+        live_folder = folder(alive)
+        left = None  # the folder the last process left behind
+        for how, code in (("killed", -signal.SIGKILL), ("os._exit", 0)):
+            process = start(how)
+            mine = folder(process)
+            assert process.wait(timeout=60) == code
+            assert mine.is_dir() and mine.parent == temp, how  # its exit hook did not run
+            assert left is None or not left.exists()  # the one before it was removed as this one started
+            left = mine
+        following = start("returns")
+        assert folder(following).parent == temp and following.wait(timeout=60) == 0
+        assert left is not None and not left.exists()
+        assert live_folder.is_dir() and no_lock.is_dir() and (elsewhere / cache.PRIVATE_LOCK).exists()
+    finally:
+        alive.communicate("", timeout=60)
+    assert alive.returncode == 0
+    assert sorted(p.name for p in temp.iterdir()) == ["autofuser-kernels-link", "autofuser-kernels-nolock"]
 
 
 def test_a_second_header_for_one_kernel_name_gets_its_own_private_file(tmp_path, kernel_name):
