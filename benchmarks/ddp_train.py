@@ -113,6 +113,7 @@ from autofuser.zoo.harness import (  # noqa: E402
 )
 from autofuser.zoo.models import MESHES, MODELS, parameter_count  # noqa: E402
 from autofuser.zoo.train_bench import flat_gradients  # noqa: E402
+from autofuser_core import cache  # noqa: E402
 
 SYSTEMS = ("eager", "autofuser", "compile")
 #: Largest relative error of the parameters' change and of the gradients against the
@@ -191,6 +192,7 @@ class Watchdog:
         print(f"ddp_train: {message}", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
+        cache.remove_private_kernel_dir()  # os._exit skips the exit hook that removes it
         os._exit(TIMEOUT_EXIT)
 
 
@@ -655,5 +657,7 @@ if __name__ == "__main__":
     sys.stderr.flush()
     # Leave without the interpreter's teardown: after the process group is destroyed it now
     # and then aborted a rank ("terminate called without an active exception", from C++;
-    # tests/core/test_distributed.py saw the same).
+    # tests/core/test_distributed.py saw the same). That teardown would also remove the
+    # private kernel folder: removed here instead.
+    cache.remove_private_kernel_dir()
     os._exit(code)

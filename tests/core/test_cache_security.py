@@ -170,6 +170,9 @@ if sys.argv[2] == "killed":
     os.kill(os.getpid(), signal.SIGKILL)
 elif sys.argv[2] == "os._exit":
     os._exit(0)
+elif sys.argv[2] == "removes, then os._exit":
+    cache.remove_private_kernel_dir()
+    os._exit(0)
 elif sys.argv[2] == "waits":
     sys.stdin.read()
 """
@@ -178,8 +181,9 @@ elif sys.argv[2] == "waits":
 @posix_only
 def test_private_folders_of_processes_that_died_without_exit_hooks_are_removed_by_the_next(tmp_path):
     """A process killed by a signal or leaving through ``os._exit`` can't remove its private
-    folder; the next process to load a kernel does, and touches nothing else: not a live
-    process's folder, not a folder without a lock file, not a link."""
+    folder (unless it calls ``remove_private_kernel_dir`` first); the next process to load a
+    kernel does, and touches nothing else: not a live process's folder, not a folder without
+    a lock file, not a link."""
     temp = tmp_path / "tmp"
     temp.mkdir(mode=0o700)
     env = {**os.environ, "TMPDIR": str(temp)}
@@ -200,6 +204,9 @@ def test_private_folders_of_processes_that_died_without_exit_hooks_are_removed_b
     alive = start("waits")
     try:
         live_folder = folder(alive)
+        tidy = start("removes, then os._exit")
+        tidy_folder = folder(tidy)
+        assert tidy.wait(timeout=60) == 0 and not tidy_folder.exists()
         left = None  # the folder the last process left behind
         for how, code in (("killed", -signal.SIGKILL), ("os._exit", 0)):
             process = start(how)

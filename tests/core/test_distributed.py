@@ -78,9 +78,12 @@ RANK_SCRIPT = COMMON + textwrap.dedent("""
     # Everything the test checks is written. Leave without the interpreter's teardown, which
     # now and then aborted a rank in full test runs ("terminate called without an active
     # exception", from C++, after the process group was destroyed; never in isolation).
-    # An abort before this point still fails the test.
+    # An abort before this point still fails the test. os._exit skips the exit hook that
+    # removes the private kernel folder: removed here.
     sys.stdout.flush()
     sys.stderr.flush()
+    from autofuser_core import cache
+    cache.remove_private_kernel_dir()
     os._exit(0)
 """)
 
