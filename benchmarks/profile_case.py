@@ -29,6 +29,7 @@ report's notes (CUDA graph or not, whole-forward times), tuning timings and a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -245,31 +246,35 @@ def profile_systems(args: argparse.Namespace) -> tuple[dict[str, list[KernelRow]
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    for system in args.systems:
-        print(f"profile_case: {system_label(system)}", file=sys.stderr, flush=True)
-        torch._dynamo.reset()
-        if system == "eager":
-            runner: Any = model
-        elif system == "autofuser":
-            cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="autofuser-profile-")
-            runner = autofuser.fuse(model, cache_dir=cache_dir, progress=False)
-        else:
-            runner = torch.compile(model, mode=system)
-        forward = call(runner)
-        forward()  # compiles
-        if system == "autofuser":
-            settle(runner, forward)  # the runner its check in use keeps, as the bench times it
-        for _ in range(args.warmup):
-            forward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        with torch.profiler.profile(activities=activities) as profile:
-            for _ in range(args.calls):
+    with contextlib.ExitStack() as scratch:
+        for system in args.systems:
+            print(f"profile_case: {system_label(system)}", file=sys.stderr, flush=True)
+            torch._dynamo.reset()
+            if system == "eager":
+                runner: Any = model
+            elif system == "autofuser":
+                # Without --cache-dir, a new empty folder (a cold compile), removed when profiling ends.
+                cache_dir = args.cache_dir or scratch.enter_context(
+                    tempfile.TemporaryDirectory(prefix="autofuser-profile-")
+                )
+                runner = autofuser.fuse(model, cache_dir=cache_dir, progress=False)
+            else:
+                runner = torch.compile(model, mode=system)
+            forward = call(runner)
+            forward()  # compiles
+            if system == "autofuser":
+                settle(runner, forward)  # the runner its check in use keeps, as the bench times it
+            for _ in range(args.warmup):
                 forward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-        profiles[system] = kernel_rows(profile, device.type, args.calls)
-        del runner, forward
+            with torch.profiler.profile(activities=activities) as profile:
+                for _ in range(args.calls):
+                    forward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            profiles[system] = kernel_rows(profile, device.type, args.calls)
+            del runner, forward
     torch._dynamo.reset()
     where = f"{device.type}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
     return profiles, title, where
@@ -313,8 +318,11 @@ def main(argv=None) -> int:
     if args.mode == "bf16-weights":
         model = model.to(torch.bfloat16)
         inputs = [x.to(torch.bfloat16) for x in inputs]
-    cache = tempfile.mkdtemp(prefix="autofuser-profile-")
-    with precision("fp32" if args.mode == "bf16-weights" else args.mode), torch.no_grad():
+    with (
+        tempfile.TemporaryDirectory(prefix="autofuser-profile-") as cache,
+        precision("fp32" if args.mode == "bf16-weights" else args.mode),
+        torch.no_grad(),
+    ):
         fused = autofuser.fuse(model, tune_budget_s=args.tune_budget, progress=False, cache_dir=cache)
         fused(*inputs)
         print(fused.report(), file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -84,9 +85,13 @@ def test_summary_lists_each_systems_top_kernels_per_forward(profile_case):
     assert "GPU kernels" in lines[2]
 
 
-def test_side_by_side_profiles_a_tiny_model_on_the_cpu(profile_case, tmp_path):
+def test_side_by_side_profiles_a_tiny_model_on_the_cpu(profile_case, tmp_path, monkeypatch):
     """A real torch.profiler run of eager and AutoFuser (under the interpreter) on a
-    MODULE:FACTORY model: eager's ops are the model's own, counted once per forward."""
+    MODULE:FACTORY model: eager's ops are the model's own, counted once per forward. The
+    cache folder it makes for a cold compile is removed when it is done."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     (tmp_path / "tiny_block.py").write_text(MODEL_FILE)
     out = tmp_path / "profile.md"
     factory = f"{tmp_path / 'tiny_block.py'}:make"
@@ -103,6 +108,7 @@ def test_side_by_side_profiles_a_tiny_model_on_the_cpu(profile_case, tmp_path):
         assert eager[op].launches == 1 and eager[op].ms >= 0, op
     assert all(earlier.ms >= later.ms for earlier, later in zip(profiles["eager"], profiles["eager"][1:]))
     assert profiles["autofuser"] and "aten::gelu" not in {row.name for row in profiles["autofuser"]}
+    assert list(temp.glob("autofuser-profile-*")) == []
     torch._dynamo.reset()
 
 
