@@ -2,8 +2,10 @@
 only the bundled plugins load, and the cache lives in a temporary folder; fixtures
 that put a stand-in timer in place for a test."""
 
+import atexit
 import contextlib
 import os
+import shutil
 import tempfile
 
 import torch
@@ -12,7 +14,11 @@ if not torch.cuda.is_available():
     # Must be set before any kernel is decorated: Triton picks the interpreter at @jit time.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("AUTOFUSER_DISABLE_PLUGIN_AUTOLOAD", "1")
-os.environ.setdefault("AUTOFUSER_CACHE_DIR", tempfile.mkdtemp(prefix="autofuser-test-cache-"))
+if "AUTOFUSER_CACHE_DIR" not in os.environ:
+    # Made only when none is given (setdefault would make one every run all the same), and
+    # removed when the session ends: each run used to leave one in $TMPDIR.
+    os.environ["AUTOFUSER_CACHE_DIR"] = tempfile.mkdtemp(prefix="autofuser-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["AUTOFUSER_CACHE_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 

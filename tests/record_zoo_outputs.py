@@ -28,8 +28,10 @@ names more.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -37,7 +39,9 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("AUTOFUSER_DISABLE_PLUGIN_AUTOLOAD", "1")
-os.environ.setdefault("AUTOFUSER_CACHE_DIR", tempfile.mkdtemp(prefix="autofuser-zoo-record-"))
+if "AUTOFUSER_CACHE_DIR" not in os.environ:  # a new one, removed at exit: the record starts cold
+    os.environ["AUTOFUSER_CACHE_DIR"] = tempfile.mkdtemp(prefix="autofuser-zoo-record-")
+    atexit.register(shutil.rmtree, os.environ["AUTOFUSER_CACHE_DIR"], ignore_errors=True)
 
 import torch  # noqa: E402
 
