@@ -16,8 +16,8 @@ to the next is that call's whole step, as the GPU ran it. Each runner's time is 
 faster block's mean (a one-off stall - a checkpoint written, a collection - lands in
 one block). On the call after the plan the check decides: the fused model stays only
 if it was more than 2% faster (``FORWARD_MARGIN``) than the original and that lead is
-clear of the spread of either side's blocks (slowest over fastest:
-``timing.inside_spread``); a verdict inside the spread is measured again by a second
+clear of the spread of either side's blocks (slowest over fastest, the slowest of
+three or more left out: ``timing.steady_spread``, ``timing.inside_spread``); a verdict inside the spread is measured again by a second
 plan (``MAX_ROUNDS``), after which the original runs unless it has come clear, and
 the verdict is provisional (``Settled.provisional``: not cached as final). Else the
 original runs for that signature from then on. Both runners compute the same results
@@ -36,7 +36,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from .timing import Timer, inside_spread, spread_of
+from .timing import Timer, inside_spread, steady_spread
 
 BLOCK_CALLS = 4
 PLAN = ("original",) + ("fused",) * BLOCK_CALLS + ("original",) * (2 * BLOCK_CALLS) + ("fused",) * BLOCK_CALLS
@@ -106,7 +106,7 @@ class InUseCheck:
         for start in range(1, len(PLAN), BLOCK_CALLS):
             self.blocks[PLAN[start]].append(sum(spans[start : start + BLOCK_CALLS]) / BLOCK_CALLS)
         fused, original = min(self.blocks["fused"]), min(self.blocks["original"])
-        spread = max(spread_of(times) for times in self.blocks.values())
+        spread = max(steady_spread(times) for times in self.blocks.values())
         lead = (original - fused) / max(original, 1e-9)  # a clock that gave 0 ms
         unclear = inside_spread(lead, margin, spread)
         if unclear and self.rounds < MAX_ROUNDS:

@@ -44,7 +44,9 @@ import autofuser
 
 #: What ``--systems`` may name: eager, AutoFuser, or torch.compile in a mode.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-SIDE_BY_SIDE_SYSTEMS = ("eager", "autofuser", *COMPILE_MODES)
+#: ``autofuser-fused``: the fused model whatever the speed checks decide (``verify_speed=False``):
+#: where a check keeps the original, what the fused forward or step would spend, and on what.
+SIDE_BY_SIDE_SYSTEMS = ("eager", "autofuser", "autofuser-fused", *COMPILE_MODES)
 #: Kernel names longer than this are cut in the table (Inductor's and cuDNN's run long).
 NAME_WIDTH = 90
 
@@ -130,7 +132,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def system_label(system: str) -> str:
     """How the summary names a system."""
-    return {"eager": "eager", "autofuser": "AutoFuser"}.get(system, f"torch.compile {system}")
+    return {"eager": "eager", "autofuser": "AutoFuser", "autofuser-fused": "AutoFuser, fused unchecked"}.get(
+        system, f"torch.compile {system}"
+    )
 
 
 def kernel_rows(profile: Any, device_type: str, calls: int) -> list[KernelRow]:
@@ -252,12 +256,13 @@ def profile_systems(args: argparse.Namespace) -> tuple[dict[str, list[KernelRow]
             torch._dynamo.reset()
             if system == "eager":
                 runner: Any = model
-            elif system == "autofuser":
+            elif system in ("autofuser", "autofuser-fused"):
                 # Without --cache-dir, a new empty folder (a cold compile), removed when profiling ends.
                 cache_dir = args.cache_dir or scratch.enter_context(
                     tempfile.TemporaryDirectory(prefix="autofuser-profile-")
                 )
-                runner = autofuser.fuse(model, cache_dir=cache_dir, progress=False)
+                checked = system == "autofuser"
+                runner = autofuser.fuse(model, cache_dir=cache_dir, progress=False, verify_speed=checked)
             else:
                 runner = torch.compile(model, mode=system)
             forward = call(runner)

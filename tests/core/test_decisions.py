@@ -78,6 +78,25 @@ def test_a_lead_within_the_spread_of_the_margin_is_unclear(candidate, baseline, 
     assert found.spread == pytest.approx(spread) and found.rounds == 2
 
 
+@pytest.mark.parametrize(
+    "candidate, baseline, verdict",
+    [
+        ([0.8, 0.81, 0.8, 0.8], [1.0, 1.6, 1.0, 1.01], True),  # one stalled round of four: a 20% lead stands
+        ([0.8, 1.3, 0.8, 0.81], [1.0, 1.0, 1.01, 1.0], True),  # the same on the fused side
+        ([0.8, 0.81, 0.8, 0.8], [1.0, 1.6, 1.5, 1.01], None),  # two slow rounds are noise, not a stall
+        ([0.8, 0.8, 0.8], [1.0, 1.0, 1.6], True),  # three: the slowest is left out too
+    ],
+)
+def test_one_stalled_round_of_three_or_more_does_not_make_a_verdict_unclear(candidate, baseline, verdict):
+    """Each side counts its best round, so one slow round (a stall) is already ignored for
+    the times; left out of the spread too, it can't alone hold back a clear lead."""
+    found = timing.Rounds()
+    found.candidate, found.baseline = candidate, baseline
+    assert found.verdict(FORWARD_MARGIN) is verdict
+    kept = [sorted(t)[:-1] for t in (candidate, baseline)]
+    assert found.spread == pytest.approx(max((max(t) - min(t)) / min(t) for t in kept))
+
+
 # ---------------------------------------------------------------------------
 # At compile time
 # ---------------------------------------------------------------------------
@@ -218,6 +237,29 @@ def test_a_provisional_forward_verdict_is_settled_in_use(tmp_path, use_timer, or
     assert "forward in use, 2 blocks of 4 calls" in " ".join(fused.report().notes)
     record = _records(tmp_path)["forward_plain"]
     assert record["in_use"] is True and record["provisional"] is False
+
+
+def test_one_stalled_block_in_use_costs_a_second_plan_not_the_fused_model(tmp_path, use_timer, original_runs):
+    """The fused forward 50% ahead in every block, but one block of the original stalled
+    (three times as slow): with two blocks a side the lead is inside that spread, so the
+    plan runs again; over four blocks the stall is one block of four, left out of the
+    spread, and the fused model runs, confirmed, not provisional."""
+    original_calls = iter([3.0] * 4)  # the original's first block stalls; every later call is 1.0 ms
+    timer = _noisy_timer(
+        use_timer, lambda: 0.5, lambda: 1.0, lambda fused: 0.5 if fused else next(original_calls, 1.0)
+    )
+    model, x = _model_and_input()
+    fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
+    plans = in_use.MAX_ROUNDS * len(in_use.PLAN)
+    # The plan's first call warms the original up: the stall then lands in its first block.
+    ran = _calls(fused, model, x, 1 + plans + 2, original_runs)
+    assert ran[1 + plans :] == [False, False], "the fused model runs after the second plan"
+    notes = " ".join(fused.report().notes)
+    assert "4 blocks of 4 calls on each side: 0.500 ms fused vs 1.000 ms original per call" in notes, notes
+    assert "the fused model runs" in notes and "provisional" not in notes, notes
+    record = _records(tmp_path)["forward_plain"]
+    assert record["in_use"] is True and record["provisional"] is False
+    assert len(timer.marks) > 0
 
 
 def test_a_verdict_inside_the_noise_in_use_is_not_cached_as_final(tmp_path, use_timer, original_runs):

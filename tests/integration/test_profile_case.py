@@ -48,6 +48,8 @@ def test_options_default_to_autofuser_beside_reduce_overhead_and_refuse_bad_ones
     assert args.side_by_side and args.systems == ["autofuser", "reduce-overhead"] and args.top == 15
     args = profile_case.parse_args(["--factory", "m.py:make", "--systems", "eager, autofuser,max-autotune"])
     assert args.systems == ["eager", "autofuser", "max-autotune"] and args.zoo is None
+    args = profile_case.parse_args(["--zoo", "galerkin", "--train", "--systems", "autofuser,autofuser-fused"])
+    assert args.systems == ["autofuser", "autofuser-fused"]
     assert not profile_case.parse_args(["--form", "galerkin"]).side_by_side  # the single-case path
     for argv, says in (
         (["--zoo", "nonesuch"], "not a zoo model"),
