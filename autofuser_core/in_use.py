@@ -17,11 +17,12 @@ faster block's mean (a one-off stall - a checkpoint written, a collection - land
 one block). On the call after the plan the check decides: the fused model stays only
 if it was more than 2% faster (``FORWARD_MARGIN``) than the original and that lead is
 clear of the spread of either side's blocks (slowest over fastest, the slowest of
-three or more left out: ``timing.steady_spread``, ``timing.inside_spread``); a verdict inside the spread is measured again by a second
-plan (``MAX_ROUNDS``), after which the original runs unless it has come clear, and
-the verdict is provisional (``Settled.provisional``: not cached as final). Else the
-original runs for that signature from then on. Both runners compute the same results
-within the verified tolerance, so the calls of the plan are the user's calls as usual.
+three or more left out: ``timing.steady_spread``, ``timing.inside_spread``); a
+verdict inside the spread is measured again by a second plan (``MAX_ROUNDS``), after
+which the original runs unless it has come clear, and the verdict is provisional
+(``Settled.provisional``: not cached as final). Else the original runs for that
+signature from then on. Both runners compute the same results within the verified
+tolerance, so the calls of the plan are the user's calls as usual.
 
 A call of other inputs between two calls of the plan breaks the spans: the plan starts
 again, and after ``MAX_RESTARTS`` restarts it is given up (the compile's verdict

@@ -245,9 +245,7 @@ def test_one_stalled_block_in_use_costs_a_second_plan_not_the_fused_model(tmp_pa
     plan runs again; over four blocks the stall is one block of four, left out of the
     spread, and the fused model runs, confirmed, not provisional."""
     original_calls = iter([3.0] * 4)  # the original's first block stalls; every later call is 1.0 ms
-    timer = _noisy_timer(
-        use_timer, lambda: 0.5, lambda: 1.0, lambda fused: 0.5 if fused else next(original_calls, 1.0)
-    )
+    timer = _noisy_timer(use_timer, lambda: 0.5, lambda: 1.0, lambda fused: 0.5 if fused else next(original_calls, 1.0))
     model, x = _model_and_input()
     fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
     plans = in_use.MAX_ROUNDS * len(in_use.PLAN)
