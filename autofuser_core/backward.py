@@ -21,7 +21,6 @@ formulas and decompositions, which of them fuse is the plugins' lowerings.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from types import SimpleNamespace
@@ -38,7 +37,7 @@ from .ir import AttrRef
 from .launch import FusedKernel, run_eager
 from .rewrite import SAVED_NODES_KEY, extract_group_module
 from .specs import PRODUCT_TOLERANCES, dtype_name
-from .verify import max_error
+from .verify import max_error, no_autocast
 
 logger = logging.getLogger("autofuser.compile")
 
@@ -206,13 +205,6 @@ def to_torch_level(gm: torch.fx.GraphModule, samples: Sequence[Any]) -> int:
     translator.run(*samples)
     gm.recompile()
     return translator.changed
-
-
-@contextlib.contextmanager
-def no_autocast():
-    """Autocast off on every device a backward graph may run on: its casts are in it."""
-    with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
-        yield
 
 
 def _outputs(values: Any) -> list[Optional[torch.Tensor]]:

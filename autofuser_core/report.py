@@ -53,6 +53,9 @@ class GroupEntry(BaseModel):
     time_eager_ms: Optional[float] = None
     time_fused_ms: Optional[float] = None
     max_error: Optional[float] = None
+    # Whether an output missed eager's by more than the tolerance and was kept because it is
+    # as close to the group's ops run in float64 as eager's own (docs/verification.md).
+    float64_judged: bool = False
     tuning_s: float = 0.0
     cache_hit: bool = False
     kernel_source: Optional[str] = None  # the generated Triton source, where one was written

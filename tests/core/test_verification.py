@@ -397,3 +397,80 @@ def test_report_refuses_an_unwritable_output_before_compiling(tmp_path, where):
     assert ("is a folder" if where != "under-a-file" else "can't make the folder") in message
     assert "--json" in message if where == "json-folder" else "--out" in message
     assert not (tmp_path / "factory-ran").exists()  # refused before the model was even built
+
+
+# ---------------------------------------------------------------------------
+# Float64 as the judge: both sides round, and a long sum rounds differently in each order
+# ---------------------------------------------------------------------------
+
+
+class LongSum(torch.nn.Module):
+    def forward(self, x):
+        return (x * 3.0).sum(dim=-1) + 1.0
+
+
+def _no_tolerance(monkeypatch):
+    """A tolerance of zero: any rounding difference from eager's is a miss of the plain check."""
+    import autofuser_core.compile as compile_module
+
+    monkeypatch.setattr(compile_module, "tolerance", lambda candidate, view: verify_module.Tolerance(atol=0, rtol=0))
+
+
+@pytest.mark.parametrize("shape", [(5, 3001), (1, 2047)])
+def test_a_kernel_as_close_to_float64_as_eager_is_kept_where_it_misses_eager(monkeypatch, shape):
+    """Values with a large common part that cancels: eager's fp32 sum and the kernel's,
+    summed in another order, differ in their last bits (a miss of a zero tolerance); the
+    group's ops in float64 are the judge, and the kernel is no farther from them than
+    FLOAT64_FACTOR times eager, so it is kept, and the report says how it was judged."""
+    _no_tolerance(monkeypatch)
+    model = LongSum()
+    x = torch.randn(shape) * 100.0 + 250.0
+    x = x - x.mean(dim=-1, keepdim=True)
+    fused = autofuser.fuse(model, plugins=["elementwise", "reduction"], progress=False)
+    out = fused(x)
+    exact = (x.double() * 3.0).sum(dim=-1) + 1.0
+    assert (out.double() - exact).abs().max() <= 4 * (model(x).double() - exact).abs().max() + 1e-9
+    report = fused.report()
+    (group,) = [g for g in report.groups if "reduction.sum" in g.ops]
+    assert group.fused and group.float64_judged, str(report)
+    assert group.max_error is not None and group.max_error > 0  # it did miss eager's bits
+
+
+def test_without_the_float64_judge_the_same_kernel_is_a_mismatch(monkeypatch):
+    """The same group with the judge allowing no error beyond eager's zero-width bound: a
+    mismatch, as before, so the test above is the judge at work."""
+    _no_tolerance(monkeypatch)
+    monkeypatch.setattr(verify_module, "FLOAT64_FACTOR", 0.0)
+    x = torch.randn(3, 3001) * 100.0 + 250.0
+    x = x - x.mean(dim=-1, keepdim=True)
+    fused = autofuser.fuse(LongSum(), plugins=["elementwise", "reduction"], progress=False)
+    torch.testing.assert_close(fused(x), LongSum()(x))
+    (group,) = [g for g in fused.report().groups if "reduction.sum" in g.ops]
+    assert not group.fused and group.reason_code == "mismatch", str(fused.report())
+    assert "float64" in group.reason
+
+
+@pytest.mark.parametrize(
+    "fused_off, eager_off, ok",
+    [
+        (2e-3, 1e-3, True),  # twice eager's own error from the exact value
+        (5e-3, 1e-3, False),  # five times: more than FLOAT64_FACTOR
+        (1e-3, 0.0, False),  # eager exact, the kernel not: the plain tolerance is all it gets
+    ],
+)
+def test_the_float64_judge_weighs_the_kernel_against_eager_s_own_error(fused_off, eager_off, ok):
+    exact = torch.randn(4, 9, dtype=torch.float64) * 10
+    eager = (exact + eager_off * torch.sign(torch.randn_like(exact))).float()
+    fused = (exact + fused_off * torch.sign(torch.randn_like(exact))).float()
+    tol = verify_module.Tolerance(atol=1e-6, rtol=0.0)
+    # fp32 rounding of values near 10 is about 1e-6: the offsets chosen dwarf it.
+    found, error = verify_module.closer_than_eager(fused, eager, exact, tol)
+    assert found is ok and error == pytest.approx(fused_off, rel=0.01)
+
+
+def test_the_float64_judge_keeps_the_non_finite_rule():
+    exact = torch.tensor([[1.0, 2.0, float("nan")]], dtype=torch.float64)
+    eager = torch.tensor([[1.0, 2.0, float("nan")]])
+    assert verify_module.closer_than_eager(eager.clone(), eager, exact, verify_module.Tolerance(atol=1e-6, rtol=0))[0]
+    wrong = torch.tensor([[1.0, float("nan"), 3.0]])
+    assert not verify_module.closer_than_eager(wrong, eager, exact, verify_module.Tolerance(atol=1e-6, rtol=0))[0]
