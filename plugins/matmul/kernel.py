@@ -51,8 +51,16 @@ def strict_fp32(layout) -> bool:
     return layout.operand_dtype is None and layout.precision != "tf32"
 
 
-def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[dict[str, str]] = None) -> KernelSource:
-    """Write the Triton source for a group with one product; see module doc."""
+def write_matmul_kernel(
+    program: GroupProgram, strategy: str, helpers: Optional[dict[str, str]] = None, split: bool = False
+) -> KernelSource:
+    """Write the Triton source for a group with one product; see module doc. ``split``: a
+    lone product (its only output, no prologue reduction, no packed weight, written
+    contiguous) whose K the programs split among them (``SPLIT_K``, grid axis 0): each
+    program sums its share of K for its tile and stores it unrounded as one fp32 partial
+    row of the output's size (``KernelSource.partial_outputs``); the launcher adds the
+    rows. For outputs of a few tiles over a long K (a weight's gradient over every point,
+    a head's K^T V), whose unsplit grid would leave most of the chip idle."""
     L = program.product_layout
     w = TileWriter(program)
     dot = L.dot
@@ -71,7 +79,7 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     if L.epilogue_reduces:
         constexprs["BLOCK_N"] = dot_block(L.n)
 
-    w.emit("pid = tl.program_id(0)")
+    w.emit(f"pid = tl.program_id({1 if split else 0})")
     w.emit(f"num_m = tl.cdiv({sized(L.rows)}, BLOCK_M)")
     w.emit(f"num_n = tl.cdiv({sized(L.n)}, BLOCK_N)")
     w.emit("in_group = GROUP_M * num_n")
@@ -89,7 +97,7 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     )
     b_row = None
     if batch_dims:
-        w.emit(f"batch = tl.program_id(1){cast}")
+        w.emit(f"batch = tl.program_id({2 if split else 1}){cast}")
         batch_sizes = [L.out_domain[d] for d in batch_dims]
         batch_offs = emit_offsets(
             w.emit,
@@ -110,13 +118,20 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
     bk, bn = L.b_strides[-2], L.b_strides[-1]
     b_terms = [t for t in (b_row, index_term("kk", bk), index_term("cols", bn)) if t]
 
+    # The K this program sums: all of it, or with ``split`` its share [k_lo, k_hi).
+    k_end = "k_hi" if split else sized(L.k)
+    if split:
+        w.emit(f"k_per = tl.cdiv(tl.cdiv({sized(L.k)}, SPLIT_K), BLOCK_K) * BLOCK_K")
+        w.emit("k_lo = tl.program_id(0) * k_per")
+        w.emit(f"k_hi = tl.minimum(k_lo + k_per, {sized(L.k)})")
+
     def b_load(start: str) -> list[str]:
         return weight_tile(
             "b_tile",
             b_index,
             b_tensor.dtype,
             " + ".join(b_terms) or "0",
-            f"(kk < {sized(L.k)}) & col_mask",
+            f"(kk < {k_end}) & col_mask",
             L.b_packed,
             start,
             "BLOCK_K",
@@ -142,18 +157,19 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
         # 3. main loop
         w.emit("acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)")
         chunked = strict_fp32(L) and L.k > K_CHUNK
+        k_start = "k_lo" if split else "0"
         if chunked:
             # Tensor cores do not round each addition into their fp32 accumulator to nearest:
             # its error grows with K. A long K in strict fp32 is summed in chunks, each chunk's
             # sum added to ``acc`` by an ordinary fp32 addition.
-            w.emit(f"for c0 in range(0, {sized(L.k)}, {K_CHUNK}):")
+            w.emit(f"for c0 in range({k_start}, {k_end}, {K_CHUNK}):")
             w.emit("part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)", 2)
-            w.emit(f"for k0 in range(c0, tl.minimum(c0 + {K_CHUNK}, {sized(L.k)}), BLOCK_K):", 2)
+            w.emit(f"for k0 in range(c0, tl.minimum(c0 + {K_CHUNK}, {k_end}), BLOCK_K):", 2)
         else:
-            w.emit(f"for k0 in range(0, {sized(L.k)}, BLOCK_K):")
+            w.emit(f"for k0 in range({k_start}, {k_end}, BLOCK_K):")
         inner = 3 if chunked else 2
         w.emit("ks = k0 + tl.arange(0, BLOCK_K)[None, :]", inner)
-        w.emit(f"k_mask = ks < {sized(L.k)}", inner)
+        w.emit(f"k_mask = ks < {k_end}", inner)
         w.emit("kk = k0 + tl.arange(0, BLOCK_K)[:, None]", inner)
         a_name = TileBlock(w, inner, "k", known).value(a)
         for line in b_load("k0"):
@@ -165,9 +181,21 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
             w.emit("acc += part", 2)
 
     # 4. epilogue and stores
-    block = TileBlock(w, 1, "n", {dot.uid: "acc"})
-    emit_stores(w, program, block)
     blocks = ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr", "GROUP_M: tl.constexpr"]
+    if split:
+        # The partial row of this program's share of K, unrounded (the launcher's sum rounds
+        # once), at each element's offset in the contiguous output.
+        ro, bo = w.site_offsets[("out", 0)]
+        n_term = index_term("cols", program.outputs[0].domain_stride[-1]) or "cols * 0"
+        off = " + ".join(x for x in (ro or "rows * 0", bo, n_term) if x)
+        numel = 1
+        for size in program.outputs[0].shape:
+            numel *= size
+        w.emit(f"tl.store(out0 + tl.program_id(0) * {sized(numel)} + {off}, acc, mask=row_mask & col_mask)")
+        blocks.append("SPLIT_K: tl.constexpr")
+    else:
+        block = TileBlock(w, 1, "n", {dot.uid: "acc"})
+        emit_stores(w, program, block)
     source, name = assemble_kernel(
         program,
         w,
@@ -182,6 +210,14 @@ def write_matmul_kernel(program: GroupProgram, strategy: str, helpers: Optional[
 
     def grid(config, rows=L.rows, n=L.n, batch=L.batch):
         block_n = constexprs.get("BLOCK_N", config.get("BLOCK_N"))
-        return (triton_cdiv(rows, config["BLOCK_M"]) * triton_cdiv(n, block_n), batch)
+        tiles = triton_cdiv(rows, config["BLOCK_M"]) * triton_cdiv(n, block_n)
+        return (config["SPLIT_K"], tiles, batch) if split else (tiles, batch)
 
-    return KernelSource(name=name, source=source, layout="matmul", grid=grid, constexprs=constexprs)
+    return KernelSource(
+        name=name,
+        source=source,
+        layout="matmul",
+        grid=grid,
+        constexprs=constexprs,
+        partial_outputs=(0,) if split else (),
+    )

@@ -14,8 +14,10 @@ they claim:
 
 from __future__ import annotations
 
+import torch
+
 from autofuser import GroupRefused, StrategySpec, device_limits
-from autofuser.kernel import dot_block, next_power_of_2, triton_cdiv
+from autofuser.kernel import dot_block, next_power_of_2, rounded, triton_cdiv
 
 from .kernel import write_matmul_kernel
 from .layout import MatmulLayout, multiprocessors
@@ -74,9 +76,79 @@ def accepts(program):
     return None
 
 
+#: A lone product splits its K among programs (``splits_k``) where its output has fewer
+#: 32 x 32 tiles than SPLIT_TILES_PER_SM times the multiprocessors and its K is at least
+#: SPLIT_MIN_K long; each program then sums at least SPLIT_MIN_SHARE of K.
+SPLIT_TILES_PER_SM = 0.5
+SPLIT_MIN_K = 1024
+SPLIT_MIN_SHARE = 256
+#: Split configs aim at about this many programs per multiprocessor.
+SPLIT_PROGRAMS_PER_SM = 4
+#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of split products: small tiles, few outputs.
+SPLIT_CONFIGS = [(32, 32, 64, 4, 3), (32, 32, 32, 4, 3), (64, 64, 32, 4, 3), (16, 16, 64, 2, 3), (64, 32, 64, 4, 3)]
+
+
+def splits_k(program) -> bool:
+    """Whether the group is a lone product of a few output tiles over a long K, whose K its
+    programs split among them (``kernel.write_matmul_kernel``'s ``split``): its only
+    output is the product itself (no epilogue: the rows' sum comes after the kernel),
+    written contiguous (the partial rows are in the output's element order), with no
+    norm over K before it and no packed weight."""
+    layout = program.product_layout
+    if not isinstance(layout, MatmulLayout) or layout.prologue_reduces or layout.epilogue_reduces:
+        return False
+    if layout.b_packed is not None or len(program.outputs) != 1:
+        return False
+    out, value = program.outputs[0], program.output_values[0]
+    # The product itself, or rounded to its 16-bit dtype (the launcher's sum rounds once).
+    lone = value is layout.dot or (
+        value.op == "pointwise" and value.args == (layout.dot,) and value.template == rounded("{0}", out.dtype)
+    )
+    if not lone:
+        return False
+    if not out.dtype.is_floating_point or out.dtype == torch.float64 or out.stride != _contiguous(out.shape):
+        return False
+    if layout.k < SPLIT_MIN_K:
+        return False
+    tiles = triton_cdiv(layout.rows, 32) * triton_cdiv(layout.n, 32) * layout.batch
+    return tiles < SPLIT_TILES_PER_SM * multiprocessors()
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _splits(layout: MatmulLayout, block_m: int, block_n: int) -> int:
+    """SPLIT_K for tiles of ``block_m x block_n``: a power of two bringing the programs to
+    about SPLIT_PROGRAMS_PER_SM per multiprocessor, at least 2, each share of K at least
+    SPLIT_MIN_SHARE long."""
+    tiles = triton_cdiv(layout.rows, block_m) * triton_cdiv(layout.n, block_n) * layout.batch
+    wanted = max(2, next_power_of_2(triton_cdiv(SPLIT_PROGRAMS_PER_SM * multiprocessors(), tiles)))
+    most = max(2, layout.k // SPLIT_MIN_SHARE)
+    while wanted > most and wanted > 2:
+        wanted //= 2
+    return wanted
+
+
+def _split_configs(program) -> list[dict]:
+    layout = program.product_layout
+    out = []
+    for m, n, k, warps, stages in SPLIT_CONFIGS:
+        config = {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
+        config["SPLIT_K"] = _splits(layout, m, n)
+        out.append(config)
+    return out
+
+
 def configs(program):
     """CONFIGS, those that fit the product's shape first (see ``_fit``), capped at
-    MAX_TUNED_CONFIGS when tuned."""
+    MAX_TUNED_CONFIGS when tuned; SPLIT_CONFIGS for a product that splits its K."""
+    if splits_k(program):
+        return _split_configs(program)
     fixed_n = dot_block(program.product_layout.n) if program.product_layout.epilogue_reduces else None
     out = []
     for m, n, k, warps, stages in CONFIGS:
@@ -144,6 +216,8 @@ def is_valid(program, config):
 
 
 def default_config(program):
+    if splits_k(program):
+        return _split_configs(program)[1]
     layout = program.product_layout
     block_k = 32 if layout.k >= 32 or layout.b_packed is not None else 16
     if layout.b_packed is not None:
@@ -158,7 +232,7 @@ def default_config(program):
 
 
 def generate(program, helpers):
-    return write_matmul_kernel(program, "matmul", helpers)
+    return write_matmul_kernel(program, "matmul", helpers, split=splits_k(program))
 
 
 def _strategy(name, description):

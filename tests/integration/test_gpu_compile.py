@@ -498,3 +498,34 @@ def test_split_reduction_chains_compile_for_sm90(dtype, tmp_path, monkeypatch):
     jobs = [job for k in kernels for job in _jobs_of(tmp_path, k)]
     assert len(jobs) == 4
     _compile_for_sm90(jobs, tmp_path)
+
+
+class _TallProducts(nn.Module):
+    """Two lone products of a few tiles over a long K: a head's ``K^T V`` and a weight
+    gradient's ``x^T dy``, whose kernels split K (``SPLIT_K``, partial rows)."""
+
+    def forward(self, k, v, x, dy):
+        return k.transpose(-2, -1) @ v, x.transpose(0, 1) @ dy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_split_k_products_compile_for_sm90_in_every_config(dtype, dynamic, tmp_path):
+    from autofuser_plugins.matmul import strategy as matmul_strategy
+
+    k, v = torch.randn(2, 3, 1500, 16, dtype=dtype), torch.randn(2, 3, 1500, 20, dtype=dtype)
+    x, dy = torch.randn(1337, 24, dtype=dtype), torch.randn(1337, 40, dtype=dtype)
+    fused = autofuser.fuse(_TallProducts(), progress=False, tune=False, verify_speed=False, dynamic=dynamic or None)
+    with torch.no_grad():
+        fused(k, v, x, dy)
+    kernels = [kernel for kernel in fused.kernels() if "SPLIT_K" in kernel.launch_args]
+    assert len(kernels) == 2, str(fused.report())
+    jobs = []
+    for kernel in kernels:
+        for m, n, block_k, warps, stages in matmul_strategy.SPLIT_CONFIGS:
+            for splits in (2, 16):
+                (job,) = _jobs_of(tmp_path, kernel)
+                job["constexprs"].update(BLOCK_M=m, BLOCK_N=n, BLOCK_K=block_k, SPLIT_K=splits)
+                job["options"] = {"num_warps": warps, "num_stages": stages}
+                jobs.append(job)
+    _compile_for_sm90(jobs, tmp_path)
