@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import autofuser
+from autofuser_plugins.matmul import strategy as matmul_strategy
 from autofuser_plugins.matmul.strategy import SPLIT_MIN_K
 
 from _helpers import DEFAULT_TOLERANCES, one_group_with, trains_like_eager
@@ -47,7 +48,7 @@ class WeightGrad(torch.nn.Module):
 
 @pytest.mark.parametrize(
     ("batch", "heads", "points", "d", "e"),
-    [(1, 1, SPLIT_MIN_K + 77, 16, 16), (3, 2, 2 * SPLIT_MIN_K + 519, 16, 20), (2, 1, 1500, 5, 33)],
+    [(1, 1, SPLIT_MIN_K + 77, 16, 16), (3, 2, SPLIT_MIN_K + 519, 16, 20), (2, 1, 1500, 5, 33)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_head_gram_splits_k_and_equals_eager(batch, heads, points, d, e, dtype):
@@ -82,11 +83,12 @@ def test_the_partial_rows_are_summed_against_float64():
     ("shape", "split"),
     [
         ((2, 1, SPLIT_MIN_K - 1, 16), False),  # K short of SPLIT_MIN_K
-        ((70, 1, SPLIT_MIN_K + 5, 16), False),  # 70 tiles: enough to fill the chip unsplit
-        ((2, 1, SPLIT_MIN_K + 5, 16), True),
+        ((5, 1, SPLIT_MIN_K + 5, 16), False),  # 5 tiles on a chip of 8 multiprocessors: enough unsplit
+        ((3, 1, SPLIT_MIN_K + 5, 16), True),  # 3 tiles: most of the chip idle
     ],
 )
-def test_only_few_tiles_over_a_long_k_split(shape, split):
+def test_only_few_tiles_over_a_long_k_split(shape, split, monkeypatch):
+    monkeypatch.setattr(matmul_strategy, "multiprocessors", lambda: 8)
     k, v = torch.randn(shape), torch.randn(shape)
     group = one_group_with(fuse_and_judge(HeadGram(), k, v))
     assert ("SPLIT_K: tl.constexpr" in group.kernel_source) is split
