@@ -174,7 +174,36 @@ def run_from_args(args: argparse.Namespace) -> int:
         progress(str(err))
         return 2
     print(result["markdown"])
-    return 0
+    wrong = wrong_results(result["rows"], args.dtype)
+    for line in wrong:
+        progress(line)
+    return 1 if wrong else 0
+
+
+#: The largest relative L2 error against eager an AutoFuser output (and, training, its
+#: gradients) may have in a bench, per ``--dtype``: an fp32 run differs from eager by
+#: the order of its sums (about 1e-5 on the zoo); a bf16 run by bf16 roundings taken at
+#: other points (a few 1e-3). Past it, ``bench`` says so and exits with status 1.
+MAX_REL_ERROR = {"fp32": 1e-4, "bf16": 4e-2}
+
+
+def wrong_results(rows: list[dict[str, Any]], dtype: str) -> list[str]:
+    """One line per AutoFuser result of ``rows`` farther from eager's than
+    ``MAX_REL_ERROR[dtype]`` (outputs, and gradients where a training step was timed):
+    a bench that measured a wrong model must not pass as a speedup."""
+    limit = MAX_REL_ERROR[dtype]
+    lines = []
+    for row in rows:
+        cell = row["systems"].get("autofuser") or {}
+        for key, what in (("rel_err_vs_eager", "output"), ("grad_rel_err_vs_eager", "gradients")):
+            error = cell.get(key)
+            if error is not None and not error <= limit:  # NaN fails too
+                lines.append(
+                    f"WRONG RESULT: {row['model']} ({dtype}): AutoFuser's {what} differ from eager's by a "
+                    f"relative error of {error:.3g}, above the {limit:g} allowed for {dtype}; its speedup does "
+                    "not count. Please report it with bench.json."
+                )
+    return lines
 
 
 #: Options that only mean something for zoo models (each with how to tell it was given).

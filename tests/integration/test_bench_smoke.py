@@ -848,3 +848,37 @@ def test_fft_suite_runs_each_compile_mode_on_the_cpu(suites, monkeypatch, tmp_pa
     result = {"device": "cpu", "date": "today", "config": "tiny", "rows": [row]}
     header, (cells,) = _header_and_rows(suites["fft_plugin"].render(result).splitlines())
     assert header[2:5] == ["eager", "torch.compile", "torch.compile reduce-overhead"] and len(cells) == len(header)
+
+
+def test_a_bench_whose_autofuser_results_differ_from_eager_fails_loudly(model_file, tmp_path, capsys, monkeypatch):
+    """An AutoFuser output past the dtype's limit is named on stderr and the command
+    exits with status 1: a wrong model must not pass as a speedup. (The error is planted in
+    the comparison: verification keeps a wrong kernel from running at all.)"""
+    real = harness.relative_error
+    planted = {"calls": 0}
+
+    def off(out, reference):
+        planted["calls"] += 1
+        return real(out, reference) + (0.0 if out is reference else 3e-4)
+
+    monkeypatch.setattr(harness, "relative_error", off)
+    spec = f"{model_file}:make"
+    argv = ["bench", spec, "--device", "cpu", "--iters", "2", "--warmup", "1", "--no-compile"]
+    assert main([*argv, "--out", str(tmp_path / "bench")]) == 1
+    err = capsys.readouterr().err
+    assert f"WRONG RESULT: {spec} (fp32): AutoFuser's output differ" in err and "3e-04" in err, err
+    assert planted["calls"] >= 2
+
+
+@pytest.mark.parametrize(
+    ("cell", "dtype", "named"),
+    [
+        ({"rel_err_vs_eager": 2e-5}, "fp32", []),
+        ({"rel_err_vs_eager": 2e-4}, "fp32", ["output"]),
+        ({"rel_err_vs_eager": 2e-4, "grad_rel_err_vs_eager": float("nan")}, "bf16", ["gradients"]),
+        ({"rel_err_vs_eager": None, "status": "error"}, "fp32", []),  # a failed cell is its own error
+    ],
+)
+def test_wrong_results_names_each_result_past_the_dtype_s_limit(cell, dtype, named):
+    lines = harness.wrong_results([{"model": "m", "systems": {"autofuser": cell}}], dtype)
+    assert [line.split("AutoFuser's ")[1].split(" ")[0] for line in lines] == named
