@@ -63,6 +63,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import stat
 import sys
 import tempfile
@@ -356,7 +357,7 @@ def private_kernel_dir() -> Path:
     pid = os.getpid()
     if _private_kernel_dir is None or _private_kernel_dir[0] != pid:
         _remove_dead_private_dirs(Path(tempfile.gettempdir()))
-        folder = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX))
+        folder = Path(tempfile.mkdtemp(prefix=_host_prefix()))
         # A fork inherits its parent's descriptor; the parent's lock stays the parent's
         # (and held while the child lives, which is right: the child reads its files).
         lock = _lock_private_dir(folder)
@@ -378,8 +379,19 @@ def remove_private_kernel_dir() -> None:
         _private_kernel_dir = None
 
 
-#: The private kernel folders' name prefix (``tempfile.mkdtemp`` adds random letters).
+#: The private kernel folders' name prefix; the host's name follows it (``_host_prefix``),
+#: then ``tempfile.mkdtemp``'s random letters.
 PRIVATE_PREFIX = "autofuser-kernels-"
+
+
+def _host_prefix() -> str:
+    """``PRIVATE_PREFIX`` and this host's name: a process sweeps only its own host's folders.
+    A TMPDIR shared between hosts may not share their locks (a network file system whose
+    ``flock`` is local to each node), and another host's live folder would look dead."""
+    host = "".join(c if c.isalnum() or c in "-." else "_" for c in socket.gethostname())[:40] or "host"
+    return f"{PRIVATE_PREFIX}{host}-"
+
+
 #: The lock file in each private folder, locked by its process for its whole life
 #: (kernel files are ``<name>.py``, so no kernel is ever written over it).
 PRIVATE_LOCK = ".alive.lock"
@@ -416,8 +428,8 @@ def _lock_private_dir(folder: Path) -> Optional[int]:
 def _remove_dead_private_dirs(parent: Path) -> None:
     """Remove the private kernel folders in ``parent`` that a dead process of this user left.
 
-    Only folders of ours are touched: a name with ``PRIVATE_PREFIX``, a real folder (not
-    a link) owned by this user, holding a regular ``PRIVATE_LOCK`` (opened without
+    Only folders of ours are touched: a name with this host's prefix (``_host_prefix``),
+    a real folder (not a link) owned by this user, holding a regular ``PRIVATE_LOCK`` (opened without
     following a link) whose ``flock`` this process gets at once. A live process holds
     its lock, so its folder is left alone, whatever its pid or pid namespace; a folder
     without a lock file (one being set up, or left by an older AutoFuser) is left alone
@@ -425,12 +437,13 @@ def _remove_dead_private_dirs(parent: Path) -> None:
     once don't both remove it. ``shutil.rmtree`` does not follow links inside it."""
     if fcntl is None:
         return
+    prefix = _host_prefix()
     try:
         entries = list(os.scandir(parent))
     except OSError:
         return
     for entry in entries:
-        if not entry.name.startswith(PRIVATE_PREFIX):
+        if not entry.name.startswith(prefix):
             continue
         try:
             st = entry.stat(follow_symlinks=False)

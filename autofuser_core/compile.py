@@ -574,29 +574,32 @@ def _verify_round(
         worst = 0.0
         tol = tolerance(job.candidate, view)
         exact: Optional[list] = None  # the group's ops in float64, run at the first miss
-        for index, (out_tensor, meta) in enumerate(zip(outputs, program.outputs)):
+        judged = False
+        for slot, (out_tensor, meta) in enumerate(zip(outputs, program.outputs)):
             expected = job.outputs[meta.source]
             ok, error = max_error(out_tensor, expected, tol)
             if not ok and math.isfinite(error):
                 # Both sides round; where eager is as far from the exact value, the kernel stands.
                 if exact is None:
                     exact = float64_outputs(job.eager, kernel_inputs, len(program.visible_outputs)) or []
-                if index < len(exact):
-                    ok, _ = closer_than_eager(out_tensor, expected, exact[index], tol)
-                    entry.float64_judged = entry.float64_judged or ok
+                if slot < len(exact):
+                    ok, _ = closer_than_eager(out_tensor, expected, exact[slot], tol)
+                    judged = judged or ok
             worst = max(worst, error) if error == error else error
             if not ok:
                 entry.fused, entry.reason_code = False, "mismatch"
-                judged = (
+                weighed = (
                     f", and more than {FLOAT64_FACTOR:g}x eager's own error from the group's ops in float64"
                     if exact
                     else ""
                 )
                 entry.reason = (
                     f"output {meta.name} differs from eager by {error:.3g} "
-                    f"(tolerance atol {tol.atol:g}, rtol {tol.rtol:g}){judged}; kept eager"
+                    f"(tolerance atol {tol.atol:g}, rtol {tol.rtol:g}){weighed}; kept eager"
                 )
                 break
+        entry.float64_judged = judged and entry.fused
+        del exact
         entry.max_error = worst
         samples = (list(kernel_inputs), list(outputs)) if backward else None
         del outputs

@@ -24,7 +24,7 @@ import torch
 
 from . import timing
 from .cache import cache_dir, read_tuning, tuning_lock, write_tuning
-from .launch import cast_inputs, kernel_outputs
+from .launch import cast_inputs, finish_partials, kernel_outputs
 from .planner import Candidate
 from .precompile import CompileJob, Compiling, launch_items
 from .precompile import start as start_compiling
@@ -237,10 +237,15 @@ def _tune(
         # converts its inputs itself (``KernelSource.converts_casts``) competes fairly.
         casts = source.casts(program, config)
         try:
-            written = kernel_outputs(source, outputs, grid)  # the partial rows' sum is the same for every config
-            ms = timer.bench(
-                lambda: kernel[grid](*cast_inputs(inputs, casts), *written, **launch), rep_ms=TUNING_REP_MS
-            )
+            # Partial rows (a cross sum, a split K): their count follows the config's grid, so
+            # their sum, which the launcher adds after the kernel, is timed with it.
+            written = kernel_outputs(source, outputs, grid)
+
+            def run(grid=grid, casts=casts, written=written, launch=launch):
+                kernel[grid](*cast_inputs(inputs, casts), *written, **launch)
+                finish_partials(source, outputs, written)
+
+            ms = timer.bench(run, rep_ms=TUNING_REP_MS)
         except Exception as err:  # a config the compiler rejects (resources) is just not a candidate
             logger.debug("config %s of %s failed: %s", config, source.name, err)
             continue

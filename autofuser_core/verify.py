@@ -202,13 +202,19 @@ def max_error(fused: torch.Tensor, eager: torch.Tensor, tol: Tolerance, scale_ro
 
 
 #: Where a fused output misses eager's by more than the tolerance, both are held to the
-#: group's own ops run in float64 (``float64_outputs``): the fused output stands where,
-#: row by row, it is at most this many times as far from that as eager's own output is,
-#: plus the tolerance (``closer_than_eager``). A long sum in fp32 (a bias gradient over
-#: every point, a product reducing over thousands of rows) rounds differently in each
-#: order, and where its terms cancel, both sides miss the exact value by far more than
-#: the dtype's tolerance of the result; a wrong kernel misses it by about the values.
+#: group's own ops run in float64 (``float64_outputs``): the fused output stands where it
+#: is at most this many times as far from that as eager's own output is, element by
+#: element, plus the tolerance (``closer_than_eager``). A long sum in fp32 (a bias
+#: gradient over every point, a product reducing over thousands of rows) rounds
+#: differently in each order, and where its terms cancel, both sides miss the exact value
+#: by far more than the dtype's tolerance of the result; a wrong kernel misses it by
+#: about the values.
 FLOAT64_FACTOR = 4.0
+#: An element's own eager error can be near zero by luck, where the kernel's rounding of
+#: the same sum is not: each element's bound takes at least this quantile of its row's
+#: eager errors (a high one: most of a row's errors stay under it, and one large value in
+#: the row - a channel far from the others - does not lift every element's bound).
+FLOAT64_ROW_QUANTILE = 0.9
 
 
 @contextlib.contextmanager
@@ -219,15 +225,21 @@ def no_autocast():
         yield
 
 
+def autocast_on() -> bool:
+    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+
+
 def float64_outputs(eager: torch.fx.GraphModule, inputs: Sequence[Any], count: int) -> Optional[list[Any]]:
     """The group's eager ops (``eager``, the group module) on ``inputs`` widened to float64,
     autocast off: its ``count`` visible outputs, then the values it saves for the backward
     (``SAVED_NODES_KEY``), in the kernel's output order; ``None`` where it has no floating
-    input or can't run so (a weight it reads as an attribute stays in its own dtype)."""
-    if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in inputs):
+    input, where autocast is on (eager's own low-precision products are then its
+    semantics, not an error the kernel may match), or where it can't run so (a weight it
+    reads as an attribute stays in its own dtype; no memory for the float64 copies)."""
+    if autocast_on() or not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in inputs):
         return None
-    wide = [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]
     try:
+        wide = [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]
         with no_autocast(), torch.no_grad():
             recording = _Recording(eager)
             found = recording.run(*wide)
@@ -239,28 +251,42 @@ def float64_outputs(eager: torch.fx.GraphModule, inputs: Sequence[Any], count: i
 
 def closer_than_eager(fused: torch.Tensor, eager: torch.Tensor, exact: Any, tol: Tolerance) -> tuple[bool, float]:
     """Whether ``fused`` is as close to ``exact`` (the float64 result) as ``eager`` is, within
-    ``FLOAT64_FACTOR``: each element within that many times its row's largest eager error,
-    plus ``tol`` of the exact value, and the mean error within that many times eager's mean
-    plus ``tol``. Non-finite values must be where eager has them (``max_error``). Returns
-    the verdict and the largest error of ``fused`` against ``exact``."""
+    ``FLOAT64_FACTOR``: each element within that many times the larger of its own eager
+    error and its row's ``FLOAT64_ROW_QUANTILE`` of them, plus ``tol`` of the exact value;
+    and on average, what exceeds ``tol`` within that many times eager's mean error.
+    Non-finite values must be where eager has them (``max_error``), and an exact value
+    must be finite where eager's is. Returns the verdict and the largest error of
+    ``fused`` against ``exact``; ``False`` where it can't be judged (no memory for it)."""
     if not isinstance(exact, torch.Tensor) or not exact.is_floating_point() or not fused.is_floating_point():
         return False, float("nan")
+    try:
+        return _closer_than_eager(fused, eager, exact, tol)
+    except Exception as err:  # noqa: BLE001 - not judged: the plain check's miss stands
+        logger.debug("the float64 judge could not compare (%s)", err)
+        return False, float("nan")
+
+
+def _closer_than_eager(fused: torch.Tensor, eager: torch.Tensor, exact: torch.Tensor, tol: Tolerance):
     ok, error = max_error(fused, eager, Tolerance(atol=math.inf, rtol=0.0))  # only the non-finite rule
     if not ok:
         return False, error
     finite = torch.isfinite(eager.float())
-    x = exact.to(device=fused.device).masked_fill(~finite, 0)
-    f = fused.double().masked_fill(~finite, 0)
-    e = eager.double().masked_fill(~finite, 0)
+    x = exact.to(device=fused.device)
+    if not bool(torch.isfinite(x[finite]).all()):
+        return False, float("inf")  # eager finite where the exact value is not: nothing to weigh
     if x.numel() == 0:
         return True, 0.0
-    off_f, off_e = (f - x).abs(), (e - x).abs()
+    x = x.masked_fill(~finite, 0)
+    off_f = (fused.double().masked_fill(~finite, 0) - x).abs()
+    off_e = (eager.double().masked_fill(~finite, 0) - x).abs()
     rows = off_e.reshape(-1, off_e.shape[-1]) if off_e.dim() else off_e.reshape(1, 1)
-    row_error = rows.amax(dim=1, keepdim=True).expand_as(rows).reshape(off_e.shape)
-    bound = FLOAT64_FACTOR * row_error + tol.atol + tol.rtol * x.abs()
-    ok = bool((off_f <= bound).all())
+    k = max(1, math.ceil(FLOAT64_ROW_QUANTILE * rows.shape[1]))
+    typical = rows.kthvalue(k, dim=1, keepdim=True).values.expand_as(rows).reshape(off_e.shape)
+    allowed = tol.atol + tol.rtol * x.abs()
+    ok = bool((off_f <= FLOAT64_FACTOR * torch.maximum(off_e, typical) + allowed).all())
     if ok:
-        ok = float(off_f.mean()) <= FLOAT64_FACTOR * float(off_e.mean()) + tol.atol + tol.rtol * float(x.abs().mean())
+        excess = (off_f - allowed).clamp_min(0)
+        ok = float(excess.mean()) <= FLOAT64_FACTOR * float(off_e.mean())
     return ok, float(off_f.max())
 
 

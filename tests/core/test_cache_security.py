@@ -183,16 +183,22 @@ def test_private_folders_of_processes_that_died_without_exit_hooks_are_removed_b
     """A process killed by a signal or leaving through ``os._exit`` can't remove its private
     folder (unless it calls ``remove_private_kernel_dir`` first); the next process to load a
     kernel does, and touches nothing else: not a live process's folder, not a folder without
-    a lock file, not a link."""
+    a lock file, not a link, not another host's folder."""
     temp = tmp_path / "tmp"
     temp.mkdir(mode=0o700)
     env = {**os.environ, "TMPDIR": str(temp)}
-    no_lock = temp / "autofuser-kernels-nolock"
+    here = cache._host_prefix()
+    no_lock = temp / f"{here}nolock"
     no_lock.mkdir()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / cache.PRIVATE_LOCK).touch()
-    (temp / "autofuser-kernels-link").symlink_to(elsewhere)
+    (temp / f"{here}link").symlink_to(elsewhere)
+    # Another host's folder with a free lock: on a TMPDIR shared between hosts, its lock may
+    # be that host's alone, so it may be alive there.
+    other_host = temp / f"{cache.PRIVATE_PREFIX}another-host-abc123"
+    other_host.mkdir()
+    (other_host / cache.PRIVATE_LOCK).touch()
 
     def start(how: str) -> subprocess.Popen:
         command = [sys.executable, "-c", LEAVING_SCRIPT, str(tmp_path / "cache"), how]
@@ -222,7 +228,7 @@ def test_private_folders_of_processes_that_died_without_exit_hooks_are_removed_b
     finally:
         alive.communicate("", timeout=60)
     assert alive.returncode == 0
-    assert sorted(p.name for p in temp.iterdir()) == ["autofuser-kernels-link", "autofuser-kernels-nolock"]
+    assert sorted(p.name for p in temp.iterdir()) == sorted([f"{here}link", f"{here}nolock", other_host.name])
 
 
 def test_a_second_header_for_one_kernel_name_gets_its_own_private_file(tmp_path, kernel_name):

@@ -474,3 +474,40 @@ def test_the_float64_judge_keeps_the_non_finite_rule():
     assert verify_module.closer_than_eager(eager.clone(), eager, exact, verify_module.Tolerance(atol=1e-6, rtol=0))[0]
     wrong = torch.tensor([[1.0, float("nan"), 3.0]])
     assert not verify_module.closer_than_eager(wrong, eager, exact, verify_module.Tolerance(atol=1e-6, rtol=0))[0]
+
+
+def test_one_large_element_does_not_lift_the_bound_of_its_row():
+    """A column sum whose one channel is far from the others: eager's error there is large,
+    elsewhere small. A kernel wrong by far more than eager on every other element is refused
+    (each element's bound is its own eager error or its row's 90th percentile of them)."""
+    exact = torch.randn(512, dtype=torch.float64) * 348
+    eager_error = torch.randn(512, dtype=torch.float64) * 0.01
+    eager_error[0] = 0.28
+    eager = (exact + eager_error).float()
+    tol = verify_module.Tolerance(atol=1e-5, rtol=1e-4)
+    wrong = (exact + 0.9 * torch.sign(torch.randn(512, dtype=torch.float64))).float()
+    assert not verify_module.closer_than_eager(wrong, eager, exact, tol)[0]
+    rounded_otherwise = (exact + torch.randn(512, dtype=torch.float64) * 0.01).float()
+    assert verify_module.closer_than_eager(rounded_otherwise, eager, exact, tol)[0]
+
+
+def test_the_float64_judge_refuses_what_it_cannot_weigh():
+    tol = verify_module.Tolerance(atol=1e-6, rtol=0.0)
+    eager = torch.tensor([[3e38, 1.0, 2.0]])
+    exact = torch.tensor([[float("inf"), 1.0, 2.0]], dtype=torch.float64)  # eager finite, exact not
+    assert not verify_module.closer_than_eager(torch.tensor([[3e38, -777.0, 1e6]]), eager, exact, tol)[0]
+    # A comparison that fails (here shapes that don't broadcast; on a GPU, memory) is no verdict of fit.
+    assert verify_module.closer_than_eager(eager, eager, torch.zeros(2, 2, dtype=torch.float64), tol) == (
+        False,
+        pytest.approx(float("nan"), nan_ok=True),
+    )
+
+
+def test_no_float64_judge_under_autocast():
+    """Under autocast, eager's bf16 products are the model's semantics, not an error a kernel
+    may repeat four times over: the plain check alone decides."""
+    graph = torch.fx.symbolic_trace(LongSum())
+    x = torch.randn(3, 40)
+    assert verify_module.float64_outputs(graph, [x], 1) is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert verify_module.float64_outputs(graph, [x], 1) is None
