@@ -174,7 +174,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         progress(str(err))
         return 2
     print(result["markdown"])
-    wrong = wrong_results(result["rows"], args.dtype)
+    wrong = wrong_results(result.get("rows", []), args.dtype)
     for line in wrong:
         progress(line)
     return 1 if wrong else 0
