@@ -83,6 +83,7 @@ from .verify import (
     snapshot,
     synthetic_mismatch,
     tolerance,
+    where_worst,
 )
 
 logger = logging.getLogger("autofuser.compile")
@@ -593,8 +594,9 @@ def _verify_round(
                     if exact
                     else ""
                 )
+                place = where_worst(out_tensor, expected)
                 entry.reason = (
-                    f"output {meta.name} differs from eager by {error:.3g} "
+                    f"output {meta.name} differs from eager by {error:.3g}{' ' + place if place else ''} "
                     f"(tolerance atol {tol.atol:g}, rtol {tol.rtol:g}){weighed}; kept eager"
                 )
                 break

@@ -171,6 +171,27 @@ def tolerance(candidate: Candidate, view) -> Tolerance:
     return Tolerance(atol=max(t.atol for t in tols), rtol=max(t.rtol for t in tols))
 
 
+def where_worst(fused: torch.Tensor, eager: torch.Tensor) -> str:
+    """Where ``fused`` is farthest from ``eager`` (finite elements), said for a mismatch's
+    reason: the element, both values there, and eager's largest magnitude in the output,
+    which tell a rounding difference of a large sum from a wrong value."""
+    try:
+        a, b = fused.detach().float(), eager.detach().float()
+        finite = torch.isfinite(a) & torch.isfinite(b)
+        diff = torch.where(finite, (a - b).abs(), torch.zeros_like(a))
+        if diff.numel() == 0:
+            return ""
+        flat = int(diff.reshape(-1).argmax())
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape)) if diff.dim() else ()
+        largest = float(torch.where(torch.isfinite(b), b.abs(), torch.zeros_like(b)).max())
+        return (
+            f"at {list(index)}: {float(a.reshape(-1)[flat]):.6g} against eager's {float(b.reshape(-1)[flat]):.6g}, "
+            f"where eager's largest magnitude is {largest:.4g}"
+        )
+    except Exception:  # noqa: BLE001 - a detail of the reason, never a failure of the check
+        return ""
+
+
 def max_error(fused: torch.Tensor, eager: torch.Tensor, tol: Tolerance, scale_rows: bool = False) -> tuple[bool, float]:
     """Whether ``fused`` is within ``tol`` of ``eager``, and the largest difference.
     ``scale_rows``: ``atol`` relative to each row's largest magnitude (``_half_scale``) and

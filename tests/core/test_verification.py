@@ -448,6 +448,9 @@ def test_without_the_float64_judge_the_same_kernel_is_a_mismatch(monkeypatch):
     (group,) = [g for g in fused.report().groups if "reduction.sum" in g.ops]
     assert not group.fused and group.reason_code == "mismatch", str(fused.report())
     assert "float64" in group.reason
+    # Where it missed, with both values and the output's scale: a rounding of a large sum
+    # reads differently from a wrong value.
+    assert " at [" in group.reason and "against eager's" in group.reason and "largest magnitude" in group.reason
 
 
 @pytest.mark.parametrize(
