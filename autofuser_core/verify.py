@@ -246,18 +246,17 @@ def no_autocast():
         yield
 
 
-def autocast_on() -> bool:
-    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
-
-
 def float64_outputs(eager: torch.fx.GraphModule, inputs: Sequence[Any], count: int) -> Optional[list[Any]]:
     """The group's eager ops (``eager``, the group module) on ``inputs`` widened to float64,
     autocast off: its ``count`` visible outputs, then the values it saves for the backward
     (``SAVED_NODES_KEY``), in the kernel's output order; ``None`` where it has no floating
-    input, where autocast is on (eager's own low-precision products are then its
-    semantics, not an error the kernel may match), or where it can't run so (a weight it
-    reads as an attribute stays in its own dtype; no memory for the float64 copies)."""
-    if autocast_on() or not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in inputs):
+    input or can't run so (a weight it reads as an attribute stays in its own dtype; no
+    memory for the float64 copies). Under autocast too, the reference is the ops' exact
+    arithmetic: eager's bf16 roundings (its products' operands and results) are then
+    part of its error, which a kernel rounding at other points must stay within
+    ``FLOAT64_FACTOR`` of, element by element - a bound tighter than the bf16 tolerance
+    wherever eager is closer to exact than that tolerance."""
+    if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in inputs):
         return None
     try:
         wide = [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]

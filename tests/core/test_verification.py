@@ -506,11 +506,18 @@ def test_the_float64_judge_refuses_what_it_cannot_weigh():
     )
 
 
-def test_no_float64_judge_under_autocast():
-    """Under autocast, eager's bf16 products are the model's semantics, not an error a kernel
-    may repeat four times over: the plain check alone decides."""
-    graph = torch.fx.symbolic_trace(LongSum())
-    x = torch.randn(3, 40)
-    assert verify_module.float64_outputs(graph, [x], 1) is not None
+def test_the_float64_judge_computes_in_float64_under_autocast():
+    """Under autocast the reference is still the ops' exact arithmetic (autocast off inside):
+    eager's bf16 roundings are part of its error, not of the reference."""
+
+    class Product(torch.nn.Module):
+        def forward(self, a, b):
+            return a @ b
+
+    graph = torch.fx.symbolic_trace(Product())
+    a, b = torch.randn(5, 300), torch.randn(300, 7)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert verify_module.float64_outputs(graph, [x], 1) is None
+        (exact,) = verify_module.float64_outputs(graph, [a, b], 1)
+        eager = Product()(a, b)
+    assert exact.dtype == torch.float64 and eager.dtype == torch.bfloat16
+    torch.testing.assert_close(exact, a.double() @ b.double())
