@@ -195,11 +195,11 @@ def wrong_results(rows: list[dict[str, Any]], dtype: str) -> list[str]:
     lines = []
     for row in rows:
         cell = row["systems"].get("autofuser") or {}
-        for key, what in (("rel_err_vs_eager", "output"), ("grad_rel_err_vs_eager", "gradients")):
+        for key, what in (("rel_err_vs_eager", "output differs"), ("grad_rel_err_vs_eager", "gradients differ")):
             error = cell.get(key)
             if error is not None and not error <= limit:  # NaN fails too
                 lines.append(
-                    f"WRONG RESULT: {row['model']} ({dtype}): AutoFuser's {what} differ from eager's by a "
+                    f"WRONG RESULT: {row['model']} ({dtype}): AutoFuser's {what} from eager's by a "
                     f"relative error of {error:.3g}, above the {limit:g} allowed for {dtype}; its speedup does "
                     "not count. Please report it with bench.json."
                 )
