@@ -76,9 +76,8 @@ from .rewrite import extract_group_module, rewrite_graph
 from .tuning import CONFIG_LIMIT, LATER_ROUND_CONFIGS, finish_compiling, pick_config, precompile_untuned
 from .verify import (
     FLOAT64_FACTOR,
+    Float64Judge,
     Verifier,
-    closer_than_eager,
-    float64_outputs,
     max_error,
     snapshot,
     synthetic_mismatch,
@@ -574,24 +573,21 @@ def _verify_round(
         )
         worst = 0.0
         tol = tolerance(job.candidate, view)
-        exact: Optional[list] = None  # the group's ops in float64, run at the first miss
+        judge = Float64Judge(job.eager, kernel_inputs, len(program.visible_outputs))
         judged = False
         for slot, (out_tensor, meta) in enumerate(zip(outputs, program.outputs)):
             expected = job.outputs[meta.source]
             ok, error = max_error(out_tensor, expected, tol)
             if not ok and math.isfinite(error):
                 # Both sides round; where eager is as far from the exact value, the kernel stands.
-                if exact is None:
-                    exact = float64_outputs(job.eager, kernel_inputs, len(program.visible_outputs)) or []
-                if slot < len(exact):
-                    ok, _ = closer_than_eager(out_tensor, expected, exact[slot], tol)
-                    judged = judged or ok
+                ok = judge.accepts(slot, out_tensor, expected, tol)
+                judged = judged or ok
             worst = max(worst, error) if error == error else error
             if not ok:
                 entry.fused, entry.reason_code = False, "mismatch"
                 weighed = (
                     f", and more than {FLOAT64_FACTOR:g}x eager's own error from the group's ops in float64"
-                    if exact
+                    if judge.ran
                     else ""
                 )
                 place = where_worst(out_tensor, expected)
@@ -601,7 +597,7 @@ def _verify_round(
                 )
                 break
         entry.float64_judged = judged and entry.fused
-        del exact
+        del judge  # its float64 copies
         entry.max_error = worst
         samples = (list(kernel_inputs), list(outputs)) if backward else None
         del outputs

@@ -269,6 +269,26 @@ def float64_outputs(eager: torch.fx.GraphModule, inputs: Sequence[Any], count: i
     return ([found] if count == 1 else list(found)) + recording.saved
 
 
+class Float64Judge:
+    """One group's float64 judge over one set of inputs: the group's ops run in float64
+    (``float64_outputs``) once, at the first output that misses eager's, and each such
+    output weighed against them (``closer_than_eager``). ``ran``: whether the ops ran."""
+
+    def __init__(self, eager: torch.fx.GraphModule, inputs: Sequence[Any], count: int):
+        self.eager, self.inputs, self.count = eager, inputs, count
+        self.exact: Optional[list[Any]] = None
+
+    @property
+    def ran(self) -> bool:
+        return bool(self.exact)
+
+    def accepts(self, slot: int, fused: torch.Tensor, eager: torch.Tensor, tol: Tolerance) -> bool:
+        """Whether output ``slot`` of the kernel (``fused``), which missed ``eager``, stands."""
+        if self.exact is None:
+            self.exact = float64_outputs(self.eager, self.inputs, self.count) or []
+        return slot < len(self.exact) and closer_than_eager(fused, eager, self.exact[slot], tol)[0]
+
+
 def closer_than_eager(fused: torch.Tensor, eager: torch.Tensor, exact: Any, tol: Tolerance) -> tuple[bool, float]:
     """Whether ``fused`` is as close to ``exact`` (the float64 result) as ``eager`` is, within
     ``FLOAT64_FACTOR``: each element within that many times the larger of its own eager
@@ -465,8 +485,8 @@ def synthetic_mismatch(job, kernel_inputs: Sequence[Any], tol: Tolerance) -> Opt
             f"the kernel failed on synthetic inputs, where eager runs: {type(err).__name__}: "
             f"{str(err).splitlines()[0] if str(err) else ''}; kept eager"
         )
-    exact: Optional[list[Any]] = None  # the group's ops in float64 on the draws, run at the first miss
-    for index, (out_tensor, eager_tensor, meta) in enumerate(zip(outputs, expected, program.outputs)):
+    judge = Float64Judge(job.eager, drawn, len(program.visible_outputs))
+    for slot, (out_tensor, eager_tensor, meta) in enumerate(zip(outputs, expected, program.outputs)):
         # atol relative to each output row's largest magnitude, whatever the dtype: the draws
         # are at the real inputs' scale, which may be far from 1, and with both signs and a
         # few large values their sums cancel more than real data does, so an element can be
@@ -474,10 +494,7 @@ def synthetic_mismatch(job, kernel_inputs: Sequence[Any], tol: Tolerance) -> Opt
         # about the values themselves, and the mean error is still held to the plain bound.
         ok, error = max_error(out_tensor, eager_tensor, tol, scale_rows=True)
         if not ok and math.isfinite(error):
-            if exact is None:
-                exact = float64_outputs(job.eager, drawn, len(program.visible_outputs)) or []
-            if index < len(exact):
-                ok, _ = closer_than_eager(out_tensor, eager_tensor, exact[index], tol)
+            ok = judge.accepts(slot, out_tensor, eager_tensor, tol)
         if not ok:
             return (
                 f"output {meta.name} matches eager on the real inputs but differs from it by {error:.3g} on "

@@ -20,7 +20,7 @@ from autofuser import GroupRefused, StrategySpec, device_limits
 from autofuser.kernel import dot_block, next_power_of_2, rounded, triton_cdiv
 
 from .kernel import write_matmul_kernel
-from .layout import MatmulLayout, multiprocessors
+from .layout import MatmulLayout, contiguous_strides, multiprocessors
 from .split import NORM_APART
 
 #: fp32 accumulators per thread before registers spill.
@@ -106,20 +106,12 @@ def splits_k(program) -> bool:
     )
     if not lone:
         return False
-    if not out.dtype.is_floating_point or out.dtype == torch.float64 or out.stride != _contiguous(out.shape):
+    if not out.dtype.is_floating_point or out.dtype == torch.float64 or out.stride != contiguous_strides(out.shape):
         return False
     if layout.k < SPLIT_MIN_K:
         return False
     tiles = triton_cdiv(layout.rows, 32) * triton_cdiv(layout.n, 32) * layout.batch
     return tiles < SPLIT_TILES_PER_SM * multiprocessors()
-
-
-def _contiguous(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _splits(layout: MatmulLayout, block_m: int, block_n: int) -> int:
