@@ -250,10 +250,11 @@ def float64_outputs(eager: torch.fx.GraphModule, inputs: Sequence[Any], count: i
     """The group's eager ops (``eager``, the group module) on ``inputs`` widened to float64,
     autocast off: its ``count`` visible outputs, then the values it saves for the backward
     (``SAVED_NODES_KEY``), in the kernel's output order; ``None`` where it has no floating
-    input or can't run so (a weight it reads as an attribute stays in its own dtype; no
-    memory for the float64 copies). Under autocast too, the reference is the ops' exact
-    arithmetic: eager's bf16 roundings (its products' operands and results) are then
-    part of its error, which a kernel rounding at other points must stay within
+    input or can't run so (an op without float64 support; no memory for the float64
+    copies). The weights it reads, as attributes or inside the modules it calls, are
+    widened too, for that run only: the model's own stay as they are. Under autocast
+    too, the reference is the ops' exact arithmetic: eager's bf16 roundings (its
+    products' operands and results) are then part of its error, which a kernel rounding at other points must stay within
     ``FLOAT64_FACTOR`` of, element by element - a bound tighter than the bf16 tolerance
     wherever eager is closer to exact than that tolerance."""
     if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in inputs):
@@ -261,7 +262,7 @@ def float64_outputs(eager: torch.fx.GraphModule, inputs: Sequence[Any], count: i
     try:
         wide = [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]
         with no_autocast(), torch.no_grad():
-            recording = _Recording(eager)
+            recording = _Recording(eager, widen=True)
             found = recording.run(*wide)
     except Exception as err:  # noqa: BLE001 - no float64 judge for this group: its plain check stands
         logger.debug("the group's ops don't run in float64 (%s)", err)
@@ -437,10 +438,31 @@ class _Recording(torch.fx.Interpreter):
     """A group's eager module run node by node, keeping the values of the nodes whose
     results the kernel also writes for the group's backward (``saved``, in output order)."""
 
-    def __init__(self, eager: torch.fx.GraphModule):
+    def __init__(self, eager: torch.fx.GraphModule, widen: bool = False):
         super().__init__(eager)
         self.names = list(eager.meta.get(SAVED_NODES_KEY, ()))
         self.found: dict[str, Any] = {}
+        # widen: the floating tensors the group reads as attributes, and the parameters and
+        # buffers of the modules it calls, in float64; the modules' other buffers copied too:
+        # what a module updates in place (a batch norm's running statistics and step count)
+        # is the copy, never the model's.
+        self.widen = widen
+
+    def fetch_attr(self, target: str) -> Any:
+        value = super().fetch_attr(target)
+        if self.widen and isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.detach().double()
+        return value
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if not self.widen:
+            return super().call_module(target, args, kwargs)
+        module = super().fetch_attr(target)
+        state = {
+            name: tensor.detach().double() if tensor.is_floating_point() else tensor.detach().clone()
+            for name, tensor in (*module.named_parameters(), *module.named_buffers())
+        }
+        return torch.func.functional_call(module, state, tuple(args), dict(kwargs))
 
     def run_node(self, n: torch.fx.Node) -> Any:
         result = super().run_node(n)

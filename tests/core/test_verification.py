@@ -8,6 +8,7 @@ command's output paths. docs/verification.md says what verification checks.
 
 from __future__ import annotations
 
+import copy
 import types
 import warnings
 import zlib
@@ -521,3 +522,38 @@ def test_the_float64_judge_computes_in_float64_under_autocast():
         eager = Product()(a, b)
     assert exact.dtype == torch.float64 and eager.dtype == torch.bfloat16
     torch.testing.assert_close(exact, a.double() @ b.double())
+
+
+def test_the_float64_judge_widens_the_weights_a_group_reads_and_leaves_the_models_alone():
+    """A group calling a norm module and reading a weight as an attribute runs in float64
+    too (before, its float32 weights met float64 inputs and the judge never ran); the
+    model's parameters and a batch norm's running statistics stay as they were."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(13)
+            self.bn = torch.nn.BatchNorm1d(5)
+            self.scale = torch.nn.Parameter(torch.randn(13))
+
+        def forward(self, x):
+            return self.bn(self.norm(x) * self.scale)
+
+    block = Block().train()
+    with torch.no_grad():
+        block.norm.weight.normal_()
+        block.norm.bias.normal_()
+    graph = torch.fx.symbolic_trace(block)
+    before = {name: (t, t.detach().clone()) for name, t in (*block.named_parameters(), *block.named_buffers())}
+    x = torch.randn(3, 5, 13)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        found = verify_module.float64_outputs(graph, [x], 1)
+    assert found is not None
+    (exact,) = found
+    wide = copy.deepcopy(block).double()
+    assert exact.dtype == torch.float64
+    torch.testing.assert_close(exact, wide(x.double()))
+    for name, (tensor, value) in before.items():
+        now = dict((*block.named_parameters(), *block.named_buffers()))[name]
+        assert now is tensor and now.dtype == value.dtype, name
+        torch.testing.assert_close(now, value, rtol=0, atol=0)
