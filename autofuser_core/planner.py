@@ -75,6 +75,11 @@ _DROPOUT_FUNCTIONS = {
 }
 _MUTATING_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
+#: A proposed group that would make a cycle (a path leaves it and comes back) is tried again
+#: as its members before the path comes back and those after (``PlanView.reentered``); the
+#: later part may make a cycle of its own, split again, up to this many times.
+MAX_CYCLE_SPLITS = 3
+
 
 def _bound_argument(target: Any, node: torch.fx.Node, name: str, default: Any) -> Any:
     try:
@@ -364,6 +369,45 @@ class PlanningView:
                         stack.append(user)
         return False
 
+    def reentered(
+        self,
+        nodes: set[torch.fx.Node],
+        kept: Optional[dict[torch.fx.Node, int]] = None,
+        kept_groups: Optional[dict[int, set[torch.fx.Node]]] = None,
+    ) -> set[torch.fx.Node]:
+        """The members of ``nodes`` that a path leaving them reaches again (with the ``kept``
+        groups contracted), and every member after those: the ones that make contracting
+        ``nodes`` a cycle (``creates_cycle``). The others, taken alone, make none: a path
+        from them out and back would land on a member counted here."""
+        kept = kept or {}
+        kept_groups = kept_groups or {}
+        last = max(self.order[n] for n in nodes)
+        group_first: dict[int, int] = {}
+        seen: set[torch.fx.Node] = set()
+        found: set[torch.fx.Node] = set()
+        stack = [u for n in nodes for u in n.users if u not in nodes]
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node in nodes:
+                found.add(node)
+                stack.extend(u for u in node.users if u not in seen)
+                continue
+            gid = kept.get(node, -1)
+            if self.order[node] > last:
+                if gid not in kept_groups:
+                    continue
+                if gid not in group_first:
+                    group_first[gid] = min(self.order[m] for m in kept_groups[gid])
+                if group_first[gid] > last:
+                    continue
+            for member in kept_groups.get(gid, {node}):
+                seen.add(member)
+                stack.extend(u for u in member.users if u not in seen)
+        return found
+
     def compose(self, nodes: list[torch.fx.Node], lay_out=None) -> GroupProgram:
         """``nodes`` composed into one program (``compose_group``; ``lay_out``: a
         strategy's own layout of the composed values instead of the generic one;
@@ -563,7 +607,7 @@ def plan_fusion_groups(
             "not fusing %s with %s: [%s] %s", [n.name for n in candidate.nodes], candidate.strategy.name, code, reason
         )
 
-    def consider(candidate: Candidate) -> None:
+    def consider(candidate: Candidate, depth: int = 0) -> None:
         nodes = candidate.nodes
         if any(n not in view.lowered for n in nodes):
             refuse(candidate, "not_lowered", "the strategy proposed nodes that have no lowering")
@@ -587,7 +631,24 @@ def plan_fusion_groups(
             refuse(candidate, *verdict)
             return
         if view.creates_cycle(set(nodes), kept_of, kept_groups):
-            refuse(candidate, "cycle", "contracting it into one kernel would create a cycle in the graph")
+            late = view.reentered(set(nodes), kept_of, kept_groups)
+            parts = [[n for n in nodes if n not in late], [n for n in nodes if n in late]]
+            parts = [part for part in parts if part]
+            split = len(parts) == 2 and depth < MAX_CYCLE_SPLITS
+            refuse(
+                candidate,
+                "cycle",
+                "contracting it into one kernel would create a cycle in the graph"
+                + (
+                    f" (a path leaves it and comes back): tried again as two groups, {len(parts[0])} ops before "
+                    f"the path comes back and {len(parts[1])} after"
+                    if split
+                    else ""
+                ),
+            )
+            if split:
+                for part in parts:
+                    consider(Candidate(candidate.strategy, part), depth + 1)
             return
         vetoed = veto(candidate) if veto is not None else None
         if vetoed:

@@ -22,6 +22,7 @@ from autofuser_core.planner import PlanningView, plan_fusion_groups
 from autofuser_plugins.matmul.layout import MatmulLayout
 from autofuser_plugins.matmul.mlp.mlp_layout import MlpLayout
 
+from _helpers import plugin_module
 from _models import FeedForward, tiny_input
 
 
@@ -486,3 +487,74 @@ def test_a_split_rule_that_raises_is_answered_the_safe_way():
     with pytest.warns(UserWarning, match="SplitRule.refuse"):
         code, sentence = guarded.refuse(None)
     assert code == "plugin_failed" and "brokensplit" in sentence
+
+
+class OutAndBack(nn.Module):
+    """``a`` leaves through a product and comes back at ``b``: {a, b, c} is no group."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(24, 24))
+
+    def forward(self, x):
+        a = x.exp()
+        m = a @ self.w
+        b = a + m
+        c = b * 2
+        d = x.neg()  # before the path comes back too: no member reads m
+        return c, d
+
+
+def test_a_group_a_path_leaves_and_reenters_splits_where_it_comes_back():
+    view = _view(OutAndBack(), torch.randn(3, 24))
+    a, b, c, d = _nodes(view, "exp", "add", "mul", "neg")
+    members = {a, b, c, d}
+    assert view.creates_cycle(members)
+    late = view.reentered(members)
+    assert late == {b, c}
+    assert not view.creates_cycle(members - late) and not view.creates_cycle(late)
+    # No path out and back: nothing counts.
+    assert view.reentered({a, d}) == set() and not view.creates_cycle({a, d})
+
+
+def _greedy_pointwise_plugin():
+    """A strategy proposing the pointwise ops exp, add and mul of ``OutAndBack`` as one group
+    (the bundled hooks otherwise): a group a path leaves and re-enters."""
+    from autofuser_plugins.elementwise.strategy import ELEMENTWISE_STRATEGY as bundled
+
+    def propose(view):
+        return [[n for n in view.nodes if n.name in ("exp", "add", "mul")]]
+
+    def register(register):
+        register(
+            autofuser.StrategySpec(
+                name="greedy.pointwise",
+                priority=bundled.priority + 1,
+                block_params=bundled.block_params,
+                propose=propose,
+                accepts=bundled.accepts,
+                configs=bundled.configs,
+                default_config=bundled.default_config,
+                is_valid=bundled.is_valid,
+                generate=bundled.generate,
+            )
+        )
+
+    return plugin_module("greedy", autofuser_register_strategies=register)
+
+
+def test_a_proposed_group_that_would_make_a_cycle_fuses_as_two_groups(tmp_path):
+    model = OutAndBack()
+    fused = autofuser.fuse(
+        model, plugins=["elementwise", _greedy_pointwise_plugin()], cache_dir=tmp_path, progress=False
+    )
+    x = torch.randn(5, 24)
+    got, expected = fused(x), model(x)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+    report = fused.report()
+    mine = [g for g in report.groups if g.strategy == "greedy.pointwise"]
+    refused = [g for g in mine if g.reason_code == "cycle"]
+    assert len(refused) == 1 and "tried again as two groups, 1 ops before" in refused[0].reason, str(report)
+    parts = sorted(tuple(g.nodes) for g in mine if g.fused)
+    assert ("exp",) in parts and ("add", "mul") in parts, str(report)
