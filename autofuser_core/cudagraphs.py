@@ -17,9 +17,10 @@ forward of one signature once and replays it:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 
 class CudaGraphRunner:
@@ -121,3 +122,220 @@ def try_cuda_graph(
     except Exception as err:  # anything the graph can't hold (syncs, CPU ops) means: run uncaptured
         torch.cuda.synchronize()
         return None, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+#: Forward and backward passes run uncaptured before a training step is captured: lazy
+#: initialisations (cuBLAS workspaces, Triton's first launches) must not be captured.
+TRAINING_WARMUP = 2
+
+
+class TrainingGraph:
+    """A compiled forward and its backward, each captured as one CUDA graph, for training.
+
+    Where launches, not bytes, bound a training step (many small kernels on a small mesh),
+    replaying two graphs replaces hundreds of launches. The forward graph writes the
+    values the backward reads into memory of the graphs' own pool, so:
+
+    - a call copies the inputs into static buffers, replays the forward and returns
+      clones of the static outputs (a later call never overwrites a tensor returned);
+    - the backward copies the incoming gradients into static buffers, replays the
+      backward graph and returns clones of the static gradients (autograd may keep a
+      returned gradient as a parameter's ``.grad``; a clone is never overwritten by a
+      later replay, so accumulating over several backwards stays right);
+    - while a replayed call's backward has not run and its autograd graph is alive, the
+      next call runs uncaptured: replaying would overwrite what that backward reads;
+    - the parameters and buffers must be those captured (``BakedAddresses``; an
+      optimiser's in-place update is fine) and need gradients as they did, else calls
+      run uncaptured.
+
+    ``check()`` runs one replayed step against one uncaptured step on the same inputs
+    and gradients: outputs and gradients must be bit for bit the same, or capture is
+    given up (random ops, atomics in a backward)."""
+
+    def __init__(self, forward: Callable[..., Any], inputs: tuple, model: torch.nn.Module):
+        self.forward = forward
+        self.baked = BakedAddresses(model)
+        self.all_params = list(model.parameters())
+        self.wanted = [p.requires_grad for p in self.all_params]
+        self.params = [p for p in self.all_params if p.requires_grad]
+        self.template = list(inputs)
+        self.tensor_slots = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+        self.static_inputs = [
+            inputs[i].detach().clone().requires_grad_(inputs[i].requires_grad) for i in self.tensor_slots
+        ]
+        self.grad_inputs = [k for k, t in enumerate(self.static_inputs) if t.requires_grad]
+        self.leaves = [self.static_inputs[k] for k in self.grad_inputs] + self.params
+        if not self.leaves:
+            raise RuntimeError("nothing needs gradients")
+        self.pending = 0  # replayed calls whose backward has not run, their autograd graphs alive
+        self.generation = 0  # forward replays so far
+        args = self._args(self.static_inputs)
+        cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)  # a cached cast would live outside the graph's pool
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.enable_grad():
+                for _ in range(TRAINING_WARMUP):
+                    outputs, differentiable = self._differentiable(forward(*args))
+                    if differentiable:
+                        torch.autograd.grad(
+                            differentiable, self.leaves, [torch.ones_like(t) for t in differentiable], allow_unused=True
+                        )
+                    del outputs, differentiable
+            torch.cuda.current_stream().wait_stream(stream)
+            pool = torch.cuda.graph_pool_handle()
+            self.forward_graph = torch.cuda.CUDAGraph()
+            with torch.enable_grad(), torch.cuda.graph(self.forward_graph, pool=pool):
+                found = forward(*args)
+            leaves, self.spec = pytree.tree_flatten(found)
+            self.static_outputs = leaves
+            self.tensor_outputs = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+            self.differentiable = [
+                k for k in self.tensor_outputs if leaves[k].requires_grad and leaves[k].is_floating_point()
+            ]
+            if not self.differentiable:
+                raise RuntimeError("no output needs gradients")
+            self.static_grad_outputs = [torch.zeros_like(leaves[k]) for k in self.differentiable]
+            self.backward_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.backward_graph, pool=pool):
+                grads = torch.autograd.grad(
+                    [leaves[k] for k in self.differentiable], self.leaves, self.static_grad_outputs, allow_unused=True
+                )
+            self.static_grads = list(grads)
+        finally:
+            torch.set_autocast_cache_enabled(cache)
+        # The leaves' autograd history is no longer needed: the graphs hold the memory.
+        self.static_outputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in self.static_outputs]
+
+    def _args(self, tensors: Sequence[torch.Tensor]) -> list:
+        args = list(self.template)
+        for slot, t in zip(self.tensor_slots, tensors):
+            args[slot] = t
+        return args
+
+    @staticmethod
+    def _differentiable(found: Any) -> tuple[list, list]:
+        leaves = pytree.tree_leaves(found)
+        return leaves, [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+
+    def usable(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether this call, of these tensor inputs, may replay (the class doc's conditions;
+        the inputs need gradients as the captured ones did)."""
+        return (
+            not self.pending
+            and torch.is_grad_enabled()
+            and all(t.requires_grad == s.requires_grad for t, s in zip(tensors, self.static_inputs))
+            and self.baked.unchanged()
+            and [p.requires_grad for p in self.all_params] == self.wanted
+        )
+
+    def __call__(self, *inputs):
+        tensors = [inputs[i] for i in self.tensor_slots]
+        if not self.usable(tensors):
+            return self.forward(*inputs)
+        outputs = _ReplayStep.apply(self, len(tensors), *tensors, *self.params)
+        leaves = list(self.static_outputs)
+        for k, t in zip(self.tensor_outputs, outputs):
+            leaves[k] = t
+        return pytree.tree_unflatten(leaves, self.spec)
+
+    def check(self, inputs: tuple) -> Optional[str]:
+        """``None`` where one replayed step equals one uncaptured step bit for bit (outputs,
+        and every gradient for ones as the outputs' gradients); else what differed."""
+        runs = []
+        for replay in (True, False):
+            leaves = [
+                t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs
+            ]
+            with torch.enable_grad():
+                found = self(*leaves) if replay else self.forward(*leaves)
+                outputs, differentiable = self._differentiable(found)
+                wrt = [leaves[self.tensor_slots[k]] for k in self.grad_inputs] + self.params
+                grads = torch.autograd.grad(
+                    differentiable, wrt, [torch.ones_like(t) for t in differentiable], allow_unused=True
+                )
+            runs.append(([t.detach() if isinstance(t, torch.Tensor) else t for t in outputs], list(grads)))
+        (out_r, grad_r), (out_u, grad_u) = runs
+        if not _bit_equal(out_r, out_u):
+            return "a replayed forward differs from the uncaptured one"
+        if not _bit_equal(grad_r, grad_u):
+            return "a replayed backward differs from the uncaptured one"
+        return None
+
+
+class _Pending:
+    """Held by a replayed call's autograd context: while it lives and its backward has not
+    run, the graphs' memory holds what that backward reads (``TrainingGraph``)."""
+
+    def __init__(self, graph: TrainingGraph):
+        self.graph, self.open = graph, True
+        graph.pending += 1
+
+    def close(self) -> None:
+        if self.open:
+            self.open = False
+            self.graph.pending -= 1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class _ReplayStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, graph: TrainingGraph, count: int, *tensors: torch.Tensor):  # type: ignore[override]
+        for static, given in zip(graph.static_inputs, tensors[:count]):
+            static.detach().copy_(given)
+        graph.forward_graph.replay()
+        graph.generation += 1
+        ctx.graph, ctx.count, ctx.generation = graph, count, graph.generation
+        ctx.pending = _Pending(graph)
+        outputs = tuple(graph.static_outputs[k].clone() for k in graph.tensor_outputs)
+        ctx.mark_non_differentiable(
+            *(t for k, t in zip(graph.tensor_outputs, outputs) if k not in graph.differentiable)
+        )
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads: Optional[torch.Tensor]):  # type: ignore[override]
+        graph: TrainingGraph = ctx.graph
+        if ctx.generation != graph.generation:
+            raise RuntimeError(
+                "AutoFuser: a backward through an earlier call of a CUDA-graphed training step ran after a "
+                "later call replayed the graph, which overwrote what it reads. Run each call's backward "
+                "before the next call, or fuse with cuda_graphs=False."
+            )
+        by_output = dict(zip(graph.tensor_outputs, grads))
+        for static, k in zip(graph.static_grad_outputs, graph.differentiable):
+            grad = by_output.get(k)
+            if grad is None:
+                static.zero_()
+            else:
+                static.copy_(grad)
+        graph.backward_graph.replay()
+        ctx.pending.close()
+        input_grads: list[Optional[torch.Tensor]] = [None] * ctx.count
+        found = [g.clone() if g is not None else None for g in graph.static_grads]
+        for k, grad in zip(graph.grad_inputs, found):
+            input_grads[k] = grad
+        return (None, None, *input_grads, *found[len(graph.grad_inputs) :])
+
+
+def try_training_graph(
+    forward: Callable[..., Any], inputs: tuple, model: torch.nn.Module
+) -> tuple[Optional[TrainingGraph], str]:
+    """A training graph whose replay was checked against an uncaptured step, or ``None``
+    and the reason it can't be."""
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    if not tensors or any(t.device.type != "cuda" for t in tensors):
+        return None, "inputs are not all CUDA tensors"
+    try:
+        graph = TrainingGraph(forward, inputs, model)
+        why = graph.check(inputs)
+    except Exception as err:  # anything a graph can't hold (syncs, host ops): run uncaptured
+        torch.cuda.synchronize()
+        return None, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    if why is not None:
+        return None, why
+    return graph, "captured"

@@ -51,7 +51,7 @@ from . import logs, precompile, timing
 from .cache import Verdict, cache_dir, make_record, read_verdict, write_verdict
 from .capture import LeafCall, bind_inputs, capture, preserved_state
 from .compile import _device_of, compile_graph
-from .cudagraphs import CudaGraphRunner, try_cuda_graph
+from .cudagraphs import CudaGraphRunner, TrainingGraph, try_cuda_graph, try_training_graph
 from .dynamic import SizeRule, bucket, checked_key, class_checked, marked_dims, size_rule
 from .errors import AutoFuserError, CaptureError, CompileFailedWarning, OpaquePartError, PluginError
 from .in_use import BLOCK_CALLS, MAX_RESTARTS, MAX_ROUNDS, InUseCheck, end_turn, take_turn
@@ -108,8 +108,9 @@ class FuseOptions(BaseModel):
     cuda_graphs: bool = Field(
         True,
         strict=True,
-        description="For inference on CUDA, replay each compiled forward as a CUDA graph "
-        "where that is measured to be faster.",
+        description="On CUDA, replay each compiled forward as a CUDA graph for inference "
+        "where that is measured to be faster, and a training step's forward and backward "
+        "as two CUDA graphs where they capture and replay exactly (docs/training.md).",
     )
     quantize: Optional[QuantizeOptions] = Field(
         None,
@@ -1118,7 +1119,7 @@ class FusedModule(torch.nn.Module):
                 opaque=dict(gm.meta["autofuser_opaque"]),
                 notes=["the model could not be traced at all; it runs unchanged"],
             )
-            entry: tuple[Union[torch.fx.GraphModule, CudaGraphRunner, None], FusionReport] = (None, report)
+            entry: tuple[_Runner, FusionReport] = (None, report)
             runs_model_code, in_use = True, None
         else:
             grad = torch.is_grad_enabled()
@@ -1139,7 +1140,7 @@ class FusedModule(torch.nn.Module):
             checked_sources = {checked_key(k.source.source_hash, k.config) for k in fused_kernels(fused_gm)}
             progress.step("checking the whole forward")
             report.phases = {"capture": captured_s, **report.phases}
-            runner: Union[torch.fx.GraphModule, CudaGraphRunner, None] = fused_gm
+            runner: _Runner = fused_gm
             # Graph capture and timing run the forward many times: only for inference
             # (eval mode, no grad), and leaving buffers and RNG state as they were.
             inference = not grad and not any(m.training for m in self._state.modules)
@@ -1335,7 +1336,9 @@ class FusedModule(torch.nn.Module):
                 "each timed backward; the groups' own checks decided"
             )
             return fused_gm, None
-        vkey = _verdict_key(fused_gm, True, kwargs, flat, STEP_TIMING)
+        candidate = self._training_graph(fused_gm, flat, report)
+        graphed = candidate is not fused_gm
+        vkey = _verdict_key(fused_gm, True, kwargs, flat, STEP_TIMING + ("+graph" if graphed else ""))
         known = read_verdict(root, vkey) if vkey is not None else Verdict({}, {})
         times, records = dict(known.times), dict(known.records)
         record = known.records.get("step")
@@ -1351,7 +1354,7 @@ class FusedModule(torch.nn.Module):
             cached = " (measured in use, read from the cache)" if confirmed_in_use else " (read from the cache)"
         else:
             params = [p for p in self._model.parameters() if p.requires_grad]
-            fused_step = timing.TrainingStep(fused_gm, params, fused=True)
+            fused_step = timing.TrainingStep(candidate, params, fused=True)
             eager_step = timing.TrainingStep(lambda *a: self._model(*args, **kwargs), params)
             with preserved_state(self._model):
                 found, verdict = _measure_decision(timer, fused_step, eager_step, flat, FORWARD_MARGIN)
@@ -1377,7 +1380,7 @@ class FusedModule(torch.nn.Module):
                 report.notes.append(note)
                 return None, None
             report.notes.append(note + "; its first calls in use decide")
-            return None, InUseCheck(timer, _device_of(flat), filing, candidate=fused_gm, compiled_ran="original")
+            return None, InUseCheck(timer, _device_of(flat), filing, candidate=candidate, compiled_ran="original")
         if not faster:
             report.notes.append(
                 f"the fused training step, forward and backward ({fused_ms:.3f} ms), was not at least "
@@ -1386,11 +1389,37 @@ class FusedModule(torch.nn.Module):
             )
             return None, None
         report.notes.append(
-            f"training step, forward and backward: {fused_ms:.3f} ms fused vs {eager_ms:.3f} ms eager{cached}"
+            f"training step, forward and backward: {fused_ms:.3f} ms fused"
+            + (" (replayed as two CUDA graphs)" if graphed else "")
+            + f" vs {eager_ms:.3f} ms eager{cached}"
         )
         if not checkable:
-            return fused_gm, None
-        return fused_gm, InUseCheck(timer, _device_of(flat), filing)
+            return candidate, None
+        return candidate, InUseCheck(timer, _device_of(flat), filing)
+
+    def _training_graph(self, fused_gm, flat: tuple, report) -> "torch.fx.GraphModule | TrainingGraph":
+        """The fused training step as it will run: its forward and backward captured as two
+        CUDA graphs (``cudagraphs.TrainingGraph``) where that is possible and checked, else
+        ``fused_gm`` launching kernel by kernel. Not where the model's own code runs in the
+        forward (an opaque part may keep state a replay would skip), it writes into its
+        inputs, or a kernel reads a host scalar (a copy from host memory can't be captured)."""
+        if not self._options.cuda_graphs or _device_of(flat).type != "cuda":
+            return fused_gm
+        why = None
+        if _calls_model_code(fused_gm):
+            why = "parts of the model's own code run in it"
+        elif any(kernel.host_scalars for kernel in fused_kernels(fused_gm)):
+            why = "a kernel reads a one-element tensor the forward makes in host memory"
+        else:
+            with preserved_state(self._model):
+                if writes_into_inputs(fused_gm, flat):
+                    why = "the forward writes into its inputs in place"
+                else:
+                    graph, why = try_training_graph(fused_gm, flat, self._model)
+                    if graph is not None:
+                        return graph
+        report.notes.append(f"no CUDA graph for the training step ({why}); kernels launch one by one")
+        return fused_gm
 
     def _file_shape(
         self,
@@ -1501,7 +1530,7 @@ class FusedModule(torch.nn.Module):
         (each kernel reads its own layer's parameters when called)."""
         found: dict[str, FusedKernel] = {}
         for runner, _ in self._compiled.values():
-            graph_module = runner.forward if isinstance(runner, CudaGraphRunner) else runner
+            graph_module = runner.forward if isinstance(runner, (CudaGraphRunner, TrainingGraph)) else runner
             if graph_module is None:
                 continue
             assert isinstance(graph_module, torch.fx.GraphModule)  # a compiled forward, or the one a graph replays
@@ -1568,6 +1597,11 @@ def _inside_backward() -> bool:
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+#: What runs a compiled signature: its fused graph module, that forward replayed as a CUDA
+#: graph (inference) or with its backward as two (training), or ``None``: the original model.
+_Runner = Union[torch.fx.GraphModule, CudaGraphRunner, TrainingGraph, None]
 
 
 def _calls_model_code(graph_module: torch.fx.GraphModule) -> bool:

@@ -1,0 +1,166 @@
+"""A fused training step replayed as two CUDA graphs (``cudagraphs.TrainingGraph``):
+outputs and gradients equal to launching op by op, a returned output or gradient never
+overwritten by a later replay, gradients accumulated over several backwards, a second
+call before the first's backward run uncaptured, and parameters replaced or frozen
+noticed. GPU only: a CUDA graph needs a device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autofuser
+from autofuser_core.cudagraphs import TrainingGraph, try_training_graph
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 37):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 3 * width)
+        self.down = nn.Linear(3 * width, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def _pair(seed: int = 0):
+    torch.manual_seed(seed)
+    model = Block().cuda()
+    twin = Block().cuda()
+    twin.load_state_dict(model.state_dict())
+    return model, twin
+
+
+def _graph(model, x) -> TrainingGraph:
+    graph, why = try_training_graph(model, (x,), model)
+    assert graph is not None, why
+    return graph
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_replayed_steps_train_as_eager_does_and_never_overwrite_results():
+    model, twin = _pair()
+    x0 = torch.randn(3, 101, 37, device="cuda", requires_grad=True)
+    graph = _graph(model, x0)
+    start = graph.generation  # the capture's check replayed once
+    opt, opt_twin = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    kept = []
+    for step in range(4):
+        x = torch.randn(3, 101, 37, device="cuda", requires_grad=True)
+        x_twin = x.detach().clone().requires_grad_()
+        target = torch.randn(3, 101, 37, device="cuda")
+        out, ref = graph(x), twin(x_twin)
+        assert graph.generation == start + step + 1  # replayed, not run uncaptured
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        F.mse_loss(out, target).backward()
+        F.mse_loss(ref, target).backward()
+        torch.testing.assert_close(x.grad, x_twin.grad, rtol=0, atol=0)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+        kept.append((out.detach(), ref.detach(), [p.grad for p in model.parameters()], _grads(twin)))
+        opt.step(), opt_twin.step()
+        opt.zero_grad(set_to_none=True), opt_twin.zero_grad(set_to_none=True)
+    for out, ref, grads, ref_grads in kept:  # later replays wrote into none of them
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+def test_gradients_accumulate_over_backwards_of_replayed_calls():
+    model, twin = _pair(1)
+    graph = _graph(model, torch.randn(2, 57, 37, device="cuda"))
+    start = graph.generation
+    for _ in range(3):  # no zero_grad between: .grad sums the three
+        x = torch.randn(2, 57, 37, device="cuda")
+        graph(x).square().mean().backward()
+        twin(x).square().mean().backward()
+    assert graph.generation == start + 3
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_a_call_before_the_last_ones_backward_runs_uncaptured_and_both_are_right():
+    model, twin = _pair(2)
+    graph = _graph(model, torch.randn(1, 33, 37, device="cuda"))
+    start = graph.generation
+    a, b = torch.randn(1, 33, 37, device="cuda"), torch.randn(1, 33, 37, device="cuda")
+    first = graph(a)
+    second = graph(b)  # the first's backward is still to come: this one must not replay
+    assert graph.generation == start + 1 and graph.pending == 1
+    (first.sum() + 2 * second.sum()).backward()
+    (twin(a).sum() + 2 * twin(b).sum()).backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+    assert graph.pending == 0
+    dropped = graph(a)  # its autograd graph dropped without a backward: the next call replays again
+    del dropped
+    graph(b)
+    assert graph.generation == start + 3
+
+
+def test_replaced_or_frozen_parameters_run_uncaptured():
+    model, twin = _pair(3)
+    x = torch.randn(2, 45, 37, device="cuda")
+    graph = _graph(model, x)
+    start = graph.generation
+    model.up.weight.requires_grad_(False)
+    twin.up.weight.requires_grad_(False)
+    graph(x).sum().backward()
+    twin(x).sum().backward()
+    assert graph.generation == start and model.up.weight.grad is None
+    torch.testing.assert_close(model.down.weight.grad, twin.down.weight.grad)
+    model.up.weight.requires_grad_(True)
+    model.down.weight = nn.Parameter(model.down.weight.detach().clone())
+    graph(x)
+    assert graph.generation == start
+
+
+def test_an_input_needing_a_gradient_it_was_captured_without_runs_uncaptured():
+    model, twin = _pair(5)
+    graph = _graph(model, torch.randn(2, 45, 37, device="cuda"))
+    start = graph.generation
+    x = torch.randn(2, 45, 37, device="cuda", requires_grad=True)
+    x_twin = x.detach().clone().requires_grad_()
+    graph(x).sum().backward()
+    twin(x_twin).sum().backward()
+    assert graph.generation == start
+    torch.testing.assert_close(x.grad, x_twin.grad)
+
+
+def test_random_ops_are_not_captured():
+    class Dropped(Block):
+        def forward(self, x):
+            return F.dropout(super().forward(x), 0.3, training=True)
+
+    model = Dropped().cuda()
+    graph, why = try_training_graph(model, (torch.randn(2, 45, 37, device="cuda"),), model)
+    assert graph is None and "differs" in why
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_fused_training_step_with_graphs_matches_eager(dtype, tmp_path):
+    model, twin = _pair(4)
+    fused = autofuser.fuse(model, cache_dir=tmp_path, progress=False)
+    opt, opt_twin = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == "fp32" else dict(rtol=4e-2, atol=4e-2)
+    for _ in range(5):
+        x, target = torch.randn(4, 211, 37, device="cuda"), torch.randn(4, 211, 37, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            out, ref = fused(x), twin(x)
+        F.mse_loss(out.float(), target).backward()
+        F.mse_loss(ref.float(), target).backward()
+        torch.testing.assert_close(out.float(), ref.float(), **tol)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **tol)
+        opt.step(), opt_twin.step()
+        opt.zero_grad(set_to_none=True), opt_twin.zero_grad(set_to_none=True)
+    notes = " ".join(fused.report().notes)
+    assert "CUDA graph" in notes or fused.report().runs_original, notes
