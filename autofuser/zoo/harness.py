@@ -23,7 +23,11 @@ For each chosen model, on one device and one dtype:
    skips them off CUDA) and runs the default mode's kernels; its cell says so.
 
 Every system's output is compared with eager (``||out - eager|| / ||eager||``)
-and with the airfoil target (the relative L2 test loss). ``--dtype bf16`` runs
+and with the airfoil target (the relative L2 test loss). Where some system's
+error against eager is past ``MAX_REL_ERROR``, the model runs once more in
+float64 (``judge_by_float64``) and every system's error against that is
+recorded: ``wrong_results`` fails an AutoFuser result only if it is far from
+float64 too, where eager is not. ``--dtype bf16`` runs
 every forward of every system under ``torch.autocast(device, bfloat16)`` with
 fp32 parameters. A system that fails on a model becomes that cell's error
 (type and message), never a crash; every column is always produced.

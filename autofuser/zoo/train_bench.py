@@ -35,8 +35,9 @@ bench feeds). For each chosen model:
    (``interleaved_steps``); a system's median step.
 
 Each system's first-step output and gradients are compared with eager's
-(``||x - eager|| / ||eager||``); on CUDA the peak memory the timed steps add
-is recorded. A system that fails becomes that cell's error, never a crash,
+(``||x - eager|| / ||eager||``), and where one is past ``harness.MAX_REL_ERROR``
+with the first step in float64 (``float64_first_step``); on CUDA the peak memory
+the timed steps add is recorded. A system that fails becomes that cell's error, never a crash,
 and every column is always produced; the cells, the table and the
 geometric-mean row go through the same code as the forward bench's.
 """
