@@ -172,8 +172,10 @@ Each system's output is compared with eager's; times are the median of
 are counted, and a run that fused nothing shows no speedup. Writes bench.json,
 bench.md and bench.png (with matplotlib) to --out; the table is printed last.
 An AutoFuser output (or, with --train, gradients) farther from eager's than
-1e-4 (fp32) or 4e-2 (bf16) in relative L2 error is named on stderr and the
-command exits with status 1.
+1e-4 (fp32) or 4e-2 (bf16) in relative L2 error is judged against the same
+model run once more in float64: it is named on stderr, and the command exits
+with status 1, where it is also farther from the float64 result than 4 times
+eager's own error plus that limit (or where the float64 run fails).
 On a CPU, AutoFuser's kernels run under Triton's interpreter, which this
 command turns on by itself."""
 

@@ -35,8 +35,9 @@ bench feeds). For each chosen model:
    (``interleaved_steps``); a system's median step.
 
 Each system's first-step output and gradients are compared with eager's
-(``||x - eager|| / ||eager||``); on CUDA the peak memory the timed steps add
-is recorded. A system that fails becomes that cell's error, never a crash,
+(``||x - eager|| / ||eager||``), and where one is past ``harness.MAX_REL_ERROR``
+with the first step in float64 (``float64_first_step``); on CUDA the peak memory
+the timed steps add is recorded. A system that fails becomes that cell's error, never a crash,
 and every column is always produced; the cells, the table and the
 geometric-mean row go through the same code as the forward bench's.
 """
@@ -73,6 +74,8 @@ from autofuser.zoo.harness import (
     format_speedup,
     format_spread,
     geomean_cells,
+    judge_by_float64,
+    no_autocast,
     prepare_model,
     progress,
     relative_error,
@@ -88,6 +91,7 @@ from autofuser.zoo.harness import (
     synchronize,
     table_lines,
     where_run,
+    widened,
 )
 from autofuser.zoo.models import MESHES, MODELS, ModelEntry
 
@@ -138,6 +142,7 @@ def _empty_training_cell(status: str = "not run", error: Optional[str] = None) -
         "loss": None,
         "rel_err_vs_eager": None,
         "grad_rel_err_vs_eager": None,
+        "step_times_ms": None,
     }
 
 
@@ -146,8 +151,8 @@ def _empty_training_cell(status: str = "not run", error: Optional[str] = None) -
 # ---------------------------------------------------------------------------
 
 
-def flat_gradients(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
-    """Every parameter's ``.grad`` as one fp32 vector, in parameter order: a complex
+def flat_gradients(parameters: list[torch.nn.Parameter], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Every parameter's ``.grad`` as one vector of ``dtype``, in parameter order: a complex
     gradient as its real and imaginary parts, a parameter the loss did not reach
     (``.grad`` None) as zeros, so that vectors of two copies line up."""
     pieces = []
@@ -155,14 +160,14 @@ def flat_gradients(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
         grad = parameter.grad
         if grad is None:
             numbers = parameter.numel() * (2 if parameter.is_complex() else 1)
-            pieces.append(torch.zeros(numbers, device=parameter.device))
+            pieces.append(torch.zeros(numbers, device=parameter.device, dtype=dtype))
         else:
-            pieces.append((torch.view_as_real(grad) if grad.is_complex() else grad).detach().float().flatten())
-    return torch.cat(pieces) if pieces else torch.zeros(0)
+            pieces.append((torch.view_as_real(grad) if grad.is_complex() else grad).detach().to(dtype).flatten())
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype)
 
 
 class FirstStep(NamedTuple):
-    output: torch.Tensor  # the forward's output, detached
+    output: torch.Tensor  # the forward's output, detached and copied (a CUDA-graph replay overwrites it)
     loss: float
     gradients: torch.Tensor  # flat_gradients after the backward, before the optimiser step
     seconds: float  # the whole step, without taking the gradients
@@ -196,13 +201,14 @@ class TrainingStep:
         self.optimiser = torch.optim.AdamW(self.parameters, lr=TRAIN_LR)
 
     def forward_backward(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """zero_grad, forward and loss (under autocast for bf16), backward: (output, loss)."""
+        """zero_grad, forward and loss (under autocast for bf16; in the target's dtype), backward:
+        (output, loss)."""
         if self.mark_steps:
             torch.compiler.cudagraph_mark_step_begin()
         self.optimiser.zero_grad(set_to_none=True)
         with autocast_for(self.device, self.dtype):
             output = self.module(self.x)
-            loss = F.mse_loss(self.entry.as_grid(output, self.mesh).float(), self.target)
+            loss = F.mse_loss(self.entry.as_grid(output, self.mesh).to(self.target.dtype), self.target)
         loss.backward()
         return output, loss
 
@@ -215,7 +221,30 @@ class TrainingStep:
         (output, loss), forward_backward_s = first_call_s(self.forward_backward, self.device)
         gradients = flat_gradients(self.parameters)
         _, optimiser_s = first_call_s(self.optimiser.step, self.device)
-        return FirstStep(output.detach(), loss.detach().item(), gradients, forward_backward_s + optimiser_s)
+        return FirstStep(output.detach().clone(), loss.detach().item(), gradients, forward_backward_s + optimiser_s)
+
+
+def float64_first_step(
+    base: torch.nn.Module,
+    entry: ModelEntry,
+    x: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    mesh: tuple[int, int],
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """The float64 reference of every system's first step: ``base``'s weights (``widened``,
+    train mode), input and target in float64, autocast off, the same loss; its output and
+    all parameters' gradients after the backward (``flat_gradients`` in float64), under
+    the keys the cells' errors against it take (``harness.judge_by_float64``)."""
+    wide = widened(base).train()
+    step = TrainingStep(wide, wide, entry, x.double(), target.double(), mesh=mesh, device=device, dtype="fp32")
+    with no_autocast():
+        output, _ = step.forward_backward()
+    return {
+        "rel_err_vs_float64": output.detach(),
+        "grad_rel_err_vs_float64": flat_gradients(step.parameters, torch.float64),
+    }
 
 
 ROUND_STEPS = 5  # one system's timed steps in a row before the next system's
@@ -249,7 +278,8 @@ def interleaved_steps(
     steps: dict[str, TrainingStep], iters: int, warmup: int, device: torch.device
 ) -> dict[str, "tuple[dict[str, Any], Optional[float]] | BaseException"]:
     """Each system's (its step times' ``harness.spread`` - median ms, IQR, noisy - over ``iters``
-    steps after ``warmup``, peak MB its steps add), or the error its steps raised.
+    steps after ``warmup``, with ``step_times_ms``, each timed step's ms in the order run; peak
+    MB its steps add), or the error its steps raised.
 
     The systems take turns, ``ROUND_STEPS`` steps each, the order rotating every round, so
     a drift of the GPU's clocks or of other load over the run reaches all of them alike
@@ -282,7 +312,8 @@ def interleaved_steps(
         done += block
     for system in steps:
         if system not in results:
-            results[system] = (spread(times[system]), peaks[system])
+            step_times_ms = [round(t, 3) for t in times[system]]
+            results[system] = ({**spread(times[system]), "step_times_ms": step_times_ms}, peaks[system])
     return results
 
 
@@ -339,6 +370,9 @@ def bench_training_model(
     reference: Optional[FirstStep] = None
 
     steps: dict[str, TrainingStep] = {}  # each system whose first step ran, timed together at the end
+    # Each system's first step, for the float64 reference (the output and one gradient
+    # vector: small beside the model).
+    firsts: dict[str, FirstStep] = {}
 
     def check(system: str, step: TrainingStep, first: FirstStep) -> None:
         cell = row["systems"][system]
@@ -347,6 +381,7 @@ def bench_training_model(
             cell["rel_err_vs_eager"] = relative_error(first.output, reference.output)
             cell["grad_rel_err_vs_eager"] = relative_error(first.gradients, reference.gradients)
         steps[system] = step
+        firsts[system] = first
 
     def run_eager() -> None:
         nonlocal reference
@@ -410,10 +445,27 @@ def bench_training_model(
             progress(f"{name}: {system} failed: {cell['error']}")
         else:
             measured, cell["peak_mem_mb"] = timed
-            cell.update(step_ms=measured["ms"], iqr_ms=measured["iqr_ms"], noisy=measured["noisy"])
+            cell.update(
+                step_ms=measured["ms"],
+                iqr_ms=measured["iqr_ms"],
+                noisy=measured["noisy"],
+                step_times_ms=measured["step_times_ms"],
+            )
     fill_speedups(row, "step_ms")
     steps.clear()
     torch._dynamo.reset()
+    release_memory(device)  # the systems' copies and optimisers, before the float64 copy is made
+    kept = {
+        system: {"rel_err_vs_float64": [first.output], "grad_rel_err_vs_float64": [first.gradients]}
+        for system, first in firsts.items()
+    }
+    firsts.clear()
+
+    def float64_step() -> dict[str, torch.Tensor]:
+        return float64_first_step(base, entry, x, target, mesh=mesh, device=device)
+
+    judge_by_float64(name, row, dtype, kept, float64_step, device)
+    kept.clear()
     base = x = target = reference = None  # the closures hold them: freed before release_memory empties the cache
     release_memory(device)
     return row

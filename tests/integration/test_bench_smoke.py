@@ -426,6 +426,21 @@ def make_unfusable():
     return nn.Flatten(), torch.randn(3, 5, 7)
 
 
+# Reads a float32 tensor that is neither parameter nor buffer: it can't run in float64.
+class Float32Only(Block):
+    def __init__(self, width):
+        super().__init__(width)
+        self.mix = torch.randn(width, width)
+
+    def forward(self, x, scale=1.0):
+        return super().forward(x, scale) @ self.mix
+
+
+def make_float32_only():
+    torch.manual_seed(0)
+    return Float32Only(24), (torch.randn(1, 37, 24),), {"scale": 0.5}
+
+
 def not_a_pair():
     return 3
 """
@@ -850,25 +865,135 @@ def test_fft_suite_runs_each_compile_mode_on_the_cpu(suites, monkeypatch, tmp_pa
     assert header[2:5] == ["eager", "torch.compile", "torch.compile reduce-overhead"] and len(cells) == len(header)
 
 
+def planted_fuse(monkeypatch, scale: float) -> None:
+    """``autofuser.fuse`` whose modules return their output times ``scale``: a wrong result
+    planted past verification, which keeps a wrong kernel from running at all."""
+    real = autofuser.fuse
+
+    def fuse(model, *args, **kwargs):
+        fused = real(model, *args, **kwargs)
+        forward = fused.forward
+        fused.forward = lambda *a, **k: forward(*a, **k) * scale
+        return fused
+
+    monkeypatch.setattr(autofuser, "fuse", fuse)
+
+
 def test_a_bench_whose_autofuser_results_differ_from_eager_fails_loudly(model_file, tmp_path, capsys, monkeypatch):
-    """An AutoFuser output past the dtype's limit is named on stderr and the command
-    exits with status 1: a wrong model must not pass as a speedup. (The error is planted in
-    the comparison: verification keeps a wrong kernel from running at all.)"""
-    real = harness.relative_error
-    planted = {"calls": 0}
-
-    def off(out, reference):
-        planted["calls"] += 1
-        return real(out, reference) + (0.0 if out is reference else 3e-4)
-
-    monkeypatch.setattr(harness, "relative_error", off)
+    """An AutoFuser output past the dtype's limit against eager, and as far from the
+    float64 output, is named on stderr with both errors, and the command exits with status
+    1: a wrong model must not pass as a speedup."""
+    planted_fuse(monkeypatch, 1 + 3e-4)
     spec = f"{model_file}:make"
     argv = ["bench", spec, "--device", "cpu", "--iters", "2", "--warmup", "1", "--no-compile"]
     assert main([*argv, "--out", str(tmp_path / "bench")]) == 1
     err = capsys.readouterr().err
     assert f"WRONG RESULT: {spec} (fp32): AutoFuser's output differs from eager's" in err, err
     assert "above the 0.0001 allowed for fp32" in err, err
-    assert planted["calls"] >= 2
+    (row,) = json.loads((tmp_path / "bench" / "bench.json").read_text())["rows"]
+    eager, fused = row["systems"]["eager"], row["systems"]["autofuser"]
+    assert row["float64_reference"] == "ran"
+    assert eager["rel_err_vs_float64"] < 1e-5 and fused["rel_err_vs_float64"] == pytest.approx(3e-4, rel=0.05)
+    assert f"against the float64 result its error is {fused['rel_err_vs_float64']:.3g}" in err, err
+    assert f"eager's {eager['rel_err_vs_float64']:.3g}" in err, err
+    assert len(eager["block_ms"]) == eager["repeats"] and all(t > 0 for t in eager["block_ms"])
+
+
+def test_where_the_float64_reference_cannot_run_the_plain_limit_judges(model_file, tmp_path, capsys, monkeypatch):
+    planted_fuse(monkeypatch, 1 + 3e-4)
+    spec = f"{model_file}:make_float32_only"
+    argv = ["bench", spec, "--device", "cpu", "--iters", "1", "--warmup", "0", "--no-compile"]
+    assert main([*argv, "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    (row,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert row["float64_reference"].startswith("failed: RuntimeError"), row["float64_reference"]
+    assert "rel_err_vs_float64" not in row["systems"]["autofuser"]
+    assert f"no float64 reference to judge it by ({row['float64_reference']})" in err, err
+    assert f"- {spec}: {row['float64_reference']}" in (tmp_path / "bench.md").read_text()
+
+
+def test_the_training_bench_records_the_float64_reference_of_the_first_step(tmp_path, monkeypatch, capsys):
+    planted_fuse(monkeypatch, 1 + 1e-3)
+    code = main(["bench", "--train", "--models", "unet", *SMOKE, "--iters", "3", "--out", str(tmp_path)])
+    assert code == 1
+    (row,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    eager, fused = row["systems"]["eager"], row["systems"]["autofuser"]
+    assert row["float64_reference"] == "ran"
+    # eager's own rounding: fp32's, far below the planted error
+    assert 0 < eager["rel_err_vs_float64"] < 1e-5 and 0 < eager["grad_rel_err_vs_float64"] < 1e-5
+    assert fused["rel_err_vs_float64"] == pytest.approx(1e-3, rel=0.05)
+    assert fused["grad_rel_err_vs_float64"] > 1e-4
+    assert "compile" not in " ".join(s for s, c in row["systems"].items() if "rel_err_vs_float64" in c)
+    for cell in (eager, fused):
+        assert len(cell["step_times_ms"]) == 3  # rounded to the microsecond, the median their middle one
+        assert cell["step_ms"] == pytest.approx(sorted(cell["step_times_ms"])[1], abs=1e-3)
+    err = capsys.readouterr().err
+    assert "WRONG RESULT: unet (fp32): AutoFuser's output differs" in err, err
+    assert "WRONG RESULT: unet (fp32): AutoFuser's gradients differ" in err, err
+    markdown = (tmp_path / "bench.md").read_text()
+    assert f"- unet: eager {eager['rel_err_vs_float64']:.1e} / {eager['grad_rel_err_vs_float64']:.1e}" in markdown
+
+
+def test_the_float64_reference_runs_only_past_the_limit():
+    calls = []
+    row = {"systems": {"eager": {"rel_err_vs_eager": 0.0}, "autofuser": {"rel_err_vs_eager": 5e-5}}}
+    kept = {"eager": {"rel_err_vs_float64": [torch.ones(3)]}}
+    cpu = torch.device("cpu")
+
+    def reference():
+        calls.append(1)
+        return {"rel_err_vs_float64": torch.ones(3, dtype=torch.float64) * (1 + 1e-6)}
+
+    harness.judge_by_float64("m", row, "fp32", kept, reference, cpu)
+    assert row["float64_reference"] == "not needed" and not calls
+    row["systems"]["autofuser"]["rel_err_vs_eager"] = float("nan")
+    harness.judge_by_float64("m", row, "fp32", kept, reference, cpu)
+    assert row["float64_reference"] == "ran" and calls == [1]
+    assert row["systems"]["eager"]["rel_err_vs_float64"] == pytest.approx(1e-6, rel=1e-3)
+
+
+def gate_row(fused_vs_eager, fused_vs_float64, eager_vs_float64, reference="ran"):
+    """A training row whose gradients' errors are these (None: not measured)."""
+    eager = {"grad_rel_err_vs_eager": 0.0}
+    fused = {"grad_rel_err_vs_eager": fused_vs_eager}
+    if eager_vs_float64 is not None:
+        eager["grad_rel_err_vs_float64"] = eager_vs_float64
+    if fused_vs_float64 is not None:
+        fused["grad_rel_err_vs_float64"] = fused_vs_float64
+    return {"model": "unet", "float64_reference": reference, "systems": {"eager": eager, "autofuser": fused}}
+
+
+def test_a_rounding_difference_as_large_as_eager_s_own_passes_the_gate():
+    # The U-Net's fp32 step on a GPU: AutoFuser 1.2e-4 from eager, eager itself about as far from exact.
+    assert harness.wrong_results([gate_row(1.2e-4, 1.5e-4, 1.3e-4)], "fp32") == []
+    bound = harness.FLOAT64_FACTOR * 1.3e-4 + harness.MAX_REL_ERROR["fp32"]
+    assert harness.wrong_results([gate_row(1.2e-4, 0.99 * bound, 1.3e-4)], "fp32") == []
+
+
+@pytest.mark.parametrize(
+    ("row", "says"),
+    [
+        # far from exact, where eager is not
+        (gate_row(2e-3, 2e-3, 1e-6), ["relative error of 0.002,", "its error is 0.002, eager's 1e-06"]),
+        # just past the bound
+        (
+            gate_row(1.2e-4, 1.01 * (4 * 1.3e-4 + 1e-4), 1.3e-4),
+            ["its error is 0.000626, eager's 0.00013", "0.00062 allowed"],
+        ),
+        (gate_row(float("nan"), float("nan"), 1e-6), ["relative error of nan,"]),
+        (gate_row(1.2e-4, 1e-6, float("nan")), ["eager's nan"]),  # eager's own error unknown
+        (
+            gate_row(2e-4, None, None, "failed: RuntimeError: no float64"),
+            ["judge it by (failed: RuntimeError: no float64)"],
+        ),
+        (gate_row(2e-4, None, None, "not needed"), ["no float64 reference to judge it by (not needed)"]),
+    ],
+)
+def test_the_gate_flags_a_result_far_from_float64_and_names_both_errors(row, says):
+    (line,) = harness.wrong_results([row], "fp32")
+    assert line.startswith("WRONG RESULT: unet (fp32): AutoFuser's gradients differ from eager's")
+    for text in says:
+        assert text in line, (text, line)
 
 
 @pytest.mark.parametrize(
