@@ -146,7 +146,9 @@ class TrainingGraph:
       next call runs uncaptured: replaying would overwrite what that backward reads;
     - the parameters and buffers must be those captured (``BakedAddresses``; an
       optimiser's in-place update is fine) and need gradients as they did, else calls
-      run uncaptured.
+      run uncaptured;
+    - a backward with ``create_graph=True`` runs the forward again uncaptured on the
+      saved inputs, so its gradients can be differentiated in turn.
 
     ``check()`` runs one replayed step against one uncaptured step on the same inputs
     and gradients: outputs and gradients must be bit for bit the same, or capture is
@@ -331,6 +333,8 @@ class _ReplayStep(torch.autograd.Function):
         graph.generation += 1
         ctx.graph, ctx.count, ctx.generation = graph, count, graph.generation
         ctx.pending = _Pending(graph)
+        # Kept (not copied) for a backward that must itself be differentiable (below).
+        ctx.save_for_backward(*tensors)
         outputs = tuple(graph.static_outputs[k].clone() for k in graph.tensor_outputs)
         ctx.mark_non_differentiable(
             *(t for k, t in zip(graph.tensor_outputs, outputs) if k not in graph.differentiable)
@@ -338,9 +342,13 @@ class _ReplayStep(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads: Optional[torch.Tensor]):  # type: ignore[override]
         graph: TrainingGraph = ctx.graph
+        if torch.is_grad_enabled():
+            # create_graph=True (gradients of gradients, a physics-informed loss): a replay's
+            # gradients have no history, so the step runs again uncaptured and differentiably.
+            ctx.pending.close()
+            return (None, None, *_differentiable_gradients(ctx, grads))
         if ctx.generation != graph.generation:
             raise RuntimeError(
                 "AutoFuser: a backward through an earlier call of a CUDA-graphed training step ran after a "
@@ -361,6 +369,33 @@ class _ReplayStep(torch.autograd.Function):
         for k, grad in zip(graph.grad_inputs, found):
             input_grads[k] = grad
         return (None, None, *input_grads, *found[len(graph.grad_inputs) :])
+
+
+def _differentiable_gradients(ctx, grads: Sequence[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+    """The gradients of ``_ReplayStep``'s inputs, computed by running its forward again
+    uncaptured on the saved inputs and parameters, with their own history."""
+    graph: TrainingGraph = ctx.graph
+    saved = ctx.saved_tensors
+    inputs, params = list(saved[: ctx.count]), list(saved[ctx.count :])
+    found = graph.forward(*graph._args(inputs))
+    outputs = pytree.tree_leaves(found)
+    by_output = dict(zip(graph.tensor_outputs, grads))
+    pairs = [
+        (outputs[k], by_output[k])
+        for k in graph.differentiable
+        if by_output.get(k) is not None and outputs[k].requires_grad
+    ]
+    wanted = [inputs[k] for k in graph.grad_inputs] + params
+    result: list[Optional[torch.Tensor]] = [None] * (ctx.count + len(params))
+    if not pairs:
+        return result
+    found_grads = torch.autograd.grad(
+        [o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True, create_graph=True
+    )
+    for k, grad in zip(graph.grad_inputs, found_grads):
+        result[k] = grad
+    result[ctx.count :] = found_grads[len(graph.grad_inputs) :]
+    return result
 
 
 def try_training_graph(

@@ -164,3 +164,21 @@ def test_a_fused_training_step_with_graphs_matches_eager(dtype, tmp_path):
         opt.zero_grad(set_to_none=True), opt_twin.zero_grad(set_to_none=True)
     notes = " ".join(fused.report().notes)
     assert "CUDA graph" in notes or fused.report().runs_original, notes
+
+
+def test_gradients_of_gradients_through_a_replayed_call_match_eager():
+    """create_graph=True, as a physics-informed loss takes derivatives of the output by
+    the input and trains on them: the replayed call's backward runs uncaptured, with history."""
+    model, twin = _pair(6)
+    x0 = torch.randn(2, 31, 37, device="cuda", requires_grad=True)
+    graph = _graph(model, x0)
+    x = torch.randn(2, 31, 37, device="cuda", requires_grad=True)
+    x_twin = x.detach().clone().requires_grad_()
+    (dx,) = torch.autograd.grad(graph(x).square().sum(), x, create_graph=True)
+    (dx_twin,) = torch.autograd.grad(twin(x_twin).square().sum(), x_twin, create_graph=True)
+    torch.testing.assert_close(dx, dx_twin, rtol=1e-5, atol=1e-5)
+    dx.square().mean().backward()
+    dx_twin.square().mean().backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    assert graph.pending == 0
