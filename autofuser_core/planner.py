@@ -29,7 +29,7 @@ import itertools
 import logging
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Optional, cast
+from typing import Any, Iterator, Optional, cast
 
 import torch
 import torch.fx
@@ -336,8 +336,26 @@ class PlanningView:
         kept_groups: Optional[dict[int, set[torch.fx.Node]]] = None,
     ) -> bool:
         """Would contracting ``nodes`` (with the ``kept`` groups already contracted) make a cycle?"""
-        kept = kept or {}
-        kept_groups = kept_groups or {}
+        return next(self._reentries(nodes, kept or {}, kept_groups or {}), None) is not None
+
+    def reentered(
+        self,
+        nodes: set[torch.fx.Node],
+        kept: Optional[dict[torch.fx.Node, int]] = None,
+        kept_groups: Optional[dict[int, set[torch.fx.Node]]] = None,
+    ) -> set[torch.fx.Node]:
+        """The members of ``nodes`` that a path leaving them reaches again (with the ``kept``
+        groups contracted), and every member after those: the ones that make contracting
+        ``nodes`` a cycle (``creates_cycle``). The others, taken alone, make none: a path
+        from them out and back would land on a member counted here."""
+        return set(self._reentries(nodes, kept or {}, kept_groups or {}))
+
+    def _reentries(
+        self, nodes: set[torch.fx.Node], kept: dict[torch.fx.Node, int], kept_groups: dict[int, set[torch.fx.Node]]
+    ) -> Iterator[torch.fx.Node]:
+        """Each member of ``nodes`` that a path leaving them reaches, as the walk from their
+        outside users finds it, and the members after it; a contracted group reached counts
+        as all its members reached."""
         # Edges go forward in graph order, so a path back into ``nodes`` must stay at or
         # before their last node - except through a contracted group reaching back.
         last = max(self.order[n] for n in nodes)
@@ -350,49 +368,7 @@ class PlanningView:
                 continue
             seen.add(node)
             if node in nodes:
-                return True
-            gid = kept.get(node, -1)
-            if self.order[node] > last:
-                if gid not in kept_groups:
-                    continue
-                if gid not in group_first:
-                    group_first[gid] = min(self.order[m] for m in kept_groups[gid])
-                if group_first[gid] > last:
-                    continue
-            group = kept_groups.get(gid, {node})
-            for member in group:
-                seen.add(member)
-                for user in member.users:
-                    if user in nodes:
-                        return True
-                    if user not in seen:
-                        stack.append(user)
-        return False
-
-    def reentered(
-        self,
-        nodes: set[torch.fx.Node],
-        kept: Optional[dict[torch.fx.Node, int]] = None,
-        kept_groups: Optional[dict[int, set[torch.fx.Node]]] = None,
-    ) -> set[torch.fx.Node]:
-        """The members of ``nodes`` that a path leaving them reaches again (with the ``kept``
-        groups contracted), and every member after those: the ones that make contracting
-        ``nodes`` a cycle (``creates_cycle``). The others, taken alone, make none: a path
-        from them out and back would land on a member counted here."""
-        kept = kept or {}
-        kept_groups = kept_groups or {}
-        last = max(self.order[n] for n in nodes)
-        group_first: dict[int, int] = {}
-        seen: set[torch.fx.Node] = set()
-        found: set[torch.fx.Node] = set()
-        stack = [u for n in nodes for u in n.users if u not in nodes]
-        while stack:
-            node = stack.pop()
-            if node in seen:
-                continue
-            seen.add(node)
-            if node in nodes:
-                found.add(node)
+                yield node
                 stack.extend(u for u in node.users if u not in seen)
                 continue
             gid = kept.get(node, -1)
@@ -406,7 +382,6 @@ class PlanningView:
             for member in kept_groups.get(gid, {node}):
                 seen.add(member)
                 stack.extend(u for u in member.users if u not in seen)
-        return found
 
     def compose(self, nodes: list[torch.fx.Node], lay_out=None) -> GroupProgram:
         """``nodes`` composed into one program (``compose_group``; ``lay_out``: a
