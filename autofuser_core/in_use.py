@@ -19,7 +19,9 @@ if it was more than 2% faster (``FORWARD_MARGIN``) than the original and that le
 clear of the spread of either side's blocks (slowest over fastest, the slowest of
 three or more left out: ``timing.steady_spread``, ``timing.inside_spread``); a
 verdict inside the spread is measured again by a second plan (``MAX_ROUNDS``), after
-which the original runs unless it has come clear, and the verdict is provisional
+which the original runs unless it has come clear - by the lead, or by every one of
+four fused blocks beating every one of the original's by the margin
+(``SEPARATED_BLOCKS``: a noisy host spreads both sides' blocks wider than a real lead) - and the verdict is provisional
 (``Settled.provisional``: not cached as final). Else the original runs for that
 signature from then on. Both runners compute the same results within the verified
 tolerance, so the calls of the plan are the user's calls as usual.
@@ -43,6 +45,12 @@ BLOCK_CALLS = 4
 PLAN = ("original",) + ("fused",) * BLOCK_CALLS + ("original",) * (2 * BLOCK_CALLS) + ("fused",) * BLOCK_CALLS
 MAX_RESTARTS = 3
 MAX_ROUNDS = 2  # plans at most: a second where the first's lead was inside the spread
+#: Blocks on each side after which their order alone can settle a lead inside the spread:
+#: every fused block faster than every block of the original by the margin. On a host
+#: whose noise spreads each side's blocks wider than the lead, that still happens only
+#: when the fused model is faster: were both alike, the chance that all four of one side
+#: come before all four of the other is 1 in 70.
+SEPARATED_BLOCKS = 4
 STALE_CALLS = 64  # calls another check waits for one that makes no call of its plan, then takes over
 
 
@@ -97,6 +105,14 @@ class InUseCheck:
         self.restarts += 1
         return self.restarts > MAX_RESTARTS
 
+    def separated(self, margin: float) -> bool:
+        """Whether ``SEPARATED_BLOCKS`` or more blocks a side have every fused block more
+        than ``margin`` faster than every block of the original."""
+        fused, original = self.blocks["fused"], self.blocks["original"]
+        if min(len(fused), len(original)) < SEPARATED_BLOCKS:
+            return False
+        return max(fused) < min(original) * (1.0 - margin)
+
     def settle(self, margin: float) -> Optional[Settled]:
         """The plan done: the fused model if it was more than ``margin`` faster and that
         lead is clear of the spread of either side's blocks; a verdict inside the spread
@@ -109,7 +125,7 @@ class InUseCheck:
         fused, original = min(self.blocks["fused"]), min(self.blocks["original"])
         spread = max(steady_spread(times) for times in self.blocks.values())
         lead = (original - fused) / max(original, 1e-9)  # a clock that gave 0 ms
-        unclear = inside_spread(lead, margin, spread)
+        unclear = inside_spread(lead, margin, spread) and not self.separated(margin)
         if unclear and self.rounds < MAX_ROUNDS:
             self.rounds += 1
             self.calls, self.marks = 0, []

@@ -260,6 +260,24 @@ def test_one_stalled_block_in_use_costs_a_second_plan_not_the_fused_model(tmp_pa
     assert len(timer.marks) > 0
 
 
+def test_blocks_in_use_that_separate_settle_a_lead_inside_a_noisy_spread(tmp_path, use_timer, original_runs):
+    """A noisy host: the fused blocks spread wider than their lead (0.5 to 0.95 ms against
+    the original's 1.0), so the lead is inside the spread after either plan; but over four
+    blocks a side every fused block beats every block of the original by more than the
+    margin, and the fused model runs, a confirmed verdict."""
+    fused_calls = iter([0.5] * 4 + [0.95] * 4 + [0.9] * 4 + [0.92] * 4)
+    _noisy_timer(use_timer, lambda: 0.5, lambda: 1.0, lambda fused: next(fused_calls, 0.6) if fused else 1.0)
+    model, x = _model_and_input()
+    fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
+    plans = in_use.MAX_ROUNDS * len(in_use.PLAN)
+    ran = _calls(fused, model, x, 1 + plans + 2, original_runs)
+    assert ran[1 + plans :] == [False, False], "the fused model runs after the second plan"
+    notes = " ".join(fused.report().notes)
+    assert "4 blocks of 4 calls on each side" in notes and "the fused model runs" in notes, notes
+    record = _records(tmp_path)["forward_plain"]
+    assert record["in_use"] is True and record["provisional"] is False
+
+
 def test_a_verdict_inside_the_noise_in_use_is_not_cached_as_final(tmp_path, use_timer, original_runs):
     """Blocks in use that differ by more than the fused lead: the plan runs twice, the
     original runs, and the verdict is filed as provisional: a second module on the cache
