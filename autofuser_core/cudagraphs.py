@@ -124,6 +124,10 @@ def try_cuda_graph(
         return None, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
+#: A training step is captured in the user's loop, where other threads may use CUDA (a
+#: data loader's pinning thread): only this thread's calls may break the capture, and
+#: theirs, on other streams, neither break it nor are captured.
+CAPTURE_MODE = "thread_local"
 #: Forward and backward passes run uncaptured before a training step is captured: lazy
 #: initialisations (cuBLAS workspaces, Triton's first launches) must not be captured.
 TRAINING_WARMUP = 2
@@ -188,7 +192,7 @@ class TrainingGraph:
             torch.cuda.current_stream().wait_stream(stream)
             pool = torch.cuda.graph_pool_handle()
             self.forward_graph = torch.cuda.CUDAGraph()
-            with torch.enable_grad(), torch.cuda.graph(self.forward_graph, pool=pool):
+            with torch.enable_grad(), torch.cuda.graph(self.forward_graph, pool=pool, capture_error_mode=CAPTURE_MODE):
                 found = forward(*args)
             leaves, self.spec = pytree.tree_flatten(found)
             self.static_outputs = leaves
@@ -200,7 +204,7 @@ class TrainingGraph:
                 raise RuntimeError("no output needs gradients")
             self.static_grad_outputs = [torch.zeros_like(leaves[k]) for k in self.differentiable]
             self.backward_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.backward_graph, pool=pool):
+            with torch.cuda.graph(self.backward_graph, pool=pool, capture_error_mode=CAPTURE_MODE):
                 grads = torch.autograd.grad(
                     [leaves[k] for k in self.differentiable], self.leaves, self.static_grad_outputs, allow_unused=True
                 )
