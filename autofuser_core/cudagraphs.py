@@ -154,9 +154,9 @@ class TrainingGraph:
     - a backward with ``create_graph=True`` runs the forward again uncaptured on the
       saved inputs, so its gradients can be differentiated in turn.
 
-    ``check()`` runs one replayed step against one uncaptured step on the same inputs
-    and gradients: outputs and gradients must be bit for bit the same, or capture is
-    given up (random ops, atomics in a backward)."""
+    ``check()`` runs one replayed step against uncaptured steps on the same inputs and
+    gradients: outputs and gradients must be bit for bit the same, or no farther apart
+    than two uncaptured steps are (atomic sums), else capture is given up (random ops)."""
 
     def __init__(self, forward: Callable[..., Any], inputs: tuple, model: torch.nn.Module):
         self.forward = forward
