@@ -175,7 +175,9 @@ An AutoFuser output (or, with --train, gradients) farther from eager's than
 1e-4 (fp32) or 4e-2 (bf16) in relative L2 error is judged against the same
 model run once more in float64: it is named on stderr, and the command exits
 with status 1, where it is also farther from the float64 result than 4 times
-eager's own error plus that limit (or where the float64 run fails).
+eager's own error plus that limit (where the model can't run in float64, its
+run in strict fp32, without TF32, stands in; where neither runs, the limit
+alone judges).
 On a CPU, AutoFuser's kernels run under Triton's interpreter, which this
 command turns on by itself."""
 

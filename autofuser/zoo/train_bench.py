@@ -44,6 +44,7 @@ geometric-mean row go through the same code as the forward bench's.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import shutil
 import time
@@ -88,6 +89,7 @@ from autofuser.zoo.harness import (
     spread,
     start_autofuser_cell,
     start_row,
+    strict_fp32,
     synchronize,
     table_lines,
     where_run,
@@ -232,14 +234,20 @@ def float64_first_step(
     *,
     mesh: tuple[int, int],
     device: torch.device,
+    wide: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The float64 reference of every system's first step: ``base``'s weights (``widened``,
     train mode), input and target in float64, autocast off, the same loss; its output and
     all parameters' gradients after the backward (``flat_gradients`` in float64), under
-    the keys the cells' errors against it take (``harness.judge_by_float64``)."""
-    wide = widened(base).train()
-    step = TrainingStep(wide, wide, entry, x.double(), target.double(), mesh=mesh, device=device, dtype="fp32")
-    with no_autocast():
+    the keys the cells' errors against it take (``harness.judge_by_float64``). With
+    ``wide=False``, its stand-in for a model that can't run in float64: the same step in
+    fp32 with every product and convolution in full fp32 (``harness.strict_fp32``)."""
+    if wide:
+        model, x, target = widened(base).train(), x.double(), target.double()
+    else:
+        model = copy.deepcopy(base).train()
+    step = TrainingStep(model, model, entry, x, target, mesh=mesh, device=device, dtype="fp32")
+    with no_autocast(), strict_fp32() if not wide else contextlib.nullcontext():
         output, _ = step.forward_backward()
     return {
         "rel_err_vs_float64": output.detach(),
@@ -461,10 +469,10 @@ def bench_training_model(
     }
     firsts.clear()
 
-    def float64_step() -> dict[str, torch.Tensor]:
-        return float64_first_step(base, entry, x, target, mesh=mesh, device=device)
+    def float64_step(wide: bool = True) -> dict[str, torch.Tensor]:
+        return float64_first_step(base, entry, x, target, mesh=mesh, device=device, wide=wide)
 
-    judge_by_float64(name, row, dtype, kept, float64_step, device)
+    judge_by_float64(name, row, dtype, kept, float64_step, device, fallback=lambda: float64_step(wide=False))
     kept.clear()
     base = x = target = reference = None  # the closures hold them: freed before release_memory empties the cache
     release_memory(device)

@@ -899,17 +899,40 @@ def test_a_bench_whose_autofuser_results_differ_from_eager_fails_loudly(model_fi
     assert len(eager["block_ms"]) == eager["repeats"] and all(t > 0 for t in eager["block_ms"])
 
 
-def test_where_the_float64_reference_cannot_run_the_plain_limit_judges(model_file, tmp_path, capsys, monkeypatch):
+def test_where_float64_cannot_run_the_model_in_strict_fp32_judges(model_file, tmp_path, capsys, monkeypatch):
+    """A model that can't run in float64 (the FNO's spectral layers cast to fp32): its
+    output in fp32 with every product in full fp32 stands in for the exact one."""
     planted_fuse(monkeypatch, 1 + 3e-4)
     spec = f"{model_file}:make_float32_only"
     argv = ["bench", spec, "--device", "cpu", "--iters", "1", "--warmup", "0", "--no-compile"]
     assert main([*argv, "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     (row,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
-    assert row["float64_reference"].startswith("failed: RuntimeError"), row["float64_reference"]
-    assert "rel_err_vs_float64" not in row["systems"]["autofuser"]
-    assert f"no float64 reference to judge it by ({row['float64_reference']})" in err, err
-    assert f"- {spec}: {row['float64_reference']}" in (tmp_path / "bench.md").read_text()
+    assert row["float64_reference"].startswith("strict fp32 (float64 failed: RuntimeError"), row["float64_reference"]
+    fused, eager = row["systems"]["autofuser"], row["systems"]["eager"]
+    assert fused["rel_err_vs_float64"] == pytest.approx(3e-4, rel=0.05)
+    assert eager["rel_err_vs_float64"] < 1e-6
+    assert "against the float64 result its error is" in err, err
+    assert f"- {spec} (against {row['float64_reference']}): " in (tmp_path / "bench.md").read_text()
+
+
+def test_where_neither_reference_runs_the_plain_limit_judges():
+    row = {"model": "m", "systems": {"eager": {"rel_err_vs_eager": 0.0}, "autofuser": {"rel_err_vs_eager": 3e-4}}}
+    kept = {"autofuser": {"rel_err_vs_float64": [torch.ones(3)]}}
+
+    def fails(what):
+        def run():
+            raise RuntimeError(f"{what} can't run")
+
+        return run
+
+    harness.judge_by_float64("m", row, "fp32", kept, fails("float64"), torch.device("cpu"), fallback=fails("fp32"))
+    assert (
+        row["float64_reference"]
+        == "failed: RuntimeError: float64 can't run; strict fp32 too: RuntimeError: fp32 can't run"
+    )
+    (line,) = harness.wrong_results([row], "fp32")
+    assert f"no float64 reference to judge it by ({row['float64_reference']})" in line
 
 
 def test_the_training_bench_records_the_float64_reference_of_the_first_step(tmp_path, monkeypatch, capsys):
