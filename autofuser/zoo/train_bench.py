@@ -119,6 +119,9 @@ def training_columns(compile_systems: "tuple[str, ...] | list[str]" = SYSTEMS[1:
         "eager peak MB",
         *[f"{system} peak MB" for system in every],
         "AutoFuser peak MB",
+        "eager held MB",
+        *[f"{system} held MB" for system in every],
+        "AutoFuser held MB",
         *[f"{system} {what}" for system in every for what in ("out rel err", "grad rel err")],
         "AutoFuser out rel err",
         "AutoFuser grad rel err",
@@ -141,6 +144,7 @@ def _empty_training_cell(status: str = "not run", error: Optional[str] = None) -
         "speedup": None,
         "first_step_s": None,
         "peak_mem_mb": None,
+        "held_mb": None,
         "loss": None,
         "rel_err_vs_eager": None,
         "grad_rel_err_vs_eager": None,
@@ -253,6 +257,15 @@ def float64_first_step(
         "rel_err_vs_float64": output.detach(),
         "grad_rel_err_vs_float64": flat_gradients(step.parameters, torch.float64),
     }
+
+
+def allocated_mb(device: torch.device) -> Optional[float]:
+    """The CUDA memory allocated on ``device`` now, in MB, after its queued work is done;
+    None on a CPU."""
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    return torch.cuda.memory_allocated(device) / 2**20
 
 
 ROUND_STEPS = 5  # one system's timed steps in a row before the next system's
@@ -381,10 +394,17 @@ def bench_training_model(
     # Each system's first step, for the float64 reference (the output and one gradient
     # vector: small beside the model).
     firsts: dict[str, FirstStep] = {}
+    # CUDA memory allocated as each system's copy of the model was made (None on a CPU).
+    started: dict[str, Optional[float]] = {}
 
     def check(system: str, step: TrainingStep, first: FirstStep) -> None:
         cell = row["systems"][system]
         cell["loss"] = first.loss
+        now, then = allocated_mb(device), started.get(system)
+        if now is not None and then is not None:
+            # What the system keeps between steps, less the copies kept here for the checks.
+            kept = sum(t.numel() * t.element_size() for t in (first.output, first.gradients)) / 2**20
+            cell["held_mb"] = now - then - kept
         if reference is not None:
             cell["rel_err_vs_eager"] = relative_error(first.output, reference.output)
             cell["grad_rel_err_vs_eager"] = relative_error(first.gradients, reference.gradients)
@@ -394,6 +414,7 @@ def bench_training_model(
     def run_eager() -> None:
         nonlocal reference
         progress(f"{name}: eager training step")
+        started["eager"] = allocated_mb(device)
         model = fresh_copy()
         step = training_step(model, model)
         reference = step.first()
@@ -411,6 +432,7 @@ def bench_training_model(
         del cold, model
         release_memory(device)  # the cold copy, its optimiser state and compiled buffers
         progress(f"{name}: AutoFuser training step, warm cache")
+        started["autofuser"] = allocated_mb(device)
         model = fresh_copy()
         warm = autofuser.fuse(model, cache_dir=str(cache_dir), **(fuse_options or {}))
         step = training_step(warm, model)
@@ -430,6 +452,7 @@ def bench_training_model(
             graphs = mode in CUDA_GRAPH_MODES
             if graphs and device.type != "cuda":
                 row["systems"][system]["note"] = NO_CUDA_GRAPHS_ON_CPU
+            started[system] = allocated_mb(device)
             model = fresh_copy()
             step = training_step(torch.compile(model, mode=mode), model, mark_steps=graphs)
             first = step.first()
@@ -500,7 +523,10 @@ def render_training_markdown(result: dict[str, Any]) -> str:
         f"({settings['timing']}); speedup = eager step ms / system step ms; IQR = the interquartile range of "
         "the step times (share of the median); "
         "first step s includes compiling (AutoFuser: cold cache, then a fresh fuse on the warm cache); "
-        f"peak MB = the peak memory the timed steps add (CUDA only); {compile_modes_text(result)}; "
+        "peak MB = the peak memory the timed steps add (CUDA only); held MB = what a system keeps "
+        "between steps once its first step ran (its copy of the weights, gradients, optimiser state, "
+        "compiled buffers, CUDA graph pools; CUDA only): a graph's pool is allocated when it is captured, "
+        f"so it shows here, not in peak MB; {compile_modes_text(result)}; "
         "out / grad rel err = ||x - eager|| / ||eager|| of the first step's output and of all parameters' "
         "gradients after its backward.",
         "",
@@ -537,6 +563,9 @@ def render_training_markdown(result: dict[str, Any]) -> str:
                 format_cell(eager, "peak_mem_mb", ".1f"),
                 *[format_cell(cell, "peak_mem_mb", ".1f") for cell in compiled],
                 format_cell(fused, "peak_mem_mb", ".1f"),
+                format_cell(eager, "held_mb", ".1f"),
+                *[format_cell(cell, "held_mb", ".1f") for cell in compiled],
+                format_cell(fused, "held_mb", ".1f"),
                 *[
                     format_cell(cell, key, ".1e")
                     for cell in compiled

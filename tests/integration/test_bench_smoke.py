@@ -280,6 +280,7 @@ def test_train_bench_markdown_has_the_training_table(train_run):
         assert len(cells) == len(train_bench.TRAIN_COLUMNS) and all(cells), rows[name]
         assert cells[train_bench.TRAIN_COLUMNS.index("torch.compile step ms")] == harness.NO_COMPILE
         assert cells[train_bench.TRAIN_COLUMNS.index("AutoFuser peak MB")] == "-"  # CPU
+        assert cells[train_bench.TRAIN_COLUMNS.index("AutoFuser held MB")] == "-"
         assert not any(c.startswith("error") for c in cells)
     geomean = [c.strip() for c in rows["geometric mean"].strip().strip("|").split("|")]
     # Under the interpreter the speedup can round to 0.00: compare with bench.json, not with 0.
