@@ -246,18 +246,26 @@ def test_one_stalled_block_in_use_costs_a_second_plan_not_the_fused_model(tmp_pa
     spread, and the fused model runs, confirmed, not provisional."""
     original_calls = iter([3.0] * 4)  # the original's first block stalls; every later call is 1.0 ms
     timer = _noisy_timer(use_timer, lambda: 0.5, lambda: 1.0, lambda fused: 0.5 if fused else next(original_calls, 1.0))
+    # The plan's first call warms the original up: the stall then lands in its first block.
+    notes = _fused_confirmed_after_two_plans(tmp_path, original_runs)
+    assert "4 blocks of 4 calls on each side: 0.500 ms fused vs 1.000 ms original per call" in notes, notes
+    assert "provisional" not in notes, notes
+    assert len(timer.marks) > 0
+
+
+def _fused_confirmed_after_two_plans(tmp_path, original_runs) -> str:
+    """Fuse the model, make the calls of two plans in use and two more, check that the fused
+    model runs after them with a confirmed (not provisional) verdict filed; the report's notes."""
     model, x = _model_and_input()
     fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
     plans = in_use.MAX_ROUNDS * len(in_use.PLAN)
-    # The plan's first call warms the original up: the stall then lands in its first block.
     ran = _calls(fused, model, x, 1 + plans + 2, original_runs)
     assert ran[1 + plans :] == [False, False], "the fused model runs after the second plan"
     notes = " ".join(fused.report().notes)
-    assert "4 blocks of 4 calls on each side: 0.500 ms fused vs 1.000 ms original per call" in notes, notes
-    assert "the fused model runs" in notes and "provisional" not in notes, notes
+    assert "the fused model runs" in notes, notes
     record = _records(tmp_path)["forward_plain"]
     assert record["in_use"] is True and record["provisional"] is False
-    assert len(timer.marks) > 0
+    return notes
 
 
 def test_blocks_in_use_that_separate_settle_a_lead_inside_a_noisy_spread(tmp_path, use_timer, original_runs):
@@ -267,15 +275,8 @@ def test_blocks_in_use_that_separate_settle_a_lead_inside_a_noisy_spread(tmp_pat
     margin, and the fused model runs, a confirmed verdict."""
     fused_calls = iter([0.5] * 4 + [0.95] * 4 + [0.9] * 4 + [0.92] * 4)
     _noisy_timer(use_timer, lambda: 0.5, lambda: 1.0, lambda fused: next(fused_calls, 0.6) if fused else 1.0)
-    model, x = _model_and_input()
-    fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
-    plans = in_use.MAX_ROUNDS * len(in_use.PLAN)
-    ran = _calls(fused, model, x, 1 + plans + 2, original_runs)
-    assert ran[1 + plans :] == [False, False], "the fused model runs after the second plan"
-    notes = " ".join(fused.report().notes)
-    assert "4 blocks of 4 calls on each side" in notes and "the fused model runs" in notes, notes
-    record = _records(tmp_path)["forward_plain"]
-    assert record["in_use"] is True and record["provisional"] is False
+    notes = _fused_confirmed_after_two_plans(tmp_path, original_runs)
+    assert "4 blocks of 4 calls on each side" in notes, notes
 
 
 def test_a_verdict_inside_the_noise_in_use_is_not_cached_as_final(tmp_path, use_timer, original_runs):
