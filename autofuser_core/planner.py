@@ -605,8 +605,8 @@ def plan_fusion_groups(
         if verdict is not None:
             refuse(candidate, *verdict)
             return
-        if view.creates_cycle(set(nodes), kept_of, kept_groups):
-            late = view.reentered(set(nodes), kept_of, kept_groups)
+        late = view.reentered(set(nodes), kept_of, kept_groups)  # none: no cycle
+        if late:
             parts = [[n for n in nodes if n not in late], [n for n in nodes if n in late]]
             parts = [part for part in parts if part]
             split = len(parts) == 2 and depth < MAX_CYCLE_SPLITS

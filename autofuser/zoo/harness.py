@@ -47,7 +47,6 @@ import argparse
 import contextlib
 import copy
 import datetime
-import functools
 import gc
 import itertools
 import json
@@ -754,9 +753,8 @@ def forward_systems(
     model: torch.nn.Module,
     call: Callable[[Callable[..., Any]], Callable[[], Any]],
     finish: Callable[[dict[str, Any], Any], None],
-    float64_call: Callable[[], Any],
+    inputs: tuple[tuple, dict],
     *,
-    strict_call: Optional[Callable[[], Any]] = None,
     device: torch.device,
     dtype: str,
     iters: int,
@@ -768,10 +766,10 @@ def forward_systems(
     """Run and time every system's forward on ``model`` into ``row``: ``call(fn)`` is the
     zero-argument call of ``fn`` (the model, or a system wrapping it) on the row's inputs,
     ``finish(cell, output)`` records what is checked beyond the error against eager,
-    ``float64_call()`` is the model's output in float64 (``float64_forward``), run where an
-    error against eager is past the limit (``judge_by_float64``), ``strict_call()`` its
-    stand-in in strict fp32 where float64 fails (``strict_fp32_forward``). torch.compile runs in each
-    mode of the row's cells (``system_cells``)."""
+    ``inputs`` are the call's ``(args, kwargs)``, from which the model's output in float64
+    (``float64_forward``), or where that fails in strict fp32 (``strict_fp32_forward``),
+    is taken where an error against eager is past the limit (``judge_by_float64``).
+    torch.compile runs in each mode of the row's cells (``system_cells``)."""
     autofuser_cell = start_autofuser_cell(row, first_call_cold_s=None, first_call_warm_s=None, warm_phases=None)
     eager_cell = row["systems"]["eager"]
     reference: Any = None
@@ -848,9 +846,9 @@ def forward_systems(
         row,
         dtype,
         kept,
-        lambda: {"rel_err_vs_float64": float64_call()},
+        lambda: {"rel_err_vs_float64": float64_forward(model, *inputs)},
         device,
-        fallback=None if strict_call is None else lambda: {"rel_err_vs_float64": strict_call()},
+        fallback=lambda: {"rel_err_vs_float64": strict_fp32_forward(model, *inputs)},
     )
     if row["systems"]["autofuser"]["status"] == "ok" and autofuser_cell["fused_groups"] == 0:
         progress(f"{name}: AutoFuser fused no group; its speedup is left out (see the report's reasons)")
@@ -903,8 +901,7 @@ def bench_model(
         model,
         call,
         finish,
-        lambda: float64_forward(model, (x,), {}),
-        strict_call=lambda: strict_fp32_forward(model, (x,), {}),
+        ((x,), {}),
         device=device,
         dtype=dtype,
         iters=iters,
@@ -1000,8 +997,7 @@ def bench_custom_model(
         model,
         call,
         lambda cell, out: None,
-        functools.partial(float64_forward, model, args, kwargs),
-        strict_call=functools.partial(strict_fp32_forward, model, args, kwargs),
+        (args, kwargs),
         device=device,
         dtype=dtype,
         iters=iters,
