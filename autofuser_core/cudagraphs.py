@@ -114,11 +114,17 @@ def try_cuda_graph(
     forward: Callable[..., Any], inputs: tuple, model: torch.nn.Module
 ) -> tuple[Optional[CudaGraphRunner], str]:
     """A runner, or ``None`` and the reason capture is not possible."""
+    return _captured(lambda: CudaGraphRunner(forward, inputs, model), inputs)
+
+
+def _captured(capture: Callable[[], Any], inputs: tuple) -> tuple[Any, str]:
+    """``capture()``'s result and "captured", or ``None`` and why it could not be: the
+    inputs are not all on a GPU, or capture raised."""
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     if not tensors or any(t.device.type != "cuda" for t in tensors):
         return None, "inputs are not all CUDA tensors"
     try:
-        return CudaGraphRunner(forward, inputs, model), "captured"
+        return capture(), "captured"
     except Exception as err:  # anything the graph can't hold (syncs, CPU ops) means: run uncaptured
         torch.cuda.synchronize()
         return None, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -224,6 +230,15 @@ class TrainingGraph:
     def _differentiable(found: Any) -> tuple[list, list]:
         leaves = pytree.tree_leaves(found)
         return leaves, [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+
+    def placed(self, grads: list[Optional[torch.Tensor]], count: int) -> list[Optional[torch.Tensor]]:
+        """Gradients of ``self.leaves`` (the inputs that need them, then the parameters) as
+        ``_ReplayStep``'s backward returns them: one per tensor input of ``count``, None where
+        an input needs none, then one per parameter."""
+        placed: list[Optional[torch.Tensor]] = [None] * count
+        for k, grad in zip(self.grad_inputs, grads):
+            placed[k] = grad
+        return placed + grads[len(self.grad_inputs) :]
 
     def usable(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether this call, of these tensor inputs, may replay (the class doc's conditions;
@@ -368,11 +383,11 @@ class _ReplayStep(torch.autograd.Function):
                 static.copy_(grad)
         graph.backward_graph.replay()
         ctx.pending.close()
-        input_grads: list[Optional[torch.Tensor]] = [None] * ctx.count
-        found = [g.clone() if g is not None else None for g in graph.static_grads]
-        for k, grad in zip(graph.grad_inputs, found):
-            input_grads[k] = grad
-        return (None, None, *input_grads, *found[len(graph.grad_inputs) :])
+        return (
+            None,
+            None,
+            *graph.placed([g.clone() if g is not None else None for g in graph.static_grads], ctx.count),
+        )
 
 
 def _differentiable_gradients(ctx, grads: Sequence[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
@@ -390,16 +405,12 @@ def _differentiable_gradients(ctx, grads: Sequence[Optional[torch.Tensor]]) -> l
         if by_output.get(k) is not None and outputs[k].requires_grad
     ]
     wanted = [inputs[k] for k in graph.grad_inputs] + params
-    result: list[Optional[torch.Tensor]] = [None] * (ctx.count + len(params))
     if not pairs:
-        return result
+        return [None] * (ctx.count + len(params))
     found_grads = torch.autograd.grad(
         [o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True, create_graph=True
     )
-    for k, grad in zip(graph.grad_inputs, found_grads):
-        result[k] = grad
-    result[ctx.count :] = found_grads[len(graph.grad_inputs) :]
-    return result
+    return graph.placed(list(found_grads), ctx.count)
 
 
 def try_training_graph(
@@ -407,15 +418,13 @@ def try_training_graph(
 ) -> tuple[Optional[TrainingGraph], str]:
     """A training graph whose replay was checked against an uncaptured step, or ``None``
     and the reason it can't be."""
-    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-    if not tensors or any(t.device.type != "cuda" for t in tensors):
-        return None, "inputs are not all CUDA tensors"
-    try:
+
+    def capture() -> tuple[TrainingGraph, Optional[str]]:
         graph = TrainingGraph(forward, inputs, model)
-        why = graph.check(inputs)
-    except Exception as err:  # anything a graph can't hold (syncs, host ops): run uncaptured
-        torch.cuda.synchronize()
-        return None, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    if why is not None:
+        return graph, graph.check(inputs)
+
+    found, why = _captured(capture, inputs)
+    if found is None:
         return None, why
-    return graph, "captured"
+    graph, differs = found
+    return (None, differs) if differs is not None else (graph, why)

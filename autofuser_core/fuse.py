@@ -1163,17 +1163,10 @@ class FusedModule(torch.nn.Module):
                         "faster): so does this shape"
                     )
             elif self._options.cuda_graphs and inference and cuda:
-                with preserved_state(self._model):
-                    no_graph = writes_into_inputs(fused_gm, flat)
+                why_not = self._why_no_graph(fused_gm, flat)
+                no_graph = why_not is not None
                 if no_graph:
-                    report.notes.append("no CUDA graph: the forward writes into its inputs in place")
-                elif any(kernel.host_scalars for kernel in fused_kernels(fused_gm)):
-                    # A copy from host memory can't be captured: capture would fail, and torch warn.
-                    no_graph = True
-                    report.notes.append(
-                        "no CUDA graph: a kernel reads a one-element tensor the forward makes "
-                        "in host memory (torch.tensor(2.5)), copied to the GPU on every call"
-                    )
+                    report.notes.append(f"no CUDA graph: {why_not}")
             timer = timing.current()
             measured = (
                 self._options.verify_speed and inference and timer.can_time_forward(device) and not later_in_class
@@ -1405,21 +1398,30 @@ class FusedModule(torch.nn.Module):
         inputs, or a kernel reads a host scalar (a copy from host memory can't be captured)."""
         if not self._options.cuda_graphs or _device_of(flat).type != "cuda":
             return fused_gm
-        why = None
-        if _calls_model_code(fused_gm):
-            why = "parts of the model's own code run in it"
-        elif any(kernel.host_scalars for kernel in fused_kernels(fused_gm)):
-            why = "a kernel reads a one-element tensor the forward makes in host memory"
-        else:
+        why = "parts of the model's own code run in it" if _calls_model_code(fused_gm) else None
+        why = why or self._why_no_graph(fused_gm, flat)
+        if why is None:
             with preserved_state(self._model):
-                if writes_into_inputs(fused_gm, flat):
-                    why = "the forward writes into its inputs in place"
-                else:
-                    graph, why = try_training_graph(fused_gm, flat, self._model)
-                    if graph is not None:
-                        return graph
+                graph, why = try_training_graph(fused_gm, flat, self._model)
+            if graph is not None:
+                return graph
         report.notes.append(f"no CUDA graph for the training step ({why}); kernels launch one by one")
         return fused_gm
+
+    def _why_no_graph(self, fused_gm, flat: tuple) -> Optional[str]:
+        """Why ``fused_gm`` can't replay as a CUDA graph whatever capture would say, or ``None``:
+        it writes into its inputs (a replay would write into its own static copies), or a
+        kernel reads a host scalar (a copy from host memory can't be captured: capture would
+        fail, and torch warn)."""
+        with preserved_state(self._model):
+            if writes_into_inputs(fused_gm, flat):
+                return "the forward writes into its inputs in place"
+        if any(kernel.host_scalars for kernel in fused_kernels(fused_gm)):
+            return (
+                "a kernel reads a one-element tensor the forward makes in host memory "
+                "(torch.tensor(2.5)), copied to the GPU on every call"
+            )
+        return None
 
     def _file_shape(
         self,

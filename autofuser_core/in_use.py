@@ -21,8 +21,8 @@ three or more left out: ``timing.steady_spread``, ``timing.inside_spread``); a
 verdict inside the spread is measured again by a second plan (``MAX_ROUNDS``), after
 which the original runs unless it has come clear - by the lead, or by every one of
 four fused blocks beating every one of the original's by the margin
-(``SEPARATED_BLOCKS``: a noisy host spreads both sides' blocks wider than a real lead) - and the verdict is provisional
-(``Settled.provisional``: not cached as final). Else the original runs for that
+(``SEPARATED_BLOCKS``: a noisy host spreads both sides' blocks wider than a real
+lead) - and the verdict is provisional (``Settled.provisional``: not cached as final). Else the original runs for that
 signature from then on. Both runners compute the same results within the verified
 tolerance, so the calls of the plan are the user's calls as usual.
 
