@@ -38,6 +38,14 @@ MAX_STEPS = 6
 #: fp32 values per thread (whole-row tiles, accumulators, operands) before registers spill.
 REGS_PER_THREAD = 160
 CHUNKS = (64, 32, 128)
+#: Triton 3.6 on sm_90 (H100): a chain with 16-bit products whose later product takes a
+#: row operand computed in the kernel (the earlier product's result, held in registers)
+#: read shared memory out of bounds with ``BLOCK_M`` 64 over 4 warps, one warp group of
+#: 64 rows, in every chunk size and pipelining depth; an illegal memory access leaves the
+#: CUDA context unusable, so the process can't even fall back to eager. Every other
+#: ``BLOCK_M`` x ``num_warps`` of the same kernels ran (``benchmarks/chain_fault_probe.py``;
+#: BENCHMARKS.md, "Measurements behind rules in the code"). Such configs are not offered.
+FAULTING_16BIT_BLOCK = (64, 4)  # (BLOCK_M, num_warps)
 
 
 def _product_nodes(view, nodes) -> int:
@@ -174,6 +182,13 @@ def is_valid(program, config):
     threads = 32 * config["num_warps"]
     if block_m < 16:
         return "BLOCK_M below 16 (tl.dot's smallest tile)"
+    if (block_m, config["num_warps"]) == FAULTING_16BIT_BLOCK and any(
+        s.operand_dtype is not None for s in layout.steps
+    ):
+        return (
+            f"BLOCK_M {block_m} over {config['num_warps']} warps with 16-bit products reads shared memory "
+            "out of bounds (Triton 3.6, sm_90)"
+        )
     carried = max([padded(w) for w in layout.row_widths] + [0])
     worst_regs = worst_smem = 0
     for s in layout.steps:

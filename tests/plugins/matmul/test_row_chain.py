@@ -325,6 +325,32 @@ def test_validity_rule_bounds_registers_and_shared_memory():
     assert chain.is_valid(program, big_tiles) is not None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_block_of_64_rows_over_4_warps_is_never_offered_to_16_bit_chains(dtype):
+    """That block read shared memory out of bounds on sm_90 (chain.FAULTING_16BIT_BLOCK);
+    fp32 chains, which did not fault, keep it, and 16-bit chains keep every other block."""
+    from autofuser_plugins.matmul.mlp import chain
+
+    model = _randomise(BlockTail(attn_width=37, width=37)).to(dtype)
+    x, attn = torch.randn(3, 5, 37, dtype=dtype), torch.randn(3, 5, 37, dtype=dtype)
+    gm = autofuser.capture(model, x, attn)
+    [candidate] = [
+        c for c in plan_fusion_groups(gm, autofuser.load_plugins().registry).kept if c.strategy.name == "row_chain"
+    ]
+    program = candidate.program
+    assert any(s.operand_dtype is not None for s in program.product_layout.steps) == (dtype != torch.float32)
+    offered = chain.configs(program)
+    faulting = [c for c in offered if (c["BLOCK_M"], c["num_warps"]) == (64, 4)]
+    assert faulting
+    verdicts = [chain.is_valid(program, c) for c in faulting]
+    if dtype == torch.float32:
+        assert verdicts == [None] * len(faulting)
+    else:
+        assert all(v is not None and "out of bounds" in v for v in verdicts)
+        others = [c for c in offered if c not in faulting and chain.is_valid(program, c) is None]
+        assert {(c["BLOCK_M"], c["num_warps"]) for c in others} >= {(64, 8), (32, 4), (128, 8)}
+
+
 def test_zoo_transformer_fuses_each_block_tail_into_one_chain():
     from autofuser.zoo.models import MODELS
 
