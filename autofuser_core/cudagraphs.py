@@ -176,12 +176,10 @@ class TrainingGraph:
             inputs[i].detach().clone().requires_grad_(inputs[i].requires_grad) for i in self.tensor_slots
         ]
         self.grad_inputs = [k for k, t in enumerate(self.static_inputs) if t.requires_grad]
-        self.leaves = [self.static_inputs[k] for k in self.grad_inputs] + self.params
-        if not self.leaves:
+        if not self.grad_inputs and not self.params:
             raise RuntimeError("nothing needs gradients")
         self.pending = 0  # replayed calls whose backward has not run, their autograd graphs alive
         self.generation = 0  # forward replays so far
-        args = self._args(self.static_inputs)
         cache = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)  # a cached cast would live outside the graph's pool
         try:
@@ -189,17 +187,18 @@ class TrainingGraph:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.enable_grad():
                 for _ in range(TRAINING_WARMUP):
-                    outputs, differentiable = self._differentiable(forward(*args))
+                    found, wrt = self._through_views()
+                    outputs, differentiable = self._differentiable(found)
                     if differentiable:
                         torch.autograd.grad(
-                            differentiable, self.leaves, [torch.ones_like(t) for t in differentiable], allow_unused=True
+                            differentiable, wrt, [torch.ones_like(t) for t in differentiable], allow_unused=True
                         )
-                    del outputs, differentiable
+                    del outputs, differentiable, found, wrt
             torch.cuda.current_stream().wait_stream(stream)
             pool = torch.cuda.graph_pool_handle()
             self.forward_graph = torch.cuda.CUDAGraph()
             with torch.enable_grad(), torch.cuda.graph(self.forward_graph, pool=pool, capture_error_mode=CAPTURE_MODE):
-                found = forward(*args)
+                found, wrt = self._through_views()
             leaves, self.spec = pytree.tree_flatten(found)
             self.static_outputs = leaves
             self.tensor_outputs = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
@@ -212,13 +211,38 @@ class TrainingGraph:
             self.backward_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.backward_graph, pool=pool, capture_error_mode=CAPTURE_MODE):
                 grads = torch.autograd.grad(
-                    [leaves[k] for k in self.differentiable], self.leaves, self.static_grad_outputs, allow_unused=True
+                    [leaves[k] for k in self.differentiable], wrt, self.static_grad_outputs, allow_unused=True
                 )
             self.static_grads = list(grads)
+            del wrt
         finally:
             torch.set_autocast_cache_enabled(cache)
         # The leaves' autograd history is no longer needed: the graphs hold the memory.
         self.static_outputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in self.static_outputs]
+
+    def _through_views(self) -> tuple[Any, list[torch.Tensor]]:
+        """``forward`` on the static inputs, reading each input and parameter that needs a
+        gradient through a view made here (``functional_call``), and those views: the
+        gradients to capture. A gradient is taken at the view's node, made on this stream,
+        never at the parameter's accumulator, which lives as long as anything holds an
+        earlier step's autograd graph (the user's last loss) and belongs to the stream that
+        step ran on. Reaching that stream from a capture is an error ("operation would make
+        the legacy stream depend on a capturing blocking stream")."""
+        inputs = [t.view_as(t) if t.requires_grad else t for t in self.static_inputs]
+        views = {id(p): p.view_as(p) for p in self.params}
+        args = self._args(inputs)
+        module = self.forward if isinstance(self.forward, torch.nn.Module) else None
+        named = module.named_parameters(remove_duplicate=False) if module is not None else ()
+        swapped = {name: views[id(p)] for name, p in named if id(p) in views}
+        if module is not None and swapped:
+            found = torch.func.functional_call(module, swapped, tuple(args), strict=False, tie_weights=False)
+        else:
+            found = self.forward(*args)
+        # A parameter the forward does not read through its attributes keeps its own node.
+        wrt = [inputs[k] for k in self.grad_inputs]
+        read = {id(v) for v in swapped.values()}
+        wrt += [views[id(p)] if id(views[id(p)]) in read else p for p in self.params]
+        return found, wrt
 
     def _args(self, tensors: Sequence[torch.Tensor]) -> list:
         args = list(self.template)
@@ -232,7 +256,7 @@ class TrainingGraph:
         return leaves, [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
 
     def placed(self, grads: list[Optional[torch.Tensor]], count: int) -> list[Optional[torch.Tensor]]:
-        """Gradients of ``self.leaves`` (the inputs that need them, then the parameters) as
+        """Gradients of the inputs that need them, then of the parameters (``self.params``), as
         ``_ReplayStep``'s backward returns them: one per tensor input of ``count``, None where
         an input needs none, then one per parameter."""
         placed: list[Optional[torch.Tensor]] = [None] * count

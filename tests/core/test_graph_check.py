@@ -54,3 +54,46 @@ def test_integer_and_missing_results_must_be_the_same():
     assert not as_close_as_itself([grad, index + 1], [grad, index], [_rounded(grad, 1e-7), index])
     assert not as_close_as_itself([grad, None], [grad, index], [grad, index])
     assert not as_close_as_itself([grad], [grad, index], [grad, index])
+
+
+def test_captured_gradients_are_taken_at_views_made_in_the_step_and_equal_eager():
+    """``TrainingGraph._through_views``: the capture asks for gradients at views of the
+    inputs and parameters made in the step itself (an earlier step's accumulators belong
+    to the stream that step ran on), read through the module's attributes, nested names
+    included; they equal the gradients of the parameters themselves. A parameter the
+    forward reaches without its attribute keeps its own node, and its gradient is still right."""
+    import torch.nn as nn
+
+    from autofuser_core.cudagraphs import TrainingGraph
+
+    torch.manual_seed(2)
+    hidden = nn.Parameter(torch.randn(13))  # read from a closure, not an attribute
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(13, 7), nn.Tanh())
+            self.scale = nn.Parameter(torch.rand(7) + 0.5)
+            self.frozen = nn.Parameter(torch.randn(7), requires_grad=False)
+
+        def forward(self, x, shift):
+            return self.inner(x * hidden) * self.scale + self.frozen + shift
+
+    net = Net()
+    x, shift = torch.randn(3, 5, 13, requires_grad=True), 0.25
+    graph = TrainingGraph.__new__(TrainingGraph)  # the CUDA-free parts only
+    graph.forward, graph.template, graph.tensor_slots = net, [x, shift], [0]
+    graph.static_inputs, graph.grad_inputs = [x], [0]
+    graph.params = [p for p in net.parameters() if p.requires_grad] + [hidden]
+    found, wrt = graph._through_views()
+    assert len(wrt) == 1 + len(graph.params)
+    assert wrt[0] is not x and wrt[0]._base is x
+    by_view = [w for w, p in zip(wrt[1:], graph.params) if w is not p]
+    assert len(by_view) == len(graph.params) - 1 and all(w.grad_fn is not None for w in by_view)
+    assert wrt[-1] is hidden
+    upstream = torch.randn_like(found)
+    got = torch.autograd.grad(found, wrt, upstream)
+    expected = torch.autograd.grad(net(x, shift), [x, *graph.params], upstream)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+    assert dict(net.named_parameters())["scale"] is net.scale  # the module is left as it was

@@ -135,6 +135,27 @@ def test_an_input_needing_a_gradient_it_was_captured_without_runs_uncaptured():
     torch.testing.assert_close(x.grad, x_twin.grad)
 
 
+def test_a_step_captured_while_an_earlier_steps_autograd_graph_lives_replays_and_trains_as_eager():
+    """A user's last loss keeps its autograd graph alive, and with it each parameter's
+    gradient accumulator, on the stream that step ran on (the default one): capturing must
+    not reach that stream, or capture fails."""
+    model, twin = _pair(7)
+    x = torch.randn(2, 45, 37, device="cuda")
+    kept = model(x).square().mean()
+    kept.backward()
+    model.zero_grad(set_to_none=True)
+    graph = _graph(model, x)
+    start = graph.generation
+    for _ in range(2):
+        y = torch.randn(2, 45, 37, device="cuda")
+        graph(y).square().mean().backward()
+        twin(y).square().mean().backward()
+    assert graph.generation == start + 2
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+    del kept
+
+
 def test_random_ops_are_not_captured():
     class Dropped(Block):
         def forward(self, x):
