@@ -222,6 +222,16 @@ class TrainingStep:
         self.forward_backward()
         self.optimiser.step()
 
+    def rerun_from(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> FirstStep:
+        """The first step's forward and backward again, once ``model``'s parameters and
+        buffers are ``state`` again (copied in place: a CUDA graph keeps reading them), without
+        the optimiser's step: what a system runs once it settled, against eager's first step."""
+        with torch.no_grad():
+            for name, tensor in model.state_dict().items():
+                tensor.copy_(state[name])
+        output, loss = self.forward_backward()
+        return FirstStep(output.detach().clone(), loss.detach().item(), flat_gradients(self.parameters), 0.0)
+
     def first(self) -> FirstStep:
         """The first step, timed (synchronised on both sides), keeping what the checks compare."""
         (output, loss), forward_backward_s = first_call_s(self.forward_backward, self.device)
@@ -397,17 +407,29 @@ def bench_training_model(
     # CUDA memory allocated as each system's copy of the model was made (None on a CPU).
     started: dict[str, Optional[float]] = {}
 
-    def check(system: str, step: TrainingStep, first: FirstStep) -> None:
+    def check(system: str, step: TrainingStep, first: FirstStep, again: Optional[FirstStep] = None) -> None:
+        """``first``'s errors against eager's first step; with ``again`` (the same step once
+        the system settled which runner it keeps), the larger of the two, and the worse step
+        is the one the float64 reference judges."""
         cell = row["systems"][system]
         cell["loss"] = first.loss
         now, then = allocated_mb(device), started.get(system)
         if now is not None and then is not None:
             # What the system keeps between steps, less the copies kept here for the checks.
-            kept = sum(t.numel() * t.element_size() for t in (first.output, first.gradients)) / 2**20
+            copies = [t for found in (first, again) if found is not None for t in (found.output, found.gradients)]
+            kept = sum(t.numel() * t.element_size() for t in copies) / 2**20
             cell["held_mb"] = now - then - kept
         if reference is not None:
-            cell["rel_err_vs_eager"] = relative_error(first.output, reference.output)
-            cell["grad_rel_err_vs_eager"] = relative_error(first.gradients, reference.gradients)
+            judged = []
+            for found in (first, again) if again is not None else (first,):
+                errors = (
+                    relative_error(found.output, reference.output),
+                    relative_error(found.gradients, reference.gradients),
+                )
+                judged.append((max(errors), errors, found))
+            _, _, first = max(judged, key=lambda j: j[0])
+            cell["rel_err_vs_eager"] = max(errors[0] for _, errors, _ in judged)
+            cell["grad_rel_err_vs_eager"] = max(errors[1] for _, errors, _ in judged)
         steps[system] = step
         firsts[system] = first
 
@@ -443,7 +465,10 @@ def bench_training_model(
         autofuser_cell["warm_cache_hits"] = sum(g.cache_hit for g in warm.report().fused)
         # Whether the checked and timed module runs its kernels or, not being faster, the original.
         autofuser_cell["warm_notes"] = list(warm.report().notes)
-        check("autofuser", step, first)
+        # The first step may have run the original while the check in use was under way: the
+        # settled runner, which the timed steps run, is checked on the first step's weights too.
+        again = step.rerun_from(model, fresh_copy().state_dict())
+        check("autofuser", step, first, again)
 
     def compile_run(system: str, mode: str) -> Callable[[], None]:
         def run_compile() -> None:

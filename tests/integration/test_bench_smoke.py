@@ -347,6 +347,43 @@ def test_train_bench_a_failing_system_is_an_error_cell(tmp_path, monkeypatch):
     assert result["geomean_speedup"]["autofuser"] is None
 
 
+@pytest.mark.parametrize("train", [False, True], ids=["forward", "training step"])
+def test_autofuser_errors_count_what_the_timed_calls_run_not_only_the_first(tmp_path, monkeypatch, train):
+    """The first call may run the original while the check in use is under way; a module
+    whose later calls drift from eager must show that drift in its error cells."""
+    real_fuse = autofuser.fuse
+
+    def drifting_fuse(model, *args, **kwargs):
+        fused = real_fuse(model, *args, **{"plugins": [], **kwargs})  # nothing fused: fast
+        forward, calls = fused.forward, []
+
+        def drifting(*inputs, **named):
+            calls.append(1)
+            out = forward(*inputs, **named)
+            return out if len(calls) == 1 else out * 1.01
+
+        fused.forward = drifting
+        return fused
+
+    monkeypatch.setattr(autofuser, "fuse", drifting_fuse)
+    result = harness.run_bench(
+        ["fno"],
+        device=harness.torch.device("cpu"),
+        config="tiny",
+        iters=1,
+        warmup=0,
+        out=tmp_path,
+        no_compile=True,
+        train=train,
+    )
+    (row,) = result["rows"]
+    cell = row["systems"]["autofuser"]
+    assert cell["status"] == "ok", cell.get("error")
+    assert 5e-3 < cell["rel_err_vs_eager"] < 2e-2
+    if train:
+        assert 5e-3 < cell["grad_rel_err_vs_eager"] < 2e-2
+
+
 def test_train_and_train_steps_are_told_apart(tmp_path, capsys):
     parser = harness.argparse.ArgumentParser()
     harness.add_arguments(parser)
