@@ -323,21 +323,20 @@ def test_train_bench_times_the_systems_in_turns_and_keeps_the_others_when_one_fa
         assert peak is None  # peak memory is measured on CUDA only
 
 
+def _tiny_fno_bench(out, train: bool) -> dict:
+    """The tiny FNO through the bench on the CPU, once, without torch.compile."""
+    cpu = harness.torch.device("cpu")
+    return harness.run_bench(
+        ["fno"], device=cpu, config="tiny", iters=1, warmup=0, out=out, no_compile=True, train=train
+    )
+
+
 def test_train_bench_a_failing_system_is_an_error_cell(tmp_path, monkeypatch):
     def broken_fuse(model, *args, **kwargs):
         raise RuntimeError("deliberately broken fuse")
 
     monkeypatch.setattr(autofuser, "fuse", broken_fuse)
-    result = harness.run_bench(
-        ["fno"],
-        device=harness.torch.device("cpu"),
-        config="tiny",
-        iters=1,
-        warmup=0,
-        out=tmp_path,
-        no_compile=True,
-        train=True,
-    )
+    result = _tiny_fno_bench(tmp_path, train=True)
     (row,) = result["rows"]
     eager, fused = row["systems"]["eager"], row["systems"]["autofuser"]
     assert eager["status"] == "ok" and eager["step_ms"] > 0
@@ -366,16 +365,7 @@ def test_autofuser_errors_count_what_the_timed_calls_run_not_only_the_first(tmp_
         return fused
 
     monkeypatch.setattr(autofuser, "fuse", drifting_fuse)
-    result = harness.run_bench(
-        ["fno"],
-        device=harness.torch.device("cpu"),
-        config="tiny",
-        iters=1,
-        warmup=0,
-        out=tmp_path,
-        no_compile=True,
-        train=train,
-    )
+    result = _tiny_fno_bench(tmp_path, train=train)
     (row,) = result["rows"]
     cell = row["systems"]["autofuser"]
     assert cell["status"] == "ok", cell.get("error")

@@ -42,6 +42,19 @@ def _graph(model, x) -> TrainingGraph:
     return graph
 
 
+def _train_side_by_side(graph: TrainingGraph, model, twin, shape: tuple, steps: int) -> None:
+    """``steps`` backwards through replays of ``graph`` and through ``twin``, without
+    zero_grad: every call replayed, and the summed gradients equal."""
+    start = graph.generation
+    for _ in range(steps):
+        x = torch.randn(*shape, device="cuda")
+        graph(x).square().mean().backward()
+        twin(x).square().mean().backward()
+    assert graph.generation == start + steps
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+
+
 def _grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
@@ -77,14 +90,7 @@ def test_replayed_steps_train_as_eager_does_and_never_overwrite_results():
 def test_gradients_accumulate_over_backwards_of_replayed_calls():
     model, twin = _pair(1)
     graph = _graph(model, torch.randn(2, 57, 37, device="cuda"))
-    start = graph.generation
-    for _ in range(3):  # no zero_grad between: .grad sums the three
-        x = torch.randn(2, 57, 37, device="cuda")
-        graph(x).square().mean().backward()
-        twin(x).square().mean().backward()
-    assert graph.generation == start + 3
-    for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+    _train_side_by_side(graph, model, twin, (2, 57, 37), 3)  # no zero_grad between: .grad sums the three
 
 
 def test_a_call_before_the_last_ones_backward_runs_uncaptured_and_both_are_right():
@@ -145,14 +151,7 @@ def test_a_step_captured_while_an_earlier_steps_autograd_graph_lives_replays_and
     kept.backward()
     model.zero_grad(set_to_none=True)
     graph = _graph(model, x)
-    start = graph.generation
-    for _ in range(2):
-        y = torch.randn(2, 45, 37, device="cuda")
-        graph(y).square().mean().backward()
-        twin(y).square().mean().backward()
-    assert graph.generation == start + 2
-    for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+    _train_side_by_side(graph, model, twin, (2, 45, 37), 2)
     del kept
 
 
