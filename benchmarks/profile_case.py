@@ -17,6 +17,13 @@ the tool and its tests run without a GPU.
 a mean-square loss over the outputs, backward; the optimiser, the same on every
 side, left out): where a step's backward spends its time.
 
+``--memory`` (CUDA) adds where each system's memory stays between calls: what
+its calls keep allocated once they are done (its compiled buffers, CUDA graph
+pools' live tensors, gradients) and the largest of those allocations grouped by
+the line of Python that made them, from torch's allocator history:
+
+    python benchmarks/profile_case.py --zoo transolver --train --systems eager,autofuser --memory
+
 One case of ``benchmarks/attention.py`` (a form) or of ``benchmarks/matmul.py``
 (a case whose name contains ``--form``), AutoFuser only, as before: the
 report's notes (CUDA graph or not, whole-forward times), tuning timings and a
@@ -47,8 +54,64 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 #: ``autofuser-fused``: the fused model whatever the speed checks decide (``verify_speed=False``):
 #: where a check keeps the original, what the fused forward or step would spend, and on what.
 SIDE_BY_SIDE_SYSTEMS = ("eager", "autofuser", "autofuser-fused", *COMPILE_MODES)
+#: Allocations ``--memory`` keeps the stacks of (torch's allocator history, per system).
+MEMORY_HISTORY = 200_000
 #: Kernel names longer than this are cut in the table (Inductor's and cuDNN's run long).
 NAME_WIDTH = 90
+
+
+class MemorySite(NamedTuple):
+    """Live memory made at one place: ``where`` (file:line in function, the innermost frame
+    outside torch; ``[graph pool]`` where it lies in a CUDA graph's private pool)."""
+
+    where: str
+    mb: float
+    blocks: int
+
+
+#: Frames of these paths are torch's own: a site is named by the first frame outside them.
+TORCH_FRAMES = ("/torch/", "/triton/", "<frozen ", "contextlib.py", "functools.py")
+
+
+def _site(frames: list, pooled: bool) -> str:
+    """The allocation's place: the innermost frame not in ``TORCH_FRAMES`` (the innermost of
+    all where every one is)."""
+    chosen = next((f for f in frames if not any(p in f.get("filename", "") for p in TORCH_FRAMES)), None)
+    chosen = chosen or (frames[0] if frames else None)
+    where = (
+        f"{Path(chosen.get('filename', '?')).name}:{chosen.get('line', '?')} in {chosen.get('name', '?')}"
+        if chosen
+        else "(no stack recorded)"
+    )
+    return where + (" [graph pool]" if pooled else "")
+
+
+def live_sites(snapshot: dict) -> list[MemorySite]:
+    """The allocated blocks of an allocator ``snapshot`` (``torch.cuda.memory._snapshot()``)
+    grouped by ``_site``, largest first. A block in a segment of a private pool (a CUDA
+    graph's: ``segment_pool_id`` other than (0, 0)) is marked as such."""
+    sizes: dict[str, list[int]] = defaultdict(list)
+    for segment in snapshot.get("segments", []):
+        pooled = tuple(segment.get("segment_pool_id") or (0, 0)) != (0, 0)
+        for block in segment.get("blocks", []):
+            if block.get("state") == "active_allocated":
+                sizes[_site(block.get("frames") or [], pooled)].append(block["size"])
+    sites = [MemorySite(where, sum(found) / 2**20, len(found)) for where, found in sizes.items()]
+    return sorted(sites, key=lambda site: -site.mb)
+
+
+def render_memory(memory: dict[str, tuple[float, list[MemorySite]]], *, top: int) -> str:
+    """The ``--memory`` section: per system what its calls keep allocated, then its ``top``
+    allocation sites."""
+    lines = ["", "## Memory kept between calls", "", "| system | MB kept |", "|---|---|"]
+    for system, (kept, _) in memory.items():
+        lines.append(f"| {system_label(system)} | {kept:.1f} |")
+    for system, (_, sites) in memory.items():
+        lines += ["", f"### {system_label(system)}: largest allocation sites", "", "| where | MB | blocks |"]
+        lines.append("|---|---|---|")
+        for site in sites[:top]:
+            lines.append(f"| `{site.where.replace('|', '/')}` | {site.mb:.1f} | {site.blocks} |")
+    return "\n".join(lines) + "\n"
 
 
 class KernelRow(NamedTuple):
@@ -82,6 +145,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "--train",
         action="store_true",
         help="side by side: profile training steps (zero_grad, forward, loss, backward; no optimiser) in train mode",
+    )
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="side by side, CUDA: also where each system's memory stays between calls (allocation sites)",
     )
     parser.add_argument("--calls", type=int, default=20, help="side by side: forwards profiled per system")
     parser.add_argument("--warmup", type=int, default=10, help="side by side: forwards before profiling")
@@ -239,8 +307,11 @@ def _model_and_call(args: argparse.Namespace, device: torch.device) -> tuple[tor
     return model.eval(), call, title
 
 
-def profile_systems(args: argparse.Namespace) -> tuple[dict[str, list[KernelRow]], str, str]:
-    """Each system of ``args.systems`` compiled, warmed up and profiled: ({system: rows}, title, where)."""
+def profile_systems(
+    args: argparse.Namespace, memory: Optional[dict[str, tuple[float, list[MemorySite]]]] = None
+) -> tuple[dict[str, list[KernelRow]], str, str]:
+    """Each system of ``args.systems`` compiled, warmed up and profiled: ({system: rows}, title, where).
+    With ``memory`` on CUDA, each system's (MB its calls keep allocated, ``live_sites``) goes in it."""
     from autofuser.zoo.harness import settle, use_interpreter_on_cpu
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -254,6 +325,11 @@ def profile_systems(args: argparse.Namespace) -> tuple[dict[str, list[KernelRow]
         for system in args.systems:
             print(f"profile_case: {system_label(system)}", file=sys.stderr, flush=True)
             torch._dynamo.reset()
+            recording = memory is not None and device.type == "cuda"
+            if recording:
+                torch.cuda.synchronize(device)
+                before = torch.cuda.memory_allocated(device)
+                torch.cuda.memory._record_memory_history(stacks="python", max_entries=MEMORY_HISTORY)
             if system == "eager":
                 runner: Any = model
             elif system in ("autofuser", "autofuser-fused"):
@@ -279,6 +355,10 @@ def profile_systems(args: argparse.Namespace) -> tuple[dict[str, list[KernelRow]
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
             profiles[system] = kernel_rows(profile, device.type, args.calls)
+            if recording and memory is not None:
+                kept = (torch.cuda.memory_allocated(device) - before) / 2**20
+                memory[system] = (kept, live_sites(torch.cuda.memory._snapshot(device)))
+                torch.cuda.memory._record_memory_history(enabled=None)
             del runner, forward
     torch._dynamo.reset()
     where = f"{device.type}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
@@ -286,9 +366,14 @@ def profile_systems(args: argparse.Namespace) -> tuple[dict[str, list[KernelRow]
 
 
 def side_by_side(args: argparse.Namespace) -> int:
-    profiles, title, where = profile_systems(args)
+    memory: Optional[dict[str, tuple[float, list[MemorySite]]]] = {} if args.memory else None
+    profiles, title, where = profile_systems(args, memory)
     call = "training step" if args.train else "forward"
     summary = render_summary(profiles, top=args.top, title=title, where=where, calls=args.calls, call=call)
+    if memory:
+        summary += render_memory(memory, top=args.top)
+    elif args.memory:
+        summary += "\n--memory: no CUDA device, so no allocator history to read.\n"
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(summary)

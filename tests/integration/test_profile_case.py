@@ -129,3 +129,49 @@ def test_train_profiles_training_steps_with_their_backward(profile_case, tmp_pat
         assert eager[op].launches == 1, op
     text = profile_case.render_summary(profiles, top=3, title=title, where="cpu", calls=2, call="training step")
     assert text.startswith("# Kernels per training step:")
+
+
+def test_memory_sites_group_live_blocks_by_the_line_outside_torch_that_made_them(profile_case):
+    """``live_sites`` reads an allocator snapshot: only allocated blocks count, each named by
+    its innermost frame outside torch, those in a CUDA graph's pool marked, largest first."""
+    mb = 2**20
+
+    def frames(*where):
+        return [{"filename": f, "line": line, "name": name} for f, line, name in where]
+
+    ours = ("/x/autofuser_core/cudagraphs.py", 201, "__init__")
+    theirs = ("/y/site-packages/torch/nn/functional.py", 10, "linear")
+    segments = [
+        {
+            "segment_pool_id": (0, 0),
+            "blocks": [
+                {"size": 3 * mb, "state": "active_allocated", "frames": frames(theirs, ("/m/model.py", 7, "forward"))},
+                {"size": 5 * mb, "state": "inactive", "frames": frames(("/m/model.py", 7, "forward"))},
+                {"size": 1 * mb, "state": "active_allocated", "frames": frames(("/m/model.py", 7, "forward"))},
+            ],
+        },
+        {
+            "segment_pool_id": (1, 3),
+            "blocks": [
+                {"size": 7 * mb, "state": "active_allocated", "frames": frames(theirs, ours)},
+                {"size": 2 * mb, "state": "active_pending_free", "frames": frames(ours)},
+                {"size": 1 * mb, "state": "active_allocated", "frames": []},
+            ],
+        },
+    ]
+    sites = profile_case.live_sites({"segments": segments})
+    assert [(s.where, s.mb, s.blocks) for s in sites] == [
+        ("cudagraphs.py:201 in __init__ [graph pool]", 7.0, 1),
+        ("model.py:7 in forward", 4.0, 2),
+        ("(no stack recorded) [graph pool]", 1.0, 1),
+    ]
+    text = profile_case.render_memory({"autofuser": (12.5, sites)}, top=2)
+    assert "| AutoFuser | 12.5 |" in text
+    assert "`cudagraphs.py:201 in __init__ [graph pool]` | 7.0 | 1 |" in text and "no stack" not in text
+
+
+def test_memory_on_a_cpu_says_there_is_no_allocator_history(profile_case, tmp_path, capsys):
+    (tmp_path / "tiny_block.py").write_text(MODEL_FILE)
+    argv = ["--factory", f"{tmp_path / 'tiny_block.py'}:make", "--device", "cpu", "--systems", "eager"]
+    assert profile_case.main([*argv, "--calls", "1", "--warmup", "0", "--memory"]) == 0
+    assert "--memory: no CUDA device" in capsys.readouterr().out
