@@ -1354,7 +1354,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"eval mode, no_grad{', bf16 autocast' if settings['dtype'] == 'bf16' else ''}; {compile_modes_text(result)}; "
         f"{settings['train_steps']} training steps. Speedup = eager ms / system ms; "
         "IQR = the interquartile range of the time per call over the timed blocks (share of the median); "
-        "rel err = ||out - eager|| / ||eager||; test loss = relative L2 vs the airfoil target (zoo models only).",
+        "rel err = ||out - eager|| / ||eager||, for AutoFuser and torch.compile the larger of the first "
+        "call's and a call's after timing; test loss = relative L2 vs the airfoil target (zoo models only).",
         "",
     ]
     errors, table = [], []

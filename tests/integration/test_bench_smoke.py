@@ -624,12 +624,47 @@ class _StandInCompile:
         return compiled
 
 
+class _ReplayingStandIn(_StandInCompile):
+    """The stand-in, whose reduce-overhead is eager's until its third call (a warm-up and a
+    recording, then replays) and a little off from then on."""
+
+    def __call__(self, model, *, mode=None, **kwargs):
+        self.modes.append(mode)
+        calls = []
+
+        def compiled(*args, **kw):
+            calls.append(1)
+            out = model(*args, **kw)
+            return out * (1 + self.OFFSET) if mode == "reduce-overhead" and len(calls) > 2 else out
+
+        return compiled
+
+
 def _table(markdown: str) -> tuple[list[str], dict[str, list[str]]]:
     """bench.md's header and its rows by their first cell."""
     lines = [line for line in markdown.splitlines() if line.startswith("| ")]
     split = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines]
     header = next(cells for cells in split if cells[0] == "model")
     return header, {cells[0]: cells for cells in split if cells[0] != "model"}
+
+
+def test_train_bench_checks_a_graph_modes_replayed_steps_not_only_its_warm_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch, "compile", _ReplayingStandIn())
+    result = harness.run_bench(
+        ["fno"],
+        device=torch.device("cpu"),
+        config="tiny",
+        iters=1,
+        warmup=0,
+        out=tmp_path,
+        compile_modes=("default", "reduce-overhead"),
+        train=True,
+    )
+    (row,) = result["rows"]
+    default, overhead = (row["systems"][harness.compile_system(m)] for m in ("default", "reduce-overhead"))
+    assert default["rel_err_vs_eager"] == 0.0 and default["grad_rel_err_vs_eager"] == 0.0
+    assert overhead["rel_err_vs_eager"] == pytest.approx(_StandInCompile.OFFSET, rel=1e-3)
+    assert overhead["grad_rel_err_vs_eager"] > 0
 
 
 def test_compile_modes_are_parsed_checked_and_the_old_flag_still_works(capsys):
