@@ -17,7 +17,8 @@ forward of one signature once and replays it:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -130,6 +131,30 @@ def _captured(capture: Callable[[], Any], inputs: tuple) -> tuple[Any, str]:
         return None, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
+@contextlib.contextmanager
+def _reading_through(roots: Sequence[torch.nn.Module], views: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Inside, each parameter that ``views`` holds an alias of (by ``id``) is that alias in the
+    parameter dict of every module of ``roots``' trees that holds it, each module once (a
+    module under two paths, a weight tied between two); on leaving, each dict entry is its
+    own parameter again, whatever was raised."""
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for root in roots:
+        for module in root.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            table: dict[str, Any] = module._parameters
+            swapped += [(table, name, p) for name, p in table.items() if p is not None and id(p) in views]
+    try:
+        for owner, name, p in swapped:
+            owner[name] = views[id(p)]
+        yield
+    finally:
+        for owner, name, p in swapped:
+            owner[name] = p
+
+
 #: A training step is captured in the user's loop, where other threads may use CUDA (a
 #: data loader's pinning thread): only this thread's calls may break the capture, and
 #: theirs, on other streams, neither break it nor are captured.
@@ -166,6 +191,7 @@ class TrainingGraph:
 
     def __init__(self, forward: Callable[..., Any], inputs: tuple, model: torch.nn.Module):
         self.forward = forward
+        self.model = model
         self.baked = BakedAddresses(model)
         self.all_params = list(model.parameters())
         self.wanted = [p.requires_grad for p in self.all_params]
@@ -190,8 +216,10 @@ class TrainingGraph:
                     found, wrt = self._through_views()
                     outputs, differentiable = self._differentiable(found)
                     if differentiable:
-                        torch.autograd.grad(
-                            differentiable, wrt, [torch.ones_like(t) for t in differentiable], allow_unused=True
+                        self.gathered(
+                            torch.autograd.grad(
+                                differentiable, wrt, [torch.ones_like(t) for t in differentiable], allow_unused=True
+                            )
                         )
                     del outputs, differentiable, found, wrt
             torch.cuda.current_stream().wait_stream(stream)
@@ -213,7 +241,7 @@ class TrainingGraph:
                 grads = torch.autograd.grad(
                     [leaves[k] for k in self.differentiable], wrt, self.static_grad_outputs, allow_unused=True
                 )
-            self.static_grads = list(grads)
+                self.static_grads = self.gathered(grads)  # the sums are captured too
             del wrt
         finally:
             torch.set_autocast_cache_enabled(cache)
@@ -221,28 +249,34 @@ class TrainingGraph:
         self.static_outputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in self.static_outputs]
 
     def _through_views(self) -> tuple[Any, list[torch.Tensor]]:
-        """``forward`` on the static inputs, reading each input and parameter that needs a
-        gradient through a view made here (``functional_call``), and those views: the
-        gradients to capture. A gradient is taken at the view's node, made on this stream,
-        never at the parameter's accumulator, which lives as long as anything holds an
-        earlier step's autograd graph (the user's last loss) and belongs to the stream that
-        step ran on. Reaching that stream from a capture is an error ("operation would make
-        the legacy stream depend on a capturing blocking stream")."""
+        """``forward`` on the static inputs, reading each input that needs a gradient
+        through a view and each parameter that does through an alias made here (a new leaf
+        on the parameter's memory), and what to take gradients of (``gathered`` adds them up
+        per input and parameter). A parameter is swapped for its alias in the parameter
+        dict of every module that holds it, the model's (whose modules fused kernels read
+        their parameters from) and the forward's, and put back after. So the gradient is
+        taken at a node made on this stream, never at the parameter's own accumulator: that
+        one lives as long as anything holds an earlier step's autograd graph (the loop's
+        last loss) and belongs to the stream that step ran on, and reaching that stream from
+        a capture is an error ("operation would make the legacy stream depend on a
+        capturing blocking stream"). The parameters themselves are asked for too, for a
+        read that bypasses the modules (a closure); the aliases are not connected to them,
+        so nothing is counted twice, and where no such read exists their accumulators are
+        not reached."""
         inputs = [t.view_as(t) if t.requires_grad else t for t in self.static_inputs]
-        views = {id(p): p.view_as(p) for p in self.params}
-        args = self._args(inputs)
-        module = self.forward if isinstance(self.forward, torch.nn.Module) else None
-        named = module.named_parameters(remove_duplicate=False) if module is not None else ()
-        swapped = {name: views[id(p)] for name, p in named if id(p) in views}
-        if module is not None and swapped:
-            found = torch.func.functional_call(module, swapped, tuple(args), strict=False, tie_weights=False)
-        else:
-            found = self.forward(*args)
-        # A parameter the forward does not read through its attributes keeps its own node.
-        wrt = [inputs[k] for k in self.grad_inputs]
-        read = {id(v) for v in swapped.values()}
-        wrt += [views[id(p)] if id(views[id(p)]) in read else p for p in self.params]
+        views = {id(p): p.detach().requires_grad_(True) for p in self.params}
+        roots = [self.model] + ([self.forward] if isinstance(self.forward, torch.nn.Module) else [])
+        with _reading_through(roots, views):
+            found = self.forward(*self._args(inputs))
+        wrt = [inputs[k] for k in self.grad_inputs] + [views[id(p)] for p in self.params] + self.params
         return found, wrt
+
+    def gathered(self, grads: Sequence[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+        """The gradients of ``_through_views``' ``wrt``, one per input that needs one, then one
+        per parameter: its alias's and its own added (None where neither got one)."""
+        count, params = len(self.grad_inputs), len(self.params)
+        through, direct = grads[count : count + params], grads[count + params :]
+        return list(grads[:count]) + [a if b is None else b if a is None else a + b for a, b in zip(through, direct)]
 
     def _args(self, tensors: Sequence[torch.Tensor]) -> list:
         args = list(self.template)
@@ -287,11 +321,13 @@ class TrainingGraph:
 
     def check(self, inputs: tuple) -> Optional[str]:
         """``None`` where one replayed step equals one uncaptured step (outputs, and every
-        gradient for ones as the outputs' gradients); else what differed. Equal means bit
-        for bit, unless two uncaptured steps differ from each other by a rounding (an
-        atomic sum in a library's backward): then the replay may differ as much, no more
-        (``as_close_as_itself``)."""
+        gradient for the same random gradients of the outputs: ones would give an output
+        that is centred or normalised zero gradients, and hide a missing one); else what
+        differed. Equal means bit for bit, unless two uncaptured steps differ from each
+        other by a rounding (an atomic sum in a library's backward): then the replay may
+        differ as much, no more (``as_close_as_itself``)."""
         runs = []
+        upstream: list[torch.Tensor] = []
         for replay in (True, False, False):
             leaves = [
                 t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs
@@ -300,9 +336,10 @@ class TrainingGraph:
                 found = self(*leaves) if replay else self.forward(*leaves)
                 outputs, differentiable = self._differentiable(found)
                 wrt = [leaves[self.tensor_slots[k]] for k in self.grad_inputs] + self.params
-                grads = torch.autograd.grad(
-                    differentiable, wrt, [torch.ones_like(t) for t in differentiable], allow_unused=True
-                )
+                if not upstream and differentiable:  # drawn once, from a generator of its own: the user's stream stays
+                    generator = torch.Generator(device=differentiable[0].device).manual_seed(CHECK_SEED)
+                    upstream = [torch.empty_like(t).normal_(generator=generator) for t in differentiable]
+                grads = torch.autograd.grad(differentiable, wrt, upstream, allow_unused=True)
             runs.append(([t.detach() if isinstance(t, torch.Tensor) else t for t in outputs], list(grads)))
         (out_r, grad_r), (out_u, grad_u), (out_v, grad_v) = runs
         for what, replayed, once, again in (("forward", out_r, out_u, out_v), ("backward", grad_r, grad_u, grad_v)):
@@ -315,6 +352,8 @@ class TrainingGraph:
         return None
 
 
+#: Seed of the outputs' gradients a captured step is checked with.
+CHECK_SEED = 20261206
 #: Two uncaptured steps may differ where a library sums with atomics (a convolution's
 #: weight gradient): by a rounding, at most this share of a result's norm. A step whose
 #: runs differ more draws random numbers (dropout), and is not replayed.

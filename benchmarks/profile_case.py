@@ -71,33 +71,54 @@ class MemorySite(NamedTuple):
 
 #: Frames of these paths are torch's own: a site is named by the first frame outside them.
 TORCH_FRAMES = ("/torch/", "/triton/", "<frozen ", "contextlib.py", "functools.py")
+#: AutoFuser's own runtime: a site there (a fused kernel's outputs) also names its caller.
+RUNTIME_FRAMES = ("/autofuser_core/",)
+
+
+def _frame_text(frame: dict) -> str:
+    return f"{Path(frame.get('filename', '?')).name}:{frame.get('line', '?')} in {frame.get('name', '?')}"
 
 
 def _site(frames: list, pooled: bool) -> str:
     """The allocation's place: the innermost frame not in ``TORCH_FRAMES`` (the innermost of
-    all where every one is)."""
-    chosen = next((f for f in frames if not any(p in f.get("filename", "") for p in TORCH_FRAMES)), None)
-    chosen = chosen or (frames[0] if frames else None)
-    where = (
-        f"{Path(chosen.get('filename', '?')).name}:{chosen.get('line', '?')} in {chosen.get('name', '?')}"
-        if chosen
-        else "(no stack recorded)"
-    )
+    all where every one is); where that is AutoFuser's runtime, with the first frame outside
+    it too (what the kernel's caller was)."""
+    outside = [f for f in frames if not any(p in f.get("filename", "") for p in TORCH_FRAMES)]
+    chosen = outside[0] if outside else (frames[0] if frames else None)
+    where = _frame_text(chosen) if chosen else "(no stack recorded)"
+    if chosen is not None and any(p in chosen.get("filename", "") for p in RUNTIME_FRAMES):
+        caller = next((f for f in outside if not any(p in f.get("filename", "") for p in RUNTIME_FRAMES)), None)
+        if caller is not None:
+            where += f" <- {_frame_text(caller)}"
     return where + (" [graph pool]" if pooled else "")
 
 
-def live_sites(snapshot: dict) -> list[MemorySite]:
-    """The allocated blocks of an allocator ``snapshot`` (``torch.cuda.memory._snapshot()``)
-    grouped by ``_site``, largest first. A block in a segment of a private pool (a CUDA
-    graph's: ``segment_pool_id`` other than (0, 0)) is marked as such."""
+def active_blocks(snapshot: dict, device: Optional[int] = None) -> list[tuple[dict, dict]]:
+    """(segment, block) of each allocated block of an allocator ``snapshot``
+    (``torch.cuda.memory._snapshot()``, which covers every device), on ``device`` alone
+    where one is given."""
+    return [
+        (segment, block)
+        for segment in snapshot.get("segments", [])
+        if device is None or segment.get("device") == device
+        for block in segment.get("blocks", [])
+        if block.get("state") == "active_allocated"
+    ]
+
+
+def live_sites(snapshot: dict, device: Optional[int] = None, before: frozenset = frozenset()) -> list[MemorySite]:
+    """The allocated blocks of ``snapshot`` (on ``device``, and not among the addresses
+    ``before``: those allocated before the system was made) grouped by ``_site``, largest
+    first. A block in a segment of a private pool (a CUDA graph's: ``segment_pool_id``
+    other than (0, 0)) is marked as such."""
     sizes: dict[str, list[int]] = defaultdict(list)
-    for segment in snapshot.get("segments", []):
+    for segment, block in active_blocks(snapshot, device):
+        if block.get("address") in before:
+            continue
         pooled = tuple(segment.get("segment_pool_id") or (0, 0)) != (0, 0)
-        for block in segment.get("blocks", []):
-            if block.get("state") == "active_allocated":
-                sizes[_site(block.get("frames") or [], pooled)].append(block["size"])
+        sizes[_site(block.get("frames") or [], pooled)].append(block["size"])
     sites = [MemorySite(where, sum(found) / 2**20, len(found)) for where, found in sizes.items()]
-    return sorted(sites, key=lambda site: -site.mb)
+    return sorted(sites, key=lambda site: (-site.mb, site.where))
 
 
 def render_memory(memory: dict[str, tuple[float, list[MemorySite]]], *, top: int) -> str:
@@ -327,8 +348,12 @@ def profile_systems(
             torch._dynamo.reset()
             recording = memory is not None and device.type == "cuda"
             if recording:
+                for parameter in model.parameters():  # the last system's gradients are not this one's
+                    parameter.grad = None
                 torch.cuda.synchronize(device)
                 before = torch.cuda.memory_allocated(device)
+                index = torch.cuda.current_device() if device.index is None else device.index
+                present = frozenset(b.get("address") for _, b in active_blocks(torch.cuda.memory._snapshot(), index))
                 torch.cuda.memory._record_memory_history(stacks="python", max_entries=MEMORY_HISTORY)
             if system == "eager":
                 runner: Any = model
@@ -357,7 +382,7 @@ def profile_systems(
             profiles[system] = kernel_rows(profile, device.type, args.calls)
             if recording and memory is not None:
                 kept = (torch.cuda.memory_allocated(device) - before) / 2**20
-                memory[system] = (kept, live_sites(torch.cuda.memory._snapshot(device)))
+                memory[system] = (kept, live_sites(torch.cuda.memory._snapshot(), index, present))
                 torch.cuda.memory._record_memory_history(enabled=None)
             del runner, forward
     torch._dynamo.reset()

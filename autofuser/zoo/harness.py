@@ -783,6 +783,13 @@ def forward_systems(
         cell["rel_err_vs_eager"] = relative_error(out, reference)
         outputs.setdefault(system, []).append([t.detach().clone() for t in output_tensors(out)])
 
+    def check_again(system: str, out: Any) -> None:
+        """``check`` of a later call: the error kept is the worse of the two (NaN if either is)."""
+        first_error = row["systems"][system]["rel_err_vs_eager"]
+        check(system, out)
+        cell = row["systems"][system]
+        cell["rel_err_vs_eager"] = worst([first_error, cell["rel_err_vs_eager"]])
+
     def run_eager() -> None:
         nonlocal reference
         progress(f"{name}: eager")
@@ -814,10 +821,8 @@ def forward_systems(
         autofuser_cell["warm_notes"] = list(warm.report().notes)
         autofuser_cell.update(timed(call(warm), iters, warmup, device))
         # The first call may have run the original while the check in use was under way:
-        # check what the timed calls ran too, and keep the larger error.
-        first_error = autofuser_cell["rel_err_vs_eager"]
-        check("autofuser", call(warm)())
-        autofuser_cell["rel_err_vs_eager"] = max(first_error, autofuser_cell["rel_err_vs_eager"])
+        # check what the timed calls ran too.
+        check_again("autofuser", call(warm)())
 
     def compile_run(system: str, mode: str) -> Callable[[], None]:
         cell = row["systems"][system]
@@ -831,12 +836,10 @@ def forward_systems(
             out, seconds = first_call_s(call(compiled), device)
             cell["first_call_s"] = seconds
             check(system, out)
-            first_error = cell["rel_err_vs_eager"]
             cell.update(timed(call(compiled), iters, warmup, device))
             # The first call of a CUDA-graph mode runs its warm-up, not the graph the timed calls
-            # replay: check a later call too, and keep the larger error.
-            check(system, call(compiled)())
-            cell["rel_err_vs_eager"] = max(first_error, cell["rel_err_vs_eager"])
+            # replay: check a later call too.
+            check_again(system, call(compiled)())
 
         return run_compile
 

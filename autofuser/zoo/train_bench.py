@@ -94,6 +94,7 @@ from autofuser.zoo.harness import (
     table_lines,
     where_run,
     widened,
+    worst,
 )
 from autofuser.zoo.models import MESHES, MODELS, ModelEntry
 
@@ -406,16 +407,16 @@ def bench_training_model(
     reference: Optional[FirstStep] = None
 
     steps: dict[str, TrainingStep] = {}  # each system whose first step ran, timed together at the end
-    # Each system's first step, for the float64 reference (the output and one gradient
-    # vector: small beside the model).
-    firsts: dict[str, FirstStep] = {}
+    # Each system's first step, and the same step run again by what its timed steps run, for
+    # the float64 reference (outputs and gradient vectors: small beside the model).
+    firsts: dict[str, list[FirstStep]] = {}
     # CUDA memory allocated as each system's copy of the model was made (None on a CPU).
     started: dict[str, Optional[float]] = {}
 
     def check(system: str, step: TrainingStep, first: FirstStep, again: Optional[FirstStep] = None) -> None:
-        """``first``'s errors against eager's first step; with ``again`` (the same step once
-        the system settled which runner it keeps), the larger of the two, and the worse step
-        is the one the float64 reference judges."""
+        """``first``'s errors against eager's first step; with ``again`` (the same step run by
+        what the timed steps run), the worse of the two (NaN if either is), and the float64
+        reference judges both."""
         cell = row["systems"][system]
         cell["loss"] = first.loss
         now, then = allocated_mb(device), started.get(system)
@@ -424,19 +425,12 @@ def bench_training_model(
             copies = [t for found in (first, again) if found is not None for t in (found.output, found.gradients)]
             kept = sum(t.numel() * t.element_size() for t in copies) / 2**20
             cell["held_mb"] = now - then - kept
+        found = [first] if again is None else [first, again]
         if reference is not None:
-            judged = []
-            for found in (first, again) if again is not None else (first,):
-                errors = (
-                    relative_error(found.output, reference.output),
-                    relative_error(found.gradients, reference.gradients),
-                )
-                judged.append((max(errors), errors, found))
-            _, _, first = max(judged, key=lambda j: j[0])
-            cell["rel_err_vs_eager"] = max(errors[0] for _, errors, _ in judged)
-            cell["grad_rel_err_vs_eager"] = max(errors[1] for _, errors, _ in judged)
+            cell["rel_err_vs_eager"] = worst([relative_error(f.output, reference.output) for f in found])
+            cell["grad_rel_err_vs_eager"] = worst([relative_error(f.gradients, reference.gradients) for f in found])
         steps[system] = step
-        firsts[system] = first
+        firsts[system] = found
 
     def run_eager() -> None:
         nonlocal reference
@@ -521,8 +515,11 @@ def bench_training_model(
     torch._dynamo.reset()
     release_memory(device)  # the systems' copies and optimisers, before the float64 copy is made
     kept = {
-        system: {"rel_err_vs_float64": [first.output], "grad_rel_err_vs_float64": [first.gradients]}
-        for system, first in firsts.items()
+        system: {
+            "rel_err_vs_float64": [f.output for f in found],
+            "grad_rel_err_vs_float64": [f.gradients for f in found],
+        }
+        for system, found in firsts.items()
     }
     firsts.clear()
 

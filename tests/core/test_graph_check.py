@@ -56,44 +56,85 @@ def test_integer_and_missing_results_must_be_the_same():
     assert not as_close_as_itself([grad], [grad, index], [grad, index])
 
 
-def test_captured_gradients_are_taken_at_views_made_in_the_step_and_equal_eager():
-    """``TrainingGraph._through_views``: the capture asks for gradients at views of the
-    inputs and parameters made in the step itself (an earlier step's accumulators belong
-    to the stream that step ran on), read through the module's attributes, nested names
-    included; they equal the gradients of the parameters themselves. A parameter the
-    forward reaches without its attribute keeps its own node, and its gradient is still right."""
-    import torch.nn as nn
-
+def _views_of(forward, model, x, params):
+    """``TrainingGraph._through_views`` on CPU tensors (the parts of it that need no CUDA):
+    the forward's result, and the gradients it gathers for ``upstream``."""
     from autofuser_core.cudagraphs import TrainingGraph
 
+    graph = TrainingGraph.__new__(TrainingGraph)
+    graph.forward, graph.model, graph.template, graph.tensor_slots = forward, model, [x], [0]
+    graph.static_inputs, graph.grad_inputs = [x], [0] if x.requires_grad else []
+    graph.params = params
+    found, wrt = graph._through_views()
+    return graph, found, wrt
+
+
+def test_captured_gradients_are_taken_at_views_made_in_the_step_and_equal_eager():
+    """``TrainingGraph._through_views``: the capture asks for gradients at views of the
+    inputs and aliases of the parameters made in the step itself (an earlier step's
+    accumulators belong to the stream that step ran on), swapped into every module that holds them: the
+    forward's, and the model's, whose modules a fused kernel reads its parameters from
+    without the forward's attributes. A parameter also read around the modules (a closure)
+    gets that share added. The gathered gradients equal eager's, and every module holds
+    its own parameters again after, a module under two paths and a tied weight included."""
+    import torch.nn as nn
+
     torch.manual_seed(2)
-    hidden = nn.Parameter(torch.randn(13))  # read from a closure, not an attribute
+    shared = nn.Linear(13, 13)
 
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
+            self.first, self.again = shared, shared  # one module under two paths
             self.inner = nn.Sequential(nn.Linear(13, 7), nn.Tanh())
             self.scale = nn.Parameter(torch.rand(7) + 0.5)
             self.frozen = nn.Parameter(torch.randn(7), requires_grad=False)
 
-        def forward(self, x, shift):
-            return self.inner(x * hidden) * self.scale + self.frozen + shift
+        def forward(self, x):
+            h = self.again(torch.tanh(self.first(x)))
+            return self.inner(h) * self.scale + self.frozen
 
     net = Net()
-    x, shift = torch.randn(3, 5, 13, requires_grad=True), 0.25
-    graph = TrainingGraph.__new__(TrainingGraph)  # the CUDA-free parts only
-    graph.forward, graph.template, graph.tensor_slots = net, [x, shift], [0]
-    graph.static_inputs, graph.grad_inputs = [x], [0]
-    graph.params = [p for p in net.parameters() if p.requires_grad] + [hidden]
-    found, wrt = graph._through_views()
-    assert len(wrt) == 1 + len(graph.params)
+    kernel_reads = net.inner[0]  # held the way a fused kernel holds its owner module
+
+    class Rewritten(nn.Module):  # stands in for the rewritten graph: not the model's modules
+        def forward(self, x):
+            h = shared(torch.tanh(shared(x)))
+            pre = torch.nn.functional.linear(h, kernel_reads.weight, kernel_reads.bias)
+            # net.scale read through its attribute, and once more around the modules
+            return torch.tanh(pre) * net.scale + net.frozen + 0.1 * around.sum()
+
+    around = net.scale  # a reference taken before the step: not swapped
+    params = [p for p in net.parameters() if p.requires_grad]
+    x = torch.randn(3, 5, 13, requires_grad=True)
+    graph, found, wrt = _views_of(Rewritten(), net, x, params)
     assert wrt[0] is not x and wrt[0]._base is x
-    by_view = [w for w, p in zip(wrt[1:], graph.params) if w is not p]
-    assert len(by_view) == len(graph.params) - 1 and all(w.grad_fn is not None for w in by_view)
-    assert wrt[-1] is hidden
+    aliases = wrt[1 : 1 + len(params)]
+    assert all(w is not p and w.is_leaf and w.data_ptr() == p.data_ptr() for w, p in zip(aliases, params))
     upstream = torch.randn_like(found)
-    got = torch.autograd.grad(found, wrt, upstream)
-    expected = torch.autograd.grad(net(x, shift), [x, *graph.params], upstream)
+    got = graph.gathered(torch.autograd.grad(found, wrt, upstream, allow_unused=True))
+    reference = Rewritten()(x)
+    expected = torch.autograd.grad(reference, [x, *params], upstream)
+    torch.testing.assert_close(found, reference, rtol=0, atol=0)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
-    assert dict(net.named_parameters())["scale"] is net.scale  # the module is left as it was
+    for module in (shared, net.first, net.again, kernel_reads):
+        assert all(type(p) is nn.Parameter for p in module._parameters.values())
+    assert net.first.weight is shared.weight and dict(net.named_parameters())["scale"] is net.scale
+
+
+def test_the_modules_get_their_parameters_back_when_the_forward_raises():
+    import torch.nn as nn
+
+    from autofuser_core.cudagraphs import _reading_through
+
+    layer = nn.Linear(3, 3)
+    weight = layer.weight
+    views = {id(p): p.view_as(p) for p in layer.parameters()}
+    try:
+        with _reading_through([layer], views):
+            assert layer.weight is views[id(weight)]
+            raise ValueError("the forward failed")
+    except ValueError:
+        pass
+    assert layer.weight is weight and all(type(p) is nn.Parameter for p in layer.parameters())

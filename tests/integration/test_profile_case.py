@@ -132,42 +132,57 @@ def test_train_profiles_training_steps_with_their_backward(profile_case, tmp_pat
 
 
 def test_memory_sites_group_live_blocks_by_the_line_outside_torch_that_made_them(profile_case):
-    """``live_sites`` reads an allocator snapshot: only allocated blocks count, each named by
-    its innermost frame outside torch, those in a CUDA graph's pool marked, largest first."""
+    """``live_sites`` reads an allocator snapshot: only allocated blocks of the device asked
+    for and not there before count, each named by its innermost frame outside torch (with
+    its caller where that is AutoFuser's runtime), those in a CUDA graph's pool marked,
+    largest first."""
     mb = 2**20
 
     def frames(*where):
         return [{"filename": f, "line": line, "name": name} for f, line, name in where]
 
     ours = ("/x/autofuser_core/cudagraphs.py", 201, "__init__")
+    launch = ("/x/autofuser_core/launch.py", 120, "launch")
+    graph_code = ("<eval_with_key>.3", 9, "forward")
     theirs = ("/y/site-packages/torch/nn/functional.py", 10, "linear")
+    model = ("/m/model.py", 7, "forward")
+
+    def block(size, state="active_allocated", where=(), address=0):
+        return {"size": size * mb, "state": state, "frames": frames(*where), "address": address}
+
     segments = [
         {
+            "device": 0,
             "segment_pool_id": (0, 0),
             "blocks": [
-                {"size": 3 * mb, "state": "active_allocated", "frames": frames(theirs, ("/m/model.py", 7, "forward"))},
-                {"size": 5 * mb, "state": "inactive", "frames": frames(("/m/model.py", 7, "forward"))},
-                {"size": 1 * mb, "state": "active_allocated", "frames": frames(("/m/model.py", 7, "forward"))},
+                block(3, where=(theirs, model), address=1),
+                block(5, "inactive", (model,), address=2),
+                block(1, where=(model,), address=3),
+                block(4, where=(launch, ours, graph_code), address=4),
+                block(9, where=(model,), address=5),  # there before
             ],
         },
         {
+            "device": 0,
             "segment_pool_id": (1, 3),
             "blocks": [
-                {"size": 7 * mb, "state": "active_allocated", "frames": frames(theirs, ours)},
-                {"size": 2 * mb, "state": "active_pending_free", "frames": frames(ours)},
-                {"size": 1 * mb, "state": "active_allocated", "frames": []},
+                block(7, where=(theirs, ours), address=6),
+                block(2, "active_pending_free", (ours,), address=7),
+                block(1, address=8),
             ],
         },
+        {"device": 1, "segment_pool_id": (0, 0), "blocks": [block(50, where=(model,), address=9)]},
     ]
-    sites = profile_case.live_sites({"segments": segments})
+    sites = profile_case.live_sites({"segments": segments}, device=0, before=frozenset({5}))
     assert [(s.where, s.mb, s.blocks) for s in sites] == [
         ("cudagraphs.py:201 in __init__ [graph pool]", 7.0, 1),
+        ("launch.py:120 in launch <- <eval_with_key>.3:9 in forward", 4.0, 1),
         ("model.py:7 in forward", 4.0, 2),
         ("(no stack recorded) [graph pool]", 1.0, 1),
     ]
     text = profile_case.render_memory({"autofuser": (12.5, sites)}, top=2)
     assert "| AutoFuser | 12.5 |" in text
-    assert "`cudagraphs.py:201 in __init__ [graph pool]` | 7.0 | 1 |" in text and "no stack" not in text
+    assert "| 7.0 | 1 |" in text and "model.py" not in text
 
 
 def test_memory_on_a_cpu_says_there_is_no_allocator_history(profile_case, tmp_path, capsys):

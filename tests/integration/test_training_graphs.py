@@ -165,9 +165,18 @@ def test_random_ops_are_not_captured():
     assert graph is None and "differs" in why
 
 
+@pytest.mark.parametrize("earlier_loss", [False, True], ids=["fresh", "earlier loss alive"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_a_fused_training_step_with_graphs_matches_eager(dtype, tmp_path):
+def test_a_fused_training_step_with_graphs_matches_eager(dtype, earlier_loss, tmp_path):
+    """With ``earlier_loss``, an eager step's loss is still alive when the fused model
+    compiles and captures (the parameters' accumulators belong to the default stream):
+    the step is still captured."""
     model, twin = _pair(4)
+    kept = None
+    if earlier_loss:
+        kept = model(torch.randn(4, 211, 37, device="cuda")).square().mean()
+        kept.backward()
+        model.zero_grad(set_to_none=True)
     fused = autofuser.fuse(model, cache_dir=tmp_path, progress=False)
     opt, opt_twin = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(twin.parameters(), lr=1e-3)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == "fp32" else dict(rtol=4e-2, atol=4e-2)
@@ -184,6 +193,9 @@ def test_a_fused_training_step_with_graphs_matches_eager(dtype, tmp_path):
         opt.zero_grad(set_to_none=True), opt_twin.zero_grad(set_to_none=True)
     notes = " ".join(fused.report().notes)
     assert "CUDA graph" in notes or fused.report().runs_original, notes
+    if earlier_loss:
+        assert "no CUDA graph" not in notes, notes
+    del kept
 
 
 def test_gradients_of_gradients_through_a_replayed_call_match_eager():

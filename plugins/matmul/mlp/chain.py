@@ -41,10 +41,11 @@ CHUNKS = (64, 32, 128)
 #: Triton 3.6 on sm_90 (H100): a chain with 16-bit products whose later product takes a
 #: row operand computed in the kernel (the earlier product's result, held in registers)
 #: read shared memory out of bounds with ``BLOCK_M`` 64 over 4 warps, one warp group of
-#: 64 rows, in every chunk size and pipelining depth; an illegal memory access leaves the
-#: CUDA context unusable, so the process can't even fall back to eager. Every other
-#: ``BLOCK_M`` x ``num_warps`` of the same kernels ran (``benchmarks/chain_fault_probe.py``;
-#: BENCHMARKS.md, "Measurements behind rules in the code"). Such configs are not offered.
+#: 64 rows, with chunks of 32 and 64 and with 1 and 2 pipeline stages. An illegal memory
+#: access leaves the CUDA context unusable, so the process can't even fall back to eager.
+#: Every other ``BLOCK_M`` x ``num_warps`` of the same kernels ran
+#: (``benchmarks/chain_fault_probe.py``; BENCHMARKS.md, "Measurements behind rules in the
+#: code"). Such configs are not offered.
 FAULTING_16BIT_BLOCK = (64, 4)  # (BLOCK_M, num_warps)
 
 
