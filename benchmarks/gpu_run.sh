@@ -22,6 +22,9 @@
 #   Every benchmark above goes through torch.compile in each mode of $COMPILE_MODES (default:
 #   default,reduce-overhead; e.g. COMPILE_MODES=default,reduce-overhead,max-autotune), each mode
 #   its own columns.
+#   profile:DTYPE:MODEL,MODEL  benchmarks/profile_case.py on each model's training step, eager beside
+#               AutoFuser: kernels by device time, and what each keeps allocated between steps
+#               (--memory); flags in $PROFILE_FLAGS, e.g. PROFILE_FLAGS="--systems eager,autofuser,default"
 #   ddp:DTYPE:MODEL,MODEL    DistributedDataParallel training (benchmarks/ddp_train.py, flags in
 #               $DDP_FLAGS): one process standing in for every GPU's rank, then one rank per GPU
 #               compared with it (gradients, parameters, scaling, tuning entries)
@@ -99,6 +102,16 @@ for step in "${steps[@]}"; do
       # shellcheck disable=SC2046
       OUT="$out/train" ZOO_CACHE="$ZOO_CACHE/train-$dtype" BENCH_FLAGS="--train ${TRAIN_FLAGS:---iters 30 --warmup 3 --tune-budget 1}" \
         bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models") ;;
+    profile:*)
+      IFS=: read -r _ dtype models <<< "$step"
+      mkdir -p "$out/profile"
+      for model in $(tr , ' ' <<< "$models"); do
+        # shellcheck disable=SC2086
+        python3 benchmarks/profile_case.py --zoo "$model" --dtype "$dtype" --train --memory --calls 10 --warmup 5 \
+          --systems eager,autofuser ${PROFILE_FLAGS:-} --out "$out/profile/$model-$dtype.md" \
+          > "$out/profile/$model-$dtype.log" 2>&1
+        echo "profile $model $dtype rc=$?"
+      done ;;
     ddp:*)
       IFS=: read -r _ dtype models <<< "$step"
       [ "$models" = "all" ] && models=galerkin,transformer,transolver,transolver2d,gnot,factformer,fno,ffno,unet,lsm
