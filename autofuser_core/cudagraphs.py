@@ -348,7 +348,10 @@ class TrainingGraph:
             if _bit_equal(once, again):
                 return f"a replayed {what} differs from the uncaptured one"
             if not as_close_as_itself(replayed, once, again):
-                return f"a replayed {what} differs from the uncaptured one more than that differs from itself"
+                return (
+                    f"a replayed {what} differs from the uncaptured one more than that differs from itself"
+                    f"{_farthest(replayed, once, again)}"
+                )
         return None
 
 
@@ -387,6 +390,27 @@ def as_close_as_itself(replayed: Sequence[Any], once: Sequence[Any], again: Sequ
         if b.numel() and float((a - b).abs().max()) > SELF_DIFFERENCE_FACTOR * itself:
             return False
     return True
+
+
+def _farthest(replayed: Sequence[Any], once: Sequence[Any], again: Sequence[Any]) -> str:
+    """Where ``as_close_as_itself`` said no, in numbers: the floating result whose replay is
+    farthest from ``once`` against how far ``again`` is, as ": result K: ..." (empty where
+    none is comparable)."""
+    worst: Optional[tuple[float, str]] = None
+    for k, (r, u, v) in enumerate(zip(replayed, once, again)):
+        if not all(isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() for t in (r, u, v)):
+            continue
+        if not r.shape == u.shape == v.shape:
+            continue
+        a, b, c = r.double(), u.double(), v.double()
+        off, itself, norm = float((a - b).abs().max()), float((b - c).abs().max()), float(b.norm())
+        ratio = off / itself if itself else (float("inf") if off else 0.0)
+        if worst is None or ratio > worst[0]:
+            worst = (
+                ratio,
+                f": result {k}: replayed off by {off:.3g}, two uncaptured steps by {itself:.3g}, norm {norm:.3g}",
+            )
+    return worst[1] if worst is not None else ""
 
 
 class _Pending:

@@ -138,3 +138,17 @@ def test_the_modules_get_their_parameters_back_when_the_forward_raises():
     except ValueError:
         pass
     assert layer.weight is weight and all(type(p) is nn.Parameter for p in layer.parameters())
+
+
+def test_a_refused_replay_says_where_and_by_how_much():
+    from autofuser_core.cudagraphs import _farthest
+
+    torch.manual_seed(3)
+    grad = torch.randn(5, 43)
+    once, again = grad, _rounded(grad, 1e-7)
+    wrong = grad.clone()
+    wrong[2, 7] += 0.01
+    text = _farthest([grad.clone(), wrong, None], [grad, once, None], [grad.clone(), again, None])
+    assert text.startswith(": result 1: replayed off by 0.01")
+    assert "two uncaptured steps by" in text and f"norm {float(grad.double().norm()):.3g}" in text
+    assert _farthest([None], [None], [None]) == ""
