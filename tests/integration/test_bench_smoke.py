@@ -323,12 +323,12 @@ def test_train_bench_times_the_systems_in_turns_and_keeps_the_others_when_one_fa
         assert peak is None  # peak memory is measured on CUDA only
 
 
-def _tiny_fno_bench(out, train: bool) -> dict:
-    """The tiny FNO through the bench on the CPU, once, without torch.compile."""
+def _tiny_fno_bench(out, train: bool, **options) -> dict:
+    """The tiny FNO through the bench on the CPU (without torch.compile unless
+    ``compile_modes`` names some), one timed call or step unless ``iters`` says otherwise."""
     cpu = harness.torch.device("cpu")
-    return harness.run_bench(
-        ["fno"], device=cpu, config="tiny", iters=1, warmup=0, out=out, no_compile=True, train=train
-    )
+    settings = {"iters": 1, "no_compile": "compile_modes" not in options, **options}
+    return harness.run_bench(["fno"], device=cpu, config="tiny", warmup=0, out=out, train=train, **settings)
 
 
 def test_train_bench_a_failing_system_is_an_error_cell(tmp_path, monkeypatch):
@@ -652,16 +652,7 @@ def _table(markdown: str) -> tuple[list[str], dict[str, list[str]]]:
 
 def test_train_bench_checks_a_graph_modes_replayed_steps_not_only_its_warm_up(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "compile", _ReplayingStandIn())
-    result = harness.run_bench(
-        ["fno"],
-        device=torch.device("cpu"),
-        config="tiny",
-        iters=1,
-        warmup=0,
-        out=tmp_path,
-        compile_modes=("default", "reduce-overhead"),
-        train=True,
-    )
+    result = _tiny_fno_bench(tmp_path, train=True, compile_modes=("default", "reduce-overhead"))
     (row,) = result["rows"]
     default, overhead = (row["systems"][harness.compile_system(m)] for m in ("default", "reduce-overhead"))
     assert default["rel_err_vs_eager"] == 0.0 and default["grad_rel_err_vs_eager"] == 0.0
@@ -735,15 +726,8 @@ def test_bench_has_a_column_set_per_compile_mode_and_a_failing_mode_is_its_cell(
 def test_train_bench_has_a_column_set_per_compile_mode(tmp_path, monkeypatch):
     stand_in = _StandInCompile()
     monkeypatch.setattr(torch, "compile", stand_in)
-    result = harness.run_bench(
-        ["fno"],
-        device=torch.device("cpu"),
-        config="tiny",
-        iters=2,
-        warmup=0,
-        out=tmp_path,
-        compile_modes=("default", "reduce-overhead", "max-autotune"),
-        train=True,
+    result = _tiny_fno_bench(
+        tmp_path, train=True, iters=2, compile_modes=("default", "reduce-overhead", "max-autotune")
     )
     (row,) = result["rows"]
     default, overhead, autotune = (row["systems"][harness.compile_system(m)] for m in stand_in.modes)
