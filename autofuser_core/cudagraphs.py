@@ -132,8 +132,8 @@ def _captured(capture: Callable[[], Any], inputs: tuple) -> tuple[Any, str]:
 
 
 @contextlib.contextmanager
-def _reading_through(roots: Sequence[torch.nn.Module], views: dict[int, torch.Tensor]) -> Iterator[None]:
-    """Inside, each parameter that ``views`` holds an alias of (by ``id``) is that alias in the
+def _reading_through(roots: Sequence[torch.nn.Module], aliases: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Inside, each parameter that ``aliases`` holds an alias of (by ``id``) is that alias in the
     parameter dict of every module of ``roots``' trees that holds it, each module once (a
     module under two paths, a weight tied between two); on leaving, each dict entry is its
     own parameter again, whatever was raised."""
@@ -145,10 +145,10 @@ def _reading_through(roots: Sequence[torch.nn.Module], views: dict[int, torch.Te
                 continue
             seen.add(id(module))
             table: dict[str, Any] = module._parameters
-            swapped += [(table, name, p) for name, p in table.items() if p is not None and id(p) in views]
+            swapped += [(table, name, p) for name, p in table.items() if p is not None and id(p) in aliases]
     try:
         for owner, name, p in swapped:
-            owner[name] = views[id(p)]
+            owner[name] = aliases[id(p)]
         yield
     finally:
         for owner, name, p in swapped:
@@ -213,7 +213,7 @@ class TrainingGraph:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.enable_grad():
                 for _ in range(TRAINING_WARMUP):
-                    found, wrt = self._through_views()
+                    found, wrt = self._through_aliases()
                     outputs, differentiable = self._differentiable(found)
                     if differentiable:
                         self.gathered(
@@ -226,7 +226,7 @@ class TrainingGraph:
             pool = torch.cuda.graph_pool_handle()
             self.forward_graph = torch.cuda.CUDAGraph()
             with torch.enable_grad(), torch.cuda.graph(self.forward_graph, pool=pool, capture_error_mode=CAPTURE_MODE):
-                found, wrt = self._through_views()
+                found, wrt = self._through_aliases()
             leaves, self.spec = pytree.tree_flatten(found)
             self.static_outputs = leaves
             self.tensor_outputs = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
@@ -248,7 +248,7 @@ class TrainingGraph:
         # The leaves' autograd history is no longer needed: the graphs hold the memory.
         self.static_outputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in self.static_outputs]
 
-    def _through_views(self) -> tuple[Any, list[torch.Tensor]]:
+    def _through_aliases(self) -> tuple[Any, list[torch.Tensor]]:
         """``forward`` on the static inputs, reading each input that needs a gradient
         through a view and each parameter that does through an alias made here (a new leaf
         on the parameter's memory), and what to take gradients of (``gathered`` adds them up
@@ -264,15 +264,15 @@ class TrainingGraph:
         so nothing is counted twice, and where no such read exists their accumulators are
         not reached."""
         inputs = [t.view_as(t) if t.requires_grad else t for t in self.static_inputs]
-        views = {id(p): p.detach().requires_grad_(True) for p in self.params}
+        aliases = {id(p): p.detach().requires_grad_(True) for p in self.params}
         roots = [self.model] + ([self.forward] if isinstance(self.forward, torch.nn.Module) else [])
-        with _reading_through(roots, views):
+        with _reading_through(roots, aliases):
             found = self.forward(*self._args(inputs))
-        wrt = [inputs[k] for k in self.grad_inputs] + [views[id(p)] for p in self.params] + self.params
+        wrt = [inputs[k] for k in self.grad_inputs] + [aliases[id(p)] for p in self.params] + self.params
         return found, wrt
 
     def gathered(self, grads: Sequence[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
-        """The gradients of ``_through_views``' ``wrt``, one per input that needs one, then one
+        """The gradients of ``_through_aliases``' ``wrt``, one per input that needs one, then one
         per parameter: its alias's and its own added (None where neither got one)."""
         count, params = len(self.grad_inputs), len(self.params)
         through, direct = grads[count : count + params], grads[count + params :]
@@ -383,13 +383,19 @@ def as_close_as_itself(replayed: Sequence[Any], once: Sequence[Any], again: Sequ
             if not (_bit_equal(r, u) and _bit_equal(u, v)):
                 return False
             continue
-        a, b, c = r.double(), u.double(), v.double()
-        itself = float((b - c).abs().max()) if b.numel() else 0.0
-        if itself > SELF_DIFFERENCE_LIMIT * float(b.norm()):
-            return False
-        if b.numel() and float((a - b).abs().max()) > SELF_DIFFERENCE_FACTOR * itself:
+        off, itself, norm = _distances(r, u, v)
+        if itself > SELF_DIFFERENCE_LIMIT * norm or off > SELF_DIFFERENCE_FACTOR * itself:
             return False
     return True
+
+
+def _distances(replayed: torch.Tensor, once: torch.Tensor, again: torch.Tensor) -> tuple[float, float, float]:
+    """The largest difference of ``replayed`` from ``once``, that of ``again`` from ``once``
+    (in float64; 0 for empty tensors), and the norm of ``once``."""
+    if not once.numel():
+        return 0.0, 0.0, 0.0
+    a, b, c = replayed.double(), once.double(), again.double()
+    return float((a - b).abs().max()), float((b - c).abs().max()), float(b.norm())
 
 
 def _farthest(replayed: Sequence[Any], once: Sequence[Any], again: Sequence[Any]) -> str:
@@ -402,8 +408,7 @@ def _farthest(replayed: Sequence[Any], once: Sequence[Any], again: Sequence[Any]
             continue
         if not r.shape == u.shape == v.shape:
             continue
-        a, b, c = r.double(), u.double(), v.double()
-        off, itself, norm = float((a - b).abs().max()), float((b - c).abs().max()), float(b.norm())
+        off, itself, norm = _distances(r, u, v)
         ratio = off / itself if itself else (float("inf") if off else 0.0)
         if worst is None or ratio > worst[0]:
             worst = (

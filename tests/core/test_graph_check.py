@@ -57,7 +57,7 @@ def test_integer_and_missing_results_must_be_the_same():
 
 
 def _views_of(forward, model, x, params):
-    """``TrainingGraph._through_views`` on CPU tensors (the parts of it that need no CUDA):
+    """``TrainingGraph._through_aliases`` on CPU tensors (the parts of it that need no CUDA):
     the forward's result, and the gradients it gathers for ``upstream``."""
     from autofuser_core.cudagraphs import TrainingGraph
 
@@ -65,12 +65,12 @@ def _views_of(forward, model, x, params):
     graph.forward, graph.model, graph.template, graph.tensor_slots = forward, model, [x], [0]
     graph.static_inputs, graph.grad_inputs = [x], [0] if x.requires_grad else []
     graph.params = params
-    found, wrt = graph._through_views()
+    found, wrt = graph._through_aliases()
     return graph, found, wrt
 
 
 def test_captured_gradients_are_taken_at_views_made_in_the_step_and_equal_eager():
-    """``TrainingGraph._through_views``: the capture asks for gradients at views of the
+    """``TrainingGraph._through_aliases``: the capture asks for gradients at views of the
     inputs and aliases of the parameters made in the step itself (an earlier step's
     accumulators belong to the stream that step ran on), swapped into every module that holds them: the
     forward's, and the model's, whose modules a fused kernel reads its parameters from
