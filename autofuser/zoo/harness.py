@@ -69,6 +69,7 @@ from autofuser.zoo.airfoil import TRAIN_SEED, make_dataset, relative_l2, test_se
 from autofuser.zoo.first_call import measure_in_fresh_process
 from autofuser.zoo.models import MESHES, MODELS, ModelEntry, parameter_count
 from autofuser_core.interpreter import FIX, kernels_decorated
+from autofuser_core.verify import FLOAT64_FACTOR as VERIFY_FLOAT64_FACTOR
 from autofuser_core.verify import no_autocast
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -199,9 +200,9 @@ MAX_REL_ERROR = {"fp32": 1e-4, "bf16": 4e-2}
 #: model's sums are ill-conditioned (long fp32 sums whose terms cancel), eager itself
 #: misses the exact value by more than the limit and any other order of the same sums
 #: misses eager by about as much; a wrong kernel misses the exact value by the size of
-#: its mistake, whatever eager's error. 4 is the float64 judge's factor of the fusion
-#: check (``autofuser_core.verify.FLOAT64_FACTOR``), here over the whole result.
-FLOAT64_FACTOR = 4.0
+#: its mistake, whatever eager's error. The factor is the fusion check's float64 judge's
+#: (``autofuser_core.verify.FLOAT64_FACTOR``), here over the whole result.
+FLOAT64_FACTOR = VERIFY_FLOAT64_FACTOR
 
 #: Each error against eager a cell records, with the key of its error against the float64
 #: reference and what the gate's message calls that result.

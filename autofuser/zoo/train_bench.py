@@ -35,7 +35,9 @@ bench feeds). For each chosen model:
    (``interleaved_steps``); a system's median step.
 
 Each system's first-step output and gradients are compared with eager's
-(``||x - eager|| / ||eager||``), and where one is past ``harness.MAX_REL_ERROR``
+(``||x - eager|| / ||eager||``), and for AutoFuser and torch.compile so is the same
+step run again from the same weights by what their timed steps run
+(``TrainingStep.rerun_from``); where one is past ``harness.MAX_REL_ERROR``
 with the first step in float64 (``float64_first_step``); on CUDA the peak memory
 the timed steps add is recorded. A system that fails becomes that cell's error, never a crash,
 and every column is always produced; the cells, the table and the
@@ -466,7 +468,7 @@ def bench_training_model(
         autofuser_cell["warm_notes"] = list(warm.report().notes)
         # The first step may have run the original while the check in use was under way: the
         # settled runner, which the timed steps run, is checked on the first step's weights too.
-        again = step.rerun_from(model, fresh_copy().state_dict())
+        again = step.rerun_from(model, base.state_dict())
         check("autofuser", step, first, again)
 
     def compile_run(system: str, mode: str) -> Callable[[], None]:
@@ -485,7 +487,7 @@ def bench_training_model(
             # what the timed steps run is checked too, on the first step's weights.
             for _ in range(GRAPH_MODE_WARMUP_STEPS if graphs else 0):
                 step.step()
-            check(system, step, first, step.rerun_from(model, fresh_copy().state_dict()))
+            check(system, step, first, step.rerun_from(model, base.state_dict()))
 
         return run_compile
 
