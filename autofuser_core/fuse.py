@@ -1571,15 +1571,34 @@ class _Compiled(tuple):
         return made
 
 
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach()
+
+
 def _kept(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+#: ``() -> the innermost saved-tensor hooks in force, or None``; torch's own, private (an older
+#: torch without it: assume hooks may be in force).
+_top_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 @contextlib.contextmanager
 def _own_saved_tensors():
     """Tensors autograd saves inside are kept as they are, past any saved-tensor hooks of
-    the caller's; where hooks are disabled altogether, there are none to pass."""
-    hooks = torch.autograd.graph.saved_tensors_hooks(_kept, _kept)
+    the caller's; where the caller has none, or hooks are disabled altogether, autograd
+    saves as it always does.
+
+    Hooks of its own only where the caller has some: any hook costs autograd its in-place
+    check of saved tensors. And the packed form is a detached alias: a saved output packed
+    as itself holds its own ``grad_fn``, a cycle through autograd's C++ that Python's
+    collector can't see, which kept every activation the compile's runs saved alive
+    (docs/training.md, "Finding where memory stays")."""
+    if _top_saved_tensor_hooks is not None and _top_saved_tensor_hooks(False) is None:
+        yield
+        return
+    hooks = torch.autograd.graph.saved_tensors_hooks(_detached, _kept)
     try:
         hooks.__enter__()
     except RuntimeError:  # torch.autograd.graph.disable_saved_tensors_hooks is in force

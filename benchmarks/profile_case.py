@@ -370,6 +370,9 @@ def profile_systems(
             forward()  # compiles
             if system == "autofuser":
                 settle(runner, forward)  # the runner its check in use keeps, as the bench times it
+            if system in ("autofuser", "autofuser-fused"):
+                for note in runner.report().notes:  # what it runs (graphed, fused or the original) and why
+                    print(f"profile_case: AutoFuser: {note}", file=sys.stderr, flush=True)
             for _ in range(args.warmup):
                 forward()
             if device.type == "cuda":

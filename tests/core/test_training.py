@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
+import weakref
 import zlib
 
 import pytest
@@ -675,6 +677,78 @@ def test_a_checkpointed_forward_recomputes_with_the_runner_its_first_pass_ran(tm
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
     assert pickle.loads(pickle.dumps(fused))._last_key is None
+
+
+class _SavesItsOutputs(nn.Module):
+    """Softmax and tanh: ops whose backward reads their own output, which autograd saves."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Linear(19, 19)
+
+    def forward(self, x):
+        return torch.tanh(self.mix(torch.softmax(x * 2.0, dim=-1))) + x
+
+
+def _record_compile_values(monkeypatch) -> list:
+    """Weak references to every tensor with a ``grad_fn`` that capture's runs make: the
+    trace on real values and the shape recording."""
+    from autofuser_core import capture
+
+    made: list = []
+
+    def recording(original):
+        def run(self, node):
+            value = original(self, node)
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                made.append(weakref.ref(value))
+            return value
+
+        return run
+
+    monkeypatch.setattr(capture._ConcreteTracer, "_execute", recording(capture._ConcreteTracer._execute))
+    monkeypatch.setattr(capture._ShapeRecorder, "run_node", recording(capture._ShapeRecorder.run_node))
+    return made
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_compiling_a_training_model_keeps_none_of_its_own_runs_activations(tmp_path, monkeypatch, checkpointed):
+    """The compile runs the model with gradients on (tracing, shape recording, checks):
+    once the step is done, none of what those runs saved for a backward stays alive, in a
+    plain call and inside a checkpoint (whose saved-tensor hooks the compile shields its
+    own from). A saved output packed as itself held its grad_fn in a cycle the collector
+    can't see, which kept a whole forward's activations alive for good."""
+    from torch.utils.checkpoint import checkpoint
+
+    made = _record_compile_values(monkeypatch)
+    model, x = _SavesItsOutputs().train(), torch.randn(3, 7, 19)
+    reference = copy.deepcopy(model)
+    fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False, verify_speed=False)
+    run = functools.partial(checkpoint, fused, use_reentrant=False) if checkpointed else fused
+    inputs = x.clone().requires_grad_()
+    run(inputs).square().mean().backward()
+    expected = x.clone().requires_grad_()
+    reference(expected).square().mean().backward()
+    gc.collect()
+    assert made, "the trace made no tensor with a grad_fn: the check watches nothing"
+    alive = sum(ref() is not None for ref in made)
+    assert alive == 0, f"{alive} of {len(made)} values of the compile's runs are still alive"
+    torch.testing.assert_close(inputs.grad, expected.grad, **FP32)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **FP32, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_compiles_shield_leaves_autograd_alone_where_the_caller_has_no_hooks():
+    """No saved-tensor hooks of the caller's: the compile installs none either, so autograd
+    keeps its check that a saved tensor was not written in place (any hook turns it off)."""
+    from autofuser_core.fuse import _own_saved_tensors
+
+    w = torch.randn(5, 5, requires_grad=True)
+    with _own_saved_tensors():
+        y = torch.exp(torch.randn(2, 5) @ w)
+        y.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 def test_two_fused_modules_in_one_loop_take_turns_in_their_checks(tmp_path, use_timer, monkeypatch):
