@@ -16,6 +16,8 @@
   ``slice_attention`` strategies (their own compose, configs, validity rules);
 - ``kernel.py``, ``linear_kernel.py``, ``slice_kernel.py``: the kernel writers
   (a chain of kernels is launched through ``autofuser.kernel.chain_module``);
+- ``written_out.py``: a graph pass writing an exact written-out softmax
+  attention as one SDPA call, whose traced backward is torch's flash-style one;
 - ``options.py``: the plugin's ``fuse()`` option ``reassociate_products``.
 """
 
@@ -24,6 +26,12 @@ from autofuser import collect_specs, hookimpl
 from . import ops
 from .options import AttentionOptions
 from .strategy import ATTENTION_STRATEGY, LINEAR_STRATEGY, SLICE_STRATEGY
+from .written_out import rewrite_written_out_attention
+
+
+@hookimpl
+def autofuser_transform_graph(gm, options):
+    rewrite_written_out_attention(gm)
 
 
 @hookimpl

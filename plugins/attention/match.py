@@ -41,7 +41,7 @@ from autofuser import GroupRefused, Value, program_from_nodes
 from autofuser.kernel import AttrRef, collect_values, domain_strides, fp32_precision, tensor_meta
 
 from .layout import AttentionLayout, AttentionProgram, Operand, Step
-from .ops.sdpa import MAX_HEAD_WIDTH, sdpa_arguments
+from .ops.sdpa import MAX_HEAD_WIDTH, SDPA_FUNCTIONS, sdpa_arguments
 
 SOFTMAX_FUNCTIONS = (F.softmax, torch.softmax, torch.special.softmax)
 #: Methods that only convert p's dtype between the softmax and the product (p is rounded
@@ -62,7 +62,7 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 def is_sdpa(view, node: torch.fx.Node) -> bool:
     value = view.lowered.get(node)
-    return value is not None and value.op == "extern" and node.target is F.scaled_dot_product_attention
+    return value is not None and value.op == "extern" and node.target in SDPA_FUNCTIONS
 
 
 def softmax_dim(node: torch.fx.Node, gm: torch.nn.Module):
@@ -285,6 +285,14 @@ def _read_sdpa(node: torch.fx.Node, index: dict):
         empty_rows_zero=True,
     )
     kind = "no mask" if mask is None else "bool mask" if mask.dtype == torch.bool else "additive mask"
+    if node.target is not F.scaled_dot_product_attention:  # written_out.py's rewrite of the user's chain
+        summary = (
+            f"form softmax (written out): softmax(q @ k^T * {float(scale):.4g}) @ v, as one "
+            "scaled_dot_product_attention call (whose backward is torch's flash-style one), as one online-softmax "
+            f"kernel over {n} queries x {m} "
+            f"keys per head, head width {d}; the scores never reach memory"
+        )
+        return layout, summary
     summary = (
         f"form softmax (sdpa): scaled_dot_product_attention "
         f"({kind}{', causal' if a['is_causal'] else ''}) as one "

@@ -47,6 +47,19 @@ def sdpa_arguments(
     )
 
 
+def sdpa_row_major(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention`` with its result made row-major (a copy only where it
+    isn't): what ``written_out.py`` writes a written-out attention as. torch's fused kernels
+    return another layout, and the graph's metadata must hold where the call runs eagerly."""
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    ).contiguous()
+
+
+#: The calls this lowering serves.
+SDPA_FUNCTIONS = (F.scaled_dot_product_attention, sdpa_row_major)
+
+
 def lower_sdpa(ctx, *args, **kwargs):
     try:
         a = sdpa_arguments(*args, **kwargs)
@@ -119,7 +132,7 @@ SPECS = [
     LoweringSpec(
         name="attention.sdpa",
         description="F.scaled_dot_product_attention without dropout: one online-softmax kernel",
-        targets=(F.scaled_dot_product_attention,),
+        targets=SDPA_FUNCTIONS,
         kind="opaque",  # extern: only the attention strategies, with their own compose, take it
         lower=lower_sdpa,
         samples=_samples,

@@ -1,0 +1,183 @@
+"""Written-out softmax attention made one SDPA call (``plugins/attention/written_out.py``).
+
+An exact ``softmax(q @ k^T * scale) @ v`` with enough keys is rewritten into
+``sdpa_row_major(q, k, v, scale=...)`` before planning: each spelling (matmul,
+``@``, ``.mT``, ``transpose``, ``*`` and ``/`` by numbers, ``softmax`` as a function,
+a method and ``nn.Softmax``) is rewritten, the rewritten graph computes what the
+original does, and the fused model matches eager in its outputs and its gradients
+(fp32 and bf16 autocast, batch 1 and 3, 300 keys, non-square), with its backward
+holding no N x M tensor where eager's holds several. Chains that are not exactly
+that function - a bias, dropout in training, scores read elsewhere, a softmax
+with a dtype, over another dim, 3-d operands, fewer keys - stay as written.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autofuser
+from autofuser_core.capture import capture
+from plugins.attention import written_out
+from plugins.attention.ops.sdpa import sdpa_row_major
+from plugins.attention.written_out import rewrite_written_out_attention
+
+KEYS = 300  # above written_out.MIN_KEYS
+TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=4e-2)}
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+def test_the_keys_here_are_enough_for_the_rewrite():
+    assert KEYS >= written_out.MIN_KEYS
+
+
+class Chain(nn.Module):
+    """One spelling of written-out attention over q, k, v of shape [B, H, L, D]."""
+
+    def __init__(self, form: str, dropout: float = 0.0):
+        super().__init__()
+        self.form = form
+        self.softmax = nn.Softmax(dim=-1)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, q, k, v):
+        d = q.shape[-1]
+        if self.form == "matmul_mul":
+            return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * d**-0.5, dim=-1), v)
+        if self.form == "at_div_method":
+            return ((q @ k.mT) / math.sqrt(d)).softmax(-1) @ v
+        if self.form == "two_scalings_module":
+            return self.softmax(2.0 * (q @ k.transpose(3, 2)) * (0.5 / math.sqrt(d))) @ v
+        if self.form == "functional_dim_kw":
+            return F.softmax(q.matmul(k.transpose(-1, -2)) * 0.3, dim=3).matmul(v)
+        # Not exactly SDPA: left as written.
+        scores = q @ k.transpose(-2, -1) * d**-0.5
+        if self.form == "bias":
+            return (scores + 0.1 * torch.ones_like(scores[..., :1, :])).softmax(-1) @ v
+        if self.form == "dropout":
+            return self.dropout(scores.softmax(-1)) @ v
+        if self.form == "scores_read_elsewhere":
+            return scores.softmax(-1) @ v, scores.mean()
+        if self.form == "softmax_dtype":
+            return scores.softmax(-1, dtype=torch.float32) @ v
+        if self.form == "softmax_over_queries":
+            return scores.softmax(-2) @ v
+        raise ValueError(self.form)
+
+
+REWRITTEN = ["matmul_mul", "at_div_method", "two_scalings_module", "functional_dim_kw"]
+
+
+def qkv(batch: int, n: int, m: int, d: int, dtype=torch.float32, grad: bool = False):
+    """q, k, v [B, 2, L, D] as views of [B, L, 2 * D] projections' outputs (as a model makes them)."""
+    made = [torch.randn(batch, length, 2 * d, dtype=dtype) for length in (n, m, m)]
+    return [rearrange(t.requires_grad_(grad), "b l (h d) -> b h l d", h=2) for t in made]
+
+
+def _rewritten(model: nn.Module, *inputs) -> tuple[int, torch.fx.GraphModule]:
+    gm = capture(model, *inputs)
+    count = rewrite_written_out_attention(gm)
+    gm.recompile()
+    return count, gm
+
+
+@pytest.mark.parametrize("form", REWRITTEN)
+def test_each_spelling_is_rewritten_and_computes_the_same(form):
+    q, k, v = qkv(3, 37, KEYS, 16)
+    model = Chain(form)
+    count, gm = _rewritten(model, q, k, v)
+    assert count == 1, gm.code
+    calls = [n for n in gm.graph.nodes if n.target is sdpa_row_major]
+    assert len(calls) == 1 and not [n for n in gm.graph.nodes if "softmax" in str(n.target)], gm.code
+    got = gm(q, k, v)
+    torch.testing.assert_close(got, model(q, k, v), **TOLERANCES[torch.float32])
+    assert got.is_contiguous()
+
+
+@pytest.mark.parametrize("form", ["bias", "dropout", "scores_read_elsewhere", "softmax_dtype", "softmax_over_queries"])
+def test_chains_that_are_not_exactly_sdpa_stay_as_written(form):
+    q, k, v = qkv(2, 37, KEYS, 16)
+    model = Chain(form, dropout=0.5).train()
+    count, gm = _rewritten(model, q, k, v)
+    assert count == 0, gm.code
+    assert not [n for n in gm.graph.nodes if n.target is sdpa_row_major]
+
+
+def test_few_keys_or_three_dim_operands_stay_as_written():
+    q, k, v = qkv(2, 37, written_out.MIN_KEYS - 1, 16)
+    assert _rewritten(Chain("matmul_mul"), q, k, v)[0] == 0
+    q3, k3, v3 = (t.flatten(0, 1) for t in qkv(2, 37, KEYS, 16))
+    assert _rewritten(Chain("matmul_mul"), q3, k3, v3)[0] == 0
+
+
+def test_the_call_gives_a_row_major_result_whatever_layout_its_inputs_have():
+    q, k, v = (t.transpose(1, 2) for t in torch.randn(3, 2, 5, 40, 16).unbind(0))  # [B, H, L, D] views
+    got = sdpa_row_major(q, k, v, scale=0.25)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, scale=0.25))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_fused_training_matches_eager(batch, dtype):
+    model = Chain("at_div_method")
+    fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+    results = []
+    for runner in (fused, model):
+        torch.manual_seed(7)
+        q, k, v = qkv(batch, 41, KEYS, 16, grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is torch.bfloat16):
+            out = runner(q, k, v)
+        out.float().square().sum().backward()
+        results.append((out.detach().float(), [t._base.grad for t in (q, k, v)]))  # the projections' gradients
+    (got, got_grads), (expected, expected_grads) = results
+    # Under autocast the written-out chain rounds its scores to bf16 before the softmax and
+    # SDPA does not: the float64 result judges the two (docs/attention.md).
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(got, expected, **tolerance)
+    for name, g, e in zip("qkv", got_grads, expected_grads):
+        scale = max(1.0, float(e.abs().max()))
+        torch.testing.assert_close(g, e, atol=tolerance["atol"] * scale, rtol=tolerance["rtol"], msg=name)
+    summaries = [g.reason for g in fused.report().fused if g.strategy == "softmax_attention"]
+    assert len(summaries) == 1 and "written out" in summaries[0] and "scaled_dot_product_attention" in summaries[0]
+
+
+class _Shapes(TorchDispatchMode):
+    """Records the shape of every tensor any aten op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+def test_the_fused_backward_holds_no_scores_tensor():
+    n, m = 37, KEYS
+    model = Chain("matmul_mul")
+    fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+    q, k, v = qkv(3, n, m, 16, grad=True)
+    fused(q, k, v).sum().backward()  # compiles
+    seen = {}
+    for name, runner in (("fused", fused), ("eager", model)):
+        out = runner(q, k, v)
+        with _Shapes() as recorder:
+            out.square().sum().backward()
+        seen[name] = [s for s in recorder.shapes if s[-2:] == (n, m)]
+    assert seen["eager"], "the recorder must see eager's N x M tensors in its backward"  # so the next check can fail
+    assert not seen["fused"], seen["fused"]
