@@ -15,12 +15,21 @@ The chain is rewritten only where it is exactly that function: ``k`` transposed
 by its last two dims (``transpose``/``mT``), scalings of the scores by Python
 numbers (``*``, ``/``), a softmax over the last dim without a ``dtype``, and a
 product with ``v``; every value in between read by the next step alone (one read
-elsewhere needs the scores in memory anyway); 4-d ``q``, ``k``, ``v`` of one
-floating dtype (the result in it, or in autocast's), with the same leading dims (the shapes torch's fused kernels take);
-a row-major result; at least ``MIN_KEYS`` keys. A mask, a bias or dropout
-between them leaves the chain as it is; so does a short attention, whose scores
-are small, and which may be part of a larger pattern another strategy fuses
-whole (Transolver's attention among its 32 or 64 slices, ``slice.py``).
+elsewhere needs the scores in memory anyway); 4-d ``q``, ``k``, ``v`` with the same
+leading dims (the shapes torch's fused kernels take); a row-major result; at least
+``MIN_KEYS`` keys. A mask, a bias or dropout between them leaves the chain as it
+is; so does a short attention, whose scores are small, and which may be part of a
+larger pattern another strategy fuses whole (Transolver's attention among its 32
+or 64 slices, ``slice.py``).
+
+Only fp32 chains, autocast off. Measured on an H100 (torch 2.11, the softmax
+Transformer zoo model, BENCHMARKS.md "Training"): in fp32, where torch's
+backward is its memory-efficient kernel, the rewritten model's gradients were
+eager's within 2e-6; under bf16 autocast, where torch picks cuDNN's attention,
+they were off by 77% (against eager's own 0.6% from a strict-fp32 run). Until
+that is isolated on a GPU (the row-major copy hands the backward a gradient in
+another layout than its output's, which cuDNN's kernels have mishandled), 16-bit
+chains stay as written.
 
 The call is ``ops.sdpa.sdpa_row_major``: SDPA with its result made row-major, as the
 written-out product's is. torch's fused kernels return their result in another
@@ -42,7 +51,6 @@ from autofuser.kernel import tensor_meta
 from .match import softmax_dim
 from .ops.sdpa import sdpa_row_major
 
-FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 PRODUCTS = (torch.matmul, operator.matmul)
 #: Fewest keys (the scores' last dim) of a chain rewritten; below, it stays as written.
 MIN_KEYS = 256
@@ -166,11 +174,8 @@ def _chain(gm: torch.fx.GraphModule, softmax: torch.fx.Node) -> Optional[tuple]:
         return None
     if mq.shape[-1] != mk.shape[-1] or mk.shape[-2] != mv.shape[-2] or mk.shape[-2] < MIN_KEYS:
         return None
-    if not (mq.dtype == mk.dtype == mv.dtype) or mq.dtype not in FLOATS:
-        return None
-    # The result in the operands' dtype, or under autocast in its 16-bit one (SDPA casts as the products do).
-    if mo.dtype != mq.dtype and not (mq.dtype == torch.float32 and mo.dtype in (torch.float16, torch.bfloat16)):
-        return None
+    if not (mq.dtype == mk.dtype == mv.dtype == mo.dtype == torch.float32):
+        return None  # fp32 only, autocast off: see the module's doc
     if not _row_major(tuple(mo.shape), tuple(mo.stride)):
         return None
     return q, k, v, scale, output, chain
