@@ -33,6 +33,7 @@ import importlib
 import inspect
 import json
 import logging
+import math
 import operator
 import os
 import pickle
@@ -1277,6 +1278,11 @@ class FusedModule(torch.nn.Module):
                 if (times != known.times or records != known.records) and vkey is not None:
                     write_verdict(root, vkey, times, records)  # vkey None: nothing fused, never cached
             in_use = None
+            if grad and runner is fused_gm and report.fused and not later_in_class:
+                wrong = self._wrong_step_gradients(fused_gm, args, kwargs, flat)
+                if wrong is not None:
+                    report.notes.append(wrong)
+                    runner = None
             if grad and runner is fused_gm and report.fused and self._options.verify_speed and not later_in_class:
                 if timer.can_time_forward(device):
                     runner, in_use = self._check_step(timer, fused_gm, args, kwargs, flat, report, root)
@@ -1311,6 +1317,41 @@ class FusedModule(torch.nn.Module):
             runs += " (on CPU under Triton's interpreter: each call is slow)"
         progress.finish(f"compiled in {report.compile_s:.1f} s: {runs}; fused.report() says why")
         return entry
+
+    def _wrong_step_gradients(self, fused_gm, args: tuple, kwargs: dict, flat: tuple) -> Optional[str]:
+        """Why the fused training step's gradients are wrong, or ``None``: one step of each
+        side from the same random state (the same dropout masks), outputs weighted alike,
+        every parameter's and input's gradient compared with the original model's. Each
+        group was verified on its own; this guards the whole (a graph pass computing another
+        function than the model), so its limit is far above rounding (``STEP_GRADIENT_LIMIT``)."""
+        params = [p for p in self._model.parameters() if p.requires_grad]
+        device = _device_of(flat)
+        sides = []
+        for forward in (fused_gm, lambda *a: self._model(*args, **kwargs)):
+            with preserved_state(self._model), torch.random.fork_rng(devices=_rng_devices(device)):
+                torch.manual_seed(STEP_GRADIENT_SEED)
+                sides.append(timing.TrainingStep(forward, params).gradients(*flat, seed=STEP_GRADIENT_SEED))
+        fused, eager = sides
+        squared = [0.0, 0.0]  # ||fused - eager||^2, ||eager||^2
+        sixteen_bit = any(g is not None and g.dtype in (torch.float16, torch.bfloat16) for g in eager)
+        sixteen_bit = sixteen_bit or torch.is_autocast_enabled(device.type)
+        for got, expected in zip(fused, eager):
+            if expected is None:
+                continue
+            expected = expected.double()
+            if not bool(torch.isfinite(expected).all()):
+                return None  # the original's own gradients are not finite: nothing to judge by
+            difference = expected if got is None else got.double() - expected
+            squared[0] += float(difference.square().sum())
+            squared[1] += float(expected.square().sum())
+        distance = math.sqrt(squared[0] / squared[1]) if squared[1] > 0 else math.sqrt(squared[0])
+        limit = STEP_GRADIENT_LIMIT["16-bit" if sixteen_bit else "fp32"]
+        if distance <= limit:  # a NaN fails too
+            return None
+        return (
+            f"the fused training step's gradients are off the original model's by {distance:.3g} (relative L2 over "
+            f"every parameter and input, limit {limit:g}): the original runs. Please report this (fused.report())"
+        )
 
     def _check_step(self, timer, fused_gm, args: tuple, kwargs: dict, flat: tuple, report, root):
         """The compile's word on "never slower than eager" with gradients on: the forward
@@ -1569,6 +1610,22 @@ class _Compiled(tuple):
         made.shape_free = like.shape_free if like is not None else None
         made.shapes = like.shapes if like is not None else ()
         return made
+
+
+#: Relative L2 distance of a whole training step's gradients (every parameter's and input's)
+#: from the original model's, past which the fused step is wrong rather than rounded
+#: otherwise: a guard against gross errors, far above the rounding measured on the zoo
+#: (fp32 at most 3e-3, LSM; bf16 at most 7e-3, Galerkin; BENCHMARKS.md, Training).
+STEP_GRADIENT_LIMIT = {"fp32": 0.05, "16-bit": 0.25}
+#: Seed of that check's random state and output weights.
+STEP_GRADIENT_SEED = 20261206
+
+
+def _rng_devices(device: torch.device) -> list:
+    """The CUDA devices whose random state a check forks (none on CPU)."""
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
 
 
 def _detached(tensor: torch.Tensor) -> torch.Tensor:

@@ -751,6 +751,58 @@ def test_the_compiles_shield_leaves_autograd_alone_where_the_caller_has_no_hooks
         y.sum().backward()
 
 
+class _TanhBetween(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(23)
+
+    def forward(self, x):
+        return torch.tanh(self.ln(x) * 1.5) + x
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_a_graph_pass_that_breaks_gradients_leaves_the_original_running(tmp_path, autocast):
+    """A plugin's graph pass that keeps the forward but cuts a gradient path (the tanh's
+    input detached): every group still verifies against the rewritten graph, but the whole
+    step's gradients are far off the original model's, so the original runs and the
+    report says why; the user's gradients are eager's."""
+    from _helpers import plugin_module
+
+    def autofuser_transform_graph(gm, options):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is torch.tanh:
+                with gm.graph.inserting_before(node):
+                    cut = gm.graph.call_method("detach", (node.args[0],))
+                cut.meta = dict(node.args[0].meta)
+                node.args = (cut, *node.args[1:])
+
+    model, x = _TanhBetween(), torch.randn(3, 5, 23)
+    reference = copy.deepcopy(model)
+    plugin = plugin_module("cutsgradients", autofuser_transform_graph=autofuser_transform_graph)
+    fused = autofuser.fuse(model, plugins=["elementwise", "reduction", plugin], cache_dir=str(tmp_path), progress=False)
+    grads = []
+    for module in (fused, reference):
+        inputs = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = module(inputs)
+        out.float().square().mean().backward()
+        grads.append([inputs.grad, *(p.grad for p in module.parameters())])
+    notes = " ".join(fused.report().notes)
+    assert "gradients are off the original model's" in notes and "the original runs" in notes, notes
+    assert fused.report().runs_original
+    for got, expected in zip(*grads):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_a_correct_fused_step_passes_the_whole_step_gradient_check(tmp_path):
+    """The control: the same model without the broken pass runs fused."""
+    model, x = _TanhBetween(), torch.randn(3, 5, 23)
+    fused = autofuser.fuse(model, plugins=["elementwise", "reduction"], cache_dir=str(tmp_path), progress=False)
+    fused(x.clone().requires_grad_()).square().mean().backward()
+    assert not fused.report().runs_original, fused.report().notes
+    assert "gradients are off" not in " ".join(fused.report().notes)
+
+
 def test_two_fused_modules_in_one_loop_take_turns_in_their_checks(tmp_path, use_timer, monkeypatch):
     """A generator and a critic trained in one loop: their plans run one after the other,
     not in lock step, so neither one's spans take in the other's switches; the waiting
