@@ -25,6 +25,8 @@
 #   profile:DTYPE:MODEL,MODEL  benchmarks/profile_case.py on each model's training step, eager beside
 #               AutoFuser: kernels by device time, and what each keeps allocated between steps
 #               (--memory); flags in $PROFILE_FLAGS, e.g. PROFILE_FLAGS="--systems eager,autofuser,default"
+#   sdpa-probe  benchmarks/sdpa_grad_probe.py (each SDPA backend's gradients, in each layout of the
+#               output's gradient, against float64; flags in $SDPA_PROBE_FLAGS)
 #   ddp:DTYPE:MODEL,MODEL    DistributedDataParallel training (benchmarks/ddp_train.py, flags in
 #               $DDP_FLAGS): one process standing in for every GPU's rank, then one rank per GPU
 #               compared with it (gradients, parameters, scaling, tuning entries)
@@ -102,6 +104,10 @@ for step in "${steps[@]}"; do
       # shellcheck disable=SC2046
       OUT="$out/train" ZOO_CACHE="$ZOO_CACHE/train-$dtype" BENCH_FLAGS="--train ${TRAIN_FLAGS:---iters 30 --warmup 3 --tune-budget 1}" \
         bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models") ;;
+    sdpa-probe)
+      # shellcheck disable=SC2086
+      python3 benchmarks/sdpa_grad_probe.py ${SDPA_PROBE_FLAGS:-} > "$out/sdpa-probe.log" 2>&1
+      echo "sdpa-probe rc=$?"; grep -v '^\[' "$out/sdpa-probe.log" | tail -n 30 ;;
     profile:*)
       IFS=: read -r _ dtype models <<< "$step"
       mkdir -p "$out/profile"
