@@ -1,11 +1,13 @@
 """The check a captured training step must pass where eager itself is not deterministic
 (``cudagraphs.as_close_as_itself``): a replay may differ from an uncaptured step by as much
-as two uncaptured steps differ (an atomic sum's rounding), no more, and steps that differ
-by more than a rounding (random draws) are never replayed. Runs on CPU tensors: the check
+as two uncaptured steps differ (an atomic sum's rounding), or by a rounding of the result's
+norm where they agree (an algorithm a library picks while capturing), no more; steps that
+differ by more than a rounding (random draws) are never replayed. Runs on CPU tensors: the check
 is plain arithmetic."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from autofuser_core.cudagraphs import SELF_DIFFERENCE_FACTOR, as_close_as_itself
@@ -140,15 +142,53 @@ def test_the_modules_get_their_parameters_back_when_the_forward_raises():
     assert layer.weight is weight and all(type(p) is nn.Parameter for p in layer.parameters())
 
 
-def test_a_refused_replay_says_where_and_by_how_much():
-    from autofuser_core.cudagraphs import _farthest
+def test_a_refused_replay_names_the_result_that_failed_and_by_how_much():
+    from autofuser_core.cudagraphs import SELF_DIFFERENCE_LIMIT, _refusal
 
     torch.manual_seed(3)
     grad = torch.randn(5, 43)
     once, again = grad, _rounded(grad, 1e-7)
     wrong = grad.clone()
     wrong[2, 7] += 0.01
-    text = _farthest([grad.clone(), wrong, None], [grad, once, None], [grad.clone(), again, None])
-    assert text.startswith(": result 1: replayed off by 0.01")
+    text = _refusal([grad.clone(), wrong, None], [grad, once, None], [grad.clone(), again, None], 0.0)
+    assert text.startswith("result 1: replayed off by 0.01")
     assert "two uncaptured steps by" in text and f"norm {float(grad.double().norm()):.3g}" in text
-    assert _farthest([None], [None], [None]) == ""
+    assert _refusal([None], [None], [None], 0.0) is None
+    # A result whose uncaptured runs differ by more than a rounding (a random draw) is named
+    # as such, even where another result's replay is farther off against its runs.
+    small = torch.full((4,), 1e-3)
+    drawn = small + SELF_DIFFERENCE_LIMIT * 10 * small.norm()
+    text = _refusal([small, wrong], [small, once], [drawn, again], 0.0)
+    assert text.startswith("result 0:") and "uncaptured steps differ by more than" in text
+
+
+@pytest.mark.parametrize("sixteen_bit", [False, True], ids=["fp32", "16-bit"])
+def test_a_replay_may_differ_by_a_rounding_where_uncaptured_steps_do_not(sixteen_bit):
+    """A library may pick another algorithm while capturing (cuBLAS without its workspace):
+    a replay then differs by a rounding from two uncaptured steps that agree bit for bit.
+    Up to ``REPLAY_ROUNDING`` of the result's norm passes; farther, or a wrong value, fails."""
+    from autofuser_core.cudagraphs import REPLAY_ROUNDING, as_close_as_itself
+
+    torch.manual_seed(4)
+    grad = torch.randn(37, 111)
+    rounding = REPLAY_ROUNDING["16-bit" if sixteen_bit else "fp32"]
+    norm = float(grad.norm())
+    near = grad.clone()
+    near[3, 5] += 0.5 * rounding * norm
+    assert as_close_as_itself([near], [grad], [grad.clone()], rounding)
+    assert not as_close_as_itself([near], [grad], [grad.clone()], 0.0)  # without the allowance: bit for bit
+    far = grad.clone()
+    far[3, 5] += 2 * rounding * norm
+    assert not as_close_as_itself([far], [grad], [grad.clone()], rounding)
+    wrong = grad.clone()
+    wrong[0] = 0.0  # a kernel the replay skipped
+    assert not as_close_as_itself([wrong], [grad], [grad.clone()], rounding)
+
+
+def test_the_rounding_follows_the_precision_the_step_computes_in():
+    from autofuser_core.cudagraphs import REPLAY_ROUNDING, _rounding
+
+    assert _rounding("cpu", [torch.randn(3)]) == REPLAY_ROUNDING["fp32"]
+    assert _rounding("cpu", [torch.randn(3), torch.randn(3).bfloat16()]) == REPLAY_ROUNDING["16-bit"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _rounding("cpu", [torch.randn(3)]) == REPLAY_ROUNDING["16-bit"]
