@@ -130,24 +130,32 @@ def test_the_call_gives_a_row_major_result_whatever_layout_its_inputs_have():
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, scale=0.25))
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_fused_training_matches_eager(batch):
+def _train_beside_eager(batch: int, autocast: bool):
+    """(fused module, the fused side's output and q/k/v projection gradients, eager's) of
+    one step of ``Chain("at_div_method")`` on the same data, checked within the dtype's
+    tolerance (gradients' absolute part relative to their largest entry)."""
     model = Chain("at_div_method")
     fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
     results = []
     for runner in (fused, model):
         torch.manual_seed(7)
         q, k, v = qkv(batch, 41, KEYS, 16, grad=True)
-        out = runner(q, k, v)
-        out.square().sum().backward()
-        results.append((out.detach(), [t._base.grad for t in (q, k, v)]))  # the projections' gradients
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = runner(q, k, v)
+        out.float().square().sum().backward()
+        results.append((out.detach().float(), [t._base.grad for t in (q, k, v)]))  # the projections' gradients
     (got, got_grads), (expected, expected_grads) = results
-    tolerance = TOLERANCES[torch.float32]
+    tolerance = TOLERANCES[torch.bfloat16 if autocast else torch.float32]
     torch.testing.assert_close(got, expected, **tolerance)
     for name, g, e in zip("qkv", got_grads, expected_grads):
         scale = max(1.0, float(e.abs().max()))
         torch.testing.assert_close(g, e, atol=tolerance["atol"] * scale, rtol=tolerance["rtol"], msg=name)
-    summaries = [g.reason for g in fused.report().fused if g.strategy == "softmax_attention"]
+    return [g.reason for g in fused.report().fused if g.strategy == "softmax_attention"]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_training_matches_eager(batch):
+    summaries = _train_beside_eager(batch, autocast=False)
     assert len(summaries) == 1 and "written out" in summaries[0] and "scaled_dot_product_attention" in summaries[0]
 
 
@@ -162,23 +170,7 @@ def test_16_bit_chains_stay_as_written():
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_training_under_autocast_matches_eager(batch):
     """The chain stays written out under autocast, fused by the written-out form's kernel."""
-    model = Chain("at_div_method")
-    fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
-    results = []
-    for runner in (fused, model):
-        torch.manual_seed(7)
-        q, k, v = qkv(batch, 41, KEYS, 16, grad=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = runner(q, k, v)
-        out.float().square().sum().backward()
-        results.append((out.detach().float(), [t._base.grad for t in (q, k, v)]))
-    (got, got_grads), (expected, expected_grads) = results
-    tolerance = TOLERANCES[torch.bfloat16]
-    torch.testing.assert_close(got, expected, **tolerance)
-    for name, g, e in zip("qkv", got_grads, expected_grads):
-        scale = max(1.0, float(e.abs().max()))
-        torch.testing.assert_close(g, e, atol=tolerance["atol"] * scale, rtol=tolerance["rtol"], msg=name)
-    summaries = [g.reason for g in fused.report().fused if g.strategy == "softmax_attention"]
+    summaries = _train_beside_eager(batch, autocast=True)
     assert len(summaries) == 1 and "scaled_dot_product_attention" not in summaries[0], summaries
 
 
