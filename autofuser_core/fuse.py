@@ -1318,20 +1318,36 @@ class FusedModule(torch.nn.Module):
         progress.finish(f"compiled in {report.compile_s:.1f} s: {runs}; fused.report() says why")
         return entry
 
+    def _backward_hooked(self) -> list[str]:
+        """The modules and parameters of the model with backward hooks, by name."""
+        return self._state.backward_hooked + [
+            name for name, p in self._model.named_parameters() if getattr(p, "_backward_hooks", None)
+        ]
+
     def _wrong_step_gradients(self, fused_gm, args: tuple, kwargs: dict, flat: tuple) -> Optional[str]:
         """Why the fused training step's gradients are wrong, or ``None``: one step of each
         side from the same random state (the same dropout masks), outputs weighted alike,
         every parameter's and input's gradient compared with the original model's. Each
         group was verified on its own; this guards the whole (a graph pass computing another
         function than the model), so its limit is far above rounding (``STEP_GRADIENT_LIMIT``)."""
+        if self._backward_hooked():
+            return None  # the user's hooks would run for each checked backward
         params = [p for p in self._model.parameters() if p.requires_grad]
         device = _device_of(flat)
-        sides = []
-        for forward in (fused_gm, lambda *a: self._model(*args, **kwargs)):
-            with preserved_state(self._model), torch.random.fork_rng(devices=_rng_devices(device)):
-                torch.manual_seed(STEP_GRADIENT_SEED)
-                sides.append(timing.TrainingStep(forward, params).gradients(*flat, seed=STEP_GRADIENT_SEED))
-        fused, eager = sides
+        sides: list[Any] = []
+        for forward in (lambda *a: self._model(*args, **kwargs), fused_gm):
+            try:
+                with preserved_state(self._model), torch.random.fork_rng(devices=_rng_devices(device)):
+                    torch.manual_seed(STEP_GRADIENT_SEED)
+                    sides.append(timing.TrainingStep(forward, params).gradients(*flat, seed=STEP_GRADIENT_SEED))
+            except Exception as err:  # noqa: BLE001 - a step that raises is judged, not passed on
+                if not sides:
+                    return None  # the original's own backward refuses these inputs: nothing to judge by
+                return (
+                    f"the fused training step's backward raised {type(err).__name__} where the original's "
+                    "did not: the original runs"
+                )
+        eager, fused = sides
         squared = [0.0, 0.0]  # ||fused - eager||^2, ||eager||^2
         sixteen_bit = any(g is not None and g.dtype in (torch.float16, torch.bfloat16) for g in eager)
         sixteen_bit = sixteen_bit or torch.is_autocast_enabled(device.type)
@@ -1361,9 +1377,7 @@ class FusedModule(torch.nn.Module):
         still inside the noise, a provisional verdict) - and, where the fused one won or
         the verdict is provisional, the probation that has the last word (``in_use``; None
         where the verdict was itself measured in use, or can't be)."""
-        hooked = self._state.backward_hooked + [
-            name for name, p in self._model.named_parameters() if getattr(p, "_backward_hooks", None)
-        ]
+        hooked = self._backward_hooked()
         if hooked:
             report.notes.append(
                 f"training step not timed: backward hooks ({', '.join(hooked[:3])}) would run for "

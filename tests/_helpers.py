@@ -1,17 +1,39 @@
 """Helpers several test files share: a plugin built in a test, a small fused model
-for cache tests, tuning as on a GPU with a stand-in timer, and a fused model checked
-against eager (its output, its one fused group, a few training steps)."""
+for cache tests, tuning as on a GPU with a stand-in timer, a fused model checked
+against eager (its output, its one fused group, a few training steps), and the
+scripts of ``benchmarks/`` imported as modules."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib
+import sys
 import types
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 
 import autofuser
 from autofuser_core.specs import DEFAULT_TOLERANCES
 from autofuser_core.timing import Timer
+
+#: The benchmark scripts' folder.
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@contextlib.contextmanager
+def benchmark_scripts(*names: str) -> Iterator[Any]:
+    """The scripts ``names`` of ``benchmarks/`` imported as modules (one name: the module;
+    more: {name: module}), with ``benchmarks/`` on ``sys.path`` meanwhile: the scripts import
+    each other, and processes they spawn import them by name."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        modules = {name: importlib.import_module(name) for name in names}
+        yield modules[names[0]] if len(names) == 1 else modules
+    finally:
+        sys.path.remove(str(BENCHMARKS))
 
 
 def plugin_module(name: str, **hooks) -> types.ModuleType:

@@ -4,7 +4,7 @@
 ``F.scaled_dot_product_attention(q, k, v, scale=scale)``. The forward fuses either
 form into the same online-softmax kernel (``match.py``). The backward is where the
 forms part: a group's backward is traced from its ops as the graph holds them
-(``autofuser_core/backward.py``), so the written-out chain's backward recomputes
+(docs/training.md), so the written-out chain's backward recomputes
 its [..., N, M] scores and holds several tensors that size (a score's gradient,
 the probabilities), where the call's backward is torch's flash-style kernel
 (recomputing the scores tile by tile from a saved log-sum-exp; cuDNN's or the

@@ -794,6 +794,39 @@ def test_a_graph_pass_that_breaks_gradients_leaves_the_original_running(tmp_path
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
 
 
+class _RaisesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("a backward this graph pass broke")
+
+
+def _through_raising(x):
+    return _RaisesInBackward.apply(x)
+
+
+def test_a_fused_step_whose_backward_raises_where_the_original_does_not_leaves_the_original_running(tmp_path):
+    from _helpers import plugin_module
+
+    def autofuser_transform_graph(gm, options):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is torch.tanh:
+                with gm.graph.inserting_before(node):
+                    through = gm.graph.call_function(_through_raising, (node.args[0],))
+                through.meta = dict(node.args[0].meta)
+                node.args = (through, *node.args[1:])
+
+    model, x = _TanhBetween(), torch.randn(3, 5, 23)
+    plugin = plugin_module("raisesinbackward", autofuser_transform_graph=autofuser_transform_graph)
+    fused = autofuser.fuse(model, plugins=["elementwise", "reduction", plugin], cache_dir=str(tmp_path), progress=False)
+    fused(x.clone().requires_grad_()).square().mean().backward()  # the original's backward: no error
+    notes = " ".join(fused.report().notes)
+    assert "backward raised RuntimeError where the original's did not: the original runs" in notes, notes
+
+
 def test_a_correct_fused_step_passes_the_whole_step_gradient_check(tmp_path):
     """The control: the same model without the broken pass runs fused."""
     model, x = _TanhBetween(), torch.randn(3, 5, 23)

@@ -10,7 +10,6 @@ gradients must match eager's too.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import json
 import math
@@ -18,7 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -31,6 +29,8 @@ import triton  # noqa: F401, I001
 import autofuser
 from autofuser.cli import build_parser, main
 from autofuser.zoo import harness, train_bench
+
+from _helpers import BENCHMARKS, benchmark_scripts
 
 MODELS = ["galerkin", "fno"]
 # F-FNO's weight-normed layers: every system trains a deep copy of the model. Not Galerkin:
@@ -772,18 +772,14 @@ def test_bench_of_a_module_factory_model_under_reduce_overhead(model_file, tmp_p
 # The kernel suites (benchmarks/*.py) and the chart: a column per torch.compile mode
 # ---------------------------------------------------------------------------
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SUITES = ("bandwidth", "matmul", "attention", "conv", "mxint8", "fft_plugin")
 
 
 @pytest.fixture(scope="module")
 def suites():
     """The suites' modules, imported as their scripts import each other (from their folder)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield {name: importlib.import_module(name) for name in (*SUITES, "chart", "_compile_modes")}
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_scripts(*SUITES, "chart", "_compile_modes") as modules:
+        yield modules
 
 
 @pytest.mark.parametrize("suite", SUITES)

@@ -4,25 +4,18 @@ a GPU (docs/zoo.md, "Busy GPU")."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from _helpers import benchmark_scripts
 
 
 @pytest.fixture(scope="module")
 def busy_gpu():
-    # On sys.path, not loaded from a file spec: the load processes (spawn) import it by name.
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("busy_gpu")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_scripts("busy_gpu") as module:
+        yield module
 
 
 MODELS = ["fno", "unet", "transolver"]

@@ -5,22 +5,15 @@ interpreter) takes minutes on a CPU, so it is a manual smoke check, not a test."
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from _helpers import benchmark_scripts
 
 
 @pytest.fixture(scope="module")
 def dynamic():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("dynamic")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_scripts("dynamic") as module:
+        yield module
 
 
 def test_counts_are_distinct_inclusive_seeded_and_shuffled(dynamic):

@@ -3,15 +3,12 @@ from a real ``torch.profiler`` run of a tiny model, and its markdown summary."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from _helpers import benchmark_scripts
 
 MODEL_FILE = """
 import torch
@@ -36,11 +33,8 @@ def make():
 
 @pytest.fixture(scope="module")
 def profile_case():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("profile_case")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_scripts("profile_case") as module:
+        yield module
 
 
 def test_options_default_to_autofuser_beside_reduce_overhead_and_refuse_bad_ones(profile_case, capsys):

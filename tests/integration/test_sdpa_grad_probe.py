@@ -5,23 +5,16 @@ are reported, not raised."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from _helpers import benchmark_scripts
 
 
 @pytest.fixture(scope="module")
 def probe():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("sdpa_grad_probe")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_scripts("sdpa_grad_probe") as module:
+        yield module
 
 
 def test_the_reference_is_autograd_of_the_written_out_attention_in_float64(probe):
