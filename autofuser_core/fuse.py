@@ -1279,6 +1279,7 @@ class FusedModule(torch.nn.Module):
                     write_verdict(root, vkey, times, records)  # vkey None: nothing fused, never cached
             in_use = None
             if grad and runner is fused_gm and report.fused and not later_in_class:
+                progress.step("checking the training step's gradients")
                 wrong = self._wrong_step_gradients(fused_gm, args, kwargs, flat)
                 if wrong is not None:
                     report.notes.append(wrong)
