@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from . import logs, precompile, timing
@@ -400,7 +401,8 @@ class _ShapeClass:
     ``verified``: the kernels (``checked_key``: source digest and config) whose checks
     passed for this class (a later shape of it checks them on its real inputs only);
     ``shapes``: how many of its shapes compiled; ``first_report``: the first one's report,
-    whose whole-forward verdict (measured on a GPU) its later shapes follow."""
+    whose whole-forward verdict (measured on a GPU) its later shapes follow, as they follow
+    its training step's gradient check (``gradients_wrong``)."""
 
     dims: tuple[frozenset[int], ...]
     described: list[str]
@@ -408,6 +410,7 @@ class _ShapeClass:
     verified: set[str] = dataclasses.field(default_factory=set)
     shapes: int = 0
     first_report: Optional[FusionReport] = None
+    gradients_wrong: bool = False  # the first shape's fused training step failed its gradient check
 
 
 # -- the signature guard: the model's own state -------------------------------------
@@ -1163,6 +1166,12 @@ class FusedModule(torch.nn.Module):
                         "this shape class's first shape ran the original model (the fused forward was not "
                         "faster): so does this shape"
                     )
+                elif klass.gradients_wrong and grad:
+                    runner = None
+                    report.notes.append(
+                        "this shape class's first shape ran the original model (its fused training step's "
+                        "gradients were wrong): so does this shape"
+                    )
             elif self._options.cuda_graphs and inference and cuda:
                 why_not = self._why_no_graph(fused_gm, flat)
                 no_graph = why_not is not None
@@ -1280,10 +1289,12 @@ class FusedModule(torch.nn.Module):
             in_use = None
             if grad and runner is fused_gm and report.fused and not later_in_class:
                 progress.step("checking the training step's gradients")
-                wrong = self._wrong_step_gradients(fused_gm, args, kwargs, flat)
+                wrong = self._wrong_step_gradients(fused_gm, args, kwargs)
                 if wrong is not None:
                     report.notes.append(wrong)
                     runner = None
+                    if klass is not None:
+                        klass.gradients_wrong = True
             if grad and runner is fused_gm and report.fused and self._options.verify_speed and not later_in_class:
                 if timer.can_time_forward(device):
                     runner, in_use = self._check_step(timer, fused_gm, args, kwargs, flat, report, root)
@@ -1325,50 +1336,52 @@ class FusedModule(torch.nn.Module):
             name for name, p in self._model.named_parameters() if getattr(p, "_backward_hooks", None)
         ]
 
-    def _wrong_step_gradients(self, fused_gm, args: tuple, kwargs: dict, flat: tuple) -> Optional[str]:
-        """Why the fused training step's gradients are wrong, or ``None``: one step of each
-        side from the same random state (the same dropout masks), outputs weighted alike,
-        every parameter's and input's gradient compared with the original model's. Each
-        group was verified on its own; this guards the whole (a graph pass computing another
-        function than the model), so its limit is far above rounding (``STEP_GRADIENT_LIMIT``)."""
+    def _wrong_step_gradients(self, fused_gm, args: tuple, kwargs: dict) -> Optional[str]:
+        """Why the fused training step is wrong, or ``None``: one step of each side on its
+        own copy of the inputs (a forward may write into them), from the same random state
+        (the same dropout masks), outputs weighted alike; the outputs and every parameter's
+        and input's gradient compared with the original model's, all together and each
+        tensor on its own. Each group was verified on its own; this guards the whole (a
+        graph pass computing another function than the model), so its limit is far above
+        rounding (``STEP_GRADIENT_LIMIT``)."""
         if self._backward_hooked():
             return None  # the user's hooks would run for each checked backward
         params = [p for p in self._model.parameters() if p.requires_grad]
-        device = _device_of(flat)
-        sides: list[Any] = []
-        for forward in (lambda *a: self._model(*args, **kwargs), fused_gm):
+        sides: list[tuple[list, list]] = []
+        for fused_side in (False, True):
+            own_args, own_kwargs = pytree.tree_map(_own_copy, (args, kwargs))
+            flat = self._flatten(own_args, own_kwargs)
+            forward = fused_gm if fused_side else (lambda *a: self._model(*own_args, **own_kwargs))
             try:
-                with preserved_state(self._model), torch.random.fork_rng(devices=_rng_devices(device)):
-                    torch.manual_seed(STEP_GRADIENT_SEED)
-                    sides.append(timing.TrainingStep(forward, params).gradients(*flat, seed=STEP_GRADIENT_SEED))
+                with preserved_state(self._model), torch.random.fork_rng(devices=_rng_devices(_device_of(flat))):
+                    _seed_random(_device_of(flat))
+                    found = timing.TrainingStep(forward, params).outputs_and_gradients(*flat, seed=STEP_GRADIENT_SEED)
+            except torch.OutOfMemoryError:
+                return None  # no room for both sides' steps: no verdict
             except Exception as err:  # noqa: BLE001 - a step that raises is judged, not passed on
-                if not sides:
-                    return None  # the original's own backward refuses these inputs: nothing to judge by
+                if not fused_side:
+                    return None  # the original's own step refuses these inputs: nothing to judge by
                 return (
-                    f"the fused training step's backward raised {type(err).__name__} where the original's "
-                    "did not: the original runs"
+                    f"the fused training step raised {type(err).__name__} where the original's did not: "
+                    "the original runs"
                 )
-        eager, fused = sides
-        squared = [0.0, 0.0]  # ||fused - eager||^2, ||eager||^2
-        sixteen_bit = any(g is not None and g.dtype in (torch.float16, torch.bfloat16) for g in eager)
-        sixteen_bit = sixteen_bit or torch.is_autocast_enabled(device.type)
-        for got, expected in zip(fused, eager):
-            if expected is None:
-                continue
-            expected = expected.double()
-            if not bool(torch.isfinite(expected).all()):
-                return None  # the original's own gradients are not finite: nothing to judge by
-            difference = expected if got is None else got.double() - expected
-            squared[0] += float(difference.square().sum())
-            squared[1] += float(expected.square().sum())
-        distance = math.sqrt(squared[0] / squared[1]) if squared[1] > 0 else math.sqrt(squared[0])
-        limit = STEP_GRADIENT_LIMIT["16-bit" if sixteen_bit else "fp32"]
-        if distance <= limit:  # a NaN fails too
-            return None
-        return (
-            f"the fused training step's gradients are off the original model's by {distance:.3g} (relative L2 over "
-            f"every parameter and input, limit {limit:g}): the original runs. Please report this (fused.report())"
+            # Off the device while the other side runs (its steps need the room).
+            sides.append(pytree.tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, found))
+        (eager_out, eager_grads), (fused_out, fused_grads) = sides
+        sixteen_bit = torch.is_autocast_enabled(_device_of(self._flatten(args, kwargs)).type) or any(
+            t is not None and t.dtype in (torch.float16, torch.bfloat16) for t in eager_out + eager_grads
         )
+        limit = STEP_GRADIENT_LIMIT["16-bit" if sixteen_bit else "fp32"]
+        for what, got, expected in (("outputs", fused_out, eager_out), ("gradients", fused_grads, eager_grads)):
+            if len(got) != len(expected):
+                return f"the fused training step gives {len(got)} {what} where the original gives {len(expected)}"
+            off = _distance(got, expected, limit)
+            if off is not None:
+                return (
+                    f"the fused training step's {what} are off the original model's ({off}; limit {limit:g}): the "
+                    "original runs. Please report this (fused.report())"
+                )
+        return None
 
     def _check_step(self, timer, fused_gm, args: tuple, kwargs: dict, flat: tuple, report, root):
         """The compile's word on "never slower than eager" with gradients on: the forward
@@ -1634,6 +1647,60 @@ class _Compiled(tuple):
 STEP_GRADIENT_LIMIT = {"fp32": 0.05, "16-bit": 0.25}
 #: Seed of that check's random state and output weights.
 STEP_GRADIENT_SEED = 20261206
+
+
+#: In that check, a tensor's own distance is taken against at least this share of all
+#: its kind's norm: a small result (a bias's gradient) that is wrong shows, and one whose
+#: terms nearly cancel is not judged by its own tiny norm.
+STEP_TENSOR_FLOOR = 1e-2
+
+
+def _own_copy(value: Any) -> Any:
+    """A tensor copied for a check's step of its own (a leaf needing gradients as it did)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    return value
+
+
+def _seed_random(device: torch.device) -> None:
+    """Seed the CPU's random stream and ``device``'s (not every CUDA device's, which
+    ``torch.manual_seed`` would queue even where CUDA is not started)."""
+    torch.default_generator.manual_seed(STEP_GRADIENT_SEED)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(STEP_GRADIENT_SEED)
+
+
+def _wide(tensor: torch.Tensor) -> torch.dtype:
+    """float64, or complex128 for a complex tensor (a spectral weight's gradient)."""
+    return torch.complex128 if tensor.is_complex() else torch.float64
+
+
+def _distance(got: Sequence[Any], expected: Sequence[Any], limit: float) -> Optional[str]:
+    """Where ``got`` is farther from ``expected`` than ``limit`` (relative L2, in float64),
+    all tensors together and each on its own against at least ``STEP_TENSOR_FLOOR`` of all
+    of them, in words; else ``None``. A tensor missing on one side counts as zeros; one
+    not finite on the expected side is not judged."""
+    pairs = []
+    for k, (g, e) in enumerate(zip(got, expected)):
+        if g is None and e is None:
+            continue
+        e64 = torch.zeros(g.shape, dtype=_wide(g)) if e is None else e.to(_wide(e))
+        g64 = torch.zeros(e64.shape, dtype=_wide(e64)) if g is None else g.to(_wide(g))
+        if g64.shape != e64.shape:
+            return f"tensor {k} has shape {list(g64.shape)} where the original's has {list(e64.shape)}"
+        if not bool(torch.isfinite(e64).all()):
+            continue
+        pairs.append((k, float((g64 - e64).norm()), float(e64.norm())))
+    total_off = math.sqrt(sum(off**2 for _, off, _ in pairs))
+    total = math.sqrt(sum(norm**2 for _, _, norm in pairs))
+    if not total_off <= limit * max(total, 1e-30):  # a NaN fails too
+        return f"relative L2 {total_off / max(total, 1e-30):.3g} over all of them"
+    for k, off, norm in pairs:
+        scale = max(norm, STEP_TENSOR_FLOOR * total, 1e-30)
+        if not off <= limit * scale:
+            return f"tensor {k}: relative L2 {off / scale:.3g}"
+    return None
 
 
 def _rng_devices(device: torch.device) -> list:

@@ -258,14 +258,15 @@ class TrainingStep:
     def __call__(self, *inputs: Any) -> None:
         self._step(inputs, None)
 
-    def gradients(self, *inputs: Any, seed: int) -> list[Optional[torch.Tensor]]:
-        """One step's gradients (``params``, then the inputs that need them; ``None`` where
-        one gets none), each output weighted by normal values drawn from ``seed``, the same
-        for every side whose outputs have the same shapes (ones would give a centred output,
-        a norm's, zero gradients)."""
+    def outputs_and_gradients(self, *inputs: Any, seed: int) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
+        """One step's floating-point outputs that need gradients (detached), and its
+        gradients (``params``, then the inputs that need them; ``None`` where one gets
+        none), each output weighted by normal values drawn from ``seed`` (and its place),
+        the same for every side whose outputs have the same shapes (ones would give a
+        centred output, a norm's, zero gradients)."""
         return self._step(inputs, seed)
 
-    def _step(self, inputs: tuple, seed: Optional[int]) -> list[Optional[torch.Tensor]]:
+    def _step(self, inputs: tuple, seed: Optional[int]) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
         with torch.enable_grad():
             leaves = self.params + [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
             found = self.forward(*inputs)
@@ -275,16 +276,21 @@ class TrainingStep:
                 if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
             ]
             if not (outputs and leaves):
-                return [None] * len(leaves)
+                return [t.detach() for t in outputs], [None] * len(leaves)
             if seed is None:
                 weights = [torch.ones_like(t) for t in outputs]
             else:
-                generator = torch.Generator(device=outputs[0].device).manual_seed(seed)
                 weights = [
-                    torch.randn(t.shape, generator=generator, device=t.device, dtype=torch.float32).to(t.dtype)
-                    for t in outputs
+                    torch.randn(
+                        t.shape,
+                        generator=torch.Generator(device=t.device).manual_seed(seed + k),
+                        device=t.device,
+                        dtype=torch.float32,
+                    ).to(t.dtype)
+                    for k, t in enumerate(outputs)
                 ]
-            return list(torch.autograd.grad(outputs, leaves, weights, allow_unused=True))
+            grads: list[Optional[torch.Tensor]] = list(torch.autograd.grad(outputs, leaves, weights, allow_unused=True))
+            return [t.detach() for t in outputs], grads
 
 
 _CURRENT: contextvars.ContextVar[Timer] = contextvars.ContextVar("autofuser_timer", default=Timer())

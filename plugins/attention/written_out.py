@@ -15,12 +15,14 @@ The chain is rewritten only where it is exactly that function: ``k`` transposed
 by its last two dims (``transpose``/``mT``), scalings of the scores by Python
 numbers (``*``, ``/``), a softmax over the last dim without a ``dtype``, and a
 product with ``v``; every value in between read by the next step alone (one read
-elsewhere needs the scores in memory anyway); 4-d ``q``, ``k``, ``v`` with the same
-leading dims (the shapes torch's fused kernels take); a row-major result; at least
-``MIN_KEYS`` keys. A mask, a bias or dropout between them leaves the chain as it
-is; so does a short attention, whose scores are small, and which may be part of a
-larger pattern another strategy fuses whole (Transolver's attention among its 32
-or 64 slices, ``slice.py``).
+elsewhere needs the scores in memory anyway); nothing written in place between
+the scores' product and the last one (the call reads q, k and v where the last
+product is); 4-d ``q``, ``k``, ``v`` with the same leading dims (the shapes torch's
+fused kernels take); a row-major result; at least ``MIN_KEYS`` keys. A mask, a
+bias or dropout between them leaves the chain as it is; so does a short
+attention, whose scores are small, and which may be part of a larger pattern
+another strategy fuses whole (Transolver's attention among its 32 or 64 slices,
+``slice.py``).
 
 Only fp32 chains, autocast off. Measured on an H100 (torch 2.11, the softmax
 Transformer zoo model, BENCHMARKS.md "Training"): in fp32, where torch's
@@ -56,6 +58,41 @@ PRODUCTS = (torch.matmul, operator.matmul)
 MIN_KEYS = 256
 MAX_SCALINGS = 4  # scalings of the scores walked between the product and the softmax
 SCALINGS = {operator.mul: "mul", torch.mul: "mul", operator.truediv: "div", torch.div: "div"}
+
+
+#: Functions that write into their first argument (``x += y`` on a traced value, ``x[i] = y``).
+IN_PLACE_FUNCTIONS = frozenset(
+    getattr(operator, f"i{name}")
+    for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift")
+) | {operator.setitem}
+
+
+def _writes_in_place(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether ``node`` may write into a tensor it reads: an in-place method (``mul_``), an
+    augmented assignment or item assignment, an ``out=`` argument, or a module of torch's
+    with ``inplace=True``."""
+    if "out" in node.kwargs:
+        return True
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.startswith("__")
+    if node.op == "call_function":
+        return node.target in IN_PLACE_FUNCTIONS
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
+    return False
+
+
+def _written_between(gm: torch.fx.GraphModule, first: torch.fx.Node, last: torch.fx.Node) -> bool:
+    """Whether a node after ``first`` and before ``last`` (in the graph's order) writes in
+    place: the call, put where ``last`` is, would read q, k and v after that write, where the
+    chain read q and k before it."""
+    node = first.next
+    while node is not last and node.op != "root":
+        if _writes_in_place(gm, node):
+            return True
+        node = node.next
+    return False
 
 
 def _only_user(node: torch.fx.Node) -> Optional[torch.fx.Node]:
@@ -163,6 +200,8 @@ def _chain(gm: torch.fx.GraphModule, softmax: torch.fx.Node) -> Optional[tuple]:
     if not isinstance(q, torch.fx.Node) or k is None or _only_user(k_t) is None:
         return None
     chain += [scores, k_t]
+    if _written_between(gm, scores, output):
+        return None
     v = pv[1]
     metas = [tensor_meta(n) for n in (q, k, v, output)]
     if any(m is None for m in metas):

@@ -183,6 +183,11 @@ def test_a_replay_may_differ_by_a_rounding_where_uncaptured_steps_do_not(sixteen
     wrong = grad.clone()
     wrong[0] = 0.0  # a kernel the replay skipped
     assert not as_close_as_itself([wrong], [grad], [grad.clone()], rounding)
+    big = torch.randn(1 << 24)
+    tile = big.clone()
+    tile[4096:4352] = 0.0  # one 256-element tile of 16 million skipped: its largest error hides in the norm
+    assert float((tile - big).abs().max()) < REPLAY_ROUNDING["16-bit"] * float(big.norm())
+    assert not as_close_as_itself([tile], [big], [big.clone()], rounding)
 
 
 def test_the_rounding_follows_the_precision_the_step_computes_in():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import operator
 import weakref
 import zlib
 
@@ -824,7 +825,100 @@ def test_a_fused_step_whose_backward_raises_where_the_original_does_not_leaves_t
     fused = autofuser.fuse(model, plugins=["elementwise", "reduction", plugin], cache_dir=str(tmp_path), progress=False)
     fused(x.clone().requires_grad_()).square().mean().backward()  # the original's backward: no error
     notes = " ".join(fused.report().notes)
-    assert "backward raised RuntimeError where the original's did not: the original runs" in notes, notes
+    assert "step raised RuntimeError where the original's did not: the original runs" in notes, notes
+
+
+def _fused_with_pass(tmp_path, model, transform, **options):
+    from _helpers import plugin_module
+
+    plugin = plugin_module("apass", autofuser_transform_graph=transform)
+    return autofuser.fuse(model, plugins=["elementwise", "reduction", plugin], cache_dir=str(tmp_path), **options)
+
+
+def _tanh_nodes(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.tanh]
+
+
+def test_a_graph_pass_that_shifts_the_outputs_but_keeps_the_gradients_is_caught(tmp_path):
+    def shift(gm, options):
+        for node in _tanh_nodes(gm):
+            with gm.graph.inserting_after(node):
+                shifted = gm.graph.call_function(operator.sub, (node, 1.0))
+            node.replace_all_uses_with(shifted, delete_user_cb=lambda user: user is not shifted)
+            shifted.meta = dict(node.meta)
+
+    model, x = _TanhBetween(), torch.randn(3, 5, 23)
+    fused = _fused_with_pass(tmp_path, model, shift, progress=False)
+    got = fused(x.clone().requires_grad_())
+    torch.testing.assert_close(got, model(x), atol=1e-6, rtol=1e-6)
+    assert "step's outputs are off the original model's" in " ".join(fused.report().notes)
+
+
+def test_a_gradient_only_the_fused_step_gives_is_caught():
+    """A gradient the original leaves None and the fused step gives counts against zeros."""
+    from autofuser_core.fuse import _distance
+
+    grad = torch.randn(7, 5)
+    assert _distance([grad, None], [grad.clone(), None], 0.05) is None
+    assert _distance([grad, torch.ones(3)], [grad.clone(), None], 0.05) is not None
+    assert _distance([None, grad], [torch.ones(3), grad.clone()], 0.05) is not None
+
+
+def test_a_small_gradient_that_is_wrong_is_caught_on_its_own_and_rounding_passes():
+    from autofuser_core.fuse import STEP_TENSOR_FLOOR, _distance
+
+    weight, bias = torch.randn(128, 128), torch.randn(128) * 0.1
+    assert "tensor 1" in _distance([weight, -bias], [weight.clone(), bias], 0.05)  # 2% of the whole, 200% of its own
+    tiny = torch.full((4,), 1e-6)  # a sum whose terms cancel: judged against the floor, not its own norm
+    rounded = tiny + 1e-3 * STEP_TENSOR_FLOOR * float(weight.norm())
+    assert _distance([weight, rounded], [weight.clone(), tiny], 0.05) is None
+
+
+def test_a_forward_writing_into_its_input_is_checked_on_copies(tmp_path):
+    """Each side of the check steps on its own copy of the inputs: the user's input is
+    written once, by the call itself, as eager writes it, and the check finds nothing."""
+
+    class WritesInput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(23)
+
+        def forward(self, x, y):
+            y.mul_(2.0)
+            return torch.tanh(self.ln(x) * 1.5) + y
+
+    model = WritesInput()
+    x, y = torch.randn(3, 5, 23), torch.randn(3, 5, 23)
+    fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
+    written = y.clone()
+    fused(x.clone().requires_grad_(), written).square().mean().backward()
+    torch.testing.assert_close(written, 2.0 * y, rtol=0, atol=0)
+    assert not [n for n in fused.report().notes if "are off the original" in n], fused.report().notes
+
+
+def test_later_shapes_of_a_class_follow_its_first_shapes_gradient_verdict(tmp_path):
+    def cut(gm, options):
+        for node in _tanh_nodes(gm):
+            with gm.graph.inserting_before(node):
+                detached = gm.graph.call_method("detach", (node.args[0],))
+            detached.meta = dict(node.args[0].meta)
+            node.args = (detached, *node.args[1:])
+
+    model = _TanhBetween()
+    reference = copy.deepcopy(model)
+    fused = _fused_with_pass(tmp_path, model, cut, progress=False, dynamic=True)
+    for points in (5, 7):  # one size bucket: the second is a later shape of the first's class
+        x = torch.randn(3, points, 23)
+        grads = []
+        for module in (fused, reference):
+            inputs = x.clone().requires_grad_()
+            module(inputs).square().mean().backward()
+            grads.append([inputs.grad, *(p.grad.clone() for p in module.parameters())])
+            module.zero_grad()
+        for got, expected in zip(*grads):
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+        assert fused.report().runs_original, (points, fused.report().notes)
+    assert "its fused training step's gradients were wrong" in " ".join(fused.report().notes)
 
 
 def test_a_correct_fused_step_passes_the_whole_step_gradient_check(tmp_path):

@@ -51,8 +51,10 @@ def sdpa_row_major(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     """``F.scaled_dot_product_attention`` with its result made row-major (a copy only where it
     isn't): what ``written_out.py`` writes a written-out attention as. torch's fused kernels
     return another layout, and the graph's metadata must hold where the call runs eagerly."""
+    # enable_gqa only where asked for: torch before 2.5 has no such argument.
+    extra = {"enable_gqa": True} if enable_gqa else {}
     return F.scaled_dot_product_attention(
-        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **extra
     ).contiguous()
 
 
