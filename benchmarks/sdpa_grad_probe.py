@@ -7,9 +7,11 @@ bf16 autocast they were off by 77% on an H100 (BENCHMARKS.md, Training), and the
 rewrite was limited to fp32. The row-major copy hands the backward an output gradient
 in another layout than the output's own ([B, N, heads, D] memory for the fused
 backends). This probe separates the suspects: for each dtype, each backend torch has
-for the shape (cuDNN, flash, memory-efficient, math) and each layout of the output's
-gradient (the output's own strides, or row-major), it computes dq, dk and dv and
-their relative L2 error against a float64 reference computed head by head:
+for the shape (cuDNN, flash, memory-efficient, math), and the attention plugin's own
+flash kernels (``flash_op.flash_attention``, what 16-bit chains are written as now),
+and each layout of the output's gradient (the output's own strides, or row-major),
+it computes dq, dk and dv and their relative L2 error against a float64 reference
+computed head by head; on CUDA also the forward and backward's time (median of 5):
 
     python benchmarks/sdpa_grad_probe.py [--points 11271] [--heads 8] [--width 16] [--dtypes bf16,fp16,fp32]
 
@@ -33,7 +35,44 @@ def _backends() -> dict:
     from torch.nn.attention import SDPBackend
 
     names = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
-    return {name: getattr(SDPBackend, member) for name, member in names.items() if hasattr(SDPBackend, member)}
+    found = {name: getattr(SDPBackend, member) for name, member in names.items() if hasattr(SDPBackend, member)}
+    return {**found, PLUGIN: None}
+
+
+#: The row of the attention plugin's own kernels.
+PLUGIN = "autofuser"
+
+
+def _attention(backend, leaves, scale: float):
+    if backend is None:
+        from plugins.attention.flash_op import flash_attention
+
+        return flash_attention(*leaves, scale=scale)
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(*leaves, scale=scale)
+
+
+def _step(backend, leaves, scale: float, layout: str, grad):
+    out = _attention(backend, leaves, scale)
+    upstream = grad.contiguous() if layout == "row-major" else torch.empty_like(out).copy_(grad)
+    return out, torch.autograd.grad(out, leaves, upstream)
+
+
+def _milliseconds(step, repeats: int = 5) -> float:
+    """The median time of ``step()`` on the GPU, after two calls that compile and warm."""
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def reference(q, k, v, grad, scale: float) -> list[torch.Tensor]:
@@ -54,8 +93,6 @@ def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def probe(points: int, heads: int, width: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> list[dict]:
-    from torch.nn.attention import sdpa_kernel
-
     generator = torch.Generator(device=device).manual_seed(seed)
     shape = (1, heads, points, width)
     # Made as the model makes them: [B, N, heads * D] projections viewed [B, heads, N, D].
@@ -75,16 +112,15 @@ def probe(points: int, heads: int, width: int, dtype: torch.dtype, device: torch
             row: dict = {"dtype": str(dtype).removeprefix("torch."), "backend": name, "grad layout": layout}
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             try:
-                with sdpa_kernel([backend]):
-                    out = F.scaled_dot_product_attention(*leaves, scale=scale)
-                    upstream = grad.contiguous() if layout == "row-major" else torch.empty_like(out).copy_(grad)
-                    found = torch.autograd.grad(out, leaves, upstream)
-            except RuntimeError as err:
+                out, found = _step(backend, leaves, scale, layout, grad)
+            except (RuntimeError, ValueError) as err:
                 row["error"] = str(err).splitlines()[0][:120]
                 rows.append(row)
                 continue
             row["output strides"] = list(out.stride())
             row.update({f"d{n}": relative(g, e) for n, g, e in zip("qkv", found, expected)})
+            if device.type == "cuda":
+                row["ms"] = _milliseconds(lambda: _step(backend, leaves, scale, layout, grad))
             rows.append(row)
     return rows
 
@@ -93,7 +129,8 @@ def _line(row: dict) -> str:
     head = f"{row['dtype']:9} {row['backend']:10} {row['grad layout']:10}"
     if "error" in row:
         return f"{head} n/a ({row['error']})"
-    return head + " " + "  ".join(f"{n} {row[n]:.2e}" for n in ("dq", "dk", "dv"))
+    timed = f"  {row['ms']:.2f} ms" if "ms" in row else ""
+    return head + " " + "  ".join(f"{n} {row[n]:.2e}" for n in ("dq", "dk", "dv")) + timed
 
 
 def main(argv: Optional[list[str]] = None) -> int:

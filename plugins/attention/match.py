@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from autofuser import GroupRefused, Value, program_from_nodes
 from autofuser.kernel import AttrRef, collect_values, domain_strides, fp32_precision, tensor_meta
 
+from .flash_op import flash_attention
 from .layout import AttentionLayout, AttentionProgram, Operand, Step
 from .ops.sdpa import MAX_HEAD_WIDTH, SDPA_FUNCTIONS, sdpa_arguments
 
@@ -286,9 +287,14 @@ def _read_sdpa(node: torch.fx.Node, index: dict):
     )
     kind = "no mask" if mask is None else "bool mask" if mask.dtype == torch.bool else "additive mask"
     if node.target is not F.scaled_dot_product_attention:  # written_out.py's rewrite of the user's chain
+        call, backward = (
+            ("flash_attention call", "this plugin's flash kernels")
+            if node.target is flash_attention
+            else ("scaled_dot_product_attention call", "torch's flash-style one")
+        )
         summary = (
             f"form softmax (written out): softmax(q @ k^T * {float(scale):.4g}) @ v, as one "
-            "scaled_dot_product_attention call (whose backward is torch's flash-style one), as one online-softmax "
+            f"{call} (whose backward is {backward}), as one online-softmax "
             f"kernel over {n} queries x {m} "
             f"keys per head, head width {d}; the scores never reach memory"
         )

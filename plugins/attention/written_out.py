@@ -1,4 +1,4 @@
-"""Softmax attention written out, made one ``scaled_dot_product_attention`` call: a graph pass.
+"""Softmax attention written out, made one attention call: a graph pass.
 
 ``softmax(q @ k^T * scale) @ v`` written out computes the same function as
 ``F.scaled_dot_product_attention(q, k, v, scale=scale)``. The forward fuses either
@@ -6,10 +6,9 @@ form into the same online-softmax kernel (``match.py``). The backward is where t
 forms part: a group's backward is traced from its ops as the graph holds them
 (docs/training.md), so the written-out chain's backward recomputes
 its [..., N, M] scores and holds several tensors that size (a score's gradient,
-the probabilities), where the call's backward is torch's flash-style kernel
-(recomputing the scores tile by tile from a saved log-sum-exp; cuDNN's or the
-memory-efficient one on CUDA). On the softmax Transformer's mesh (N = 11271, 8
-heads) each such tensor is 4 GB in fp32.
+the probabilities), where the call's backward is a flash-style kernel
+(recomputing the scores tile by tile from a saved log-sum-exp). On the softmax
+Transformer's mesh (N = 11271, 8 heads) each such tensor is 4 GB in fp32.
 
 The chain is rewritten only where it is exactly that function: ``k`` transposed
 by its last two dims (``transpose``/``mT``), scalings of the scores by Python
@@ -18,25 +17,29 @@ product with ``v``; every value in between read by the next step alone (one read
 elsewhere needs the scores in memory anyway); nothing written in place between
 the scores' product and the last one (the call reads q, k and v where the last
 product is); 4-d ``q``, ``k``, ``v`` with the same leading dims (the shapes torch's
-fused kernels take); a row-major result; at least ``MIN_KEYS`` keys. A mask, a
-bias or dropout between them leaves the chain as it is; so does a short
-attention, whose scores are small, and which may be part of a larger pattern
-another strategy fuses whole (Transolver's attention among its 32 or 64 slices,
-``slice.py``).
+fused kernels take); q, k, v and the result of one dtype; a row-major result; at
+least ``MIN_KEYS`` keys. A mask, a bias or dropout between them leaves the chain as
+it is; so does a short attention, whose scores are small, and which may be part of
+a larger pattern another strategy fuses whole (Transolver's attention among its 32
+or 64 slices, ``slice.py``).
 
-Only fp32 chains, autocast off. Measured on an H100 (torch 2.11, the softmax
-Transformer zoo model, BENCHMARKS.md "Training"): in fp32, where torch's
-backward is its memory-efficient kernel, the rewritten model's gradients were
-eager's within 2e-6; under bf16 autocast, where torch picks cuDNN's attention,
-they were off by 77% (against eager's own 0.6% from a strict-fp32 run). Until
-that is isolated on a GPU (the row-major copy hands the backward a gradient in
-another layout than its output's, which cuDNN's kernels have mishandled), 16-bit
-chains stay as written.
+The call depends on the dtype (``CALLS``):
 
-The call is ``ops.sdpa.sdpa_row_major``: SDPA with its result made row-major, as the
-written-out product's is. torch's fused kernels return their result in another
-layout ([B, N, heads, D] memory), and the graph's metadata, which kernels reading
-the result rely on, must hold where the call runs eagerly (a group kept eager).
+- fp32 (autocast off: under autocast the products' results are 16-bit):
+  ``ops.sdpa.sdpa_row_major``, SDPA with its result made row-major, as the
+  written-out product's is (torch's fused kernels return another layout,
+  [B, N, heads, D] memory, and the graph's metadata, which kernels reading the
+  result rely on, must hold where the call runs eagerly). Its backward is torch's
+  memory-efficient kernel: measured on an H100 (torch 2.11, the softmax Transformer
+  zoo model, BENCHMARKS.md "Training"), the rewritten model's gradients were
+  eager's within 2e-6.
+- fp16 and bf16 (a 16-bit model, or fp32 inputs' projections under autocast):
+  ``flash_op.flash_attention``, whose backward is this plugin's own flash kernels
+  (``flash.py``). Not torch's: under bf16 autocast, where torch picks cuDNN's
+  attention, the Transformer rewritten to SDPA had gradients 77% off eager's (eager's
+  own error against a strict-fp32 run: 0.6%). The call computes the scores in fp32
+  where the chain rounds them to 16 bits before its softmax (eager's SDPA does the
+  same), so its results are nearer float64's than the chain's own.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import torch.nn.functional as F
 
 from autofuser.kernel import tensor_meta
 
+from .flash_op import flash_attention
 from .match import softmax_dim
 from .ops.sdpa import sdpa_row_major
 
@@ -57,6 +61,8 @@ PRODUCTS = (torch.matmul, operator.matmul)
 #: Fewest keys (the scores' last dim) of a chain rewritten; below, it stays as written.
 MIN_KEYS = 256
 MAX_SCALINGS = 4  # scalings of the scores walked between the product and the softmax
+#: The call a chain becomes, by its dtype (see the module's doc).
+CALLS = {torch.float32: sdpa_row_major, torch.float16: flash_attention, torch.bfloat16: flash_attention}
 SCALINGS = {operator.mul: "mul", torch.mul: "mul", operator.truediv: "div", torch.div: "div"}
 
 
@@ -213,16 +219,16 @@ def _chain(gm: torch.fx.GraphModule, softmax: torch.fx.Node) -> Optional[tuple]:
         return None
     if mq.shape[-1] != mk.shape[-1] or mk.shape[-2] != mv.shape[-2] or mk.shape[-2] < MIN_KEYS:
         return None
-    if not (mq.dtype == mk.dtype == mv.dtype == mo.dtype == torch.float32):
-        return None  # fp32 only, autocast off: see the module's doc
+    if not (mq.dtype == mk.dtype == mv.dtype == mo.dtype) or mo.dtype not in CALLS:
+        return None  # one dtype throughout: fp32 with autocast off, or a 16-bit chain
     if not _row_major(tuple(mo.shape), tuple(mo.stride)):
         return None
     return q, k, v, scale, output, chain
 
 
 def rewrite_written_out_attention(gm: torch.fx.GraphModule) -> int:
-    """Each written-out softmax attention in ``gm`` as one ``sdpa_row_major`` call (see
-    the module's doc); returns how many were rewritten."""
+    """Each written-out softmax attention in ``gm`` as one ``sdpa_row_major`` (fp32) or
+    ``flash_attention`` (16-bit) call (see the module's doc); returns how many were rewritten."""
     rewritten, erased = 0, set()
     for node in list(gm.graph.nodes):
         if node in erased or softmax_dim(node, gm) is None:
@@ -232,7 +238,7 @@ def rewrite_written_out_attention(gm: torch.fx.GraphModule) -> int:
             continue
         q, k, v, scale, output, chain = found
         with gm.graph.inserting_before(output):
-            call = gm.graph.call_function(sdpa_row_major, (q, k, v), {"scale": scale})
+            call = gm.graph.call_function(CALLS[tensor_meta(output).dtype], (q, k, v), {"scale": scale})
         call.meta.update({key: output.meta[key] for key in output.meta if key != "tensor_meta"})
         call.meta["tensor_meta"] = output.meta["tensor_meta"]
         output.replace_all_uses_with(call)

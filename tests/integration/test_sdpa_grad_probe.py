@@ -1,7 +1,7 @@
 """``benchmarks/sdpa_grad_probe.py`` on the CPU: its float64 reference is right (checked
 against autograd of the written-out attention in float64), the backends the CPU has
-give gradients near it in both layouts of the output's gradient, and those it lacks
-are reported, not raised."""
+and the attention plugin's own kernels give gradients near it in both layouts of the
+output's gradient, and the backends it lacks are reported, not raised."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def test_each_backend_and_layout_is_a_row_near_the_reference_or_a_reason(probe, 
     assert len(rows) == 2 * len(probe._backends()) * 2, lines
     math_rows = [line for line in rows if line.split()[1] == "math"]
     assert len(math_rows) == 4 and all("n/a" not in line for line in math_rows), math_rows
-    for line in math_rows:
-        errors = [float(word) for word in line.split()[4::2]]
+    plugin_rows = [line for line in rows if line.split()[1] == probe.PLUGIN]
+    assert len(plugin_rows) == 4 and all("n/a" not in line for line in plugin_rows), plugin_rows
+    for line in math_rows + plugin_rows:
+        errors = [float(word) for word in line.split()[4:10:2]]
         assert len(errors) == 3 and max(errors) < (1e-5 if line.startswith("float32") else 2e-2), line

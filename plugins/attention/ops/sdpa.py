@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 from autofuser import LoweringSpec, Sample, Tolerance, broadcast_shapes
 
+from ..flash_op import flash_attention
+
 #: Widest head the kernel keeps in registers (q's rows and the accumulator).
 MAX_HEAD_WIDTH = 256
 
@@ -58,8 +60,8 @@ def sdpa_row_major(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     ).contiguous()
 
 
-#: The calls this lowering serves.
-SDPA_FUNCTIONS = (F.scaled_dot_product_attention, sdpa_row_major)
+#: The calls this lowering serves: torch's, and the two ``written_out.py`` writes.
+SDPA_FUNCTIONS = (F.scaled_dot_product_attention, sdpa_row_major, flash_attention)
 
 
 def lower_sdpa(ctx, *args, **kwargs):

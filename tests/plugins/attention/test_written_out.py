@@ -8,8 +8,9 @@ original does, and the fused model matches eager in its outputs and its gradient
 (fp32, batch 1 and 3, 300 keys, non-square), with its backward holding no N x M
 tensor where eager's holds several. Chains that are not exactly that function - a
 bias, dropout in training, scores read elsewhere, a softmax with a dtype, over
-another dim, 3-d operands, fewer keys - stay as written, and so do 16-bit ones
-(under autocast or in a bf16 model): the module's doc says why.
+another dim, 3-d operands, fewer keys - stay as written. 16-bit chains (under
+autocast or in a 16-bit model) become the plugin's ``flash_attention`` instead, and
+trained under autocast are as near float64 as eager is.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import autofuser
 from autofuser_core.capture import capture
 from plugins.attention import written_out
+from plugins.attention.flash_op import flash_attention
 from plugins.attention.ops.sdpa import sdpa_row_major
 from plugins.attention.written_out import rewrite_written_out_attention
 
@@ -173,19 +175,73 @@ def test_fused_training_matches_eager(batch):
     assert len(summaries) == 1 and "written out" in summaries[0] and "scaled_dot_product_attention" in summaries[0]
 
 
-def test_16_bit_chains_stay_as_written():
-    q, k, v = qkv(2, 37, KEYS, 16)
+def _calls(gm: torch.fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.target in (sdpa_row_major, flash_attention)]
+
+
+def test_16_bit_chains_become_flash_attention_calls():
+    """fp32 chains become SDPA calls, 16-bit ones (under autocast, or a 16-bit model) the
+    plugin's flash attention; a chain whose result's dtype differs from its operands'
+    (fp32 operands under autocast) stays as written."""
+    q, k, v = (t.bfloat16() for t in qkv(2, 37, KEYS, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert _rewritten(Chain("matmul_mul"), q, k, v)[0] == 0
-    assert _rewritten(Chain("matmul_mul"), *(t.bfloat16() for t in (q, k, v)))[0] == 0
-    assert _rewritten(Chain("matmul_mul"), q, k, v)[0] == 1  # the control: fp32 is rewritten
+        count, gm = _rewritten(Chain("matmul_mul"), q, k, v)
+        assert count == 1 and _calls(gm) == [flash_attention], gm.code
+        torch.testing.assert_close(gm(q, k, v), F.scaled_dot_product_attention(q, k, v), atol=2e-2, rtol=4e-2)
+        assert _rewritten(Chain("matmul_mul"), *(t.float() for t in (q, k, v)))[0] == 0
+    for dtype in (torch.float16, torch.bfloat16):
+        count, gm = _rewritten(Chain("at_div_method"), *(t.to(dtype) for t in (q, k, v)))
+        assert count == 1 and _calls(gm) == [flash_attention], gm.code
+    count, gm = _rewritten(Chain("at_div_method"), *(t.float() for t in (q, k, v)))
+    assert count == 1 and _calls(gm) == [sdpa_row_major], gm.code
+
+
+def _projections_under_autocast(batch: int):
+    """q, k, v as the bf16 outputs of fp32 projections under autocast, a model's way."""
+    q, k, v = (t._base for t in qkv(batch, 41, KEYS, 16, grad=True))
+    weights = [torch.randn(32, 32) / 32**0.5 for _ in range(3)]
+    return [t.detach().requires_grad_() for t in (q, k, v)], weights
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_fused_training_under_autocast_matches_eager(batch):
-    """The chain stays written out under autocast, fused by the written-out form's kernel."""
-    summaries = _train_beside_eager(batch, autocast=True)
-    assert len(summaries) == 1 and "scaled_dot_product_attention" not in summaries[0], summaries
+def test_fused_training_under_autocast_is_as_near_float64_as_eager(batch):
+    """Under autocast the chain becomes the flash call: the fused step's output and
+    gradients are no farther from a float64 run than eager's (which rounds its scores
+    to bf16 first), within bf16's tolerance."""
+
+    class Projected(nn.Module):
+        def __init__(self, weights):
+            super().__init__()
+            self.w = nn.ParameterList(nn.Parameter(w) for w in weights)
+            self.chain = Chain("at_div_method")
+
+        def forward(self, q, k, v):
+            q, k, v = (rearrange(t @ w, "b l (h d) -> b h l d", h=2) for t, w in zip((q, k, v), self.w))
+            return self.chain(q, k, v)
+
+    (q, k, v), weights = _projections_under_autocast(batch)
+    model = Projected(weights)
+    fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
+    grad = torch.randn(batch, 2, 41, 16)
+    results = {}
+    for name, runner, autocast, dtype in (
+        ("fused", fused, True, torch.float32),
+        ("eager", model, True, torch.float32),
+        ("float64", model, False, torch.float64),
+    ):
+        if dtype == torch.float64:
+            model.double()  # last: the fused model has run
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = runner(*leaves)
+        grads = torch.autograd.grad(out, [*leaves, *model.parameters()], grad.to(out.dtype))
+        results[name] = [out.detach(), *grads]
+    summaries = [g.reason for g in fused.report().fused if g.strategy == "softmax_attention"]
+    assert len(summaries) == 1 and "flash_attention call" in summaries[0], summaries
+    for j, (got, eager, exact) in enumerate(zip(results["fused"], results["eager"], results["float64"])):
+        error = float((got.double() - exact).norm() / exact.norm())
+        eager_error = float((eager.double() - exact).norm() / exact.norm())
+        assert error <= max(2 * eager_error, 1e-2), (j, error, eager_error)
 
 
 class _Shapes(TorchDispatchMode):
