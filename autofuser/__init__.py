@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # the type checker sees the names; at run time ``__getattr__`
         SpecError,
     )
     from autofuser_core.group import GroupProgram, GroupRefused, KernelTensor, program_from_nodes
-    from autofuser_core.hookspecs import hookimpl
+    from autofuser_core.hookspecs import GRADIENTS_KEY, hookimpl
     from autofuser_core.ir import LoweringContext, Value, annotate_node, broadcast_shapes, describe_tensor
     from autofuser_core.oplib import collect_specs
     from autofuser_core.plugins import load_plugins
@@ -72,7 +72,7 @@ _LAZY_NAMES = {
         "autofuser_core.errors",
     ),
     **dict.fromkeys(("GroupProgram", "GroupRefused", "KernelTensor", "program_from_nodes"), "autofuser_core.group"),
-    "hookimpl": "autofuser_core.hookspecs",
+    **dict.fromkeys(("GRADIENTS_KEY", "hookimpl"), "autofuser_core.hookspecs"),
     **dict.fromkeys(
         ("LoweringContext", "Value", "annotate_node", "broadcast_shapes", "describe_tensor"), "autofuser_core.ir"
     ),
@@ -121,6 +121,7 @@ __all__ = [
     "CaptureError",
     "CompileFailedWarning",
     "DeviceLimits",
+    "GRADIENTS_KEY",
     "GroupProgram",
     "GroupRefused",
     "KernelSource",

@@ -64,6 +64,7 @@ from .group import (
     product_count,
     saved_products,
 )
+from .hookspecs import GRADIENTS_KEY
 from .interpreter import kernels_cannot_run, warn_once
 from .ir import AttrRef
 from .launch import FusedKernel, RecomputeForBackward, host_scalars, run_eager, to_device
@@ -234,6 +235,7 @@ def _compile_graph(
     started = time.perf_counter()
     backward_graph = bool(gm.meta.get(BACKWARD_GRAPH_KEY))
     report = FusionReport(plugins=list(plugin_set.names), opaque=dict(gm.meta.get("autofuser_opaque", {})))
+    gm.meta[GRADIENTS_KEY] = backward  # read by graph passes (hookspecs.autofuser_transform_graph)
     _transform_graph(gm, plugin_set, options)
     _spell_negative_bases(gm)
     folded, undone = ([], "") if backward_graph else fold_checked(gm, inputs)

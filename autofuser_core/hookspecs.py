@@ -17,6 +17,10 @@ import pluggy
 
 PROJECT_NAME = "autofuser"
 
+#: ``gm.meta`` key a graph pass reads: whether the graph is compiled with gradients on
+#: (each fused group then gets a backward graph), ``False`` for inference.
+GRADIENTS_KEY = "autofuser_gradients"
+
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
@@ -138,6 +142,8 @@ def autofuser_transform_graph(gm, options):
     capture judged its own nodes from the values it saw).
 
     :param gm: the captured ``torch.fx.GraphModule``, with ``tensor_meta`` on
-        its nodes.
+        its nodes; ``gm.meta[autofuser.GRADIENTS_KEY]`` says whether it is
+        compiled with gradients on (a pass that serves only the backward can
+        leave an inference graph alone).
     :param options: the ``FuseOptions`` of this ``fuse()`` call.
     """

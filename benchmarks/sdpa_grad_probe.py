@@ -45,7 +45,7 @@ PLUGIN = "autofuser"
 
 def _attention(backend, leaves, scale: float):
     if backend is None:
-        from plugins.attention.flash_op import flash_attention
+        from autofuser_plugins.attention.flash_op import flash_attention
 
         return flash_attention(*leaves, scale=scale)
     from torch.nn.attention import sdpa_kernel

@@ -24,7 +24,7 @@
 - ``options.py``: the plugin's ``fuse()`` option ``reassociate_products``.
 """
 
-from autofuser import collect_specs, hookimpl
+from autofuser import GRADIENTS_KEY, collect_specs, hookimpl
 
 from . import ops
 from .options import AttentionOptions
@@ -34,7 +34,7 @@ from .written_out import rewrite_written_out_attention
 
 @hookimpl
 def autofuser_transform_graph(gm, options):
-    rewrite_written_out_attention(gm)
+    rewrite_written_out_attention(gm, gradients=bool(gm.meta.get(GRADIENTS_KEY, False)))
 
 
 @hookimpl

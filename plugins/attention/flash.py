@@ -41,7 +41,7 @@ where torch allows it for matmuls and in 3xTF32 (near-fp32 accuracy at
 tensor-core rate) where it does not (``_fp32_precision``). Under Triton's CPU
 interpreter bf16 products are broken and bf16 conversions truncate, so there
 bf16 tiles are held in fp32, rounded to nearest even on their bits
-(``_round_bf16``, as ``autofuser_core.rounding``'s helper) and multiplied in
+(``_round_bf16``, as the kernel-writing API's own bf16 rounding) and multiplied in
 fp32: the same values a GPU's bf16 product gives.
 """
 
@@ -71,7 +71,9 @@ def _fp32_precision() -> str:
     products (``autofuser.kernel.fp32_precision``), TF32 where torch allows it for
     matmuls (``torch.backends.cuda.matmul.allow_tf32``, or a float32 matmul precision
     below "highest"), else 3xTF32, whose error is close to a plain fp32 product's at
-    tensor-core rate (or what ``fuse(strict_fp32_products=...)`` chose instead)."""
+    tensor-core rate. Read when the kernels launch, which is after a compile: a
+    ``fuse(strict_fp32_products=...)`` choice, in force only while compiling, does not
+    reach them."""
     return fp32_precision()
 
 

@@ -45,6 +45,11 @@ def _triton_runs(t: Tensor) -> bool:
     return t.is_cuda or (t.device.type == "cpu" and interpreting())
 
 
+def _no_autocast(t: Tensor):
+    """Autocast off on ``t``'s device: the torch-ops paths compute in fp32 as the kernels do."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
 # ---------------------------------------------------------------------------
 # The algorithm in torch ops: CPU without Triton, and second derivatives
 # ---------------------------------------------------------------------------
@@ -114,7 +119,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: boo
     """``(out, lse)``: the result (q's dtype, row-major) and each query's log-sum-exp (fp32)."""
     if _triton_runs(q):
         return flash.flash_forward(q, k, v, scale, causal)
-    return reference_forward(q, k, v, scale, causal)
+    with _no_autocast(q):  # an operator's body runs under the caller's autocast
+        return reference_forward(q, k, v, scale, causal)
 
 
 @attention_forward.register_fake
@@ -130,7 +136,8 @@ def attention_backward(
     """``(dq, dk, dv)``, row-major, in the dtypes of q, k and v."""
     if _triton_runs(q):
         return flash.flash_backward(q, k, v, out, lse, dout, scale, causal)
-    return reference_backward(q, k, v, out, lse, dout, scale, causal)
+    with _no_autocast(q):
+        return reference_backward(q, k, v, out, lse, dout, scale, causal)
 
 
 @attention_backward.register_fake
@@ -163,7 +170,7 @@ def _backward_gradient(ctx, ddq, ddk, ddv):
     # functions): differentiate the written-out attention's first derivative there.
     q, k, v, dout = ctx.saved_tensors
     leaves = [t.detach().requires_grad_() for t in (q, k, v, dout)]
-    with torch.enable_grad():
+    with torch.enable_grad(), _no_autocast(q):
         lq, lk, lv, ldout = leaves
         out = _written_out(lq, lk, lv, ctx.scale, ctx.causal)
         first = torch.autograd.grad(out, (lq, lk, lv), ldout.float(), create_graph=True)
@@ -206,15 +213,15 @@ def flash_attention(
         raise ValueError(f"flash_attention: is_causal={is_causal!r} must be a Python bool")
     if query.dim() != 4:
         raise ValueError(f"flash_attention takes 4-d [B, H, N, D] operands, not a query of shape {list(query.shape)}")
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        low = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(low) if t.is_floating_point() else t for t in (query, key, value))
     if query.dtype not in DTYPES or not query.dtype == key.dtype == value.dtype:
         raise ValueError(
             f"flash_attention takes query, key and value of one dtype among fp32, fp16 and bf16, "
             f"not {query.dtype}, {key.dtype} and {value.dtype}"
         )
-    device = query.device.type
-    if torch.is_autocast_enabled(device):
-        low = torch.get_autocast_dtype(device)
-        query, key, value = (t.to(low) for t in (query, key, value))
     factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     out, _ = attention_forward(query, key, value, factor, is_causal)
     return out

@@ -39,7 +39,10 @@ The call depends on the dtype (``CALLS``):
   attention, the Transformer rewritten to SDPA had gradients 77% off eager's (eager's
   own error against a strict-fp32 run: 0.6%). The call computes the scores in fp32
   where the chain rounds them to 16 bits before its softmax (eager's SDPA does the
-  same), so its results are nearer float64's than the chain's own.
+  same), so its results are nearer float64's than the chain's own. Only where the
+  graph is compiled with gradients on: an inference graph gains nothing by it (the
+  forward kernel is the same), and its groups are then checked against the chain
+  as the user wrote it.
 """
 
 from __future__ import annotations
@@ -226,9 +229,10 @@ def _chain(gm: torch.fx.GraphModule, softmax: torch.fx.Node) -> Optional[tuple]:
     return q, k, v, scale, output, chain
 
 
-def rewrite_written_out_attention(gm: torch.fx.GraphModule) -> int:
+def rewrite_written_out_attention(gm: torch.fx.GraphModule, gradients: bool = True) -> int:
     """Each written-out softmax attention in ``gm`` as one ``sdpa_row_major`` (fp32) or
-    ``flash_attention`` (16-bit) call (see the module's doc); returns how many were rewritten."""
+    ``flash_attention`` (16-bit, and only with ``gradients`` on) call (see the module's
+    doc); returns how many were rewritten."""
     rewritten, erased = 0, set()
     for node in list(gm.graph.nodes):
         if node in erased or softmax_dim(node, gm) is None:
@@ -237,6 +241,8 @@ def rewrite_written_out_attention(gm: torch.fx.GraphModule) -> int:
         if found is None:
             continue
         q, k, v, scale, output, chain = found
+        if tensor_meta(output).dtype != torch.float32 and not gradients:
+            continue  # the 16-bit call serves the backward alone; the forward's kernel is the same
         with gm.graph.inserting_before(output):
             call = gm.graph.call_function(CALLS[tensor_meta(output).dtype], (q, k, v), {"scale": scale})
         call.meta.update({key: output.meta[key] for key in output.meta if key != "tensor_meta"})

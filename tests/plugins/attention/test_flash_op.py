@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from plugins.attention import flash_op
-from plugins.attention.flash_op import flash_attention, reference_backward, reference_forward
+from autofuser_plugins.attention import flash_op
+from autofuser_plugins.attention.flash_op import flash_attention, reference_backward, reference_forward
 
 # Largest error of a result against float64, relative to the largest float64 entry.
 TOLERANCES = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -96,16 +96,57 @@ def test_result_and_gradients_match_float64(shape, causal, dtype):
 
 
 @pytest.mark.parametrize("causal", [False, True])
+def _reference_only(monkeypatch) -> list[str]:
+    """The operators as on a CPU without Triton; returns the names of the reference
+    functions as they are called (the kernels raise)."""
+    calls: list[str] = []
+
+    def spy(function):
+        def called(*args):
+            calls.append(function.__name__)
+            return function(*args)
+
+        return called
+
+    def no_kernel(*args):
+        raise AssertionError("a kernel ran where the reference should")
+
+    monkeypatch.setattr(flash_op, "interpreting", lambda: False)
+    for name in ("reference_forward", "reference_backward"):
+        monkeypatch.setattr(flash_op, name, spy(getattr(flash_op, name)))
+    for name in ("flash_forward", "flash_backward"):
+        monkeypatch.setattr(flash_op.flash, name, no_kernel)
+    return calls
+
+
+@pytest.mark.parametrize("causal", [False, True])
 def test_the_reference_matches_float64_a_block_of_queries_at_a_time(monkeypatch, causal):
     """Where Triton can't run (a CPU without the interpreter) the operators are the torch-ops
     reference; with a small block budget its loop over query blocks runs several times."""
     monkeypatch.setattr(flash_op, "REFERENCE_BLOCK_SCORES", 2 * 53 * 10)
-    monkeypatch.setattr(flash_op, "interpreting", lambda: False)
+    calls = _reference_only(monkeypatch)
     for dtype in (torch.float32, torch.bfloat16):
         (q, k, v), dout = _operands((2, 1, 37, 53, 24, 16), dtype)
         assert len(flash_op._query_blocks(q, 53)) > 2
         got = _run(flash_attention, q, k, v, dout, None, causal)
         _check(got, q, k, v, dout, 24**-0.5, causal)
+    assert calls == ["reference_forward", "reference_backward"] * 2, calls
+
+
+def test_the_reference_computes_in_fp32_under_the_callers_autocast(monkeypatch):
+    """An operator's body runs under the caller's autocast: the reference turns it off, or
+    its lse would come from 16-bit scores and its backward, recomputing them in fp32,
+    would not normalise its probabilities. Backward inside autocast too."""
+    calls = _reference_only(monkeypatch)
+    (q, k, v), dout = _operands((1, 2, 64, 300, 16, 16), torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, lse = flash_op.attention_forward(*leaves, 0.25, False)
+        grads = torch.autograd.grad(out, leaves, dout)
+    assert calls == ["reference_forward", "reference_backward"], calls
+    s = torch.matmul(q.double(), k.double().transpose(-1, -2)) * 0.25
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), atol=1e-5, rtol=1e-5)
+    _check([out.detach(), *grads], q, k, v, dout, 0.25, False)
 
 
 def test_the_reference_and_the_kernels_agree():

@@ -28,10 +28,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autofuser
 from autofuser_core.capture import capture
-from plugins.attention import written_out
-from plugins.attention.flash_op import flash_attention
-from plugins.attention.ops.sdpa import sdpa_row_major
-from plugins.attention.written_out import rewrite_written_out_attention
+from autofuser_plugins.attention import written_out
+from autofuser_plugins.attention.flash_op import flash_attention
+from autofuser_plugins.attention.ops.sdpa import sdpa_row_major
+from autofuser_plugins.attention.written_out import rewrite_written_out_attention
 
 KEYS = 300  # above written_out.MIN_KEYS
 TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=4e-2)}
@@ -194,6 +194,26 @@ def test_16_bit_chains_become_flash_attention_calls():
         assert count == 1 and _calls(gm) == [flash_attention], gm.code
     count, gm = _rewritten(Chain("at_div_method"), *(t.float() for t in (q, k, v)))
     assert count == 1 and _calls(gm) == [sdpa_row_major], gm.code
+
+
+def test_an_inference_graph_keeps_16_bit_chains_as_written():
+    """The flash call serves the backward alone: without gradients a 16-bit chain stays as
+    the user wrote it (its groups checked against it), an fp32 one is still rewritten."""
+    q, k, v = (t.bfloat16() for t in qkv(2, 37, KEYS, 16))
+    gm = capture(Chain("matmul_mul"), q, k, v)
+    assert rewrite_written_out_attention(gm, gradients=False) == 0
+    gm = capture(Chain("matmul_mul"), *(t.float() for t in (q, k, v)))
+    assert rewrite_written_out_attention(gm, gradients=False) == 1
+
+
+def test_the_plugin_rewrites_16_bit_chains_only_when_compiling_with_gradients():
+    q, k, v = (t.bfloat16() for t in qkv(1, 37, KEYS, 16))
+    for grad in (False, True):
+        fused = autofuser.fuse(Chain("matmul_mul"), progress=False, tune=False, verify_speed=False)
+        with torch.set_grad_enabled(grad):
+            fused(*(t.requires_grad_(grad) for t in (q.clone(), k.clone(), v.clone())))
+        summaries = [g.reason for g in fused.report().fused if g.strategy == "softmax_attention"]
+        assert len(summaries) == 1 and ("flash_attention call" in summaries[0]) == grad, summaries
 
 
 def _projections_under_autocast(batch: int):
