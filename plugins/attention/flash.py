@@ -56,7 +56,8 @@ import triton.language as tl
 
 from autofuser.kernel import INT32_LIMIT, fp32_precision, interpreting, next_power_of_2
 
-LOG2E = 1.4426950408889634
+from .kernel import LOG2E
+
 LN2 = 0.6931471805599453
 # The same for the kernels, which read only constexpr globals.
 _LOG2E_K = tl.constexpr(LOG2E)
@@ -390,7 +391,8 @@ def _dq_kernel(
 # ---------------------------------------------------------------------------
 
 
-def _check_inputs(q, k, v, scale) -> None:
+def check_inputs(q, k, v, scale) -> None:
+    """``ValueError`` naming what is wrong where q, k, v and ``scale`` are not what the kernels take."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -468,7 +470,7 @@ def flash_forward(
     widths up to 256. ``causal``: query ``i`` attends keys ``j <= i`` (top-left
     aligned, as ``F.scaled_dot_product_attention(is_causal=True)``).
     """
-    _check_inputs(q, k, v, scale)
+    check_inputs(q, k, v, scale)
     _check_device(q.device)
     scale = float(scale)  # an fp32 argument: Triton would pass an int as an integer
     B, H, N, D = q.shape
@@ -506,7 +508,7 @@ def flash_backward(
 
     Deterministic: no atomics, each gradient summed by one program in a fixed order.
     """
-    _check_inputs(q, k, v, scale)
+    check_inputs(q, k, v, scale)
     B, H, N, D = q.shape
     M, DV = k.shape[2], v.shape[3]
     for name, t in (("out", out), ("dout", dout)):

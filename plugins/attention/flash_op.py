@@ -36,7 +36,6 @@ from autofuser.kernel import interpreting
 from . import flash
 
 LIBRARY = "autofuser_attention"
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Most scores ``[..., queries, M]`` the CPU reference holds at once (fp32 entries).
 REFERENCE_BLOCK_SCORES = 1 << 24
 
@@ -211,17 +210,11 @@ def flash_attention(
         )
     if not isinstance(is_causal, bool):
         raise ValueError(f"flash_attention: is_causal={is_causal!r} must be a Python bool")
-    if query.dim() != 4:
-        raise ValueError(f"flash_attention takes 4-d [B, H, N, D] operands, not a query of shape {list(query.shape)}")
     device = query.device.type
     if torch.is_autocast_enabled(device):
         low = torch.get_autocast_dtype(device)
         query, key, value = (t.to(low) if t.is_floating_point() else t for t in (query, key, value))
-    if query.dtype not in DTYPES or not query.dtype == key.dtype == value.dtype:
-        raise ValueError(
-            f"flash_attention takes query, key and value of one dtype among fp32, fp16 and bf16, "
-            f"not {query.dtype}, {key.dtype} and {value.dtype}"
-        )
+    flash.check_inputs(query, key, value, 1.0 if scale is None else scale)  # what the kernels and the reference take
     factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     out, _ = attention_forward(query, key, value, factor, is_causal)
     return out

@@ -158,6 +158,9 @@ def test_extreme_sizes(n, m, d, dv):
         check(*run(2, 1, n, m, d, dv, causal, "contiguous", torch.float32), torch.float32)
 
 
+@pytest.mark.skipif(
+    DEVICE.type != "cuda", reason="the interpreter runs one program at a time: no order of sums to vary, on a GPU only"
+)
 def test_backward_is_deterministic():
     q, k = make(1, 2, 70, 24, torch.float32, "transposed"), make(1, 2, 53, 24, torch.float32, "transposed")
     v, dout = make(1, 2, 53, 40, torch.float32, "transposed"), make(1, 2, 70, 40, torch.float32, "transposed")
