@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU steps in one go. Each argument names a step; with none, every step runs:
 #   tests       the GPU-only tests, a conformance subset (fp32 and bf16, forward and
-#               backward), the capture, linear/slice attention and MLP kernel tests, and the
-#               training steps replayed as CUDA graphs
+#               backward), the capture, linear/slice/flash attention and MLP kernel tests, and
+#               the training steps replayed as CUDA graphs
 #   tests-device  every test file written to run on the machine's device (DEVICE or the
 #               `device` fixture); the other files build CPU tensors for the interpreter, and on
 #               a GPU machine those are not fused, so they are CI's only
@@ -55,6 +55,7 @@ for step in "${steps[@]}"; do
       python3 -m pytest -q -p no:cacheprovider tests/core/test_capture.py tests/integration/test_cuda.py \
         tests/integration/test_conformance.py tests/integration/test_conformance_backward.py \
         tests/plugins/attention/test_linear_attention.py tests/plugins/attention/test_slice_attention.py \
+        tests/plugins/attention/test_flash.py \
         tests/plugins/matmul/test_mlp_persistent.py tests/integration/test_training_graphs.py \
         -k "not float16 and (sample0-form0 or sample0] or test_capture or test_cuda or persistent or attention or graph)" \
         > "$out/tests.log" 2>&1
@@ -64,8 +65,8 @@ for step in "${steps[@]}"; do
         tests/integration/test_conformance.py tests/integration/test_conformance_backward.py \
         tests/plugins/elementwise/test_elementwise_ops.py \
         tests/plugins/attention/test_attention.py tests/plugins/attention/test_linear_attention.py \
-        tests/plugins/attention/test_slice_attention.py tests/plugins/matmul/test_mlp_persistent.py \
-        tests/integration/test_training_graphs.py \
+        tests/plugins/attention/test_slice_attention.py tests/plugins/attention/test_flash.py \
+        tests/plugins/matmul/test_mlp_persistent.py tests/integration/test_training_graphs.py \
         > "$out/tests-device.log" 2>&1
       echo "tests-device rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests-device.log" | tail -n 40 ;;
     bandwidth|matmul|attention|conv|mxint8)
