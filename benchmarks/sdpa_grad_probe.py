@@ -1,17 +1,17 @@
-"""Which of torch's SDPA backends give right gradients, and with which output-gradient layout.
+"""Which of torch's SDPA backends give right gradients, with which output-gradient layout,
+and how fast each is beside the attention plugin's flash kernels.
 
-The attention plugin writes an exact written-out softmax attention as one SDPA call
-made row-major (``ops.sdpa.sdpa_row_major``), so its backward is torch's. In fp32
-(the memory-efficient backend) the softmax Transformer's gradients were eager's; under
-bf16 autocast they were off by 77% on an H100 (BENCHMARKS.md, Training), and the
-rewrite was limited to fp32. The row-major copy hands the backward an output gradient
-in another layout than the output's own ([B, N, heads, D] memory for the fused
-backends). This probe separates the suspects: for each dtype, each backend torch has
-for the shape (cuDNN, flash, memory-efficient, math), and the attention plugin's own
-flash kernels (``flash_op.flash_attention``, what 16-bit chains are written as now),
-and each layout of the output's gradient (the output's own strides, or row-major),
-it computes dq, dk and dv and their relative L2 error against a float64 reference
-computed head by head; on CUDA also the forward and backward's time (median of 5):
+A written-out softmax attention rewritten as one SDPA call made row-major (a copy)
+trained with gradients 77% off eager's under bf16 autocast on an H100 (BENCHMARKS.md,
+Training). The row-major copy hands the backward an output gradient in another layout
+than the output's own ([B, N, heads, D] memory for the fused backends). This probe
+separates the suspects: for each dtype, each backend torch has for the shape (cuDNN,
+flash, memory-efficient, math) and the attention plugin's own flash kernels
+(``flash_op.flash_attention``, what written-out chains become), and each layout of the
+output's gradient (the output's own strides, or row-major), it computes dq, dk and dv
+and their relative L2 error against a float64 reference computed head by head; on CUDA
+also the forward and backward's time (median of 5). Its findings decide which call
+``written_out.py`` writes:
 
     python benchmarks/sdpa_grad_probe.py [--points 11271] [--heads 8] [--width 16] [--dtypes bf16,fp16,fp32]
 

@@ -286,15 +286,10 @@ def _read_sdpa(node: torch.fx.Node, index: dict):
         empty_rows_zero=True,
     )
     kind = "no mask" if mask is None else "bool mask" if mask.dtype == torch.bool else "additive mask"
-    if node.target is not F.scaled_dot_product_attention:  # written_out.py's rewrite of the user's chain
-        call, backward = (
-            ("flash_attention call", "this plugin's flash kernels")
-            if node.target is flash_attention
-            else ("scaled_dot_product_attention call", "torch's flash-style one")
-        )
+    if node.target is flash_attention:  # written_out.py's rewrite of the user's chain
         summary = (
             f"form softmax (written out): softmax(q @ k^T * {float(scale):.4g}) @ v, as one "
-            f"{call} (whose backward is {backward}), as one online-softmax "
+            "flash_attention call (whose backward is this plugin's flash kernels), as one online-softmax "
             f"kernel over {n} queries x {m} "
             f"keys per head, head width {d}; the scores never reach memory"
         )

@@ -23,26 +23,27 @@ it is; so does a short attention, whose scores are small, and which may be part 
 a larger pattern another strategy fuses whole (Transolver's attention among its 32
 or 64 slices, ``slice.py``).
 
-The call depends on the dtype (``CALLS``):
+The call is ``flash_op.flash_attention``, whose backward is this plugin's own flash
+kernels (``flash.py``), not torch's SDPA:
 
-- fp32 (autocast off: under autocast the products' results are 16-bit):
-  ``ops.sdpa.sdpa_row_major``, SDPA with its result made row-major, as the
-  written-out product's is (torch's fused kernels return another layout,
-  [B, N, heads, D] memory, and the graph's metadata, which kernels reading the
-  result rely on, must hold where the call runs eagerly). Its backward is torch's
-  memory-efficient kernel: measured on an H100 (torch 2.11, the softmax Transformer
-  zoo model, BENCHMARKS.md "Training"), the rewritten model's gradients were
-  eager's within 2e-6.
-- fp16 and bf16 (a 16-bit model, or fp32 inputs' projections under autocast):
-  ``flash_op.flash_attention``, whose backward is this plugin's own flash kernels
-  (``flash.py``). Not torch's: under bf16 autocast, where torch picks cuDNN's
-  attention, the Transformer rewritten to SDPA had gradients 77% off eager's (eager's
-  own error against a strict-fp32 run: 0.6%). The call computes the scores in fp32
-  where the chain rounds them to 16 bits before its softmax (eager's SDPA does the
-  same), so its results are nearer float64's than the chain's own. Only where the
-  graph is compiled with gradients on: an inference graph gains nothing by it (the
-  forward kernel is the same), and its groups are then checked against the chain
-  as the user wrote it.
+- fp16 and bf16 (a 16-bit model, or fp32 inputs' projections under autocast): under
+  bf16 autocast, where torch picks cuDNN's attention, the Transformer rewritten to
+  SDPA had gradients 77% off eager's (eager's own error against a strict-fp32 run:
+  0.6%). ``benchmarks/sdpa_grad_probe.py`` traced it to cuDNN's backward, which
+  returns wrong gradients when the output's gradient is row-major (as the row-major
+  copy this rewrite needs hands it) rather than in the layout of cuDNN's own output
+  (BENCHMARKS.md, "Training"). The call computes the scores in fp32 where the chain
+  rounds them to 16 bits before its softmax (eager's SDPA does the same), so its
+  results are nearer float64's than the chain's own. Only where the graph is
+  compiled with gradients on: an inference graph gains nothing by it (the forward
+  kernel is the same), and its groups are then checked against the chain as the
+  user wrote it.
+- fp32 (autocast off: under autocast the products' results are 16-bit), with or
+  without gradients: on the softmax Transformer's attention the flash kernels'
+  forward and backward were faster than torch's fp32 (memory-efficient) ones and
+  nearer float64 (``sdpa_grad_probe.py``; BENCHMARKS.md, "Training").
+
+Head widths past ``flash.MAX_HEAD_WIDTH`` leave the chain as it is.
 """
 
 from __future__ import annotations
@@ -56,16 +57,16 @@ import torch.nn.functional as F
 
 from autofuser.kernel import tensor_meta
 
+from .flash import MAX_HEAD_WIDTH
 from .flash_op import flash_attention
 from .match import softmax_dim
-from .ops.sdpa import sdpa_row_major
 
 PRODUCTS = (torch.matmul, operator.matmul)
 #: Fewest keys (the scores' last dim) of a chain rewritten; below, it stays as written.
 MIN_KEYS = 256
 MAX_SCALINGS = 4  # scalings of the scores walked between the product and the softmax
 #: The call a chain becomes, by its dtype (see the module's doc).
-CALLS = {torch.float32: sdpa_row_major, torch.float16: flash_attention, torch.bfloat16: flash_attention}
+CALLS = {torch.float32: flash_attention, torch.float16: flash_attention, torch.bfloat16: flash_attention}
 SCALINGS = {operator.mul: "mul", torch.mul: "mul", operator.truediv: "div", torch.div: "div"}
 
 
@@ -222,6 +223,8 @@ def _chain(gm: torch.fx.GraphModule, softmax: torch.fx.Node) -> Optional[tuple]:
         return None
     if mq.shape[-1] != mk.shape[-1] or mk.shape[-2] != mv.shape[-2] or mk.shape[-2] < MIN_KEYS:
         return None
+    if max(mq.shape[-1], mv.shape[-1]) > MAX_HEAD_WIDTH:
+        return None
     if not (mq.dtype == mk.dtype == mv.dtype == mo.dtype) or mo.dtype not in CALLS:
         return None  # one dtype throughout: fp32 with autocast off, or a 16-bit chain
     if not _row_major(tuple(mo.shape), tuple(mo.stride)):
@@ -230,9 +233,9 @@ def _chain(gm: torch.fx.GraphModule, softmax: torch.fx.Node) -> Optional[tuple]:
 
 
 def rewrite_written_out_attention(gm: torch.fx.GraphModule, gradients: bool = True) -> int:
-    """Each written-out softmax attention in ``gm`` as one ``sdpa_row_major`` (fp32) or
-    ``flash_attention`` (16-bit, and only with ``gradients`` on) call (see the module's
-    doc); returns how many were rewritten."""
+    """Each written-out softmax attention in ``gm`` as one ``flash_attention`` call (in
+    16 bits only with ``gradients`` on; see the module's doc); returns how many were
+    rewritten."""
     rewritten, erased = 0, set()
     for node in list(gm.graph.nodes):
         if node in erased or softmax_dim(node, gm) is None:

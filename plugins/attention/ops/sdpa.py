@@ -49,19 +49,8 @@ def sdpa_arguments(
     )
 
 
-def sdpa_row_major(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-    """``F.scaled_dot_product_attention`` with its result made row-major (a copy only where it
-    isn't): what ``written_out.py`` writes a written-out attention as. torch's fused kernels
-    return another layout, and the graph's metadata must hold where the call runs eagerly."""
-    # enable_gqa only where asked for: torch before 2.5 has no such argument.
-    extra = {"enable_gqa": True} if enable_gqa else {}
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **extra
-    ).contiguous()
-
-
-#: The calls this lowering serves: torch's, and the two ``written_out.py`` writes.
-SDPA_FUNCTIONS = (F.scaled_dot_product_attention, sdpa_row_major, flash_attention)
+#: The calls this lowering serves: torch's, and the one ``written_out.py`` writes.
+SDPA_FUNCTIONS = (F.scaled_dot_product_attention, flash_attention)
 
 
 def lower_sdpa(ctx, *args, **kwargs):

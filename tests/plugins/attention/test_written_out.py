@@ -1,16 +1,17 @@
-"""Written-out softmax attention made one SDPA call (``plugins/attention/written_out.py``).
+"""Written-out softmax attention made one call (``plugins/attention/written_out.py``).
 
-An exact ``softmax(q @ k^T * scale) @ v`` with enough keys is rewritten into
-``sdpa_row_major(q, k, v, scale=...)`` before planning: each spelling (matmul,
+An exact ``softmax(q @ k^T * scale) @ v`` with enough keys is rewritten into the
+plugin's ``flash_attention(q, k, v, scale=...)`` before planning: each spelling (matmul,
 ``@``, ``.mT``, ``transpose``, ``*`` and ``/`` by numbers, ``softmax`` as a function,
 a method and ``nn.Softmax``) is rewritten, the rewritten graph computes what the
 original does, and the fused model matches eager in its outputs and its gradients
 (fp32, batch 1 and 3, 300 keys, non-square), with its backward holding no N x M
 tensor where eager's holds several. Chains that are not exactly that function - a
 bias, dropout in training, scores read elsewhere, a softmax with a dtype, over
-another dim, 3-d operands, fewer keys - stay as written. 16-bit chains (under
-autocast or in a 16-bit model) become the plugin's ``flash_attention`` instead, and
-trained under autocast are as near float64 as eager is.
+another dim, 3-d operands, fewer keys, heads too wide for the flash kernels - stay as
+written. 16-bit chains (under autocast or in a 16-bit model) are rewritten only where
+the graph is compiled with gradients on, and trained under autocast are as near
+float64 as eager is.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import autofuser
 from autofuser_core.capture import capture
 from autofuser_plugins.attention import written_out
 from autofuser_plugins.attention.flash_op import flash_attention
-from autofuser_plugins.attention.ops.sdpa import sdpa_row_major
 from autofuser_plugins.attention.written_out import rewrite_written_out_attention
 
 KEYS = 300  # above written_out.MIN_KEYS
@@ -106,7 +106,7 @@ def test_each_spelling_is_rewritten_and_computes_the_same(form):
     model = Chain(form)
     count, gm = _rewritten(model, q, k, v)
     assert count == 1, gm.code
-    calls = [n for n in gm.graph.nodes if n.target is sdpa_row_major]
+    calls = [n for n in gm.graph.nodes if n.target is flash_attention]
     assert len(calls) == 1 and not [n for n in gm.graph.nodes if "softmax" in str(n.target)], gm.code
     got = gm(q, k, v)
     torch.testing.assert_close(got, model(q, k, v), **TOLERANCES[torch.float32])
@@ -129,21 +129,18 @@ def test_chains_that_are_not_exactly_sdpa_stay_as_written(form):
     model = Chain(form, dropout=0.5).train()
     count, gm = _rewritten(model, q, k.clone(), v)
     assert count == 0, gm.code
-    assert not [n for n in gm.graph.nodes if n.target is sdpa_row_major]
+    assert not [n for n in gm.graph.nodes if n.target is flash_attention]
 
 
-def test_few_keys_or_three_dim_operands_stay_as_written():
+def test_few_keys_three_dim_operands_or_wide_heads_stay_as_written():
     q, k, v = qkv(2, 37, written_out.MIN_KEYS - 1, 16)
     assert _rewritten(Chain("matmul_mul"), q, k, v)[0] == 0
     q3, k3, v3 = (t.flatten(0, 1) for t in qkv(2, 37, KEYS, 16))
     assert _rewritten(Chain("matmul_mul"), q3, k3, v3)[0] == 0
-
-
-def test_the_call_gives_a_row_major_result_whatever_layout_its_inputs_have():
-    q, k, v = (t.transpose(1, 2) for t in torch.randn(3, 2, 5, 40, 16).unbind(0))  # [B, H, L, D] views
-    got = sdpa_row_major(q, k, v, scale=0.25)
-    assert got.is_contiguous()
-    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, scale=0.25))
+    wide = written_out.MAX_HEAD_WIDTH + 1
+    q, k, v = qkv(1, 5, KEYS, 16)
+    assert _rewritten(Chain("matmul_mul"), q, k, torch.randn(1, 2, KEYS, wide))[0] == 0
+    assert _rewritten(Chain("matmul_mul"), *qkv(1, 5, KEYS, wide))[0] == 0
 
 
 def _train_beside_eager(batch: int, autocast: bool):
@@ -172,17 +169,17 @@ def _train_beside_eager(batch: int, autocast: bool):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_training_matches_eager(batch):
     summaries = _train_beside_eager(batch, autocast=False)
-    assert len(summaries) == 1 and "written out" in summaries[0] and "scaled_dot_product_attention" in summaries[0]
+    assert len(summaries) == 1 and "written out" in summaries[0] and "flash_attention call" in summaries[0]
 
 
 def _calls(gm: torch.fx.GraphModule) -> list:
-    return [n.target for n in gm.graph.nodes if n.target in (sdpa_row_major, flash_attention)]
+    return [n.target for n in gm.graph.nodes if n.target in (F.scaled_dot_product_attention, flash_attention)]
 
 
-def test_16_bit_chains_become_flash_attention_calls():
-    """fp32 chains become SDPA calls, 16-bit ones (under autocast, or a 16-bit model) the
-    plugin's flash attention; a chain whose result's dtype differs from its operands'
-    (fp32 operands under autocast) stays as written."""
+def test_chains_of_each_dtype_become_flash_attention_calls():
+    """fp32 chains and 16-bit ones (under autocast, or a 16-bit model) become the plugin's
+    flash attention; a chain whose result's dtype differs from its operands' (fp32
+    operands under autocast) stays as written."""
     q, k, v = (t.bfloat16() for t in qkv(2, 37, KEYS, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         count, gm = _rewritten(Chain("matmul_mul"), q, k, v)
@@ -193,7 +190,7 @@ def test_16_bit_chains_become_flash_attention_calls():
         count, gm = _rewritten(Chain("at_div_method"), *(t.to(dtype) for t in (q, k, v)))
         assert count == 1 and _calls(gm) == [flash_attention], gm.code
     count, gm = _rewritten(Chain("at_div_method"), *(t.float() for t in (q, k, v)))
-    assert count == 1 and _calls(gm) == [sdpa_row_major], gm.code
+    assert count == 1 and _calls(gm) == [flash_attention], gm.code
 
 
 def test_an_inference_graph_keeps_16_bit_chains_as_written():
