@@ -1076,3 +1076,36 @@ def test_a_traced_backward_that_differs_from_eagers_is_not_used():
     assert any("its traced backward gives input" in note for note in fused.report().notes), fused.report().notes
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **FP32, msg=lambda m: f"{name}: {m}")
+
+
+class _Product(nn.Module):
+    def forward(self, x, w):
+        return x @ w
+
+
+def test_a_traced_backward_off_eagers_but_as_near_float64_is_used():
+    """Under bf16 autocast a weight's gradient sums over every row through bf16 operands:
+    where its terms cancel, eager's own gradient is far from exact, and a traced backward
+    that sums in another order misses eager's by more than bf16's tolerance. The group's
+    backward run in float64 judges then, as it judges forward kernels: a traced gradient
+    as near it as eager's is used, one farther off is not."""
+    from types import SimpleNamespace
+
+    from autofuser_core.backward import _differs_from_eager
+    from autofuser_core.specs import PRODUCT_TOLERANCES
+    from autofuser_core.verify import max_error
+
+    fused = SimpleNamespace(eager=torch.fx.symbolic_trace(_Product()), live_attrs=[], attr_inputs={}, nodes=[])
+    x, w = torch.randn(3001, 5) * 3 + 1, torch.randn(5, 7)
+    wide = x.double()
+    g = torch.randn(3001, 7, dtype=torch.float64)
+    g = (g - wide @ torch.linalg.lstsq(wide, g).solution).bfloat16()  # nearly orthogonal to x's columns
+    exact = [g.double() @ w.double().T, wide.T @ g.double()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager_dw = torch.autograd.grad(x @ w.requires_grad_(), w, g)[0]
+        near = (exact[0].bfloat16(), exact[1].float())
+        assert not max_error(near[1], eager_dw, PRODUCT_TOLERANCES["bfloat16"], scale_rows=True)[0]
+        assert _differs_from_eager(fused, [x, w.detach()], [g], [0, 1], near) is None
+        off = (near[0], near[1] + 3 * (eager_dw - exact[1].float()).abs().max())
+        found = _differs_from_eager(fused, [x, w.detach()], [g], [0, 1], off)
+    assert found is not None and found.startswith("gives input 1 a gradient off eager's"), found
