@@ -104,12 +104,16 @@ class Blocks:
 #: ``held x step`` tiles (scores, p, dp, ds) to the forward's two, so it steps over
 #: fewer rows at a time.
 BLOCKS_16BIT = {
+    16: (Blocks(64, 64, 4, 3), Blocks(64, 64, 4, 2)),
+    32: (Blocks(64, 64, 4, 3), Blocks(64, 64, 4, 2)),
     64: (Blocks(64, 64, 4, 3), Blocks(64, 64, 4, 2)),
     128: (Blocks(64, 64, 8, 3), Blocks(64, 32, 8, 2)),
     256: (Blocks(32, 32, 8, 2), Blocks(32, 32, 8, 1)),
 }
 #: fp32 tiles take twice the bytes, and a 3xTF32 product keeps each operand's two parts.
 BLOCKS_FP32 = {
+    16: (Blocks(64, 32, 4, 2), Blocks(32, 32, 4, 2)),
+    32: (Blocks(64, 32, 4, 2), Blocks(32, 32, 4, 2)),
     64: (Blocks(64, 32, 4, 2), Blocks(32, 32, 4, 2)),
     128: (Blocks(32, 32, 4, 2), Blocks(32, 16, 4, 1)),
     256: (Blocks(16, 16, 4, 2), Blocks(16, 16, 4, 1)),
@@ -121,7 +125,7 @@ def choose_blocks(head_block: int, dtype: torch.dtype, backward: bool) -> Blocks
     in ``dtype``: the forward's or the backward's (``BLOCKS_16BIT``, ``BLOCKS_FP32``).
     Every size is at least 16, ``tl.dot``'s minimum."""
     table = BLOCKS_FP32 if dtype == torch.float32 else BLOCKS_16BIT
-    forward_blocks, backward_blocks = table[max(64, head_block)]
+    forward_blocks, backward_blocks = table[head_block]
     return backward_blocks if backward else forward_blocks
 
 
