@@ -104,7 +104,7 @@ class Blocks:
 #: ``held x step`` tiles (scores, p, dp, ds) to the forward's two, so it steps over
 #: fewer rows at a time.
 BLOCKS_16BIT = {
-    16: (Blocks(64, 64, 4, 3), Blocks(64, 64, 4, 2)),
+    16: (Blocks(64, 64, 4, 3), Blocks(64, 64, 4, 1)),
     32: (Blocks(64, 64, 4, 3), Blocks(64, 64, 4, 2)),
     64: (Blocks(64, 64, 4, 3), Blocks(64, 64, 4, 2)),
     128: (Blocks(64, 64, 8, 3), Blocks(64, 32, 8, 2)),
@@ -112,7 +112,7 @@ BLOCKS_16BIT = {
 }
 #: fp32 tiles take twice the bytes, and a 3xTF32 product keeps each operand's two parts.
 BLOCKS_FP32 = {
-    16: (Blocks(64, 32, 4, 2), Blocks(32, 32, 4, 2)),
+    16: (Blocks(64, 64, 4, 3), Blocks(64, 32, 4, 1)),
     32: (Blocks(64, 32, 4, 2), Blocks(32, 32, 4, 2)),
     64: (Blocks(64, 32, 4, 2), Blocks(32, 32, 4, 2)),
     128: (Blocks(32, 32, 4, 2), Blocks(32, 16, 4, 1)),
