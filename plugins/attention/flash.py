@@ -102,7 +102,9 @@ class Blocks:
 #: shared memory (as Triton 3.9 compiles them for sm_80 to sm_90; sm_86 and sm_89 give a
 #: block 99 KiB, the least of those). The backward's loop body holds four
 #: ``held x step`` tiles (scores, p, dp, ds) to the forward's two, so it steps over
-#: fewer rows at a time.
+#: fewer rows at a time. The 16-wide entries are the fastest ``benchmarks/flash_blocks.py``
+#: found (BENCHMARKS.md, "Measurements behind rules in the code"); the others follow the
+#: shared-memory rule, untimed.
 BLOCKS_16BIT = {
     16: (Blocks(64, 64, 4, 3), Blocks(64, 64, 4, 1)),
     32: (Blocks(64, 64, 4, 3), Blocks(64, 64, 4, 2)),
