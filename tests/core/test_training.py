@@ -1109,3 +1109,91 @@ def test_a_traced_backward_off_eagers_but_as_near_float64_is_used():
         off = (near[0], near[1] + 3 * (eager_dw - exact[1].float()).abs().max())
         found = _differs_from_eager(fused, [x, w.detach()], [g], [0, 1], off)
     assert found is not None and found.startswith("gives input 1 a gradient off eager's"), found
+
+
+class _Cancels(nn.Module):
+    """``(x * w + 1e8) - 1e8`` rounds x * w to a multiple of 8 in fp32: eager's step is far
+    from exact arithmetic, which keeps x * w."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(23))
+
+    def forward(self, x):
+        return torch.tanh(((x * self.w + 1e8) - 1e8) * 0.25)
+
+
+def test_a_fused_step_off_the_originals_but_as_near_float64_stands(tmp_path):
+    """A graph pass that drops the cancelling add and subtract computes the model's exact
+    arithmetic: its step is far off the original's (which rounds), and the model's step in
+    float64 judges: the fused step is the nearer, so it runs, and the report says why."""
+
+    def exact(gm, options):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is operator.sub and node.args[1] == 1e8:
+                added = node.args[0]
+                node.replace_all_uses_with(added.args[0])
+                gm.graph.erase_node(node)
+                gm.graph.erase_node(added)
+                break
+        gm.graph.lint()
+
+    model, x = _Cancels(), torch.randn(3, 5, 23)
+    fused = _fused_with_pass(tmp_path, model, exact, progress=False, verify_speed=False)
+    got = fused(x.clone().requires_grad_())
+    notes = " ".join(fused.report().notes)
+    assert "as near the model's step in float64 as the original's: the fused step stands" in notes, notes
+    assert not fused.report().runs_original, notes
+    torch.testing.assert_close(got, torch.tanh(x * model.w * 0.25), atol=1e-6, rtol=1e-5)
+
+
+def test_the_float64_judge_refuses_a_fused_step_farther_from_it_than_the_original():
+    from autofuser_core.fuse import STEP_GRADIENT_LIMIT, _farther_from
+
+    limit = STEP_GRADIENT_LIMIT["fp32"]
+    exact = [torch.randn(40, 7, dtype=torch.float64), torch.randn(9, dtype=torch.complex128)]
+    original = [t + 1e-3 * t.abs().max() * torch.randn_like(t) for t in exact]
+    nearer = [t + 1e-5 * torch.randn_like(t) for t in exact]
+    assert _farther_from([t.float() for t in nearer[:1]] + nearer[1:], original, exact, limit) is None
+    off = [exact[0] * 1.1, nearer[1]]  # 10% off: far beyond the original's rounding
+    assert _farther_from(off, original, exact, limit).startswith("all of them")
+    small = [nearer[0], exact[1] * 0 + 1e-2 * exact[0].norm()]  # one tensor wrong on its own
+    assert _farther_from(small, original, exact, limit) is not None
+    assert "not finite" in _farther_from(nearer, original, [exact[0] * float("nan"), exact[1]], limit)
+
+
+class _CancelsNotInFloat64(_Cancels):
+    """As ``_Cancels``, but refusing float64 (as FNO's reference code does, which writes its
+    spectral product into a complex64 tensor of its own)."""
+
+    def forward(self, x):
+        if x.dtype == torch.float64:
+            raise RuntimeError("expected scalar type ComplexFloat but found ComplexDouble")
+        return super().forward(x)
+
+
+def test_where_the_model_refuses_float64_strict_fp32_judges(tmp_path):
+    """Strict fp32 is the reference then; it rounds as the original does on a CPU, so the
+    exact-arithmetic fused step is the farther from it: the original runs, saying so."""
+
+    def exact(gm, options):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is operator.sub and node.args[1] == 1e8:
+                added = node.args[0]
+                node.replace_all_uses_with(added.args[0])
+                gm.graph.erase_node(node)
+                gm.graph.erase_node(added)
+                break
+
+    model, x = _CancelsNotInFloat64(), torch.randn(3, 5, 23)
+    fused = _fused_with_pass(tmp_path, model, exact, progress=False, verify_speed=False)
+    fused(x.clone().requires_grad_())
+    notes = " ".join(fused.report().notes)
+    assert "off the original model's" in notes and "off the reference step, the original 0 in strict fp32" in notes, notes
+    assert fused.report().runs_original
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    from autofuser_core.fuse import _strict_fp32
+
+    with _strict_fp32():
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (matmul, cudnn)
