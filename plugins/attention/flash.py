@@ -36,9 +36,10 @@ after a query block's last query, and query blocks wholly before a key
 block's first key, are never visited.
 
 Products: 16-bit inputs multiply in their own dtype (``p`` and ``ds`` rounded
-to it, as eager's are) with fp32 accumulation; fp32 inputs multiply in TF32
+to it, as eager's are) with fp32 accumulation; fp32 inputs multiply in the
+precision the caller passes (a compiled graph passes its compile's), else in TF32
 where torch allows it for matmuls and in 3xTF32 (near-fp32 accuracy at
-tensor-core rate) where it does not (``_fp32_precision``). Under Triton's CPU
+tensor-core rate) where it does not (``dot_precision``). Under Triton's CPU
 interpreter bf16 products are broken and bf16 conversions truncate, so there
 bf16 tiles are held in fp32, rounded to nearest even on their bits
 (``_round_bf16``, as the kernel-writing API's own bf16 rounding) and multiplied in
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -67,15 +69,23 @@ MAX_HEAD_WIDTH = 256
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _fp32_precision() -> str:
-    """``tl.dot``'s ``input_precision`` for fp32 inputs: the project's rule for fp32
-    products (``autofuser.kernel.fp32_precision``), TF32 where torch allows it for
-    matmuls (``torch.backends.cuda.matmul.allow_tf32``, or a float32 matmul precision
-    below "highest"), else 3xTF32, whose error is close to a plain fp32 product's at
-    tensor-core rate. Read when the kernels launch, which is after a compile: a
-    ``fuse(strict_fp32_products=...)`` choice, in force only while compiling, does not
-    reach them."""
-    return fp32_precision()
+#: ``tl.dot``'s ``input_precision`` values an fp32 attention may be asked for.
+PRECISIONS = ("tf32", "tf32x3", "ieee")
+
+
+def dot_precision(asked: Optional[str] = None) -> str:
+    """``tl.dot``'s ``input_precision`` for fp32 inputs: ``asked`` (one of
+    ``PRECISIONS``; a compiled graph passes the precision its compile chose, so a
+    ``fuse(strict_fp32_products=...)`` choice holds when the kernels launch), else the
+    project's rule for fp32 products (``autofuser.kernel.fp32_precision``) read now: TF32
+    where torch allows it for matmuls (``torch.backends.cuda.matmul.allow_tf32``, or a
+    float32 matmul precision below "highest"), else 3xTF32, whose error is close to a
+    plain fp32 product's at tensor-core rate."""
+    if asked is None:
+        return fp32_precision()
+    if asked not in PRECISIONS:
+        raise ValueError(f"flash attention: precision must be one of {', '.join(PRECISIONS)} or None; got {asked!r}")
+    return asked
 
 
 # ---------------------------------------------------------------------------
@@ -453,19 +463,19 @@ def _head_block(width: int) -> int:
     return max(16, next_power_of_2(width))
 
 
-def _products(dtype: torch.dtype) -> dict:
+def _products(dtype: torch.dtype, precision: Optional[str]) -> dict:
     """The kernels' product constexprs for inputs of ``dtype``."""
     emulate_bf16 = dtype == torch.bfloat16 and interpreting()
     return dict(
         EMULATE_BF16=emulate_bf16,
         FP32_DOT=dtype == torch.float32 or emulate_bf16,
         # Emulated bf16 operands are bf16 values held in fp32: exact products need "ieee".
-        PRECISION=_fp32_precision() if dtype == torch.float32 else "ieee",
+        PRECISION=dot_precision(precision) if dtype == torch.float32 else "ieee",
     )
 
 
 def flash_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, precision: Optional[str] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention: ``out [B, H, N, Dv]`` (q's dtype, contiguous) and
     ``lse [B, H, N]`` (fp32, contiguous).
@@ -474,9 +484,11 @@ def flash_forward(
     over the keys of ``scale * q @ k^T``. ``q [B, H, N, D]``, ``k [B, H, M, D]``,
     ``v [B, H, M, Dv]`` in one dtype (float32, float16, bfloat16), any strides, head
     widths up to 256. ``causal``: query ``i`` attends keys ``j <= i`` (top-left
-    aligned, as ``F.scaled_dot_product_attention(is_causal=True)``).
+    aligned, as ``F.scaled_dot_product_attention(is_causal=True)``). ``precision``: fp32
+    products' (``dot_precision``).
     """
     check_inputs(q, k, v, scale)
+    dot_precision(precision)  # a bad value raises before anything launches
     _check_device(q.device)
     scale = float(scale)  # an fp32 argument: Triton would pass an int as an integer
     B, H, N, D = q.shape
@@ -491,7 +503,7 @@ def flash_forward(
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         H, N, M, D, DV,
         scale * LOG2E,
-        CAUSAL=bool(causal), WIDE=_wide(q, k, v, out), **_products(q.dtype),
+        CAUSAL=bool(causal), WIDE=_wide(q, k, v, out), **_products(q.dtype, precision),
         BLOCK_M=blocks.held, BLOCK_N=blocks.step, BLOCK_D=block_d, BLOCK_DV=block_dv,
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )  # fmt: skip
@@ -507,14 +519,16 @@ def flash_backward(
     dout: torch.Tensor,
     scale: float,
     causal: bool,
+    precision: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients ``dq, dk, dv`` (contiguous, in q's, k's and v's dtype) of
-    ``flash_forward(q, k, v, scale, causal)``, given its ``out`` and ``lse`` and the
-    output's gradient ``dout`` (any strides; out's shape and dtype).
+    ``flash_forward(q, k, v, scale, causal, precision)``, given its ``out`` and ``lse``
+    and the output's gradient ``dout`` (any strides; out's shape and dtype).
 
     Deterministic: no atomics, each gradient summed by one program in a fixed order.
     """
     check_inputs(q, k, v, scale)
+    dot_precision(precision)
     B, H, N, D = q.shape
     M, DV = k.shape[2], v.shape[3]
     for name, t in (("out", out), ("dout", dout)):
@@ -544,7 +558,7 @@ def flash_backward(
     block_d, block_dv = _head_block(D), _head_block(DV)
     blocks = choose_blocks(max(block_d, block_dv), q.dtype, backward=True)
     wide = _wide(q, k, v, out, dout, dq, dk, dv)
-    products = _products(q.dtype)
+    products = _products(q.dtype, precision)
 
     _delta_kernel[(triton.cdiv(N, blocks.held) * B * H,)](
         out, dout, delta,

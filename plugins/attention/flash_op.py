@@ -114,52 +114,55 @@ def _written_out(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) ->
 
 
 @torch.library.custom_op(f"{LIBRARY}::forward", mutates_args=())
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    """``(out, lse)``: the result (q's dtype, row-major) and each query's log-sum-exp (fp32)."""
+def attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, precision: str
+) -> tuple[Tensor, Tensor]:
+    """``(out, lse)``: the result (q's dtype, row-major) and each query's log-sum-exp (fp32).
+    ``precision``: fp32 products' (``flash.PRECISIONS``), or "" for the rule in force now."""
     if _triton_runs(q):
-        return flash.flash_forward(q, k, v, scale, causal)
+        return flash.flash_forward(q, k, v, scale, causal, precision or None)
     with _no_autocast(q):  # an operator's body runs under the caller's autocast
         return reference_forward(q, k, v, scale, causal)
 
 
 @attention_forward.register_fake
-def _forward_meta(q, k, v, scale, causal):
+def _forward_meta(q, k, v, scale, causal, precision):
     b, h, n, _ = q.shape
     return q.new_empty(b, h, n, v.shape[-1]), q.new_empty(b, h, n, dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{LIBRARY}::backward", mutates_args=())
 def attention_backward(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, scale: float, causal: bool
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, scale: float, causal: bool, precision: str
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)``, row-major, in the dtypes of q, k and v."""
     if _triton_runs(q):
-        return flash.flash_backward(q, k, v, out, lse, dout, scale, causal)
+        return flash.flash_backward(q, k, v, out, lse, dout, scale, causal, precision or None)
     with _no_autocast(q):
         return reference_backward(q, k, v, out, lse, dout, scale, causal)
 
 
 @attention_backward.register_fake
-def _backward_meta(q, k, v, out, lse, dout, scale, causal):
+def _backward_meta(q, k, v, out, lse, dout, scale, causal, precision):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
 def _forward_context(ctx, inputs, output) -> None:
-    q, k, v, scale, causal = inputs
+    q, k, v, scale, causal, precision = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.scale, ctx.causal = scale, causal
+    ctx.scale, ctx.causal, ctx.precision = scale, causal, precision
     ctx.mark_non_differentiable(lse)
 
 
 def _forward_gradient(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attention_backward(q, k, v, out, lse, dout, ctx.scale, ctx.causal)
-    return dq, dk, dv, None, None
+    dq, dk, dv = attention_backward(q, k, v, out, lse, dout, ctx.scale, ctx.causal, ctx.precision)
+    return dq, dk, dv, None, None, None
 
 
 def _backward_context(ctx, inputs, output) -> None:
-    q, k, v, _out, _lse, dout, scale, causal = inputs
+    q, k, v, _out, _lse, dout, scale, causal, _precision = inputs
     ctx.save_for_backward(q, k, v, dout)
     ctx.scale, ctx.causal = scale, causal
 
@@ -178,7 +181,7 @@ def _backward_gradient(ctx, ddq, ddk, ddv):
             [f for f, _ in pairs], leaves, [g.float() for _, g in pairs], allow_unused=True, create_graph=True
         )
     grads = [None if g is None else g.to(t.dtype) for g, t in zip(found, (q, k, v, dout))]
-    return grads[0], grads[1], grads[2], None, None, grads[3], None, None
+    return grads[0], grads[1], grads[2], None, None, grads[3], None, None, None
 
 
 attention_forward.register_autograd(_forward_gradient, setup_context=_forward_context)
@@ -200,10 +203,13 @@ def flash_attention(
     *,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
+    precision: Optional[str] = None,
 ) -> Tensor:
     """``F.scaled_dot_product_attention``'s function and signature, backward by this
     plugin's flash kernels (see the module's doc). A mask, dropout or ``enable_gqa``
-    raises ``ValueError``: use ``F.scaled_dot_product_attention`` for those."""
+    raises ``ValueError``: use ``F.scaled_dot_product_attention`` for those.
+    ``precision``: fp32 products' (``flash.PRECISIONS``: what ``written_out.py`` passes,
+    the precision its compile chose); ``None``, the project's rule when it runs."""
     if attn_mask is not None or dropout_p != 0 or enable_gqa:
         raise ValueError(
             "flash_attention takes no attn_mask, dropout_p or enable_gqa; call F.scaled_dot_product_attention for those"
@@ -215,6 +221,7 @@ def flash_attention(
         low = torch.get_autocast_dtype(device)
         query, key, value = (t.to(low) if t.is_floating_point() else t for t in (query, key, value))
     flash.check_inputs(query, key, value, 1.0 if scale is None else scale)  # what the kernels and the reference take
+    flash.dot_precision(precision)  # a bad value raises here, not in the operator
     factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    out, _ = attention_forward(query, key, value, factor, is_causal)
+    out, _ = attention_forward(query, key, value, factor, is_causal, precision or "")
     return out

@@ -55,7 +55,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from autofuser.kernel import tensor_meta
+from autofuser.kernel import fp32_precision, tensor_meta
 
 from .flash import MAX_HEAD_WIDTH
 from .flash_op import flash_attention
@@ -247,7 +247,10 @@ def rewrite_written_out_attention(gm: torch.fx.GraphModule, gradients: bool = Tr
         if tensor_meta(output).dtype != torch.float32 and not gradients:
             continue  # the 16-bit call serves the backward alone; the forward's kernel is the same
         with gm.graph.inserting_before(output):
-            call = gm.graph.call_function(CALLS[tensor_meta(output).dtype], (q, k, v), {"scale": scale})
+            dtype = tensor_meta(output).dtype
+            # fp32: the precision this compile chose for products, kept when the kernels launch.
+            extra = {"precision": fp32_precision()} if dtype == torch.float32 else {}
+            call = gm.graph.call_function(CALLS[dtype], (q, k, v), {"scale": scale, **extra})
         call.meta.update({key: output.meta[key] for key in output.meta if key != "tensor_meta"})
         call.meta["tensor_meta"] = output.meta["tensor_meta"]
         output.replace_all_uses_with(call)

@@ -1189,7 +1189,8 @@ def test_where_the_model_refuses_float64_strict_fp32_judges(tmp_path):
     fused = _fused_with_pass(tmp_path, model, exact, progress=False, verify_speed=False)
     fused(x.clone().requires_grad_())
     notes = " ".join(fused.report().notes)
-    assert "off the original model's" in notes and "off the reference step, the original 0 in strict fp32" in notes, notes
+    assert "off the original model's" in notes, notes
+    assert "off the reference step, the original 0 in strict fp32" in notes, notes
     assert fused.report().runs_original
     matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     from autofuser_core.fuse import _strict_fp32

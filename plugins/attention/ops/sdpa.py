@@ -34,9 +34,11 @@ ATTENTION_TOLERANCES = {
 
 
 def sdpa_arguments(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False, precision=None
 ) -> dict:
-    """The call's arguments by name, bound as torch binds them (``TypeError`` otherwise)."""
+    """The call's arguments by name, bound as torch binds them (``TypeError`` otherwise);
+    ``precision``, ``flash_attention``'s own, is the compile's fp32 product precision,
+    which the kernel takes anyway: not among them."""
     return dict(
         query=query,
         key=key,

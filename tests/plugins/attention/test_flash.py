@@ -218,14 +218,38 @@ def test_cpu_without_interpreter_is_refused(monkeypatch):
         flash.flash_forward(q, k, v, 0.25, False)
 
 
+def test_a_precision_asked_for_reaches_every_fp32_product_and_a_bad_one_raises(monkeypatch):
+    launched = []
+
+    class Recording:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launched.append(kwargs.get("PRECISION"))
+                return self.kernel[grid](*args, **kwargs)
+
+            return run
+
+    for name in ("_forward_kernel", "_dkdv_kernel", "_dq_kernel"):
+        monkeypatch.setattr(flash, name, Recording(getattr(flash, name)))
+    q, k, v = (torch.randn(1, 1, 20, 16, device=DEVICE) for _ in range(3))
+    out, lse = flash.flash_forward(q, k, v, 0.25, False, "ieee")
+    flash.flash_backward(q, k, v, out, lse, torch.randn_like(out), 0.25, False, "ieee")
+    assert launched == ["ieee"] * 3
+    with pytest.raises(ValueError, match="precision must be one of tf32, tf32x3, ieee"):
+        flash.flash_forward(q, k, v, 0.25, False, "fp64")
+
+
 def test_fp32_products_follow_torch_tf32_setting():
     """TF32 where torch allows it for matmuls, else 3xTF32 (near-fp32 accuracy)."""
     matmul = torch.backends.cuda.matmul
     allowed = matmul.allow_tf32  # a property of torch's cuBLAS settings: monkeypatch can't restore it
     try:
         matmul.allow_tf32 = False
-        assert flash._fp32_precision() == "tf32x3"
+        assert flash.dot_precision() == "tf32x3"
         matmul.allow_tf32 = True
-        assert flash._fp32_precision() == "tf32"
+        assert flash.dot_precision() == "tf32"
     finally:
         matmul.allow_tf32 = allowed

@@ -141,7 +141,7 @@ def test_the_reference_computes_in_fp32_under_the_callers_autocast(monkeypatch):
     (q, k, v), dout = _operands((1, 2, 64, 300, 16, 16), torch.bfloat16)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, lse = flash_op.attention_forward(*leaves, 0.25, False)
+        out, lse = flash_op.attention_forward(*leaves, 0.25, False, "")
         grads = torch.autograd.grad(out, leaves, dout)
     assert calls == ["reference_forward", "reference_backward"], calls
     s = torch.matmul(q.double(), k.double().transpose(-1, -2)) * 0.25
@@ -151,11 +151,11 @@ def test_the_reference_computes_in_fp32_under_the_callers_autocast(monkeypatch):
 
 def test_the_reference_and_the_kernels_agree():
     (q, k, v), dout = _operands((1, 2, 45, 61, 16, 24), torch.float32)
-    out, lse = flash_op.attention_forward(q, k, v, 0.25, True)
+    out, lse = flash_op.attention_forward(q, k, v, 0.25, True, "")
     ref_out, ref_lse = reference_forward(q, k, v, 0.25, True)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
-    got = flash_op.attention_backward(q, k, v, out, lse, dout, 0.25, True)
+    got = flash_op.attention_backward(q, k, v, out, lse, dout, 0.25, True, "")
     for g, r in zip(got, reference_backward(q, k, v, out, lse, dout, 0.25, True)):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
 

@@ -288,3 +288,23 @@ def test_the_fused_backward_holds_no_scores_tensor():
         seen[name] = [s for s in recorder.shapes if s[-2:] == (n, m)]
     assert seen["eager"], "the recorder must see eager's N x M tensors in its backward"  # so the next check can fail
     assert not seen["fused"], seen["fused"]
+
+
+@pytest.mark.parametrize("strict", ["tf32x3", "ieee"])
+def test_an_fp32_call_keeps_the_precision_its_compile_chose(strict):
+    """``fuse(strict_fp32_products=...)`` is in force while compiling; the flash kernels
+    launch later, so the rewrite passes the compile's choice to the call."""
+    from autofuser.kernel import STRICT_FP32
+
+    token = STRICT_FP32.set(strict)
+    try:
+        count, gm = _rewritten(Chain("matmul_mul"), *qkv(1, 37, KEYS, 16))
+    finally:
+        STRICT_FP32.reset(token)
+    (call,) = [n for n in gm.graph.nodes if n.target is flash_attention]
+    assert count == 1 and call.kwargs["precision"] == strict, gm.code
+    q, k, v = (t.bfloat16() for t in qkv(1, 37, KEYS, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        count, gm = _rewritten(Chain("matmul_mul"), q, k, v)
+    (call,) = [n for n in gm.graph.nodes if n.target is flash_attention]
+    assert "precision" not in call.kwargs  # 16-bit products: no fp32 precision to keep
