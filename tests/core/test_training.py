@@ -1123,23 +1123,24 @@ class _Cancels(nn.Module):
         return torch.tanh(((x * self.w + 1e8) - 1e8) * 0.25)
 
 
+def _without_the_cancelling_add(gm, options):
+    """A graph pass computing ``_Cancels`` in exact arithmetic: ``tanh(x * w * 0.25)``."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is operator.sub and node.args[1] == 1e8:
+            added = node.args[0]
+            node.replace_all_uses_with(added.args[0])
+            gm.graph.erase_node(node)
+            gm.graph.erase_node(added)
+            break
+
+
 def test_a_fused_step_off_the_originals_but_as_near_float64_stands(tmp_path):
     """A graph pass that drops the cancelling add and subtract computes the model's exact
     arithmetic: its step is far off the original's (which rounds), and the model's step in
     float64 judges: the fused step is the nearer, so it runs, and the report says why."""
 
-    def exact(gm, options):
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target is operator.sub and node.args[1] == 1e8:
-                added = node.args[0]
-                node.replace_all_uses_with(added.args[0])
-                gm.graph.erase_node(node)
-                gm.graph.erase_node(added)
-                break
-        gm.graph.lint()
-
     model, x = _Cancels(), torch.randn(3, 5, 23)
-    fused = _fused_with_pass(tmp_path, model, exact, progress=False, verify_speed=False)
+    fused = _fused_with_pass(tmp_path, model, _without_the_cancelling_add, progress=False, verify_speed=False)
     got = fused(x.clone().requires_grad_())
     notes = " ".join(fused.report().notes)
     assert "as near the model's step in float64 as the original's: the fused step stands" in notes, notes
@@ -1176,17 +1177,8 @@ def test_where_the_model_refuses_float64_strict_fp32_judges(tmp_path):
     """Strict fp32 is the reference then; it rounds as the original does on a CPU, so the
     exact-arithmetic fused step is the farther from it: the original runs, saying so."""
 
-    def exact(gm, options):
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target is operator.sub and node.args[1] == 1e8:
-                added = node.args[0]
-                node.replace_all_uses_with(added.args[0])
-                gm.graph.erase_node(node)
-                gm.graph.erase_node(added)
-                break
-
     model, x = _CancelsNotInFloat64(), torch.randn(3, 5, 23)
-    fused = _fused_with_pass(tmp_path, model, exact, progress=False, verify_speed=False)
+    fused = _fused_with_pass(tmp_path, model, _without_the_cancelling_add, progress=False, verify_speed=False)
     fused(x.clone().requires_grad_())
     notes = " ".join(fused.report().notes)
     assert "off the original model's" in notes, notes
