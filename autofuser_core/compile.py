@@ -236,7 +236,13 @@ def _compile_graph(
     backward_graph = bool(gm.meta.get(BACKWARD_GRAPH_KEY))
     report = FusionReport(plugins=list(plugin_set.names), opaque=dict(gm.meta.get("autofuser_opaque", {})))
     gm.meta[GRADIENTS_KEY] = backward  # read by graph passes (hookspecs.autofuser_transform_graph)
-    _transform_graph(gm, plugin_set, options)
+    # Graph passes see the compile's fp32 product precision too (a pass may write a call that
+    # launches its own kernels later, when the compile's setting is no longer in force).
+    token = STRICT_FP32.set(options.strict_fp32_products)
+    try:
+        _transform_graph(gm, plugin_set, options)
+    finally:
+        STRICT_FP32.reset(token)
     _spell_negative_bases(gm)
     folded, undone = ([], "") if backward_graph else fold_checked(gm, inputs)
     if undone:

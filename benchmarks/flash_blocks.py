@@ -146,6 +146,8 @@ def apply(found: list[dict[str, Any]], path: Path = FLASH_PY) -> None:
     for result in found:
         table = "BLOCKS_FP32" if result["dtype"] == "float32" else "BLOCKS_16BIT"
         head_block = flash._head_block(result["width"])
+        if head_block not in getattr(flash, table):
+            raise SystemExit(f"no entry {head_block} in {table} of {path}")
         # A phase with no tiling timed keeps the table's.
         fwd, bwd = (
             result[phase]["best"] or {"blocks": list(getattr(flash, table)[head_block][index].__dict__.values())}

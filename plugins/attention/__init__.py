@@ -17,8 +17,8 @@
 - ``kernel.py``, ``linear_kernel.py``, ``slice_kernel.py``: the kernel writers
   (a chain of kernels is launched through ``autofuser.kernel.chain_module``);
 - ``written_out.py``: a graph pass writing an exact written-out softmax
-  attention as one call whose traced backward never holds the scores: SDPA in
-  fp32, ``flash_op.flash_attention`` in 16 bits;
+  attention as one ``flash_op.flash_attention`` call, whose traced backward
+  never holds the scores;
 - ``flash_op.py``, ``flash.py``: ``flash_attention``, two operators (the result
   with its log-sum-exp; the backward from them) and their flash kernels;
 - ``options.py``: the plugin's ``fuse()`` option ``reassociate_products``.

@@ -1112,21 +1112,23 @@ def test_a_traced_backward_off_eagers_but_as_near_float64_is_used():
 
 
 class _Cancels(nn.Module):
-    """``(x * w + 1e8) - 1e8`` rounds x * w to a multiple of 8 in fp32: eager's step is far
-    from exact arithmetic, which keeps x * w."""
+    """Two outputs: ``20 * tanh(x * w)``, and a small one through ``(x * w + 8e6) - 8e6``,
+    which rounds x * w to a whole number in fp32: eager's small output is some 14% off
+    exact arithmetic (which keeps x * w), its step as a whole well within the limit."""
 
     def __init__(self):
         super().__init__()
         self.w = nn.Parameter(torch.randn(23))
 
     def forward(self, x):
-        return torch.tanh(((x * self.w + 1e8) - 1e8) * 0.25)
+        h = x * self.w
+        return torch.tanh(h) * 20, torch.tanh(((h + 8e6) - 8e6) * 0.25)
 
 
 def _without_the_cancelling_add(gm, options):
     """A graph pass computing ``_Cancels`` in exact arithmetic: ``tanh(x * w * 0.25)``."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is operator.sub and node.args[1] == 1e8:
+        if node.op == "call_function" and node.target is operator.sub and node.args[1] == 8e6:
             added = node.args[0]
             node.replace_all_uses_with(added.args[0])
             gm.graph.erase_node(node)
@@ -1134,18 +1136,46 @@ def _without_the_cancelling_add(gm, options):
             break
 
 
-def test_a_fused_step_off_the_originals_but_as_near_float64_stands(tmp_path):
+def test_a_fused_step_off_the_originals_but_nearer_float64_stands(tmp_path):
     """A graph pass that drops the cancelling add and subtract computes the model's exact
-    arithmetic: its step is far off the original's (which rounds), and the model's step in
-    float64 judges: the fused step is the nearer, so it runs, and the report says why."""
-
+    arithmetic: its small output is far off the original's (which rounds), and the model's
+    step in float64 judges: the fused step is the nearer, so it runs, and the report says
+    why."""
     model, x = _Cancels(), torch.randn(3, 5, 23)
     fused = _fused_with_pass(tmp_path, model, _without_the_cancelling_add, progress=False, verify_speed=False)
-    got = fused(x.clone().requires_grad_())
+    big, small = fused(x.clone().requires_grad_())
     notes = " ".join(fused.report().notes)
-    assert "as near the model's step in float64 as the original's: the fused step stands" in notes, notes
+    assert "nearer the model's step in float64 than 2 times the original's distance: the fused step stands" in notes
     assert not fused.report().runs_original, notes
-    torch.testing.assert_close(got, torch.tanh(x * model.w * 0.25), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(small, torch.tanh(x * model.w * 0.25), atol=1e-6, rtol=1e-5)
+
+
+class _DrawsNoise(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(23))
+
+    def forward(self, x):
+        return x + torch.tanh(x * self.w) * torch.randn_like(x)
+
+
+def test_a_reference_step_that_draws_other_random_numbers_judges_nothing(tmp_path):
+    """In float64 ``randn_like`` draws other numbers from the same seed: the original is far
+    from that step, which then can't vouch for a fused step (here a wrong one, its tanh
+    scaled) - the miss stands."""
+
+    def scaled(gm, options):
+        for node in _tanh_nodes(gm):
+            with gm.graph.inserting_after(node):
+                wrong = gm.graph.call_function(operator.mul, (node, 1.5))
+            node.replace_all_uses_with(wrong, delete_user_cb=lambda user: user is not wrong)
+            wrong.meta = dict(node.meta)
+
+    fused = _fused_with_pass(tmp_path, _DrawsNoise(), scaled, progress=False, verify_speed=False)
+    fused(torch.randn(3, 5, 23).requires_grad_())
+    notes = " ".join(fused.report().notes)
+    assert "off the reference step, past the limit: not comparable" in notes and "the original runs" in notes, notes
+    assert fused.report().runs_original
 
 
 def test_the_float64_judge_refuses_a_fused_step_farther_from_it_than_the_original():
@@ -1161,6 +1191,8 @@ def test_the_float64_judge_refuses_a_fused_step_farther_from_it_than_the_origina
     small = [nearer[0], exact[1] * 0 + 1e-2 * exact[0].norm()]  # one tensor wrong on its own
     assert _farther_from(small, original, exact, limit) is not None
     assert "not finite" in _farther_from(nearer, original, [exact[0] * float("nan"), exact[1]], limit)
+    infinite = [original[0] * float("inf"), original[1]]  # an original past every bound judges nothing
+    assert "not comparable" in _farther_from(nearer, infinite, exact, limit)
 
 
 class _CancelsNotInFloat64(_Cancels):
@@ -1182,7 +1214,7 @@ def test_where_the_model_refuses_float64_strict_fp32_judges(tmp_path):
     fused(x.clone().requires_grad_())
     notes = " ".join(fused.report().notes)
     assert "off the original model's" in notes, notes
-    assert "off the reference step, the original 0 in strict fp32" in notes, notes
+    assert "off the reference step, the original 0 in strict fp32" in notes, notes  # exact, the original not
     assert fused.report().runs_original
     matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     from autofuser_core.fuse import _strict_fp32
@@ -1190,3 +1222,27 @@ def test_where_the_model_refuses_float64_strict_fp32_judges(tmp_path):
     with _strict_fp32():
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (matmul, cudnn)
+
+
+class _WritesIntoItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(7))
+
+    def forward(self, x, counts):
+        counts.add_(1)
+        return (x * self.w).tanh()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_reference_step_leaves_the_callers_inputs_as_they_were(dtype):
+    """The reference step runs the model on copies, even where widening changes nothing
+    (an input already float64; fp32 on the strict-fp32 path; an integer tensor)."""
+    model = _WritesIntoItsInput()
+    fused = autofuser.fuse(model, progress=False)
+    x, counts = torch.randn(4, 7, dtype=dtype), torch.zeros(3, dtype=dtype)
+    steps = torch.zeros(3, dtype=torch.int64)
+    for given in (counts, steps):
+        name, found = fused._reference_step((x, given), {})
+        assert found is not None and name == "float64"
+        assert not bool(given.any()), name

@@ -228,3 +228,19 @@ def test_other_ranks_and_dtypes_raise():
         flash_attention(torch.randn(5, 4), torch.randn(7, 4), torch.randn(7, 4))
     with pytest.raises(ValueError, match="float64"):
         flash_attention(*(torch.randn(1, 1, 5, 4, dtype=torch.float64) for _ in range(3)))
+
+
+def test_the_precision_asked_for_reaches_the_backward_too(monkeypatch):
+    """``flash_attention(..., precision=)`` is the compile's fp32 product precision: its
+    backward, which autograd runs later, launches with it as the forward does."""
+    asked = []
+    for name in ("flash_forward", "flash_backward"):
+        real = getattr(flash_op.flash, name)
+        monkeypatch.setattr(
+            flash_op.flash, name, lambda *args, _real=real, _name=name: asked.append((_name, args[-1])) or _real(*args)
+        )
+    q, k, v = (torch.randn(1, 2, 20, 8, requires_grad=True) for _ in range(3))
+    flash_attention(q, k, v, precision="ieee").sum().backward()
+    assert asked == [("flash_forward", "ieee"), ("flash_backward", "ieee")]
+    with pytest.raises(ValueError, match="precision must be one of"):
+        flash_attention(q, k, v, precision="fp64")

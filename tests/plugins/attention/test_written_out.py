@@ -291,18 +291,24 @@ def test_the_fused_backward_holds_no_scores_tensor():
 
 
 @pytest.mark.parametrize("strict", ["tf32x3", "ieee"])
-def test_an_fp32_call_keeps_the_precision_its_compile_chose(strict):
+def test_an_fp32_call_keeps_the_precision_its_compile_chose(strict, monkeypatch):
     """``fuse(strict_fp32_products=...)`` is in force while compiling; the flash kernels
     launch later, so the rewrite passes the compile's choice to the call."""
-    from autofuser.kernel import STRICT_FP32
+    rewritten = []
 
-    token = STRICT_FP32.set(strict)
-    try:
-        count, gm = _rewritten(Chain("matmul_mul"), *qkv(1, 37, KEYS, 16))
-    finally:
-        STRICT_FP32.reset(token)
-    (call,) = [n for n in gm.graph.nodes if n.target is flash_attention]
-    assert count == 1 and call.kwargs["precision"] == strict, gm.code
+    def spy(gm, gradients=True):
+        count = rewrite_written_out_attention(gm, gradients)
+        rewritten.extend(n.kwargs.get("precision") for n in gm.graph.nodes if n.target is flash_attention)
+        return count
+
+    import autofuser_plugins.attention as plugin
+
+    monkeypatch.setattr(plugin, "rewrite_written_out_attention", spy)
+    fused = autofuser.fuse(
+        Chain("matmul_mul"), strict_fp32_products=strict, progress=False, tune=False, verify_speed=False
+    )
+    fused(*qkv(1, 37, KEYS, 16))
+    assert rewritten == [strict]
     q, k, v = (t.bfloat16() for t in qkv(1, 37, KEYS, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         count, gm = _rewritten(Chain("matmul_mul"), q, k, v)
