@@ -62,6 +62,7 @@ from autofuser_core.group import (
 )
 from autofuser_core.ir import AttrRef, PackedWeight, tensor_meta
 from autofuser_core.rounding import interpreting, rounded, stored
+from autofuser_core.tf32 import tf32_allowed
 from autofuser_core.tiles import (
     PackedOperand,
     TileBlock,
@@ -126,6 +127,7 @@ __all__ = [
     "stored",
     "strategy_header",
     "tensor_meta",
+    "tf32_allowed",
     "triton_cdiv",
     "used_helpers",
     "weight_tile",

@@ -42,7 +42,7 @@ import time
 import warnings
 from collections import OrderedDict, defaultdict
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
@@ -62,6 +62,7 @@ from .plugins import PluginSet, load_plugins
 from .progress import Progress, short_inputs
 from .quantize import QuantizedLayer, QuantizeOptions, parse_quantize, quantize_model
 from .report import FusionReport
+from .tf32 import fp32_settings, strict_fp32
 from .timing import FORWARD_BUDGET_MS
 from .tuning import device_key
 from .verify import no_autocast, snapshot
@@ -753,7 +754,7 @@ class FusedModule(torch.nn.Module):
             (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")
         )
         modes = tuple(map(_training, self._state.modules))
-        precision = _fp32_settings()
+        precision = fp32_settings()
         arguments = tuple(map(_argument_key, args))
         keywords = tuple((name, _argument_key(value)) for name, value in kwargs.items()) if kwargs else ()
         return (arguments, keywords, torch.is_grad_enabled(), autocast, modes, precision, self._state_key)
@@ -1410,7 +1411,7 @@ class FusedModule(torch.nn.Module):
         and its outputs and gradients on the CPU, ``None`` for them where neither runs."""
         for name, widen, strict in (
             ("float64", _widened, contextlib.nullcontext),
-            ("strict fp32", _fp32, _strict_fp32),
+            ("strict fp32", _fp32, strict_fp32),
         ):
             model = None
             try:
@@ -1749,20 +1750,6 @@ def _fp32(value: Any) -> Any:
         dtype = torch.complex64 if value.is_complex() else torch.float32
         return value.detach().to(dtype).requires_grad_(value.requires_grad)
     return value
-
-
-@contextlib.contextmanager
-def _strict_fp32() -> Iterator[None]:
-    """fp32 products and convolutions without TF32 meanwhile, whatever torch's settings."""
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    precision = torch.get_float32_matmul_precision()
-    try:
-        torch.set_float32_matmul_precision("highest")
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-        yield
-    finally:
-        torch.set_float32_matmul_precision(precision)
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
 def _farther_from(got: Sequence[Any], original: Sequence[Any], exact: Sequence[Any], limit: float) -> Optional[str]:
@@ -2135,15 +2122,6 @@ def _gpu_bound(timer: timing.Timer, forward: torch.fx.GraphModule, flat: Sequenc
     return None
 
 
-def _fp32_settings() -> tuple:
-    """How eager multiplies fp32 (matmuls, and cuDNN's convolutions): kernels are written to match it."""
-    return (
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.get_float32_matmul_precision(),
-        torch.backends.cudnn.allow_tf32,
-    )
-
-
 def _verdict_key(
     fused_gm: torch.fx.GraphModule, fused: bool, kwargs: dict, flat: tuple, method: str = FORWARD_TIMING
 ) -> Optional[dict]:
@@ -2154,7 +2132,7 @@ def _verdict_key(
         return None
     kernels = [[k.source.name, k.source.source_hash, sorted(k.config.items())] for k in fused_kernels(fused_gm)]
     inputs = [[str(x.dtype), list(x.shape), list(x.stride())] if isinstance(x, torch.Tensor) else repr(x) for x in flat]
-    precision = _fp32_settings()  # they change eager's own time
+    precision = fp32_settings()  # they change eager's own time
     # The timing method is part of the key: verdicts timed another way are not reused.
     text = json.dumps([fused_gm.code, kernels, inputs, sorted(kwargs), precision, method], default=str)
     return {"forward": hashlib.sha256(text.encode()).hexdigest(), **device_key(_device_of(flat))}

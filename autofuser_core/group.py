@@ -37,6 +37,7 @@ import torch.fx
 
 from .ir import AttrRef, Value, tensor_meta
 from .rounding import rounded
+from .tf32 import tf32_allowed
 
 ROUNDED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -64,8 +65,7 @@ def layout_settings() -> tuple:
 
 def fp32_precision() -> str:
     """Torch's own rule for fp32 matrix products: TF32 only where it is allowed."""
-    allowed = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
-    return "tf32" if allowed else STRICT_FP32.get()
+    return "tf32" if tf32_allowed("matmul") else STRICT_FP32.get()
 
 
 #: A plugin's layout of groups with a given number of matrix products

@@ -69,6 +69,7 @@ from autofuser.zoo.airfoil import TRAIN_SEED, make_dataset, relative_l2, test_se
 from autofuser.zoo.first_call import measure_in_fresh_process
 from autofuser.zoo.models import MESHES, MODELS, ModelEntry, parameter_count
 from autofuser_core.interpreter import FIX, kernels_decorated
+from autofuser_core.tf32 import strict_fp32  # fp32 without TF32 (the float64 reference's stand-in)
 from autofuser_core.verify import FLOAT64_FACTOR as VERIFY_FLOAT64_FACTOR
 from autofuser_core.verify import no_autocast
 
@@ -455,21 +456,6 @@ def float64_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
     wide = widened(model)
     with torch.no_grad(), no_autocast():
         return wide(*to_float64(args), **to_float64(kwargs))
-
-
-@contextlib.contextmanager
-def strict_fp32():
-    """fp32 products and convolutions computed in full fp32 inside the block, not in TF32
-    (which eager's cuDNN convolutions use by default, a rounding of about 1e-3 per term)."""
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    precision = torch.get_float32_matmul_precision()
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
-        torch.set_float32_matmul_precision(precision)
 
 
 def strict_fp32_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:

@@ -35,6 +35,7 @@ from autofuser.kernel import (
     needs_int64,
     rounded,
     tensor_meta,
+    tf32_allowed,
     triton_cdiv,
 )
 
@@ -195,8 +196,9 @@ def propose(view):
 
 
 def fp32_conv_precision() -> str:
-    """cuDNN's rule for fp32 convolutions: TF32 where ``torch.backends.cudnn.allow_tf32``."""
-    return "tf32" if torch.backends.cudnn.allow_tf32 else STRICT_FP32.get()
+    """cuDNN's rule for fp32 convolutions: TF32 where torch allows it for them
+    (``autofuser.kernel.tf32_allowed``)."""
+    return "tf32" if tf32_allowed("conv") else STRICT_FP32.get()
 
 
 def compose(view, nodes):

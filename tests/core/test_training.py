@@ -1216,12 +1216,6 @@ def test_where_the_model_refuses_float64_strict_fp32_judges(tmp_path):
     assert "off the original model's" in notes, notes
     assert "off the reference step, the original 0 in strict fp32" in notes, notes  # exact, the original not
     assert fused.report().runs_original
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    from autofuser_core.fuse import _strict_fp32
-
-    with _strict_fp32():
-        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
-    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (matmul, cudnn)
 
 
 class _WritesIntoItsInput(nn.Module):

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from autofuser import PRODUCT_TOLERANCES, LoweringSpec, Sample
+from autofuser.kernel import tf32_allowed
 
 from ..convolution import conv_reason, parse_conv
 from ._common import float_tensor, int_tuple, module_forward_is, per_channel
@@ -55,7 +56,7 @@ def lower_conv_1x1(ctx, rank, x, weight, bias=None, stride=1, padding=0, dilatio
     if shape[channel_dim] != in_channels:
         ctx.refuse("shape_mismatch", f"{op}: input has {shape[channel_dim]} channels, the weight {in_channels}")
     # cuDNN multiplies fp32 in TF32 where torch.backends.cudnn.allow_tf32 (the default) says so.
-    tf32 = "tf32" if torch.backends.cudnn.allow_tf32 else None
+    tf32 = "tf32" if tf32_allowed("conv") else None
     out = ctx.matmul(ctx.read_as(w, (out_channels, in_channels)), x, column_dims=rank, fp32_precision=tf32)
     if bias is not None:
         out = ctx.pointwise("{0} + {1}", out, per_channel(ctx, bias, out_channels, rank, op, "bias"))
