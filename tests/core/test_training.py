@@ -839,13 +839,21 @@ def _tanh_nodes(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.tanh]
 
 
-def test_a_graph_pass_that_shifts_the_outputs_but_keeps_the_gradients_is_caught(tmp_path):
-    def shift(gm, options):
+def _after_each_tanh(op, number):
+    """A graph pass putting ``op(tanh(...), number)`` where each tanh's result was read."""
+
+    def transform(gm, options):
         for node in _tanh_nodes(gm):
             with gm.graph.inserting_after(node):
-                shifted = gm.graph.call_function(operator.sub, (node, 1.0))
-            node.replace_all_uses_with(shifted, delete_user_cb=lambda user: user is not shifted)
-            shifted.meta = dict(node.meta)
+                changed = gm.graph.call_function(op, (node, number))
+            node.replace_all_uses_with(changed, delete_user_cb=lambda user: user is not changed)
+            changed.meta = dict(node.meta)
+
+    return transform
+
+
+def test_a_graph_pass_that_shifts_the_outputs_but_keeps_the_gradients_is_caught(tmp_path):
+    shift = _after_each_tanh(operator.sub, 1.0)
 
     model, x = _TanhBetween(), torch.randn(3, 5, 23)
     fused = _fused_with_pass(tmp_path, model, shift, progress=False)
@@ -1163,14 +1171,7 @@ def test_a_reference_step_that_draws_other_random_numbers_judges_nothing(tmp_pat
     """In float64 ``randn_like`` draws other numbers from the same seed: the original is far
     from that step, which then can't vouch for a fused step (here a wrong one, its tanh
     scaled) - the miss stands."""
-
-    def scaled(gm, options):
-        for node in _tanh_nodes(gm):
-            with gm.graph.inserting_after(node):
-                wrong = gm.graph.call_function(operator.mul, (node, 1.5))
-            node.replace_all_uses_with(wrong, delete_user_cb=lambda user: user is not wrong)
-            wrong.meta = dict(node.meta)
-
+    scaled = _after_each_tanh(operator.mul, 1.5)
     fused = _fused_with_pass(tmp_path, _DrawsNoise(), scaled, progress=False, verify_speed=False)
     fused(torch.randn(3, 5, 23).requires_grad_())
     notes = " ".join(fused.report().notes)
