@@ -37,7 +37,7 @@ from .ir import AttrRef
 from .launch import FusedKernel, run_eager
 from .rewrite import SAVED_NODES_KEY, extract_group_module
 from .specs import PRODUCT_TOLERANCES, dtype_name
-from .verify import closer_than_eager, max_error, no_autocast
+from .verify import closer_than_eager, exact_casts, max_error, no_autocast
 
 logger = logging.getLogger("autofuser.compile")
 
@@ -281,8 +281,9 @@ def _float64_gradients(
     grads: Sequence[torch.Tensor],
     slots: Sequence[int],
 ) -> Optional[Sequence[Optional[torch.Tensor]]]:
-    """The group's backward in float64, autocast off (``_eager_gradients`` on widened
-    inputs and output gradients): the judge where the traced backward misses eager's
+    """The group's backward in float64, autocast off, the casts it holds keeping float64
+    (``verify.exact_casts``; ``_eager_gradients`` on widened inputs and output gradients):
+    the judge where the traced backward misses eager's
     (``verify.closer_than_eager``). ``None`` where the ops don't run so (an op without
     float64 support, a weight the group reads that is not among its inputs)."""
 
@@ -290,7 +291,7 @@ def _float64_gradients(
         return t.double() if t.is_floating_point() else t.to(torch.complex128) if t.is_complex() else t
 
     try:
-        with no_autocast():
+        with no_autocast(), exact_casts():  # the group's own casts keep float64 too
             return _eager_gradients(fused, [wide(t) for t in inputs], [wide(g) for g in grads], slots)
     except Exception as err:  # noqa: BLE001 - no float64 judge: the miss stands
         logger.debug("the group's backward doesn't run in float64 (%s)", err)

@@ -246,6 +246,33 @@ def no_autocast():
         yield
 
 
+#: What a dtype asked for inside ``exact_casts`` becomes: the widest of its kind.
+_EXACT = {
+    torch.float16: torch.float64,
+    torch.bfloat16: torch.float64,
+    torch.float32: torch.float64,
+    torch.complex64: torch.complex128,
+}
+_NARROWING_METHODS = frozenset({"half", "bfloat16", "float"})
+
+
+class exact_casts(torch.overrides.TorchFunctionMode):
+    """Inside a float64 judge: every floating dtype a call asks for (``x.to(torch.bfloat16)``,
+    ``dtype=`` of a factory or a softmax, ``x.half()``) is float64 (complex128) instead, so
+    the casts a group holds as nodes (autocast's, made explicit on CUDA) do not round its
+    exact reference, and a complex64 tensor a model makes of its own takes complex128
+    values."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _NARROWING_METHODS and args and isinstance(args[0], torch.Tensor):
+            if args[0].dtype in (torch.float64, torch.complex128):
+                return args[0]
+        args = tuple(_EXACT.get(a, a) if isinstance(a, torch.dtype) else a for a in args)
+        kwargs = {k: _EXACT.get(v, v) if isinstance(v, torch.dtype) else v for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
 def float64_outputs(eager: torch.fx.GraphModule, inputs: Sequence[Any], count: int) -> Optional[list[Any]]:
     """The group's eager ops (``eager``, the group module) on ``inputs`` widened to float64,
     autocast off: its ``count`` visible outputs, then the values it saves for the backward

@@ -1241,3 +1241,38 @@ def test_the_reference_step_leaves_the_callers_inputs_as_they_were(dtype):
         name, found = fused._reference_step((x, given), {})
         assert found is not None and name == "float64"
         assert not bool(given.any()), name
+
+
+class _CastThenTanh(nn.Module):
+    """A group holding a cast as a node, as autocast's are made explicit on CUDA."""
+
+    def forward(self, x, w):
+        return torch.tanh((x @ w).to(torch.bfloat16)).float()
+
+
+def test_the_backward_judge_keeps_float64_through_a_groups_own_casts():
+    """Weight gradients whose terms cancel: eager's, through the bf16 cast, are far from
+    exact, and a traced backward computing them exactly misses eager's by more than the
+    tolerance. The float64 judge runs the group's ops with its cast kept in float64
+    (``verify.exact_casts``): run as written it would round there (and its fp32 output
+    would take no float64 gradient), so the exact backward is used."""
+    from types import SimpleNamespace
+
+    from autofuser_core.backward import _differs_from_eager
+    from autofuser_core.specs import PRODUCT_TOLERANCES
+    from autofuser_core.verify import max_error
+
+    fused = SimpleNamespace(eager=torch.fx.symbolic_trace(_CastThenTanh()), live_attrs=[], attr_inputs={}, nodes=[])
+    x, w = torch.randn(2001, 5), torch.randn(5, 3) * 0.5
+    wide, w64 = x.double(), w.double()
+    slope = 1 - torch.tanh(wide @ w64) ** 2
+    v = torch.randn(2001, 3, dtype=torch.float64)
+    v = v - wide @ torch.linalg.lstsq(wide, v).solution  # x^T v = 0: the exact weight gradient cancels
+    g = (v / slope).float()
+    exact = [(g.double() * slope) @ w64.T, wide.T @ (g.double() * slope)]
+    eager_dw = torch.autograd.grad(_CastThenTanh()(x, w.requires_grad_()), w, g)[0]
+    traced = (exact[0].float(), exact[1].float())
+    assert not max_error(traced[1], eager_dw, PRODUCT_TOLERANCES["bfloat16"], scale_rows=True)[0]
+    assert _differs_from_eager(fused, [x, w.detach()], [g], [0, 1], traced) is None
+    off = (traced[0], traced[1] + 3 * (eager_dw - traced[1]).abs().max())
+    assert _differs_from_eager(fused, [x, w.detach()], [g], [0, 1], off) is not None
