@@ -1406,7 +1406,7 @@ class FusedModule(torch.nn.Module):
         runs each side (same random state, same output weights), autocast off, on copies
         of the model and the inputs: in float64 (complex tensors in complex128, a spectral
         weight), or where that does not run (a model that makes a complex64 tensor of its
-        own, as FNO's reference code does), in fp32 without TF32 (``_strict_fp32``): the
+        own, as FNO's reference code does), in fp32 without TF32 (``tf32.strict_fp32``): the
         judge where eager rounds more (TF32 convolutions, bf16 autocast). Returns its name
         and its outputs and gradients on the CPU, ``None`` for them where neither runs."""
         for name, widen, strict in (

@@ -3,79 +3,96 @@
 Torch has two ways to say it. The legacy flags: ``torch.backends.cuda.matmul.allow_tf32``
 and ``torch.set_float32_matmul_precision`` for cuBLAS products,
 ``torch.backends.cudnn.allow_tf32`` for cuDNN's convolutions. And, from torch 2.9, an
-``fp32_precision`` attribute per backend ("tf32", "ieee", or "none": as the enclosing
-one says, up to ``torch.backends.fp32_precision``). Once a program sets the newer one
-to "tf32", torch refuses to answer through the legacy flags (a ``RuntimeError`` naming
-the mix). Kernels match eager's rule, so the core reads it on every call; here it reads
-whichever API answers.
+``fp32_precision`` attribute per backend ("tf32", "ieee", "bf16" for oneDNN, or "none":
+as the enclosing one says, up to ``torch.backends.fp32_precision``; reading one gives
+the value in force, the enclosing one's where it is "none"). The legacy setters write
+the newer attributes too; but once a program sets the matmul one to "tf32" itself,
+torch refuses the legacy reads (a ``RuntimeError`` naming the mix). Kernels match
+eager's rule, so the core reads it on every call: through the newer attributes where
+torch has them (they always answer), else the legacy flags.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
+#: The newer API's backends, each after the one it inherits from ("" the generic one).
+BACKENDS = (
+    "",
+    "cuda.matmul",
+    "cudnn",
+    "cudnn.conv",
+    "cudnn.rnn",
+    "mkldnn",
+    "mkldnn.matmul",
+    "mkldnn.conv",
+    "mkldnn.rnn",
+)
 
-def _cudnn_conv() -> Any:
-    """``torch.backends.cudnn.conv`` (torch 2.9+; None before)."""
-    return getattr(torch.backends.cudnn, "conv", None)
 
-
-def _newer(kind: str) -> str:
-    """The newer API's setting for ``kind`` ("matmul" or "conv"), "none" resolved upwards."""
-    chain = [torch.backends.cuda.matmul] if kind == "matmul" else [_cudnn_conv(), torch.backends.cudnn]
-    for backend in [*chain, torch.backends]:
-        value = getattr(backend, "fp32_precision", "none")
-        if value != "none":
-            return str(value)
-    return "ieee"
+def _backend(path: str) -> Optional[Any]:
+    """The object holding ``path``'s ``fp32_precision`` (torch 2.9+), or None."""
+    found: Any = torch.backends
+    for part in path.split(".") if path else ():
+        found = getattr(found, part, None)
+    return found if found is not None and hasattr(found, "fp32_precision") else None
 
 
 def tf32_allowed(kind: str = "matmul") -> bool:
     """Whether eager multiplies fp32 ``kind`` ("matmul": cuBLAS products; "conv": cuDNN
     convolutions) in TF32."""
-    try:
-        if kind == "matmul":
-            return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
-        return bool(torch.backends.cudnn.allow_tf32)
-    except RuntimeError:  # the newer API set to "tf32": torch refuses the legacy reads
-        return _newer(kind) == "tf32"
+    backend = _backend("cuda.matmul" if kind == "matmul" else "cudnn.conv")
+    if backend is not None:
+        return backend.fp32_precision == "tf32"
+    if kind == "matmul":
+        return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+    return bool(torch.backends.cudnn.allow_tf32)
 
 
 def fp32_settings() -> tuple:
     """Everything of torch's fp32 product settings that decides eager's arithmetic (a key)."""
-    try:
-        matmul = torch.get_float32_matmul_precision()
-    except RuntimeError:
-        matmul = _newer("matmul")
-    return tf32_allowed("matmul"), matmul, tf32_allowed("conv")
+    newer = _newer_state()
+    if newer:
+        return tuple(value for _, value in newer)
+    return tf32_allowed("matmul"), torch.get_float32_matmul_precision(), tf32_allowed("conv")
+
+
+def _newer_state() -> list[tuple[Any, str]]:
+    return [(backend, str(backend.fp32_precision)) for backend in map(_backend, BACKENDS) if backend is not None]
+
+
+def _restore_newer(state: list[tuple[Any, str]]) -> None:
+    """Each backend as it read before, enclosing ones first: "none" (inheriting) where that
+    reads the same, else the value itself. What each reads is restored exactly; a backend
+    that inherited may be left holding its value (torch does not always read an
+    inherited value back as the enclosing one's)."""
+    for backend, value in state:
+        backend.fp32_precision = "none"
+        if backend.fp32_precision != value:
+            backend.fp32_precision = value
 
 
 @contextlib.contextmanager
 def strict_fp32() -> Iterator[None]:
-    """fp32 products and convolutions without TF32 inside the block, through the API the
-    program uses, restored after."""
-    try:
-        legacy = (
-            torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.allow_tf32,
-            torch.get_float32_matmul_precision(),
-        )
-    except RuntimeError:
-        legacy = None
-    if legacy is None:
-        backends = (torch.backends.cuda.matmul, _cudnn_conv())
-        newer = [getattr(b, "fp32_precision") for b in backends]
-        for backend in backends:
-            setattr(backend, "fp32_precision", "ieee")
+    """fp32 products and convolutions without TF32 (nor oneDNN's bf16) inside the block;
+    torch's settings as they read before, after it."""
+    newer = _newer_state()
+    if newer:
         try:
+            for backend, _ in newer:
+                backend.fp32_precision = "ieee"
             yield
         finally:
-            for backend, value in zip(backends, newer):
-                setattr(backend, "fp32_precision", value)
+            _restore_newer(newer)
         return
+    legacy = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+    )
     try:
         torch.set_float32_matmul_precision("highest")
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False

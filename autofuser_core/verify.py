@@ -254,6 +254,8 @@ _EXACT = {
     torch.complex64: torch.complex128,
 }
 _NARROWING_METHODS = frozenset({"half", "bfloat16", "float"})
+#: Calls whose dtype is not a cast: a bitcast view keeps its meaning.
+_KEPT = frozenset({"view"})
 
 
 class exact_casts(torch.overrides.TorchFunctionMode):
@@ -265,12 +267,18 @@ class exact_casts(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in _NARROWING_METHODS and args and isinstance(args[0], torch.Tensor):
-            if args[0].dtype in (torch.float64, torch.complex128):
-                return args[0]
-        args = tuple(_EXACT.get(a, a) if isinstance(a, torch.dtype) else a for a in args)
-        kwargs = {k: _EXACT.get(v, v) if isinstance(v, torch.dtype) else v for k, v in kwargs.items()}
-        return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in _NARROWING_METHODS and first is not None and first.dtype == torch.float64:
+            return first.clone()  # a cast copies: what is written into its result stays there
+        if name in _KEPT:
+            return func(*args, **kwargs)
+        narrow = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.dtype) and a in _EXACT]
+        if not narrow:
+            return func(*args, **kwargs)
+        wide = tuple(_EXACT.get(a, a) if isinstance(a, torch.dtype) else a for a in args)
+        found = func(*wide, **{k: _EXACT.get(v, v) if isinstance(v, torch.dtype) else v for k, v in kwargs.items()})
+        return found.clone() if first is not None and found is first else found  # a cast copies; this would alias
 
 
 def float64_outputs(eager: torch.fx.GraphModule, inputs: Sequence[Any], count: int) -> Optional[list[Any]]:

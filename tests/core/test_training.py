@@ -1276,3 +1276,33 @@ def test_the_backward_judge_keeps_float64_through_a_groups_own_casts():
     assert _differs_from_eager(fused, [x, w.detach()], [g], [0, 1], traced) is None
     off = (traced[0], traced[1] + 3 * (eager_dw - traced[1]).abs().max())
     assert _differs_from_eager(fused, [x, w.detach()], [g], [0, 1], off) is not None
+
+
+class _WritesIntoACast(nn.Module):
+    def forward(self, x):
+        h = x * 3
+        y = h.to(torch.bfloat16)
+        y.mul_(2)
+        return h * y.float()
+
+
+def test_the_backward_judges_casts_copy_as_casts_do():
+    """A cast kept in float64 is still a copy: writing into its result leaves its input
+    alone, so the judge's reference is eager's function, and a traced backward 50% off
+    it is refused (were the cast an alias, the reference would be twice eager's gradient,
+    and the wrong one nearer it than eager)."""
+    from types import SimpleNamespace
+
+    from autofuser_core.backward import _differs_from_eager
+    from autofuser_core.verify import exact_casts
+
+    fused = SimpleNamespace(eager=torch.fx.symbolic_trace(_WritesIntoACast()), live_attrs=[], attr_inputs={}, nodes=[])
+    x, g = torch.randn(64, 9), torch.randn(64, 9)
+    eager = torch.autograd.grad(_WritesIntoACast()(x.requires_grad_()), x, g)[0]
+    assert _differs_from_eager(fused, [x.detach()], [g], [0], (eager * 1.5,)) is not None
+    assert _differs_from_eager(fused, [x.detach()], [g], [0], (eager,)) is None
+    wide = torch.randn(5, dtype=torch.float64)
+    with exact_casts():
+        assert wide.to(torch.float16).dtype == torch.float64 and wide.to(torch.float16) is not wide
+        assert wide.view(torch.int64).dtype == torch.int64  # a bitcast keeps its dtype
+        assert torch.zeros(3, dtype=torch.complex64).dtype == torch.complex128

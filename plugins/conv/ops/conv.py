@@ -55,7 +55,7 @@ def lower_conv_1x1(ctx, rank, x, weight, bias=None, stride=1, padding=0, dilatio
     channel_dim = len(shape) - rank - 1
     if shape[channel_dim] != in_channels:
         ctx.refuse("shape_mismatch", f"{op}: input has {shape[channel_dim]} channels, the weight {in_channels}")
-    # cuDNN multiplies fp32 in TF32 where torch.backends.cudnn.allow_tf32 (the default) says so.
+    # cuDNN multiplies fp32 in TF32 where torch allows it for convolutions (the default).
     tf32 = "tf32" if tf32_allowed("conv") else None
     out = ctx.matmul(ctx.read_as(w, (out_channels, in_channels)), x, column_dims=rank, fp32_precision=tf32)
     if bias is not None:
