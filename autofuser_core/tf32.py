@@ -6,10 +6,11 @@ and ``torch.set_float32_matmul_precision`` for cuBLAS products,
 ``fp32_precision`` attribute per backend ("tf32", "ieee", "bf16" for oneDNN, or "none":
 as the enclosing one says, up to ``torch.backends.fp32_precision``; reading one gives
 the value in force, the enclosing one's where it is "none"). The legacy setters write
-the newer attributes too; but once a program sets the matmul one to "tf32" itself,
-torch refuses the legacy reads (a ``RuntimeError`` naming the mix). Kernels match
-eager's rule, so the core reads it on every call: through the newer attributes where
-torch has them (they always answer), else the legacy flags.
+the newer attributes too; but once a program sets the matmul one itself (or anything
+writes it), torch refuses the legacy reads (a ``RuntimeError`` naming the mix). Kernels
+match eager's rule, so the core reads it on every call: through the newer attributes
+where torch has them (they always answer), else the legacy flags; and it writes
+(``strict_fp32``) only through the API the program uses.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def tf32_allowed(kind: str = "matmul") -> bool:
 def fp32_settings() -> tuple:
     """Everything of torch's fp32 product settings that decides eager's arithmetic (a key)."""
     newer = _newer_state()
-    if newer:
-        return tuple(value for _, value in newer)
+    if newer:  # "none" all the way up is torch's default, IEEE: the same arithmetic as "ieee"
+        return tuple("ieee" if value == "none" else value for _, value in newer)
     return tf32_allowed("matmul"), torch.get_float32_matmul_precision(), tf32_allowed("conv")
 
 
@@ -77,10 +78,17 @@ def _restore_newer(state: list[tuple[Any, str]]) -> None:
 
 @contextlib.contextmanager
 def strict_fp32() -> Iterator[None]:
-    """fp32 products and convolutions without TF32 (nor oneDNN's bf16) inside the block;
-    torch's settings as they read before, after it."""
-    newer = _newer_state()
-    if newer:
+    """fp32 products and convolutions without TF32 (nor oneDNN's bf16) inside the block,
+    through the API the program uses (writing the other would make torch refuse the
+    program's own reads afterwards), torch's settings as they read before after it."""
+    try:
+        legacy = (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.get_float32_matmul_precision(),
+        )
+    except RuntimeError:  # the program set the newer API to "tf32": torch refuses the legacy reads
+        newer = _newer_state()
         try:
             for backend, _ in newer:
                 backend.fp32_precision = "ieee"
@@ -88,11 +96,6 @@ def strict_fp32() -> Iterator[None]:
         finally:
             _restore_newer(newer)
         return
-    legacy = (
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cudnn.allow_tf32,
-        torch.get_float32_matmul_precision(),
-    )
     try:
         torch.set_float32_matmul_precision("highest")
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
