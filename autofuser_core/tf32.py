@@ -8,8 +8,8 @@ as the enclosing one says, up to ``torch.backends.fp32_precision``; reading one 
 the value in force, the enclosing one's where it is "none"). The legacy setters write
 the newer attributes too; but once a program sets the matmul one itself (or anything
 writes it), torch refuses the legacy reads (a ``RuntimeError`` naming the mix). Kernels
-match eager's rule, so the core reads it on every call: through the newer attributes
-where torch has them (they always answer), else the legacy flags; and it writes
+match eager's rule, so the core reads it on every call: through the legacy flags (a
+microsecond) where torch answers them, else the newer attributes; and it writes
 (``strict_fp32``) only through the API the program uses.
 """
 
@@ -45,20 +45,26 @@ def _backend(path: str) -> Optional[Any]:
 def tf32_allowed(kind: str = "matmul") -> bool:
     """Whether eager multiplies fp32 ``kind`` ("matmul": cuBLAS products; "conv": cuDNN
     convolutions) in TF32."""
-    backend = _backend("cuda.matmul" if kind == "matmul" else "cudnn.conv")
-    if backend is not None:
-        return backend.fp32_precision == "tf32"
-    if kind == "matmul":
-        return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
-    return bool(torch.backends.cudnn.allow_tf32)
+    try:
+        if kind == "matmul":
+            return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+        return bool(torch.backends.cudnn.allow_tf32)
+    except RuntimeError:  # the program set the newer API itself: torch refuses the legacy reads
+        backend = _backend("cuda.matmul" if kind == "matmul" else "cudnn.conv")
+        return backend is not None and backend.fp32_precision == "tf32"
 
 
 def fp32_settings() -> tuple:
-    """Everything of torch's fp32 product settings that decides eager's arithmetic (a key)."""
-    newer = _newer_state()
-    if newer:  # "none" all the way up is torch's default, IEEE: the same arithmetic as "ieee"
-        return tuple("ieee" if value == "none" else value for _, value in newer)
-    return tf32_allowed("matmul"), torch.get_float32_matmul_precision(), tf32_allowed("conv")
+    """Everything of torch's fp32 product settings that decides eager's arithmetic (a key,
+    read on every call: the legacy flags, a microsecond, where torch answers them)."""
+    try:
+        return (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.get_float32_matmul_precision(),
+            torch.backends.cudnn.allow_tf32,
+        )
+    except RuntimeError:  # "none" all the way up is torch's default, IEEE: the same as "ieee"
+        return tuple("ieee" if value == "none" else value for _, value in _newer_state())
 
 
 def _newer_state() -> list[tuple[Any, str]]:
