@@ -1726,12 +1726,20 @@ def _wide(tensor: torch.Tensor) -> torch.dtype:
     return torch.complex128 if tensor.is_complex() else torch.float64
 
 
-def _widened(value: Any) -> Any:
-    """A floating tensor as float64 (complex as complex128), keeping whether it needs
+def _cast_floating(value: Any, real: torch.dtype, complex_: torch.dtype) -> Any:
+    """A floating tensor as ``real`` (complex as ``complex_``), keeping whether it needs
     gradients; anything else as it is."""
     if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
-        return value.detach().to(_wide(value)).requires_grad_(value.requires_grad)
+        return value.detach().to(complex_ if value.is_complex() else real).requires_grad_(value.requires_grad)
     return value
+
+
+def _widened(value: Any) -> Any:
+    return _cast_floating(value, torch.float64, torch.complex128)
+
+
+def _fp32(value: Any) -> Any:
+    return _cast_floating(value, torch.float32, torch.complex64)
 
 
 #: The judge of a whole step that missed the original's (``_farther_from``): each tensor
@@ -1741,15 +1749,6 @@ def _widened(value: Any) -> Any:
 #: draws random numbers draws other ones in float64: no judge then).
 STEP_REFERENCE_FACTOR = 2.0
 STEP_REFERENCE_SLACK = 0.1
-
-
-def _fp32(value: Any) -> Any:
-    """A floating tensor as fp32 (complex as complex64), keeping whether it needs
-    gradients; anything else as it is."""
-    if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
-        dtype = torch.complex64 if value.is_complex() else torch.float32
-        return value.detach().to(dtype).requires_grad_(value.requires_grad)
-    return value
 
 
 def _farther_from(got: Sequence[Any], original: Sequence[Any], exact: Sequence[Any], limit: float) -> Optional[str]:

@@ -8,8 +8,8 @@ as the enclosing one says, up to ``torch.backends.fp32_precision``; reading one 
 the value in force, the enclosing one's where it is "none"). The legacy setters write
 the newer attributes too; but once a program sets the matmul one itself (or anything
 writes it), torch refuses the legacy reads (a ``RuntimeError`` naming the mix). Kernels
-match eager's rule, so the core reads it on every call: through the legacy flags (a
-microsecond) where torch answers them, else the newer attributes; and it writes
+match eager's rule, so the core reads it on every call: through the legacy flags (the
+cheapest read) where torch answers them, else the newer attributes; and it writes
 (``strict_fp32``) only through the API the program uses.
 """
 
@@ -56,7 +56,7 @@ def tf32_allowed(kind: str = "matmul") -> bool:
 
 def fp32_settings() -> tuple:
     """Everything of torch's fp32 product settings that decides eager's arithmetic (a key,
-    read on every call: the legacy flags, a microsecond, where torch answers them)."""
+    read on every call: the legacy flags, the cheapest read, where torch answers them)."""
     try:
         return (
             torch.backends.cuda.matmul.allow_tf32,

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from sdpa_grad_probe import _milliseconds  # the same median of timed calls
 
 from autofuser_plugins.attention import flash
 from autofuser_plugins.attention.flash import Blocks
@@ -59,20 +60,6 @@ class _Recorded:
             return compiled
 
         return run
-
-
-def _milliseconds(fn: Callable[[], Any], repeats: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def _with_blocks(blocks: Optional[Blocks], fn: Callable[[], Any]) -> tuple[Any, int]:
@@ -124,7 +111,7 @@ def sweep(width: int, dtype: torch.dtype, points: int, heads: int, deadline: flo
                 row["shared"] = shared
                 row["error"] = _distance(got, expected)
                 if shared <= SHARED_LIMIT and row["error"] < 1e-2:
-                    row["ms"] = _milliseconds(functools.partial(_with_blocks, blocks, run))
+                    row["ms"] = _milliseconds(functools.partial(_with_blocks, blocks, run), repeats=7)
             except Exception as err:  # noqa: BLE001 - a tiling that does not compile is left out
                 row["failed"] = str(err).splitlines()[0][:100] if str(err) else type(err).__name__
             rows.append(row)
