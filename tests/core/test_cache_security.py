@@ -113,7 +113,7 @@ def test_a_kernel_file_rewritten_before_the_first_launch_changes_nothing_that_ru
     launch(module, kernel_name, device)
     assert not marker.exists(), marker.read_text()
     assert inspect.getsource(getattr(module, kernel_name).fn).startswith("@triton.jit\ndef ")
-    assert "666" not in inspect.getsource(getattr(module, kernel_name).fn)
+    assert "* 666.0" not in inspect.getsource(getattr(module, kernel_name).fn)  # tampered body (a name may hold 666)
 
 
 def test_a_kernel_file_swapped_while_it_is_loaded_never_runs(tmp_path, kernel_name, device, monkeypatch):
