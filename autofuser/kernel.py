@@ -19,7 +19,8 @@ the whole kernel down:
   ``emit_stores`` writes each output, and ``assemble_kernel`` names the kernel
   and adds its header;
 - the pieces under both: dtypes (``TL_DTYPES``), literals, rounding to a low
-  precision dtype (``rounded``, ``stored``), the header naming the fx nodes a
+  precision dtype (``rounded``, ``stored`` in generated text; ``round_bf16``, a
+  ``@triton.jit`` function, in hand-written kernels), the header naming the fx nodes a
   kernel replaces (``kernel_header``), and helpers a kernel calls
   (``used_helpers``);
 - kernel chains, several kernels run as one group by a host-side launcher
@@ -61,7 +62,7 @@ from autofuser_core.group import (
     read_view,
 )
 from autofuser_core.ir import AttrRef, PackedWeight, tensor_meta
-from autofuser_core.rounding import interpreting, rounded, stored
+from autofuser_core.rounding import interpreting, round_bf16, rounded, stored
 from autofuser_core.tf32 import tf32_allowed
 from autofuser_core.tiles import (
     PackedOperand,
@@ -119,6 +120,7 @@ __all__ = [
     "op_stem",
     "product_count",
     "read_view",
+    "round_bf16",
     "rounded",
     "row_reduction",
     "size_parameters",

@@ -42,7 +42,7 @@ where torch allows it for matmuls and in 3xTF32 (near-fp32 accuracy at
 tensor-core rate) where it does not (``dot_precision``). Under Triton's CPU
 interpreter bf16 products are broken and bf16 conversions truncate, so there
 bf16 tiles are held in fp32, rounded to nearest even on their bits
-(``_round_bf16``, as the kernel-writing API's own bf16 rounding) and multiplied in
+(``autofuser.kernel.round_bf16``) and multiplied in
 fp32: the same values a GPU's bf16 product gives.
 """
 
@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from autofuser.kernel import INT32_LIMIT, fp32_precision, interpreting, next_power_of_2
+from autofuser.kernel import INT32_LIMIT, fp32_precision, interpreting, next_power_of_2, round_bf16
 
 from .kernel import LOG2E
 
@@ -147,15 +147,6 @@ def choose_blocks(head_block: int, dtype: torch.dtype, backward: bool) -> Blocks
 
 
 @triton.jit
-def _round_bf16(x):
-    # Round-to-nearest-even from fp32 to bf16 on the bits (NaN passes through); the
-    # result is a bf16 value held in fp32, so converting it to bf16 is exact.
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-
-
-@triton.jit
 def _rows(start, BLOCK: tl.constexpr, WIDE: tl.constexpr):
     # Row (or column) indices of a block; int64 where some tensor's offsets pass int32.
     idx = start + tl.arange(0, BLOCK)
@@ -179,7 +170,7 @@ def _load_tile(base, rows, cols, stride_r, stride_c, n_rows, n_cols, EMULATE_BF1
 def _as_operand(x, like, EMULATE_BF16: tl.constexpr):
     # An fp32 tile (p, ds) as a product operand of the dtype of the tile ``like``.
     if EMULATE_BF16:
-        return _round_bf16(x)
+        return round_bf16(x)
     else:
         return x.to(like.dtype)
 
@@ -197,7 +188,7 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
 def _store_tile(base, rows, cols, stride_r, stride_c, n_rows, n_cols, x, EMULATE_BF16: tl.constexpr):
     # An fp32 tile stored in the tensor's dtype, rounded to nearest even.
     if EMULATE_BF16:
-        x = _round_bf16(x)
+        x = round_bf16(x)
     ptrs = base + rows[:, None] * stride_r + cols[None, :] * stride_c
     tl.store(ptrs, x.to(base.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
 
