@@ -191,14 +191,22 @@ def _library_code(code: str) -> bool:
     return code == "slower" or (code.endswith("_faster") and code not in ALTERNATIVE_CODES)
 
 
+#: A lowering's refusal saying its op already runs as a plugin's own kernels, outside groups.
+OWN_KERNELS_CODE = "own_kernels"
+
+
 def library_calls(report: "FusionReport") -> dict[str, str]:
     """The forward's nodes no fused group covers that are left to a library call on
     purpose, each with why: complex-valued ones (an FFT, a complex product: kernels
-    read real tensors, the library computes these), and those whose group was refused
-    because the library's call was measured (or is known) faster."""
+    read real tensors, the library computes these), those whose group was refused
+    because the library's call was measured (or is known) faster, and calls a plugin
+    runs as its own kernels (its lowering refuses with ``own_kernels``)."""
     covered = {name for g in report.fused if g.phase == "forward" for name in g.nodes}
     nodes = {n.name: n for n in report.graph}
     out: dict[str, str] = {}
+    for entry in report.unfused_nodes:
+        if entry.phase == "forward" and entry.reason_code == OWN_KERNELS_CODE and entry.node not in covered:
+            out[entry.node] = "the plugin's own kernels"
     for group in report.groups:
         if group.phase == "forward" and not group.fused and _library_code(group.reason_code):
             for name in group.nodes:

@@ -8,13 +8,28 @@ epilogue (or any pointwise chain); instance norm and group norm as row
 reductions over the spatial dims that join the row-reduction strategy;
 upsampling (interpolation, transposed convolutions with stride == kernel) with
 the cat and pointwise ops after it as one kernel that reads the low-resolution
-input directly (the ``upsample_fused`` strategy)."""
+input directly (the ``upsample_fused`` strategy); batch norm by the batch's
+statistics (training mode) with the activation after it as the plugin's own
+kernels (``batch_norm_pass.py``, ``batch_norm_train.py``)."""
 
 from autofuser import collect_specs, hookimpl
 
 from . import ops
+from .batch_norm_pass import rewrite_batch_norms
 from .convolution import CONV_STRATEGY
+from .options import ConvOptions
 from .strategy import UPSAMPLE_STRATEGY
+
+
+@hookimpl
+def autofuser_transform_graph(gm, options):
+    if getattr(options, "batch_norm_kernels", True):
+        rewrite_batch_norms(gm)
+
+
+@hookimpl
+def autofuser_register_options(register):
+    register(ConvOptions)
 
 
 @hookimpl
