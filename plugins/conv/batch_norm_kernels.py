@@ -1,5 +1,5 @@
 """The Triton kernels of batch norm in training mode with the activation after it
-(``batch_norm_train.py`` holds the operators that launch them).
+(``batch_norm_train.py`` holds the autograd functions that launch them).
 
 The input is read as ``[N, C, S]`` (row-major; ``S`` the spatial dims together), so
 channel ``c``'s ``L = N * S`` values are ``N`` runs of ``S``. A channel is split
@@ -13,16 +13,19 @@ forward
      stores the chunk's count, mean and squared deviations;
   2. ``_combine_kernel``, grid ``(C,)``: the chunks' parts joined (Chan's formula:
      ``M2 = sum M2_i + sum n_i (mean_i - mean)^2``) into the channel's mean and
-     biased variance, fp32;
+     biased variance, fp32; the running statistics updated as eager updates them
+     (``(1 - momentum) * running + momentum * batch``, the variance unbiased) and
+     the batch count added to, where given;
   3. ``_apply_kernel``, one program per ``BLOCK`` values: ``act((x - mean) *
      rsqrt(var + eps) * w + b)``, stored in x's dtype.
 
 backward (``dout``: the gradient of the activation's output)
   1. ``_grad_stats_kernel``, grid ``(C, SPLITS)``: recomputes ``x_hat`` and the
      activation's input ``y`` from x, and sums ``g = dout * act'(y)`` and ``g *
-     x_hat`` over the chunk; the chunks' sums are added by the launcher (they are
-     the bias's and the weight's gradients);
-  2. ``_grad_apply_kernel``: ``dx = w * rstd * (g - sum(g) / L - x_hat * sum(g
+     x_hat`` over the chunk;
+  2. ``_sums_kernel``, grid ``(C,)``: the chunks' sums added (they are the bias's
+     and the weight's gradients);
+  3. ``_grad_apply_kernel``: ``dx = w * rstd * (g - sum(g) / L - x_hat * sum(g
      x_hat) / L)``.
 
 Every sum is taken in fp32; 16-bit values are loaded and stored in their dtype.
@@ -120,7 +123,22 @@ def _stats_kernel(x, counts, means, m2s, C, S, L, CHUNK, SPLITS, BLOCK: tl.const
 
 
 @triton.jit
-def _combine_kernel(counts, means, m2s, mean_out, var_out, SPLITS, BLOCK_S: tl.constexpr):
+def _combine_kernel(
+    counts,
+    means,
+    m2s,
+    mean_out,
+    var_out,
+    running_mean,
+    running_var,
+    batches,
+    SPLITS,
+    momentum,
+    unbias,
+    UPDATE: tl.constexpr,
+    COUNT: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     c = tl.program_id(0)
     i = tl.arange(0, BLOCK_S)
     inside = i < SPLITS
@@ -130,9 +148,28 @@ def _combine_kernel(counts, means, m2s, mean_out, var_out, SPLITS, BLOCK_S: tl.c
     n = tl.sum(n_i, axis=0)
     mean = tl.sum(n_i * mean_i, axis=0) / n
     d = mean_i - mean
-    m2 = tl.sum(m2_i, axis=0) + tl.sum(n_i * d * d, axis=0)
+    var = (tl.sum(m2_i, axis=0) + tl.sum(n_i * d * d, axis=0)) / n
     tl.store(mean_out + c, mean)
-    tl.store(var_out + c, m2 / n)
+    tl.store(var_out + c, var)
+    if UPDATE:  # as eager: (1 - momentum) * running + momentum * batch, the variance unbiased
+        old_mean = tl.load(running_mean + c).to(tl.float32)
+        old_var = tl.load(running_var + c).to(tl.float32)
+        new_mean = (1.0 - momentum) * old_mean + momentum * mean
+        new_var = (1.0 - momentum) * old_var + momentum * (var * unbias)
+        tl.store(running_mean + c, new_mean.to(running_mean.dtype.element_ty))
+        tl.store(running_var + c, new_var.to(running_var.dtype.element_ty))
+    if COUNT:
+        if c == 0:
+            tl.store(batches, tl.load(batches) + 1)
+
+
+@triton.jit
+def _sums_kernel(parts_g, parts_gx, sum_g, sum_gx, SPLITS, BLOCK_S: tl.constexpr):
+    c = tl.program_id(0)
+    i = tl.arange(0, BLOCK_S)
+    inside = i < SPLITS
+    tl.store(sum_g + c, tl.sum(tl.load(parts_g + c * SPLITS + i, mask=inside, other=0.0), axis=0))
+    tl.store(sum_gx + c, tl.sum(tl.load(parts_gx + c * SPLITS + i, mask=inside, other=0.0), axis=0))
 
 
 @triton.jit
@@ -311,10 +348,20 @@ def _weight_bias(x, weight, bias):
 
 
 def forward(
-    x: torch.Tensor, weight, bias, eps: float, activation: str, slope: float
+    x: torch.Tensor,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    num_batches_tracked,
+    momentum: float,
+    eps: float,
+    activation: str,
+    slope: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, mean, var)``: the activation of the normalised x (x's dtype, row-major),
-    and each channel's mean and biased variance (fp32)."""
+    and each channel's mean and biased variance (fp32); the running statistics, when
+    given, updated and ``num_batches_tracked``, when given, counted up."""
     x, n, channels, spatial = _as_rows(x)
     per_channel, wide = n * spatial, x.numel() >= INT32_LIMIT
     block = _block(per_channel)
@@ -324,7 +371,14 @@ def forward(
         x, parts[0], parts[1], parts[2], channels, spatial, per_channel, chunk, splits, BLOCK=block, WIDE=wide
     )
     mean, var = (torch.empty(channels, dtype=torch.float32, device=x.device) for _ in range(2))  # not views of one
-    _combine_kernel[(channels,)](parts[0], parts[1], parts[2], mean, var, splits, BLOCK_S=next_power_of_2(splits))
+    update, count = running_mean is not None, num_batches_tracked is not None
+    _combine_kernel[(channels,)](
+        parts[0], parts[1], parts[2], mean, var,
+        running_mean if update else mean, running_var if update else var,
+        num_batches_tracked if count else mean,
+        splits, momentum, per_channel / (per_channel - 1),
+        UPDATE=update, COUNT=count, BLOCK_S=next_power_of_2(splits),
+    )  # fmt: skip
     out = torch.empty_like(x)
     w, b = _weight_bias(x, weight, bias)
     _apply_kernel[(triton.cdiv(x.numel(), BLOCK),)](
@@ -366,7 +420,8 @@ def backward(
         dout, x, mean, var, w, b, parts[0], parts[1], channels, spatial, per_channel, chunk, splits, eps, slope,
         BLOCK=block, WIDE=wide, **flags,
     )  # fmt: skip
-    sum_g, sum_gx = parts[0].sum(-1), parts[1].sum(-1)  # per channel
+    sum_g, sum_gx = (torch.empty(channels, dtype=torch.float32, device=x.device) for _ in range(2))
+    _sums_kernel[(channels,)](parts[0], parts[1], sum_g, sum_gx, splits, BLOCK_S=next_power_of_2(splits))
     dx = torch.empty_like(x)
     _grad_apply_kernel[(triton.cdiv(x.numel(), BLOCK),)](
         dout, x, dx, mean, var, w, b, sum_g, sum_gx, channels, spatial, x.numel(), per_channel, eps, slope,

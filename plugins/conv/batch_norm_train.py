@@ -2,32 +2,26 @@
 the running statistics updated) with the activation after it, as one call a graph
 can hold, whose forward and backward are this plugin's own kernels.
 
-Eager spends four passes over the activation in forward (cuDNN's batch norm reads
-it twice and writes it; the activation reads and writes it again) and six in
-backward. Here forward reads x twice (the statistics; the normalisation with the
+Eager moves the activation's size five times in forward (cuDNN's batch norm reads
+it twice and writes it; the activation reads and writes it again) and eight times
+in backward (the activation's derivative reads two tensors and writes one; cuDNN's
+backward reads two tensors twice and writes one). Here forward reads x twice (the statistics; the normalisation with the
 activation) and writes once; backward reads x and the output's gradient twice
 (the per-channel sums; the input's gradient) and writes once, recomputing the
 normalised values and the activation's derivative from x
 (``batch_norm_kernels.py``). ``batch_norm_pass.py`` puts the call in a captured
 graph.
 
-Three operators of the ``autofuser_conv`` library:
-
-- ``bn_act_forward(x, weight, bias, eps, activation, slope)`` -> ``(out, mean,
-  var)``: the activation of the normalised x in x's dtype, and each channel's mean
-  and biased variance in fp32 (not differentiable);
-- ``bn_act_backward(dout, x, weight, bias, mean, var, eps, activation, slope)`` ->
-  ``(dx, dweight, dbias)``, the latter two per-channel fp32 sums;
-- ``update_running_stats(running_mean, running_var, mean, var, momentum, count)``
-  writes ``(1 - momentum) * running + momentum * batch`` into the running
-  statistics, the variance unbiased (``var * count / (count - 1)``), as eager's
-  batch norm does.
-
-As operators they are single nodes in a traced graph (a fused group's backward,
-``make_fx``). Where Triton runs (CUDA, or CPU tensors under the interpreter) they are
-the kernels; on CPU otherwise the same maths in torch ops (``reference_*``). The
-gradients of the backward (``create_graph=True``) are those of the batch norm and
-activation written out in torch ops, recomputed from x.
+Two autograd functions: ``BatchNormAct`` (forward: the kernels, which also update
+the running statistics as eager does - ``(1 - momentum) * running + momentum *
+batch``, the variance unbiased - and count ``num_batches_tracked`` up) and
+``BatchNormActBackward`` (x's gradient and the per-channel sums that are the
+weight's and the bias's). The call is never inside a fused group (its lowering,
+``ops/batch_norm_act.py``, refuses), so nothing traces into it. Where Triton runs
+(CUDA, or CPU tensors under the interpreter) they are the kernels; on CPU otherwise
+the same maths in torch ops (``reference_*``). The gradients of the backward
+(``create_graph=True``) are those of the batch norm and activation written out in
+torch ops, recomputed from x.
 """
 
 from __future__ import annotations
@@ -42,8 +36,6 @@ from autofuser.kernel import INT32_LIMIT, interpreting
 
 from . import batch_norm_kernels as kernels
 from .batch_norm_kernels import ACTIVATIONS
-
-LIBRARY = "autofuser_conv"
 
 
 def _triton_runs(x: Tensor) -> bool:
@@ -76,6 +68,21 @@ def activate(y: Tensor, activation: str, slope: float) -> Tensor:
     return y
 
 
+def activation_derivative(y: Tensor, activation: str, slope: float) -> Tensor:
+    """d act / d y at y in torch ops, as eager's backward takes it (relu's is 0 at 0,
+    leaky relu's the slope there)."""
+    if activation == "relu":
+        return (y > 0).float()
+    if activation == "leaky_relu":
+        return torch.where(y > 0, 1.0, slope)
+    if activation == "gelu":
+        return 0.5 * (1 + torch.erf(y * 0.7071067811865476)) + y * torch.exp(-0.5 * y * y) * 0.3989422804014327
+    if activation == "silu":
+        s = torch.sigmoid(y)
+        return s * (1 + y * (1 - s))
+    return torch.ones_like(y)
+
+
 def _normalised(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, var: Tensor, eps: float):
     """``(x_hat, y)``: x normalised, and with the affine parameters (fp32)."""
     x_hat = (x.float() - _channel_view(mean, x.dim())) * _channel_view(torch.rsqrt(var + eps), x.dim())
@@ -97,11 +104,7 @@ def reference_forward(x, weight, bias, eps: float, activation: str, slope: float
 def reference_backward(dout, x, weight, bias, mean, var, eps: float, activation: str, slope: float):
     """``(dx, dweight, dbias)`` as the kernels compute them, in fp32 torch ops."""
     x_hat, y = _normalised(x, weight, bias, mean, var, eps)
-    g = dout.float()
-    if activation != "none":
-        with torch.enable_grad():
-            leaf = y.detach().requires_grad_()
-            (g,) = torch.autograd.grad(activate(leaf, activation, slope), leaf, g)
+    g = dout.float() * activation_derivative(y, activation, slope)
     dims = _reduced_dims(x)
     sum_g, sum_gx = g.sum(dims), (g * x_hat).sum(dims)
     count = x.numel() // x.shape[1]
@@ -120,40 +123,27 @@ def _written_out(x: Tensor, weight, bias, eps: float, activation: str, slope: fl
 
 
 # ---------------------------------------------------------------------------
-# The operators
+# The autograd functions
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{LIBRARY}::bn_act_forward", mutates_args=())
-def bn_act_forward(
-    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, activation: str, slope: float
-) -> tuple[Tensor, Tensor, Tensor]:
+def _forward(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, activation, slope):
     if _triton_runs(x):
-        return kernels.forward(x, weight, bias, eps, activation, slope)
-    with _no_autocast(x):  # an operator's body runs under the caller's autocast
+        return kernels.forward(
+            x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, activation, slope
+        )
+    with _no_autocast(x), torch.no_grad():  # the caller's autocast would recast the fp32 maths
         out, mean, var = reference_forward(x, weight, bias, eps, activation, slope)
+        if running_mean is not None:
+            count = x.numel() // x.shape[1]
+            running_mean.copy_((1 - momentum) * running_mean + momentum * mean)
+            running_var.copy_((1 - momentum) * running_var + momentum * (var * (count / (count - 1))))
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
     return out.contiguous(), mean, var
 
 
-@bn_act_forward.register_fake
-def _forward_meta(x, weight, bias, eps, activation, slope):
-    channels = x.shape[1]
-    stat = x.new_empty(channels, dtype=torch.float32)
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device), stat, stat.new_empty(channels)
-
-
-@torch.library.custom_op(f"{LIBRARY}::bn_act_backward", mutates_args=())
-def bn_act_backward(
-    dout: Tensor,
-    x: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    mean: Tensor,
-    var: Tensor,
-    eps: float,
-    activation: str,
-    slope: float,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _backward(dout, x, weight, bias, mean, var, eps, activation, slope):
     if _triton_runs(x):
         return kernels.backward(dout, x, weight, bias, mean, var, eps, activation, slope)
     with _no_autocast(x):
@@ -161,80 +151,68 @@ def bn_act_backward(
     return dx.contiguous(), dweight, dbias
 
 
-@bn_act_backward.register_fake
-def _backward_meta(dout, x, weight, bias, mean, var, eps, activation, slope):
-    channels = x.shape[1]
-    sums = x.new_empty(channels, dtype=torch.float32)
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device), sums, sums.new_empty(channels)
+class BatchNormAct(torch.autograd.Function):
+    """The forward (kernels, updating the running statistics in place: a custom
+    operator that mutates can't have a derivative, so this is an autograd function)
+    and its derivative, ``BatchNormActBackward``."""
 
-
-def _forward_context(ctx, inputs, output) -> None:
-    x, weight, bias, eps, activation, slope = inputs
-    _out, mean, var = output
-    ctx.save_for_backward(x, weight, bias, mean, var)
-    ctx.eps, ctx.activation, ctx.slope = eps, activation, slope
-    ctx.mark_non_differentiable(mean, var)
-
-
-def _forward_gradient(ctx, dout, _dmean, _dvar):
-    x, weight, bias, mean, var = ctx.saved_tensors
-    dx, dweight, dbias = bn_act_backward(dout, x, weight, bias, mean, var, ctx.eps, ctx.activation, ctx.slope)
-    dweight = dweight.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-    dbias = dbias.to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
-    return dx, dweight, dbias, None, None, None
-
-
-def _backward_context(ctx, inputs, output) -> None:
-    dout, x, weight, bias, _mean, _var, eps, activation, slope = inputs
-    ctx.save_for_backward(dout, x, weight, bias)
-    ctx.eps, ctx.activation, ctx.slope = eps, activation, slope
-
-
-def _backward_gradient(ctx, ddx, ddweight, ddbias):
-    # (dx, dweight, dbias) depend on dout, x, weight and bias alone (mean and var are x's
-    # functions): differentiate the written-out first derivative there.
-    dout, x, weight, bias = ctx.saved_tensors
-    tensors = (dout, x, weight, bias)
-    leaves = [None if t is None else t.detach().requires_grad_() for t in tensors]
-    ldout, lx, lweight, lbias = leaves
-    with torch.enable_grad(), _no_autocast(x):
-        out = _written_out(lx, lweight, lbias, ctx.eps, ctx.activation, ctx.slope)
-        wrt = [t for t in (lx, lweight, lbias) if t is not None]
-        first = torch.autograd.grad(out, wrt, ldout.float(), create_graph=True, allow_unused=True)
-        pairs = [(f, g) for f, g in zip(first, (ddx, ddweight, ddbias)) if f is not None and g is not None]
-        found = (
-            torch.autograd.grad(
-                [f for f, _ in pairs],
-                [t for t in leaves if t is not None],
-                [g.float() for _, g in pairs],
-                allow_unused=True,
-                create_graph=True,
-            )
-            if pairs
-            else [None] * len(wrt)
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, activation, slope):
+        out, mean, var = _forward(
+            x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, activation, slope
         )
-    present = iter(found)
-    grads = [None if t is None else next(present, None) for t in leaves]
-    grads = [None if g is None else g.to(t.dtype) for g, t in zip(grads, tensors)]
-    return grads[0], grads[1], grads[2], grads[3], None, None, None, None, None
+        ctx.save_for_backward(x, weight, bias, mean, var)
+        ctx.settings = eps, activation, slope
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, bias, mean, var = ctx.saved_tensors
+        dx, dweight, dbias = BatchNormActBackward.apply(dout, x, weight, bias, mean, var, *ctx.settings)
+        dweight = dweight.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        dbias = dbias.to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
+        return dx, dweight, dbias, None, None, None, None, None, None, None
 
 
-bn_act_forward.register_autograd(_forward_gradient, setup_context=_forward_context)
-bn_act_backward.register_autograd(_backward_gradient, setup_context=_backward_context)
+class BatchNormActBackward(torch.autograd.Function):
+    """``(dx, dweight, dbias)`` from the output's gradient; its own derivative
+    (``create_graph=True``) is the written-out batch norm's, recomputed from x."""
 
+    @staticmethod
+    def forward(ctx, dout, x, weight, bias, mean, var, eps, activation, slope):
+        ctx.save_for_backward(dout, x, weight, bias)
+        ctx.settings = eps, activation, slope
+        return _backward(dout, x, weight, bias, mean, var, eps, activation, slope)
 
-@torch.library.custom_op(f"{LIBRARY}::update_running_stats", mutates_args=("running_mean", "running_var"))
-def update_running_stats(
-    running_mean: Tensor, running_var: Tensor, mean: Tensor, var: Tensor, momentum: float, count: int
-) -> None:
-    with torch.no_grad():
-        running_mean.lerp_(mean.to(running_mean.dtype), momentum)
-        running_var.lerp_((var * (count / (count - 1))).to(running_var.dtype), momentum)
-
-
-@update_running_stats.register_fake
-def _update_meta(running_mean, running_var, mean, var, momentum, count):
-    return None
+    @staticmethod
+    def backward(ctx, ddx, ddweight, ddbias):
+        # (dx, dweight, dbias) depend on dout, x, weight and bias alone (mean and var are
+        # x's functions): differentiate the written-out first derivative there.
+        dout, x, weight, bias = ctx.saved_tensors
+        tensors = (dout, x, weight, bias)
+        leaves = [None if t is None else t.detach().requires_grad_() for t in tensors]
+        ldout, lx, lweight, lbias = leaves
+        with torch.enable_grad(), _no_autocast(x):
+            out = _written_out(lx, lweight, lbias, *ctx.settings)
+            wrt = [t for t in (lx, lweight, lbias) if t is not None]
+            first = torch.autograd.grad(out, wrt, ldout.float(), create_graph=True, allow_unused=True)
+            given = [g for t, g in zip((lx, lweight, lbias), (ddx, ddweight, ddbias)) if t is not None]
+            pairs = [(f, g) for f, g in zip(first, given) if f is not None and g is not None]
+            found = (
+                torch.autograd.grad(
+                    [f for f, _ in pairs],
+                    [t for t in leaves if t is not None],
+                    [g.float() for _, g in pairs],
+                    allow_unused=True,
+                    create_graph=True,
+                )
+                if pairs
+                else [None] * sum(t is not None for t in leaves)
+            )
+        present = iter(found)
+        grads = [None if t is None else next(present, None) for t in leaves]
+        grads = [None if g is None else g.to(t.dtype) for g, t in zip(grads, tensors)]
+        return grads[0], grads[1], grads[2], grads[3], None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -256,7 +234,8 @@ def batch_norm_act(
 ) -> Tensor:
     """``act(F.batch_norm(x, running_mean, running_var, weight, bias, training=True,
     momentum=momentum, eps=eps))``, ``num_batches_tracked`` counted up by one when given
-    (as ``nn.BatchNorm*d`` in training mode does with a float momentum); ``act`` one of
+    with the running statistics (as ``nn.BatchNorm*d`` in training mode does with a
+    float momentum); ``act`` one of
     ``ACTIVATIONS`` (``slope``: leaky ReLU's). A channels-first ``[N, C, *]`` x of fp32,
     fp16 or bf16 with more than one value per channel; the result is row-major."""
     if activation not in ACTIVATIONS:
@@ -267,10 +246,9 @@ def batch_norm_act(
         )
     if (running_mean is None) != (running_var is None):
         raise ValueError("batch_norm_act: give both running statistics or neither")
-    out, mean, var = bn_act_forward(x, weight, bias, float(eps), activation, float(slope))
-    if running_mean is not None:
-        assert running_var is not None
-        if num_batches_tracked is not None:
-            num_batches_tracked.add_(1)
-        update_running_stats(running_mean, running_var, mean, var, float(momentum), x.numel() // x.shape[1])
-    return out
+    if running_mean is None:
+        num_batches_tracked = None  # counted with the running statistics only, as the module does
+    return BatchNormAct.apply(
+        x, weight, bias, running_mean, running_var, num_batches_tracked, float(momentum), float(eps), activation,
+        float(slope),
+    )  # fmt: skip
