@@ -35,6 +35,7 @@ Offsets are int32 unless the tensor holds more than ``INT32_LIMIT`` elements.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -48,6 +49,8 @@ ACTIVATIONS = ("none", "relu", "leaky_relu", "gelu", "silu")
 BLOCK = 1024
 #: Programs the statistics kernels aim for, per streaming multiprocessor.
 PROGRAMS_PER_SM = 4
+#: Channels-last: the most channels one statistics tile holds (a row of them per load).
+MAX_TILE_CHANNELS = 64
 
 
 @triton.jit
@@ -82,44 +85,67 @@ def _activation_grad(y, ACT: tl.constexpr, slope):
 
 
 @triton.jit
-def _channel_offsets(j, c, C, S, WIDE: tl.constexpr):
-    # Offsets in [N, C, S] of channel c's values j (j < L = N * S).
+def _tile_offsets(rows, channels, S, stride_n, stride_c, stride_s, WIDE: tl.constexpr):
+    # Offsets of a [rows, channels] tile; row r is (n, s) = (r // S, r % S).
     if WIDE:
-        j = j.to(tl.int64)
-    n = j // S
-    return n * C * S + c * S + (j - n * S)
+        rows = rows.to(tl.int64)
+        channels = channels.to(tl.int64)
+    n = rows // S
+    return (n * stride_n + (rows - n * S) * stride_s)[:, None] + (channels * stride_c)[None, :]
 
 
 @triton.jit
-def _per_channel(ptr, c, HAS: tl.constexpr, default):
+def _per_channel(ptr, channels, mask, HAS: tl.constexpr, default):
+    # A per-channel parameter as a [1, BLOCK_C] row (fp32), ``default`` without one.
     if HAS:
-        return tl.load(ptr + c).to(tl.float32)
+        return tl.load(ptr + channels, mask=mask, other=default).to(tl.float32)[None, :]
     else:
-        return default
+        return tl.full([1, channels.shape[0]], default, tl.float32)
 
 
 @triton.jit
-def _stats_kernel(x, counts, means, m2s, C, S, L, CHUNK, SPLITS, BLOCK: tl.constexpr, WIDE: tl.constexpr):
-    c = tl.program_id(0)
+def _stats_kernel(
+    x,
+    counts,
+    means,
+    m2s,
+    C,
+    S,
+    L,
+    CHUNK,
+    SPLITS,
+    stride_n,
+    stride_c,
+    stride_s,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    WIDE: tl.constexpr,
+):
+    channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     split = tl.program_id(1)
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, L)
-    total = tl.zeros([BLOCK], tl.float32)
-    for first in range(start, end, BLOCK):
-        j = first + tl.arange(0, BLOCK)
-        total += tl.load(x + _channel_offsets(j, c, C, S, WIDE), mask=j < end, other=0.0).to(tl.float32)
+    known = channels < C
+    total = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for first in range(start, end, BLOCK_R):
+        rows = first + tl.arange(0, BLOCK_R)
+        mask = (rows < end)[:, None] & known[None, :]
+        offsets = _tile_offsets(rows, channels, S, stride_n, stride_c, stride_s, WIDE)
+        total += tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
     count = (end - start).to(tl.float32)
     mean = tl.sum(total, axis=0) / count
-    squares = tl.zeros([BLOCK], tl.float32)
-    for first in range(start, end, BLOCK):
-        j = first + tl.arange(0, BLOCK)
-        v = tl.load(x + _channel_offsets(j, c, C, S, WIDE), mask=j < end, other=0.0).to(tl.float32)
-        d = tl.where(j < end, v - mean, 0.0)
+    squares = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for first in range(start, end, BLOCK_R):
+        rows = first + tl.arange(0, BLOCK_R)
+        mask = (rows < end)[:, None] & known[None, :]
+        offsets = _tile_offsets(rows, channels, S, stride_n, stride_c, stride_s, WIDE)
+        v = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
+        d = tl.where(mask, v - mean[None, :], 0.0)
         squares += d * d
-    part = c * SPLITS + split
-    tl.store(counts + part, count)
-    tl.store(means + part, mean)
-    tl.store(m2s + part, tl.sum(squares, axis=0))
+    part = channels * SPLITS + split
+    tl.store(counts + part, tl.full([BLOCK_C], 1.0, tl.float32) * count, mask=known)
+    tl.store(means + part, mean, mask=known)
+    tl.store(m2s + part, tl.sum(squares, axis=0), mask=known)
 
 
 @triton.jit
@@ -181,7 +207,7 @@ def _apply_kernel(
     weight,
     bias,
     C,
-    S,
+    stride_c,
     total,
     eps,
     slope,
@@ -196,7 +222,7 @@ def _apply_kernel(
     if WIDE:
         i = i.to(tl.int64)
     inside = i < total
-    c = (i // S) % C
+    c = (i // stride_c) % C  # x dense: memory order walks every value once
     v = tl.load(x + i, mask=inside, other=0.0).to(tl.float32)
     m = tl.load(mean + c, mask=inside, other=0.0)
     rstd = tl.math.rsqrt(tl.load(var + c, mask=inside, other=1.0) + eps)
@@ -226,38 +252,43 @@ def _grad_stats_kernel(
     L,
     CHUNK,
     SPLITS,
+    stride_n,
+    stride_c,
+    stride_s,
     eps,
     slope,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     WIDE: tl.constexpr,
 ):
-    c = tl.program_id(0)
+    channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     split = tl.program_id(1)
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, L)
-    m = tl.load(mean + c)
-    rstd = tl.math.rsqrt(tl.load(var + c) + eps)
-    w = _per_channel(weight, c, HAS_WEIGHT, 1.0)
-    b = _per_channel(bias, c, HAS_BIAS, 0.0)
-    acc_g = tl.zeros([BLOCK], tl.float32)
-    acc_gx = tl.zeros([BLOCK], tl.float32)
-    for first in range(start, end, BLOCK):
-        j = first + tl.arange(0, BLOCK)
-        inside = j < end
-        offsets = _channel_offsets(j, c, C, S, WIDE)
-        x_hat = (tl.load(x + offsets, mask=inside, other=0.0).to(tl.float32) - m) * rstd
-        g = tl.load(dout + offsets, mask=inside, other=0.0).to(tl.float32)
+    known = channels < C
+    m = tl.load(mean + channels, mask=known, other=0.0)[None, :]
+    rstd = tl.math.rsqrt(tl.load(var + channels, mask=known, other=1.0) + eps)[None, :]
+    w = _per_channel(weight, channels, known, HAS_WEIGHT, 1.0)
+    b = _per_channel(bias, channels, known, HAS_BIAS, 0.0)
+    acc_g = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    acc_gx = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for first in range(start, end, BLOCK_R):
+        rows = first + tl.arange(0, BLOCK_R)
+        mask = (rows < end)[:, None] & known[None, :]
+        offsets = _tile_offsets(rows, channels, S, stride_n, stride_c, stride_s, WIDE)
+        x_hat = (tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32) - m) * rstd
+        g = tl.load(dout + offsets, mask=mask, other=0.0).to(tl.float32)
         if ACT != 0:
             g = g * _activation_grad(x_hat * w + b, ACT, slope)
-        g = tl.where(inside, g, 0.0)
+        g = tl.where(mask, g, 0.0)
         acc_g += g
         acc_gx += g * x_hat
-    part = c * SPLITS + split
-    tl.store(sum_g + part, tl.sum(acc_g, axis=0))
-    tl.store(sum_gx + part, tl.sum(acc_gx, axis=0))
+    part = channels * SPLITS + split
+    tl.store(sum_g + part, tl.sum(acc_g, axis=0), mask=known)
+    tl.store(sum_gx + part, tl.sum(acc_gx, axis=0), mask=known)
 
 
 @triton.jit
@@ -272,7 +303,7 @@ def _grad_apply_kernel(
     sum_g,
     sum_gx,
     C,
-    S,
+    stride_c,
     total,
     L,
     eps,
@@ -288,7 +319,7 @@ def _grad_apply_kernel(
     if WIDE:
         i = i.to(tl.int64)
     inside = i < total
-    c = (i // S) % C
+    c = (i // stride_c) % C
     m = tl.load(mean + c, mask=inside, other=0.0)
     rstd = tl.math.rsqrt(tl.load(var + c, mask=inside, other=1.0) + eps)
     if HAS_WEIGHT:
@@ -318,24 +349,75 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _splits(x: torch.Tensor, channels: int, per_channel: int, block: int) -> tuple[int, int]:
+def _splits(x: torch.Tensor, channel_blocks: int, per_channel: int, block: int) -> tuple[int, int]:
     """(chunk, splits): each channel's ``per_channel`` values in ``splits`` chunks of ``chunk``
     (a multiple of ``block``), about ``PROGRAMS_PER_SM`` programs per multiprocessor in all."""
-    wanted = max(1, (PROGRAMS_PER_SM * _multiprocessors(x.device) + channels - 1) // channels)
+    wanted = max(1, triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(x.device), channel_blocks))
     splits = max(1, min(wanted, triton.cdiv(per_channel, block)))
     chunk = triton.cdiv(triton.cdiv(per_channel, splits), block) * block
     return chunk, triton.cdiv(per_channel, chunk)
 
 
-def _block(per_channel: int) -> int:
-    return max(16, min(BLOCK, next_power_of_2(per_channel)))
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values fill its memory exactly once (any order of its dims)."""
+    expected = 1
+    for size, stride in sorted((d for d in zip(t.shape, t.stride()) if d[0] != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
-def _as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
-    """x row-major, with its batch, channel and spatial sizes."""
-    x = x.contiguous()
-    n, c = x.shape[0], x.shape[1]
-    return x, n, c, x.numel() // max(1, n * c)
+@dataclass(frozen=True)
+class _Layout:
+    """x as ``[N, C, S]`` (a view where its spatial dims merge: row-major and
+    channels-last alike; a row-major copy otherwise), and how the statistics
+    kernels walk it: tiles of ``block_r`` rows (each an ``(n, s)``) by ``block_c``
+    channels - a run of channels where they are innermost in memory, else one -
+    over ``splits`` chunks of ``chunk`` rows."""
+
+    x: torch.Tensor
+    channels: int
+    spatial: int
+    per_channel: int
+    block_r: int
+    block_c: int
+    chunk: int
+    splits: int
+    wide: bool
+
+    @property
+    def strides(self) -> tuple[int, int, int]:
+        return tuple(self.x.stride())  # type: ignore[return-value]
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return triton.cdiv(self.channels, self.block_c), self.splits
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(x.shape[0], x.shape[1], -1)
+    return rows if _dense(rows) else rows.contiguous()
+
+
+def empty_result(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor of x's shape in the memory layout the kernels give their
+    results (x's where x is dense, else row-major)."""
+    return torch.empty_like(_rows(x), dtype=dtype).view(x.shape)
+
+
+def _layout(x: torch.Tensor) -> _Layout:
+    n, channels = x.shape[0], x.shape[1]
+    rows = _rows(x)
+    spatial = rows.shape[2]
+    per_channel = n * spatial
+    if rows.stride(1) == 1 and channels > 1:
+        block_c = min(next_power_of_2(channels), MAX_TILE_CHANNELS)
+        block_r = max(1, min(next_power_of_2(per_channel), BLOCK // block_c))
+    else:
+        block_c, block_r = 1, max(16, min(BLOCK, next_power_of_2(per_channel)))
+    chunk, splits = _splits(x, triton.cdiv(channels, block_c), per_channel, block_r)
+    return _Layout(rows, channels, spatial, per_channel, block_r, block_c, chunk, splits, x.numel() >= INT32_LIMIT)
 
 
 def _emulate_bf16(t: torch.Tensor) -> bool:
@@ -359,72 +441,60 @@ def forward(
     activation: str,
     slope: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, mean, var)``: the activation of the normalised x (x's dtype, row-major),
-    and each channel's mean and biased variance (fp32); the running statistics, when
-    given, updated and ``num_batches_tracked``, when given, counted up."""
-    x, n, channels, spatial = _as_rows(x)
-    per_channel, wide = n * spatial, x.numel() >= INT32_LIMIT
-    block = _block(per_channel)
-    chunk, splits = _splits(x, channels, per_channel, block)
-    parts = torch.empty(3, channels, splits, dtype=torch.float32, device=x.device)
-    _stats_kernel[(channels, splits)](
-        x, parts[0], parts[1], parts[2], channels, spatial, per_channel, chunk, splits, BLOCK=block, WIDE=wide
-    )
+    """``(out, mean, var)``: the activation of the normalised x (x's dtype, x's memory
+    layout where it is dense, else row-major), and each channel's mean and biased
+    variance (fp32); the running statistics, when given, updated and
+    ``num_batches_tracked``, when given, counted up."""
+    layout = _layout(x)
+    rows, channels = layout.x, layout.channels
+    parts = torch.empty(3, channels, layout.splits, dtype=torch.float32, device=x.device)
+    _stats_kernel[layout.grid](
+        rows, parts[0], parts[1], parts[2], channels, layout.spatial, layout.per_channel, layout.chunk,
+        layout.splits, *layout.strides, BLOCK_R=layout.block_r, BLOCK_C=layout.block_c, WIDE=layout.wide,
+    )  # fmt: skip
     mean, var = (torch.empty(channels, dtype=torch.float32, device=x.device) for _ in range(2))  # not views of one
     update, count = running_mean is not None, num_batches_tracked is not None
     _combine_kernel[(channels,)](
         parts[0], parts[1], parts[2], mean, var,
         running_mean if update else mean, running_var if update else var,
         num_batches_tracked if count else mean,
-        splits, momentum, per_channel / (per_channel - 1),
-        UPDATE=update, COUNT=count, BLOCK_S=next_power_of_2(splits),
+        layout.splits, momentum, layout.per_channel / (layout.per_channel - 1),
+        UPDATE=update, COUNT=count, BLOCK_S=next_power_of_2(layout.splits),
     )  # fmt: skip
-    out = torch.empty_like(x)
-    w, b = _weight_bias(x, weight, bias)
-    _apply_kernel[(triton.cdiv(x.numel(), BLOCK),)](
-        x,
-        out,
-        mean,
-        var,
-        w,
-        b,
-        channels,
-        spatial,
-        x.numel(),
-        eps,
-        slope,
-        HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None,
-        ACT=ACTIVATIONS.index(activation),
-        BLOCK=BLOCK,
-        WIDE=wide,
-        EMULATE_BF16=_emulate_bf16(x),
-    )
-    return out, mean, var
+    out = torch.empty_like(rows)  # the same strides: a dense tensor's layout is kept
+    w, b = _weight_bias(rows, weight, bias)
+    _apply_kernel[(triton.cdiv(rows.numel(), BLOCK),)](
+        rows, out, mean, var, w, b, channels, rows.stride(1), rows.numel(), eps, slope,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACT=ACTIVATIONS.index(activation),
+        BLOCK=BLOCK, WIDE=layout.wide, EMULATE_BF16=_emulate_bf16(rows),
+    )  # fmt: skip
+    return out.view(x.shape), mean, var
 
 
 def backward(
     dout: torch.Tensor, x: torch.Tensor, weight, bias, mean, var, eps: float, activation: str, slope: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dx, dweight, dbias)``: x's gradient (x's dtype, row-major) and the per-channel
-    sums that are the weight's and the bias's gradients (fp32)."""
-    x, n, channels, spatial = _as_rows(x)
-    dout = dout.contiguous()
-    per_channel, wide = n * spatial, x.numel() >= INT32_LIMIT
-    block = _block(per_channel)
-    chunk, splits = _splits(x, channels, per_channel, block)
-    parts = torch.empty(2, channels, splits, dtype=torch.float32, device=x.device)
-    w, b = _weight_bias(x, weight, bias)
+    """``(dx, dweight, dbias)``: x's gradient (in the layout ``forward`` gave its
+    output) and the per-channel sums that are the weight's and the bias's gradients
+    (fp32)."""
+    layout = _layout(x)
+    rows, channels = layout.x, layout.channels
+    dout = dout.reshape(rows.shape)
+    if dout.stride() != rows.stride():
+        dout = torch.empty_like(rows).copy_(dout)  # read with x's offsets
+    parts = torch.empty(2, channels, layout.splits, dtype=torch.float32, device=x.device)
+    w, b = _weight_bias(rows, weight, bias)
     flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACT=ACTIVATIONS.index(activation))
-    _grad_stats_kernel[(channels, splits)](
-        dout, x, mean, var, w, b, parts[0], parts[1], channels, spatial, per_channel, chunk, splits, eps, slope,
-        BLOCK=block, WIDE=wide, **flags,
+    _grad_stats_kernel[layout.grid](
+        dout, rows, mean, var, w, b, parts[0], parts[1], channels, layout.spatial, layout.per_channel,
+        layout.chunk, layout.splits, *layout.strides, eps, slope,
+        BLOCK_R=layout.block_r, BLOCK_C=layout.block_c, WIDE=layout.wide, **flags,
     )  # fmt: skip
     sum_g, sum_gx = (torch.empty(channels, dtype=torch.float32, device=x.device) for _ in range(2))
-    _sums_kernel[(channels,)](parts[0], parts[1], sum_g, sum_gx, splits, BLOCK_S=next_power_of_2(splits))
-    dx = torch.empty_like(x)
-    _grad_apply_kernel[(triton.cdiv(x.numel(), BLOCK),)](
-        dout, x, dx, mean, var, w, b, sum_g, sum_gx, channels, spatial, x.numel(), per_channel, eps, slope,
-        BLOCK=BLOCK, WIDE=wide, EMULATE_BF16=_emulate_bf16(x), **flags,
+    _sums_kernel[(channels,)](parts[0], parts[1], sum_g, sum_gx, layout.splits, BLOCK_S=next_power_of_2(layout.splits))
+    dx = torch.empty_like(rows)
+    _grad_apply_kernel[(triton.cdiv(rows.numel(), BLOCK),)](
+        dout, rows, dx, mean, var, w, b, sum_g, sum_gx, channels, rows.stride(1), rows.numel(), layout.per_channel,
+        eps, slope, BLOCK=BLOCK, WIDE=layout.wide, EMULATE_BF16=_emulate_bf16(rows), **flags,
     )  # fmt: skip
-    return dx, sum_gx, sum_g
+    return dx.view(x.shape), sum_gx, sum_g

@@ -21,8 +21,8 @@ doubt:
 - a cumulative average (``momentum=None``): its factor reads the batch count on the
   host;
 - an input not of fp32, fp16 or bf16, of a rank the module refuses, with one value
-  per channel (eager raises), or whose result is not row-major (the call returns a
-  row-major tensor);
+  per channel (eager raises), or whose result is laid out otherwise than the call
+  lays out its own (x's layout where x is dense: row-major, channels-last);
 - parameters or statistics of another dtype than the input's or fp32;
 - the module's running statistics read anywhere else in the graph, or the module
   called from elsewhere in it (a parent running as it is): the update's place in
@@ -46,6 +46,7 @@ from torch.nn.utils import parametrize
 from autofuser import annotate_node
 from autofuser.kernel import tensor_meta
 
+from .batch_norm_kernels import empty_result
 from .batch_norm_train import batch_norm_act
 
 MODULES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -114,20 +115,16 @@ def _hooked(module: nn.Module) -> bool:
     )
 
 
-def _contiguous(meta: Any) -> bool:
-    expected, size = [], 1
-    for dim in reversed(meta.shape):
-        expected.append(size)
-        size *= dim
-    return all(d == 1 or s == e for d, s, e in zip(meta.shape, meta.stride, reversed(expected)))
-
-
 def _input_fits(x: Any, out: torch.fx.Node, ranks: tuple[int, ...]) -> bool:
     meta, out_meta = tensor_meta(x), tensor_meta(out)
     if meta is None or out_meta is None or meta.dtype not in FLOAT_DTYPES or len(meta.shape) not in ranks:
         return False
     per_channel = math.prod(meta.shape) // max(1, meta.shape[1])
-    return per_channel > 1 and out_meta.dtype == meta.dtype and _contiguous(out_meta)
+    if per_channel < 2 or out_meta.dtype != meta.dtype:
+        return False
+    # The call's result must be laid out as the batch norm's was (later kernels read it so).
+    like = torch.empty_strided(tuple(meta.shape), tuple(meta.stride), dtype=meta.dtype, device="meta")
+    return tuple(out_meta.stride) == empty_result(like, meta.dtype).stride()
 
 
 def _dtypes_fit(x_dtype: torch.dtype, tensors: list[Optional[torch.Tensor]]) -> bool:

@@ -140,7 +140,7 @@ def _forward(x, weight, bias, running_mean, running_var, num_batches_tracked, mo
             running_var.copy_((1 - momentum) * running_var + momentum * (var * (count / (count - 1))))
         if num_batches_tracked is not None:
             num_batches_tracked.add_(1)
-    return out.contiguous(), mean, var
+    return kernels.empty_result(x, out.dtype).copy_(out), mean, var
 
 
 def _backward(dout, x, weight, bias, mean, var, eps, activation, slope):
@@ -148,7 +148,7 @@ def _backward(dout, x, weight, bias, mean, var, eps, activation, slope):
         return kernels.backward(dout, x, weight, bias, mean, var, eps, activation, slope)
     with _no_autocast(x):
         dx, dweight, dbias = reference_backward(dout, x, weight, bias, mean, var, eps, activation, slope)
-    return dx.contiguous(), dweight, dbias
+    return kernels.empty_result(x, dx.dtype).copy_(dx), dweight, dbias
 
 
 class BatchNormAct(torch.autograd.Function):
@@ -237,7 +237,8 @@ def batch_norm_act(
     with the running statistics (as ``nn.BatchNorm*d`` in training mode does with a
     float momentum); ``act`` one of
     ``ACTIVATIONS`` (``slope``: leaky ReLU's). A channels-first ``[N, C, *]`` x of fp32,
-    fp16 or bf16 with more than one value per channel; the result is row-major."""
+    fp16 or bf16 with more than one value per channel; the result has x's memory layout
+    where x is dense (row-major, channels-last), else it is row-major."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"batch_norm_act: activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
     if x.dim() < 2 or x.numel() // max(1, x.shape[1]) < 2:
