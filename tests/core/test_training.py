@@ -121,7 +121,10 @@ def test_zoo_model_trains_like_eager(name):
     got, got_gradients = train(fused, model)
     report = fused.report()
     assert len([g for g in report.fused if g.phase == "forward"]) >= 3, str(report)
-    assert len([g for g in report.fused if g.phase == "backward"]) >= 3, str(report)
+    if name == "unet":  # its batch norms and activations: the conv plugin's own kernels, backward too
+        assert sum("batch_norm_act" in n.target for n in report.unfused_nodes) >= 2, str(report)
+    else:
+        assert len([g for g in report.fused if g.phase == "backward"]) >= 3, str(report)
     # The backward graphs' compile steps, summed over them: each was traced, planned and verified.
     assert {"trace", "plan", "verify"} <= set(report.backward_phases), report.backward_phases
     assert report.phases["backward"] >= report.backward_phases["trace"] > 0
