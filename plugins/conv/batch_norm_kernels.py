@@ -95,12 +95,12 @@ def _tile_offsets(rows, channels, S, stride_n, stride_c, stride_s, WIDE: tl.cons
 
 
 @triton.jit
-def _per_channel(ptr, channels, mask, HAS: tl.constexpr, default):
+def _per_channel(ptr, channels, mask, HAS: tl.constexpr, default, BLOCK_C: tl.constexpr):
     # A per-channel parameter as a [1, BLOCK_C] row (fp32), ``default`` without one.
     if HAS:
         return tl.load(ptr + channels, mask=mask, other=default).to(tl.float32)[None, :]
     else:
-        return tl.full([1, channels.shape[0]], default, tl.float32)
+        return tl.full([1, BLOCK_C], default, tl.float32)
 
 
 @triton.jit
@@ -271,8 +271,8 @@ def _grad_stats_kernel(
     known = channels < C
     m = tl.load(mean + channels, mask=known, other=0.0)[None, :]
     rstd = tl.math.rsqrt(tl.load(var + channels, mask=known, other=1.0) + eps)[None, :]
-    w = _per_channel(weight, channels, known, HAS_WEIGHT, 1.0)
-    b = _per_channel(bias, channels, known, HAS_BIAS, 0.0)
+    w = _per_channel(weight, channels, known, HAS_WEIGHT, 1.0, BLOCK_C)
+    b = _per_channel(bias, channels, known, HAS_BIAS, 0.0, BLOCK_C)
     acc_g = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     acc_gx = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     for first in range(start, end, BLOCK_R):

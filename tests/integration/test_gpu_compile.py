@@ -527,3 +527,76 @@ def test_split_k_products_compile_for_sm90_in_every_config(dtype, dynamic, tmp_p
             job["options"] = {"num_warps": warps, "num_stages": stages}
             jobs.append(job)
     _compile_for_sm90(jobs, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "dtype, block_c, wide, activation",
+    [
+        (torch.float32, 1, False, 3),  # row-major channels, GELU
+        (torch.bfloat16, 32, False, 2),  # channels-last tiles, leaky ReLU
+        (torch.float16, 1, True, 4),  # int64 offsets, SiLU
+    ],
+    ids=["fp32-rows", "bf16-channels-last", "fp16-wide"],
+)
+def test_batch_norm_kernels_compile_for_sm90(dtype, block_c, wide, activation, tmp_path):
+    """The conv plugin's hand-written batch norm kernels (``batch_norm_kernels.py``), each
+    with the constants and argument types it launches with."""
+    from autofuser_plugins.conv import batch_norm_kernels as kernels
+
+    data = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+    fp32, sizes = "*fp32", ("C", "S", "L", "CHUNK", "SPLITS", "stride_n", "stride_c", "stride_s")
+    scalars = {name: "i32" for name in sizes}
+    block_r = max(1, kernels.BLOCK // block_c)
+    tile = {"BLOCK_R": block_r, "BLOCK_C": block_c, "WIDE": wide}
+    flags = {"HAS_WEIGHT": True, "HAS_BIAS": block_c == 1, "ACT": activation}
+
+    names = ("_stats_kernel", "_combine_kernel", "_sums_kernel", "_apply_kernel", "_grad_stats_kernel")
+    names += ("_grad_apply_kernel",)
+    shim = tmp_path / "batch_norm_kernels.py"  # the compiler loads a file; this one imports the package's
+    shim.write_text(f"from autofuser_plugins.conv.batch_norm_kernels import {', '.join(names)}\n")
+
+    def job(name, pointers, scalars, constexprs):
+        return {
+            "name": name,
+            "path": str(shim),
+            "pointers": pointers,
+            "scalars": scalars,
+            "constexprs": constexprs,
+        }
+
+    jobs = [
+        job("_stats_kernel", {"x": data, "counts": fp32, "means": fp32, "m2s": fp32}, scalars, tile),
+        job(
+            "_combine_kernel",
+            {n: fp32 for n in ("counts", "means", "m2s", "mean_out", "var_out", "running_mean", "running_var")}
+            | {"batches": "*i64"},
+            {"SPLITS": "i32", "momentum": "fp32", "unbias": "fp32"},
+            {"UPDATE": True, "COUNT": True, "BLOCK_S": 64},
+        ),
+        job(
+            "_sums_kernel",
+            {n: fp32 for n in ("parts_g", "parts_gx", "sum_g", "sum_gx")},
+            {"SPLITS": "i32"},
+            {"BLOCK_S": 16},
+        ),
+        job(
+            "_apply_kernel",
+            {"x": data, "out": data} | {n: fp32 for n in ("mean", "var", "weight", "bias")},
+            {"C": "i32", "stride_c": "i32", "total": "i32", "eps": "fp32", "slope": "fp32"},
+            flags | {"BLOCK": kernels.BLOCK, "WIDE": wide, "EMULATE_BF16": False},
+        ),
+        job(
+            "_grad_stats_kernel",
+            {"dout": data, "x": data} | {n: fp32 for n in ("mean", "var", "weight", "bias", "sum_g", "sum_gx")},
+            scalars | {"eps": "fp32", "slope": "fp32"},
+            flags | tile,
+        ),
+        job(
+            "_grad_apply_kernel",
+            {"dout": data, "x": data, "dx": data}
+            | {n: fp32 for n in ("mean", "var", "weight", "bias", "sum_g", "sum_gx")},
+            {"C": "i32", "stride_c": "i32", "total": "i32", "L": "i32", "eps": "fp32", "slope": "fp32"},
+            flags | {"BLOCK": kernels.BLOCK, "WIDE": wide, "EMULATE_BF16": False},
+        ),
+    ]
+    _compile_for_sm90(jobs, tmp_path)
