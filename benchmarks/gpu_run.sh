@@ -10,6 +10,8 @@
 #   matmul      benchmarks/matmul.py           (products, MLPs, row-tiled chains)
 #   attention   benchmarks/attention.py        (softmax, Galerkin, slice attention)
 #   conv        benchmarks/conv.py             (U-Net / FNO convolutional blocks)
+#   batch_norm_train  benchmarks/batch_norm_train.py  (batch norm in training + activation, forward and
+#               backward: eager, the conv plugin's kernels, torch.compile)
 #   mxint8      benchmarks/mxint8.py           (MXINT8 weights vs fp32)
 #   fft         benchmarks/fft_plugin.py       (FNO / F-FNO with and without examples/autofuser-plugin-fft)
 #   zoo:DTYPE:MODEL,MODEL   the zoo models through `autofuser bench` (benchmarks/zoo_run.sh), then
@@ -55,9 +57,9 @@ for step in "${steps[@]}"; do
       python3 -m pytest -q -p no:cacheprovider tests/core/test_capture.py tests/integration/test_cuda.py \
         tests/integration/test_conformance.py tests/integration/test_conformance_backward.py \
         tests/plugins/attention/test_linear_attention.py tests/plugins/attention/test_slice_attention.py \
-        tests/plugins/attention/test_flash.py \
+        tests/plugins/attention/test_flash.py tests/plugins/conv/test_batch_norm_train.py \
         tests/plugins/matmul/test_mlp_persistent.py tests/integration/test_training_graphs.py \
-        -k "not float16 and (sample0-form0 or sample0] or test_capture or test_cuda or persistent or attention or graph)" \
+        -k "not float16 and (sample0-form0 or sample0] or test_capture or test_cuda or persistent or attention or graph or test_batch_norm_train)" \
         > "$out/tests.log" 2>&1
       echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -n 40 ;;
     tests-device)
@@ -66,10 +68,11 @@ for step in "${steps[@]}"; do
         tests/plugins/elementwise/test_elementwise_ops.py \
         tests/plugins/attention/test_attention.py tests/plugins/attention/test_linear_attention.py \
         tests/plugins/attention/test_slice_attention.py tests/plugins/attention/test_flash.py \
+        tests/plugins/conv/test_batch_norm_train.py \
         tests/plugins/matmul/test_mlp_persistent.py tests/integration/test_training_graphs.py \
         > "$out/tests-device.log" 2>&1
       echo "tests-device rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests-device.log" | tail -n 40 ;;
-    bandwidth|matmul|attention|conv|mxint8)
+    bandwidth|matmul|attention|conv|mxint8|batch_norm_train)
       flags_var="${step^^}_FLAGS"
       mkdir -p "$out/$step"
       # shellcheck disable=SC2086

@@ -1076,3 +1076,15 @@ def test_the_gate_flags_a_result_far_from_float64_and_names_both_errors(row, say
 def test_wrong_results_names_each_result_past_the_dtype_s_limit(cell, dtype, named):
     lines = harness.wrong_results([{"model": "m", "systems": {"autofuser": cell}}], dtype)
     assert [line.split("AutoFuser's ")[1].split(" ")[0] for line in lines] == named
+
+
+def test_batch_norm_train_bench_checks_every_result_against_eager():
+    """``benchmarks/batch_norm_train.py``'s row on a tiny CPU case (untimed): the
+    plugin's results (output, gradients, running statistics) within rounding of eager's,
+    and a system that fails gives a cell with its error, not a crash."""
+    with benchmark_scripts("batch_norm_train") as bench:
+        for layout in ("channels_last", "contiguous"):
+            row = bench.case(6, 9, 5, layout, torch.float32, "gelu", ["eager", "plugin", "nothing"], 1e12,
+                             device="cpu", batch=3, timed=False)  # fmt: skip
+            assert row["eager_err"] == 0 and 0 < row["plugin_err"] < 1e-5, row
+            assert "nothing_error" in row and "plugin_ms" not in row, row
