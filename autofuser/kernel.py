@@ -62,7 +62,8 @@ from autofuser_core.group import (
     read_view,
 )
 from autofuser_core.ir import AttrRef, PackedWeight, tensor_meta
-from autofuser_core.rounding import interpreting, round_bf16, rounded, stored
+from autofuser_core.jit_helpers import round_bf16
+from autofuser_core.rounding import interpreting, rounded, stored
 from autofuser_core.tf32 import tf32_allowed
 from autofuser_core.tiles import (
     PackedOperand,

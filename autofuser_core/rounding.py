@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
 
 ROUND_BF16_HELPER = """@triton.jit
 def _af_round_bf16(x):
@@ -22,16 +20,6 @@ def _af_round_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))"""
-
-
-@triton.jit
-def round_bf16(x):
-    """The same rounding for hand-written kernels: an fp32 value rounded to the nearest bf16,
-    held in fp32 (converting it to bf16 is then exact, interpreted or not)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-
 
 #: Helpers every kernel module may use; included only where referenced.
 CORE_HELPERS = {"_af_round_bf16": ROUND_BF16_HELPER}
