@@ -54,7 +54,7 @@ MODULES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 RANKS = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-#: Activation modules -> (name in ``batch_norm_train.ACTIVATIONS``, its slope or None).
+#: Activation modules -> their name in ``batch_norm_kernels.ACTIVATIONS`` (LeakyReLU brings its slope).
 ACTIVATION_MODULES = {nn.ReLU: "relu", nn.LeakyReLU: "leaky_relu", nn.GELU: "gelu", nn.SiLU: "silu"}
 #: Activation functions and methods (``inplace=`` allowed, ``x.relu_()`` too).
 ACTIVATION_FUNCTIONS = {
@@ -132,13 +132,13 @@ def _dtypes_fit(x_dtype: torch.dtype, tensors: list[Optional[torch.Tensor]]) -> 
 
 
 class _Rewrite:
-    """What replaces one batch norm node: the call's arguments, where to read each
-    of the module's tensors, and the module whose state the call updates."""
+    """What replaces one batch norm node: its input, where the call reads each tensor
+    (weight, bias, running_mean, running_var, num_batches_tracked: a module path, or the
+    graph value ``F.batch_norm`` was given), momentum and eps."""
 
-    def __init__(self, node: torch.fx.Node, x: torch.fx.Node, path: Optional[str]):
-        self.node, self.x, self.path = node, x, path
-        self.tensors: dict[str, Any] = {}  # weight, bias, running_mean, running_var, num_batches_tracked
-        self.momentum, self.eps = 0.1, 1e-5
+    def __init__(self, node: torch.fx.Node, x: torch.fx.Node, momentum: float, eps: float):
+        self.node, self.x, self.momentum, self.eps = node, x, momentum, eps
+        self.tensors: dict[str, Any] = {}
 
 
 def _module_rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[_Rewrite]:
@@ -156,8 +156,7 @@ def _module_rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[_
     updates = module.training and module.track_running_stats and statistics
     if updates and not _number(module.momentum):
         return None  # None: a cumulative average, whose factor reads the batch count on the host
-    rewrite = _Rewrite(node, x, str(node.target))
-    rewrite.momentum, rewrite.eps = float(module.momentum or 0.0), float(module.eps)
+    rewrite = _Rewrite(node, x, float(module.momentum or 0.0), float(module.eps))
     names = ["weight", "bias"] + (["running_mean", "running_var", "num_batches_tracked"] if updates else [])
     for name in names:
         value = getattr(module, name, None)
@@ -192,8 +191,7 @@ def _function_rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional
         return None
     if stats[0] is not None and not all(_buffer_path(gm, s) for s in stats):
         return None  # statistics that are not the model's buffers (an input, a computed value)
-    rewrite = _Rewrite(node, x, None)
-    rewrite.momentum, rewrite.eps = float(bound["momentum"]), float(bound["eps"])
+    rewrite = _Rewrite(node, x, float(bound["momentum"]), float(bound["eps"]))
     channels = tensor_meta(x).shape[1]
     for name in ("weight", "bias", "running_mean", "running_var"):
         arg = bound[name]
