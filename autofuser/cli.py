@@ -205,6 +205,20 @@ def compile_modes(text: str, hint: str = " (or --no-compile for no torch.compile
     return modes
 
 
+def _fuse_option(text: str) -> tuple[str, object]:
+    """``--fuse-option NAME=VALUE``: the name, and the value read as JSON (true, 3, "x",
+    [1, 2]) or else as the string it is. fuse() checks the name and the value's type."""
+    import json
+
+    name, equals, value = text.partition("=")
+    if not equals or not name.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE (e.g. batch_norm_kernels=false)")
+    try:
+        return name.strip(), json.loads(value)
+    except ValueError:
+        return name.strip(), value
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``autofuser bench`` (declared without importing torch or the zoo)."""
     parser.add_argument(
@@ -283,6 +297,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="AutoFuser tunes every valid config, past the strategies' caps (fuse's "
         "tune_all_configs): for benchmarks/tuning_stats.py, not for timing first calls",
+    )
+    parser.add_argument(
+        "--fuse-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        type=_fuse_option,
+        help="an option for AutoFuser's fuse(), core or a plugin's (repeatable; VALUE as JSON, else a string): "
+        "e.g. --fuse-option batch_norm_kernels=false to measure without the conv plugin's batch norm kernels",
     )
     parser.add_argument(
         "--fresh-first-calls",

@@ -38,7 +38,7 @@ def measure_in_fresh_process(
     config: str,
     batch: int,
     compile_mode: str = "default",
-    tune_budget: Optional[float] = None,
+    fuse_options: Optional[dict] = None,
     timeout_s: float = 900,
 ) -> dict:
     """Run this module for one (model, system) in a new process with empty caches; its
@@ -69,8 +69,8 @@ def measure_in_fresh_process(
             "--compile-mode",
             compile_mode,
         ]
-        if tune_budget is not None:
-            command += ["--tune-budget", str(tune_budget)]
+        if fuse_options:
+            command += ["--fuse-options", json.dumps(fuse_options)]
         try:
             done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -95,7 +95,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--config", default="airfoil")
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--compile-mode", default="default")
-    parser.add_argument("--tune-budget", type=float, default=None)
+    parser.add_argument("--fuse-options", type=json.loads, default={}, help="fuse()'s options, as a JSON object")
     args = parser.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is decorated
@@ -122,8 +122,7 @@ def _first_call(args: argparse.Namespace) -> float:
     if args.system == "autofuser":
         import autofuser
 
-        options = {} if args.tune_budget is None else {"tune_budget_s": args.tune_budget}
-        system = autofuser.fuse(model, progress=False, **options)  # its cache: AUTOFUSER_CACHE_DIR, empty
+        system = autofuser.fuse(model, progress=False, **args.fuse_options)  # cache: AUTOFUSER_CACHE_DIR, empty
     else:
         system = torch.compile(model, mode=args.compile_mode)
     return first_call_s(forward_call(system, x, device, args.dtype), device)[1]

@@ -174,6 +174,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             fuse_options={
                 **({} if args.tune_budget is None else {"tune_budget_s": args.tune_budget}),
                 **({"tune_all_configs": True} if args.tune_all_configs else {}),
+                **dict(getattr(args, "fuse_option", None) or ()),
             },
             fresh_first_calls=args.fresh_first_calls,
             train=args.train,
@@ -917,7 +918,7 @@ def bench_model(
                 config=config,
                 batch=batch,
                 compile_mode=mode,
-                tune_budget=(fuse_options or {}).get("tune_budget_s"),
+                fuse_options=fuse_options,
             )
             row["systems"][system]["first_call_fresh_s"] = answer.get("first_call_s")
             row["systems"][system]["first_call_fresh_error"] = answer.get("error")
@@ -1108,6 +1109,7 @@ def run_bench(
             "train_steps": train_steps,
             "batch_size": batch_size,
             "fresh_first_calls": fresh_first_calls,
+            "fuse_options": dict(fuse_options or {}),
             "factory": next(iter(custom_models), None),
             "timing": (
                 f"{'CUDA events' if device.type == 'cuda' else 'time.perf_counter'} per step; "

@@ -1088,3 +1088,18 @@ def test_batch_norm_train_bench_checks_every_result_against_eager():
                              device="cpu", batch=3, timed=False)  # fmt: skip
             assert row["eager_err"] == 0 and 0 < row["plugin_err"] < 1e-5, row
             assert "nothing_error" in row and "plugin_ms" not in row, row
+
+
+def test_fuse_options_reach_fuse_from_the_command_line(monkeypatch):
+    """``--fuse-option NAME=VALUE`` (repeatable, VALUE as JSON or else a string) goes to
+    fuse() beside the tuning options; a malformed one is refused with the form to use."""
+    seen = {}
+    monkeypatch.setattr(harness, "run_bench", lambda names, **kwargs: seen.update(kwargs) or {"markdown": ""})
+    parser = build_parser()
+    argv = ["bench", "--models", "unet", "--device", "cpu", "--tune-budget", "2"]
+    argv += ["--fuse-option", "batch_norm_kernels=false", "--fuse-option", "strict_fp32_products=ieee"]
+    assert harness.run_from_args(parser.parse_args(argv)) == 0
+    expected = {"tune_budget_s": 2.0, "batch_norm_kernels": False, "strict_fp32_products": "ieee"}
+    assert seen["fuse_options"] == expected, seen
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--fuse-option", "batch_norm_kernels"])
