@@ -65,8 +65,8 @@ PRODUCTS = (torch.matmul, operator.matmul)
 #: Fewest keys (the scores' last dim) of a chain rewritten; below, it stays as written.
 MIN_KEYS = 256
 MAX_SCALINGS = 4  # scalings of the scores walked between the product and the softmax
-#: The call a chain becomes, by its dtype (see the module's doc).
-CALLS = {torch.float32: flash_attention, torch.float16: flash_attention, torch.bfloat16: flash_attention}
+#: The dtypes of a chain that becomes a ``flash_attention`` call (see the module's doc).
+DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 SCALINGS = {operator.mul: "mul", torch.mul: "mul", operator.truediv: "div", torch.div: "div"}
 
 
@@ -225,7 +225,7 @@ def _chain(gm: torch.fx.GraphModule, softmax: torch.fx.Node) -> Optional[tuple]:
         return None
     if max(mq.shape[-1], mv.shape[-1]) > MAX_HEAD_WIDTH:
         return None
-    if not (mq.dtype == mk.dtype == mv.dtype == mo.dtype) or mo.dtype not in CALLS:
+    if not (mq.dtype == mk.dtype == mv.dtype == mo.dtype) or mo.dtype not in DTYPES:
         return None  # one dtype throughout: fp32 with autocast off, or a 16-bit chain
     if not _row_major(tuple(mo.shape), tuple(mo.stride)):
         return None
@@ -250,7 +250,7 @@ def rewrite_written_out_attention(gm: torch.fx.GraphModule, gradients: bool = Tr
             dtype = tensor_meta(output).dtype
             # fp32: the precision this compile chose for products, kept when the kernels launch.
             extra = {"precision": fp32_precision()} if dtype == torch.float32 else {}
-            call = gm.graph.call_function(CALLS[dtype], (q, k, v), {"scale": scale, **extra})
+            call = gm.graph.call_function(flash_attention, (q, k, v), {"scale": scale, **extra})
         call.meta.update({key: output.meta[key] for key in output.meta if key != "tensor_meta"})
         call.meta["tensor_meta"] = output.meta["tensor_meta"]
         output.replace_all_uses_with(call)
