@@ -29,7 +29,9 @@ backward (``dout``: the gradient of the activation's output)
      x_hat) / L)``.
 
 Every sum is taken in fp32; 16-bit values are loaded and stored in their dtype.
-Offsets are int32 unless the tensor holds more than ``INT32_LIMIT`` elements.
+Offsets are int32 unless an index may pass ``INT32_LIMIT`` (then int64 from the
+program id on); one channel's values are counted in int32 (``batch_norm_train``
+sends larger channels to its torch path).
 """
 
 from __future__ import annotations
@@ -82,6 +84,15 @@ def _activation_grad(y, ACT: tl.constexpr, slope):
     else:
         d = tl.full(y.shape, 1.0, tl.float32)
     return d
+
+
+@triton.jit
+def _flat_index(BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    # This program's BLOCK flat indices; int64 from the program id on where they pass int32.
+    start = tl.program_id(0)
+    if WIDE:
+        start = start.to(tl.int64)
+    return start * BLOCK + tl.arange(0, BLOCK)
 
 
 @triton.jit
@@ -218,9 +229,7 @@ def _apply_kernel(
     WIDE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    if WIDE:
-        i = i.to(tl.int64)
+    i = _flat_index(BLOCK, WIDE)
     inside = i < total
     c = (i // stride_c) % C  # x dense: memory order walks every value once
     v = tl.load(x + i, mask=inside, other=0.0).to(tl.float32)
@@ -315,9 +324,7 @@ def _grad_apply_kernel(
     WIDE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    if WIDE:
-        i = i.to(tl.int64)
+    i = _flat_index(BLOCK, WIDE)
     inside = i < total
     c = (i // stride_c) % C
     m = tl.load(mean + c, mask=inside, other=0.0)
@@ -402,8 +409,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def empty_result(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor of x's shape in the memory layout the kernels give their
-    results (x's where x is dense, else row-major)."""
-    return torch.empty_like(_rows(x), dtype=dtype).view(x.shape)
+    results (x's where x is dense, else row-major). Not a view: a caller may write into
+    it in place, which autograd refuses for a view made inside a function."""
+    rows = _rows(x)
+    n_stride, c_stride, s_stride = rows.stride()
+    spatial, inner = [], s_stride
+    for size in reversed(x.shape[2:]):
+        spatial.append(inner)
+        inner *= size
+    strides = (n_stride, c_stride, *reversed(spatial))[: x.dim()]
+    return torch.empty_strided(x.shape, strides, dtype=dtype, device=x.device)
 
 
 def _layout(x: torch.Tensor) -> _Layout:
@@ -417,7 +432,9 @@ def _layout(x: torch.Tensor) -> _Layout:
     else:
         block_c, block_r = 1, max(16, min(BLOCK, next_power_of_2(per_channel)))
     chunk, splits = _splits(x, triton.cdiv(channels, block_c), per_channel, block_r)
-    return _Layout(rows, channels, spatial, per_channel, block_r, block_c, chunk, splits, x.numel() >= INT32_LIMIT)
+    # int64 offsets where an index may pass int32 (the last program's block overhangs by BLOCK)
+    wide = x.numel() + BLOCK >= INT32_LIMIT
+    return _Layout(rows, channels, spatial, per_channel, block_r, block_c, chunk, splits, wide)
 
 
 def _emulate_bf16(t: torch.Tensor) -> bool:
@@ -426,7 +443,8 @@ def _emulate_bf16(t: torch.Tensor) -> bool:
 
 
 def _weight_bias(x, weight, bias):
-    return (weight if weight is not None else x), (bias if bias is not None else x)
+    """The per-channel parameters as the kernels read them (contiguous; x where absent)."""
+    return (weight.contiguous() if weight is not None else x), (bias.contiguous() if bias is not None else x)
 
 
 def forward(
@@ -454,21 +472,25 @@ def forward(
     )  # fmt: skip
     mean, var = (torch.empty(channels, dtype=torch.float32, device=x.device) for _ in range(2))  # not views of one
     update, count = running_mean is not None, num_batches_tracked is not None
+    # The kernels index per-channel tensors by channel: strided ones go through copies.
+    statistics = [t.contiguous() for t in (running_mean, running_var)] if update else [mean, var]
     _combine_kernel[(channels,)](
-        parts[0], parts[1], parts[2], mean, var,
-        running_mean if update else mean, running_var if update else var,
+        parts[0], parts[1], parts[2], mean, var, *statistics,
         num_batches_tracked if count else mean,
         layout.splits, momentum, layout.per_channel / (layout.per_channel - 1),
         UPDATE=update, COUNT=count, BLOCK_S=next_power_of_2(layout.splits),
     )  # fmt: skip
-    out = torch.empty_like(rows)  # the same strides: a dense tensor's layout is kept
+    for given, written in zip((running_mean, running_var), statistics) if update else ():
+        if written is not given:
+            given.copy_(written)
+    out = empty_result(x, x.dtype)  # rows' memory order: a dense tensor's layout is kept
     w, b = _weight_bias(rows, weight, bias)
     _apply_kernel[(triton.cdiv(rows.numel(), BLOCK),)](
         rows, out, mean, var, w, b, channels, rows.stride(1), rows.numel(), eps, slope,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACT=ACTIVATIONS.index(activation),
         BLOCK=BLOCK, WIDE=layout.wide, EMULATE_BF16=_emulate_bf16(rows),
     )  # fmt: skip
-    return out.view(x.shape), mean, var
+    return out, mean, var
 
 
 def backward(
@@ -479,9 +501,9 @@ def backward(
     (fp32)."""
     layout = _layout(x)
     rows, channels = layout.x, layout.channels
-    dout = dout.reshape(rows.shape)
-    if dout.stride() != rows.stride():
-        dout = torch.empty_like(rows).copy_(dout)  # read with x's offsets
+    dx = empty_result(x, x.dtype)
+    if dout.stride() != dx.stride():
+        dout = torch.empty_like(dx).copy_(dout)  # read with x's offsets
     parts = torch.empty(2, channels, layout.splits, dtype=torch.float32, device=x.device)
     w, b = _weight_bias(rows, weight, bias)
     flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACT=ACTIVATIONS.index(activation))
@@ -492,9 +514,8 @@ def backward(
     )  # fmt: skip
     sum_g, sum_gx = (torch.empty(channels, dtype=torch.float32, device=x.device) for _ in range(2))
     _sums_kernel[(channels,)](parts[0], parts[1], sum_g, sum_gx, layout.splits, BLOCK_S=next_power_of_2(layout.splits))
-    dx = torch.empty_like(rows)
     _grad_apply_kernel[(triton.cdiv(rows.numel(), BLOCK),)](
         dout, rows, dx, mean, var, w, b, sum_g, sum_gx, channels, rows.stride(1), rows.numel(), layout.per_channel,
         eps, slope, BLOCK=BLOCK, WIDE=layout.wide, EMULATE_BF16=_emulate_bf16(rows), **flags,
     )  # fmt: skip
-    return dx.view(x.shape), sum_gx, sum_g
+    return dx, sum_gx, sum_g

@@ -68,9 +68,24 @@ ACTIVATION_FUNCTIONS = {
     F.silu: "silu",
 }
 ACTIVATION_METHODS = {"relu": "relu", "relu_": "relu"}
+#: Parameters, with defaults, of the functions above that ``inspect`` can't read (builtins).
+BUILTIN_PARAMETERS: dict[Any, tuple[tuple[str, Any], ...]] = {
+    F.gelu: (("input", None), ("approximate", "none")),
+    torch.relu: (("input", None),),
+    torch.relu_: (("input", None),),
+    F.relu_: (("input", None),),
+    F.leaky_relu_: (("input", None), ("negative_slope", 0.01)),
+}
 
 
 def _bound(target: Any, node: torch.fx.Node) -> Optional[dict]:
+    """``node``'s arguments by parameter name, defaults filled in; None where they don't bind."""
+    if target in BUILTIN_PARAMETERS:
+        parameters = BUILTIN_PARAMETERS[target]
+        names = [name for name, _ in parameters]
+        if len(node.args) > len(names) or any(k not in names[len(node.args) :] for k in node.kwargs):
+            return None
+        return {**dict(parameters), **dict(zip(names, node.args)), **node.kwargs}
     try:
         bound = inspect.signature(target).bind(*node.args, **node.kwargs)
     except (TypeError, ValueError):
@@ -93,6 +108,8 @@ def _activation(gm: torch.fx.GraphModule, node: torch.fx.Node, x: torch.fx.Node)
         if isinstance(module, nn.GELU) and module.approximate != "none":
             return None
         slope = float(module.negative_slope) if isinstance(module, nn.LeakyReLU) else 0.0
+        if isinstance(module, nn.LeakyReLU) and module.inplace and slope < 0:
+            return None  # eager's backward refuses an in-place leaky ReLU of negative slope: left to it
         return name, slope
     if node.op == "call_method" and node.target in ACTIVATION_METHODS:
         return (ACTIVATION_METHODS[str(node.target)], 0.0) if node.args == (x,) and not node.kwargs else None
@@ -106,6 +123,9 @@ def _activation(gm: torch.fx.GraphModule, node: torch.fx.Node, x: torch.fx.Node)
     slope = bound.get("negative_slope", 0.0)
     if not _number(slope):
         return None
+    if node.target is F.leaky_relu_ or (node.target is F.leaky_relu and bound.get("inplace")):
+        if slope < 0:
+            return None  # eager's backward refuses an in-place leaky ReLU of negative slope: left to it
     return ACTIVATION_FUNCTIONS[node.target], float(slope)
 
 
@@ -244,7 +264,7 @@ def _is_parameter(gm: torch.fx.GraphModule, path: str) -> bool:
 def rewrite_batch_norms(gm: torch.fx.GraphModule) -> int:
     """Rewrite each batch norm by the batch's statistics, with the activation that is its
     only reader, into one ``batch_norm_act`` call (module doc); returns how many."""
-    rewrites = []
+    rewrites, rewritten = [], 0
     for node in gm.graph.nodes:
         if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), MODULES):
             rewrite = _module_rewrite(gm, node)
@@ -255,7 +275,11 @@ def rewrite_batch_norms(gm: torch.fx.GraphModule) -> int:
         if rewrite is not None:
             rewrites.append(rewrite)
     rewrites = [r for r in rewrites if not _read_elsewhere(gm, r, rewrites)]
-    for rewrite in rewrites:
+    for planned in rewrites:
+        # Read again now: an earlier rewrite may have replaced this one's input (its activation).
+        rewrite = (_module_rewrite if planned.node.op == "call_module" else _function_rewrite)(gm, planned.node)
+        if rewrite is None:
+            continue
         node, last = rewrite.node, rewrite.node
         activation, slope = "none", 0.0
         users = list(node.users)
@@ -280,4 +304,5 @@ def rewrite_batch_norms(gm: torch.fx.GraphModule) -> int:
         if last is not node:
             gm.graph.erase_node(last)
         gm.graph.erase_node(node)
-    return len(rewrites)
+        rewritten += 1
+    return rewritten

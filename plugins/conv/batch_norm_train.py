@@ -40,7 +40,9 @@ from .batch_norm_kernels import ACTIVATIONS
 
 def _triton_runs(x: Tensor) -> bool:
     # The kernels index one channel's values in int32 (a tensor's offsets in int64 where needed).
-    return (x.is_cuda or (x.device.type == "cpu" and interpreting())) and x.numel() // x.shape[1] < INT32_LIMIT
+    return (x.is_cuda or (x.device.type == "cpu" and interpreting())) and (
+        x.numel() // x.shape[1] + kernels.BLOCK < INT32_LIMIT
+    )
 
 
 def _no_autocast(x: Tensor):

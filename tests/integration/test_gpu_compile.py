@@ -545,7 +545,9 @@ def test_batch_norm_kernels_compile_for_sm90(dtype, block_c, wide, activation, t
 
     data = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
     fp32, sizes = "*fp32", ("C", "S", "L", "CHUNK", "SPLITS", "stride_n", "stride_c", "stride_s")
-    scalars = {name: "i32" for name in sizes}
+    # A tensor past int32 (wide): its batch stride and the element count are int64 arguments.
+    big = "i64" if wide else "i32"
+    scalars = {name: big if name == "stride_n" else "i32" for name in sizes}
     block_r = max(1, kernels.BLOCK // block_c)
     tile = {"BLOCK_R": block_r, "BLOCK_C": block_c, "WIDE": wide}
     flags = {"HAS_WEIGHT": True, "HAS_BIAS": block_c == 1, "ACT": activation}
@@ -582,7 +584,7 @@ def test_batch_norm_kernels_compile_for_sm90(dtype, block_c, wide, activation, t
         job(
             "_apply_kernel",
             {"x": data, "out": data} | {n: fp32 for n in ("mean", "var", "weight", "bias")},
-            {"C": "i32", "stride_c": "i32", "total": "i32", "eps": "fp32", "slope": "fp32"},
+            {"C": "i32", "stride_c": "i32", "total": big, "eps": "fp32", "slope": "fp32"},
             flags | {"BLOCK": kernels.BLOCK, "WIDE": wide, "EMULATE_BF16": False},
         ),
         job(
@@ -595,7 +597,7 @@ def test_batch_norm_kernels_compile_for_sm90(dtype, block_c, wide, activation, t
             "_grad_apply_kernel",
             {"dout": data, "x": data, "dx": data}
             | {n: fp32 for n in ("mean", "var", "weight", "bias", "sum_g", "sum_gx")},
-            {"C": "i32", "stride_c": "i32", "total": "i32", "L": "i32", "eps": "fp32", "slope": "fp32"},
+            {"C": "i32", "stride_c": "i32", "total": big, "L": "i32", "eps": "fp32", "slope": "fp32"},
             flags | {"BLOCK": kernels.BLOCK, "WIDE": wide, "EMULATE_BF16": False},
         ),
     ]

@@ -57,6 +57,7 @@ def train_both(model: nn.Module, make_input, steps: int = 3, **options):
     for (name, got), expected in zip(model.state_dict().items(), reference.state_dict().values()):
         tolerance = STATISTICS if "running" in name else FP32
         torch.testing.assert_close(got, expected, **tolerance, msg=lambda m, n=name: f"{n}: {m}")
+    assert not fused.report().runs_original, str(fused.report())  # the fused model, not the original, ran
     return fused
 
 
@@ -218,3 +219,54 @@ def test_bf16_autocast_trains_close_to_eager():
         assert error < 3e-2, error
     for got, expected in zip(model.buffers(), reference.buffers()):
         torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+class Chained(nn.Module):
+    """Batch norms in a row, their activations as functions (builtins among them), the
+    second norm's input the first one's rewritten call, and a weight and bias that are
+    views of one parameter for the functional one (rows of it: eager's CPU backward gives
+    x a wrong gradient for a strided weight, torch 2.13, so columns can't be compared)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 8, bias=False)
+        self.bn1 = nn.BatchNorm1d(8)
+        self.bn2 = nn.BatchNorm1d(8)
+        self.affine = nn.Parameter(torch.randn(2, 8))
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.lin(x)))
+        h = F.gelu(self.bn2(h))
+        h = F.batch_norm(h * 2, None, None, self.affine[0], self.affine[1], training=True)
+        return F.leaky_relu(h, 0.2)
+
+
+def test_chained_batch_norms_with_function_activations_and_parameter_views():
+    fused = train_both(Chained().train(), lambda: torch.randn(11, 5))
+    report = fused.report()
+    assert len(calls(fused)) == 3, str(report)
+    targets = [n.target for n in report.graph]
+    assert not any(t.endswith(("relu", "gelu", "leaky_relu")) for t in targets), targets
+
+
+class InPlaceLeaky(nn.Module):
+    def __init__(self, slope: float):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(3)
+        self.act = nn.LeakyReLU(slope, inplace=True)
+
+    def forward(self, x):
+        return self.act(self.bn(x))
+
+
+def test_an_in_place_leaky_relu_of_negative_slope_stays_eager_as_its_backward_refuses():
+    """Eager's backward raises for it; the norm is rewritten alone and the activation
+    left as it is, so the fused model raises too (not a gradient eager would not give)."""
+    model = InPlaceLeaky(-0.1).train()
+    fused = autofuser.fuse(copy.deepcopy(model), progress=False)
+    x = torch.randn(2, 3, 5, 4)
+    for module in (model, fused):
+        with pytest.raises(RuntimeError, match="negative slope"):
+            module(x.clone().requires_grad_()).sum().backward()
+    fused = train_both(InPlaceLeaky(0.1).train(), lambda: torch.randn(2, 3, 5, 4))
+    assert not kept_modules(fused, "LeakyReLU"), str(fused.report())

@@ -273,6 +273,60 @@ def test_a_channel_split_among_programs_looping_blocks(
     assert seen == [(32, 32 * blocks_per_split, expected_splits)] * 2, seen  # forward, backward
 
 
+def test_channels_last_tiles_split_among_programs(monkeypatch):
+    """Channels-last with 70 channels: two channel tiles (64, then 6 masked to their
+    channels) and each channel's 105 rows split among 27 programs of 4 rows each (``BLOCK``
+    64, many programs per multiprocessor), recorded from ``_splits``, not assumed."""
+    monkeypatch.setattr(batch_norm_kernels, "BLOCK", 64)
+    monkeypatch.setattr(batch_norm_kernels, "PROGRAMS_PER_SM", 64)
+    monkeypatch.setattr(batch_norm_kernels, "_multiprocessors", lambda device: 1)
+    real_splits, seen = batch_norm_kernels._splits, []
+
+    def spy(x, channel_blocks, per_channel, block):
+        chunk, splits = real_splits(x, channel_blocks, per_channel, block)
+        seen.append((channel_blocks, block, chunk, splits))
+        return chunk, splits
+
+    monkeypatch.setattr(batch_norm_kernels, "_splits", spy)
+    inputs = make_inputs((3, 70, 5, 7), torch.float32)
+    inputs["x"] = inputs["x"].to(memory_format=torch.channels_last)
+    inputs["dout"] = inputs["dout"].to(memory_format=torch.channels_last)
+    run_and_check(inputs, "silu")
+    assert seen == [(2, 1, 4, 27)] * 2, seen  # forward, backward
+
+
+def test_strided_parameters_and_statistics():
+    """Weight, bias and running statistics as strided views (columns of ``[C, 2]``
+    tensors, as a model may slice them out of one parameter): read by channel through
+    their strides, the statistics updated in place, the other column untouched. Eager
+    is judged on contiguous copies (the same values): its CPU backward gives x a wrong
+    gradient for a strided weight (torch 2.13)."""
+    inputs = make_inputs((4, 6, 9), torch.float32)
+    x = inputs["x"].clone().requires_grad_()
+    wide = {
+        name: torch.stack([inputs[name], torch.randn_like(inputs[name])], dim=1)
+        for name in ("weight", "bias", "running_mean", "running_var")
+    }
+    leaves = {name: wide[name].clone().requires_grad_() for name in ("weight", "bias")}
+    weight, bias = leaves["weight"][:, 0], leaves["bias"][:, 0]
+    running_mean, running_var = wide["running_mean"][:, 0], wide["running_var"][:, 0]
+    assert weight.stride() == bias.stride() == running_mean.stride() == (2,)
+    others = [wide[name][:, 1].clone() for name in ("running_mean", "running_var")]
+    out = batch_norm_act(x, weight, bias, running_mean, running_var, None, MOMENTUM, EPS, "gelu", SLOPE)
+    dx, dweight, dbias = torch.autograd.grad(out, [x, leaves["weight"], leaves["bias"]], inputs["dout"])
+    ours = dict(
+        out=out.detach(),
+        dx=dx,
+        dweight=dweight[:, 0],
+        dbias=dbias[:, 0],
+        running_mean=running_mean,
+        running_var=running_var,
+    )
+    assert not dweight[:, 1].any() and not dbias[:, 1].any()
+    assert all(torch.equal(wide[name][:, 1], other) for name, other in zip(("running_mean", "running_var"), others))
+    check(ours, run_eager(inputs, "gelu"), run_eager(inputs, "gelu", torch.float64))
+
+
 @pytest.mark.parametrize(
     "layout",
     ["channels_last", "transposed", "channels_last_3d", "sliced"],
