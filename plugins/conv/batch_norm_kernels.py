@@ -37,7 +37,9 @@ sends larger channels to its torch path).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import triton
@@ -407,18 +409,37 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if _dense(rows) else rows.contiguous()
 
 
+def result_strides(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
+    """The strides of the kernels' results for an input of ``shape`` and ``stride``: the
+    input's own where its spatial dims merge into one and the ``[N, C, S]`` it makes is
+    dense (``_rows`` reads it in place), else row-major. Plain arithmetic: the graph pass
+    asks it of captured metadata."""
+    row_major, inner = [], 1
+    for size in reversed(shape):
+        row_major.append(inner)
+        inner *= size
+    row_major.reverse()
+    spatial = [(size, st) for size, st in zip(shape[2:], stride[2:]) if size != 1]
+    if any(outer != size * st for (_, outer), (size, st) in zip(spatial, spatial[1:])):
+        return tuple(row_major)  # the spatial dims don't merge: _rows copies x
+    merged = [(shape[0], stride[0]), (shape[1], stride[1]), (math.prod(shape[2:]), spatial[-1][1] if spatial else 1)]
+    expected = 1
+    for size, st in sorted((d for d in merged if d[0] != 1), key=lambda d: d[1]):
+        if st != expected:
+            return tuple(row_major)  # not dense: _rows copies x
+        expected *= size
+    strides, inner = [], merged[2][1]
+    for size in reversed(shape[2:]):
+        strides.append(inner)
+        inner *= size
+    return (stride[0], stride[1], *reversed(strides))[: len(shape)]
+
+
 def empty_result(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor of x's shape in the memory layout the kernels give their
-    results (x's where x is dense, else row-major). Not a view: a caller may write into
-    it in place, which autograd refuses for a view made inside a function."""
-    rows = _rows(x)
-    n_stride, c_stride, s_stride = rows.stride()
-    spatial, inner = [], s_stride
-    for size in reversed(x.shape[2:]):
-        spatial.append(inner)
-        inner *= size
-    strides = (n_stride, c_stride, *reversed(spatial))[: x.dim()]
-    return torch.empty_strided(x.shape, strides, dtype=dtype, device=x.device)
+    results (``result_strides``). Not a view: a caller may write into it in place, which
+    autograd refuses for a view made inside a function."""
+    return torch.empty_strided(x.shape, result_strides(x.shape, x.stride()), dtype=dtype, device=x.device)
 
 
 def _layout(x: torch.Tensor) -> _Layout:

@@ -46,7 +46,7 @@ from torch.nn.utils import parametrize
 from autofuser import annotate_node
 from autofuser.kernel import tensor_meta
 
-from .batch_norm_kernels import empty_result
+from .batch_norm_kernels import result_strides
 from .batch_norm_train import batch_norm_act
 
 MODULES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -142,9 +142,10 @@ def _input_fits(x: Any, out: torch.fx.Node, ranks: tuple[int, ...]) -> bool:
     per_channel = math.prod(meta.shape) // max(1, meta.shape[1])
     if per_channel < 2 or out_meta.dtype != meta.dtype:
         return False
-    # The call's result must be laid out as the batch norm's was (later kernels read it so).
-    like = torch.empty_strided(tuple(meta.shape), tuple(meta.stride), dtype=meta.dtype, device="meta")
-    return tuple(out_meta.stride) == empty_result(like, meta.dtype).stride()
+    # The call's result must be laid out as the batch norm's was (later kernels read it so;
+    # a dim of size 1 is never stepped along, whatever its stride).
+    ours = result_strides(tuple(meta.shape), tuple(meta.stride))
+    return all(a == b for a, b, size in zip(out_meta.stride, ours, meta.shape) if size != 1)
 
 
 def _dtypes_fit(x_dtype: torch.dtype, tensors: list[Optional[torch.Tensor]]) -> bool:
@@ -167,12 +168,12 @@ def _module_rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[_
         return None
     if len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], torch.fx.Node):
         return None
-    x = node.args[0]
-    if not _input_fits(x, node, RANKS[type(module)]):
-        return None
     statistics = module.running_mean is not None and module.running_var is not None
     if not module.training and statistics:
         return None  # eval mode: the running statistics, lowered as a per-channel scale and shift
+    x = node.args[0]
+    if not _input_fits(x, node, RANKS[type(module)]):
+        return None
     updates = module.training and module.track_running_stats and statistics
     if updates and not _number(module.momentum):
         return None  # None: a cumulative average, whose factor reads the batch count on the host

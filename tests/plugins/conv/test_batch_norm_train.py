@@ -638,3 +638,30 @@ def test_the_forward_statistics_are_the_batch_mean_and_biased_variance(weight, b
     expected_var, expected_mean = torch.var_mean(x.double(), (0, 2), correction=0)
     torch.testing.assert_close(mean.double(), expected_mean, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(var.double(), expected_var, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(2, 3, 4, 5),
+        lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        lambda: torch.randn(2, 3, 4, 5, 6).to(memory_format=torch.channels_last_3d),
+        lambda: torch.randn(7, 6),
+        lambda: torch.randn(2, 9, 5).transpose(1, 2),
+        lambda: torch.randn(3, 4, 21)[:, :, ::2],
+        lambda: torch.randn(1, 3, 4, 5).to(memory_format=torch.channels_last),
+        lambda: torch.randn(2, 3, 5, 4).transpose(2, 3),
+        lambda: torch.randn(3, 2, 4, 1, 5),
+    ],
+    ids=["rows", "channels-last", "channels-last-3d", "2d", "transposed", "sliced", "batch1", "spatial-swap", "size1"],
+)
+def test_the_result_layout_from_metadata_is_the_one_the_kernels_write(make):
+    """``result_strides`` (plain arithmetic on shape and strides, which the graph pass asks
+    of captured metadata) agrees with the layout the kernels really read and write - the
+    ``[N, C, S]`` rows torch's reshape gives, re-viewed as x's shape - up to the strides of
+    dims of size 1, which are never stepped along."""
+    x = make()
+    written = torch.empty_like(batch_norm_kernels._rows(x)).view(x.shape).stride()
+    computed = batch_norm_kernels.result_strides(tuple(x.shape), x.stride())
+    assert [s for s, n in zip(computed, x.shape) if n != 1] == [s for s, n in zip(written, x.shape) if n != 1]
+    assert batch_norm_kernels.empty_result(x, x.dtype).stride() == computed
