@@ -195,3 +195,27 @@ def lock_is_free(path) -> bool:
             return False
         fcntl.flock(handle, fcntl.LOCK_UN)
         return True
+
+
+def reference_path_only(monkeypatch, module, references, kernels_module, kernels) -> list[str]:
+    """Spy on ``module``'s torch-ops ``references`` (the names of those called, in order, go
+    into the returned list) and make ``kernels_module``'s ``kernels`` raise: a test of an
+    operator's path on a CPU without Triton sees that path, and only it, run. The caller
+    turns its module's Triton switch off."""
+    calls: list[str] = []
+
+    def spy(function):
+        def called(*args):
+            calls.append(function.__name__)
+            return function(*args)
+
+        return called
+
+    def no_kernel(*args):
+        raise AssertionError("a kernel ran where the reference should")
+
+    for name in references:
+        monkeypatch.setattr(module, name, spy(getattr(module, name)))
+    for name in kernels:
+        monkeypatch.setattr(kernels_module, name, no_kernel)
+    return calls

@@ -98,6 +98,39 @@ def _flat_index(BLOCK: tl.constexpr, WIDE: tl.constexpr):
 
 
 @triton.jit
+def _normalised_block(
+    x,
+    mean,
+    var,
+    weight,
+    bias,
+    C,
+    stride_c,
+    total,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WIDE: tl.constexpr,
+):
+    # This program's values of x (dense: memory order walks each once) normalised: their
+    # indices, mask and channels, each channel's rstd and weight, x_hat and y = x_hat * w + b.
+    i = _flat_index(BLOCK, WIDE)
+    inside = i < total
+    c = (i // stride_c) % C
+    rstd = tl.math.rsqrt(tl.load(var + c, mask=inside, other=1.0) + eps)
+    x_hat = (tl.load(x + i, mask=inside, other=0.0).to(tl.float32) - tl.load(mean + c, mask=inside, other=0.0)) * rstd
+    if HAS_WEIGHT:
+        w = tl.load(weight + c, mask=inside, other=1.0).to(tl.float32)
+    else:
+        w = tl.full([BLOCK], 1.0, tl.float32)
+    y = x_hat * w
+    if HAS_BIAS:
+        y = y + tl.load(bias + c, mask=inside, other=0.0).to(tl.float32)
+    return i, inside, c, rstd, w, x_hat, y
+
+
+@triton.jit
 def _tile_offsets(rows, channels, S, stride_n, stride_c, stride_s, WIDE: tl.constexpr):
     # Offsets of a [rows, channels] tile; row r is (n, s) = (r // S, r % S).
     if WIDE:
@@ -231,17 +264,9 @@ def _apply_kernel(
     WIDE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):
-    i = _flat_index(BLOCK, WIDE)
-    inside = i < total
-    c = (i // stride_c) % C  # x dense: memory order walks every value once
-    v = tl.load(x + i, mask=inside, other=0.0).to(tl.float32)
-    m = tl.load(mean + c, mask=inside, other=0.0)
-    rstd = tl.math.rsqrt(tl.load(var + c, mask=inside, other=1.0) + eps)
-    y = (v - m) * rstd
-    if HAS_WEIGHT:
-        y = y * tl.load(weight + c, mask=inside, other=1.0).to(tl.float32)
-    if HAS_BIAS:
-        y = y + tl.load(bias + c, mask=inside, other=0.0).to(tl.float32)
+    i, inside, c, rstd, w, x_hat, y = _normalised_block(
+        x, mean, var, weight, bias, C, stride_c, total, eps, HAS_WEIGHT, HAS_BIAS, BLOCK, WIDE
+    )
     y = _activation(y, ACT, slope)
     if EMULATE_BF16:
         y = round_bf16(y)
@@ -326,22 +351,11 @@ def _grad_apply_kernel(
     WIDE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):
-    i = _flat_index(BLOCK, WIDE)
-    inside = i < total
-    c = (i // stride_c) % C
-    m = tl.load(mean + c, mask=inside, other=0.0)
-    rstd = tl.math.rsqrt(tl.load(var + c, mask=inside, other=1.0) + eps)
-    if HAS_WEIGHT:
-        w = tl.load(weight + c, mask=inside, other=1.0).to(tl.float32)
-    else:
-        w = tl.full([BLOCK], 1.0, tl.float32)
-    x_hat = (tl.load(x + i, mask=inside, other=0.0).to(tl.float32) - m) * rstd
+    i, inside, c, rstd, w, x_hat, y = _normalised_block(
+        x, mean, var, weight, bias, C, stride_c, total, eps, HAS_WEIGHT, HAS_BIAS, BLOCK, WIDE
+    )
     g = tl.load(dout + i, mask=inside, other=0.0).to(tl.float32)
     if ACT != 0:
-        if HAS_BIAS:
-            y = x_hat * w + tl.load(bias + c, mask=inside, other=0.0).to(tl.float32)
-        else:
-            y = x_hat * w
         g = g * _activation_grad(y, ACT, slope)
     mean_g = tl.load(sum_g + c, mask=inside, other=0.0) / L
     mean_gx = tl.load(sum_gx + c, mask=inside, other=0.0) / L

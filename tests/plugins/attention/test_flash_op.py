@@ -22,6 +22,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autofuser_plugins.attention import flash_op
 from autofuser_plugins.attention.flash_op import flash_attention, reference_backward, reference_forward
 
+from _helpers import reference_path_only
+
 # Largest error of a result against float64, relative to the largest float64 entry.
 TOLERANCES = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
 #: fp32: no farther from float64 than this many times eager SDPA's own distance (plus a floor).
@@ -99,24 +101,9 @@ def test_result_and_gradients_match_float64(shape, causal, dtype):
 def _reference_only(monkeypatch) -> list[str]:
     """The operators as on a CPU without Triton; returns the names of the reference
     functions as they are called (the kernels raise)."""
-    calls: list[str] = []
-
-    def spy(function):
-        def called(*args):
-            calls.append(function.__name__)
-            return function(*args)
-
-        return called
-
-    def no_kernel(*args):
-        raise AssertionError("a kernel ran where the reference should")
-
     monkeypatch.setattr(flash_op, "interpreting", lambda: False)
-    for name in ("reference_forward", "reference_backward"):
-        monkeypatch.setattr(flash_op, name, spy(getattr(flash_op, name)))
-    for name in ("flash_forward", "flash_backward"):
-        monkeypatch.setattr(flash_op.flash, name, no_kernel)
-    return calls
+    references = ("reference_forward", "reference_backward")
+    return reference_path_only(monkeypatch, flash_op, references, flash_op.flash, ("flash_forward", "flash_backward"))
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from autofuser_plugins.conv import batch_norm_kernels, batch_norm_train
 from autofuser_plugins.conv.batch_norm_train import batch_norm_act
 
+from _helpers import reference_path_only
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACTIVATIONS = batch_norm_kernels.ACTIVATIONS
@@ -423,24 +425,9 @@ def test_without_num_batches_tracked_the_statistics_are_updated():
 def _reference_only(monkeypatch) -> list[str]:
     """The operators as on a CPU without Triton (``_triton_runs`` False); returns the
     names of the reference functions as they are called (the kernels raise)."""
-    calls: list[str] = []
-
-    def spy(function):
-        def called(*args):
-            calls.append(function.__name__)
-            return function(*args)
-
-        return called
-
-    def no_kernel(*args):
-        raise AssertionError("a kernel ran where the reference should")
-
     monkeypatch.setattr(batch_norm_train, "_triton_runs", lambda x: False)
-    for name in ("reference_forward", "reference_backward"):
-        monkeypatch.setattr(batch_norm_train, name, spy(getattr(batch_norm_train, name)))
-    for name in ("forward", "backward"):
-        monkeypatch.setattr(batch_norm_kernels, name, no_kernel)
-    return calls
+    references = ("reference_forward", "reference_backward")
+    return reference_path_only(monkeypatch, batch_norm_train, references, batch_norm_kernels, ("forward", "backward"))
 
 
 def _agree(reference, kernels, names=RESULTS):
