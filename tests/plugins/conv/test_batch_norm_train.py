@@ -386,7 +386,7 @@ def test_without_affine_parameters(weight, bias, dtype):
 
 def test_frozen_parameters_get_no_gradient():
     """A weight and a bias that don't require gradients (a frozen norm): x's gradient
-    alone (the operator's backward is asked for no parameter's), as eager's."""
+    alone (the function's backward is asked for no parameter's), as eager's."""
     inputs = make_inputs((4, 3, 11), torch.float32)
     weight, bias = inputs["weight"], inputs["bias"]
     x = inputs["x"].clone().requires_grad_()
@@ -423,7 +423,7 @@ def test_without_num_batches_tracked_the_statistics_are_updated():
 
 
 def _reference_only(monkeypatch) -> list[str]:
-    """The operators as on a CPU without Triton (``_triton_runs`` False); returns the
+    """The functions as on a CPU without Triton (``_triton_runs`` False); returns the
     names of the reference functions as they are called (the kernels raise)."""
     monkeypatch.setattr(batch_norm_train, "_triton_runs", lambda x: False)
     references = ("reference_forward", "reference_backward")
@@ -447,7 +447,7 @@ def _agree(reference, kernels, names=RESULTS):
     ["none", "leaky_relu", "gelu"],
 )
 def test_the_torch_reference_path_matches_the_kernels(monkeypatch, activation, dtype):
-    """Where Triton can't run (a CPU without the interpreter) the operators compute in
+    """Where Triton can't run (a CPU without the interpreter) the functions compute in
     torch ops (``reference_forward``/``reference_backward``): through ``batch_norm_act``
     and autograd, on the same inputs, they agree with the kernels and pass the float64
     check themselves. Spies make sure each path really ran."""
@@ -557,7 +557,7 @@ def test_the_written_out_judge_matches_eager():
 
 @pytest.mark.parametrize("activation", ["none", "gelu", "silu", "leaky_relu"])
 def test_second_derivatives_match_eager(activation):
-    """fp32 second derivatives through the operators' own backward against eager's
+    """fp32 second derivatives through the functions' own backward against eager's
     double backward in float64 (the bias's vanishes without an activation's curvature)."""
     inputs = make_inputs((2, 3, 5, 4), torch.float32)
     got = _gradient_of_a_loss_of_gradients(_ours, inputs, torch.float32, activation)
