@@ -1,28 +1,33 @@
 """The Triton kernels of batch norm in training mode with the activation after it
 (``batch_norm_train.py`` holds the autograd functions that launch them).
 
-The input is read as ``[N, C, S]`` (row-major; ``S`` the spatial dims together), so
-channel ``c``'s ``L = N * S`` values are ``N`` runs of ``S``. A channel is split
-among several programs (``SPLITS``), so a wide image with few channels still keeps
-the whole GPU busy:
+The input is read as ``[N, C, S]`` (``S`` the spatial dims together): x in place
+where that view is dense (row-major, channels-last), else a row-major copy; each
+``(n, s)`` is a row, and channel ``c``'s ``L = N * S`` values are a column. The
+statistics kernels walk tiles of ``BLOCK_R`` rows by ``BLOCK_C`` channels: a run
+of channels where channels are innermost in memory (channels-last: each row's
+channels are one load), else one channel (its values are runs of ``S``). A
+channel's rows are split among several programs (``SPLITS``), so a wide image with
+few channels still keeps the whole GPU busy:
 
 forward
-  1. ``_stats_kernel``, grid ``(C, SPLITS)``: each program takes its chunk of its
-     channel twice - its sum, then the sum of squares about the chunk's own mean
-     (exact: no difference of large sums; the second read mostly hits L2) - and
-     stores the chunk's count, mean and squared deviations;
+  1. ``_stats_kernel``, grid ``(channel tiles, SPLITS)``: each program takes its
+     chunk of rows twice - the sums, then the sums of squares about the chunk's own
+     means (exact: no difference of large sums; the second read mostly hits L2) -
+     and stores each channel's count, mean and squared deviations for the chunk;
   2. ``_combine_kernel``, grid ``(C,)``: the chunks' parts joined (Chan's formula:
      ``M2 = sum M2_i + sum n_i (mean_i - mean)^2``) into the channel's mean and
      biased variance, fp32; the running statistics updated as eager updates them
      (``(1 - momentum) * running + momentum * batch``, the variance unbiased) and
      the batch count added to, where given;
-  3. ``_apply_kernel``, one program per ``BLOCK`` values: ``act((x - mean) *
-     rsqrt(var + eps) * w + b)``, stored in x's dtype.
+  3. ``_apply_kernel``, one program per ``BLOCK`` values in memory order (the
+     channel of each from the channel stride): ``act((x - mean) * rsqrt(var + eps)
+     * w + b)``, stored in x's dtype and layout.
 
 backward (``dout``: the gradient of the activation's output)
-  1. ``_grad_stats_kernel``, grid ``(C, SPLITS)``: recomputes ``x_hat`` and the
-     activation's input ``y`` from x, and sums ``g = dout * act'(y)`` and ``g *
-     x_hat`` over the chunk;
+  1. ``_grad_stats_kernel``, grid ``(channel tiles, SPLITS)``: recomputes ``x_hat``
+     and the activation's input ``y`` from x, and sums ``g = dout * act'(y)`` and
+     ``g * x_hat`` over the chunk;
   2. ``_sums_kernel``, grid ``(C,)``: the chunks' sums added (they are the bias's
      and the weight's gradients);
   3. ``_grad_apply_kernel``: ``dx = w * rstd * (g - sum(g) / L - x_hat * sum(g
