@@ -97,7 +97,6 @@ def test_result_and_gradients_match_float64(shape, causal, dtype):
     _check(got, q, k, v, dout, 0.3, causal)
 
 
-@pytest.mark.parametrize("causal", [False, True])
 def _reference_only(monkeypatch) -> list[str]:
     """The operators as on a CPU without Triton; returns the names of the reference
     functions as they are called (the kernels raise)."""
