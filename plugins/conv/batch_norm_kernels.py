@@ -386,11 +386,12 @@ def _splits(x: torch.Tensor, channel_blocks: int, per_channel: int, block: int) 
     return chunk, triton.cdiv(per_channel, chunk)
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s values fill its memory exactly once (any order of its dims)."""
+def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` and ``stride`` fills its memory exactly once (any
+    order of its dims)."""
     expected = 1
-    for size, stride in sorted((d for d in zip(t.shape, t.stride()) if d[0] != 1), key=lambda d: d[1]):
-        if stride != expected:
+    for size, step in sorted((d for d in zip(shape, stride) if d[0] != 1), key=lambda d: d[1]):
+        if step != expected:
             return False
         expected *= size
     return True
@@ -425,7 +426,7 @@ class _Layout:
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(x.shape[0], x.shape[1], -1)
-    return rows if _dense(rows) else rows.contiguous()
+    return rows if _dense(rows.shape, rows.stride()) else rows.contiguous()
 
 
 def result_strides(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
@@ -433,25 +434,23 @@ def result_strides(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ..
     input's own where its spatial dims merge into one and the ``[N, C, S]`` it makes is
     dense (``_rows`` reads it in place), else row-major. Plain arithmetic: the graph pass
     asks it of captured metadata."""
-    row_major, inner = [], 1
-    for size in reversed(shape):
-        row_major.append(inner)
-        inner *= size
-    row_major.reverse()
+    row_major = _row_major(shape, 1)
     spatial = [(size, st) for size, st in zip(shape[2:], stride[2:]) if size != 1]
     if any(outer != size * st for (_, outer), (size, st) in zip(spatial, spatial[1:])):
-        return tuple(row_major)  # the spatial dims don't merge: _rows copies x
-    merged = [(shape[0], stride[0]), (shape[1], stride[1]), (math.prod(shape[2:]), spatial[-1][1] if spatial else 1)]
-    expected = 1
-    for size, st in sorted((d for d in merged if d[0] != 1), key=lambda d: d[1]):
-        if st != expected:
-            return tuple(row_major)  # not dense: _rows copies x
-        expected *= size
-    strides, inner = [], merged[2][1]
-    for size in reversed(shape[2:]):
+        return row_major  # the spatial dims don't merge: _rows copies x
+    inner = spatial[-1][1] if spatial else 1
+    if not _dense((shape[0], shape[1], math.prod(shape[2:])), (stride[0], stride[1], inner)):
+        return row_major  # not dense: _rows copies x
+    return (stride[0], stride[1], *_row_major(shape[2:], inner))[: len(shape)]
+
+
+def _row_major(shape: Sequence[int], inner: int) -> tuple[int, ...]:
+    """The strides of ``shape`` laid out row-major, its last dim ``inner`` apart."""
+    strides = []
+    for size in reversed(shape):
         strides.append(inner)
         inner *= size
-    return (stride[0], stride[1], *reversed(strides))[: len(shape)]
+    return tuple(reversed(strides))
 
 
 def empty_result(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

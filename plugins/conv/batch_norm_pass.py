@@ -48,11 +48,11 @@ from autofuser.kernel import tensor_meta
 
 from .batch_norm_kernels import result_strides
 from .batch_norm_train import batch_norm_act
+from .ops._common import FLOAT_DTYPES
 
 MODULES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 #: Ranks each module accepts (others raise in eager: left to it).
 RANKS = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 #: Activation modules -> their name in ``batch_norm_kernels.ACTIVATIONS`` (LeakyReLU brings its slope).
 ACTIVATION_MODULES = {nn.ReLU: "relu", nn.LeakyReLU: "leaky_relu", nn.GELU: "gelu", nn.SiLU: "silu"}
