@@ -18,14 +18,12 @@ and a write) at the measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-import triton
 
 from autofuser_plugins.conv.batch_norm_train import batch_norm_act
 
@@ -33,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conv import _bandwidth  # noqa: E402  (the copy bandwidth, as the conv blocks' floors take it)
 
 from _compile_modes import add_compile_modes_argument, compile_key, compiled  # noqa: E402
+from matmul import _ms, run_header  # noqa: E402  (the suites' timer and JSON header)
 
 BATCH = 20
 #: (channels, height, width): U-Net's levels on the 221 x 51 airfoil grid.
@@ -64,10 +63,6 @@ class Plugin(nn.Module):
             x, n.weight, n.bias, n.running_mean, n.running_var, n.num_batches_tracked, n.momentum, n.eps,
             self.activation, 0.01,
         )  # fmt: skip
-
-
-def _ms(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
 def _step(fn, norm, x, grad):
@@ -172,11 +167,7 @@ def main(argv=None) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         result = {
-            "date": datetime.date.today().isoformat(),
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "copy_GB/s": bandwidth / 1e9,
+            **run_header(bandwidth),
             "batch": BATCH,
             "rows": rows,
         }

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -32,11 +31,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _compile_modes import add_compile_modes_argument, compile_key, compile_keys_in  # noqa: E402
-from matmul import _flat, _line, _ms, column_title, measure  # noqa: E402  (shared timing, checks and table row)
+from matmul import _flat, _line, _ms, column_title, measure, run_header  # noqa: E402  (shared timing, checks and table row)
 
 BATCH, H, W = 20, 221, 51
 
@@ -148,11 +146,7 @@ def main(argv=None) -> int:
             print(f"{_line(row, systems)} kept: {row.get('kept', '-')}", file=sys.stderr, flush=True)
             (out / "conv.partial.json").write_text(json.dumps(rows, indent=1))
     result = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "copy_GB/s": bandwidth / 1e9,
+        **run_header(bandwidth),
         "shape": [BATCH, "C", H, W],
         "cases": rows,
     }

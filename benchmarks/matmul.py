@@ -155,6 +155,18 @@ def _ms(fn, *args):
     return float(triton.testing.do_bench(lambda: fn(*args), warmup=25, rep=100, return_mode="median"))
 
 
+def run_header(bandwidth: float) -> dict:
+    """What every suite's JSON starts with: the date, the GPU, torch's and Triton's
+    versions, and the copy bandwidth its floors are taken at."""
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_GB/s": bandwidth / 1e9,
+    }
+
+
 def measure_ceilings(device):
     x = torch.randn(2**28, device=device)
     y = torch.empty_like(x)
@@ -213,11 +225,7 @@ def main(argv=None) -> int:
                 print(_line(row, systems), file=sys.stderr, flush=True)
                 (out / "matmul.partial.json").write_text(json.dumps(rows, indent=1))
     result = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "copy_GB/s": bandwidth / 1e9,
+        **run_header(bandwidth),
         "matmul_TFLOP/s": {k: v / 1e12 for k, v in rates.items()},
         "rows": M,
         "cases": rows,
