@@ -13,6 +13,7 @@ two reads and a write of x, backward two reads of x and of the output's gradient
 and a write) at the measured copy bandwidth.
 
     python benchmarks/batch_norm_train.py [--out DIR] [--compile-modes default,reduce-overhead]
+        [--layouts channels_last,contiguous] [--dtypes fp32,bf16]
 """
 
 from __future__ import annotations
@@ -38,6 +39,20 @@ BATCH = 20
 LEVELS = [(32, 221, 51), (64, 110, 25), (128, 55, 12), (256, 27, 6)]
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LAYOUTS = ("channels_last", "contiguous")
+
+
+def _choices(allowed: tuple[str, ...]):
+    """An argparse type: comma-separated names, each one of ``allowed``."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(name.strip() for name in text.split(",") if name.strip())
+        unknown = [name for name in names if name not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(allowed)}, comma-separated")
+        return names
+
+    return parse
 
 
 class Eager(nn.Module):
@@ -139,6 +154,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None)
     add_compile_modes_argument(parser)
+    parser.add_argument("--layouts", default="channels_last,contiguous", type=_choices(LAYOUTS))
+    parser.add_argument("--dtypes", default="fp32,bf16", type=_choices(tuple(DTYPES)))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -150,8 +167,8 @@ def main(argv=None) -> int:
     for (channels, height, width), layout, dtype, activation in [
         (level, layout, dtype, activation)
         for level in LEVELS
-        for layout in ("channels_last", "contiguous")
-        for dtype in DTYPES.values()
+        for layout in args.layouts
+        for dtype in (DTYPES[name] for name in args.dtypes)
         for activation in (("gelu", "relu") if level == LEVELS[0] else ("gelu",))
     ]:
         row = case(channels, height, width, layout, dtype, activation, systems, bandwidth)
