@@ -98,9 +98,8 @@ def _normalised(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mea
 
 def reference_forward(x, weight, bias, eps: float, activation: str, slope: float) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, mean, var)`` as the kernels compute them, in fp32 torch ops."""
-    var, mean = torch.var_mean(x.float(), _reduced_dims(x), correction=0)
-    _, y = _normalised(x, weight, bias, mean, var, eps)
-    return activate(y, activation, slope).to(x.dtype), mean, var
+    out, mean, var = _written_out(x, weight, bias, eps, activation, slope)
+    return out.to(x.dtype), mean, var
 
 
 def reference_backward(dout, x, weight, bias, mean, var, eps: float, activation: str, slope: float):
@@ -117,11 +116,12 @@ def reference_backward(dout, x, weight, bias, mean, var, eps: float, activation:
     return dx.to(x.dtype), sum_gx, sum_g
 
 
-def _written_out(x: Tensor, weight, bias, eps: float, activation: str, slope: float) -> Tensor:
-    """The batch norm and activation in differentiable torch ops (fp32): second derivatives."""
+def _written_out(x: Tensor, weight, bias, eps: float, activation: str, slope: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, mean, var)``: the batch norm and activation in differentiable fp32 torch ops
+    (the reference path, and the second derivatives)."""
     var, mean = torch.var_mean(x.float(), _reduced_dims(x), correction=0)
     _, y = _normalised(x, weight, bias, mean, var, eps)
-    return activate(y, activation, slope)
+    return activate(y, activation, slope), mean, var
 
 
 # ---------------------------------------------------------------------------
@@ -195,7 +195,7 @@ class BatchNormActBackward(torch.autograd.Function):
         leaves = [None if t is None else t.detach().requires_grad_() for t in tensors]
         ldout, lx, lweight, lbias = leaves
         with torch.enable_grad(), _no_autocast(x):
-            out = _written_out(lx, lweight, lbias, *ctx.settings)
+            out = _written_out(lx, lweight, lbias, *ctx.settings)[0]
             wrt = [t for t in (lx, lweight, lbias) if t is not None]
             first = torch.autograd.grad(out, wrt, ldout.float(), create_graph=True, allow_unused=True)
             given = [g for t, g in zip((lx, lweight, lbias), (ddx, ddweight, ddbias)) if t is not None]
