@@ -9,6 +9,7 @@ gradients must match eager's too.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -1088,6 +1089,17 @@ def test_batch_norm_train_bench_checks_every_result_against_eager():
                              device="cpu", batch=3, timed=False)  # fmt: skip
             assert row["eager_err"] == 0 and 0 < row["plugin_err"] < 1e-5, row
             assert "nothing_error" in row and "plugin_ms" not in row, row
+
+
+def test_batch_norm_train_bench_picks_cases_by_name():
+    """``--layouts`` and ``--dtypes`` take comma-separated names; an unknown one is
+    refused with the names it could have been."""
+    with benchmark_scripts("batch_norm_train") as bench:
+        assert bench._choices(bench.LAYOUTS)("channels_last") == ("channels_last",)
+        assert bench._choices(tuple(bench.DTYPES))(" bf16,fp32 ") == ("bf16", "fp32")
+        for text in ("fp16", "", "fp32,half"):
+            with pytest.raises(argparse.ArgumentTypeError, match="fp32, bf16"):
+                bench._choices(tuple(bench.DTYPES))(text)
 
 
 def test_fuse_options_reach_fuse_from_the_command_line(monkeypatch):
