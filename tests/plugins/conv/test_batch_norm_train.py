@@ -142,7 +142,13 @@ def run_eager(inputs, activation, dtype=None, momentum=MOMENTUM, eps=EPS):
     """The same with eager ``F.batch_norm`` and the activation module, every tensor cast
     to ``dtype`` where given (float64: the judge)."""
     (x, weight, bias), running_mean, running_var = _copies(inputs, dtype)
-    y = F.batch_norm(x, running_mean, running_var, weight, bias, training=True, momentum=momentum, eps=eps)
+    # torch's CUDA batch norm backward (batch_norm_backward_reduce) makes the bias's
+    # gradient with the weight's tensor options, so a bias without a weight fails there
+    # with "tensor does not have a device" (seen on an H100, torch 2.11): eager gets a
+    # constant weight of ones instead, the same batch norm.
+    no_weight = weight is None and bias is not None and x.is_cuda
+    affine = torch.ones(x.shape[1], dtype=bias.dtype, device=x.device) if no_weight else weight
+    y = F.batch_norm(x, running_mean, running_var, affine, bias, training=True, momentum=momentum, eps=eps)
     out = EAGER_ACTIVATIONS[activation](y)
     grads = _gradients(out, [x, weight, bias], inputs["dout"].to(dtype or x.dtype))
     return dict(zip(RESULTS, [out.detach(), *grads, running_mean, running_var]))
