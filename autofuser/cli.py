@@ -23,7 +23,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 
 def _list_models(args: argparse.Namespace) -> int:
@@ -190,16 +190,23 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 DEFAULT_COMPILE_MODES = ("default", "reduce-overhead")
 
 
+def comma_separated(text: str, allowed: Sequence[str], what: str, hint: str = "") -> tuple[str, ...]:
+    """An option's comma-separated names, each one of ``allowed`` (at least one);
+    ``what`` names one in the error, ``hint`` ends the error's advice."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in allowed]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(map(repr, unknown)) or f'no {what}'}: give one or more of {', '.join(allowed)}, "
+            f"comma-separated{hint}"
+        )
+    return names
+
+
 def compile_modes(text: str, hint: str = " (or --no-compile for no torch.compile column)") -> tuple[str, ...]:
     """``--compile-modes``: comma-separated torch.compile modes, each named once; ``hint``
     ends the error's advice."""
-    modes = tuple(mode.strip() for mode in text.split(",") if mode.strip())
-    unknown = [mode for mode in modes if mode not in COMPILE_MODES]
-    if unknown or not modes:
-        raise argparse.ArgumentTypeError(
-            f"{', '.join(map(repr, unknown)) or 'no mode'}: give one or more of {', '.join(COMPILE_MODES)}, "
-            f"comma-separated{hint}"
-        )
+    modes = comma_separated(text, COMPILE_MODES, "mode", hint)
     if len(set(modes)) != len(modes):
         raise argparse.ArgumentTypeError(f"{text!r} names a mode twice; name each once")
     return modes

@@ -19,6 +19,7 @@ and a write) at the measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from autofuser.cli import comma_separated
 from autofuser_plugins.conv.batch_norm_train import batch_norm_act
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,17 +44,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LAYOUTS = ("channels_last", "contiguous")
 
 
-def _choices(allowed: tuple[str, ...]):
+def _choices(allowed: tuple[str, ...], what: str):
     """An argparse type: comma-separated names, each one of ``allowed``."""
-
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(name.strip() for name in text.split(",") if name.strip())
-        unknown = [name for name in names if name not in allowed]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(allowed)}, comma-separated")
-        return names
-
-    return parse
+    return functools.partial(comma_separated, allowed=allowed, what=what)
 
 
 class Eager(nn.Module):
@@ -154,8 +148,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None)
     add_compile_modes_argument(parser)
-    parser.add_argument("--layouts", default="channels_last,contiguous", type=_choices(LAYOUTS))
-    parser.add_argument("--dtypes", default="fp32,bf16", type=_choices(tuple(DTYPES)))
+    parser.add_argument("--layouts", default="channels_last,contiguous", type=_choices(LAYOUTS, "layout"))
+    parser.add_argument("--dtypes", default="fp32,bf16", type=_choices(tuple(DTYPES), "dtype"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

@@ -1095,11 +1095,11 @@ def test_batch_norm_train_bench_picks_cases_by_name():
     """``--layouts`` and ``--dtypes`` take comma-separated names; an unknown one is
     refused with the names it could have been."""
     with benchmark_scripts("batch_norm_train") as bench:
-        assert bench._choices(bench.LAYOUTS)("channels_last") == ("channels_last",)
-        assert bench._choices(tuple(bench.DTYPES))(" bf16,fp32 ") == ("bf16", "fp32")
+        assert bench._choices(bench.LAYOUTS, "layout")("channels_last") == ("channels_last",)
+        assert bench._choices(tuple(bench.DTYPES), "dtype")(" bf16,fp32 ") == ("bf16", "fp32")
         for text in ("fp16", "", "fp32,half"):
             with pytest.raises(argparse.ArgumentTypeError, match="fp32, bf16"):
-                bench._choices(tuple(bench.DTYPES))(text)
+                bench._choices(tuple(bench.DTYPES), "dtype")(text)
 
 
 def test_fuse_options_reach_fuse_from_the_command_line(monkeypatch):
