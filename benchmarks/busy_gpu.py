@@ -45,9 +45,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from autofuser.cli import COMPILE_MODES, comma_separated
+
 LOADS = ("matmul", "compile", "fuse")
 DTYPES = ("fp32", "bf16")
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 #: Calls after compiling (and ``--busy-calls``) that the check in use may take to settle
 #: before the fused model is timed: two plans of 17 calls and the settling call, with room.
 SETTLE_CALLS = 64
@@ -110,13 +111,15 @@ def parse_args(argv: Optional[Sequence[str]] = None, known_models: Optional[Sequ
 
 
 def _choices(parser, option: str, text: str, allowed: Sequence[str], allow_all=False, unique=True) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if allow_all and names == ["all"]:
+    """``option``'s comma-separated names through the CLI's parser; ``all`` (where
+    ``allow_all``) for every name, repeats kept only where not ``unique``."""
+    if allow_all and text.strip() == "all":
         return list(allowed)
-    unknown = [n for n in names if n not in allowed]
-    if unknown or not names:
-        parser.error(f"{option}: unknown or missing {', '.join(unknown) or 'value'}; choose from {', '.join(allowed)}")
-    return list(dict.fromkeys(names)) if unique else names
+    try:
+        names = comma_separated(text, allowed, "value")
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"{option}: {error}")
+    return list(dict.fromkeys(names)) if unique else list(names)
 
 
 # ---------------------------------------------------------------------------

@@ -30,10 +30,10 @@ def test_options_default_and_checked(busy_gpu, capsys):
     )
     assert (args.models, args.dtypes, args.load) == (["unet", "fno"], ["bf16"], ["matmul", "matmul", "fuse"])
     for argv, said in [
-        (["--models", "unet,resnet"], "--models: unknown or missing resnet; choose from fno, unet, transolver"),
-        (["--dtypes", "fp16"], "--dtypes: unknown or missing fp16"),
-        (["--load", "matmul,disk"], "--load: unknown or missing disk; choose from matmul, compile, fuse"),
-        (["--load", ""], "--load: unknown or missing value"),
+        (["--models", "unet,resnet"], "--models: 'resnet': give one or more of fno, unet, transolver"),
+        (["--dtypes", "fp16"], "--dtypes: 'fp16': give one or more of fp32, bf16"),
+        (["--load", "matmul,disk"], "--load: 'disk': give one or more of matmul, compile, fuse"),
+        (["--load", ""], "--load: no value: give one or more of"),
         (["--iters", "0"], "--iters must be at least 1, got 0"),
         (["--busy-calls", "-1"], "--busy-calls must be at least 0, got -1"),
         (["--tolerance", "10"], "--tolerance is a share between 0 and 1"),
