@@ -336,8 +336,18 @@ def _differs_from_eager(
         if exact is None:
             exact = _float64_gradients(fused, inputs, grads, slots) or []
         judged = exact[index] if index < len(exact) else None
-        if judged is None or not closer_than_eager(got, want, judged, tol)[0]:
-            return f"gives input {k} a gradient off eager's by {error:.3g}"
+        missed = f"gives input {k} a gradient off eager's by {error:.3g}"
+        if judged is None:
+            return f"{missed} (no float64 judge: the group's backward doesn't run in float64)"
+        closer, off = closer_than_eager(got, want, judged, tol)
+        if not closer:
+            # Both sides' largest errors against float64, to tell which one drifted.
+            eager_off = (
+                float((want.double() - judged.to(want.device)).abs().max())
+                if judged.shape == want.shape
+                else float("nan")
+            )
+            return f"{missed}, and is not as near float64's as eager's (largest errors {off:.3g} and {eager_off:.3g})"
     return None
 
 

@@ -14,6 +14,7 @@ import copy
 import functools
 import gc
 import operator
+import re
 import weakref
 import zlib
 
@@ -1120,6 +1121,41 @@ def test_a_traced_backward_off_eagers_but_as_near_float64_is_used():
         off = (near[0], near[1] + 3 * (eager_dw - exact[1].float()).abs().max())
         found = _differs_from_eager(fused, [x, w.detach()], [g], [0, 1], off)
     assert found is not None and found.startswith("gives input 1 a gradient off eager's"), found
+    # The note says how far each side is from float64: the traced one about 4x eager's largest miss.
+    far, eager_far = (float(v) for v in re.findall(r"largest errors ([0-9.e+-]+) and ([0-9.e+-]+)\)", found)[0])
+    assert far > 3 * eager_far > 0, found
+
+
+def _single_precision_product(x, w):
+    if x.dtype == torch.float64:
+        raise RuntimeError("no float64 kernel")  # as a library op without one
+    return x @ w
+
+
+torch.fx.wrap("_single_precision_product")
+
+
+class _SinglePrecisionProduct(nn.Module):
+    def forward(self, x, w):
+        return _single_precision_product(x, w)
+
+
+def test_a_traced_backward_off_eagers_without_a_float64_judge_is_not_used():
+    """Where the group's backward doesn't run in float64 there is no judge: a traced
+    gradient off eager's is refused, and the note says there was no judge."""
+    from types import SimpleNamespace
+
+    from autofuser_core.backward import _differs_from_eager
+
+    fused = SimpleNamespace(
+        eager=torch.fx.symbolic_trace(_SinglePrecisionProduct()), live_attrs=[], attr_inputs={}, nodes=[]
+    )
+    x, w, g = torch.randn(33, 5), torch.randn(5, 7), torch.randn(33, 7)
+    right = (g @ w.T, x.T @ g)
+    assert _differs_from_eager(fused, [x, w], [g], [0, 1], right) is None
+    found = _differs_from_eager(fused, [x, w], [g], [0, 1], (right[0], right[1] + 1.0))
+    assert found is not None and found.startswith("gives input 1 a gradient off eager's"), found
+    assert found.endswith("(no float64 judge: the group's backward doesn't run in float64)"), found
 
 
 class _Cancels(nn.Module):
