@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx
 
-from autofuser import LoweringContext, Value
+from autofuser import LoweringContext, Sample, Value
 
 #: Dtypes a kernel loads and stores; anything else stays eager.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -150,3 +150,12 @@ def check_module_forward(ctx: LoweringContext, base: type) -> None:
     """Refuse a subclass of ``base`` that overrides ``forward``: it is not ``base``'s maths."""
     if type(ctx.module).forward is not base.forward:
         ctx.refuse("overridden_forward", f"{type(ctx.module).__name__} overrides {base.__name__}.forward")
+
+
+def reduction_samples(dtype: torch.dtype) -> list[Sample]:
+    """The samples every reduction over dims is checked on: a row of 37, a batch of 1
+    over 129, and 3-d shapes whose reduced dims are not powers of two."""
+    return [
+        Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
+        for shape in ((3, 37), (1, 129), (2, 5, 17), (4, 6, 9))
+    ]

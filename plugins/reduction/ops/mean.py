@@ -2,9 +2,9 @@
 
 import torch
 
-from autofuser import LoweringSpec, Sample
+from autofuser import LoweringSpec
 
-from ._common import bind, cast_to_dtype_arg, count, float_input, reduction_dims
+from ._common import bind, cast_to_dtype_arg, count, float_input, reduction_dims, reduction_samples
 
 
 def lower_mean(ctx, *args, **kwargs):
@@ -17,13 +17,6 @@ def lower_mean(ctx, *args, **kwargs):
     return ctx.pointwise("{0} / {1}", total, ctx.count(count(shape, dims)))
 
 
-def _samples(dtype):
-    return [
-        Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
-        for shape in ((3, 37), (1, 129), (2, 5, 17), (4, 6, 9))
-    ]
-
-
 SPECS = [
     LoweringSpec(
         name="reduction.mean",
@@ -31,7 +24,7 @@ SPECS = [
         targets=(torch.mean, "mean"),
         kind="reduction",
         lower=lower_mean,
-        samples=_samples,
+        samples=reduction_samples,
         references=(
             lambda x: x.mean(-1),
             lambda x: torch.mean(x, 1, keepdim=True),

@@ -2,8 +2,9 @@
 
 import torch
 
-from autofuser import LoweringSpec, Sample
+from autofuser import LoweringSpec
 
+from ._common import reduction_samples
 from .var import deviations, scaled_variance
 
 
@@ -14,13 +15,6 @@ def lower_std(ctx, *args, **kwargs):
     )
 
 
-def _samples(dtype):
-    return [
-        Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
-        for shape in ((3, 37), (1, 129), (2, 5, 17), (4, 6, 9))
-    ]
-
-
 SPECS = [
     LoweringSpec(
         name="reduction.std",
@@ -28,7 +22,7 @@ SPECS = [
         targets=(torch.std, "std"),
         kind="reduction",
         lower=lower_std,
-        samples=_samples,
+        samples=reduction_samples,
         references=(
             lambda x: x.std(-1),
             lambda x: torch.std(x, 1, keepdim=True),

@@ -2,9 +2,9 @@
 
 import torch
 
-from autofuser import LoweringSpec, Sample
+from autofuser import LoweringSpec
 
-from ._common import bind, cast_to_dtype_arg, float_input, reduction_dims
+from ._common import bind, cast_to_dtype_arg, float_input, reduction_dims, reduction_samples
 
 
 def lower_sum(ctx, *args, **kwargs):
@@ -15,13 +15,6 @@ def lower_sum(ctx, *args, **kwargs):
     return ctx.reduce("sum", x, dims, keepdim=bool(b["keepdim"]))
 
 
-def _samples(dtype):
-    return [
-        Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
-        for shape in ((3, 37), (1, 129), (2, 5, 17), (4, 6, 9))
-    ]
-
-
 SPECS = [
     LoweringSpec(
         name="reduction.sum",
@@ -29,7 +22,7 @@ SPECS = [
         targets=(torch.sum, "sum"),
         kind="reduction",
         lower=lower_sum,
-        samples=_samples,
+        samples=reduction_samples,
         references=(
             lambda x: x.sum(-1),
             lambda x: torch.sum(x, 1, keepdim=True),

@@ -7,9 +7,9 @@ catastrophically when the mean is large next to the spread. ``std`` reuses :func
 
 import torch
 
-from autofuser import LoweringSpec, Sample
+from autofuser import LoweringSpec
 
-from ._common import bind, count, float_input, reduction_dims
+from ._common import bind, count, float_input, reduction_dims, reduction_samples
 
 
 def deviations(ctx, op, args, kwargs):
@@ -88,13 +88,6 @@ def lower_var(ctx, *args, **kwargs):
     )
 
 
-def _samples(dtype):
-    return [
-        Sample(args=(torch.randn(shape, dtype=dtype),), note=f"shape {shape}")
-        for shape in ((3, 37), (1, 129), (2, 5, 17), (4, 6, 9))
-    ]
-
-
 SPECS = [
     LoweringSpec(
         name="reduction.var",
@@ -102,7 +95,7 @@ SPECS = [
         targets=(torch.var, "var"),
         kind="reduction",
         lower=lower_var,
-        samples=_samples,
+        samples=reduction_samples,
         references=(
             lambda x: x.var(-1),
             lambda x: torch.var(x, 1, keepdim=True),
