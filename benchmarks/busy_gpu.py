@@ -113,7 +113,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, known_models: Optional[Sequ
 def _choices(parser, option: str, text: str, allowed: Sequence[str], allow_all=False, unique=True) -> list[str]:
     """``option``'s comma-separated names through the CLI's parser; ``all`` (where
     ``allow_all``) for every name, repeats kept only where not ``unique``."""
-    if allow_all and text.strip() == "all":
+    if allow_all and [name.strip() for name in text.split(",") if name.strip()] == ["all"]:
         return list(allowed)
     try:
         names = comma_separated(text, allowed, "value")
