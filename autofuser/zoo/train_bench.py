@@ -289,6 +289,36 @@ def allocated_mb(device: torch.device) -> Optional[float]:
 ROUND_STEPS = 5  # one system's timed steps in a row before the next system's
 
 
+class RunnerState(NamedTuple):
+    """What a fused module runs, as far as a benchmark can see from outside."""
+
+    signatures: int  # compiled signatures
+    checking: bool  # a check in use under way
+    runs_original: bool  # the last call's signature runs the original model
+    notes: int  # notes in that signature's report
+
+    @classmethod
+    def of(cls, fused: Any) -> "RunnerState":
+        report = fused.report()
+        return cls(len(fused.reports()), fused.checking_in_use, report.runs_original, len(report.notes))
+
+    def changes(self, fused: Any) -> Optional[str]:
+        """What ``fused`` does differently now than when this state was taken (a sentence,
+        with the report's new notes), or ``None``."""
+        now = RunnerState.of(fused)
+        if now == self:
+            return None
+        said = []
+        if now.signatures != self.signatures:
+            said.append(f"{now.signatures - self.signatures} more signature(s) compiled")
+        if now.checking:
+            said.append("a check in use was under way")
+        if now.runs_original != self.runs_original:
+            said.append("it now runs the " + ("original model" if now.runs_original else "fused model"))
+        notes = fused.report().notes[self.notes :] if now.signatures == self.signatures else fused.report().notes
+        return "; ".join(said + list(notes)) or "its report changed"
+
+
 def _timed_block(step: TrainingStep, steps: int, device: torch.device) -> tuple[list[float], Optional[float]]:
     """(ms of each of ``steps`` steps, MB of CUDA memory they add at their peak over what was
     allocated before them; None on a CPU)."""
@@ -389,7 +419,9 @@ def bench_training_model(
         compile_modes=compile_modes,
         no_compile=no_compile,
     )
-    autofuser_cell = start_autofuser_cell(row, first_step_warm_s=None, settle_steps=None, warm_notes=None)
+    autofuser_cell = start_autofuser_cell(
+        row, first_step_warm_s=None, settle_steps=None, warm_notes=None, changed_while_timed=None
+    )
     prepared = prepare_model(row, dtype=dtype, device=device)
     if prepared is None:
         return row
@@ -407,6 +439,8 @@ def bench_training_model(
         )
 
     reference: Optional[FirstStep] = None
+    # AutoFuser's timed module and what it ran once settled, to see whether that held.
+    settled: Optional[tuple[Any, RunnerState]] = None
 
     steps: dict[str, TrainingStep] = {}  # each system whose first step ran, timed together at the end
     # Each system's first step, and the same step run again by what its timed steps run, for
@@ -445,6 +479,7 @@ def bench_training_model(
         check("eager", step, reference)
 
     def run_autofuser() -> None:
+        nonlocal settled
         shutil.rmtree(cache_dir, ignore_errors=True)
         cache_dir.mkdir(parents=True)
         progress(f"{name}: AutoFuser training step, cold cache {cache_dir}")
@@ -466,6 +501,7 @@ def bench_training_model(
         autofuser_cell["warm_cache_hits"] = sum(g.cache_hit for g in warm.report().fused)
         # Whether the checked and timed module runs its kernels or, not being faster, the original.
         autofuser_cell["warm_notes"] = list(warm.report().notes)
+        settled = warm, RunnerState.of(warm)
         # The first step may have run the original while the check in use was under way: the
         # settled runner, which the timed steps run, is checked on the first step's weights too.
         again = step.rerun_from(model, base.state_dict())
@@ -512,6 +548,13 @@ def bench_training_model(
                 noisy=measured["noisy"],
                 step_times_ms=measured["step_times_ms"],
             )
+    if settled is not None:
+        # The other systems' steps run between AutoFuser's timed ones: a recompile or a check
+        # started again there would make its timed steps a mix of runners, not what it settled on.
+        changed = settled[1].changes(settled[0])
+        if changed is not None:
+            autofuser_cell["changed_while_timed"] = changed
+            progress(f"{name}: AutoFuser changed while its steps were timed: {changed}")
     fill_speedups(row, "step_ms")
     steps.clear()
     torch._dynamo.reset()
@@ -614,4 +657,8 @@ def render_training_markdown(result: dict[str, Any]) -> str:
         )
         errors += row_errors(row)
     lines += table_lines(columns, table + [geomean_cells(columns, result, speedup_columns(result))])
+    changed = [(row["model"], row["systems"]["autofuser"].get("changed_while_timed")) for row in result["rows"]]
+    if any(text for _, text in changed):
+        lines += ["", "AutoFuser's timed steps did not all run what its first steps settled on:"]
+        lines += [f"- {model}: {text}" for model, text in changed if text]
     return "\n".join(lines + footer_lines(result, errors))

@@ -261,6 +261,7 @@ def test_train_bench_json_has_training_cells_and_small_errors(train_run):
         assert math.isfinite(fused["step_ms"]) and fused["step_ms"] > 0 and fused["speedup"] > 0
         assert fused["first_step_s"] > 0 and fused["first_step_warm_s"] > 0
         assert isinstance(fused["warm_notes"], list)
+        assert fused["changed_while_timed"] is None  # its timed steps ran what it settled on
         assert fused["rel_err_vs_eager"] < 1e-4, row["model"]
         assert fused["grad_rel_err_vs_eager"] < FP32_GRADIENT_TOLERANCE, row["model"]
         assert abs(fused["loss"] - eager["loss"]) < 1e-4 * eager["loss"]
@@ -375,6 +376,56 @@ def test_autofuser_errors_count_what_the_timed_calls_run_not_only_the_first(tmp_
     errors = [cell["rel_err_vs_eager"]] + ([cell["grad_rel_err_vs_eager"]] if train else [])
     for error in errors:
         assert math.isnan(error) if math.isnan(drift) else 5e-3 < error < 2e-2
+
+
+def test_train_bench_says_when_autofuser_changed_while_its_steps_were_timed(tmp_path, monkeypatch):
+    """A recompile between the timed steps (a signature the first steps never saw) makes
+    them a mix of runners: the cell and the table say so."""
+    real_fuse = autofuser.fuse
+
+    def changing_fuse(model, *args, **kwargs):
+        fused = real_fuse(model, *args, **{"plugins": [], **kwargs})  # nothing fused: fast
+        forward, calls = fused.forward, []
+
+        def changing(*inputs, **named):
+            calls.append(1)
+            if len(calls) == 3:  # the first step, its rerun, then the first timed step
+                next(fused.model.children()).eval()  # a new signature: the modules' modes differ
+            return forward(*inputs, **named)
+
+        fused.forward = changing
+        return fused
+
+    monkeypatch.setattr(autofuser, "fuse", changing_fuse)
+    result = _tiny_fno_bench(tmp_path, train=True, iters=2)
+    (row,) = result["rows"]
+    cell = row["systems"]["autofuser"]
+    assert cell["status"] == "ok", cell.get("error")
+    assert cell["changed_while_timed"].startswith("1 more signature(s) compiled")
+    assert f"- fno: {cell['changed_while_timed']}" in result["markdown"]
+
+
+def test_runner_state_names_each_change():
+    class Report:
+        def __init__(self, runs_original, notes):
+            self.runs_original, self.notes = runs_original, notes
+
+    class Fused:
+        def __init__(self, reports, checking=False):
+            self._reports, self.checking_in_use = reports, checking
+
+        def report(self):
+            return self._reports[-1]
+
+        def reports(self):
+            return self._reports
+
+    before = train_bench.RunnerState.of(Fused([Report(False, ["compiled"])]))
+    assert before.changes(Fused([Report(False, ["compiled"])])) is None
+    settled_later = Fused([Report(True, ["compiled", "training step in use: the original runs"])])
+    assert before.changes(settled_later) == "it now runs the original model; training step in use: the original runs"
+    again = Fused([Report(False, ["compiled"]), Report(False, ["new"])], checking=True)
+    assert before.changes(again) == "1 more signature(s) compiled; a check in use was under way; new"
 
 
 def test_train_and_train_steps_are_told_apart(tmp_path, capsys):
