@@ -768,7 +768,7 @@ def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, dev
     slower = []
     # Groups alike (the layers of a stack) share one backward and one timing: built and
     # timed for the first of them (``_alike``).
-    done: dict[str, tuple[Any, Optional[tuple[float, float]]]] = {}
+    done: dict[str, tuple[Any, Optional[tuple[float, float, bool]]]] = {}
     for index, job in enumerate(jobs, 1):
         assert job.fused is not None and job.samples is not None
         inputs, outputs = job.samples
@@ -801,7 +801,10 @@ def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, dev
                 for name, seconds in found.phases.items():
                     report.backward_phases[name] = report.backward_phases.get(name, 0.0) + seconds
             timed_s = time.perf_counter()
-            times = _step_times(timer, job.fused, inputs) if timer.can_time(device, options) else None
+            times = None
+            if timer.can_time(device, options):
+                # Captured where the step may replay as CUDA graphs (the timer says where it can't).
+                times = _step_times(timer, job.fused, inputs, options.cuda_graphs)
             if times is not None:  # each group with its backward against eager's (the "backward" phase's rest)
                 report.backward_phases["time_groups"] = (
                     report.backward_phases.get("time_groups", 0.0) + time.perf_counter() - timed_s
@@ -813,12 +816,13 @@ def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, dev
             # A group costs its forward and its backward: both sides timed as one step
             # (the whole step is checked again in fuse.py).
             entry.timed = "forward+backward"
-            entry.time_fused_ms, entry.time_eager_ms = times
+            entry.time_fused_ms, entry.time_eager_ms, entry.timed_in_graph = times
             if entry.time_fused_ms >= entry.time_eager_ms:
                 entry.fused, entry.reason_code = False, "slower"
+                graphed = ", each replayed as a CUDA graph" if entry.timed_in_graph else ""
                 entry.reason = (
                     f"forward and backward fused {entry.time_fused_ms:.4f} ms vs eager "
-                    f"{entry.time_eager_ms:.4f} ms: kept eager for speed while gradients are on"
+                    f"{entry.time_eager_ms:.4f} ms{graphed}: kept eager for speed while gradients are on"
                 )
                 slower.append(job.fused)
     return slower
@@ -872,13 +876,25 @@ def _alike(fused: FusedKernel, inputs: Sequence[torch.Tensor]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _step_times(timer: timing.Timer, fused: FusedKernel, inputs: Sequence[torch.Tensor]) -> tuple[float, float]:
-    """(fused ms, eager ms) of one group's forward and backward on ``inputs`` (the kernel's
-    inputs), every floating-point one needing gradients on both sides."""
+def _step_times(
+    timer: timing.Timer, fused: FusedKernel, inputs: Sequence[torch.Tensor], graphs: bool
+) -> tuple[float, float, bool]:
+    """(fused ms, eager ms, whether both ran as CUDA graphs) of one group's forward and
+    backward on ``inputs`` (the kernel's inputs), every floating-point one needing
+    gradients on both sides. Where the step will replay as CUDA graphs (``graphs``), each
+    side is timed captured as one graph, as it will run: a short group's launches cost
+    the host more than the GPU its kernels, and in a graph the host pays none of them
+    (BENCHMARKS.md, "Training"). Where either side can't be captured, both are timed
+    launched."""
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     fused_step = timing.TrainingStep(lambda *a: RecomputeForBackward.apply(fused, *a), fused=True)
     eager_step = timing.TrainingStep(lambda *a: run_eager(fused, a))
-    return timer.bench(fused_step, *leaves), timer.bench(eager_step, *leaves)
+    if graphs:
+        fused_ms = timer.graph_ms(fused_step, *leaves)
+        eager_ms = timer.graph_ms(eager_step, *leaves) if fused_ms is not None else None
+        if fused_ms is not None and eager_ms is not None:
+            return fused_ms, eager_ms, True
+    return timer.bench(fused_step, *leaves), timer.bench(eager_step, *leaves), False
 
 
 def _ms(value: Optional[float]) -> float:

@@ -50,6 +50,9 @@ class GroupEntry(BaseModel):
     # What the two times measure: the group's forward, or (with gradients on) its forward
     # and its backward as one step.
     timed: Literal["forward", "forward+backward"] = "forward"
+    # Whether both sides were timed captured as one CUDA graph each and replayed (the GPU's
+    # time alone, as a step replayed as CUDA graphs runs), not launched op by op.
+    timed_in_graph: bool = False
     time_eager_ms: Optional[float] = None
     time_fused_ms: Optional[float] = None
     max_error: Optional[float] = None
@@ -235,6 +238,7 @@ def _group_lines(report: FusionReport, k: int, g: GroupEntry) -> list[str]:
         facts.append(f"memory traffic {format_bytes(g.bytes_before)} -> {format_bytes(g.bytes_after)} (predicted)")
     if g.time_eager_ms is not None and g.time_fused_ms is not None:
         both = " forward and backward (f+b)" if g.timed == "forward+backward" else ""
+        both += ", each as one CUDA graph" if g.timed_in_graph else ""
         facts.append(f"{g.time_fused_ms:.3f} ms fused vs {g.time_eager_ms:.3f} ms eager{both}")
     if g.kernel:
         facts.append(f"kernel {g.kernel}" + (" (tuned config from the cache)" if g.cache_hit else ""))

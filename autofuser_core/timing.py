@@ -84,6 +84,41 @@ def bench(fn, *args, rep_ms: float = 20) -> float:
     return median_call_ms(call, calls, warmup=0, before=flush.zero_)
 
 
+def graph_ms(fn, *args, rep_ms: float = 20) -> Optional[float]:
+    """Milliseconds of one replay of ``fn(*args)`` captured as one CUDA graph (``bench`` of
+    the replay: the GPU's time, no launch on the host), or ``None`` where it can't be
+    captured (an argument not on a GPU, a host sync, an op a graph can't hold). Two calls
+    on a side stream warm it up first (lazy initialisations must not be captured); the
+    graph and its memory go when it is timed."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors or any(not t.is_cuda for t in tensors):
+        return None
+    cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)  # a cached cast would live outside the graph's pool
+    try:
+        with _on_device(args):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    fn(*args)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # Only this thread's calls may break the capture (another thread's, on its own
+            # stream, neither breaks it nor is captured).
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                fn(*args)
+    except Exception:  # noqa: BLE001 - not capturable: the caller times it launched
+        torch.cuda.synchronize()
+        return None
+    finally:
+        torch.set_autocast_cache_enabled(cache)
+    try:
+        return bench(graph.replay, rep_ms=rep_ms)
+    finally:
+        del graph
+
+
 def _on_device(args: Sequence[Any]):
     """A context making the device of the first CUDA tensor in ``args`` current (none: the
     current device stays)."""
@@ -134,6 +169,12 @@ class Timer:
         """Milliseconds one call of ``fn(*args)`` takes (``bench``); ``rep_ms``: about how
         long to spend measuring a short call."""
         return bench(fn, *args, rep_ms=rep_ms)
+
+    def graph_ms(self, fn, *args, rep_ms: float = 20) -> Optional[float]:
+        """Milliseconds of one replay of ``fn(*args)`` captured as one CUDA graph, or ``None``
+        where it can't be captured (``graph_ms``): a training step's groups, when the step
+        will replay as CUDA graphs, where launching costs the host nothing."""
+        return graph_ms(fn, *args, rep_ms=rep_ms)
 
     def can_tune(self, device: torch.device, options) -> bool:
         """Whether to tune a kernel's configs: only on a GPU (the interpreter's timings

@@ -66,10 +66,14 @@ class StandInTimer(Timer):
     ``forwards`` (it runs once, as a real measurement runs it; one call is queued in no
     time); else whole forwards are timed as the GPU's ``Timer`` times them. ``in_use``:
     where given, training steps in use are timed on any device (``in_use(fused)`` ms a
-    call of the fused model or the original)."""
+    call of the fused model or the original). ``graph``: where given, a training step's
+    groups are timed as captured CUDA graphs on any device (``graph(fn)`` ms a replay of
+    ``fn``, or None: not capturable), each kept in ``graphed``; else as the GPU's ``Timer``
+    does (never on a CPU)."""
 
-    def __init__(self, bench=None, tune: bool = True, time: bool = False, forward=None, in_use=None):
+    def __init__(self, bench=None, tune: bool = True, time: bool = False, forward=None, in_use=None, graph=None):
         self.timed: list = []
+        self._graph, self.graphed = graph, []
         self.forwards: list = []
         self._ms, self._tune, self._time, self._forward = bench, tune, time, forward
         # in_use(fused): ms of one call of a training step in use, as the user calls it; each
@@ -81,6 +85,12 @@ class StandInTimer(Timer):
         if self._ms is not None:
             return self._ms(fn, *args)
         return 1.0 + (0.1 * len(self.timed)) % 0.7
+
+    def graph_ms(self, fn, *args, rep_ms: float = 20):
+        if self._graph is None:
+            return super().graph_ms(fn, *args, rep_ms=rep_ms)
+        self.graphed.append(fn)
+        return self._graph(fn)
 
     def can_tune(self, device, options) -> bool:
         return self._tune and options.tune

@@ -214,3 +214,20 @@ def test_gradients_of_gradients_through_a_replayed_call_match_eager():
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
     assert graph.pending == 0
+
+
+def test_a_group_step_is_timed_as_a_replayed_graph_or_not_at_all():
+    """``timing.graph_ms``: a forward and backward captured as one graph and its replays
+    timed; a step that syncs the host can't be captured (None), and the device is left
+    usable."""
+    from autofuser_core.timing import TrainingStep, graph_ms
+
+    model = Block().cuda()
+    x = torch.randn(3, 29, 37, device="cuda", requires_grad=True)
+    step = TrainingStep(model, list(model.parameters()))
+    ms = graph_ms(step, x)
+    assert ms is not None and 0 < ms < 100
+    synced = TrainingStep(lambda t: model(t) * float(t.sum()), list(model.parameters()))
+    assert graph_ms(synced, x) is None
+    assert graph_ms(step, x.cpu()) is None  # not on a GPU
+    assert torch.isfinite(model(x)).all()
