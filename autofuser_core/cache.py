@@ -527,11 +527,17 @@ def _check_tuning(entry: dict[str, Any]) -> None:
         raise CacheError("its timings are not a list")
     speed = entry.get("speed")
     if speed is not None and not (
-        isinstance(speed, dict)
-        and set(speed) == {"fused_ms", "eager_ms"}
-        and all(isinstance(v, (int, float)) and v > 0 for v in speed.values())
+        isinstance(speed, dict) and set(speed) in _SPEED_KEYS and all(_finite_ms(v) for v in speed.values())
     ):
         raise CacheError("its fused-vs-eager timing is malformed")
+
+
+#: A tuning entry's fused-vs-eager times: launched, as CUDA graphs, or both, each as a pair.
+_SPEED_KEYS = (
+    {"fused_ms", "eager_ms"},
+    {"graph_fused_ms", "graph_eager_ms"},
+    {"fused_ms", "eager_ms", "graph_fused_ms", "graph_eager_ms"},
+)
 
 
 #: How one decision of a verdict entry was measured: every field, and its type.

@@ -35,7 +35,7 @@ import math
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx
@@ -621,24 +621,27 @@ def _verify_round(
         if entry.fused and backward:
             job.samples = samples  # its backward is built, and the group timed with it, in _fuse_backwards
         elif entry.fused and timer.can_time(device, options):
-            if tuned.speed is not None:  # measured when this kernel was tuned for this GPU and these versions
-                entry.time_fused_ms, entry.time_eager_ms = tuned.speed["fused_ms"], tuned.speed["eager_ms"]
-            else:
-                entry.time_fused_ms = timer.bench(job.fused.launch, *kernel_inputs)
-                entry.time_eager_ms = timer.bench(job.eager, *kernel_inputs)
+            # Measured when this kernel was tuned for this GPU and these versions, the way
+            # this compile times groups (as CUDA graphs or launched), or timed now.
+            times = cached_speed(tuned.speed, options.cuda_graphs)
+            if times is None:
+                times = _group_times(timer, job.fused.launch, job.eager, kernel_inputs, options.cuda_graphs)
                 if tuned.key is not None:
                     write_tuning(
                         cache_dir(options.cache_dir),
                         tuned.key,
                         config,
                         tuned.timings,
-                        speed={"fused_ms": entry.time_fused_ms, "eager_ms": entry.time_eager_ms},
+                        speed=speed_record(tuned.speed, times),
                         config_limit=tuned.config_limit,
                     )
+            entry.time_fused_ms, entry.time_eager_ms, entry.timed_in_graph = times
             if entry.time_fused_ms >= entry.time_eager_ms:
                 entry.fused, entry.reason_code = False, "slower"
+                graphed = ", each replayed as a CUDA graph" if entry.timed_in_graph else ""
                 entry.reason = (
-                    f"fused {entry.time_fused_ms:.4f} ms vs eager {entry.time_eager_ms:.4f} ms: kept eager for speed"
+                    f"fused {entry.time_fused_ms:.4f} ms vs eager {entry.time_eager_ms:.4f} ms{graphed}: "
+                    "kept eager for speed"
                 )
 
     try:
@@ -889,12 +892,50 @@ def _step_times(
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     fused_step = timing.TrainingStep(lambda *a: RecomputeForBackward.apply(fused, *a), fused=True)
     eager_step = timing.TrainingStep(lambda *a: run_eager(fused, a))
+    return _group_times(timer, fused_step, eager_step, leaves, graphs)
+
+
+def _group_times(
+    timer: timing.Timer, fused: Callable, eager: Callable, args: Sequence[Any], graphs: bool
+) -> tuple[float, float, bool]:
+    """(fused ms, eager ms, whether both were timed as CUDA graphs) of a group's two sides
+    called on ``args``: captured as one CUDA graph each and replayed where the model may
+    replay as graphs (``graphs``: ``options.cuda_graphs``) and both sides can be captured
+    (the timer says which can), else launched. A short group's launches can cost the
+    host more than its kernels cost the GPU, which a replayed graph never pays."""
     if graphs:
-        fused_ms = timer.graph_ms(fused_step, *leaves)
-        eager_ms = timer.graph_ms(eager_step, *leaves) if fused_ms is not None else None
+        fused_ms = timer.graph_ms(fused, *args)
+        eager_ms = timer.graph_ms(eager, *args) if fused_ms is not None else None
         if fused_ms is not None and eager_ms is not None:
             return fused_ms, eager_ms, True
-    return timer.bench(fused_step, *leaves), timer.bench(eager_step, *leaves), False
+    return timer.bench(fused, *args), timer.bench(eager, *args), False
+
+
+def cached_speed(speed: Optional[dict], graphs: bool) -> Optional[tuple[float, float, bool]]:
+    """A tuning entry's fused and eager times, as ``_group_times`` gives them, or ``None``
+    to time them now: where this compile times as CUDA graphs (``graphs``), the pair timed
+    as graphs, else the pair timed launched (a side could not be captured when it was
+    timed); without ``graphs``, the pair timed launched only."""
+    if speed is None:
+        return None
+    if graphs and "graph_fused_ms" in speed:
+        return speed["graph_fused_ms"], speed["graph_eager_ms"], True
+    if "fused_ms" not in speed:
+        return None
+    return speed["fused_ms"], speed["eager_ms"], False
+
+
+def speed_record(known: Optional[dict], times: tuple[float, float, bool]) -> dict[str, float]:
+    """``known`` (a tuning entry's times, or None) with ``times`` added: the pair for the way
+    they were measured (``graph_fused_ms``/``graph_eager_ms`` or ``fused_ms``/``eager_ms``)."""
+    fused_ms, eager_ms, in_graph = times
+    record = dict(known or {})
+    record.update(
+        {"graph_fused_ms": fused_ms, "graph_eager_ms": eager_ms}
+        if in_graph
+        else {"fused_ms": fused_ms, "eager_ms": eager_ms}
+    )
+    return record
 
 
 def _ms(value: Optional[float]) -> float:

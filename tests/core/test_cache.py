@@ -1009,3 +1009,50 @@ def test_each_config_is_timed_once_it_is_compiled_ahead(tmp_path, monkeypatch, g
     assert len(set(waits)) == len(waits)  # each config waited for once
     assert report.phases["parallel_compile"] >= 0.05 * len(waits) - 1e-6
     assert all(g.tuning_s < 0.05 * len(waits) for g in report.fused)
+
+
+@pytest.mark.parametrize(
+    "speed, valid",
+    [
+        ({"fused_ms": 1.5, "eager_ms": 2.0}, True),
+        ({"graph_fused_ms": 0.5, "graph_eager_ms": 2.0}, True),
+        ({"fused_ms": 1.5, "eager_ms": 2.0, "graph_fused_ms": 0.5, "graph_eager_ms": 2.0}, True),
+        ({"graph_fused_ms": 0.5}, False),  # half a pair
+        ({"fused_ms": 1.5, "eager_ms": 2.0, "graph_fused_ms": 0.5}, False),
+        ({"fused_ms": 1.5, "eager_ms": True}, False),
+        ({"fused_ms": 1.5, "eager_ms": float("inf")}, False),
+        ({"fused_ms": -1.0, "eager_ms": 2.0}, False),
+        ({"fused_ms": 1.5, "eager_ms": 2.0, "other": 1.0}, False),
+        ([1.5, 2.0], False),
+    ],
+)
+def test_a_tuning_entrys_fused_vs_eager_times_are_checked_before_use(speed, valid):
+    """The cache folder is untrusted: a tuning entry's times are whole pairs of positive,
+    finite milliseconds, launched, as CUDA graphs, or both; anything else is refused as
+    corrupt (and timed again)."""
+    from autofuser_core.cache import CacheError, _check_tuning
+
+    entry = {"config": {"BLOCK": 64}, "timings": [], "speed": speed}
+    if valid:
+        _check_tuning(entry)
+    else:
+        with pytest.raises(CacheError, match="fused-vs-eager timing is malformed"):
+            _check_tuning(entry)
+
+
+def test_cached_group_times_are_used_as_the_compile_times_them():
+    """Where a compile times groups as CUDA graphs, a cached pair timed as graphs is used,
+    else the launched pair (a side could not be captured); without graphs, only the
+    launched pair; a new measurement adds its pair beside the other."""
+    from autofuser_core.compile import cached_speed, speed_record
+
+    launched = speed_record(None, (1.5, 2.0, False))
+    assert launched == {"fused_ms": 1.5, "eager_ms": 2.0}
+    both = speed_record(launched, (0.5, 1.9, True))
+    assert both == {"fused_ms": 1.5, "eager_ms": 2.0, "graph_fused_ms": 0.5, "graph_eager_ms": 1.9}
+    assert cached_speed(both, graphs=True) == (0.5, 1.9, True)
+    assert cached_speed(both, graphs=False) == (1.5, 2.0, False)
+    assert cached_speed(launched, graphs=True) == (1.5, 2.0, False)
+    graph_only = speed_record(None, (0.5, 1.9, True))
+    assert cached_speed(graph_only, graphs=False) is None  # never timed launched: time it now
+    assert cached_speed(None, graphs=True) is None

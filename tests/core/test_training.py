@@ -417,45 +417,58 @@ def test_a_group_slower_with_its_backward_stays_eager_in_training(tmp_path, use_
     assert any(isinstance(fn, __import__("autofuser_core.timing").timing.TrainingStep) for fn in timer.timed)
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
 @pytest.mark.parametrize("capturable", [True, False], ids=["captured", "not capturable"])
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "no graphs"])
-def test_a_group_is_timed_as_a_cuda_graph_where_the_step_replays_as_one(tmp_path, use_timer, cuda_graphs, capturable):
+def test_a_group_is_timed_as_a_cuda_graph_where_the_model_replays_as_one(
+    tmp_path, use_timer, cuda_graphs, capturable, training
+):
     """A short group's launches can cost the host more than its kernels cost the GPU; in a
-    step replayed as CUDA graphs the host pays none of them. So where the step may replay
-    as graphs, each group's forward and backward is timed captured as one graph on both
-    sides; launched where graphs are off or a side can't be captured."""
+    step or forward replayed as CUDA graphs the host pays none of them. So where it may
+    replay as graphs, each group (with its backward, in training) is timed captured as one
+    graph on both sides; launched where graphs are off or a side can't be captured."""
     from _helpers import StandInTimer
 
+    from autofuser_core.launch import FusedKernel
+
+    def fused_side(fn) -> bool:  # a training step's fused side, or a kernel's launch
+        return getattr(fn, "fused", False) or isinstance(getattr(fn, "__self__", None), FusedKernel)
+
     def graph(fn):
-        if not capturable and getattr(fn, "fused", False):
+        if not capturable and fused_side(fn):
             return None
-        return 0.5 if getattr(fn, "fused", False) else 1.0  # on the GPU alone the fused side wins
+        return 0.5 if fused_side(fn) else 1.0  # on the GPU alone the fused side wins
 
     timer = use_timer(
         StandInTimer(
             tune=False,
             time=True,
-            bench=lambda fn, *args: 2.0 if getattr(fn, "fused", False) else 1.0,  # launched it loses
+            bench=lambda fn, *args: 2.0 if fused_side(fn) else 1.0,  # launched it loses
             forward=lambda fn: 1.0,
             graph=graph,
         )
     )
     model, x = _NormChain(), torch.randn(3, 5, 23)
     fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False, cuda_graphs=cuda_graphs)
-    _train_once(fused, model, x)
+    if training:
+        _train_once(fused, model, x)
+    else:
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), model(x))
     report = fused.report()
     timed = [g for g in report.groups if g.time_fused_ms is not None and g.phase == "forward"]
     assert timed, str(report)
     in_graph = cuda_graphs and capturable
     for g in timed:
-        assert g.timed == "forward+backward" and g.timed_in_graph is in_graph, str(report)
+        assert g.timed == ("forward+backward" if training else "forward"), str(report)
+        assert g.timed_in_graph is in_graph, str(report)
         assert (g.time_fused_ms, g.time_eager_ms) == ((0.5, 1.0) if in_graph else (2.0, 1.0))
         assert (g.reason_code == "fused") is in_graph, str(report)
     assert bool(timer.graphed) is cuda_graphs  # asked only where the step may replay as graphs
     if in_graph:
-        assert "each as one CUDA graph" in str(report)
+        assert "each as one CUDA graph" in str(report) or not training
     else:
-        assert "kept eager for speed while gradients are on" in timed[0].reason
+        assert "kept eager for speed" in timed[0].reason
 
 
 def test_the_whole_training_step_decides_and_its_verdict_is_cached(tmp_path, use_timer):
