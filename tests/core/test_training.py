@@ -427,9 +427,9 @@ def test_a_group_is_timed_as_a_cuda_graph_where_the_model_replays_as_one(
     step or forward replayed as CUDA graphs the host pays none of them. So where it may
     replay as graphs, each group (with its backward, in training) is timed captured as one
     graph on both sides; launched where graphs are off or a side can't be captured."""
-    from _helpers import StandInTimer
-
     from autofuser_core.launch import FusedKernel
+
+    from _helpers import StandInTimer
 
     def fused_side(fn) -> bool:  # a training step's fused side, or a kernel's launch
         return getattr(fn, "fused", False) or isinstance(getattr(fn, "__self__", None), FusedKernel)
