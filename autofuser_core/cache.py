@@ -527,14 +527,19 @@ def _check_tuning(entry: dict[str, Any]) -> None:
         raise CacheError("its timings are not a list")
     speed = entry.get("speed")
     if speed is not None and not (
-        isinstance(speed, dict) and set(speed) in _SPEED_KEYS and all(_finite_ms(v) for v in speed.values())
+        isinstance(speed, dict)
+        and set(speed) in _SPEED_KEYS
+        and all(_finite_ms(v) for k, v in speed.items() if k != "graph_refused")
+        and speed.get("graph_refused", True) is True
     ):
         raise CacheError("its fused-vs-eager timing is malformed")
 
 
-#: A tuning entry's fused-vs-eager times: launched, as CUDA graphs, or both, each as a pair.
+#: A tuning entry's fused-vs-eager times: launched (with ``graph_refused`` where capturing
+#: them failed), as CUDA graphs, or both, each as a pair.
 _SPEED_KEYS = (
     {"fused_ms", "eager_ms"},
+    {"fused_ms", "eager_ms", "graph_refused"},
     {"graph_fused_ms", "graph_eager_ms"},
     {"fused_ms", "eager_ms", "graph_fused_ms", "graph_eager_ms"},
 )
@@ -634,7 +639,7 @@ def write_tuning(
     key: dict[str, Any],
     config: dict[str, int],
     timings: list[dict[str, Any]],
-    speed: Optional[dict[str, float]] = None,
+    speed: Optional[dict[str, Any]] = None,
     config_limit: Optional[int] = None,
 ) -> None:
     """Store a tuning result; ``speed`` is the group's measured fused and eager times, so a

@@ -623,16 +623,17 @@ def _verify_round(
         elif entry.fused and timer.can_time(device, options):
             # Measured when this kernel was tuned for this GPU and these versions, the way
             # this compile times groups (as CUDA graphs or launched), or timed now.
-            times = cached_speed(tuned.speed, options.cuda_graphs)
+            graphs = options.cuda_graphs and not job.fused.host_scalars  # a host copy can't be captured
+            times = cached_speed(tuned.speed, graphs)
             if times is None:
-                times = _group_times(timer, job.fused.launch, job.eager, kernel_inputs, options.cuda_graphs)
+                times = _group_times(timer, job.fused.launch, job.eager, kernel_inputs, graphs)
                 if tuned.key is not None:
                     write_tuning(
                         cache_dir(options.cache_dir),
                         tuned.key,
                         config,
                         tuned.timings,
-                        speed=speed_record(tuned.speed, times),
+                        speed=speed_record(tuned.speed, times, graphs),
                         config_limit=tuned.config_limit,
                     )
             entry.time_fused_ms, entry.time_eager_ms, entry.timed_in_graph = times
@@ -806,8 +807,10 @@ def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, dev
             timed_s = time.perf_counter()
             times = None
             if timer.can_time(device, options):
-                # Captured where the step may replay as CUDA graphs (the timer says where it can't).
-                times = _step_times(timer, job.fused, inputs, options.cuda_graphs)
+                # Captured where the step may replay as CUDA graphs (the timer says where it
+                # can't; a kernel copying a host scalar can't be).
+                graphs = options.cuda_graphs and not job.fused.host_scalars
+                times = _step_times(timer, job.fused, inputs, graphs)
             if times is not None:  # each group with its backward against eager's (the "backward" phase's rest)
                 report.backward_phases["time_groups"] = (
                     report.backward_phases.get("time_groups", 0.0) + time.perf_counter() - timed_s
@@ -914,27 +917,30 @@ def _group_times(
 def cached_speed(speed: Optional[dict], graphs: bool) -> Optional[tuple[float, float, bool]]:
     """A tuning entry's fused and eager times, as ``_group_times`` gives them, or ``None``
     to time them now: where this compile times as CUDA graphs (``graphs``), the pair timed
-    as graphs, else the pair timed launched (a side could not be captured when it was
-    timed); without ``graphs``, the pair timed launched only."""
+    as graphs, or the launched pair where capturing was tried and failed
+    (``graph_refused``); without ``graphs``, the launched pair."""
     if speed is None:
         return None
     if graphs and "graph_fused_ms" in speed:
         return speed["graph_fused_ms"], speed["graph_eager_ms"], True
-    if "fused_ms" not in speed:
-        return None
+    if "fused_ms" not in speed or (graphs and not speed.get("graph_refused")):
+        return None  # never timed this way (an entry from a compile without graphs: capture now)
     return speed["fused_ms"], speed["eager_ms"], False
 
 
-def speed_record(known: Optional[dict], times: tuple[float, float, bool]) -> dict[str, float]:
+def speed_record(known: Optional[dict], times: tuple[float, float, bool], graphs: bool) -> dict[str, Any]:
     """``known`` (a tuning entry's times, or None) with ``times`` added: the pair for the way
-    they were measured (``graph_fused_ms``/``graph_eager_ms`` or ``fused_ms``/``eager_ms``)."""
+    they were measured (``graph_fused_ms``/``graph_eager_ms`` or ``fused_ms``/``eager_ms``),
+    and ``graph_refused`` where they were to be timed as graphs (``graphs``) and could not."""
     fused_ms, eager_ms, in_graph = times
-    record = dict(known or {})
-    record.update(
-        {"graph_fused_ms": fused_ms, "graph_eager_ms": eager_ms}
-        if in_graph
-        else {"fused_ms": fused_ms, "eager_ms": eager_ms}
-    )
+    record: dict[str, Any] = dict(known or {})
+    if in_graph:
+        record.update(graph_fused_ms=fused_ms, graph_eager_ms=eager_ms)
+        record.pop("graph_refused", None)
+    else:
+        record.update(fused_ms=fused_ms, eager_ms=eager_ms)
+        if graphs:
+            record["graph_refused"] = True
     return record
 
 

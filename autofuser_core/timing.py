@@ -89,12 +89,15 @@ def graph_ms(fn, *args, rep_ms: float = 20) -> Optional[float]:
     the replay: the GPU's time, no launch on the host), or ``None`` where it can't be
     captured (an argument not on a GPU, a host sync, an op a graph can't hold). Two calls
     on a side stream warm it up first (lazy initialisations must not be captured); the
-    graph and its memory go when it is timed."""
+    graph and its memory go when it is timed. Captured on that stream with
+    ``capture_begin``/``capture_end``, not ``torch.cuda.graph``, whose entry waits for the
+    device and empties the allocator's cache: a compile times two captures per group."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not tensors or any(not t.is_cuda for t in tensors):
         return None
     cache = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)  # a cached cast would live outside the graph's pool
+    graph = torch.cuda.CUDAGraph()
     try:
         with _on_device(args):
             stream = torch.cuda.Stream()
@@ -102,14 +105,17 @@ def graph_ms(fn, *args, rep_ms: float = 20) -> Optional[float]:
             with torch.cuda.stream(stream):
                 for _ in range(2):
                     fn(*args)
+                # Only this thread's calls may break the capture (another thread's, on its
+                # own stream, neither breaks it nor is captured).
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    fn(*args)
+                finally:
+                    graph.capture_end()  # raises where the capture was broken
             torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            # Only this thread's calls may break the capture (another thread's, on its own
-            # stream, neither breaks it nor is captured).
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                fn(*args)
     except Exception:  # noqa: BLE001 - not capturable: the caller times it launched
         torch.cuda.synchronize()
+        del graph
         return None
     finally:
         torch.set_autocast_cache_enabled(cache)

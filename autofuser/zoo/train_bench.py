@@ -550,7 +550,7 @@ def bench_training_model(
             )
     if settled is not None:
         # The other systems' steps run between AutoFuser's timed ones: a recompile or a check
-        # started again there would make its timed steps a mix of runners, not what it settled on.
+        # started again after it settled would make its timed steps a mix of runners.
         changed = settled[1].changes(settled[0])
         if changed is not None:
             autofuser_cell["changed_while_timed"] = changed
@@ -659,6 +659,6 @@ def render_training_markdown(result: dict[str, Any]) -> str:
     lines += table_lines(columns, table + [geomean_cells(columns, result, speedup_columns(result))])
     changed = [(row["model"], row["systems"]["autofuser"].get("changed_while_timed")) for row in result["rows"]]
     if any(text for _, text in changed):
-        lines += ["", "AutoFuser's timed steps did not all run what its first steps settled on:"]
+        lines += ["", "AutoFuser changed after its first steps settled, before or while its steps were timed:"]
         lines += [f"- {model}: {text}" for model, text in changed if text]
     return "\n".join(lines + footer_lines(result, errors))

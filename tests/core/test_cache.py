@@ -369,9 +369,9 @@ def test_a_warm_cache_reuses_the_fused_vs_eager_verdict(tmp_path):
     timed = [g for g in first["groups"] if g["time_fused_ms"] is not None]
     assert timed and all(g["time_eager_ms"] > 0 for g in timed)
     stored = {k: json.loads(p.read_text()) for k, p in tuning_files(cache_root).items()}
-    assert all(
-        stored[g["kernel"]]["speed"] == {"fused_ms": g["time_fused_ms"], "eager_ms": g["time_eager_ms"]} for g in timed
-    )
+    # Timed launched (a CPU tensor can't be captured as a CUDA graph), and said so.
+    launched = [{"fused_ms": g["time_fused_ms"], "eager_ms": g["time_eager_ms"], "graph_refused": True} for g in timed]
+    assert [stored[g["kernel"]]["speed"] for g in timed] == launched
     second, _ = run_tuning_process(script, cache_root)
     again = {g["kernel"]: g for g in second["groups"]}
     for g in timed:
@@ -1023,6 +1023,10 @@ def test_each_config_is_timed_once_it_is_compiled_ahead(tmp_path, monkeypatch, g
         ({"fused_ms": 1.5, "eager_ms": float("inf")}, False),
         ({"fused_ms": -1.0, "eager_ms": 2.0}, False),
         ({"fused_ms": 1.5, "eager_ms": 2.0, "other": 1.0}, False),
+        ({"fused_ms": 1.5, "eager_ms": 2.0, "graph_refused": True}, True),
+        ({"fused_ms": 1.5, "eager_ms": 2.0, "graph_refused": 1.0}, False),
+        ({"fused_ms": 1.5, "eager_ms": 2.0, "graph_refused": False}, False),
+        ({"graph_fused_ms": 0.5, "graph_eager_ms": 2.0, "graph_refused": True}, False),
         ([1.5, 2.0], False),
     ],
 )
@@ -1042,17 +1046,22 @@ def test_a_tuning_entrys_fused_vs_eager_times_are_checked_before_use(speed, vali
 
 def test_cached_group_times_are_used_as_the_compile_times_them():
     """Where a compile times groups as CUDA graphs, a cached pair timed as graphs is used,
-    else the launched pair (a side could not be captured); without graphs, only the
-    launched pair; a new measurement adds its pair beside the other."""
+    or the launched pair where capturing was tried and failed; a launched pair from a
+    compile without graphs is timed again as graphs. Without graphs, only the launched
+    pair. A new measurement adds its pair beside the other."""
     from autofuser_core.compile import cached_speed, speed_record
 
-    launched = speed_record(None, (1.5, 2.0, False))
+    launched = speed_record(None, (1.5, 2.0, False), graphs=False)
     assert launched == {"fused_ms": 1.5, "eager_ms": 2.0}
-    both = speed_record(launched, (0.5, 1.9, True))
+    assert cached_speed(launched, graphs=True) is None  # never tried as graphs: capture now
+    assert cached_speed(launched, graphs=False) == (1.5, 2.0, False)
+    refused = speed_record(None, (1.5, 2.0, False), graphs=True)
+    assert refused == {"fused_ms": 1.5, "eager_ms": 2.0, "graph_refused": True}
+    assert cached_speed(refused, graphs=True) == (1.5, 2.0, False)
+    both = speed_record(launched, (0.5, 1.9, True), graphs=True)
     assert both == {"fused_ms": 1.5, "eager_ms": 2.0, "graph_fused_ms": 0.5, "graph_eager_ms": 1.9}
     assert cached_speed(both, graphs=True) == (0.5, 1.9, True)
     assert cached_speed(both, graphs=False) == (1.5, 2.0, False)
-    assert cached_speed(launched, graphs=True) == (1.5, 2.0, False)
-    graph_only = speed_record(None, (0.5, 1.9, True))
+    graph_only = speed_record(None, (0.5, 1.9, True), graphs=True)
     assert cached_speed(graph_only, graphs=False) is None  # never timed launched: time it now
     assert cached_speed(None, graphs=True) is None
