@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from .tf32 import tf32_allowed
+
 
 class CudaGraphRunner:
     def __init__(self, forward: Callable[..., Any], inputs: tuple, model: torch.nn.Module):
@@ -365,29 +367,35 @@ SELF_DIFFERENCE_LIMIT = 1e-3
 #: Where a step computes in 16 bits, a library's atomic sums round in 16 bits too: two
 #: uncaptured steps then differ by a few 16-bit units (bf16: 2**-8 of a value) at their
 #: largest elements, past ``SELF_DIFFERENCE_LIMIT`` of the norm where a few elements
-#: dominate it (U-Net's bf16 step, BENCHMARKS.md "Training"). In L2 they still differ
-#: by at most this share of the norm; a random draw (dropout, even of 1%) moves a
-#: tenth of it or more. The replay is then held to ``SELF_DIFFERENCE_FACTOR`` times their
-#: largest difference: a wrong buffer or a skipped kernel moves the largest values too,
-#: but an error smaller than their rounding does not show.
-SELF_ROUNDING = {"fp32": 0.0, "16-bit": 2e-2}
+#: dominate it (U-Net's bf16 step, BENCHMARKS.md "Training"); in fp32 with TF32 allowed
+#: (cuDNN's convolutions by default) by TF32 units (2**-11; LSM's fp32 step). In
+#: L2 they still differ by at most this share of the norm; a random draw (dropout, even
+#: of 1%) moves a tenth of it or more. The replay is then held to
+#: ``SELF_DIFFERENCE_FACTOR`` times their largest difference: a wrong buffer or a skipped
+#: kernel moves the largest values too, but an error smaller than their rounding does not
+#: show.
+SELF_ROUNDING = {"fp32": 0.0, "tf32": 1e-2, "16-bit": 2e-2}
 #: How much farther than two uncaptured runs from each other a replay may be from one.
 SELF_DIFFERENCE_FACTOR = 4.0
 #: A replay may also differ from an uncaptured step by a rounding where two uncaptured
 #: steps do not differ at all (a library picks another algorithm while capturing: cuBLAS
 #: without its workspace): in L2, at most this share of a result's norm, by the precision the
-#: step computes in (16-bit: under autocast, or a 16-bit result). A capture that reads a
-#: wrong buffer or skips a kernel is off by the size of the values, far above either.
-REPLAY_ROUNDING = {"fp32": 1e-5, "16-bit": 1e-3}
+#: step computes in (16-bit: under autocast, or a 16-bit result; tf32: fp32 where torch may
+#: multiply or convolve in TF32). A capture that reads a wrong buffer or skips a kernel is
+#: off by the size of the values, far above either.
+REPLAY_ROUNDING = {"fp32": 1e-5, "tf32": 1e-4, "16-bit": 1e-3}
 
 
 def _precision(device_type: str, results: Sequence[Any]) -> str:
     """The precision a step computes in, as ``REPLAY_ROUNDING`` and ``SELF_ROUNDING`` key it:
-    "16-bit" under autocast or with a 16-bit result, else "fp32"."""
+    "16-bit" under autocast or with a 16-bit result, else "tf32" where torch's settings let
+    cuBLAS or cuDNN multiply fp32 in TF32 (cuDNN's default), else "fp32"."""
     sixteen = torch.is_autocast_enabled(device_type) or any(
         isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) for t in results
     )
-    return "16-bit" if sixteen else "fp32"
+    if sixteen:
+        return "16-bit"
+    return "tf32" if device_type == "cuda" and (tf32_allowed("conv") or tf32_allowed("matmul")) else "fp32"
 
 
 def as_close_as_itself(

@@ -193,7 +193,16 @@ def test_a_replay_may_differ_by_a_rounding_where_uncaptured_steps_do_not(sixteen
 def test_the_rounding_follows_the_precision_the_step_computes_in():
     from autofuser_core.cudagraphs import _precision
 
-    assert _precision("cpu", [torch.randn(3)]) == "fp32"
+    assert _precision("cpu", [torch.randn(3)]) == "fp32"  # no TF32 on a CPU
+    cudnn = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True  # torch's default: convolutions in TF32
+        assert _precision("cuda", [torch.randn(3)]) == "tf32"
+        torch.backends.cudnn.allow_tf32 = False
+        if not torch.backends.cuda.matmul.allow_tf32:
+            assert _precision("cuda", [torch.randn(3)]) == "fp32"
+    finally:
+        torch.backends.cudnn.allow_tf32 = cudnn
     assert _precision("cpu", [torch.randn(3), torch.randn(3).bfloat16()]) == "16-bit"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert _precision("cpu", [torch.randn(3)]) == "16-bit"
@@ -226,6 +235,10 @@ def test_sixteen_bit_steps_may_differ_from_themselves_by_16_bit_units():
     assert _refusal([replayed], [once], [again], 1e-3, sixteen) is None
     text = _refusal([replayed], [once], [again], 1e-5, SELF_ROUNDING["fp32"])
     assert text is not None and "uncaptured steps differ by more than" in text
+    # TF32 units are 8 times finer than bf16's; a step's roundings add up to a few of them.
+    again32, replayed32 = (grad + (_bf16_rounded(grad, 0.3) - grad) / 2 for _ in range(2))
+    assert float((again32 - once).abs().max()) > SELF_DIFFERENCE_LIMIT * float(once.norm())
+    assert _refusal([replayed32], [once], [again32], 1e-4, SELF_ROUNDING["tf32"]) is None
     stale = replayed.clone()
     stale[:3, 0] *= 1.05  # read from a buffer of another step: its largest values moved too
     assert _refusal([stale], [once], [again], 1e-3, sixteen) is not None
