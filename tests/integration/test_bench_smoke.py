@@ -348,27 +348,37 @@ def test_train_bench_a_failing_system_is_an_error_cell(tmp_path, monkeypatch):
     assert result["geomean_speedup"]["autofuser"] is None
 
 
+def _fuse_with_forward(monkeypatch, around) -> None:
+    """``autofuser.fuse`` with no plugins (nothing fused: fast), each call of a fused model's
+    forward made by ``around(forward, call, fused, inputs, named)``: ``call`` counts from 1."""
+    real_fuse = autofuser.fuse
+
+    def fuse(model, *args, **kwargs):
+        fused = real_fuse(model, *args, **{"plugins": [], **kwargs})
+        forward, calls = fused.forward, []
+
+        def patched(*inputs, **named):
+            calls.append(1)
+            return around(forward, len(calls), fused, inputs, named)
+
+        fused.forward = patched
+        return fused
+
+    monkeypatch.setattr(autofuser, "fuse", fuse)
+
+
 @pytest.mark.parametrize("drift", [1.01, math.nan], ids=["off by 1%", "NaN"])
 @pytest.mark.parametrize("train", [False, True], ids=["forward", "training step"])
 def test_autofuser_errors_count_what_the_timed_calls_run_not_only_the_first(tmp_path, monkeypatch, train, drift):
     """The first call may run the original while the check in use is under way; a module
     whose later calls drift from eager must show that drift in its error cells (NaN as NaN,
     not hidden behind the first call's finite error)."""
-    real_fuse = autofuser.fuse
 
-    def drifting_fuse(model, *args, **kwargs):
-        fused = real_fuse(model, *args, **{"plugins": [], **kwargs})  # nothing fused: fast
-        forward, calls = fused.forward, []
+    def drifting(forward, call, fused, inputs, named):
+        out = forward(*inputs, **named)
+        return out if call == 1 else out * drift
 
-        def drifting(*inputs, **named):
-            calls.append(1)
-            out = forward(*inputs, **named)
-            return out if len(calls) == 1 else out * drift
-
-        fused.forward = drifting
-        return fused
-
-    monkeypatch.setattr(autofuser, "fuse", drifting_fuse)
+    _fuse_with_forward(monkeypatch, drifting)
     result = _tiny_fno_bench(tmp_path, train=train)
     (row,) = result["rows"]
     cell = row["systems"]["autofuser"]
@@ -381,22 +391,13 @@ def test_autofuser_errors_count_what_the_timed_calls_run_not_only_the_first(tmp_
 def test_train_bench_says_when_autofuser_changed_while_its_steps_were_timed(tmp_path, monkeypatch):
     """A recompile between the timed steps (a signature the first steps never saw) makes
     them a mix of runners: the cell and the table say so."""
-    real_fuse = autofuser.fuse
 
-    def changing_fuse(model, *args, **kwargs):
-        fused = real_fuse(model, *args, **{"plugins": [], **kwargs})  # nothing fused: fast
-        forward, calls = fused.forward, []
+    def changing(forward, call, fused, inputs, named):
+        if call == 3:  # the first step, its rerun, then the first timed step
+            next(fused.model.children()).eval()  # a new signature: the modules' modes differ
+        return forward(*inputs, **named)
 
-        def changing(*inputs, **named):
-            calls.append(1)
-            if len(calls) == 3:  # the first step, its rerun, then the first timed step
-                next(fused.model.children()).eval()  # a new signature: the modules' modes differ
-            return forward(*inputs, **named)
-
-        fused.forward = changing
-        return fused
-
-    monkeypatch.setattr(autofuser, "fuse", changing_fuse)
+    _fuse_with_forward(monkeypatch, changing)
     result = _tiny_fno_bench(tmp_path, train=True, iters=2)
     (row,) = result["rows"]
     cell = row["systems"]["autofuser"]
