@@ -21,8 +21,9 @@ the whole kernel down:
 - the pieces under both: dtypes (``TL_DTYPES``), literals, rounding to a low
   precision dtype (``rounded``, ``stored`` in generated text; ``round_bf16``, a
   ``@triton.jit`` function, in hand-written kernels), the header naming the fx nodes a
-  kernel replaces (``kernel_header``), and helpers a kernel calls
-  (``used_helpers``);
+  kernel replaces (``kernel_header``), helpers a kernel calls
+  (``used_helpers``), and host-side arithmetic (``triton_cdiv``, and
+  ``cdiv_text`` for a generated launcher's text);
 - kernel chains, several kernels run as one group by a host-side launcher
   with a kernel's interface that allocates their scratch buffers
   (``chain_stages``, ``chain_module``, ``split_chunk``, ``chain_digest``,
@@ -37,6 +38,7 @@ from autofuser_core.codegen import (
     INT32_LIMIT,
     TL_DTYPES,
     ValueEmitter,
+    cdiv_text,
     emit_offsets,
     kernel_header,
     literal,
@@ -132,6 +134,7 @@ __all__ = [
     "tensor_meta",
     "tf32_allowed",
     "triton_cdiv",
+    "cdiv_text",
     "used_helpers",
     "weight_tile",
     "write_kernel",

@@ -26,6 +26,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .codegen import cdiv_text
+
 POINTER_TYPES = {
     torch.float32: "*fp32",
     torch.float16: "*fp16",
@@ -62,7 +64,7 @@ def chain_stages(
 def split_chunk(points: int, splits: str = "SPLITS", block: str = "BLOCK_N") -> str:
     """The points each of ``splits`` splits covers, in whole blocks: an expression over the
     launcher's arguments (or, with other names, over a config)."""
-    return f"triton.cdiv(triton.cdiv({points}, {splits}), {block}) * {block}"
+    return f"{cdiv_text(cdiv_text(str(points), splits), block)} * {block}"
 
 
 def chain_digest(*parts: str) -> str:

@@ -780,4 +780,12 @@ def kernel_header(program: GroupProgram, title: str, details: list[str]) -> str:
 
 
 def triton_cdiv(a: int, b: int) -> int:
+    """``a / b`` rounded up, for host code: plain integers, where newer Triton's
+    ``triton.cdiv`` is a constexpr function, several times slower to call from Python."""
     return (a + b - 1) // b
+
+
+def cdiv_text(a: str, b: str) -> str:
+    """The text of ``a / b`` rounded up, for host code a generated launcher runs on every
+    call (``triton_cdiv``'s arithmetic, written out)."""
+    return f"(({a}) + ({b}) - 1) // ({b})"

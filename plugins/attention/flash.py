@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from autofuser.kernel import INT32_LIMIT, fp32_precision, interpreting, next_power_of_2, round_bf16
+from autofuser.kernel import INT32_LIMIT, fp32_precision, interpreting, next_power_of_2, round_bf16, triton_cdiv
 
 from .kernel import LOG2E
 
@@ -488,7 +488,7 @@ def flash_forward(
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     block_d, block_dv = _head_block(D), _head_block(DV)
     blocks = choose_blocks(max(block_d, block_dv), q.dtype, backward=False)
-    grid = (triton.cdiv(N, blocks.held) * B * H,)
+    grid = (triton_cdiv(N, blocks.held) * B * H,)
     _forward_kernel[grid](
         q, k, v, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
@@ -551,7 +551,7 @@ def flash_backward(
     wide = _wide(q, k, v, out, dout, dq, dk, dv)
     products = _products(q.dtype, precision)
 
-    _delta_kernel[(triton.cdiv(N, blocks.held) * B * H,)](
+    _delta_kernel[(triton_cdiv(N, blocks.held) * B * H,)](
         out, dout, delta,
         *out.stride(), *dout.stride(),
         H, N, DV,
@@ -560,7 +560,7 @@ def flash_backward(
     )  # fmt: skip
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
     # dk and dv: each program holds a block of keys and steps over the queries.
-    _dkdv_kernel[(triton.cdiv(M, blocks.held) * B * H,)](
+    _dkdv_kernel[(triton_cdiv(M, blocks.held) * B * H,)](
         q, k, v, dout, lse, delta, dk, dv,
         *strides,
         H, N, M, D, DV,
@@ -570,7 +570,7 @@ def flash_backward(
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )  # fmt: skip
     # dq: each program holds a block of queries and steps over the keys.
-    _dq_kernel[(triton.cdiv(N, blocks.held) * B * H,)](
+    _dq_kernel[(triton_cdiv(N, blocks.held) * B * H,)](
         q, k, v, dout, lse, delta, dq,
         *strides,
         H, N, M, D, DV,

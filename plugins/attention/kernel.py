@@ -39,6 +39,7 @@ from autofuser.kernel import (
     TL_DTYPES,
     ValueEmitter,
     as_operand,
+    cdiv_text,
     chain_digest,
     chain_module,
     chain_stages,
@@ -475,12 +476,12 @@ def _finish_chain(
         stage["constexprs"] = {"BLOCK_R": "PASS_ROWS", "BLOCK_W": width_key}
         # num_stages as warmup compiled them (no loop in a pass: only Triton's cache key sees it)
         launch.append(
-            f"{stage['name']}[(triton.cdiv({rows}, {PASS_ROWS}), {L.batch_numel})](in{index}, "
+            f"{stage['name']}[({cdiv_text(str(rows), str(PASS_ROWS))}, {L.batch_numel})](in{index}, "
             f"{', '.join(parts)}, BLOCK_R={PASS_ROWS}, BLOCK_W={width_key}, num_warps=num_warps, "
             "num_stages=num_stages)"
         )
     launch.append(
-        f"{stage_names[-1]}[(triton.cdiv({L.n}, BLOCK_M), {L.batch_numel})]({', '.join(params)}, "
+        f"{stage_names[-1]}[({cdiv_text(str(L.n), 'BLOCK_M')}, {L.batch_numel})]({', '.join(params)}, "
         "BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, num_warps=num_warps, "
         "num_stages=num_stages)"
     )

@@ -32,6 +32,7 @@ from autofuser.kernel import (
     POINTER_TYPES,
     TL_DTYPES,
     as_operand,
+    cdiv_text,
     chain_digest,
     chain_module,
     chain_stages,
@@ -186,7 +187,7 @@ def write_linear_attention(program, strategy: str, helpers=None) -> KernelSource
         f"{stage_names[0]}[(SPLITS, {entries})]({', '.join(inputs)}, partial, {passed[0]}BLOCK_N=BLOCK_N, CHUNK=chunk, "
         "SPLITS=SPLITS, num_stages=num_stages, **sizes)",
         f"{stage_names[1]}[({entries},)](partial, context, {passed[1]}SPLITS=SPLITS, **sizes)",
-        f"{stage_names[2]}[(triton.cdiv({queries}, BLOCK_M), {entries})]({', '.join(inputs)}, context, out0, "
+        f"{stage_names[2]}[({cdiv_text(str(queries), 'BLOCK_M')}, {entries})]({', '.join(inputs)}, context, out0, "
         f"{passed[2]}BLOCK_M=BLOCK_M, **sizes)",
     ]
     signature = ", ".join(

@@ -26,6 +26,7 @@ from autofuser.kernel import (
     POINTER_TYPES,
     TL_DTYPES,
     as_operand,
+    cdiv_text,
     chain_digest,
     chain_module,
     chain_stages,
@@ -232,7 +233,7 @@ def write_slice_attention(program, strategy: str, helpers=None) -> KernelSource:
         "num_stages=num_stages)",
         f"{stage_names[1]}[({batch},)]({args}, partial, partial_sums, mixed_tokens, SPLITS=SPLITS, "
         "BLOCK_DF=BLOCK_DF, BLOCK_DQ=BLOCK_DQ, **sizes)",
-        f"{stage_names[2]}[(triton.cdiv({L.n}, BLOCK_M), {batch})]({args}, mixed_tokens, out0, BLOCK_M=BLOCK_M, "
+        f"{stage_names[2]}[({cdiv_text(str(L.n), 'BLOCK_M')}, {batch})]({args}, mixed_tokens, out0, BLOCK_M=BLOCK_M, "
         "BLOCK_DX=BLOCK_DX, **sizes)",
     ]
     signature = ", ".join(

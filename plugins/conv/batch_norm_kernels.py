@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from autofuser.kernel import INT32_LIMIT, interpreting, next_power_of_2, round_bf16
+from autofuser.kernel import INT32_LIMIT, interpreting, next_power_of_2, round_bf16, triton_cdiv
 
 #: Activations the kernels apply after the norm (``ACT`` below numbers them).
 ACTIVATIONS = ("none", "relu", "leaky_relu", "gelu", "silu")
@@ -380,10 +380,10 @@ def _multiprocessors(device: torch.device) -> int:
 def _splits(x: torch.Tensor, channel_blocks: int, per_channel: int, block: int) -> tuple[int, int]:
     """(chunk, splits): each channel's ``per_channel`` values in ``splits`` chunks of ``chunk``
     (a multiple of ``block``), about ``PROGRAMS_PER_SM`` programs per multiprocessor in all."""
-    wanted = max(1, triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(x.device), channel_blocks))
-    splits = max(1, min(wanted, triton.cdiv(per_channel, block)))
-    chunk = triton.cdiv(triton.cdiv(per_channel, splits), block) * block
-    return chunk, triton.cdiv(per_channel, chunk)
+    wanted = max(1, triton_cdiv(PROGRAMS_PER_SM * _multiprocessors(x.device), channel_blocks))
+    splits = max(1, min(wanted, triton_cdiv(per_channel, block)))
+    chunk = triton_cdiv(triton_cdiv(per_channel, splits), block) * block
+    return chunk, triton_cdiv(per_channel, chunk)
 
 
 def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
@@ -421,7 +421,7 @@ class _Layout:
 
     @property
     def grid(self) -> tuple[int, int]:
-        return triton.cdiv(self.channels, self.block_c), self.splits
+        return triton_cdiv(self.channels, self.block_c), self.splits
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -470,7 +470,7 @@ def _layout(x: torch.Tensor) -> _Layout:
         block_r = max(1, min(next_power_of_2(per_channel), BLOCK // block_c))
     else:
         block_c, block_r = 1, max(16, min(BLOCK, next_power_of_2(per_channel)))
-    chunk, splits = _splits(x, triton.cdiv(channels, block_c), per_channel, block_r)
+    chunk, splits = _splits(x, triton_cdiv(channels, block_c), per_channel, block_r)
     # int64 offsets where an index may pass int32 (the last program's block overhangs by BLOCK)
     wide = x.numel() + BLOCK >= INT32_LIMIT
     return _Layout(rows, channels, spatial, per_channel, block_r, block_c, chunk, splits, wide)
@@ -524,7 +524,7 @@ def forward(
             given.copy_(written)
     out = empty_result(x, x.dtype)  # rows' memory order: a dense tensor's layout is kept
     w, b = _weight_bias(rows, weight, bias)
-    _apply_kernel[(triton.cdiv(rows.numel(), BLOCK),)](
+    _apply_kernel[(triton_cdiv(rows.numel(), BLOCK),)](
         rows, out, mean, var, w, b, channels, rows.stride(1), rows.numel(), eps, slope,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACT=ACTIVATIONS.index(activation),
         BLOCK=BLOCK, WIDE=layout.wide, EMULATE_BF16=_emulate_bf16(rows),
@@ -553,7 +553,7 @@ def backward(
     )  # fmt: skip
     sum_g, sum_gx = (torch.empty(channels, dtype=torch.float32, device=x.device) for _ in range(2))
     _sums_kernel[(channels,)](parts[0], parts[1], sum_g, sum_gx, layout.splits, BLOCK_S=next_power_of_2(layout.splits))
-    _grad_apply_kernel[(triton.cdiv(rows.numel(), BLOCK),)](
+    _grad_apply_kernel[(triton_cdiv(rows.numel(), BLOCK),)](
         dout, rows, dx, mean, var, w, b, sum_g, sum_gx, channels, rows.stride(1), rows.numel(), layout.per_channel,
         eps, slope, BLOCK=BLOCK, WIDE=layout.wide, EMULATE_BF16=_emulate_bf16(rows), **flags,
     )  # fmt: skip
