@@ -887,10 +887,10 @@ def _step_times(
 ) -> tuple[float, float, bool]:
     """(fused ms, eager ms, whether both ran as CUDA graphs) of one group's forward and
     backward on ``inputs`` (the kernel's inputs), every floating-point one needing
-    gradients on both sides. Where the step will replay as CUDA graphs (``graphs``), each
-    side is timed captured as one graph, as it will run: a short group's launches cost
-    the host more than the GPU its kernels, and in a graph the host pays none of them
-    (BENCHMARKS.md, "Training"). Where either side can't be captured, both are timed
+    gradients on both sides. Where the step may replay as CUDA graphs (``graphs``), each
+    side is timed captured as one graph, as a replay runs it: a short group's launches can
+    cost the host more than its kernels cost the GPU, and in a graph the host pays none of
+    them (BENCHMARKS.md, "Training"). Where either side can't be captured, both are timed
     launched."""
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     fused_step = timing.TrainingStep(lambda *a: RecomputeForBackward.apply(fused, *a), fused=True)
@@ -939,7 +939,7 @@ def speed_record(known: Optional[dict], times: tuple[float, float, bool], graphs
         record.pop("graph_refused", None)
     else:
         record.update(fused_ms=fused_ms, eager_ms=eager_ms)
-        if graphs:
+        if graphs and "graph_fused_ms" not in record:  # a pair timed as graphs stands
             record["graph_refused"] = True
     return record
 
