@@ -623,7 +623,7 @@ def _verify_round(
         elif entry.fused and timer.can_time(device, options):
             # Measured when this kernel was tuned for this GPU and these versions, the way
             # this compile times groups (as CUDA graphs or launched), or timed now.
-            graphs = options.cuda_graphs and not job.fused.host_scalars  # a host copy can't be captured
+            graphs = _may_capture(options, job.fused)
             times = cached_speed(tuned.speed, graphs)
             if times is None:
                 times = _group_times(timer, job.fused.launch, job.eager, kernel_inputs, graphs)
@@ -807,10 +807,7 @@ def _fuse_backwards(jobs: list[_Job], plugin_set, options, progress, report, dev
             timed_s = time.perf_counter()
             times = None
             if timer.can_time(device, options):
-                # Captured where the step may replay as CUDA graphs (the timer says where it
-                # can't; a kernel copying a host scalar can't be).
-                graphs = options.cuda_graphs and not job.fused.host_scalars
-                times = _step_times(timer, job.fused, inputs, graphs)
+                times = _step_times(timer, job.fused, inputs, _may_capture(options, job.fused))
             if times is not None:  # each group with its backward against eager's (the "backward" phase's rest)
                 report.backward_phases["time_groups"] = (
                     report.backward_phases.get("time_groups", 0.0) + time.perf_counter() - timed_s
@@ -896,6 +893,13 @@ def _step_times(
     fused_step = timing.TrainingStep(lambda *a: RecomputeForBackward.apply(fused, *a), fused=True)
     eager_step = timing.TrainingStep(lambda *a: run_eager(fused, a))
     return _group_times(timer, fused_step, eager_step, leaves, graphs)
+
+
+def _may_capture(options, fused: FusedKernel) -> bool:
+    """Whether a group is timed captured as CUDA graphs (``_group_times``): where the model
+    may replay as graphs (``options.cuda_graphs``) and its kernel copies no host scalar
+    (such a copy can't be captured; the timer says where else capture fails)."""
+    return options.cuda_graphs and not fused.host_scalars
 
 
 def _group_times(

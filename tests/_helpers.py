@@ -66,8 +66,8 @@ class StandInTimer(Timer):
     ``forwards`` (it runs once, as a real measurement runs it; one call is queued in no
     time); else whole forwards are timed as the GPU's ``Timer`` times them. ``in_use``:
     where given, training steps in use are timed on any device (``in_use(fused)`` ms a
-    call of the fused model or the original). ``graph``: where given, a training step's
-    groups are timed as captured CUDA graphs on any device (``graph(fn)`` ms a replay of
+    call of the fused model or the original). ``graph``: where given, groups (with their
+    backward, in training) are timed as captured CUDA graphs on any device (``graph(fn)`` ms a replay of
     ``fn``, or None: not capturable), each kept in ``graphed``; else as the GPU's ``Timer``
     does (never on a CPU)."""
 
