@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .tf32 import tf32_allowed
+from .timing import uncached_casts
 
 
 class CudaGraphRunner:
@@ -36,14 +37,15 @@ class CudaGraphRunner:
         self.baked = BakedAddresses(model)
         self.graph = torch.cuda.CUDAGraph()
         args = self._args(self.static_inputs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                forward(*args)
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(self.graph):
-            self.static_outputs = forward(*args)
+        with uncached_casts():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    forward(*args)
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(self.graph):
+                self.static_outputs = forward(*args)
         self.graph.replay()
         reference = forward(*args)
         if not _bit_equal(self.static_outputs, reference):
@@ -208,9 +210,7 @@ class TrainingGraph:
             raise RuntimeError("nothing needs gradients")
         self.pending = 0  # replayed calls whose backward has not run, their autograd graphs alive
         self.generation = 0  # forward replays so far
-        cache = torch.is_autocast_cache_enabled()
-        torch.set_autocast_cache_enabled(False)  # a cached cast would live outside the graph's pool
-        try:
+        with uncached_casts():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.enable_grad():
@@ -245,8 +245,6 @@ class TrainingGraph:
                 )
                 self.static_grads = self.gathered(grads)  # the sums are captured too
             del wrt
-        finally:
-            torch.set_autocast_cache_enabled(cache)
         # The leaves' autograd history is no longer needed: the graphs hold the memory.
         self.static_outputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in self.static_outputs]
 

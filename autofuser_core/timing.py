@@ -84,6 +84,20 @@ def bench(fn, *args, rep_ms: float = 20) -> float:
     return median_call_ms(call, calls, warmup=0, before=flush.zero_)
 
 
+@contextlib.contextmanager
+def uncached_casts() -> Iterator[None]:
+    """Autocast's cache of cast parameters off inside, as it was on leaving. Every CUDA graph
+    is warmed up and captured inside it: a cast cached while warming up would be read by the
+    graph from memory that autocast frees when its region ends (a replay then reads whatever
+    took that memory), and one cached while capturing would hold values never computed."""
+    cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(cache)
+
+
 def graph_ms(fn, *args, rep_ms: float = 20) -> Optional[float]:
     """Milliseconds of one replay of ``fn(*args)`` captured as one CUDA graph (``bench`` of
     the replay: the GPU's time, no launch on the host), or ``None`` where it can't be
@@ -95,11 +109,9 @@ def graph_ms(fn, *args, rep_ms: float = 20) -> Optional[float]:
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not tensors or any(not t.is_cuda for t in tensors):
         return None
-    cache = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)  # a cached cast would live outside the graph's pool
     graph = torch.cuda.CUDAGraph()
     try:
-        with _on_device(args):
+        with _on_device(args), uncached_casts():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -117,8 +129,6 @@ def graph_ms(fn, *args, rep_ms: float = 20) -> Optional[float]:
         torch.cuda.synchronize()
         del graph
         return None
-    finally:
-        torch.set_autocast_cache_enabled(cache)
     try:
         return bench(graph.replay, rep_ms=rep_ms)
     finally:

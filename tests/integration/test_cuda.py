@@ -68,6 +68,39 @@ def test_cuda_graph_replay_is_right_and_never_overwrites_results():
     assert len(fused.reports()) == 1
 
 
+class CastsAWeight(torch.nn.Module):
+    """A fused norm, then a product AutoFuser leaves eager, whose weight autocast casts to bf16
+    (and caches the cast while its region lasts)."""
+
+    def __init__(self, width=37):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.mix = torch.nn.Parameter(torch.randn(width) / width**0.5)
+
+    def forward(self, x, r):
+        y = torch.nn.functional.gelu(self.norm(x + r))
+        return y * torch.mv(y.flatten(0, 1), self.mix).view(*y.shape[:2], 1)
+
+
+def test_a_replayed_forward_under_autocast_stays_right_after_its_region_ends():
+    """A graph captured under autocast must not read a cast autocast cached: the cache is
+    freed when the region ends, and a later replay would read whatever took its memory."""
+    torch.manual_seed(2)
+    model = CastsAWeight().cuda().eval()
+    fused = autofuser.fuse(model, progress=False, verify_speed=False)
+    held: list = []
+    for _ in range(4):
+        x, r = _inputs(2)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            got = fused(x, r)
+            want = model(x, r)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=4e-2)
+        # Take what the region freed, and hold it through the next call, as a loop's next
+        # allocations would.
+        held[:] = [torch.full((n,), float("nan"), device="cuda") for n in (37, 64, 256, 4096) for _ in range(16)]
+    assert any("CUDA graph" in note and "no CUDA graph" not in note for note in fused.report().notes), fused.report()
+
+
 def test_tuning_caches_and_reuses_configs(tmp_path):
     torch.manual_seed(0)
     model = ResidualNorm().cuda().eval()
