@@ -58,6 +58,7 @@ from .dynamic import SizeRule, bucket, checked_key, class_checked, marked_dims, 
 from .errors import AutoFuserError, CaptureError, CompileFailedWarning, OpaquePartError, PluginError
 from .in_use import BLOCK_CALLS, MAX_RESTARTS, MAX_ROUNDS, InUseCheck, end_turn, take_turn
 from .launch import FusedKernel
+from .planner import barrier_reason
 from .plugins import PluginSet, load_plugins
 from .progress import Progress, short_inputs
 from .quantize import QuantizedLayer, QuantizeOptions, parse_quantize, quantize_model
@@ -1387,7 +1388,11 @@ class FusedModule(torch.nn.Module):
             judge = judge or self._reference_step(args, kwargs)
             name, taken = judge
             reference = None if taken is None else taken[what == "gradients"]
-            farther = f"no {name} step" if reference is None else _farther_from(got, expected, reference, limit)
+            farther = (
+                f"no {name} step"
+                if reference is None
+                else _farther_from(got, expected, reference, limit, _may_draw_random(fused_gm))
+            )
             farther = farther if farther is None or reference is None else f"{farther} in {name}"
             if farther is not None:
                 return (
@@ -1744,18 +1749,37 @@ def _fp32(value: Any) -> Any:
 
 #: The judge of a whole step that missed the original's (``_farther_from``): each tensor
 #: of the fused step may be this many times as far from the reference step as the
-#: original's, plus ``STEP_REFERENCE_SLACK`` of the step's limit; and the reference judges
-#: only where the original is within the limit of it, all tensors together (a model that
-#: draws random numbers draws other ones in float64: no judge then).
+#: original's, plus ``STEP_REFERENCE_SLACK`` of the step's limit. In a step that may draw
+#: random numbers, the reference judges only where the original is within the limit of
+#: it, all tensors together: such a step draws other numbers in float64, so a far
+#: original says nothing. A step that draws none is judged whatever the original's
+#: distance: that distance is then the model's own rounding (a batch norm over channels
+#: of nearly constant values amplifies fp32's rounding a thousandfold).
 STEP_REFERENCE_FACTOR = 2.0
 STEP_REFERENCE_SLACK = 0.1
 
 
-def _farther_from(got: Sequence[Any], original: Sequence[Any], exact: Sequence[Any], limit: float) -> Optional[str]:
+def _may_draw_random(gm: Any) -> bool:
+    """Whether a step of ``gm`` may draw random numbers: a node of its graph draws them, or
+    runs as an opaque part, which may; anything but a graph module may too."""
+    if not isinstance(gm, torch.fx.GraphModule):
+        return True
+    for node in gm.graph.nodes:
+        reason = barrier_reason(node, gm)
+        if reason is not None and reason[0] in ("random", "opaque"):
+            return True
+    return False
+
+
+def _farther_from(
+    got: Sequence[Any], original: Sequence[Any], exact: Sequence[Any], limit: float, random: bool = True
+) -> Optional[str]:
     """Where ``got`` (the fused step's tensors) is farther from ``exact`` (the reference
     step's, ``_reference_step``) than ``STEP_REFERENCE_FACTOR`` times ``original``'s distance plus
     ``STEP_REFERENCE_SLACK * limit`` - all tensors together, and each against at least
-    ``STEP_TENSOR_FLOOR`` of all of them, relative L2 - in words; else ``None``."""
+    ``STEP_TENSOR_FLOOR`` of all of them, relative L2 - in words; else ``None``. ``random``:
+    the step may draw random numbers, so an original past ``limit`` of ``exact`` leaves it
+    unjudged (in words)."""
     if not len(got) == len(original) == len(exact):
         return f"the reference step gives {len(exact)} tensors"
     rows: list[tuple[str, float, float, float]] = []
@@ -1774,7 +1798,7 @@ def _farther_from(got: Sequence[Any], original: Sequence[Any], exact: Sequence[A
     total = math.sqrt(sum(row[3] ** 2 for row in rows))
     fused_total = math.sqrt(sum(row[1] ** 2 for row in rows))
     original_total = math.sqrt(sum(row[2] ** 2 for row in rows))
-    if not original_total <= limit * max(total, 1e-30):  # a NaN or an infinity too
+    if not math.isfinite(original_total) or (random and not original_total <= limit * max(total, 1e-30)):
         return (
             f"the original is {original_total / max(total, 1e-30):.3g} off the reference step, past the limit: "
             "not comparable"

@@ -1272,6 +1272,42 @@ def test_a_reference_step_that_draws_other_random_numbers_judges_nothing(tmp_pat
     assert fused.report().runs_original
 
 
+class _OnlyCancels(nn.Module):
+    """``_Cancels``' small output alone: eager's whole step is past the limit of the step in
+    float64 (it rounds x * w to whole numbers), and it draws no random numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(23))
+
+    def forward(self, x):
+        return torch.tanh(((x * self.w + 8e6) - 8e6) * 0.25)
+
+
+def test_a_step_drawing_no_random_numbers_is_judged_however_far_the_original_rounds(tmp_path):
+    """Where the original's own step is past the limit of float64's, and nothing draws random
+    numbers, the distance is the model's rounding: float64 still judges. The exact pass
+    stands; a wrong one (each tanh scaled) is still refused."""
+    x = torch.randn(3, 5, 23)
+    exact = _fused_with_pass(tmp_path / "exact", _OnlyCancels(), _without_the_cancelling_add, progress=False)
+    exact(x.clone().requires_grad_())
+    notes = " ".join(exact.report().notes)
+    assert "nearer the model's step in float64" in notes and not exact.report().runs_original, notes
+    scaled = _after_each_tanh(operator.mul, 1.5)
+    wrong = _fused_with_pass(tmp_path / "wrong", _OnlyCancels(), scaled, progress=False, verify_speed=False)
+    wrong(x.clone().requires_grad_())
+    notes = " ".join(wrong.report().notes)
+    assert "off the reference step, the original" in notes and wrong.report().runs_original, notes
+
+
+def test_a_step_may_draw_random_numbers_where_a_node_draws_them_or_runs_opaque():
+    from autofuser_core.fuse import _may_draw_random
+
+    assert _may_draw_random(torch.fx.symbolic_trace(_DrawsNoise()))
+    assert not _may_draw_random(torch.fx.symbolic_trace(_OnlyCancels()))
+    assert _may_draw_random(torch.nn.Linear(2, 2))  # not a graph: nothing known
+
+
 def test_the_float64_judge_refuses_a_fused_step_farther_from_it_than_the_original():
     from autofuser_core.fuse import STEP_GRADIENT_LIMIT, _farther_from
 
@@ -1287,6 +1323,13 @@ def test_the_float64_judge_refuses_a_fused_step_farther_from_it_than_the_origina
     assert "not finite" in _farther_from(nearer, original, [exact[0] * float("nan"), exact[1]], limit)
     infinite = [original[0] * float("inf"), original[1]]  # an original past every bound judges nothing
     assert "not comparable" in _farther_from(nearer, infinite, exact, limit)
+    assert "not comparable" in _farther_from(nearer, infinite, exact, limit, random=False)
+    far = [t + 0.2 * t.abs().max() * torch.randn_like(t) for t in exact]  # past the limit: rounding, or draws
+    assert "not comparable" in _farther_from(nearer, far, exact, limit)
+    assert _farther_from(nearer, far, exact, limit, random=False) is None
+    assert "off the reference step, the original" in _farther_from(
+        [t * 2 for t in exact], far, exact, limit, random=False
+    )
 
 
 class _CancelsNotInFloat64(_Cancels):
