@@ -18,6 +18,7 @@ forward of one signature once and replays it:
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -348,7 +349,7 @@ class TrainingGraph:
         for what, replayed, once, again in (("forward", out_r, out_u, out_v), ("backward", grad_r, grad_u, grad_v)):
             if _bit_equal(replayed, once):
                 continue
-            refusal = _refusal(replayed, once, again, rounding, self_rounding)
+            refusal = _refusal(replayed, once, again, rounding, self_rounding, SELF_NORM_FLOOR * _total_norm(once))
             if refusal is not None:
                 same = "" if not _bit_equal(once, again) else " (two uncaptured steps are bit for bit the same)"
                 return f"a replayed {what} differs from the uncaptured one more than a rounding{same}: {refusal}"
@@ -373,6 +374,12 @@ SELF_DIFFERENCE_LIMIT = 1e-3
 #: kernel moves the largest values too, but an error smaller than their rounding does not
 #: show.
 SELF_ROUNDING = {"fp32": 0.0, "tf32": 1e-2, "16-bit": 2e-2}
+#: Whether two uncaptured steps differ by a rounding is weighed against at least this share
+#: of the norm of all results of a kind (outputs, gradients) together: a gradient that is
+#: zero in exact arithmetic (a convolution's bias before a batch norm, LSM's) holds only
+#: rounding, every digit of it differing run to run, while a random draw moves the large
+#: results too. The replay itself is still held to each result's own differences.
+SELF_NORM_FLOOR = 1e-2
 #: How much farther than two uncaptured runs from each other a replay may be from one.
 SELF_DIFFERENCE_FACTOR = 4.0
 #: A replay may also differ from an uncaptured step by a rounding where two uncaptured
@@ -402,17 +409,33 @@ def as_close_as_itself(
     again: Sequence[Any],
     rounding: float = 0.0,
     self_rounding: float = 0.0,
+    floor: float = 0.0,
 ) -> bool:
     """Whether ``replayed`` is as close to ``once`` as the uncaptured ``again`` is, tensor by
     tensor: the largest difference within ``SELF_DIFFERENCE_FACTOR`` times theirs, or the
     L2 difference within ``rounding`` times the result's norm; theirs within
-    ``SELF_DIFFERENCE_LIMIT`` of it, or in L2 within ``self_rounding`` of it;
-    anything not a floating tensor the same."""
-    return _refusal(replayed, once, again, rounding, self_rounding) is None
+    ``SELF_DIFFERENCE_LIMIT`` of the larger of that norm and ``floor``, or in L2 within
+    ``self_rounding`` of it; anything not a floating tensor the same."""
+    return _refusal(replayed, once, again, rounding, self_rounding, floor) is None
+
+
+def _total_norm(results: Sequence[Any]) -> float:
+    """The L2 norm of all finite floating tensors of ``results`` together, in float64."""
+    squares = [
+        float(t.double().norm()) ** 2
+        for t in results
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and bool(torch.isfinite(t).all())
+    ]
+    return math.sqrt(sum(squares))
 
 
 def _refusal(
-    replayed: Sequence[Any], once: Sequence[Any], again: Sequence[Any], rounding: float, self_rounding: float = 0.0
+    replayed: Sequence[Any],
+    once: Sequence[Any],
+    again: Sequence[Any],
+    rounding: float,
+    self_rounding: float = 0.0,
+    floor: float = 0.0,
 ) -> Optional[str]:
     """Why ``as_close_as_itself`` says no, naming the first result that fails and by how
     much ("result K: ..."), or ``None``."""
@@ -431,10 +454,12 @@ def _refusal(
             continue
         off, itself, norm = _distances(r, u, v)
         numbers = f"result {k}: replayed off by {off:.3g}, two uncaptured steps by {itself:.3g}, norm {norm:.3g}"
-        if itself > SELF_DIFFERENCE_LIMIT * norm:
+        weighed = max(norm, floor)
+        if itself > SELF_DIFFERENCE_LIMIT * weighed:
             itself_l2 = float((v.double() - u.double()).norm())
-            if not itself_l2 <= self_rounding * norm:
-                limit = f"{SELF_DIFFERENCE_LIMIT:g} of the norm" + (
+            if not itself_l2 <= self_rounding * weighed:
+                of = "the norm" if weighed == norm else f"{weighed:.3g}, {SELF_NORM_FLOOR:g} of all results' norm"
+                limit = f"{SELF_DIFFERENCE_LIMIT:g} of {of}" + (
                     f", {self_rounding:g} of it in L2 (theirs: {itself_l2:.3g})" if self_rounding else ""
                 )
                 return numbers + f" (uncaptured steps differ by more than {limit})"

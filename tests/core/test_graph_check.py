@@ -48,6 +48,24 @@ def test_steps_that_draw_random_numbers_are_never_as_close_as_themselves():
     assert not as_close_as_itself(dropped[:1], dropped[1:2], dropped[2:])
 
 
+def test_a_result_of_pure_rounding_is_weighed_against_all_results_norm():
+    """A gradient that is zero in exact arithmetic (a bias before a batch norm) holds only
+    rounding, different in every run: weighed against a share of all gradients' norm it is
+    no random draw. A replay off by its own size, or a draw in the large result, still fails."""
+    from autofuser_core.cudagraphs import SELF_NORM_FLOOR, _total_norm
+
+    torch.manual_seed(4)
+    grad = torch.randn(31, 17)
+    zero_once, zero_again = 1e-7 * torch.randn(19), 1e-7 * torch.randn(19)
+    once, again = [grad, zero_once], [_rounded(grad, 1e-7), zero_again]
+    floor = SELF_NORM_FLOOR * _total_norm(once)
+    assert not as_close_as_itself([grad, zero_once.clone()], once, again)  # against its own norm
+    assert as_close_as_itself([grad, zero_again.clone()], once, again, floor=floor)
+    assert not as_close_as_itself([grad, zero_once + 10 * zero_once.abs().max()], once, again, floor=floor)
+    drawn = [torch.nn.functional.dropout(grad, 0.01), zero_again]
+    assert not as_close_as_itself([grad, zero_once], once, drawn, floor=floor)
+
+
 def test_integer_and_missing_results_must_be_the_same():
     torch.manual_seed(3)
     grad = torch.randn(9, 13)
