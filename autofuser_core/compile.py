@@ -27,6 +27,7 @@ through the current timer (timing.py).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import gc
 import hashlib
@@ -35,7 +36,7 @@ import math
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.fx
@@ -895,11 +896,28 @@ def _step_times(
     return _group_times(timer, fused_step, eager_step, leaves, graphs)
 
 
+#: Whether the model being compiled may replay as CUDA graphs where it runs; ``fuse`` sets
+#: it (``replaying``) to False where its step or forward never will (it draws random
+#: numbers, runs the model's own code in training, or runs in training mode without
+#: gradients), so its groups are timed launched, as they will run.
+MAY_REPLAY: contextvars.ContextVar[bool] = contextvars.ContextVar("autofuser_may_replay", default=True)
+
+
+@contextlib.contextmanager
+def replaying(may: bool) -> Iterator[None]:
+    """Inside, ``MAY_REPLAY`` is ``may`` (in this thread or task)."""
+    token = MAY_REPLAY.set(may)
+    try:
+        yield
+    finally:
+        MAY_REPLAY.reset(token)
+
+
 def _may_capture(options, fused: FusedKernel) -> bool:
     """Whether a group is timed captured as CUDA graphs (``_group_times``): where the model
-    may replay as graphs (``options.cuda_graphs``) and its kernel copies no host scalar
-    (such a copy can't be captured; the timer says where else capture fails)."""
-    return options.cuda_graphs and not fused.host_scalars
+    may replay as graphs (``options.cuda_graphs`` and ``MAY_REPLAY``) and its kernel copies
+    no host scalar (such a copy can't be captured; the timer says where else capture fails)."""
+    return options.cuda_graphs and MAY_REPLAY.get() and not fused.host_scalars
 
 
 def _group_times(

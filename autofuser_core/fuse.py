@@ -52,7 +52,7 @@ from torch.utils.hooks import RemovableHandle
 from . import logs, precompile, timing
 from .cache import Verdict, cache_dir, make_record, read_verdict, write_verdict
 from .capture import LeafCall, bind_inputs, capture, preserved_state
-from .compile import _device_of, compile_graph
+from .compile import _device_of, compile_graph, replaying
 from .cudagraphs import CudaGraphRunner, TrainingGraph, try_cuda_graph, try_training_graph
 from .dynamic import SizeRule, bucket, checked_key, class_checked, marked_dims, size_rule
 from .errors import AutoFuserError, CaptureError, CompileFailedWarning, OpaquePartError, PluginError
@@ -1129,6 +1129,10 @@ class FusedModule(torch.nn.Module):
             runs_model_code, in_use = True, None
         else:
             grad = torch.is_grad_enabled()
+            # Graph capture and timing run the forward many times: only for inference
+            # (eval mode, no grad), and leaving buffers and RNG state as they were.
+            inference = not grad and not any(m.training for m in self._state.modules)
+            never_replays = _never_replays(gm, grad, inference) if self._options.cuda_graphs else None
             try:
                 # Verifying runs the graph, and with it the model's own code in opaque parts; a
                 # leaf method's module (the root's own) is no part of the graph module, whose
@@ -1138,6 +1142,7 @@ class FusedModule(torch.nn.Module):
                     preserved_state(self._model),
                     size_rule(rule),
                     class_checked(klass.verified if klass is not None else None),
+                    replaying(never_replays is None),
                 ):
                     fused_gm, report = compile_graph(gm, flat, self._plugin_set, self._options, progress, backward=grad)
             except Exception as err:  # noqa: BLE001 - a fault of ours must not cost the user's call
@@ -1146,10 +1151,9 @@ class FusedModule(torch.nn.Module):
             checked_sources = {checked_key(k.source.source_hash, k.config) for k in fused_kernels(fused_gm)}
             progress.step("checking the whole forward")
             report.phases = {"capture": captured_s, **report.phases}
+            if never_replays is not None and any(g.time_fused_ms is not None for g in report.groups):
+                report.notes.append(f"groups timed launched, not as CUDA graphs: {never_replays}")
             runner: _Runner = fused_gm
-            # Graph capture and timing run the forward many times: only for inference
-            # (eval mode, no grad), and leaving buffers and RNG state as they were.
-            inference = not grad and not any(m.training for m in self._state.modules)
             step = time.perf_counter()
             device = _device_of(flat)
             cuda = device.type == "cuda"
@@ -1897,6 +1901,21 @@ def _capturing() -> bool:
 #: What runs a compiled signature: its fused graph module, that forward replayed as a CUDA
 #: graph (inference) or with its backward as two (training), or ``None``: the original model.
 _Runner = Union[torch.fx.GraphModule, CudaGraphRunner, TrainingGraph, None]
+
+
+def _never_replays(gm: torch.fx.GraphModule, grad: bool, inference: bool) -> Optional[str]:
+    """Why the captured ``gm`` will never run as a CUDA graph, whatever its kernels: a forward
+    with gradients off in training mode is never captured; a training step that draws random
+    numbers (its runs differ) or runs the model's own code (``_calls_model_code``) is not,
+    nor a forward that draws them. ``None``: it may replay."""
+    if not grad and not inference:
+        return "the forward runs in training mode with gradients off, which is never replayed"
+    if grad and _calls_model_code(gm):
+        return "the training step runs parts of the model's own code, which is never replayed"
+    random = any((barrier_reason(node, gm) or ("",))[0] == "random" for node in gm.graph.nodes)
+    if random:
+        return f"the {'training step' if grad else 'forward'} draws random numbers, so it is never replayed"
+    return None
 
 
 def _calls_model_code(graph_module: torch.fx.GraphModule) -> bool:

@@ -399,6 +399,57 @@ def _train_once(fused, model, x):
     assert_same_tensors(got, {n: p.grad for n, p in model.named_parameters()}, scaled=True)
 
 
+class _Noisy(_NormChain):
+    """``_NormChain`` then dropout (training mode) or added noise (eval mode): random draws."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return F.dropout(y, 0.25, True) if self.training else y + 0.01 * torch.randn_like(y)
+
+
+@pytest.mark.parametrize(
+    "case, why",
+    [
+        ("dropout", "the training step draws random numbers"),
+        ("noise", "the forward draws random numbers"),
+        ("no grad in training mode", "the forward runs in training mode with gradients off"),
+    ],
+)
+def test_groups_are_timed_launched_where_the_model_never_replays(tmp_path, use_timer, case, why):
+    """A step or forward that never replays as CUDA graphs (its runs differ, or its mode is
+    never captured) runs its groups launched: they are timed launched, not as graphs, and
+    the report says why."""
+    from autofuser_core.launch import FusedKernel
+
+    from _helpers import StandInTimer
+
+    def fused_side(fn) -> bool:
+        return getattr(fn, "fused", False) or isinstance(getattr(fn, "__self__", None), FusedKernel)
+
+    timer = use_timer(
+        StandInTimer(
+            tune=False,
+            time=True,
+            bench=lambda fn, *args: 2.0 if fused_side(fn) else 1.0,  # launched it loses
+            forward=lambda fn: 1.0,
+            graph=lambda fn: 0.5 if fused_side(fn) else 1.0,  # as a graph it would win
+        )
+    )
+    model, x = (_Noisy() if case != "no grad in training mode" else _NormChain()), torch.randn(3, 5, 23)
+    fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
+    if case == "dropout":
+        fused(x.requires_grad_()).square().sum().backward()
+    else:
+        model.train(case != "noise")
+        with torch.no_grad():
+            fused(x)
+    report = fused.report()
+    timed = [g for g in report.groups if g.time_fused_ms is not None and g.phase == "forward"]
+    assert timed and not timer.graphed, str(report)
+    assert all(not g.timed_in_graph and g.reason_code == "slower" for g in timed), str(report)
+    assert f"groups timed launched, not as CUDA graphs: {why}" in str(report)
+
+
 @pytest.mark.parametrize("x_shape", [(1, 5, 23), (3, 23)])
 def test_a_group_slower_with_its_backward_stays_eager_in_training(tmp_path, use_timer, x_shape):
     """With gradients on, a group is timed with its backward on both sides; one whose
@@ -453,11 +504,13 @@ def test_a_group_is_timed_as_a_cuda_graph_where_the_model_replays_as_one(
     if training:
         _train_once(fused, model, x)
     else:
+        model.eval()  # a forward replays as a graph only in eval mode
         with torch.no_grad():
             torch.testing.assert_close(fused(x), model(x))
     report = fused.report()
     timed = [g for g in report.groups if g.time_fused_ms is not None and g.phase == "forward"]
     assert timed, str(report)
+    assert "groups timed launched" not in str(report)
     in_graph = cuda_graphs and capturable
     for g in timed:
         assert g.timed == ("forward+backward" if training else "forward"), str(report)
