@@ -1167,3 +1167,25 @@ def test_fuse_options_reach_fuse_from_the_command_line(monkeypatch):
     assert seen["fuse_options"] == expected, seen
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--fuse-option", "batch_norm_kernels"])
+
+
+def test_what_ran_reads_the_last_verdict_of_the_notes():
+    from autofuser.zoo.train_bench import NOTE_CHARS, what_ran
+
+    stands = (
+        "the fused training step's gradients are off the original model's (0.27) but nearer ...: the fused step stands"
+    )
+    graphed = "training step, forward and backward: 4.2 ms fused (replayed as two CUDA graphs) vs 10.4 ms eager"
+    in_use_fused = (
+        "training step in use, 2 blocks of 4 calls on each side: 4.7 ms fused vs 10.2 ms: the fused model runs"
+    )
+    no_graph = "no CUDA graph for the training step (a replayed backward differs ...); kernels launch one by one"
+    slower = "the fused training step, forward and backward (44 ms), was not at least 2% faster ...: the original runs"
+    assert what_ran(None) is None and what_ran([]) is None
+    assert what_ran([stands, graphed, in_use_fused]) == "the fused step, replayed as two CUDA graphs"
+    assert what_ran([stands, no_graph, slower]) == f"the original: {slower}"
+    assert what_ran([no_graph]) == f"the fused step, launched: {no_graph}"
+    in_use_original = "training step in use, 4 blocks of 4 calls on each side: 9 ms fused vs 8 ms: the original runs"
+    assert what_ran([graphed, in_use_original]).startswith("the original: training step in use")
+    assert what_ran([slower + " (provisional)", in_use_fused]) == "the fused step, launched"
+    assert len(what_ran(["x" * 500 + ": the original runs"])) == len("the original: ") + NOTE_CHARS
