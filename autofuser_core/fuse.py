@@ -1132,8 +1132,10 @@ class FusedModule(torch.nn.Module):
             # Graph capture and timing run the forward many times: only for inference
             # (eval mode, no grad), and leaving buffers and RNG state as they were.
             inference = not grad and not any(m.training for m in self._state.modules)
-            never_replays = _never_replays(gm, grad, inference) if self._options.cuda_graphs else None
             try:
+                # Read before the graph passes change the graph: what the model itself does.
+                never_replays = _never_replays(gm, grad, inference) if self._options.cuda_graphs else None
+                captured_random = grad and _may_draw_random(gm)
                 # Verifying runs the graph, and with it the model's own code in opaque parts; a
                 # leaf method's module (the root's own) is no part of the graph module, whose
                 # state that run restores: restore the model's too.
@@ -1295,7 +1297,7 @@ class FusedModule(torch.nn.Module):
             in_use = None
             if grad and runner is fused_gm and report.fused and not later_in_class:
                 progress.step("checking the training step's gradients")
-                wrong = self._wrong_step_gradients(fused_gm, args, kwargs, report.notes)
+                wrong = self._wrong_step_gradients(captured_random, fused_gm, args, kwargs, report.notes)
                 if wrong is not None:
                     report.notes.append(wrong)
                     runner = None
@@ -1342,7 +1344,39 @@ class FusedModule(torch.nn.Module):
             name for name, p in self._model.named_parameters() if getattr(p, "_backward_hooks", None)
         ]
 
-    def _wrong_step_gradients(self, fused_gm, args: tuple, kwargs: dict, notes: list) -> Optional[str]:
+    def _step_on_copies(self, fused_gm, args: tuple, kwargs: dict, seed: Optional[int] = None) -> tuple[list, list]:
+        """One step's outputs and gradients (``TrainingStep.outputs_and_gradients``, output
+        weights from ``STEP_GRADIENT_SEED``) on the CPU: of ``fused_gm``, or of the original
+        model where it is None, on its own copy of the inputs (a forward may write into
+        them), the random streams seeded with ``seed`` (default ``STEP_GRADIENT_SEED``),
+        the model's state restored after."""
+        seed = STEP_GRADIENT_SEED if seed is None else seed
+        params = [p for p in self._model.parameters() if p.requires_grad]
+        own_args, own_kwargs = pytree.tree_map(_own_copy, (args, kwargs))
+        flat = self._flatten(own_args, own_kwargs)
+        forward = fused_gm if fused_gm is not None else (lambda *a: self._model(*own_args, **own_kwargs))
+        with preserved_state(self._model), torch.random.fork_rng(devices=_rng_devices(_device_of(flat))):
+            _seed_random(_device_of(flat), seed)
+            found = timing.TrainingStep(forward, params).outputs_and_gradients(*flat, seed=STEP_GRADIENT_SEED)
+        # Off the device while another step runs (its steps need the room).
+        return pytree.tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, found)
+
+    def _draws_random(self, args: tuple, kwargs: dict, original: tuple[list, list], limit: float) -> bool:
+        """Whether the original model's step draws random numbers: ``original`` (its step from
+        ``STEP_GRADIENT_SEED``'s streams) and a step from other streams differ by more than
+        ``STEP_RANDOM_SHARE`` of ``limit``; ``True`` where that step can't run."""
+        try:
+            other = self._step_on_copies(None, args, kwargs, seed=STEP_GRADIENT_SEED + 1)
+        except Exception as err:  # noqa: BLE001 - unknown: as if it drew them
+            logger.debug("the original's step from other random streams did not run (%s)", err)
+            return True
+        if len(other[0]) != len(original[0]) or len(other[1]) != len(original[1]):
+            return True
+        return _distance([*other[0], *other[1]], [*original[0], *original[1]], STEP_RANDOM_SHARE * limit) is not None
+
+    def _wrong_step_gradients(
+        self, captured_random: bool, fused_gm, args: tuple, kwargs: dict, notes: list
+    ) -> Optional[str]:
         """Why the fused training step is wrong, or ``None``: one step of each side on its
         own copy of the inputs (a forward may write into them), from the same random state
         (the same dropout masks), outputs weighted alike; the outputs and every parameter's
@@ -1352,19 +1386,14 @@ class FusedModule(torch.nn.Module):
         rounding (``STEP_GRADIENT_LIMIT``). Where the fused step misses the original's,
         the model's step in float64 judges (``_reference_step``): a fused step as near it as
         the original's is (the original rounding more, as TF32 convolutions do) stands,
-        and ``notes`` says so."""
+        and ``notes`` says so. ``captured_random``: the captured graph, before any graph
+        pass, may draw random numbers (``_may_draw_random``)."""
         if self._backward_hooked():
             return None  # the user's hooks would run for each checked backward
-        params = [p for p in self._model.parameters() if p.requires_grad]
         sides: list[tuple[list, list]] = []
         for fused_side in (False, True):
-            own_args, own_kwargs = pytree.tree_map(_own_copy, (args, kwargs))
-            flat = self._flatten(own_args, own_kwargs)
-            forward = fused_gm if fused_side else (lambda *a: self._model(*own_args, **own_kwargs))
             try:
-                with preserved_state(self._model), torch.random.fork_rng(devices=_rng_devices(_device_of(flat))):
-                    _seed_random(_device_of(flat))
-                    found = timing.TrainingStep(forward, params).outputs_and_gradients(*flat, seed=STEP_GRADIENT_SEED)
+                sides.append(self._step_on_copies(fused_gm if fused_side else None, args, kwargs))
             except torch.OutOfMemoryError:
                 return None  # no room for both sides' steps: no verdict
             except Exception as err:  # noqa: BLE001 - a step that raises is judged, not passed on
@@ -1374,14 +1403,13 @@ class FusedModule(torch.nn.Module):
                     f"the fused training step raised {type(err).__name__} where the original's did not: "
                     "the original runs"
                 )
-            # Off the device while the other side runs (its steps need the room).
-            sides.append(pytree.tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, found))
         (eager_out, eager_grads), (fused_out, fused_grads) = sides
         sixteen_bit = torch.is_autocast_enabled(_device_of(self._flatten(args, kwargs)).type) or any(
             t is not None and t.dtype in (torch.float16, torch.bfloat16) for t in eager_out + eager_grads
         )
         limit = STEP_GRADIENT_LIMIT["16-bit" if sixteen_bit else "fp32"]
         judge: Optional[tuple[str, Optional[tuple[list, list]]]] = None  # taken at the first miss
+        random: Optional[bool] = None  # whether the step may draw random numbers, found at the first miss
         stands = []
         for what, got, expected in (("outputs", fused_out, eager_out), ("gradients", fused_grads, eager_grads)):
             if len(got) != len(expected):
@@ -1392,10 +1420,15 @@ class FusedModule(torch.nn.Module):
             judge = judge or self._reference_step(args, kwargs)
             name, taken = judge
             reference = None if taken is None else taken[what == "gradients"]
+            if reference is not None and random is None:
+                # Whether the original's distance from the reference may be other draws: the
+                # graphs say where they may, and else the original's step, its random
+                # streams seeded otherwise, must come out as it did.
+                random = (
+                    captured_random or _may_draw_random(fused_gm) or self._draws_random(args, kwargs, sides[0], limit)
+                )
             farther = (
-                f"no {name} step"
-                if reference is None
-                else _farther_from(got, expected, reference, limit, _may_draw_random(fused_gm))
+                f"no {name} step" if reference is None else _farther_from(got, expected, reference, limit, bool(random))
             )
             farther = farther if farther is None or reference is None else f"{farther} in {name}"
             if farther is not None:
@@ -1527,6 +1560,9 @@ class FusedModule(torch.nn.Module):
         if not self._options.cuda_graphs or _device_of(flat).type != "cuda":
             return fused_gm
         why = "parts of the model's own code run in it" if _calls_model_code(fused_gm) else None
+        # Its runs differ: a replay would be refused, unless the draws reach only results too
+        # small to tell from rounding (cudagraphs.SELF_NORM_FLOOR).
+        why = why or ("it draws random numbers" if _may_draw_random(fused_gm) else None)
         why = why or self._why_no_graph(fused_gm, flat)
         if why is None:
             with preserved_state(self._model):
@@ -1721,13 +1757,13 @@ def _own_copy(value: Any) -> Any:
     return value
 
 
-def _seed_random(device: torch.device) -> None:
+def _seed_random(device: torch.device, seed: int = STEP_GRADIENT_SEED) -> None:
     """Seed the CPU's random stream and ``device``'s (not every CUDA device's, which
     ``torch.manual_seed`` would queue even where CUDA is not started)."""
-    torch.default_generator.manual_seed(STEP_GRADIENT_SEED)
+    torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
         with torch.cuda.device(device):
-            torch.cuda.manual_seed(STEP_GRADIENT_SEED)
+            torch.cuda.manual_seed(seed)
 
 
 def _wide(tensor: torch.Tensor) -> torch.dtype:
@@ -1756,11 +1792,19 @@ def _fp32(value: Any) -> Any:
 #: original's, plus ``STEP_REFERENCE_SLACK`` of the step's limit. In a step that may draw
 #: random numbers, the reference judges only where the original is within the limit of
 #: it, all tensors together: such a step draws other numbers in float64, so a far
-#: original says nothing. A step that draws none is judged whatever the original's
-#: distance: that distance is then the model's own rounding (a batch norm over channels
-#: of nearly constant values amplifies fp32's rounding a thousandfold).
+#: original says nothing. A step that draws none is judged up to ``STEP_REFERENCE_CAP``
+#: times the limit: that distance is then the model's own rounding (a batch norm over
+#: channels of nearly constant values amplifies fp32's rounding a thousandfold), and past
+#: the limit each tensor of the fused step must be no farther than
+#: ``STEP_REFERENCE_FAR_FACTOR`` times the original's (plus the slack).
 STEP_REFERENCE_FACTOR = 2.0
 STEP_REFERENCE_SLACK = 0.1
+STEP_REFERENCE_CAP = 4.0
+STEP_REFERENCE_FAR_FACTOR = 1.25
+#: Whether a step draws random numbers, found where no graph says so (``_draws_random``):
+#: the original's step from other random streams differs from its first by more than this
+#: share of the step's limit (an atomic sum's rounding differs far less, a draw far more).
+STEP_RANDOM_SHARE = 0.1
 
 
 def _may_draw_random(gm: Any) -> bool:
@@ -1781,9 +1825,10 @@ def _farther_from(
     """Where ``got`` (the fused step's tensors) is farther from ``exact`` (the reference
     step's, ``_reference_step``) than ``STEP_REFERENCE_FACTOR`` times ``original``'s distance plus
     ``STEP_REFERENCE_SLACK * limit`` - all tensors together, and each against at least
-    ``STEP_TENSOR_FLOOR`` of all of them, relative L2 - in words; else ``None``. ``random``:
-    the step may draw random numbers, so an original past ``limit`` of ``exact`` leaves it
-    unjudged (in words)."""
+    ``STEP_TENSOR_FLOOR`` of all of them, relative L2 - in words; else ``None``. An original
+    past ``limit`` of ``exact`` leaves it unjudged (in words) where the step may draw
+    random numbers (``random``) or the original is past ``STEP_REFERENCE_CAP`` times the
+    limit; else the fused step is held to ``STEP_REFERENCE_FAR_FACTOR`` times its distance."""
     if not len(got) == len(original) == len(exact):
         return f"the reference step gives {len(exact)} tensors"
     rows: list[tuple[str, float, float, float]] = []
@@ -1802,15 +1847,17 @@ def _farther_from(
     total = math.sqrt(sum(row[3] ** 2 for row in rows))
     fused_total = math.sqrt(sum(row[1] ** 2 for row in rows))
     original_total = math.sqrt(sum(row[2] ** 2 for row in rows))
-    if not math.isfinite(original_total) or (random and not original_total <= limit * max(total, 1e-30)):
+    within = original_total <= limit * max(total, 1e-30)
+    if not within and (random or not original_total <= STEP_REFERENCE_CAP * limit * max(total, 1e-30)):
         return (
             f"the original is {original_total / max(total, 1e-30):.3g} off the reference step, past the limit: "
             "not comparable"
         )
     whole = ("all of them", fused_total, original_total, total)
+    factor = STEP_REFERENCE_FACTOR if within else STEP_REFERENCE_FAR_FACTOR
     for where, fused_off, original_off, norm in [whole, *rows]:
         scale = max(norm, STEP_TENSOR_FLOOR * total, 1e-30)
-        if not fused_off <= STEP_REFERENCE_FACTOR * original_off + STEP_REFERENCE_SLACK * limit * scale:
+        if not fused_off <= factor * original_off + STEP_REFERENCE_SLACK * limit * scale:
             return f"{where}: {fused_off / scale:.3g} off the reference step, the original {original_off / scale:.3g}"
     return None
 

@@ -53,9 +53,26 @@ _RANDOM_FUNCTIONS = {
     torch.multinomial,
     torch.randperm,
     torch.poisson,
+    # torch's own dropouts (their `train` flag read as on: a barrier at worst)
+    torch.dropout,
+    torch.alpha_dropout,
+    torch.feature_dropout,
+    torch.feature_alpha_dropout,
+    torch.nn.functional.fractional_max_pool2d,
+    torch.nn.functional.fractional_max_pool3d,
+    torch.nn.init.uniform_,
+    torch.nn.init.normal_,
+    torch.nn.init.trunc_normal_,
+    torch.nn.init.xavier_uniform_,
+    torch.nn.init.xavier_normal_,
+    torch.nn.init.kaiming_uniform_,
+    torch.nn.init.kaiming_normal_,
+    torch.nn.init.orthogonal_,
+    torch.nn.init.sparse_,
 }
 _RANDOM_METHODS = {
     "bernoulli",
+    "bernoulli_",
     "multinomial",
     "random_",
     "uniform_",
@@ -130,6 +147,13 @@ def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple
             return "mutation", f"{type(module).__name__}(inplace=True) writes into its input"
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
             return "random", f"{type(module).__name__} in training mode draws random numbers"
+        if isinstance(module, torch.nn.RReLU) and module.training:
+            return "random", "RReLU in training mode draws random numbers"
+        if (
+            isinstance(module, (torch.nn.FractionalMaxPool2d, torch.nn.FractionalMaxPool3d))
+            and module._random_samples is None
+        ):
+            return "random", f"{type(module).__name__} draws random pooling regions"
     return None
 
 

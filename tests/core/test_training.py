@@ -1353,12 +1353,68 @@ def test_a_step_drawing_no_random_numbers_is_judged_however_far_the_original_rou
     assert "off the reference step, the original" in notes and wrong.report().runs_original, notes
 
 
+class _DropsPaths(nn.Module):
+    """Stochastic depth as written in many models: a mask drawn in place into a new tensor."""
+
+    def forward(self, x):
+        keep = x.new_empty(x.shape[0], 1, 1).bernoulli_(0.8)
+        return x * keep / 0.8
+
+
 def test_a_step_may_draw_random_numbers_where_a_node_draws_them_or_runs_opaque():
     from autofuser_core.fuse import _may_draw_random
 
     assert _may_draw_random(torch.fx.symbolic_trace(_DrawsNoise()))
+    assert _may_draw_random(torch.fx.symbolic_trace(_DropsPaths()))
+    assert _may_draw_random(torch.fx.symbolic_trace(nn.Sequential(nn.Linear(23, 23), nn.RReLU())))
+    assert not _may_draw_random(torch.fx.symbolic_trace(nn.Sequential(nn.Linear(23, 23), nn.RReLU()).eval()))
     assert not _may_draw_random(torch.fx.symbolic_trace(_OnlyCancels()))
+    opaque = torch.fx.symbolic_trace(_OnlyCancels())
+    next(n for n in opaque.graph.nodes if n.op == "call_function").meta["autofuser_opaque_reason"] = "a branch"
+    assert _may_draw_random(opaque)  # the model's own code: it may draw them
     assert _may_draw_random(torch.nn.Linear(2, 2))  # not a graph: nothing known
+
+
+class _DrawsLittleNoise(nn.Module):
+    """``tanh(x * w)`` with a little multiplicative noise: two draws' steps are some 10% apart,
+    past the fp32 step limit and within ``STEP_REFERENCE_CAP`` times it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(23))
+
+    def forward(self, x):
+        h = torch.tanh(x * self.w)
+        return x + h + 0.08 * h * torch.randn_like(x)
+
+
+def _noise_dropped(gm, options):
+    """A graph pass that drops the model's draw (its noise as zeros): wrong."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.randn_like:
+            node.target = torch.zeros_like
+
+
+def test_a_pass_that_drops_a_draw_leaves_the_step_unjudged(tmp_path):
+    """Whether the step draws random numbers is read from the graph as captured, before any
+    pass: a pass that drops the model's draw makes the fused step deterministic, but the
+    original's still draws other numbers than the float64 step, so nothing judges the miss."""
+    fused = _fused_with_pass(tmp_path, _DrawsLittleNoise(), _noise_dropped, progress=False, verify_speed=False)
+    fused(torch.randn(3, 5, 23).requires_grad_())
+    notes = " ".join(fused.report().notes)
+    assert "not comparable" in notes and fused.report().runs_original, notes
+
+
+def test_a_draw_no_graph_shows_is_found_by_the_originals_step_from_other_streams(tmp_path, monkeypatch):
+    """Where the graphs say nothing of draws (an op no list knows), the original's step from
+    other random streams differs from its first: a wrong fused step is still unjudged."""
+    import autofuser_core.fuse as fuse_module
+
+    monkeypatch.setattr(fuse_module, "_may_draw_random", lambda gm: False)
+    fused = _fused_with_pass(tmp_path, _DrawsLittleNoise(), _noise_dropped, progress=False, verify_speed=False)
+    fused(torch.randn(3, 5, 23).requires_grad_())
+    notes = " ".join(fused.report().notes)
+    assert "not comparable" in notes and fused.report().runs_original, notes
 
 
 def test_the_float64_judge_refuses_a_fused_step_farther_from_it_than_the_original():
@@ -1377,12 +1433,17 @@ def test_the_float64_judge_refuses_a_fused_step_farther_from_it_than_the_origina
     infinite = [original[0] * float("inf"), original[1]]  # an original past every bound judges nothing
     assert "not comparable" in _farther_from(nearer, infinite, exact, limit)
     assert "not comparable" in _farther_from(nearer, infinite, exact, limit, random=False)
-    far = [t + 0.2 * t.abs().max() * torch.randn_like(t) for t in exact]  # past the limit: rounding, or draws
-    assert "not comparable" in _farther_from(nearer, far, exact, limit)
-    assert _farther_from(nearer, far, exact, limit, random=False) is None
-    assert "off the reference step, the original" in _farther_from(
-        [t * 2 for t in exact], far, exact, limit, random=False
-    )
+    noise = [torch.randn_like(t) for t in exact]
+    far = [t + 0.1 * t.norm() / n.norm() * n for t, n in zip(exact, noise)]  # 0.1 off: past the limit
+    assert "not comparable" in _farther_from(nearer, far, exact, limit)  # rounding, or other draws
+    assert _farther_from(nearer, far, exact, limit, random=False) is None  # no draws: rounding
+    # Past the limit, the fused step is held to 1.25 times the original's distance.
+    assert _farther_from([t + 1.1 * (f - t) for t, f in zip(exact, far)], far, exact, limit, random=False) is None
+    farther = [t + 1.5 * (f - t) for t, f in zip(exact, far)]
+    assert "off the reference step, the original" in _farther_from(farther, far, exact, limit, random=False)
+    # An original past STEP_REFERENCE_CAP times the limit judges nothing, draws or not.
+    too_far = [t + 0.3 * t.norm() / n.norm() * n for t, n in zip(exact, noise)]
+    assert "not comparable" in _farther_from(nearer, too_far, exact, limit, random=False)
 
 
 class _CancelsNotInFloat64(_Cancels):
