@@ -419,22 +419,7 @@ def test_groups_are_timed_launched_where_the_model_never_replays(tmp_path, use_t
     """A step or forward that never replays as CUDA graphs (its runs differ, or its mode is
     never captured) runs its groups launched: they are timed launched, not as graphs, and
     the report says why."""
-    from autofuser_core.launch import FusedKernel
-
-    from _helpers import StandInTimer
-
-    def fused_side(fn) -> bool:
-        return getattr(fn, "fused", False) or isinstance(getattr(fn, "__self__", None), FusedKernel)
-
-    timer = use_timer(
-        StandInTimer(
-            tune=False,
-            time=True,
-            bench=lambda fn, *args: 2.0 if fused_side(fn) else 1.0,  # launched it loses
-            forward=lambda fn: 1.0,
-            graph=lambda fn: 0.5 if fused_side(fn) else 1.0,  # as a graph it would win
-        )
-    )
+    timer = _graph_wins_timer(use_timer)
     model, x = (_Noisy() if case != "no grad in training mode" else _NormChain()), torch.randn(3, 5, 23)
     fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
     if case == "dropout":
@@ -468,6 +453,34 @@ def test_a_group_slower_with_its_backward_stays_eager_in_training(tmp_path, use_
     assert any(isinstance(fn, __import__("autofuser_core.timing").timing.TrainingStep) for fn in timer.timed)
 
 
+def _fused_side(fn) -> bool:
+    """Whether a timed callable is a group's fused side: a training step's, or a kernel's launch."""
+    from autofuser_core.launch import FusedKernel
+
+    return getattr(fn, "fused", False) or isinstance(getattr(fn, "__self__", None), FusedKernel)
+
+
+def _graph_wins_timer(use_timer, capturable: bool = True):
+    """A stand-in timer under which a group's fused side loses launched (2 ms against 1) and
+    wins as a CUDA graph (0.5 against 1), its fused side not capturable unless ``capturable``."""
+    from _helpers import StandInTimer
+
+    def graph(fn):
+        if not capturable and _fused_side(fn):
+            return None
+        return 0.5 if _fused_side(fn) else 1.0
+
+    return use_timer(
+        StandInTimer(
+            tune=False,
+            time=True,
+            bench=lambda fn, *args: 2.0 if _fused_side(fn) else 1.0,
+            forward=lambda fn: 1.0,
+            graph=graph,
+        )
+    )
+
+
 @pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
 @pytest.mark.parametrize("capturable", [True, False], ids=["captured", "not capturable"])
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "no graphs"])
@@ -478,27 +491,7 @@ def test_a_group_is_timed_as_a_cuda_graph_where_the_model_replays_as_one(
     step or forward replayed as CUDA graphs the host pays none of them. So where it may
     replay as graphs, each group (with its backward, in training) is timed captured as one
     graph on both sides; launched where graphs are off or a side can't be captured."""
-    from autofuser_core.launch import FusedKernel
-
-    from _helpers import StandInTimer
-
-    def fused_side(fn) -> bool:  # a training step's fused side, or a kernel's launch
-        return getattr(fn, "fused", False) or isinstance(getattr(fn, "__self__", None), FusedKernel)
-
-    def graph(fn):
-        if not capturable and fused_side(fn):
-            return None
-        return 0.5 if fused_side(fn) else 1.0  # on the GPU alone the fused side wins
-
-    timer = use_timer(
-        StandInTimer(
-            tune=False,
-            time=True,
-            bench=lambda fn, *args: 2.0 if fused_side(fn) else 1.0,  # launched it loses
-            forward=lambda fn: 1.0,
-            graph=graph,
-        )
-    )
+    timer = _graph_wins_timer(use_timer, capturable)
     model, x = _NormChain(), torch.randn(3, 5, 23)
     fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False, cuda_graphs=cuda_graphs)
     if training:
