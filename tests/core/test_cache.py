@@ -291,7 +291,7 @@ TUNING_SCRIPT = textwrap.dedent("""
             return self.ln(F.gelu(h) + 1)
 
     torch.manual_seed(0)
-    model = Model()
+    model = Model().eval()  # an inference forward, which may replay as a CUDA graph
     x, y = torch.randn(3, 37, 5), torch.randn(37, 5)
     with torch.no_grad(), timing.using(timer):
         fused = autofuser.fuse(model, progress=False, tune_budget_s=1.0)
