@@ -1812,11 +1812,12 @@ def _may_draw_random(gm: Any) -> bool:
     runs as an opaque part, which may; anything but a graph module may too."""
     if not isinstance(gm, torch.fx.GraphModule):
         return True
-    for node in gm.graph.nodes:
-        reason = barrier_reason(node, gm)
-        if reason is not None and reason[0] in ("random", "opaque"):
-            return True
-    return False
+    try:
+        reasons = [barrier_reason(node, gm) for node in gm.graph.nodes]
+    except Exception as err:  # noqa: BLE001 - a node it can't read: it may draw them
+        logger.debug("could not tell whether the graph draws random numbers (%s)", err)
+        return True
+    return any(reason is not None and reason[0] in ("random", "opaque") for reason in reasons)
 
 
 def _farther_from(
