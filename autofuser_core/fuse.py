@@ -1091,8 +1091,19 @@ class FusedModule(torch.nn.Module):
         ``torch.compile`` backend named one of Dynamo's graphs."""
         return self.__dict__.get("_display_name") or type(self._model).__name__
 
-    def _compile(self, args: tuple, kwargs: dict, key: Any, shape_class: Optional[tuple] = None):
-        start = time.perf_counter()
+    def _compile(
+        self,
+        args: tuple,
+        kwargs: dict,
+        key: Any,
+        shape_class: Optional[tuple] = None,
+        launched: Optional[str] = None,
+        started: Optional[float] = None,
+    ):
+        """Capture, compile and check one signature; its ``_Compiled`` entry. ``launched``: why
+        this compile times its groups launched whatever the captured graph shows (a second
+        compile, ``_relaunch``); ``started``: when the first compile of this signature began."""
+        start = time.perf_counter() if started is None else started
         name = self.display_name
         # A call with dynamic dims: its kernels take those sizes at run time (size_rule), and
         # a later shape of a class already compiled checks its kernels on its inputs only.
@@ -1134,7 +1145,7 @@ class FusedModule(torch.nn.Module):
             inference = not grad and not any(m.training for m in self._state.modules)
             try:
                 # Read before the graph passes change the graph: what the model itself does.
-                never_replays = _never_replays(gm, grad, inference) if self._options.cuda_graphs else None
+                never_replays = launched or (_never_replays(gm, grad, inference) if self._options.cuda_graphs else None)
                 captured_random = grad and _may_draw_random(gm)
                 # Verifying runs the graph, and with it the model's own code in opaque parts; a
                 # leaf method's module (the root's own) is no part of the graph module, whose
@@ -1295,6 +1306,7 @@ class FusedModule(torch.nn.Module):
                 if (times != known.times or records != known.records) and vkey is not None:
                     write_verdict(root, vkey, times, records)  # vkey None: nothing fused, never cached
             in_use = None
+            wrong: Optional[str] = None
             if grad and runner is fused_gm and report.fused and not later_in_class:
                 progress.step("checking the training step's gradients")
                 wrong = self._wrong_step_gradients(captured_random, fused_gm, args, kwargs, report.notes)
@@ -1320,6 +1332,14 @@ class FusedModule(torch.nn.Module):
                 in_use = InUseCheck(timer, device, filing, candidate=candidate, compiled_ran=ran)
                 report.notes.append("the forward is checked again in its first calls in use")
             report.add_phase("forward_check", time.perf_counter() - step)
+            relaunch = (
+                None
+                if never_replays is not None or wrong is not None or in_use is not None or later_in_class
+                else _relaunch(runner, report)
+            )
+            if relaunch is not None:
+                progress.finish(f"{relaunch}: compiling again with groups timed launched")
+                return self._compile(args, kwargs, key, shape_class, launched=relaunch, started=start)
             entry = (runner, report)
             runs_model_code = runner is None or _calls_model_code(fused_gm)
         report.quantized = list(self._quantized)
@@ -1949,6 +1969,17 @@ def _capturing() -> bool:
 #: What runs a compiled signature: its fused graph module, that forward replayed as a CUDA
 #: graph (inference) or with its backward as two (training), or ``None``: the original model.
 _Runner = Union[torch.fx.GraphModule, CudaGraphRunner, TrainingGraph, None]
+
+
+def _relaunch(runner: "_Runner", report: FusionReport) -> Optional[str]:
+    """Why a signature is compiled again with its groups timed launched, or ``None``: its
+    groups were timed as CUDA graphs, as a replayed step or forward runs them, and some were
+    kept for it; but the step or forward did not replay (capture was refused, or did not
+    pay) and, launched, lost to the original, which now runs. A group kept for its graph time
+    may be what lost it, and launched, its own times say whether it pays."""
+    if runner is not None or not any(g.timed_in_graph for g in report.fused):
+        return None
+    return "the fused model did not replay as CUDA graphs and, launched, lost to the original"
 
 
 def _never_replays(gm: torch.fx.GraphModule, grad: bool, inference: bool) -> Optional[str]:

@@ -399,6 +399,29 @@ def _train_once(fused, model, x):
     assert_same_tensors(got, {n: p.grad for n, p in model.named_parameters()}, scaled=True)
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+def test_a_model_that_lost_launched_is_compiled_again_with_groups_timed_launched(tmp_path, use_timer, training):
+    """Groups timed as CUDA graphs win there and are kept; but the step or forward does not
+    replay (here: a CPU, never captured) and, launched, loses to the original. The signature
+    is compiled again with its groups timed launched, where they lose and stay eager, and the
+    report says why; the model computes as the original."""
+    timer = _graph_wins_timer(use_timer)
+    model, x = _NormChain(), torch.randn(3, 5, 23)
+    fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False)
+    if training:
+        _train_once(fused, model, x)
+    else:
+        model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), model(x))
+    report = fused.report()
+    assert timer.graphed, "the first compile timed its groups as graphs"
+    assert "groups timed launched, not as CUDA graphs: the fused model did not replay" in str(report)
+    timed = [g for g in report.groups if g.time_fused_ms is not None and g.phase == "forward"]
+    assert timed and all(not g.timed_in_graph and g.reason_code == "slower" for g in timed), str(report)
+    assert len(fused.reports()) == 1
+
+
 class _Noisy(_NormChain):
     """``_NormChain`` then dropout (training mode) or added noise (eval mode): random draws."""
 
@@ -460,9 +483,10 @@ def _fused_side(fn) -> bool:
     return getattr(fn, "fused", False) or isinstance(getattr(fn, "__self__", None), FusedKernel)
 
 
-def _graph_wins_timer(use_timer, capturable: bool = True):
+def _graph_wins_timer(use_timer, capturable: bool = True, whole_fused_ms: float = 1.0):
     """A stand-in timer under which a group's fused side loses launched (2 ms against 1) and
-    wins as a CUDA graph (0.5 against 1), its fused side not capturable unless ``capturable``."""
+    wins as a CUDA graph (0.5 against 1), its fused side not capturable unless ``capturable``;
+    a whole fused step or forward takes ``whole_fused_ms`` against the original's 1."""
     from _helpers import StandInTimer
 
     def graph(fn):
@@ -475,7 +499,7 @@ def _graph_wins_timer(use_timer, capturable: bool = True):
             tune=False,
             time=True,
             bench=lambda fn, *args: 2.0 if _fused_side(fn) else 1.0,
-            forward=lambda fn: 1.0,
+            forward=lambda fn: whole_fused_ms if getattr(fn, "fused", isinstance(fn, torch.fx.GraphModule)) else 1.0,
             graph=graph,
         )
     )
@@ -491,7 +515,7 @@ def test_a_group_is_timed_as_a_cuda_graph_where_the_model_replays_as_one(
     step or forward replayed as CUDA graphs the host pays none of them. So where it may
     replay as graphs, each group (with its backward, in training) is timed captured as one
     graph on both sides; launched where graphs are off or a side can't be captured."""
-    timer = _graph_wins_timer(use_timer, capturable)
+    timer = _graph_wins_timer(use_timer, capturable, whole_fused_ms=0.5)  # the whole model wins: no second compile
     model, x = _NormChain(), torch.randn(3, 5, 23)
     fused = autofuser.fuse(model, cache_dir=str(tmp_path), progress=False, cuda_graphs=cuda_graphs)
     if training:
