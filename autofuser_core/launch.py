@@ -114,6 +114,11 @@ class FusedKernel:
     def launch(self, *given: torch.Tensor) -> list[torch.Tensor]:
         inputs: Sequence[torch.Tensor] = cast_inputs(given, self.host_moves) if self.host_moves else given
         device = inputs[0].device
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            # Triton launches on the current device: a model on another GPU than the current
+            # one (no torch.cuda.set_device) runs its kernels on its own, as torch's ops do.
+            with torch.cuda.device(device):
+                return self.launch(*given)
         outputs = [
             torch.empty_strided(shape, stride, dtype=dtype, device=device)
             for shape, stride, dtype in self.output_layout

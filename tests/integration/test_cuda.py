@@ -99,6 +99,26 @@ def test_a_replayed_forward_under_autocast_stays_right_after_its_region_ends():
     assert any("replays as one CUDA graph" in note for note in fused.report().notes), fused.report()
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_model_on_another_gpu_than_the_current_one_runs_its_kernels_there():
+    """Triton launches on the current device; a model moved to the second GPU without
+    torch.cuda.set_device must still compute right, forward and backward."""
+    torch.manual_seed(3)
+    assert torch.cuda.current_device() == 0
+    model = ResidualNorm().to("cuda:1")
+    fused = autofuser.fuse(model, progress=False, verify_speed=False)
+    x, r = (t.to("cuda:1").requires_grad_() for t in _inputs(2))
+    got = fused(x, r)
+    assert got.device == torch.device("cuda:1") and fused.report().fused, fused.report()
+    torch.testing.assert_close(got, model(x, r), atol=1e-5, rtol=1e-4)
+    (grad,) = torch.autograd.grad(got.square().sum(), [x])
+    (want,) = torch.autograd.grad(model(x, r).square().sum(), [x])
+    torch.testing.assert_close(grad, want, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        model.eval()
+        torch.testing.assert_close(fused(x, r), model(x, r), atol=1e-5, rtol=1e-4)
+
+
 def test_tuning_caches_and_reuses_configs(tmp_path):
     torch.manual_seed(0)
     model = ResidualNorm().cuda().eval()
