@@ -324,7 +324,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--cache-dir",
         default=None,
         help="parent of the per-model AutoFuser cache folders (default: OUT/autofuser-cache); "
-        "each model's folder is emptied first",
+        "each model's folder is emptied first, unless --keep-cache",
+    )
+    parser.add_argument(
+        "--keep-cache",
+        action="store_true",
+        help="use each model's AutoFuser cache folder as an earlier run left it: its 'cold' first call or "
+        "step then runs on that cache (bench.md says so); for timing runs after a run that filled the caches",
     )
 
 

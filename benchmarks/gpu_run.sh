@@ -18,6 +18,9 @@
 #               benchmarks/tuning_stats.py over their caches
 #   train:DTYPE:MODEL,MODEL  their training steps (`autofuser bench --train`, flags in $TRAIN_FLAGS,
 #               default --iters 30 --warmup 3 --tune-budget 1), each model in its own process
+#   train-fill:DTYPE:MODELS then train-warm:DTYPE:MODELS  the same in less device time: the first
+#               compiles every model's step into kept caches, $FILL_JOBS (default 3) at a time; the
+#               second times them one by one on those caches (first steps warm, bench.md says so)
 #   dynamic:DTYPE  benchmarks/dynamic.py     (a zoo model on 50 point counts between 4k and 16k: first
 #               calls and steady times against AutoFuser dynamic=False; flags in $DYNAMIC_FLAGS,
 #               e.g. DYNAMIC_FLAGS="--model transformer --counts 20")
@@ -108,6 +111,23 @@ for step in "${steps[@]}"; do
       # shellcheck disable=SC2046
       OUT="$out/train" ZOO_CACHE="$ZOO_CACHE/train-$dtype" BENCH_FLAGS="--train ${TRAIN_FLAGS:---iters 30 --warmup 3 --tune-budget 1}" \
         bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models") ;;
+    train-fill:*|train-warm:*)
+      # The whole zoo's training in less device time: train-fill compiles every model's step,
+      # $FILL_JOBS (default 3) at a time, into caches kept under $ZOO_CACHE (AutoFuser's,
+      # Triton's, Inductor's; its cold first steps are taken on a shared GPU: not for the
+      # tables); train-warm then times the models one by one on those caches, as train: does
+      # (its first steps are warm ones, bench.md says so). Run both on one machine, in one
+      # call or in calls close enough that it stays warm.
+      IFS=: read -r kind dtype models <<< "$step"
+      [ "$models" = "all" ] && models=galerkin,transformer,transolver,transolver2d,gnot,factformer,fno,ffno,unet,lsm,ufno,upt
+      if [ "$kind" = train-fill ]; then
+        where="$out/train-fill" flags="--train --iters 2 --warmup 1 --tune-budget 1" jobs=${FILL_JOBS:-3}
+      else
+        where="$out/train" flags="--train ${TRAIN_FLAGS:---iters 30 --warmup 3 --tune-budget 1}" jobs=1
+      fi
+      # shellcheck disable=SC2046
+      OUT="$where" ZOO_CACHE="$ZOO_CACHE/train-$dtype" ZOO_KEEP_CACHES="$ZOO_CACHE/compilers-train-$dtype" \
+        ZOO_JOBS="$jobs" BENCH_FLAGS="$flags" bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models") ;;
     sdpa-probe)
       # shellcheck disable=SC2086
       python3 benchmarks/sdpa_grad_probe.py ${SDPA_PROBE_FLAGS:-} > "$out/sdpa-probe.log" 2>&1

@@ -179,6 +179,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             fresh_first_calls=args.fresh_first_calls,
             train=args.train,
             custom_models=custom,
+            keep_cache=getattr(args, "keep_cache", False),
         )
     except BenchError as err:
         progress(str(err))
@@ -735,6 +736,15 @@ def fill_speedups(row: dict[str, Any], time_key: str) -> None:
     eager_cell["speedup"] = 1.0 if eager_cell[time_key] else None
 
 
+def fresh_cache(cache_dir: Path, keep: bool) -> str:
+    """Make ``cache_dir`` ready for a system's first call: emptied (a cold cache), or with
+    ``keep`` as a previous run left it (``--keep-cache``). Says which, for the progress line."""
+    if not keep:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    return "cache as a previous run left it" if keep else "cold cache"
+
+
 def forward_systems(
     name: str,
     row: dict[str, Any],
@@ -750,6 +760,7 @@ def forward_systems(
     no_compile: bool,
     cache_dir: Path,
     fuse_options: Optional[dict],
+    keep_cache: bool = False,
 ) -> None:
     """Run and time every system's forward on ``model`` into ``row``: ``call(fn)`` is the
     zero-argument call of ``fn`` (the model, or a system wrapping it) on the row's inputs,
@@ -787,9 +798,7 @@ def forward_systems(
         eager_cell.update(timed(call(model), iters, warmup, device))
 
     def run_autofuser() -> None:
-        shutil.rmtree(cache_dir, ignore_errors=True)
-        cache_dir.mkdir(parents=True)
-        progress(f"{name}: AutoFuser, cold cache {cache_dir}")
+        progress(f"{name}: AutoFuser, {fresh_cache(cache_dir, keep_cache)} {cache_dir}")
         cold = autofuser.fuse(model, cache_dir=str(cache_dir), **(fuse_options or {}))
         _, seconds = first_call_s(call(cold), device)
         autofuser_cell["first_call_cold_s"] = autofuser_cell["first_call_s"] = seconds
@@ -864,6 +873,7 @@ def bench_model(
     batch_size: Optional[int],
     cache_dir: Path,
     fuse_options: Optional[dict] = None,
+    keep_cache: bool = False,
     fresh_first_calls: bool = False,
 ) -> dict[str, Any]:
     """One row: every system on zoo model ``name``; errors are recorded, not raised."""
@@ -905,6 +915,7 @@ def bench_model(
         no_compile=no_compile,
         cache_dir=cache_dir,
         fuse_options=fuse_options,
+        keep_cache=keep_cache,
     )
     if fresh_first_calls:
         fresh = {"autofuser": "default", **({} if no_compile else compile_modes_of(row))}
@@ -953,6 +964,7 @@ def bench_custom_model(
     no_compile: bool,
     cache_dir: Path,
     fuse_options: Optional[dict] = None,
+    keep_cache: bool = False,
 ) -> dict[str, Any]:
     """One row: every system on the user's model, ``made`` = (model, args, kwargs) from the
     factory ``spec`` names; moved to ``device``, eval mode, no_grad. No target: no test loss."""
@@ -1001,6 +1013,7 @@ def bench_custom_model(
         no_compile=no_compile,
         cache_dir=cache_dir,
         fuse_options=fuse_options,
+        keep_cache=keep_cache,
     )
     fill_speedups(row, "ms")
     del model  # freed before release_memory empties the cache (the inputs go with the closures)
@@ -1043,10 +1056,13 @@ def run_bench(
     fresh_first_calls: bool = False,
     train: bool = False,
     custom_models: Optional[dict[str, tuple]] = None,
+    keep_cache: bool = False,
 ) -> dict[str, Any]:
     """Benchmark ``names`` (their forward, or with ``train`` a training step); write bench.json,
     bench.md, bench.png to ``out``; return the JSON data (plus the table under ``"markdown"``).
     A name in ``custom_models`` is the user's model, ``(model, args, kwargs)``, not a zoo one.
+    ``keep_cache``: each model's AutoFuser cache is used as found, not emptied first, so its
+    "cold" first call or step is one on that cache (a run that filled it went before).
     On a CPU, raises ``BenchError`` where Triton's interpreter can no longer be turned on."""
     custom_models = custom_models or {}
     compile_modes = tuple(compile_modes)
@@ -1075,6 +1091,7 @@ def run_bench(
             batch_size=batch_size,
             cache_dir=cache_root / re.sub(r"[^\w.-]+", "_", name),
             fuse_options=fuse_options,
+            keep_cache=keep_cache,
         )
         if name in custom_models:
             for zoo_only in ("config", "train_steps", "batch_size"):
@@ -1109,6 +1126,7 @@ def run_bench(
             "train_steps": train_steps,
             "batch_size": batch_size,
             "fresh_first_calls": fresh_first_calls,
+            "keep_cache": keep_cache,
             "fuse_options": dict(fuse_options or {}),
             "factory": next(iter(custom_models), None),
             "timing": (
@@ -1287,6 +1305,12 @@ def footer_lines(result: dict[str, Any], errors: list[str]) -> list[str]:
         notes = {note for row, cell in cells if cell.get("nothing_fused") for note in cell["report"]["notes"]}
         lines += [f"- {note}" for note in sorted(notes)]
     lines += float64_lines(result)
+    if result["settings"].get("keep_cache"):
+        lines += [
+            "",
+            "--keep-cache: AutoFuser's first calls or steps marked cold ran on the caches an earlier run "
+            "left, not on empty ones (under benchmarks/zoo_run.sh's ZOO_KEEP_CACHES, torch.compile's too).",
+        ]
     if errors:
         lines += ["", "Errors (type: message; tracebacks in bench.json):", *errors]
     return lines + [

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import shutil
 import time
 import traceback
 from pathlib import Path
@@ -76,6 +75,7 @@ from autofuser.zoo.harness import (
     format_params,
     format_speedup,
     format_spread,
+    fresh_cache,
     geomean_cells,
     judge_by_float64,
     no_autocast,
@@ -405,6 +405,7 @@ def bench_training_model(
     batch_size: Optional[int],
     cache_dir: Path,
     fuse_options: Optional[dict] = None,
+    keep_cache: bool = False,
 ) -> dict[str, Any]:
     """One row: a training step of every system on model ``name``; errors are recorded, not raised."""
     entry = MODELS[name]
@@ -480,9 +481,7 @@ def bench_training_model(
 
     def run_autofuser() -> None:
         nonlocal settled
-        shutil.rmtree(cache_dir, ignore_errors=True)
-        cache_dir.mkdir(parents=True)
-        progress(f"{name}: AutoFuser training step, cold cache {cache_dir}")
+        progress(f"{name}: AutoFuser training step, {fresh_cache(cache_dir, keep_cache)} {cache_dir}")
         model = fresh_copy()
         cold = autofuser.fuse(model, cache_dir=str(cache_dir), **(fuse_options or {}))
         autofuser_cell["first_step_s"] = training_step(cold, model).first().seconds

@@ -1189,3 +1189,21 @@ def test_what_ran_reads_the_last_verdict_of_the_notes():
     assert what_ran([graphed, in_use_original]).startswith("the original: training step in use")
     assert what_ran([slower + " (provisional)", in_use_fused]) == "the fused step, launched"
     assert len(what_ran(["x" * 500 + ": the original runs"])) == len("the original: ") + NOTE_CHARS
+
+
+def test_keep_cache_uses_the_cache_as_found_and_says_so(tmp_path):
+    """``--keep-cache``: each model's AutoFuser cache folder is not emptied first (a run that
+    filled it went before), and bench.md says the cold column is not cold; without it the
+    folder starts empty."""
+    first = _tiny_fno_bench(tmp_path, train=False)
+    folder = tmp_path / "autofuser-cache" / "fno"
+    kernels = sorted(folder.rglob("*.py"))
+    assert kernels, "the first run filled the cache"
+    (folder / "left-by-an-earlier-run").write_text("x")
+    kept = _tiny_fno_bench(tmp_path, train=False, keep_cache=True)
+    assert (folder / "left-by-an-earlier-run").exists() and sorted(folder.rglob("*.py")) == kernels
+    assert kept["rows"][0]["systems"]["autofuser"]["status"] == "ok"
+    assert kept["settings"]["keep_cache"] and "--keep-cache" in kept["markdown"]
+    assert not first["settings"]["keep_cache"] and "--keep-cache" not in first["markdown"]
+    _tiny_fno_bench(tmp_path, train=False)
+    assert not (folder / "left-by-an-earlier-run").exists()
