@@ -53,11 +53,6 @@ _RANDOM_FUNCTIONS = {
     torch.multinomial,
     torch.randperm,
     torch.poisson,
-    # torch's own dropouts (their `train` flag read as on: a barrier at worst)
-    torch.dropout,
-    torch.alpha_dropout,
-    torch.feature_dropout,
-    torch.feature_alpha_dropout,
     torch.nn.functional.fractional_max_pool2d,
     torch.nn.functional.fractional_max_pool3d,
     torch.nn.init.uniform_,
@@ -82,6 +77,8 @@ _RANDOM_METHODS = {
     "cauchy_",
     "log_normal_",
 }
+#: torch's own dropouts: (input, p, train), positional in the graph as a rule.
+_TORCH_DROPOUTS = {torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout}
 _DROPOUT_FUNCTIONS = {
     torch.nn.functional.dropout,
     torch.nn.functional.dropout1d,
@@ -133,6 +130,11 @@ def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple
             and _bound_argument(target, node, "p", 0.5) != 0
         ):
             return "random", "dropout in training mode draws random numbers"
+        if target in _TORCH_DROPOUTS:
+            p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+            train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+            if train is not False and p != 0:  # a flag or rate only known at run time counts as on
+                return "random", f"{describe_target(target)} in training mode draws random numbers"
         if getattr(target, "__name__", "").endswith("_") and not getattr(target, "__name__", "").startswith("__"):
             return "mutation", f"{describe_target(target)} writes into its input"
         if callable(target) and _bound_argument(target, node, "inplace", False) is True:

@@ -1378,6 +1378,17 @@ class _DropsPaths(nn.Module):
         return x * keep / 0.8
 
 
+class _TorchDropout(nn.Module):
+    """``torch.dropout`` itself (not the functional one), its train flag fixed."""
+
+    def __init__(self, train: bool):
+        super().__init__()
+        self.train_flag = train
+
+    def forward(self, x):
+        return torch.dropout(x, 0.2, self.train_flag)
+
+
 def test_a_step_may_draw_random_numbers_where_a_node_draws_them_or_runs_opaque():
     from autofuser_core.fuse import _may_draw_random
 
@@ -1386,6 +1397,8 @@ def test_a_step_may_draw_random_numbers_where_a_node_draws_them_or_runs_opaque()
     assert _may_draw_random(torch.fx.symbolic_trace(nn.Sequential(nn.Linear(23, 23), nn.RReLU())))
     assert not _may_draw_random(torch.fx.symbolic_trace(nn.Sequential(nn.Linear(23, 23), nn.RReLU()).eval()))
     assert not _may_draw_random(torch.fx.symbolic_trace(_OnlyCancels()))
+    assert _may_draw_random(torch.fx.symbolic_trace(_TorchDropout(True)))
+    assert not _may_draw_random(torch.fx.symbolic_trace(_TorchDropout(False)))  # an identity
     opaque = torch.fx.symbolic_trace(_OnlyCancels())
     next(n for n in opaque.graph.nodes if n.op == "call_function").meta["autofuser_opaque_reason"] = "a branch"
     assert _may_draw_random(opaque)  # the model's own code: it may draw them
