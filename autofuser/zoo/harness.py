@@ -1358,6 +1358,49 @@ def compile_modes_text(result: dict[str, Any]) -> str:
     return f"torch.compile mode{'s' if len(modes) > 1 else ''} {', '.join(modes)} (each its own columns)"
 
 
+#: A note longer than this is cut where ``what_ran`` quotes it.
+NOTE_CHARS = 240
+
+
+def what_ran(notes: Optional[list[str]], what: str = "step") -> Optional[str]:
+    """In a few words, what a fused model's training step (``what`` "step") or forward
+    ("forward") ran, from its report's notes in their order (a later verdict, the check in
+    use's, overrules an earlier one): the original (with the note that decided it), or the
+    fused one replayed as CUDA graphs, or launched (with why no graph); ``None`` without
+    notes."""
+    if not notes:
+        return None
+
+    def quoted(note: str) -> str:
+        return note if len(note) <= NOTE_CHARS else note[: NOTE_CHARS - 3] + "..."
+
+    original, no_graph, graphs = None, None, False
+    for note in notes:
+        if "the original runs" in note or "the original model runs" in note:
+            original = note
+        elif "the fused model runs" in note or "the fused step stands" in note:
+            original = None if "in use" in note else original
+        if "replayed as two CUDA graphs" in note or "replays as one CUDA graph" in note:
+            graphs = True
+        if note.startswith("no CUDA graph"):
+            no_graph = note
+    if original is not None:
+        return f"the original: {quoted(original)}"
+    if graphs:
+        return f"the fused {what}, replayed as {'two CUDA graphs' if what == 'step' else 'one CUDA graph'}"
+    return f"the fused {what}, launched" + (f": {quoted(no_graph)}" if no_graph else "")
+
+
+def what_ran_lines(result: dict[str, Any], what: str) -> list[str]:
+    """bench.md's list under the table: ``what_ran`` of each row's AutoFuser cell."""
+    ran = [(row["model"], what_ran(row["systems"]["autofuser"].get("warm_notes"), what)) for row in result["rows"]]
+    if not any(text for _, text in ran):
+        return []
+    settled = "its first steps" if what == "step" else "its first calls"
+    lines = ["", f"What AutoFuser ran once {settled} settled (its report's notes):"]
+    return lines + [f"- {model}: {text}" for model, text in ran if text]
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     settings = result["settings"]
     where = where_run(result)
@@ -1408,6 +1451,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         table.append(cells)
         errors += row_errors(row)
     lines += table_lines(columns, table + [geomean_cells(columns, result, speedup_columns(result))])
+    lines += what_ran_lines(result, "forward")
     if settings.get("fresh_first_calls"):
         lines += [
             "",

@@ -94,6 +94,7 @@ from autofuser.zoo.harness import (
     strict_fp32,
     synchronize,
     table_lines,
+    what_ran_lines,
     where_run,
     widened,
     worst,
@@ -582,38 +583,6 @@ def bench_training_model(
 # ---------------------------------------------------------------------------
 
 
-#: A note longer than this is cut where ``what_ran`` quotes it.
-NOTE_CHARS = 240
-
-
-def what_ran(notes: Optional[list[str]]) -> Optional[str]:
-    """In a few words, what a fused model's training step ran, from its report's notes in
-    their order (a later verdict, the check in use's, overrules an earlier one): the
-    original (with the note that decided it), or the fused step replayed as two CUDA
-    graphs, or launched (with why no graph); ``None`` without notes."""
-    if not notes:
-        return None
-
-    def quoted(note: str) -> str:
-        return note if len(note) <= NOTE_CHARS else note[: NOTE_CHARS - 3] + "..."
-
-    original, no_graph, graphs = None, None, False
-    for note in notes:
-        if "the original runs" in note or "the original model runs" in note:
-            original = note
-        elif "the fused model runs" in note or "the fused step stands" in note:
-            original = None if "in use" in note else original
-        if "replayed as two CUDA graphs" in note:
-            graphs = True
-        if note.startswith("no CUDA graph for the training step"):
-            no_graph = note
-    if original is not None:
-        return f"the original: {quoted(original)}"
-    if graphs:
-        return "the fused step, replayed as two CUDA graphs"
-    return "the fused step, launched" + (f": {quoted(no_graph)}" if no_graph else "")
-
-
 def render_training_markdown(result: dict[str, Any]) -> str:
     """bench.md of a ``--train`` run: one row per model, the geometric-mean row, the errors."""
     settings = result["settings"]
@@ -688,10 +657,7 @@ def render_training_markdown(result: dict[str, Any]) -> str:
         )
         errors += row_errors(row)
     lines += table_lines(columns, table + [geomean_cells(columns, result, speedup_columns(result))])
-    ran = [(row["model"], what_ran(row["systems"]["autofuser"].get("warm_notes"))) for row in result["rows"]]
-    if any(text for _, text in ran):
-        lines += ["", "What AutoFuser ran once its first steps settled (its report's notes):"]
-        lines += [f"- {model}: {text}" for model, text in ran if text]
+    lines += what_ran_lines(result, "step")
     changed = [(row["model"], row["systems"]["autofuser"].get("changed_while_timed")) for row in result["rows"]]
     if any(text for _, text in changed):
         lines += ["", "AutoFuser changed after its first steps settled, before or while its steps were timed:"]

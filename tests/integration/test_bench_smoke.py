@@ -1170,7 +1170,7 @@ def test_fuse_options_reach_fuse_from_the_command_line(monkeypatch):
 
 
 def test_what_ran_reads_the_last_verdict_of_the_notes():
-    from autofuser.zoo.train_bench import NOTE_CHARS, what_ran
+    from autofuser.zoo.harness import NOTE_CHARS, what_ran
 
     stands = (
         "the fused training step's gradients are off the original model's (0.27) but nearer ...: the fused step stands"
@@ -1189,6 +1189,11 @@ def test_what_ran_reads_the_last_verdict_of_the_notes():
     assert what_ran([graphed, in_use_original]).startswith("the original: training step in use")
     assert what_ran([slower + " (provisional)", in_use_fused]) == "the fused step, launched"
     assert len(what_ran(["x" * 500 + ": the original runs"])) == len("the original: ") + NOTE_CHARS
+    forward = "the compiled forward replays as one CUDA graph (1.2 ms vs 2.0 ms launched op by op)"
+    in_use = "forward in use, 4 blocks of 4 calls on each side: 1.3 ms fused vs 1.7 ms: the fused model runs"
+    assert what_ran([forward, in_use], "forward") == "the fused forward, replayed as one CUDA graph"
+    no_graph = "no CUDA graph: replaying it (2.1 ms) is not faster than launching (2.0 ms)"
+    assert what_ran([no_graph], "forward") == f"the fused forward, launched: {no_graph}"
 
 
 def test_keep_cache_uses_the_cache_as_found_and_says_so(tmp_path):
