@@ -125,7 +125,9 @@ class FusedKernel:
         ]
         written = kernel_outputs(self.source, outputs, self.grid)
         args = (*cast_inputs(inputs, self.casts), *written)
-        values = self.direct.values(args) if self.direct is not None else None
+        # Past the guard above, the inputs' device is the current one: DirectLaunch checks it
+        # against its own without asking torch again.
+        values = self.direct.values(args, device.index) if self.direct is not None else None
         if values is not None and self.direct is not None:
             self.direct.launch(values)
         elif isinstance(self.kernel, triton.runtime.JITFunction):
@@ -235,10 +237,13 @@ class DirectLaunch:
             return None
         return cls(compiled, template, tensor_slots, others, grid, torch.cuda.current_device())
 
-    def values(self, args: Sequence[Any]) -> Optional[list]:
+    def values(self, args: Sequence[Any], device: Optional[int] = None) -> Optional[list]:
         """Every argument of the kernel for a call with ``args``, or ``None`` where Triton
-        would not send that call to this compiled kernel."""
-        if len(args) != len(self.slots) or _hooked() or torch.cuda.current_device() != self.device:
+        would not send that call to this compiled kernel. ``device``: the current CUDA
+        device, where the caller knows it (else torch is asked)."""
+        if device is None:
+            device = torch.cuda.current_device()
+        if len(args) != len(self.slots) or _hooked() or device != self.device:
             return None
         values = list(self.template)
         for slot, value in zip(self.slots, args):
