@@ -1145,8 +1145,11 @@ class FusedModule(torch.nn.Module):
             inference = not grad and not any(m.training for m in self._state.modules)
             try:
                 # Read before the graph passes change the graph: what the model itself does.
-                never_replays = launched or (_never_replays(gm, grad, inference) if self._options.cuda_graphs else None)
-                captured_random = grad and _may_draw_random(gm)
+                kinds = _barrier_kinds(gm)
+                never_replays = launched or (
+                    _never_replays(gm, grad, inference, kinds) if self._options.cuda_graphs else None
+                )
+                captured_random = grad and _may_draw_random(gm, kinds)
                 # Verifying runs the graph, and with it the model's own code in opaque parts; a
                 # leaf method's module (the root's own) is no part of the graph module, whose
                 # state that run restores: restore the model's too.
@@ -1827,17 +1830,26 @@ STEP_REFERENCE_FAR_FACTOR = 1.25
 STEP_RANDOM_SHARE = 0.1
 
 
-def _may_draw_random(gm: Any) -> bool:
-    """Whether a step of ``gm`` may draw random numbers: a node of its graph draws them, or
-    runs as an opaque part, which may; anything but a graph module may too."""
+def _barrier_kinds(gm: Any) -> Optional[set[str]]:
+    """The kinds of barrier among ``gm``'s nodes (``planner.barrier_reason``: "random",
+    "opaque", "mutation"), or ``None`` where they can't be read (not a graph module, or a
+    node its reader refuses)."""
     if not isinstance(gm, torch.fx.GraphModule):
-        return True
+        return None
     try:
         reasons = [barrier_reason(node, gm) for node in gm.graph.nodes]
-    except Exception as err:  # noqa: BLE001 - a node it can't read: it may draw them
-        logger.debug("could not tell whether the graph draws random numbers (%s)", err)
-        return True
-    return any(reason is not None and reason[0] in ("random", "opaque") for reason in reasons)
+    except Exception as err:  # noqa: BLE001 - a node it can't read: nothing known
+        logger.debug("could not read the graph's barriers (%s)", err)
+        return None
+    return {reason[0] for reason in reasons if reason is not None}
+
+
+def _may_draw_random(gm: Any, kinds: Optional[set[str]] = None) -> bool:
+    """Whether a step of ``gm`` may draw random numbers: a node of its graph draws them, or
+    runs as an opaque part, which may; a graph whose barriers can't be read may too.
+    ``kinds``: ``_barrier_kinds(gm)``, where the caller has them."""
+    kinds = _barrier_kinds(gm) if kinds is None else kinds
+    return kinds is None or bool(kinds & {"random", "opaque"})
 
 
 def _farther_from(
@@ -1982,17 +1994,17 @@ def _relaunch(runner: "_Runner", report: FusionReport) -> Optional[str]:
     return "the fused model did not replay as CUDA graphs and, launched, lost to the original"
 
 
-def _never_replays(gm: torch.fx.GraphModule, grad: bool, inference: bool) -> Optional[str]:
+def _never_replays(gm: torch.fx.GraphModule, grad: bool, inference: bool, kinds: Optional[set[str]]) -> Optional[str]:
     """Why the captured ``gm`` will never run as a CUDA graph, whatever its kernels: a forward
     with gradients off in training mode is never captured; a training step that draws random
     numbers (its runs differ) or runs the model's own code (``_calls_model_code``) is not,
-    nor a forward that draws them. ``None``: it may replay."""
+    nor a forward that draws them (``kinds``: ``_barrier_kinds(gm)``; None, unreadable, counts
+    as drawing). ``None``: it may replay."""
     if not grad and not inference:
         return "the forward runs in training mode with gradients off, which is never replayed"
     if grad and _calls_model_code(gm):
         return "the training step runs parts of the model's own code, which is never replayed"
-    random = any((barrier_reason(node, gm) or ("",))[0] == "random" for node in gm.graph.nodes)
-    if random:
+    if kinds is None or "random" in kinds:
         return f"the {'training step' if grad else 'forward'} draws random numbers, so it is never replayed"
     return None
 

@@ -1440,7 +1440,7 @@ def test_a_draw_no_graph_shows_is_found_by_the_originals_step_from_other_streams
     other random streams differs from its first: a wrong fused step is still unjudged."""
     import autofuser_core.fuse as fuse_module
 
-    monkeypatch.setattr(fuse_module, "_may_draw_random", lambda gm: False)
+    monkeypatch.setattr(fuse_module, "_may_draw_random", lambda gm, kinds=None: False)
     fused = _fused_with_pass(tmp_path, _DrawsLittleNoise(), _noise_dropped, progress=False, verify_speed=False)
     fused(torch.randn(3, 5, 23).requires_grad_())
     notes = " ".join(fused.report().notes)
