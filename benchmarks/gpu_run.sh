@@ -48,6 +48,8 @@ export PYTHONUNBUFFERED=1
 export ZOO_CACHE=${ZOO_CACHE:-/tmp/autofuser-zoo-cache}  # zoo_run.sh's per-model caches
 export COMPILE_MODES=${COMPILE_MODES:-default,reduce-overhead}  # every benchmark's torch.compile modes
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+# Every zoo model, for a step's MODELS of "all".
+ZOO_MODELS=galerkin,transformer,transolver,transolver2d,gnot,factformer,fno,ffno,unet,lsm,ufno,upt
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests bandwidth matmul attention conv mxint8 fft "zoo:fp32:all")
 
@@ -99,7 +101,7 @@ for step in "${steps[@]}"; do
       echo "dynamic:$dtype rc=$?"; tail -n 20 "$out/dynamic-$dtype.log" ;;
     zoo:*)
       IFS=: read -r _ dtype models <<< "$step"
-      [ "$models" = "all" ] && models=galerkin,transformer,transolver,transolver2d,gnot,factformer,fno,ffno,unet,lsm,ufno,upt
+      [ "$models" = "all" ] && models=$ZOO_MODELS
       # shellcheck disable=SC2046
       OUT="$out/zoo" ZOO_CACHE="$ZOO_CACHE/$dtype" bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models")
       # Where each kernel's tuning winner sat in its config list (the caches zoo_run.sh filled).
@@ -107,7 +109,7 @@ for step in "${steps[@]}"; do
         > "$out/zoo/tuning-stats-$dtype.txt" 2>&1 ;;
     train:*)
       IFS=: read -r _ dtype models <<< "$step"
-      [ "$models" = "all" ] && models=galerkin,transformer,transolver,transolver2d,gnot,factformer,fno,ffno,unet,lsm,ufno,upt
+      [ "$models" = "all" ] && models=$ZOO_MODELS
       # shellcheck disable=SC2046
       OUT="$out/train" ZOO_CACHE="$ZOO_CACHE/train-$dtype" BENCH_FLAGS="--train ${TRAIN_FLAGS:---iters 30 --warmup 3 --tune-budget 1}" \
         bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models") ;;
@@ -119,7 +121,7 @@ for step in "${steps[@]}"; do
       # (its first steps are warm ones, bench.md says so). Run both on one machine, in one
       # call or in calls close enough that it stays warm.
       IFS=: read -r kind dtype models <<< "$step"
-      [ "$models" = "all" ] && models=galerkin,transformer,transolver,transolver2d,gnot,factformer,fno,ffno,unet,lsm,ufno,upt
+      [ "$models" = "all" ] && models=$ZOO_MODELS
       if [ "$kind" = train-fill ]; then
         where="$out/train-fill" flags="--train --iters 2 --warmup 1 --tune-budget 1" jobs=${FILL_JOBS:-3}
       else
