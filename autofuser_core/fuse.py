@@ -1818,8 +1818,10 @@ def _fp32(value: Any) -> Any:
 #: original says nothing. A step that draws none is judged up to ``STEP_REFERENCE_CAP``
 #: times the limit: that distance is then the model's own rounding (a batch norm over
 #: channels of nearly constant values amplifies fp32's rounding a thousandfold), and past
-#: the limit each tensor of the fused step must be no farther than
-#: ``STEP_REFERENCE_FAR_FACTOR`` times the original's (plus the slack).
+#: the limit the fused step's tensors together must be no farther than
+#: ``STEP_REFERENCE_FAR_FACTOR`` times the original's (plus the slack), and each tensor no
+#: farther than ``STEP_REFERENCE_FACTOR`` times: one tensor's rounding is one draw of
+#: amplified noise, which two roundings' of it differ by more than all tensors' together.
 STEP_REFERENCE_FACTOR = 2.0
 STEP_REFERENCE_SLACK = 0.1
 STEP_REFERENCE_CAP = 4.0
@@ -1861,7 +1863,8 @@ def _farther_from(
     ``STEP_TENSOR_FLOOR`` of all of them, relative L2 - in words; else ``None``. An original
     past ``limit`` of ``exact`` leaves it unjudged (in words) where the step may draw
     random numbers (``random``) or the original is past ``STEP_REFERENCE_CAP`` times the
-    limit; else the fused step is held to ``STEP_REFERENCE_FAR_FACTOR`` times its distance."""
+    limit; else the fused step's tensors together are held to ``STEP_REFERENCE_FAR_FACTOR``
+    times its distance, each still to ``STEP_REFERENCE_FACTOR`` times."""
     if not len(got) == len(original) == len(exact):
         return f"the reference step gives {len(exact)} tensors"
     rows: list[tuple[str, float, float, float]] = []
@@ -1887,8 +1890,8 @@ def _farther_from(
             "not comparable"
         )
     whole = ("all of them", fused_total, original_total, total)
-    factor = STEP_REFERENCE_FACTOR if within else STEP_REFERENCE_FAR_FACTOR
     for where, fused_off, original_off, norm in [whole, *rows]:
+        factor = STEP_REFERENCE_FAR_FACTOR if where == "all of them" and not within else STEP_REFERENCE_FACTOR
         scale = max(norm, STEP_TENSOR_FLOOR * total, 1e-30)
         if not fused_off <= factor * original_off + STEP_REFERENCE_SLACK * limit * scale:
             return f"{where}: {fused_off / scale:.3g} off the reference step, the original {original_off / scale:.3g}"

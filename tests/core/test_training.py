@@ -1467,10 +1467,15 @@ def test_the_float64_judge_refuses_a_fused_step_farther_from_it_than_the_origina
     far = [t + 0.1 * t.norm() / n.norm() * n for t, n in zip(exact, noise)]  # 0.1 off: past the limit
     assert "not comparable" in _farther_from(nearer, far, exact, limit)  # rounding, or other draws
     assert _farther_from(nearer, far, exact, limit, random=False) is None  # no draws: rounding
-    # Past the limit, the fused step is held to 1.25 times the original's distance.
+    # Past the limit, the fused step's tensors together are held to 1.25 times the original's
+    # distance, and each on its own to 2 times (one tensor's rounding is one draw).
     assert _farther_from([t + 1.1 * (f - t) for t, f in zip(exact, far)], far, exact, limit, random=False) is None
     farther = [t + 1.5 * (f - t) for t, f in zip(exact, far)]
-    assert "off the reference step, the original" in _farther_from(farther, far, exact, limit, random=False)
+    assert _farther_from(farther, far, exact, limit, random=False).startswith("all of them")
+    one_farther = [far[0], exact[1] + 1.5 * (far[1] - exact[1])]  # the smaller tensor: the whole barely moves
+    assert _farther_from(one_farther, far, exact, limit, random=False) is None
+    one_far = [far[0], exact[1] + 2.5 * (far[1] - exact[1])]
+    assert _farther_from(one_far, far, exact, limit, random=False).startswith("tensor 1")
     # An original past STEP_REFERENCE_CAP times the limit judges nothing, draws or not.
     too_far = [t + 0.3 * t.norm() / n.norm() * n for t, n in zip(exact, noise)]
     assert "not comparable" in _farther_from(nearer, too_far, exact, limit, random=False)
