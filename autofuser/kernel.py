@@ -36,7 +36,9 @@ to refuse one (``GroupRefused``) are in ``autofuser`` itself.
 from autofuser_core.chain import POINTER_TYPES, chain_digest, chain_module, chain_stages, jit_function, split_chunk
 from autofuser_core.codegen import (
     INT32_LIMIT,
+    MAX_GRID_YZ,
     TL_DTYPES,
+    GridTooLarge,
     ValueEmitter,
     cdiv_text,
     emit_offsets,
@@ -85,6 +87,8 @@ from autofuser_core.tiles import (
 
 __all__ = [
     "INT32_LIMIT",
+    "MAX_GRID_YZ",
+    "GridTooLarge",
     "POINTER_TYPES",
     "MAX_PRODUCTS",
     "ROUNDED_DTYPES",

@@ -57,6 +57,14 @@ TL_DTYPES = {
     torch.bool: "tl.int1",
 }
 INT32_LIMIT = 2**31 - 1
+#: CUDA's limits on a launch grid: axis 0 up to 2**31 - 1 programs, axes 1 and 2 up to
+#: MAX_GRID_YZ each. A grid past them fails to launch ("invalid argument"); a kernel writer
+#: folds a long axis into axis 0 or refuses its group.
+MAX_GRID_YZ = 65535
+
+
+class GridTooLarge(ValueError):
+    """A kernel's launch grid past CUDA's limits (``KernelSource.launch_grid``)."""
 
 
 @dataclass
@@ -81,6 +89,23 @@ class KernelSource:
     # the launcher passes an fp32 buffer of one row of the output's size per program and
     # stores the rows' sum in the output (``launch.kernel_outputs``).
     partial_outputs: tuple[int, ...] = ()
+
+    def launch_grid(self, config: dict) -> tuple[int, ...]:
+        """The grid of a launch with ``config``, checked against CUDA's limits (``MAX_GRID_YZ``):
+        a grid past them raises ``GridTooLarge`` naming the kernel, the axis and the fix, where
+        the launch itself would fail with CUDA's bare "invalid argument"."""
+        grid = tuple(int(n) for n in self.grid(config))
+        limits = (INT32_LIMIT, MAX_GRID_YZ, MAX_GRID_YZ)
+        for axis, (n, most) in enumerate(zip(grid, limits)):
+            if not 0 <= n <= most:
+                raise GridTooLarge(
+                    f"kernel {self.name}: its grid {grid} has {n} programs on axis {axis}, past CUDA's limit of "
+                    f"{most}; its strategy must fold that axis into axis 0 (or refuse the group): the group "
+                    "stays eager"
+                )
+        if len(grid) > len(limits):
+            raise GridTooLarge(f"kernel {self.name}: its grid {grid} has {len(grid)} axes; a launch has at most 3")
+        return grid
 
     def launch_args(self, config: dict) -> dict:
         """The keyword arguments of a launch with ``config``: the layout's fixed sizes win over a config's."""

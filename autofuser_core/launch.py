@@ -57,7 +57,7 @@ class FusedKernel:
         self.source = source
         self.config = dict(config)
         self.eager = eager  # the group's original ops, as a GraphModule
-        self.grid = source.grid(self.config)
+        self.grid = source.launch_grid(self.config)
         self.launch_args = source.launch_args(self.config)
         self.launcher = kernel[self.grid]  # indexing a Triton kernel by its grid builds a launcher: once
         self.direct: Optional[DirectLaunch] = None  # the compiled kernel, once a launch has compiled it

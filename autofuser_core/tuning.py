@@ -232,11 +232,11 @@ def _tune(
             begin = time.perf_counter()
             ready(launch)
             waited += time.perf_counter() - begin
-        grid = source.grid(config)
         # Timed with the launcher's conversions, as the forward runs them: a config that
         # converts its inputs itself (``KernelSource.converts_casts``) competes fairly.
         casts = source.casts(program, config)
         try:
+            grid = source.launch_grid(config)  # a config whose grid CUDA refuses is no candidate
             # Partial rows (a cross sum, a split K): their count follows the config's grid, so
             # their sum, which the launcher adds after the kernel, is timed with it.
             written = kernel_outputs(source, outputs, grid)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 from autofuser import StrategySpec, device_limits
-from autofuser.kernel import dot_block, literal_sizes, next_power_of_2
+from autofuser.kernel import MAX_GRID_YZ, dot_block, literal_sizes, next_power_of_2
 
 from .kernel import write_attention_kernel
 from .layout import AttentionProgram
@@ -29,8 +29,6 @@ from .slice_kernel import write_slice_attention
 
 #: fp32 values (accumulator, scores tile, q's tile) per thread before registers spill.
 REGS_PER_THREAD = 192
-#: CUDA's limit on the grid's second axis, which walks the batch entries.
-MAX_GRID_Y = 65535
 
 CONFIGS = [
     # (BLOCK_M, BLOCK_N, num_warps, num_stages), most promising first: tuning stops at its budget
@@ -61,8 +59,8 @@ def accepts(program):
 
 def _batch_refusal(layout):
     """The refusal of a layout whose batch entries would not fit the grid's second axis, or ``None``."""
-    if layout.batch_numel > MAX_GRID_Y:
-        return ("batch_too_large", f"{layout.batch_numel} batch entries exceed the grid's second axis ({MAX_GRID_Y})")
+    if layout.batch_numel > MAX_GRID_YZ:
+        return ("batch_too_large", f"{layout.batch_numel} batch entries exceed the grid's second axis ({MAX_GRID_YZ})")
     return None
 
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from autofuser import GroupRefused, KernelSource, KernelTensor, StrategySpec, device_limits, program_from_nodes
 from autofuser.kernel import (
+    MAX_GRID_YZ,
     STRICT_FP32,
     AttrRef,
     attr_tensor,
@@ -52,8 +53,6 @@ MAX_KERNEL_VOLUME = 27
 #: compiled nor tuned, and the epilogue fuses on its own in the first planning round
 #: instead of a later one.
 MAX_REDUCTION = 144
-#: CUDA's limit on the grid's second axis, which walks the batch.
-MAX_GRID_Y = 65535
 
 
 @dataclass(frozen=True)
@@ -249,8 +248,8 @@ def accepts(program):
             "fused epilogue is faster",
         )
     batch = tensor_meta(program.conv.x).shape[0]
-    if batch > MAX_GRID_Y:
-        return ("batch_too_large", f"{batch} samples exceed the grid's second axis ({MAX_GRID_Y})")
+    if batch > MAX_GRID_YZ:
+        return ("batch_too_large", f"{batch} samples exceed the grid's second axis ({MAX_GRID_YZ})")
     return None
 
 

@@ -4,7 +4,8 @@ The kernel computes ``C[rows, cols]`` tiles of ``BLOCK_M x BLOCK_N``:
 
 1. program ids map to tiles in grouped order (``GROUP_M`` row tiles share
    their column tiles' weights in L2); a second grid axis walks the batch when
-   ``B`` has batch dims;
+   ``B`` has batch dims (folded into the first where the batch is longer than
+   CUDA's second axis takes, ``MAX_GRID_YZ``);
 2. each reduction in the prologue (layer-norm statistics over ``K``) is one
    pass over ``K`` in ``BLOCK_K`` steps, in dependency order (the mean before
    the variance), each row's result kept in registers;
@@ -26,6 +27,7 @@ from typing import Optional
 
 from autofuser import GroupProgram, KernelSource
 from autofuser.kernel import (
+    MAX_GRID_YZ,
     TileBlock,
     TileWriter,
     all_values,
@@ -79,15 +81,22 @@ def write_matmul_kernel(
     if L.epilogue_reduces:
         constexprs["BLOCK_N"] = dot_block(L.n)
 
-    w.emit(f"pid = tl.program_id({1 if split else 0})")
+    # More batch entries than CUDA's grid takes on an axis of its own (MAX_GRID_YZ): the batch
+    # is folded into axis 0, each program's batch entry the quotient of its id by the tiles.
+    folded = bool(batch_dims) and not split and L.batch > MAX_GRID_YZ
+    cast = ".to(tl.int64)" if wide else ""
     w.emit(f"num_m = tl.cdiv({sized(L.rows)}, BLOCK_M)")
     w.emit(f"num_n = tl.cdiv({sized(L.n)}, BLOCK_N)")
+    if folded:
+        w.emit(f"pid_all = tl.program_id(0){cast}")
+        w.emit("pid = pid_all % (num_m * num_n)")
+    else:
+        w.emit(f"pid = tl.program_id({1 if split else 0})")
     w.emit("in_group = GROUP_M * num_n")
     w.emit("first_m = (pid // in_group) * GROUP_M")
     w.emit("size_m = tl.minimum(num_m - first_m, GROUP_M)")
     w.emit("pid_m = first_m + (pid % in_group) % size_m")
     w.emit("pid_n = (pid % in_group) // size_m")
-    cast = ".to(tl.int64)" if wide else ""
     w.emit(f"rows = (pid_m{cast} * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]")
     w.emit(f"cols = (pid_n{cast} * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]")
     w.emit(f"row_mask = rows < {sized(L.rows)}")
@@ -97,7 +106,7 @@ def write_matmul_kernel(
     )
     b_row = None
     if batch_dims:
-        w.emit(f"batch = tl.program_id({2 if split else 1}){cast}")
+        w.emit("batch = pid_all // (num_m * num_n)" if folded else f"batch = tl.program_id({2 if split else 1}){cast}")
         batch_sizes = [L.out_domain[d] for d in batch_dims]
         batch_offs = emit_offsets(
             w.emit,
@@ -211,6 +220,8 @@ def write_matmul_kernel(
     def grid(config, rows=L.rows, n=L.n, batch=L.batch):
         block_n = constexprs.get("BLOCK_N", config.get("BLOCK_N"))
         tiles = triton_cdiv(rows, config["BLOCK_M"]) * triton_cdiv(n, block_n)
+        if folded:
+            return (tiles * batch,)
         return (config["SPLIT_K"], tiles, batch) if split else (tiles, batch)
 
     return KernelSource(

@@ -31,12 +31,10 @@ from dataclasses import dataclass, field
 import torch
 
 from autofuser import GroupProgram, GroupRefused, KernelSource, StrategySpec, program_from_nodes
+from autofuser.kernel import INT32_LIMIT, MAX_GRID_YZ
 
 from .spectral import Region, spectral_mix
 
-#: CUDA's limit on the grid's second and third axes (channel blocks, batch entries).
-MAX_GRID_YZ = 65535
-INT32_LIMIT = 2**31 - 1
 #: fp32 accumulators (real and imaginary) per thread before registers spill.
 ACC_PER_THREAD = 128
 
