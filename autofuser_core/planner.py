@@ -28,6 +28,7 @@ import inspect
 import itertools
 import logging
 import operator
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, cast
 
@@ -41,52 +42,15 @@ from .specs import LoweringSpec, SplitRule, StrategySpec, dtype_name
 
 logger = logging.getLogger("autofuser.plan")
 
-_RANDOM_FUNCTIONS = {
-    torch.rand,
-    torch.randn,
-    torch.randint,
-    torch.rand_like,
-    torch.randn_like,
-    torch.randint_like,
-    torch.bernoulli,
-    torch.normal,
-    torch.multinomial,
-    torch.randperm,
-    torch.poisson,
-    torch.nn.functional.fractional_max_pool2d,
-    torch.nn.functional.fractional_max_pool3d,
-    torch.nn.init.uniform_,
-    torch.nn.init.normal_,
-    torch.nn.init.trunc_normal_,
-    torch.nn.init.xavier_uniform_,
-    torch.nn.init.xavier_normal_,
-    torch.nn.init.kaiming_uniform_,
-    torch.nn.init.kaiming_normal_,
-    torch.nn.init.orthogonal_,
-    torch.nn.init.sparse_,
-}
-_RANDOM_METHODS = {
-    "bernoulli",
-    "bernoulli_",
-    "multinomial",
-    "random_",
-    "uniform_",
-    "normal_",
-    "exponential_",
-    "geometric_",
-    "cauchy_",
-    "log_normal_",
-}
-#: torch's own dropouts: (input, p, train), positional in the graph as a rule.
-_TORCH_DROPOUTS = {torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout}
-_DROPOUT_FUNCTIONS = {
-    torch.nn.functional.dropout,
-    torch.nn.functional.dropout1d,
-    torch.nn.functional.dropout2d,
-    torch.nn.functional.dropout3d,
-    torch.nn.functional.alpha_dropout,
-    torch.nn.functional.feature_alpha_dropout,
-}
+#: A call draws random numbers where an aten op it runs carries torch's own tag for it,
+#: ``torch.Tag.nondeterministic_seeded`` (``draws_random``): no list of ops here.
+_SEEDED = torch.Tag.nondeterministic_seeded
+#: Node metadata: ``draws_random``'s verdict on the node, computed once.
+_DRAWS_KEY = "autofuser_draws_random"
+#: The modules of torch's Python-level functions that ``draws_random`` may run on meta
+#: tensors to see the ops they dispatch: functions of their arguments, which touch no state
+#: outside them.
+_META_MODULES = {"torch.nn.functional", "torch.nn.init"}
 _MUTATING_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
 #: A proposed group that would make a cycle (a path leaves it and comes back) is tried again
@@ -103,6 +67,130 @@ def _bound_argument(target: Any, node: torch.fx.Node, name: str, default: Any) -
     return bound.arguments.get(name, default)
 
 
+def _packet(target: Any) -> Optional[torch._ops.OpOverloadPacket]:
+    """The aten op of ``target``: itself (an op overload or its packet), or the aten op of its
+    name (a function of torch's, a Tensor method); ``None`` where no aten op has the name."""
+    packet = getattr(target, "overloadpacket", target)
+    if isinstance(packet, torch._ops.OpOverloadPacket):
+        return packet
+    if not isinstance(target, str) and not (getattr(target, "__module__", None) or "").startswith("torch"):
+        return None  # not torch's: operator.getitem, a wrapped leaf of the model's
+    name = target if isinstance(target, str) else getattr(target, "__name__", None)
+    packet = getattr(torch.ops.aten, name, None) if isinstance(name, str) and name.isidentifier() else None
+    return packet if isinstance(packet, torch._ops.OpOverloadPacket) else None
+
+
+def _on_meta(value: Any) -> Any:
+    """A node argument as a meta tensor of its recorded metadata; ``LookupError`` where a node
+    has none (its value is only known at run time)."""
+    if isinstance(value, torch.fx.Node):
+        meta = tensor_meta(value)
+        if meta is None:
+            raise LookupError(value.name)
+        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_meta(v) for k, v in value.items()}
+    return value
+
+
+class _SeededOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Notes whether any aten op run under it carries ``_SEEDED``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen = self.seen or _SEEDED in func.tags
+        return func(*args, **(kwargs or {}))
+
+
+def _tensor_argument(node: torch.fx.Node) -> bool:
+    found = []
+    torch.fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(tensor_meta(n) is not None))
+    return any(found)
+
+
+def _switched_off(node: torch.fx.Node, packet: Any) -> bool:
+    """Whether a call of a tagged op has its drawing switched off by its arguments, as torch
+    names them: a training flag (``train``, ``training``) of ``False``, or a dropout rate
+    (``p``, ``dropout_p``, ``dropout``) of 0 (``F.scaled_dot_product_attention`` as a rule).
+    Arguments are bound by the Python function's signature, else by the aten op's schema."""
+    target = cast(Any, node.target)
+    try:
+        bound = dict(inspect.signature(target).bind(*node.args, **node.kwargs).arguments)
+        defaults = {k: v.default for k, v in inspect.signature(target).parameters.items()}
+    except (TypeError, ValueError):  # a builtin or a Tensor method (self first): the schema's order
+        schemas = [getattr(packet, o)._schema for o in packet.overloads()]
+        names = max((s.arguments for s in schemas), key=len)
+        bound = {a.name: v for a, v in zip(names, node.args)}
+        bound.update(node.kwargs)
+        defaults = {a.name: a.default_value for a in names if a.has_default_value()}
+    value = {**defaults, **bound}
+    flags = [value[k] for k in ("train", "training") if k in value]
+    rates = [value[k] for k in ("p", "dropout_p", "dropout") if k in value]
+    zero = bool(rates) and all(isinstance(rate, (int, float)) and rate == 0 for rate in rates)
+    return any(flag is False for flag in flags) or zero
+
+
+def _tagged(packet: Optional[torch._ops.OpOverloadPacket]) -> bool:
+    return packet is not None and any(_SEEDED in getattr(packet, o).tags for o in packet.overloads())
+
+
+def _calls_tagged(function: Any, depth: int = 2) -> bool:
+    """Whether a Python function of torch's names, among the globals its code calls (and theirs
+    and those of the functions it closes over, ``depth`` levels down), an aten op that carries
+    ``_SEEDED``."""
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return False
+    names = set(code.co_names)
+    if any(_tagged(_packet(name)) for name in names):
+        return True
+    globals_ = getattr(function, "__globals__", {})
+    helpers = [globals_.get(name) for name in names]
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            helpers.append(cell.cell_contents)
+        except ValueError:  # a cell not yet filled
+            continue
+    return depth > 0 and any(inspect.isfunction(h) and _calls_tagged(h, depth - 1) for h in helpers)
+
+
+def draws_random(node: torch.fx.Node) -> bool:
+    """Whether the call ``node`` draws random numbers, read from torch's own tags, never from a
+    list of ops. A call whose name is an aten op's draws where that op carries
+    ``torch.Tag.nondeterministic_seeded``, unless its arguments switch the drawing off (a
+    dropout's training flag or rate, ``_switched_off``). A Python function of
+    ``_META_MODULES`` whose code calls a tagged op by name otherwise (``F.dropout2d``,
+    ``F.gumbel_softmax``, ``F.fractional_max_pool2d``, which draws its pooling regions
+    itself) runs once on meta tensors of its tensor arguments' metadata, and draws where an
+    aten op it dispatches carries the tag; one that can't run so (an argument known only at
+    run time) draws. The verdict is kept in the node's metadata."""
+    if _DRAWS_KEY in node.meta:
+        return node.meta[_DRAWS_KEY]
+    target = node.target
+    packet = _packet(target)
+    verdict = _tagged(packet) and not _switched_off(node, packet)
+    own = inspect.isfunction(target) and getattr(target, "__module__", None) in _META_MODULES
+    if not verdict and not _tagged(packet) and own and _calls_tagged(target):
+        verdict = True
+        if _tensor_argument(node):
+            try:
+                args, kwargs = _on_meta(node.args), _on_meta(node.kwargs)
+                mode = _SeededOps()
+                with mode, warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    cast(Any, target)(*args, **kwargs)
+                verdict = mode.seen
+            except Exception as err:  # noqa: BLE001 - it can't run on meta: it may draw
+                logger.debug("could not run %s on meta tensors (%s)", node.name, err)
+    node.meta[_DRAWS_KEY] = verdict
+    return verdict
+
+
 def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple[str, str]]:
     """Why ``node`` must stay where it is (mutation, randomness, opaque call), or ``None``."""
     opaque = node.meta.get("autofuser_opaque_reason")
@@ -110,31 +198,16 @@ def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple
         return "opaque", f"untraceable part, runs as it is: {opaque}"
     if node.kwargs.get("out") is not None:
         return "mutation", "out= writes into an existing tensor"
+    if node.op in ("call_method", "call_function") and draws_random(node):
+        return "random", f"{describe_target(node.target)} draws random numbers"
     if node.op == "call_method":
         name = str(node.target)
-        if name in _RANDOM_METHODS:
-            return "random", f"Tensor.{name} draws random numbers"
         if name.endswith("_") and not name.startswith("__"):
             return "mutation", f"Tensor.{name} writes into its input"
     elif node.op == "call_function":
         target = node.target
         if target in _MUTATING_FUNCTIONS:
             return "mutation", f"{describe_target(target)} writes into a tensor"
-        if target in _RANDOM_FUNCTIONS or target is torch.nn.functional.gumbel_softmax:
-            return "random", f"{describe_target(target)} draws random numbers"
-        if target is torch.nn.functional.rrelu and _bound_argument(target, node, "training", False):
-            return "random", "rrelu in training mode draws random numbers"
-        if (
-            target in _DROPOUT_FUNCTIONS
-            and _bound_argument(target, node, "training", True)
-            and _bound_argument(target, node, "p", 0.5) != 0
-        ):
-            return "random", "dropout in training mode draws random numbers"
-        if target in _TORCH_DROPOUTS:
-            p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-            train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-            if train is not False and p != 0:  # a flag or rate only known at run time counts as on
-                return "random", f"{describe_target(target)} in training mode draws random numbers"
         if getattr(target, "__name__", "").endswith("_") and not getattr(target, "__name__", "").startswith("__"):
             return "mutation", f"{describe_target(target)} writes into its input"
         if callable(target) and _bound_argument(target, node, "inplace", False) is True:
@@ -147,6 +220,8 @@ def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple
             return "mutation", f"{type(module).__name__} in training mode updates its running statistics"
         if getattr(module, "inplace", False) is True:
             return "mutation", f"{type(module).__name__}(inplace=True) writes into its input"
+        # torch's modules that draw: the capture keeps them whole, so their calls are not
+        # seen by ``draws_random``.
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
             return "random", f"{type(module).__name__} in training mode draws random numbers"
         if isinstance(module, torch.nn.RReLU) and module.training:

@@ -1389,17 +1389,74 @@ class _TorchDropout(nn.Module):
         return torch.dropout(x, 0.2, self.train_flag)
 
 
+def _traced(model, shape=(3, 5, 23)):
+    """``model``'s graph with each node's metadata, as a capture on real shapes files it."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    gm = torch.fx.symbolic_trace(model)
+    ShapeProp(gm).propagate(torch.randn(shape))
+    return gm
+
+
+class _Calls(nn.Module):
+    def __init__(self, call):
+        super().__init__()
+        self.call = call
+
+    def forward(self, x):
+        return self.call(x)
+
+
+@pytest.mark.parametrize(
+    ("call", "draws"),
+    [
+        (lambda x: F.dropout(x, 0.3, training=True), True),
+        (lambda x: F.dropout(x, 0.3, training=False), False),
+        (lambda x: F.dropout(x, 0.0), False),
+        (lambda x: torch.dropout(x, 0.1, True), True),
+        (lambda x: torch.dropout(x, 0.1, train=False), False),
+        (lambda x: F.rrelu(x, training=True), True),
+        (lambda x: F.rrelu(x), False),
+        (lambda x: torch.randn_like(x) * x, True),
+        (lambda x: x.exponential_(), True),
+        (lambda x: x.bernoulli(0.0 + 0.5), True),
+        (lambda x: torch.normal(x, 1.0), True),
+        (lambda x: torch.poisson(x.abs()), True),
+        (lambda x: F.dropout2d(x, 0.2, True), True),  # no aten op of its name: run on meta tensors
+        (lambda x: F.dropout2d(x, 0.2, False), False),
+        (lambda x: F.gumbel_softmax(x), True),
+        (lambda x: F.fractional_max_pool2d(x, 2, output_size=(2, 3)), True),  # draws its regions itself
+        (lambda x: F.interpolate(x, scale_factor=2.0), False),
+        (lambda x: F.gelu(x) + torch.tanh(x), False),
+        (lambda x: F.layer_norm(x, (23,)), False),
+        (lambda x: F.scaled_dot_product_attention(x, x, x), False),
+        (lambda x: F.scaled_dot_product_attention(x, x, x, dropout_p=0.1), True),
+    ],
+)
+def test_a_call_draws_random_numbers_where_torch_tags_an_op_it_runs(call, draws):
+    """No list of ops: torch's own tag (``torch.Tag.nondeterministic_seeded``) on the aten op
+    of the call's name, with its training flag and rate, or on the ops a function of no aten
+    op's name dispatches on meta tensors."""
+    from autofuser_core.fuse import _barrier_kinds
+
+    assert ("random" in _barrier_kinds(_traced(_Calls(call), (2, 3, 5, 23)))) is draws
+
+
 def test_a_step_may_draw_random_numbers_where_a_node_draws_them_or_runs_opaque():
     from autofuser_core.fuse import _may_draw_random
 
-    assert _may_draw_random(torch.fx.symbolic_trace(_DrawsNoise()))
-    assert _may_draw_random(torch.fx.symbolic_trace(_DropsPaths()))
-    assert _may_draw_random(torch.fx.symbolic_trace(nn.Sequential(nn.Linear(23, 23), nn.RReLU())))
-    assert not _may_draw_random(torch.fx.symbolic_trace(nn.Sequential(nn.Linear(23, 23), nn.RReLU()).eval()))
-    assert not _may_draw_random(torch.fx.symbolic_trace(_OnlyCancels()))
-    assert _may_draw_random(torch.fx.symbolic_trace(_TorchDropout(True)))
-    assert not _may_draw_random(torch.fx.symbolic_trace(_TorchDropout(False)))  # an identity
-    opaque = torch.fx.symbolic_trace(_OnlyCancels())
+    assert _may_draw_random(_traced(_DrawsNoise()))
+    assert _may_draw_random(_traced(_DropsPaths()))
+    assert _may_draw_random(_traced(nn.Sequential(nn.Linear(23, 23), nn.Dropout(0.1))))
+    assert not _may_draw_random(_traced(nn.Sequential(nn.Linear(23, 23), nn.Dropout(0.1)).eval()))
+    assert not _may_draw_random(_traced(nn.Sequential(nn.Linear(23, 23), nn.Dropout(0.0))))
+    assert _may_draw_random(_traced(nn.Sequential(nn.Linear(23, 23), nn.RReLU())))
+    assert not _may_draw_random(_traced(nn.Sequential(nn.Linear(23, 23), nn.RReLU()).eval()))
+    assert _may_draw_random(_traced(nn.Sequential(nn.FractionalMaxPool2d(2, output_size=(2, 3))), (2, 5, 7, 23)))
+    assert not _may_draw_random(_traced(_OnlyCancels()))
+    assert _may_draw_random(_traced(_TorchDropout(True)))
+    assert not _may_draw_random(_traced(_TorchDropout(False)))  # an identity
+    opaque = _traced(_OnlyCancels())
     next(n for n in opaque.graph.nodes if n.op == "call_function").meta["autofuser_opaque_reason"] = "a branch"
     assert _may_draw_random(opaque)  # the model's own code: it may draw them
     assert _may_draw_random(torch.nn.Linear(2, 2))  # not a graph: nothing known
