@@ -45,7 +45,8 @@ logger = logging.getLogger("autofuser.plan")
 #: A call draws random numbers where an aten op it runs carries torch's own tag for it,
 #: ``torch.Tag.nondeterministic_seeded`` (``draws_random``): no list of ops here.
 _SEEDED = torch.Tag.nondeterministic_seeded
-#: Node metadata: ``draws_random``'s verdict on the node, computed once.
+#: Node metadata: ``draws_random``'s verdict on the node, computed once for its target and
+#: arguments.
 _DRAWS_KEY = "autofuser_draws_random"
 #: The modules of torch's Python-level functions that ``draws_random`` may run on meta
 #: tensors to see the ops they dispatch: functions of their arguments, which touch no state
@@ -169,8 +170,9 @@ def draws_random(node: torch.fx.Node) -> bool:
     itself) runs once on meta tensors of its tensor arguments' metadata, and draws where an
     aten op it dispatches carries the tag; one that can't run so (an argument known only at
     run time) draws. The verdict is kept in the node's metadata."""
-    if _DRAWS_KEY in node.meta:
-        return node.meta[_DRAWS_KEY]
+    kept = node.meta.get(_DRAWS_KEY)
+    if kept is not None and kept[0] is node.target and kept[1] is node.args and kept[2] is node.kwargs:
+        return kept[3]  # a pass that copies one node's metadata to another copies no verdict of it
     target = node.target
     packet = _packet(target)
     verdict = _tagged(packet) and not _switched_off(node, packet)
@@ -187,7 +189,7 @@ def draws_random(node: torch.fx.Node) -> bool:
                 verdict = mode.seen
             except Exception as err:  # noqa: BLE001 - it can't run on meta: it may draw
                 logger.debug("could not run %s on meta tensors (%s)", node.name, err)
-    node.meta[_DRAWS_KEY] = verdict
+    node.meta[_DRAWS_KEY] = (node.target, node.args, node.kwargs, verdict)
     return verdict
 
 

@@ -1442,6 +1442,18 @@ def test_a_call_draws_random_numbers_where_torch_tags_an_op_it_runs(call, draws)
     assert ("random" in _barrier_kinds(_traced(_Calls(call), (2, 3, 5, 23)))) is draws
 
 
+def test_a_verdict_on_drawing_does_not_travel_with_copied_metadata():
+    """A graph pass that files a new node with another's metadata copies no verdict of it."""
+    from autofuser_core.planner import draws_random
+
+    gm = _traced(_Calls(lambda x: torch.tanh(torch.randn_like(x))), (2, 23))
+    drawn, squashed = (n for n in gm.graph.nodes if n.op == "call_function")
+    assert draws_random(drawn) and not draws_random(squashed)
+    squashed.meta.update(drawn.meta)
+    drawn.meta.update({k: v for k, v in squashed.meta.items() if k != "tensor_meta"})
+    assert draws_random(drawn) and not draws_random(squashed)
+
+
 def test_a_step_may_draw_random_numbers_where_a_node_draws_them_or_runs_opaque():
     from autofuser_core.fuse import _may_draw_random
 
