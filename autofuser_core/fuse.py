@@ -1266,6 +1266,7 @@ class FusedModule(torch.nn.Module):
             report.add_phase("cuda_graph", time.perf_counter() - step)
             step = time.perf_counter()
             candidate = runner  # the fused forward, as it runs: replayed as a graph or launched
+            replayed = candidate is not fused_gm  # the fused model timed against the original replayed
             forward_unclear: Optional[timing.Rounds] = None
             confirmed_in_use = False
             decision = "forward_" + ("graph" if runner is not fused_gm else "plain")
@@ -1320,7 +1321,7 @@ class FusedModule(torch.nn.Module):
                         klass.gradients_wrong = True
             if grad and runner is fused_gm and report.fused and self._options.verify_speed and not later_in_class:
                 if timer.can_time_forward(device):
-                    runner, in_use = self._check_step(timer, fused_gm, args, kwargs, flat, report, root)
+                    runner, in_use, replayed = self._check_step(timer, fused_gm, args, kwargs, flat, report, root)
             elif (
                 measured
                 and vkey is not None
@@ -1338,7 +1339,7 @@ class FusedModule(torch.nn.Module):
             relaunch = (
                 None
                 if never_replays is not None or wrong is not None or in_use is not None or later_in_class
-                else _relaunch(runner, report)
+                else _relaunch(runner, replayed, report)
             )
             if relaunch is not None:
                 progress.finish(f"{relaunch}: compiling again with groups timed launched")
@@ -1505,14 +1506,15 @@ class FusedModule(torch.nn.Module):
         spread. Returns what runs - ``fused_gm``, or ``None`` (the original: slower, or
         still inside the noise, a provisional verdict) - and, where the fused one won or
         the verdict is provisional, the probation that has the last word (``in_use``; None
-        where the verdict was itself measured in use, or can't be)."""
+        where the verdict was itself measured in use, or can't be), and whether the fused
+        step timed was replayed as CUDA graphs."""
         hooked = self._backward_hooked()
         if hooked:
             report.notes.append(
                 f"training step not timed: backward hooks ({', '.join(hooked[:3])}) would run for "
                 "each timed backward; the groups' own checks decided"
             )
-            return fused_gm, None
+            return fused_gm, None, False
         candidate = self._training_graph(fused_gm, flat, report)
         graphed = candidate is not fused_gm
         vkey = _verdict_key(fused_gm, True, kwargs, flat, STEP_TIMING + ("+graph" if graphed else ""))
@@ -1555,24 +1557,23 @@ class FusedModule(torch.nn.Module):
             )
             if not checkable:
                 report.notes.append(note)
-                return None, None
+                return None, None, graphed
             report.notes.append(note + "; its first calls in use decide")
-            return None, InUseCheck(timer, _device_of(flat), filing, candidate=candidate, compiled_ran="original")
+            in_use = InUseCheck(timer, _device_of(flat), filing, candidate=candidate, compiled_ran="original")
+            return None, in_use, graphed
         if not faster:
             report.notes.append(
                 f"the fused training step, forward and backward ({fused_ms:.3f} ms), was not at least "
                 f"{100 * FORWARD_MARGIN:.0f}% faster than the original's ({eager_ms:.3f} ms) for these "
                 f"inputs{cached}: the original runs"
             )
-            return None, None
+            return None, None, graphed
         report.notes.append(
             f"training step, forward and backward: {fused_ms:.3f} ms fused"
             + (" (replayed as two CUDA graphs)" if graphed else "")
             + f" vs {eager_ms:.3f} ms eager{cached}"
         )
-        if not checkable:
-            return candidate, None
-        return candidate, InUseCheck(timer, _device_of(flat), filing)
+        return candidate, InUseCheck(timer, _device_of(flat), filing) if checkable else None, graphed
 
     def _training_graph(self, fused_gm, flat: tuple, report) -> "torch.fx.GraphModule | TrainingGraph":
         """The fused training step as it will run: its forward and backward captured as two
@@ -1986,13 +1987,14 @@ def _capturing() -> bool:
 _Runner = Union[torch.fx.GraphModule, CudaGraphRunner, TrainingGraph, None]
 
 
-def _relaunch(runner: "_Runner", report: FusionReport) -> Optional[str]:
+def _relaunch(runner: "_Runner", replayed: bool, report: FusionReport) -> Optional[str]:
     """Why a signature is compiled again with its groups timed launched, or ``None``: its
     groups were timed as CUDA graphs, as a replayed step or forward runs them, and some were
-    kept for it; but the step or forward did not replay (capture was refused, or did not
-    pay) and, launched, lost to the original, which now runs. A group kept for its graph time
-    may be what lost it, and launched, its own times say whether it pays."""
-    if runner is not None or not any(g.timed_in_graph for g in report.fused):
+    kept for it; but the step or forward did not replay (``replayed``: capture was refused,
+    or did not pay) and, launched, lost to the original, which now runs. A group kept for its
+    graph time may be what lost it, and launched, its own times say whether it pays. One
+    that replayed and lost was timed as it ran: no second compile."""
+    if runner is not None or replayed or not any(g.timed_in_graph for g in report.fused):
         return None
     return "the fused model did not replay as CUDA graphs and, launched, lost to the original"
 

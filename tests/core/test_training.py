@@ -422,6 +422,21 @@ def test_a_model_that_lost_launched_is_compiled_again_with_groups_timed_launched
     assert len(fused.reports()) == 1
 
 
+def test_only_a_model_that_did_not_replay_is_compiled_again_launched():
+    """A step or forward that replayed as CUDA graphs and lost was timed as it ran: no second
+    compile; nor where the fused model runs or no group was timed as a graph."""
+    from autofuser_core.fuse import _relaunch
+    from autofuser_core.report import FusionReport, GroupEntry
+
+    graphed = GroupEntry(nodes=["a"], ops=["add"], strategy="s", fused=True, reason_code="fused", timed_in_graph=True)
+    launched = GroupEntry(nodes=["b"], ops=["add"], strategy="s", fused=True, reason_code="fused")
+    report, plain = FusionReport(groups=[graphed]), FusionReport(groups=[launched])
+    assert "did not replay" in _relaunch(None, False, report)
+    assert _relaunch(None, True, report) is None
+    assert _relaunch(object(), False, report) is None
+    assert _relaunch(None, False, plain) is None
+
+
 class _Noisy(_NormChain):
     """``_NormChain`` then dropout (training mode) or added noise (eval mode): random draws."""
 
