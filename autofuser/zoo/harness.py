@@ -816,6 +816,7 @@ def forward_systems(
         # use, docs/verification.md): they are not timed.
         autofuser_cell["settle_calls"] = settle(warm, call(warm))
         autofuser_cell["warm_notes"] = list(warm.report().notes)
+        autofuser_cell["warm_runs_original"] = warm.report().runs_original
         autofuser_cell.update(timed(call(warm), iters, warmup, device))
         # The first call may have run the original while the check in use was under way:
         # check what the timed calls ran too.
@@ -1362,12 +1363,13 @@ def compile_modes_text(result: dict[str, Any]) -> str:
 NOTE_CHARS = 240
 
 
-def what_ran(notes: Optional[list[str]], what: str = "step") -> Optional[str]:
+def what_ran(notes: Optional[list[str]], what: str = "step", runs_original: Optional[bool] = None) -> Optional[str]:
     """In a few words, what a fused model's training step (``what`` "step") or forward
-    ("forward") ran, from its report's notes in their order (a later verdict, the check in
-    use's, overrules an earlier one): the original (with the note that decided it), or the
-    fused one replayed as CUDA graphs, or launched (with why no graph); ``None`` without
-    notes."""
+    ("forward") ran: the original (with the note that decided it), or the fused one
+    replayed as CUDA graphs, or launched (with why no graph); ``None`` without notes.
+    ``runs_original``: its report's own word on whether the original runs, where the
+    caller has it; else read from the notes in their order (a later verdict, the check in
+    use's, overrules an earlier one)."""
     if not notes:
         return None
 
@@ -1384,6 +1386,8 @@ def what_ran(notes: Optional[list[str]], what: str = "step") -> Optional[str]:
             graphs = True
         if note.startswith("no CUDA graph"):
             no_graph = note
+    if runs_original is not None:
+        original = (original or notes[-1]) if runs_original else None
     if original is not None:
         return f"the original: {quoted(original)}"
     if graphs:
@@ -1393,7 +1397,8 @@ def what_ran(notes: Optional[list[str]], what: str = "step") -> Optional[str]:
 
 def what_ran_lines(result: dict[str, Any], what: str) -> list[str]:
     """bench.md's list under the table: ``what_ran`` of each row's AutoFuser cell."""
-    ran = [(row["model"], what_ran(row["systems"]["autofuser"].get("warm_notes"), what)) for row in result["rows"]]
+    cells = [(row["model"], row["systems"]["autofuser"]) for row in result["rows"]]
+    ran = [(model, what_ran(cell.get("warm_notes"), what, cell.get("warm_runs_original"))) for model, cell in cells]
     if not any(text for _, text in ran):
         return []
     settled = "its first steps" if what == "step" else "its first calls"

@@ -422,7 +422,12 @@ def bench_training_model(
         no_compile=no_compile,
     )
     autofuser_cell = start_autofuser_cell(
-        row, first_step_warm_s=None, settle_steps=None, warm_notes=None, changed_while_timed=None
+        row,
+        first_step_warm_s=None,
+        settle_steps=None,
+        warm_notes=None,
+        warm_runs_original=None,
+        changed_while_timed=None,
     )
     prepared = prepare_model(row, dtype=dtype, device=device)
     if prepared is None:
@@ -501,6 +506,7 @@ def bench_training_model(
         autofuser_cell["warm_cache_hits"] = sum(g.cache_hit for g in warm.report().fused)
         # Whether the checked and timed module runs its kernels or, not being faster, the original.
         autofuser_cell["warm_notes"] = list(warm.report().notes)
+        autofuser_cell["warm_runs_original"] = warm.report().runs_original
         settled = warm, RunnerState.of(warm)
         # The first step may have run the original while the check in use was under way: the
         # settled runner, which the timed steps run, is checked on the first step's weights too.

@@ -1194,6 +1194,11 @@ def test_what_ran_reads_the_last_verdict_of_the_notes():
     assert what_ran([forward, in_use], "forward") == "the fused forward, replayed as one CUDA graph"
     no_graph = "no CUDA graph: replaying it (2.1 ms) is not faster than launching (2.0 ms)"
     assert what_ran([no_graph], "forward") == f"the fused forward, launched: {no_graph}"
+    # The report's own word, where the bench has it, decides over the notes' wording.
+    untraced = "the model could not be traced at all; it runs unchanged"
+    assert what_ran([untraced], "forward") == "the fused forward, launched"  # no wording it knows
+    assert what_ran([untraced], "forward", runs_original=True) == f"the original: {untraced}"
+    assert what_ran([graphed, in_use_original], runs_original=False) == "the fused step, replayed as two CUDA graphs"
 
 
 def test_keep_cache_uses_the_cache_as_found_and_says_so(tmp_path):
