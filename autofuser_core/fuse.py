@@ -1195,7 +1195,8 @@ class FusedModule(torch.nn.Module):
                         "gradients were wrong): so does this shape"
                     )
             elif self._options.cuda_graphs and inference and cuda:
-                why_not = self._why_no_graph(fused_gm, flat)
+                # A forward that never replays (it draws random numbers) is not captured to be refused.
+                why_not = never_replays or self._why_no_graph(fused_gm, flat)
                 no_graph = why_not is not None
                 if no_graph:
                     report.notes.append(f"no CUDA graph: {why_not}")
@@ -1584,8 +1585,7 @@ class FusedModule(torch.nn.Module):
         if not self._options.cuda_graphs or _device_of(flat).type != "cuda":
             return fused_gm
         why = "parts of the model's own code run in it" if _calls_model_code(fused_gm) else None
-        # Its runs differ: a replay would be refused, unless the draws reach only results too
-        # small to tell from rounding (cudagraphs.SELF_NORM_FLOOR).
+        # Its runs differ (or may, an opaque part's): a replay's check would refuse it.
         why = why or ("it draws random numbers" if _may_draw_random(fused_gm) else None)
         why = why or self._why_no_graph(fused_gm, flat)
         if why is None:
@@ -2009,8 +2009,11 @@ def _never_replays(gm: torch.fx.GraphModule, grad: bool, inference: bool, kinds:
         return "the forward runs in training mode with gradients off, which is never replayed"
     if grad and _calls_model_code(gm):
         return "the training step runs parts of the model's own code, which is never replayed"
-    if kinds is None or "random" in kinds:
-        return f"the {'training step' if grad else 'forward'} draws random numbers, so it is never replayed"
+    what = "training step" if grad else "forward"
+    if kinds is None:
+        return f"the {what}'s graph can't be read for random draws, so it is never replayed"
+    if "random" in kinds:
+        return f"the {what} draws random numbers, so it is never replayed"
     return None
 
 
