@@ -60,12 +60,23 @@ _MUTATING_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.
 MAX_CYCLE_SPLITS = 3
 
 
-def _bound_argument(target: Any, node: torch.fx.Node, name: str, default: Any) -> Any:
+def _call_arguments(node: torch.fx.Node, packet: Optional[torch._ops.OpOverloadPacket] = None) -> dict[str, Any]:
+    """The arguments of the call ``node`` by name, defaults included: bound by the Python
+    function's signature, else (a builtin, a Tensor method: self first) by the schema of
+    ``packet``'s first overload that takes them; else its keyword arguments alone."""
     try:
-        bound = inspect.signature(target).bind(*node.args, **node.kwargs)
+        bound = inspect.signature(cast(Any, node.target)).bind(*node.args, **node.kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
     except (TypeError, ValueError):
-        return node.kwargs.get(name, default)
-    return bound.arguments.get(name, default)
+        pass
+    for overload in packet.overloads() if packet is not None else ():
+        arguments = getattr(packet, overload)._schema.arguments
+        names = [a.name for a in arguments]
+        if len(node.args) <= len(arguments) and set(node.kwargs) <= set(names):
+            values = {a.name: a.default_value for a in arguments if a.has_default_value()}
+            return {**values, **dict(zip(names, node.args)), **node.kwargs}
+    return dict(node.kwargs)
 
 
 def _packet(target: Any) -> Optional[torch._ops.OpOverloadPacket]:
@@ -114,22 +125,11 @@ def _tensor_argument(node: torch.fx.Node) -> bool:
     return any(found)
 
 
-def _switched_off(node: torch.fx.Node, packet: Any) -> bool:
+def _switched_off(node: torch.fx.Node, packet: torch._ops.OpOverloadPacket) -> bool:
     """Whether a call of a tagged op has its drawing switched off by its arguments, as torch
     names them: a training flag (``train``, ``training``) of ``False``, or a dropout rate
-    (``p``, ``dropout_p``, ``dropout``) of 0 (``F.scaled_dot_product_attention`` as a rule).
-    Arguments are bound by the Python function's signature, else by the aten op's schema."""
-    target = cast(Any, node.target)
-    try:
-        bound = dict(inspect.signature(target).bind(*node.args, **node.kwargs).arguments)
-        defaults = {k: v.default for k, v in inspect.signature(target).parameters.items()}
-    except (TypeError, ValueError):  # a builtin or a Tensor method (self first): the schema's order
-        schemas = [getattr(packet, o)._schema for o in packet.overloads()]
-        names = max((s.arguments for s in schemas), key=len)
-        bound = {a.name: v for a, v in zip(names, node.args)}
-        bound.update(node.kwargs)
-        defaults = {a.name: a.default_value for a in names if a.has_default_value()}
-    value = {**defaults, **bound}
+    (``p``, ``dropout_p``, ``dropout``) of 0 (``F.scaled_dot_product_attention`` as a rule)."""
+    value = _call_arguments(node, packet)
     flags = [value[k] for k in ("train", "training") if k in value]
     rates = [value[k] for k in ("p", "dropout_p", "dropout") if k in value]
     zero = bool(rates) and all(isinstance(rate, (int, float)) and rate == 0 for rate in rates)
@@ -175,7 +175,7 @@ def draws_random(node: torch.fx.Node) -> bool:
         return kept[3]  # a pass that copies one node's metadata to another copies no verdict of it
     target = node.target
     packet = _packet(target)
-    verdict = _tagged(packet) and not _switched_off(node, packet)
+    verdict = packet is not None and _tagged(packet) and not _switched_off(node, packet)
     own = inspect.isfunction(target) and getattr(target, "__module__", None) in _META_MODULES
     if not verdict and not _tagged(packet) and own and _calls_tagged(target):
         verdict = True
@@ -212,7 +212,7 @@ def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple
             return "mutation", f"{describe_target(target)} writes into a tensor"
         if getattr(target, "__name__", "").endswith("_") and not getattr(target, "__name__", "").startswith("__"):
             return "mutation", f"{describe_target(target)} writes into its input"
-        if callable(target) and _bound_argument(target, node, "inplace", False) is True:
+        if callable(target) and _call_arguments(node).get("inplace") is True:
             return "mutation", f"{describe_target(target)}(inplace=True) writes into its input"
     elif node.op == "call_module":
         module = root.get_submodule(cast(str, node.target))  # a call_module node's target is its path
