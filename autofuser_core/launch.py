@@ -118,7 +118,7 @@ class FusedKernel:
             # Triton launches on the current device: a model on another GPU than the current
             # one (no torch.cuda.set_device) runs its kernels on its own, as torch's ops do.
             with torch.cuda.device(device):
-                return self.launch(*given)
+                return self.launch(*inputs)  # host scalars already moved: their move is a no-op
         outputs = [
             torch.empty_strided(shape, stride, dtype=dtype, device=device)
             for shape, stride, dtype in self.output_layout
