@@ -24,6 +24,7 @@ import torch
 
 from . import timing
 from .cache import cache_dir, read_tuning, tuning_lock, write_tuning
+from .codegen import GridTooLarge
 from .launch import cast_inputs, finish_partials, kernel_outputs
 from .planner import Candidate
 from .precompile import CompileJob, Compiling, launch_items
@@ -228,6 +229,11 @@ def _tune(
         if time.perf_counter() - start - waited > options.tune_budget_s and timings:
             break
         launch = source.launch_args(config)
+        try:
+            grid = source.launch_grid(config)
+        except GridTooLarge as err:  # CUDA refuses its grid: no candidate, not even compiled
+            logger.debug("config %s of %s: %s", config, source.name, err)
+            continue
         if ready is not None:
             begin = time.perf_counter()
             ready(launch)
@@ -236,7 +242,6 @@ def _tune(
         # converts its inputs itself (``KernelSource.converts_casts``) competes fairly.
         casts = source.casts(program, config)
         try:
-            grid = source.launch_grid(config)  # a config whose grid CUDA refuses is no candidate
             # Partial rows (a cross sum, a split K): their count follows the config's grid, so
             # their sum, which the launcher adds after the kernel, is timed with it.
             written = kernel_outputs(source, outputs, grid)
