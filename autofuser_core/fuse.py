@@ -1386,7 +1386,7 @@ class FusedModule(torch.nn.Module):
         # Off the device while another step runs (its steps need the room).
         return pytree.tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, found)
 
-    def _draws_random(self, args: tuple, kwargs: dict, original: tuple[list, list], limit: float) -> bool:
+    def _original_step_varies(self, args: tuple, kwargs: dict, original: tuple[list, list], limit: float) -> bool:
         """Whether the original model's step draws random numbers: ``original`` (its step from
         ``STEP_GRADIENT_SEED``'s streams) and a step from other streams differ by more than
         ``STEP_RANDOM_SHARE`` of ``limit``; ``True`` where that step can't run."""
@@ -1450,7 +1450,9 @@ class FusedModule(torch.nn.Module):
                 # graphs say where they may, and else the original's step, its random
                 # streams seeded otherwise, must come out as it did.
                 random = (
-                    captured_random or _may_draw_random(fused_gm) or self._draws_random(args, kwargs, sides[0], limit)
+                    captured_random
+                    or _may_draw_random(fused_gm)
+                    or self._original_step_varies(args, kwargs, sides[0], limit)
                 )
             farther = (
                 f"no {name} step" if reference is None else _farther_from(got, expected, reference, limit, bool(random))
@@ -1827,7 +1829,7 @@ STEP_REFERENCE_FACTOR = 2.0
 STEP_REFERENCE_SLACK = 0.1
 STEP_REFERENCE_CAP = 4.0
 STEP_REFERENCE_FAR_FACTOR = 1.25
-#: Whether a step draws random numbers, found where no graph says so (``_draws_random``):
+#: Whether a step draws random numbers, found where no graph says so (``_original_step_varies``):
 #: the original's step from other random streams differs from its first by more than this
 #: share of the step's limit (an atomic sum's rounding differs far less, a draw far more).
 STEP_RANDOM_SHARE = 0.1

@@ -179,7 +179,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             fresh_first_calls=args.fresh_first_calls,
             train=args.train,
             custom_models=custom,
-            keep_cache=getattr(args, "keep_cache", False),
+            keep_cache=args.keep_cache,
         )
     except BenchError as err:
         progress(str(err))
