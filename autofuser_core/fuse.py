@@ -1322,7 +1322,9 @@ class FusedModule(torch.nn.Module):
                         klass.gradients_wrong = True
             if grad and runner is fused_gm and report.fused and self._options.verify_speed and not later_in_class:
                 if timer.can_time_forward(device):
-                    runner, in_use, replayed = self._check_step(timer, fused_gm, args, kwargs, flat, report, root)
+                    runner, in_use, replayed = self._check_step(
+                        timer, fused_gm, args, kwargs, flat, report, root, never_replays
+                    )
             elif (
                 measured
                 and vkey is not None
@@ -1502,7 +1504,9 @@ class FusedModule(torch.nn.Module):
             return name, pytree.tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, found)
         return "float64 or strict fp32", None
 
-    def _check_step(self, timer, fused_gm, args: tuple, kwargs: dict, flat: tuple, report, root):
+    def _check_step(
+        self, timer, fused_gm, args: tuple, kwargs: dict, flat: tuple, report, root, never: Optional[str] = None
+    ):
         """The compile's word on "never slower than eager" with gradients on: the forward
         and its backward, fused against the original, in alternating rounds as the
         whole-forward check times them, measured again where the lead is inside their
@@ -1510,7 +1514,8 @@ class FusedModule(torch.nn.Module):
         still inside the noise, a provisional verdict) - and, where the fused one won or
         the verdict is provisional, the probation that has the last word (``in_use``; None
         where the verdict was itself measured in use, or can't be), and whether the fused
-        step timed was replayed as CUDA graphs."""
+        step timed was replayed as CUDA graphs (not where ``never``, ``_never_replays``' or
+        ``_relaunch``'s reason, says it never is)."""
         hooked = self._backward_hooked()
         if hooked:
             report.notes.append(
@@ -1518,7 +1523,7 @@ class FusedModule(torch.nn.Module):
                 "each timed backward; the groups' own checks decided"
             )
             return fused_gm, None, False
-        candidate = self._training_graph(fused_gm, flat, report)
+        candidate = self._training_graph(fused_gm, flat, report, never)
         graphed = candidate is not fused_gm
         vkey = _verdict_key(fused_gm, True, kwargs, flat, STEP_TIMING + ("+graph" if graphed else ""))
         known = read_verdict(root, vkey) if vkey is not None else Verdict({}, {})
@@ -1578,7 +1583,9 @@ class FusedModule(torch.nn.Module):
         )
         return candidate, InUseCheck(timer, _device_of(flat), filing) if checkable else None, graphed
 
-    def _training_graph(self, fused_gm, flat: tuple, report) -> "torch.fx.GraphModule | TrainingGraph":
+    def _training_graph(
+        self, fused_gm, flat: tuple, report, never: Optional[str] = None
+    ) -> "torch.fx.GraphModule | TrainingGraph":
         """The fused training step as it will run: its forward and backward captured as two
         CUDA graphs (``cudagraphs.TrainingGraph``) where that is possible and checked, else
         ``fused_gm`` launching kernel by kernel. Not where the model's own code runs in the
@@ -1586,7 +1593,7 @@ class FusedModule(torch.nn.Module):
         inputs, or a kernel reads a host scalar (a copy from host memory can't be captured)."""
         if not self._options.cuda_graphs or _device_of(flat).type != "cuda":
             return fused_gm
-        why = "parts of the model's own code run in it" if _calls_model_code(fused_gm) else None
+        why = never or ("parts of the model's own code run in it" if _calls_model_code(fused_gm) else None)
         # Its runs differ (or may, an opaque part's): a replay's check would refuse it.
         why = why or ("it draws random numbers" if _may_draw_random(fused_gm) else None)
         why = why or self._why_no_graph(fused_gm, flat)
