@@ -21,6 +21,8 @@
 #   train-fill:DTYPE:MODELS then train-warm:DTYPE:MODELS  the same in less device time: the first
 #               compiles every model's step into kept caches, $FILL_JOBS (default 3) at a time; the
 #               second times them one by one on those caches (first steps warm, bench.md says so)
+#   zoo-fill:DTYPE:MODELS then zoo-warm:DTYPE:MODELS  the same for zoo: (inference; flags in
+#               $BENCH_FLAGS, default --iters 30 --warmup 5 --tune-budget 1)
 #   dynamic:DTYPE  benchmarks/dynamic.py     (a zoo model on 50 point counts between 4k and 16k: first
 #               calls and steady times against AutoFuser dynamic=False; flags in $DYNAMIC_FLAGS,
 #               e.g. DYNAMIC_FLAGS="--model transformer --counts 20")
@@ -30,6 +32,8 @@
 #   profile:DTYPE:MODEL,MODEL  benchmarks/profile_case.py on each model's training step, eager beside
 #               AutoFuser: kernels by device time, and what each keeps allocated between steps
 #               (--memory); flags in $PROFILE_FLAGS, e.g. PROFILE_FLAGS="--systems eager,autofuser,default"
+#   profile-forward:DTYPE:MODEL,MODEL  the same for each model's forward, AutoFuser beside
+#               torch.compile(mode="reduce-overhead"), both replayed
 #   sdpa-probe  benchmarks/sdpa_grad_probe.py (each SDPA backend's gradients, in each layout of the
 #               output's gradient, against float64; flags in $SDPA_PROBE_FLAGS)
 #   ddp:DTYPE:MODEL,MODEL    DistributedDataParallel training (benchmarks/ddp_train.py, flags in
@@ -113,36 +117,48 @@ for step in "${steps[@]}"; do
       # shellcheck disable=SC2046
       OUT="$out/train" ZOO_CACHE="$ZOO_CACHE/train-$dtype" BENCH_FLAGS="--train ${TRAIN_FLAGS:---iters 30 --warmup 3 --tune-budget 1}" \
         bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models") ;;
-    train-fill:*|train-warm:*)
-      # The whole zoo's training in less device time: train-fill compiles every model's step,
-      # $FILL_JOBS (default 3) at a time, into caches kept under $ZOO_CACHE (AutoFuser's,
-      # Triton's, Inductor's; its cold first steps are taken on a shared GPU: not for the
-      # tables); train-warm then times the models one by one on those caches, as train: does
-      # (its first steps are warm ones, bench.md says so). Run both on one machine, in one
-      # call or in calls close enough that it stays warm.
+    train-fill:*|train-warm:*|zoo-fill:*|zoo-warm:*)
+      # The whole zoo in less device time: train-fill (zoo-fill) compiles every model's step
+      # (forward), $FILL_JOBS (default 3) at a time, into caches kept under $ZOO_CACHE
+      # (AutoFuser's, Triton's, Inductor's; its cold first calls are taken on a shared GPU: not
+      # for the tables); train-warm (zoo-warm) then times the models one by one on those
+      # caches, as train: (zoo:) does (its first calls are warm ones, bench.md says so). Run
+      # both on one machine, in one call or in calls close enough that it stays warm.
       IFS=: read -r kind dtype models <<< "$step"
       [ "$models" = "all" ] && models=$ZOO_MODELS
-      if [ "$kind" = train-fill ]; then
-        where="$out/train-fill" flags="--train --iters 2 --warmup 1 --tune-budget 1" jobs=${FILL_JOBS:-3}
+      phase=${kind%-*} what=${kind#*-}
+      if [ "$phase" = train ]; then
+        timed="--train ${TRAIN_FLAGS:---iters 30 --warmup 3 --tune-budget 1}" fill="--train --iters 2 --warmup 1"
+        cache_name="train-$dtype"
       else
-        where="$out/train" flags="--train ${TRAIN_FLAGS:---iters 30 --warmup 3 --tune-budget 1}" jobs=1
+        timed="${BENCH_FLAGS:---iters 30 --warmup 5 --tune-budget 1}" fill="--iters 2 --warmup 1"
+        cache_name="$dtype"
+      fi
+      if [ "$what" = fill ]; then
+        where="$out/$phase-fill" flags="$fill --tune-budget 1" jobs=${FILL_JOBS:-3}
+      else
+        where="$out/$phase" flags="$timed" jobs=1
       fi
       # shellcheck disable=SC2046
-      OUT="$where" ZOO_CACHE="$ZOO_CACHE/train-$dtype" ZOO_KEEP_CACHES="$ZOO_CACHE/compilers-train-$dtype" \
+      OUT="$where" ZOO_CACHE="$ZOO_CACHE/$cache_name" ZOO_KEEP_CACHES="$ZOO_CACHE/compilers-$cache_name" \
         ZOO_JOBS="$jobs" BENCH_FLAGS="$flags" bash benchmarks/zoo_run.sh "$dtype" $(tr , ' ' <<< "$models") ;;
     sdpa-probe)
       # shellcheck disable=SC2086
       python3 benchmarks/sdpa_grad_probe.py ${SDPA_PROBE_FLAGS:-} > "$out/sdpa-probe.log" 2>&1
       echo "sdpa-probe rc=$?"; grep -v '^\[' "$out/sdpa-probe.log" | tail -n 30 ;;
-    profile:*)
-      IFS=: read -r _ dtype models <<< "$step"
-      mkdir -p "$out/profile"
+    profile:*|profile-forward:*)
+      IFS=: read -r kind dtype models <<< "$step"
+      mkdir -p "$out/$kind"
+      if [ "$kind" = profile ]; then
+        what=(--train --memory --systems eager,autofuser)
+      else
+        what=(--systems autofuser,reduce-overhead)
+      fi
       for model in $(tr , ' ' <<< "$models"); do
         # shellcheck disable=SC2086
-        python3 benchmarks/profile_case.py --zoo "$model" --dtype "$dtype" --train --memory --calls 10 --warmup 5 \
-          --systems eager,autofuser ${PROFILE_FLAGS:-} --out "$out/profile/$model-$dtype.md" \
-          > "$out/profile/$model-$dtype.log" 2>&1
-        echo "profile $model $dtype rc=$?"
+        python3 benchmarks/profile_case.py --zoo "$model" --dtype "$dtype" "${what[@]}" --calls 10 --warmup 5 \
+          ${PROFILE_FLAGS:-} --out "$out/$kind/$model-$dtype.md" > "$out/$kind/$model-$dtype.log" 2>&1
+        echo "$kind $model $dtype rc=$?"
       done ;;
     ddp:*)
       IFS=: read -r _ dtype models <<< "$step"
