@@ -15,7 +15,7 @@ Only what cannot change between calls is folded:
 1. the op and everything it is computed from are ``call_function`` /
    ``call_method`` nodes without tensor inputs of the graph, parameters or
    buffers (a parameter changes under an optimiser step; a module call may
-   read any state), none a barrier (``planner.barrier_reason``: a mutation,
+   read any state), none a barrier (``effects.barrier_reason``: a mutation,
    random numbers, an opaque part), none an opaque function leaf, and none
    written into by a later op, itself or through a view (FNO's zero spectrum
    filled by slice assignments is not the zeros it was made as);
@@ -44,7 +44,7 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from .capture import FREE_KEY, LeafCall, OutputShapeCheck, preserved_state
-from .planner import barrier_reason
+from .effects import barrier_reason
 from .verify import snapshot
 
 logger = logging.getLogger(__name__)

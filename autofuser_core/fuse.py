@@ -55,10 +55,10 @@ from .capture import LeafCall, bind_inputs, capture, preserved_state
 from .compile import _device_of, compile_graph, replaying
 from .cudagraphs import CudaGraphRunner, TrainingGraph, try_cuda_graph, try_training_graph
 from .dynamic import SizeRule, bucket, checked_key, class_checked, marked_dims, size_rule
+from .effects import barrier_reason
 from .errors import AutoFuserError, CaptureError, CompileFailedWarning, OpaquePartError, PluginError
 from .in_use import BLOCK_CALLS, MAX_RESTARTS, MAX_ROUNDS, InUseCheck, end_turn, take_turn
 from .launch import FusedKernel
-from .planner import barrier_reason
 from .plugins import PluginSet, load_plugins
 from .progress import Progress, short_inputs
 from .quantize import QuantizedLayer, QuantizeOptions, parse_quantize, quantize_model
@@ -1843,7 +1843,7 @@ STEP_RANDOM_SHARE = 0.1
 
 
 def _barrier_kinds(gm: Any) -> Optional[set[str]]:
-    """The kinds of barrier among ``gm``'s nodes (``planner.barrier_reason``: "random",
+    """The kinds of barrier among ``gm``'s nodes (``effects.barrier_reason``: "random",
     "opaque", "mutation"), or ``None`` where they can't be read (not a graph module, or a
     node its reader refuses)."""
     if not isinstance(gm, torch.fx.GraphModule):

@@ -24,17 +24,15 @@
 from __future__ import annotations
 
 import contextvars
-import inspect
 import itertools
 import logging
-import operator
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, cast
 
 import torch
 import torch.fx
 
+from .effects import barrier_reason
 from .group import SAVED_FOR_BACKWARD, GroupProgram, GroupRefused, compose_group, layout_settings, product_count
 from .ir import LoweringContext, LoweringRefused, Value, tensor_meta
 from .registry import Registry, describe_target
@@ -42,198 +40,10 @@ from .specs import LoweringSpec, SplitRule, StrategySpec, dtype_name
 
 logger = logging.getLogger("autofuser.plan")
 
-#: A call draws random numbers where an aten op it runs carries torch's own tag for it,
-#: ``torch.Tag.nondeterministic_seeded`` (``draws_random``): no list of ops here.
-_SEEDED = torch.Tag.nondeterministic_seeded
-#: Node metadata: ``draws_random``'s verdict on the node, computed once for its target and
-#: arguments.
-_DRAWS_KEY = "autofuser_draws_random"
-#: The modules of torch's Python-level functions that ``draws_random`` may run on meta
-#: tensors to see the ops they dispatch: functions of their arguments, which touch no state
-#: outside them.
-_META_MODULES = {"torch.nn.functional", "torch.nn.init"}
-_MUTATING_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
-
 #: A proposed group that would make a cycle (a path leaves it and comes back) is tried again
 #: as its members before the path comes back and those after (``PlanView.reentered``); the
 #: later part may make a cycle of its own, split again, up to this many times.
 MAX_CYCLE_SPLITS = 3
-
-
-def _call_arguments(node: torch.fx.Node, packet: Optional[torch._ops.OpOverloadPacket] = None) -> dict[str, Any]:
-    """The arguments of the call ``node`` by name, defaults included: bound by the Python
-    function's signature, else (a builtin, a Tensor method: self first) by the schema of
-    ``packet``'s first overload that takes them; else its keyword arguments alone."""
-    try:
-        bound = inspect.signature(cast(Any, node.target)).bind(*node.args, **node.kwargs)
-        bound.apply_defaults()
-        return dict(bound.arguments)
-    except (TypeError, ValueError):
-        pass
-    for overload in packet.overloads() if packet is not None else ():
-        arguments = getattr(packet, overload)._schema.arguments
-        names = [a.name for a in arguments]
-        if len(node.args) <= len(arguments) and set(node.kwargs) <= set(names):
-            values = {a.name: a.default_value for a in arguments if a.has_default_value()}
-            return {**values, **dict(zip(names, node.args)), **node.kwargs}
-    return dict(node.kwargs)
-
-
-def _packet(target: Any) -> Optional[torch._ops.OpOverloadPacket]:
-    """The aten op of ``target``: itself (an op overload or its packet), or the aten op of its
-    name (a function of torch's, a Tensor method); ``None`` where no aten op has the name."""
-    packet = getattr(target, "overloadpacket", target)
-    if isinstance(packet, torch._ops.OpOverloadPacket):
-        return packet
-    if not isinstance(target, str) and not (getattr(target, "__module__", None) or "").startswith("torch"):
-        return None  # not torch's: operator.getitem, a wrapped leaf of the model's
-    name = target if isinstance(target, str) else getattr(target, "__name__", None)
-    packet = getattr(torch.ops.aten, name, None) if isinstance(name, str) and name.isidentifier() else None
-    return packet if isinstance(packet, torch._ops.OpOverloadPacket) else None
-
-
-def _on_meta(value: Any) -> Any:
-    """A node argument as a meta tensor of its recorded metadata; ``LookupError`` where a node
-    has none (its value is only known at run time)."""
-    if isinstance(value, torch.fx.Node):
-        meta = tensor_meta(value)
-        if meta is None:
-            raise LookupError(value.name)
-        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
-    if isinstance(value, (list, tuple)):
-        return type(value)(_on_meta(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _on_meta(v) for k, v in value.items()}
-    return value
-
-
-class _SeededOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """Notes whether any aten op run under it carries ``_SEEDED``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen = self.seen or _SEEDED in func.tags
-        return func(*args, **(kwargs or {}))
-
-
-def _tensor_argument(node: torch.fx.Node) -> bool:
-    found = []
-    torch.fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(tensor_meta(n) is not None))
-    return any(found)
-
-
-def _switched_off(node: torch.fx.Node, packet: torch._ops.OpOverloadPacket) -> bool:
-    """Whether a call of a tagged op has its drawing switched off by its arguments, as torch
-    names them: a training flag (``train``, ``training``) of ``False``, or a dropout rate
-    (``p``, ``dropout_p``, ``dropout``) of 0 (``F.scaled_dot_product_attention`` as a rule)."""
-    value = _call_arguments(node, packet)
-    flags = [value[k] for k in ("train", "training") if k in value]
-    rates = [value[k] for k in ("p", "dropout_p", "dropout") if k in value]
-    zero = bool(rates) and all(isinstance(rate, (int, float)) and rate == 0 for rate in rates)
-    return any(flag is False for flag in flags) or zero
-
-
-def _tagged(packet: Optional[torch._ops.OpOverloadPacket]) -> bool:
-    return packet is not None and any(_SEEDED in getattr(packet, o).tags for o in packet.overloads())
-
-
-def _calls_tagged(function: Any, depth: int = 2) -> bool:
-    """Whether a Python function of torch's names, among the globals its code calls (and theirs
-    and those of the functions it closes over, ``depth`` levels down), an aten op that carries
-    ``_SEEDED``."""
-    code = getattr(function, "__code__", None)
-    if code is None:
-        return False
-    names = set(code.co_names)
-    if any(_tagged(_packet(name)) for name in names):
-        return True
-    globals_ = getattr(function, "__globals__", {})
-    helpers = [globals_.get(name) for name in names]
-    for cell in getattr(function, "__closure__", None) or ():
-        try:
-            helpers.append(cell.cell_contents)
-        except ValueError:  # a cell not yet filled
-            continue
-    return depth > 0 and any(inspect.isfunction(h) and _calls_tagged(h, depth - 1) for h in helpers)
-
-
-def draws_random(node: torch.fx.Node) -> bool:
-    """Whether the call ``node`` draws random numbers, read from torch's own tags, never from a
-    list of ops. A call whose name is an aten op's draws where that op carries
-    ``torch.Tag.nondeterministic_seeded``, unless its arguments switch the drawing off (a
-    dropout's training flag or rate, ``_switched_off``). A Python function of
-    ``_META_MODULES`` whose code calls a tagged op by name otherwise (``F.dropout2d``,
-    ``F.gumbel_softmax``, ``F.fractional_max_pool2d``, which draws its pooling regions
-    itself) runs once on meta tensors of its tensor arguments' metadata, and draws where an
-    aten op it dispatches carries the tag; one that can't run so (an argument known only at
-    run time) draws. The verdict is kept in the node's metadata."""
-    kept = node.meta.get(_DRAWS_KEY)
-    if kept is not None and kept[0] is node.target and kept[1] is node.args and kept[2] is node.kwargs:
-        return kept[3]  # a pass that copies one node's metadata to another copies no verdict of it
-    target = node.target
-    packet = _packet(target)
-    verdict = packet is not None and _tagged(packet) and not _switched_off(node, packet)
-    own = inspect.isfunction(target) and getattr(target, "__module__", None) in _META_MODULES
-    if not verdict and not _tagged(packet) and own and _calls_tagged(target):
-        verdict = True
-        if _tensor_argument(node):
-            try:
-                args, kwargs = _on_meta(node.args), _on_meta(node.kwargs)
-                mode = _SeededOps()
-                with mode, warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    cast(Any, target)(*args, **kwargs)
-                verdict = mode.seen
-            except Exception as err:  # noqa: BLE001 - it can't run on meta: it may draw
-                logger.debug("could not run %s on meta tensors (%s)", node.name, err)
-    node.meta[_DRAWS_KEY] = (node.target, node.args, node.kwargs, verdict)
-    return verdict
-
-
-def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[tuple[str, str]]:
-    """Why ``node`` must stay where it is (mutation, randomness, opaque call), or ``None``."""
-    opaque = node.meta.get("autofuser_opaque_reason")
-    if opaque:
-        return "opaque", f"untraceable part, runs as it is: {opaque}"
-    if node.kwargs.get("out") is not None:
-        return "mutation", "out= writes into an existing tensor"
-    if node.op in ("call_method", "call_function") and draws_random(node):
-        return "random", f"{describe_target(node.target)} draws random numbers"
-    if node.op == "call_method":
-        name = str(node.target)
-        if name.endswith("_") and not name.startswith("__"):
-            return "mutation", f"Tensor.{name} writes into its input"
-    elif node.op == "call_function":
-        target = node.target
-        if target in _MUTATING_FUNCTIONS:
-            return "mutation", f"{describe_target(target)} writes into a tensor"
-        if getattr(target, "__name__", "").endswith("_") and not getattr(target, "__name__", "").startswith("__"):
-            return "mutation", f"{describe_target(target)} writes into its input"
-        if callable(target) and _call_arguments(node).get("inplace") is True:
-            return "mutation", f"{describe_target(target)}(inplace=True) writes into its input"
-    elif node.op == "call_module":
-        module = root.get_submodule(cast(str, node.target))  # a call_module node's target is its path
-        if module._forward_hooks or module._forward_pre_hooks:
-            return "opaque", f"{type(module).__name__} has forward hooks, which must run as registered"
-        if isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.training and module.track_running_stats:
-            return "mutation", f"{type(module).__name__} in training mode updates its running statistics"
-        if getattr(module, "inplace", False) is True:
-            return "mutation", f"{type(module).__name__}(inplace=True) writes into its input"
-        # torch's modules that draw: the capture keeps them whole, so their calls are not
-        # seen by ``draws_random``.
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
-            return "random", f"{type(module).__name__} in training mode draws random numbers"
-        if isinstance(module, torch.nn.RReLU) and module.training:
-            return "random", "RReLU in training mode draws random numbers"
-        if (
-            isinstance(module, (torch.nn.FractionalMaxPool2d, torch.nn.FractionalMaxPool3d))
-            and module._random_samples is None
-        ):
-            return "random", f"{type(module).__name__} draws random pooling regions"
-    return None
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,10 @@ from typing import Any, Optional, Sequence, cast
 import torch
 import torch.fx
 
+from .effects import barrier_reason
 from .group import ROUNDED_DTYPES, GroupProgram, attr_tensor
 from .ir import AttrRef
-from .planner import Candidate, barrier_reason
+from .planner import Candidate
 from .rewrite import SAVED_NODES_KEY
 from .specs import DEFAULT_TOLERANCES, Tolerance, dtype_name
 

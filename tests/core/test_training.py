@@ -1459,14 +1459,14 @@ def test_a_call_draws_random_numbers_where_torch_tags_an_op_it_runs(call, draws)
 
 def test_a_verdict_on_drawing_does_not_travel_with_copied_metadata():
     """A graph pass that files a new node with another's metadata copies no verdict of it."""
-    from autofuser_core.planner import draws_random
+    from autofuser_core.effects import call_effect
 
     gm = _traced(_Calls(lambda x: torch.tanh(torch.randn_like(x))), (2, 23))
     drawn, squashed = (n for n in gm.graph.nodes if n.op == "call_function")
-    assert draws_random(drawn) and not draws_random(squashed)
+    assert call_effect(drawn) is not None and call_effect(squashed) is None
     squashed.meta.update(drawn.meta)
     drawn.meta.update({k: v for k, v in squashed.meta.items() if k != "tensor_meta"})
-    assert draws_random(drawn) and not draws_random(squashed)
+    assert call_effect(drawn) is not None and call_effect(squashed) is None
 
 
 def test_a_step_may_draw_random_numbers_where_a_node_draws_them_or_runs_opaque():
