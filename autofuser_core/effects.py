@@ -27,7 +27,6 @@ the effect it may have.
 from __future__ import annotations
 
 import contextvars
-import copy
 import functools
 import inspect
 import logging
@@ -53,6 +52,9 @@ _EFFECT_KEY = "autofuser_effect"
 #: The modules of torch's Python-level functions that may run on meta tensors to see the ops
 #: they dispatch: functions of their arguments, which touch no state outside them.
 _META_MODULES = {"torch.nn.functional", "torch.nn.init"}
+#: Where ``nn.Module``'s own machinery is written (``parameters()``, ``requires_grad_()``,
+#: the containers): not part of what a module computes.
+_MODULE_MACHINERY = {"torch.nn.modules.module", "torch.nn.modules.container"}
 #: How many levels of the helpers a function calls are read for the aten ops they name, and
 #: whose helpers are read: torch.nn's code (not ``torch.overrides``' dispatch to
 #: ``__torch_function__``, which names list methods that are aten ops' names too).
@@ -121,7 +123,8 @@ def _tagged(packet: Optional[torch._ops.OpOverloadPacket]) -> bool:
 def _written(schema: torch.FunctionSchema, values: Mapping[str, Any], outs: bool = False) -> list[str]:
     """The names of ``schema``'s arguments its op writes into, given the argument ``values``
     known (the others may be anything), as torch's ``SchemaInfo`` reads them; ``out=``
-    arguments only with ``outs`` (a call that passes one is a barrier by that alone)."""
+    arguments only with ``outs`` (a call that passes one is a barrier by that alone); tensor
+    arguments only (TorchScript's list ops, ``aten::pop``, write into lists)."""
     info = torch._C._SchemaInfo(schema)
     names = {a.name for a in schema.arguments}
     known: dict[str, object] = {
@@ -138,7 +141,7 @@ def _written(schema: torch.FunctionSchema, values: Mapping[str, Any], outs: bool
     return [
         a.name
         for i, a in enumerate(schema.arguments)
-        if (outs or not a.is_out) and info.is_mutable(torch._C._SchemaArgument(input_, i))
+        if (outs or not a.is_out) and _takes_tensor(a) and info.is_mutable(torch._C._SchemaArgument(input_, i))
     ]
 
 
@@ -149,10 +152,14 @@ def _may_write(packet: Optional[torch._ops.OpOverloadPacket]) -> bool:
 
 def _switched_off(arguments: dict[str, Any]) -> bool:
     """Whether a call of a tagged op has its drawing switched off by its arguments, as torch
-    names them: a training flag (``train``, ``training``) of ``False``, or a dropout rate
-    (``p``, ``dropout_p``, ``dropout``) of 0 (``F.scaled_dot_product_attention`` as a rule)."""
+    names them: a training flag (``train``, ``training``) of ``False``; or a dropout rate of
+    0, where the op is a dropout's (it has a training flag beside its rate ``p``, or names
+    the rate ``dropout_p`` or ``dropout``: ``F.scaled_dot_product_attention``). A ``p`` of an
+    op with no training flag (``torch.bernoulli(x, p=0.0)``) still draws: it moves the
+    generator on."""
     flags = [arguments[k] for k in ("train", "training") if k in arguments]
-    rates = [arguments[k] for k in ("p", "dropout_p", "dropout") if k in arguments]
+    names = ("p", "dropout_p", "dropout") if flags else ("dropout_p", "dropout")
+    rates = [arguments[k] for k in names if k in arguments]
     zero = bool(rates) and all(isinstance(rate, (int, float)) and rate == 0 for rate in rates)
     return any(flag is False for flag in flags) or zero
 
@@ -252,7 +259,9 @@ def _meta_module(module: torch.nn.Module) -> torch.nn.Module:
     """A shallow copy of ``module`` whose parameters, buffers, tensor attributes and
     submodules are meta tensors (``_meta_tensor``, modules) of the same shapes; ``module``
     is left as it is."""
-    clone = copy.copy(module)
+    # Not copy.copy: a module may refuse to be pickled (a parametrised one does).
+    clone = object.__new__(type(module))
+    clone.__dict__.update(vars(module))
     clone._parameters = {
         k: None if p is None else torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
         for k, p in module._parameters.items()
@@ -377,7 +386,7 @@ def _reachable_code(module: torch.nn.Module) -> list[Any]:
             found.append(function)
             for name in function.__code__.co_names:
                 method = inspect.getattr_static(kind, name, None)
-                if inspect.isfunction(method) and method not in found:
+                if inspect.isfunction(method) and method not in found and method.__module__ not in _MODULE_MACHINERY:
                     todo.append(method)
     return found
 
@@ -460,16 +469,40 @@ def _traced_effect(node: torch.fx.Node, clone: torch.nn.Module, what: str) -> Op
     return None
 
 
+def _foreign_code(module: torch.nn.Module) -> Optional[str]:
+    """What in ``module`` would run code other than torch's if it were traced or run on meta
+    tensors (a hook, a submodule or function of the model's own, which may keep what it is
+    given), or ``None``. The check does neither where there is such code."""
+    hooks = torch.nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return "global forward hooks"
+    for name, part in module.named_modules():
+        if part._forward_hooks or part._forward_pre_hooks:
+            return f"forward hooks on {name or 'itself'}"
+        if not type(part).__module__.startswith("torch."):
+            return f"{type(part).__name__} ({name}), a module of the model's own"
+        for key, value in vars(part).items():
+            if callable(value) and not isinstance(value, torch.nn.Module):
+                if not (getattr(value, "__module__", None) or "").startswith("torch"):
+                    return f"{key}, a function of the model's own"
+    return None
+
+
 def _module_effect(node: torch.fx.Node, module: torch.nn.Module) -> Optional[Effect]:
     """The effect of a module of torch's the capture keeps whole, judged on a meta copy of it
     (the module docstring says how); the module is left as it is."""
     what = f"{type(module).__name__} (in {'training' if module.training else 'eval'} mode)"
     if not any(_names_effectful_op(f) for f in _reachable_code(module)):
         return None
+    foreign = _foreign_code(module)
+    if foreign is not None:
+        return "opaque", f"{what} holds {foreign}, which a check for random draws or writes would run; it runs as it is"
     try:
         return _traced_effect(node, _meta_module(module), what)
-    except _NeedsRun:
-        pass
+    except Exception as err:  # noqa: BLE001 - _NeedsRun, or a copy it can't make: run on meta instead
+        logger.debug("could not judge %s by its trace (%s)", node.name, err)
+        if _IN_MODULE.get():
+            raise _NeedsRun(node.name) from err  # no shapes here: the module around it runs on meta
     try:
         clone = _meta_module(module)
         args, kwargs = _on_meta(node.args), _on_meta(node.kwargs)
@@ -492,7 +525,8 @@ def call_effect(node: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> 
     module = root.get_submodule(cast(str, node.target)) if node.op == "call_module" and root is not None else None
     if node.op not in ("call_function", "call_method") and module is None:
         return None
-    training = module.training if module is not None else None
+    # Every submodule's mode: a dropout inside may be switched back to training alone.
+    training = tuple(m.training for m in module.modules()) if module is not None else None
     kept = node.meta.get(_EFFECT_KEY)
     # Compared by identity: a pass that copies one node's metadata to another copies no verdict.
     if kept is not None and kept[4] == training:

@@ -160,3 +160,93 @@ def test_a_module_whose_code_names_no_such_op_is_neither_traced_nor_run(monkeypa
     monkeypatch.setattr(effects, "_run_on_meta", refuse)
     for module, shape in ((nn.Linear(23, 7), (3, 23)), (nn.Conv2d(5, 4, 3), (2, 5, 7, 9)), (nn.GELU(), (3, 23))):
         assert _module_barrier(module, shape) is None
+
+
+class _Doubled(nn.Module):
+    def forward(self, weight):
+        return weight * 2
+
+
+def test_a_parametrised_module_is_judged_without_copying_it_by_pickle():
+    """A parametrised module refuses ``copy.copy`` (it pickles only through ``state_dict``):
+    its meta copy is made without it, and the module stays as it was."""
+    from torch.nn.utils import parametrize
+
+    linear = nn.Linear(23, 7)
+    parametrize.register_parametrization(linear, "weight", _Doubled())
+    original = linear.parametrizations.weight.original.detach().clone()
+    assert _module_barrier(linear, (3, 23)) is None
+    assert torch.equal(linear.parametrizations.weight.original, original)
+    assert linear.parametrizations.weight.original.device.type == "cpu"
+
+
+class _KeepsWhatItSees(nn.Module):
+    """An activation of the model's own that keeps what it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list = []
+
+    def forward(self, x):
+        self.seen.append(x)
+        return torch.relu(x)
+
+
+def test_code_of_the_models_own_inside_a_module_of_torchs_is_not_run_to_judge_it():
+    """A hook or an activation of the model's own inside a module of torch's would run on
+    meta tensors if the module were traced or run: it stays opaque instead, and nothing of
+    the model's own code runs."""
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, activation=_KeepsWhatItSees())
+    found = _module_barrier(layer, (2, 5, 8))
+    assert found is not None and found[0] == "opaque" and "_KeepsWhatItSees" in found[1], found
+    assert layer.activation.seen == []
+    hooked = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    gm = _graph(nn.Sequential(hooked), torch.randn(2, 5, 8))
+    seen: list = []
+    hooked.linear1.register_forward_hook(lambda module, args, out: seen.append(out))
+    found = barrier_reason(next(n for n in gm.graph.nodes if n.op == "call_module"), gm)
+    assert found is not None and found[0] == "opaque" and "linear1" in found[1], found
+    assert seen == []
+
+
+def test_a_verdict_is_judged_anew_where_a_submodule_changed_its_mode():
+    """Monte Carlo dropout: a model in eval mode with its dropouts switched back to training
+    draws, and the verdict kept for the eval model does not hide it."""
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True).eval()
+    gm = _graph(nn.Sequential(layer), torch.randn(2, 5, 8))
+    node = next(n for n in gm.graph.nodes if n.op == "call_module")
+    assert barrier_reason(node, gm) is None
+    for module in gm.modules():
+        if isinstance(module, nn.Dropout):
+            module.train()
+    found = barrier_reason(node, gm)
+    assert found is not None and found[0] == "random", found
+
+
+def test_a_module_of_torchs_inside_another_is_judged_with_the_shapes_of_the_outer_one():
+    """An eval ``nn.TransformerEncoder``: its layers can't be traced alone (their fast-path
+    checks read the input), so the encoder runs on meta tensors and is found free of effects,
+    not opaque."""
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    assert _module_barrier(encoder, (2, 5, 8)) is None
+    found = _module_barrier(encoder.train(), (2, 5, 8))
+    assert found is not None and found[0] == "random", found
+
+
+@pytest.mark.parametrize(
+    ("call", "kind"),
+    [
+        (lambda x: torch.bernoulli(x.sigmoid(), p=0.0), "random"),  # moves the generator on
+        (lambda x: F.dropout(x, 0.0, training=True), None),
+        (lambda x: F.scaled_dot_product_attention(x, x, x, dropout_p=0.0), None),
+    ],
+)
+def test_a_rate_of_zero_switches_drawing_off_for_a_dropout_only(call, kind):
+    class Calls(nn.Module):
+        def forward(self, x):
+            return call(x)
+
+    gm = _graph(Calls(), torch.randn(2, 3, 5, 7))
+    kinds = {r[0] for r in (barrier_reason(n, gm) for n in gm.graph.nodes) if r is not None}
+    assert kinds == ({kind} if kind else set()), kinds
