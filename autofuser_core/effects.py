@@ -16,8 +16,10 @@ schema does not mark them written).
   once on meta tensors of the recorded shapes, and the aten ops it dispatches are judged.
 - A module of torch's that the capture keeps whole (``nn.Dropout``, ``nn.BatchNorm2d``,
   ``nn.TransformerEncoderLayer``) is judged by the calls of its forward, traced; where
-  that can't decide, it runs once on meta tensors as a function does. A module whose code
-  names no such op (``nn.Linear``) has none.
+  that can't decide, it runs once on meta tensors as a function does, on a meta copy: the
+  module is left as it is. A module whose code names no such op (``nn.Linear``) has
+  none; one that holds code of the model's own (a hook, a submodule, a function) is
+  opaque rather than run to be judged.
 
 Running on meta tensors imports sympy (torch's meta kernels check shapes with it), which
 a model that needs no run does not pay for. A call that can't be read is taken to have
