@@ -17,7 +17,11 @@
    ``compose``, else ``compose_group``), its strategy accepts it, it overlaps no kept
    group, it straddles no barrier, contracting it with the kept groups leaves
    the graph acyclic, and no plugin vetoes it. Every refusal is a
-   ``Decision`` with a reason code and a sentence.
+   ``Decision`` with a reason code and a sentence. Nodes a refusal leaves in no
+   group are proposed again: beside a kept group that overlapped them, and, where
+   a strategy refused a group by its own rules (a row too wide for one program),
+   with its products and reductions apart (each product with its pointwise
+   epilogue, then each norm with the pointwise ops around it).
 4. The kept candidates go on to code generation (``autofuser_core.compile``).
 """
 
@@ -484,6 +488,7 @@ def plan_fusion_groups(
         return candidates
 
     candidates = propose()
+    declined: list[Candidate] = []  # refused by their strategy's own rules (a row too wide)
     kept_of: dict[torch.fx.Node, int] = {}
     kept_groups: dict[int, set[torch.fx.Node]] = {}
 
@@ -510,6 +515,7 @@ def plan_fusion_groups(
             candidate.program = view.compose_for(candidate.strategy, nodes)
         except GroupRefused as refusal:
             refuse(candidate, refusal.code, refusal.reason)
+            declined.append(candidate)
             return
         except Exception as err:
             refuse(candidate, "compose_failed", f"{type(err).__name__}: {err}")
@@ -517,6 +523,7 @@ def plan_fusion_groups(
         verdict = candidate.strategy.accepts(candidate.program)
         if verdict is not None:
             refuse(candidate, *verdict)
+            declined.append(candidate)
             return
         late = view.reentered(set(nodes), kept_of, kept_groups)  # none: no cycle
         if late:
@@ -557,17 +564,67 @@ def plan_fusion_groups(
     left = {n for d in plan.decisions if d.reason_code == "overlap" for n in d.nodes if n not in kept_of} - set(
         view.barriers
     )
-    if left:
-        view.excluded, view._space_groups = frozenset(kept_of), None
+    tried = {(c.strategy.name, tuple(c.nodes)) for c in candidates}
+
+    def propose_around(excluded: frozenset, near: set) -> None:
+        """Propose again with ``excluded`` (and the kept nodes) left out of growing, and
+        consider each new candidate that takes some of ``near`` and no kept node."""
+        view.excluded, view._space_groups = frozenset(kept_of) | excluded, None
         try:
-            tried = {(c.strategy.name, tuple(c.nodes)) for c in candidates}
             for candidate in propose():
-                nodes = set(candidate.nodes)
-                if (candidate.strategy.name, tuple(candidate.nodes)) in tried or not nodes & left:
-                    continue
-                if not nodes.isdisjoint(kept_of):
-                    continue  # refused as an overlap in the first pass already
+                nodes, key = set(candidate.nodes), (candidate.strategy.name, tuple(candidate.nodes))
+                if key in tried or not nodes & near or not nodes.isdisjoint(kept_of):
+                    continue  # tried, or refused as an overlap in the first pass already
+                tried.add(key)
                 consider(candidate)
         finally:
             view.excluded, view._space_groups = frozenset(), None
+
+    if left:
+        propose_around(frozenset(), left)
+    # A group its strategy refused by its own rules (a norm over a row wider than one
+    # program's tile, a second product too wide to stay on chip) leaves its nodes to no
+    # group when nothing smaller was proposed. Its products and its reductions are
+    # proposed apart (``_apart``): each product with its pointwise epilogue, a product fed
+    # by another after that one, then each norm with the pointwise ops around it. Each
+    # group so proposed is checked and timed as any other.
+    free = {n for c in declined for n in c.nodes if n not in kept_of} - set(view.barriers)
+    for step, focus in (("first products", "matmul"), ("products", "matmul"), ("reductions", "reduction")):
+        apart = _apart(view, free, step)
+        # Only groups holding a product (a norm) of ``free``: a lone pointwise op taken
+        # here would keep a later step's product or norm from its epilogue.
+        near = {n for n in free - apart if view.kinds([n]) == {focus}}
+        if near:
+            propose_around(apart, near)
+            free -= set(kept_of)
     return plan
+
+
+def _apart(view: PlanningView, free: set, step: str) -> frozenset:
+    """The nodes of ``free`` left out of growing in one step of proposing a refused group's
+    parts apart: "first products", its reductions and each product fed (through ``free``)
+    by another; "products", its reductions; "reductions", its products."""
+    kind = {n: next(iter(view.kinds([n])), None) for n in free}
+    if step == "reductions":
+        return frozenset(n for n in free if kind[n] == "matmul")
+    out = {n for n in free if kind[n] == "reduction"}
+    if step == "first products":
+        for node in free:
+            if kind[node] == "matmul" and _fed_by_product(node, free, kind):
+                out.add(node)
+    return frozenset(out)
+
+
+def _fed_by_product(node: torch.fx.Node, free: set, kind: dict) -> bool:
+    """Whether a product of ``free`` feeds ``node`` through nodes of ``free`` that are no
+    reductions (which that step leaves out anyway)."""
+    seen, todo = set(), list(node.all_input_nodes)
+    while todo:
+        source = todo.pop()
+        if source in seen or source not in free or kind.get(source) == "reduction":
+            continue
+        seen.add(source)
+        if kind.get(source) == "matmul":
+            return True
+        todo.extend(source.all_input_nodes)
+    return False

@@ -12,11 +12,13 @@ import types
 import pytest
 import torch
 import torch.nn as nn
+from torch.fx.passes.shape_prop import ShapeProp
 
 import autofuser
 import autofuser_core.planner as planner
 from autofuser import SpecError
 from autofuser.zoo.models import MODELS
+from autofuser_core.capture import capture
 from autofuser_core.group import MAX_PRODUCTS, GroupRefused, compose_group
 from autofuser_core.planner import PlanningView, plan_fusion_groups
 from autofuser_plugins.matmul.layout import MatmulLayout
@@ -558,3 +560,44 @@ def test_a_proposed_group_that_would_make_a_cycle_fuses_as_two_groups(tmp_path):
     assert len(refused) == 1 and "tried again as two groups, 1 ops before" in refused[0].reason, str(report)
     parts = sorted(tuple(g.nodes) for g in mine if g.fused)
     assert ("exp",) in parts and ("add", "mul") in parts, str(report)
+
+
+class _WideBlock(nn.Module):
+    """A pre-norm transformer block's MLP half at a width past the products' epilogue
+    norms (``MAX_ROW_N``, 256) and the two-product MLP's limit: the groups the strategies
+    propose first (the whole chain, the MLP, a product with its norm) are all refused."""
+
+    def __init__(self, width: int = 264, hidden: int = 280):
+        super().__init__()
+        self.norm_in = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+        self.norm_out = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 7)
+
+    def forward(self, x):
+        h = x + self.down(torch.nn.functional.gelu(self.up(self.norm_in(x))))
+        return self.head(self.norm_out(h))
+
+
+def test_a_group_refused_as_too_wide_is_proposed_again_as_its_products_and_norms():
+    """Refused as wholes, the block's parts are proposed apart: each product with its
+    pointwise epilogue (the GELU, the residual add), each norm on its own; none of its
+    ops is left to no group, and the fused block computes eager's output."""
+    torch.manual_seed(0)
+    model = _WideBlock().eval()
+    x = torch.randn(2, 3, 264)
+    with torch.no_grad():
+        gm = capture(model, x)
+        ShapeProp(gm).propagate(x)
+        plan = plan_fusion_groups(gm, autofuser.load_plugins().registry)
+    kept = {tuple(n.name for n in c.nodes): c.strategy.name for c in plan.kept}
+    refused = {d.reason_code for d in plan.decisions}
+    assert "too_wide" in refused, refused
+    assert kept.get(("up", "gelu")) == "linear_epilogue", kept
+    assert kept.get(("down", "add")) == "linear_epilogue", kept
+    assert kept.get(("norm_in",)) == "row_reduction" and kept.get(("norm_out",)) == "row_reduction", kept
+    fused = autofuser.fuse(model, progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), atol=2e-5, rtol=2e-5)
+    assert len(fused.report().fused) >= 4, fused.report()
