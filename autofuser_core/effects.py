@@ -58,8 +58,9 @@ _META_MODULES = {"torch.nn.functional", "torch.nn.init"}
 #: the containers): not part of what a module computes.
 _MODULE_MACHINERY = {"torch.nn.modules.module", "torch.nn.modules.container"}
 #: How many levels of the helpers a function calls are read for the aten ops they name, and
-#: whose helpers are read: torch.nn's code (not ``torch.overrides``' dispatch to
-#: ``__torch_function__``, which names list methods that are aten ops' names too).
+#: whose helpers are read: torch.nn's code and the model's own (not the rest of torch's,
+#: ``torch.overrides``' dispatch to ``__torch_function__``, which names list methods that
+#: are aten ops' names too).
 _HELPER_DEPTH = 2
 _FOLLOWED = "torch.nn"
 
@@ -167,8 +168,8 @@ def _switched_off(arguments: dict[str, Any]) -> bool:
 
 
 def _names_effectful_op(function: Any, depth: int = _HELPER_DEPTH) -> bool:
-    """Whether a Python function of torch's names, among the globals its code calls (and theirs
-    and those of the functions it closes over, ``depth`` levels down, where torch.nn's), an
+    """Whether a Python function names, among the globals its code calls (and theirs and
+    those of the functions it closes over, ``depth`` levels down, where ``_followed``), an
     aten op that draws random numbers or may write into an argument."""
     code = getattr(function, "__code__", None)
     if code is None:
@@ -186,8 +187,14 @@ def _names_effectful_op(function: Any, depth: int = _HELPER_DEPTH) -> bool:
             helpers.append(cell.cell_contents)
         except ValueError:  # a cell not yet filled
             continue
-    helpers = [h for h in helpers if inspect.isfunction(h) and (h.__module__ or "").startswith(_FOLLOWED)]
+    helpers = [h for h in helpers if inspect.isfunction(h) and _followed(h.__module__ or "")]
     return depth > 0 and any(_names_effectful_op(h, depth - 1) for h in helpers)
+
+
+def _followed(module: str) -> bool:
+    """Whether the helpers of a function of this module are read: torch.nn's and the
+    model's own code, not the rest of torch's (``_FOLLOWED``)."""
+    return module.startswith(_FOLLOWED) or not (module == "torch" or module.startswith("torch."))
 
 
 @functools.lru_cache(maxsize=None)

@@ -250,3 +250,35 @@ def test_a_rate_of_zero_switches_drawing_off_for_a_dropout_only(call, kind):
     gm = _graph(Calls(), torch.randn(2, 3, 5, 7))
     kinds = {r[0] for r in (barrier_reason(n, gm) for n in gm.graph.nodes) if r is not None}
     assert kinds == ({kind} if kind else set()), kinds
+
+
+def _noise(x):
+    return x + 0.01 * torch.randn_like(x)
+
+
+class _NoisyActivation(nn.Module):
+    """An activation of the model's own whose draw is in a helper it calls."""
+
+    def forward(self, x):
+        return _noise(x * 2)
+
+
+class _Holds(nn.Module):
+    """A module of torch's (by its module path) whose own code names nothing that draws,
+    holding the model's activation."""
+
+    __module__ = "torch.nn.modules.probe"
+
+    def __init__(self):
+        super().__init__()
+        self.act = _NoisyActivation()
+
+    def forward(self, x):
+        return self.act(x) * 2
+
+
+def test_a_draw_in_a_helper_of_the_models_own_code_inside_a_module_of_torchs_is_seen():
+    """The model's own code held by a module of torch's is read through its helpers: the
+    module is opaque (not run to be judged), never judged free of effects."""
+    found = _module_barrier(_Holds(), (2, 5, 8))
+    assert found is not None and found[0] == "opaque", found
