@@ -601,3 +601,24 @@ def test_a_group_refused_as_too_wide_is_proposed_again_as_its_products_and_norms
     with torch.no_grad():
         torch.testing.assert_close(fused(x), model(x), atol=2e-5, rtol=2e-5)
     assert len(fused.report().fused) >= 4, fused.report()
+
+
+def test_a_block_planned_apart_trains_with_eagers_gradients():
+    """The wide block's parts planned apart (products with their epilogues, norms on their
+    own) with gradients on: one step's output and every gradient equal eager's, on fresh
+    inputs of an awkward batch."""
+    torch.manual_seed(1)
+    model = _WideBlock()
+    reference = _WideBlock()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(1, 5, 264)
+    fused = autofuser.fuse(model, progress=False)
+    got = fused(x.clone().requires_grad_())
+    got.square().mean().backward()
+    expected = reference(x.clone().requires_grad_())
+    expected.square().mean().backward()
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=5e-5, rtol=5e-5, msg=name)
+    backward = [g for g in fused.report().fused if g.phase == "backward"]
+    assert len(fused.report().fused) >= 4 and backward, fused.report()
