@@ -39,6 +39,7 @@ from typing import Any, Callable, Mapping, Optional, cast
 
 import torch
 import torch.fx
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .ir import tensor_meta
@@ -209,31 +210,20 @@ def _storage(tensor: torch.Tensor) -> int:
 
 
 def _on_meta(value: Any) -> Any:
-    """A node argument as a meta tensor of its recorded metadata; ``LookupError`` where a node
-    has none (its value is only known at run time)."""
-    if isinstance(value, torch.fx.Node):
-        meta = tensor_meta(value)
+    """A node's arguments with each node as a meta tensor of its recorded metadata;
+    ``LookupError`` where a node has none (its value is only known at run time)."""
+
+    def meta_of(node: torch.fx.Node) -> torch.Tensor:
+        meta = tensor_meta(node)
         if meta is None:
-            raise LookupError(value.name)
+            raise LookupError(node.name)
         return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
-    if isinstance(value, (list, tuple)):
-        return type(value)(_on_meta(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _on_meta(v) for k, v in value.items()}
-    return value
+
+    return torch.fx.node.map_arg(value, meta_of)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    if isinstance(value, torch.Tensor):
-        found.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            found.extend(_tensors(v))
-    elif isinstance(value, dict):
-        for v in value.values():
-            found.extend(_tensors(v))
-    return found
+    return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 class _Effects(TorchDispatchMode):
