@@ -113,7 +113,7 @@ def _packet(target: Any) -> Optional[torch._ops.OpOverloadPacket]:
     packet = getattr(target, "overloadpacket", target)
     if isinstance(packet, torch._ops.OpOverloadPacket):
         return packet
-    if not isinstance(target, str) and not (getattr(target, "__module__", None) or "").startswith("torch"):
+    if not isinstance(target, str) and not torchs_own(getattr(target, "__module__", None)):
         return None  # not torch's: operator.getitem, a wrapped leaf of the model's
     name = target if isinstance(target, str) else getattr(target, "__name__", None)
     packet = getattr(torch.ops.aten, name, None) if isinstance(name, str) and name.isidentifier() else None
@@ -192,10 +192,16 @@ def _names_effectful_op(function: Any, depth: int = _HELPER_DEPTH) -> bool:
     return depth > 0 and any(_names_effectful_op(h, depth - 1) for h in helpers)
 
 
+def torchs_own(module: Optional[str]) -> bool:
+    """Whether a Python module's name (a class's or function's ``__module__``) is torch or one
+    of its submodules: code of torch's, not the model's (nor torchvision's)."""
+    return module is not None and (module == "torch" or module.startswith("torch."))
+
+
 def _followed(module: str) -> bool:
     """Whether the helpers of a function of this module are read: torch.nn's and the
     model's own code, not the rest of torch's (``_FOLLOWED``)."""
-    return module.startswith(_FOLLOWED) or not (module == "torch" or module.startswith("torch."))
+    return module.startswith(_FOLLOWED) or not torchs_own(module)
 
 
 @functools.lru_cache(maxsize=None)
@@ -478,11 +484,11 @@ def _foreign_code(module: torch.nn.Module) -> Optional[str]:
     for name, part in module.named_modules():
         if part._forward_hooks or part._forward_pre_hooks:
             return f"forward hooks on {name or 'itself'}"
-        if not type(part).__module__.startswith("torch."):
+        if not torchs_own(type(part).__module__):
             return f"{type(part).__name__} ({name}), a module of the model's own"
         for key, value in vars(part).items():
             if callable(value) and not isinstance(value, torch.nn.Module):
-                if not (getattr(value, "__module__", None) or "").startswith("torch"):
+                if not torchs_own(getattr(value, "__module__", None)):
                     return f"{key}, a function of the model's own"
     return None
 

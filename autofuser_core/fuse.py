@@ -55,7 +55,7 @@ from .capture import LeafCall, bind_inputs, capture, preserved_state
 from .compile import _device_of, compile_graph, replaying
 from .cudagraphs import CudaGraphRunner, TrainingGraph, try_cuda_graph, try_training_graph
 from .dynamic import SizeRule, bucket, checked_key, class_checked, marked_dims, size_rule
-from .effects import barrier_reason
+from .effects import barrier_reason, torchs_own
 from .errors import AutoFuserError, CaptureError, CompileFailedWarning, OpaquePartError, PluginError
 from .in_use import BLOCK_CALLS, MAX_RESTARTS, MAX_ROUNDS, InUseCheck, end_turn, take_turn
 from .launch import FusedKernel
@@ -2032,7 +2032,7 @@ def _calls_model_code(graph_module: torch.fx.GraphModule) -> bool:
     functions that capture kept as a leaf (a method may set ``self.x``)."""
     nodes = graph_module.graph.nodes
     return any(isinstance(node.target, LeafCall) for node in nodes) or any(
-        not type(inner).__module__.startswith("torch.")
+        not torchs_own(type(inner).__module__)
         for node in nodes
         if node.op == "call_module"
         for inner in graph_module.get_submodule(node.target).modules()
