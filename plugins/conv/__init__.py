@@ -10,13 +10,16 @@ upsampling (interpolation, transposed convolutions with stride == kernel) with
 the cat and pointwise ops after it as one kernel that reads the low-resolution
 input directly (the ``upsample_fused`` strategy); batch norm by the batch's
 statistics (training mode) with the activation after it as the plugin's own
-kernels (``batch_norm_pass.py``, ``batch_norm_train.py``)."""
+kernels (``batch_norm_pass.py``, ``batch_norm_train.py``); a convolution whose
+input the model copies out of the channels-last layout reads that layout as it is
+(``layout_pass.py``)."""
 
 from autofuser import collect_specs, hookimpl
 
 from . import ops
 from .batch_norm_pass import rewrite_batch_norms
 from .convolution import CONV_STRATEGY
+from .layout_pass import feed_convolutions_channels_last
 from .options import ConvOptions
 from .strategy import UPSAMPLE_STRATEGY
 
@@ -25,6 +28,8 @@ from .strategy import UPSAMPLE_STRATEGY
 def autofuser_transform_graph(gm, options):
     if getattr(options, "batch_norm_kernels", True):
         rewrite_batch_norms(gm)
+    if getattr(options, "conv_channels_last", True):
+        feed_convolutions_channels_last(gm)
 
 
 @hookimpl

@@ -15,3 +15,11 @@ class ConvOptions(BaseModel):
         "activation fewer times than eager's batch norm and activation (docs/conv.md). Off: "
         "eager's batch norm.",
     )
+    conv_channels_last: bool = Field(
+        True,
+        strict=True,
+        description="Feed a 2-D convolution the dense channels-last tensor that the model copies to "
+        "row-major for it, where the result is permuted back to channels last and copied "
+        "(layout_pass.py): cuDNN then runs in the channels-last layout and both copies go "
+        "(docs/conv.md). Off: the model's copies run.",
+    )
