@@ -6,11 +6,15 @@ Kernels compute in fp32 and the core rounds every node's result to the dtype
 eager produced for it, so a cast between float types is the value itself.
 bool -> float becomes 0/1 and float -> bool is ``x != 0`` (NaN is True, as in
 torch). Everything else stays eager: integer and float64 targets, device moves
-(``x.to("cuda")``, a device anywhere in the arguments), type strings (they can
-name a device) and memory formats other than the preserved one.
+(``x.to("cuda")``, a device anywhere in the arguments; ``_to_copy`` naming the
+device its input is on already, as a traced backward names it, is a cast), type
+strings (they can name a device) and memory formats other than the preserved one.
 """
 
+from typing import Any, Optional
+
 import torch
+import torch.fx
 
 from autofuser import LoweringSpec, Sample
 
@@ -36,11 +40,45 @@ def lower_cast(ctx, input, *args, **kwargs):
     return _convert(ctx, input, copy=bool(kwargs.get("copy") or (len(args) >= 3 and args[2] is True)))
 
 
+def _traced_device(node: Any) -> Optional[torch.device]:
+    """The device of ``node``'s value as the trace filed it (``meta["val"]``); for a node
+    a graph pass made since (which files shapes only), that of the nearest node it reads
+    that has one: a pass keeps computing the same function on the same tensors, and no
+    op but a cast or copy naming a device moves one."""
+    seen, queue = set(), [node]
+    while queue:
+        current = queue.pop(0)
+        if not isinstance(current, torch.fx.Node) or current in seen:
+            continue
+        seen.add(current)
+        value = current.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            return value.device
+        if current.op in ("call_function", "call_method", "call_module"):
+            queue.extend(current.all_input_nodes)
+    return None
+
+
+def _where_it_is(ctx, device) -> bool:
+    """Whether ``device=`` names the device the input is on already, as a traced backward
+    spells every cast (autocast's among them): the result's device as traced, the input's
+    (``_traced_device``) and ``device`` agree."""
+    made = ctx.node.meta.get("val")
+    given = _traced_device(ctx.node.args[0]) if ctx.node.args else None
+    if not isinstance(made, torch.Tensor) or given is None:
+        return False
+    try:
+        named = torch.device(device)
+    except (RuntimeError, TypeError):
+        return False
+    return made.device == given == named
+
+
 @lowering
 def lower_to_copy(
     ctx, input, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None
 ):
-    if device is not None or pin_memory:
+    if (device is not None and not _where_it_is(ctx, device)) or pin_memory:
         ctx.refuse("device_move", f"{ctx.node.target}: device={device!r} moves the tensor; left to eager")
     if layout not in (None, torch.strided):
         ctx.refuse("unsupported_argument", f"{ctx.node.target}: layout={layout} changes the layout")
