@@ -12,12 +12,14 @@ input directly (the ``upsample_fused`` strategy); batch norm by the batch's
 statistics (training mode) with the activation after it as the plugin's own
 kernels (``batch_norm_pass.py``, ``batch_norm_train.py``); a convolution whose
 input the model copies out of the channels-last layout reads that layout as it is
-(``layout_pass.py``)."""
+(``layout_pass.py``); with gradients on, a convolution cuDNN runs adds its bias
+after it, so its gradient is a fused column sum (``bias_pass.py``)."""
 
-from autofuser import collect_specs, hookimpl
+from autofuser import GRADIENTS_KEY, collect_specs, hookimpl
 
 from . import ops
 from .batch_norm_pass import rewrite_batch_norms
+from .bias_pass import convolution_biases_apart
 from .convolution import CONV_STRATEGY
 from .layout_pass import feed_convolutions_channels_last
 from .options import ConvOptions
@@ -30,6 +32,8 @@ def autofuser_transform_graph(gm, options):
         rewrite_batch_norms(gm)
     if getattr(options, "conv_channels_last", True):
         feed_convolutions_channels_last(gm)
+    if getattr(options, "conv_bias_apart", True) and gm.meta.get(GRADIENTS_KEY, False):
+        convolution_biases_apart(gm)  # after the layout pass, which reads the convolutions' readers
 
 
 @hookimpl

@@ -171,6 +171,13 @@ def conv_reason(conv: Conv) -> Optional[str]:
     return None
 
 
+def implicit_gemm_takes(conv: Conv) -> bool:
+    """Whether the implicit-GEMM strategy fuses ``conv`` (``accepts``'s rules on its
+    geometry); where it does not, cuDNN runs it."""
+    batch = tensor_meta(conv.x).shape[0]
+    return conv_reason(conv) is None and conv.reduction <= MAX_REDUCTION and batch <= MAX_GRID_YZ
+
+
 # ---------------------------------------------------------------------------
 # The strategy
 # ---------------------------------------------------------------------------

@@ -23,3 +23,11 @@ class ConvOptions(BaseModel):
         "(layout_pass.py): cuDNN then runs in the channels-last layout and both copies go "
         "(docs/conv.md). Off: the model's copies run.",
     )
+    conv_bias_apart: bool = Field(
+        True,
+        strict=True,
+        description="With gradients on, add the bias of a convolution cuDNN runs after it "
+        "(bias_pass.py), so the pointwise group around the result takes the bias and its "
+        "gradient takes the bias's gradient as a column sum, where eager's backward runs a "
+        "reduction of its own per convolution (docs/conv.md). Off: cuDNN adds the bias.",
+    )
