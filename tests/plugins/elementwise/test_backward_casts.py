@@ -10,10 +10,10 @@ import zlib
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import autofuser
+
+from _models import FeedForward
 
 #: bf16 autocast: both sides round products to bf16 (8 bits of mantissa).
 BF16 = dict(atol=2e-2, rtol=2e-2)
@@ -24,23 +24,9 @@ def _seed(request):
     torch.manual_seed(zlib.crc32(request.node.name.encode()))
 
 
-class _Block(nn.Module):
-    """A pre-norm MLP block: under autocast its products run in bf16 and its norm in fp32,
-    so its backward casts between them."""
-
-    def __init__(self, width: int = 12, hidden: int = 20):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, hidden)
-        self.down = nn.Linear(hidden, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
 @pytest.mark.parametrize("batch", [1, 3])
 def test_autocast_casts_of_a_traced_backward_join_its_groups(batch):
-    model = _Block()
+    model = FeedForward(width=12, hidden=20)  # under autocast: bf16 products, an fp32 norm
     reference = copy.deepcopy(model)
     fused = autofuser.fuse(model, progress=False, tune=False, verify_speed=False)
     x = torch.randn(batch, 19, 12)
