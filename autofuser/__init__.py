@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the type checker sees the names; at run time ``__getattr__`
     from autofuser_core.codegen import KernelSource
     from autofuser_core.device_limits import DeviceLimits, device_limits
     from autofuser_core.dynamic import mark_dynamic
+    from autofuser_core.effects import first_write
     from autofuser_core.errors import (
         AutoFuserError,
         CacheError,
@@ -58,6 +59,7 @@ _LAZY_NAMES = {
     "DeviceLimits": "autofuser_core.device_limits",
     "device_limits": "autofuser_core.device_limits",
     "mark_dynamic": "autofuser_core.dynamic",
+    "first_write": "autofuser_core.effects",
     **dict.fromkeys(
         (
             "AutoFuserError",
@@ -145,6 +147,7 @@ __all__ = [
     "collect_specs",
     "describe_tensor",
     "device_limits",
+    "first_write",
     "fuse",
     "hookimpl",
     "load_plugins",

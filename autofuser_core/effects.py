@@ -571,3 +571,17 @@ def barrier_reason(node: torch.fx.Node, root: torch.nn.Module) -> Optional[Effec
         if callable(target) and call_arguments(node).get("inplace") is True:
             return "mutation", f"{describe_target(target)}(inplace=True) writes into its input"
     return None
+
+
+def first_write(gm: torch.fx.GraphModule) -> Optional[str]:
+    """What in ``gm`` may write into a tensor (an in-place op, ``out=``, a call torch's
+    schema says writes, an opaque part, whose writes no one sees), as a sentence naming
+    its node; ``None`` where nothing does. A graph pass that reads a tensor in place of a
+    copy of it, or gives readers that each had a copy one tensor to share, needs
+    ``None``: a write between the copy and its readers would reach them."""
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            effect = barrier_reason(node, gm)
+            if effect is not None and effect[0] != "random":
+                return f"{node.name}: {effect[1]}"
+    return None

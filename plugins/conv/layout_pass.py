@@ -19,10 +19,16 @@ This pass rewrites ``conv(x.contiguous())`` to ``conv(x)`` where
   convolutions stay row-major in cuDNN) and the copy is a real one;
 - every reader of the copy is a 2-D convolution the conv plugin reads
   (``convolution.parse_conv``: ``nn.Conv2d`` with torch's own forward or
-  ``F.conv2d``);
-- every reader of each such convolution's result is ``permute(0, 2, 3, 1)``
-  read only by ``contiguous()``: so nothing else sees the result's new layout,
-  and the ``contiguous()`` keeps its row-major result.
+  ``F.conv2d``) and cuDNN runs (``implicit_gemm_takes`` false: the
+  implicit-GEMM kernels read pixels along their tiles, adjacent in the
+  row-major copy, not in the view);
+- each such convolution's result is read by one ``permute(0, 2, 3, 1)``, read
+  by one ``contiguous()``: so nothing else sees the result's new layout, the
+  ``contiguous()`` keeps its row-major result, and no two readers that each
+  had a copy come to share one tensor;
+- nothing in the graph writes into a tensor (``autofuser.first_write``): a
+  write into the copy's source between the copy and the convolution would
+  reach the convolution.
 
 The nodes whose layout changes (each convolution and each permute) are filed
 again with their new strides, and each ``contiguous()`` after them as the free
@@ -40,10 +46,10 @@ from typing import Optional
 import torch
 import torch.fx
 
-from autofuser import annotate_node
+from autofuser import annotate_node, first_write
 from autofuser.kernel import tensor_meta
 
-from .convolution import parse_conv
+from .convolution import implicit_gemm_takes, parse_conv
 
 #: Dtypes whose convolutions take a channels-last input as it is.
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -83,24 +89,25 @@ def _channels_last(shape, stride) -> bool:
 
 
 def _convolution_of(node: torch.fx.Node, copy: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
-    """Whether ``node`` is a 2-D convolution reading ``copy`` as its input only, whose result
-    is read only by ``permute(0, 2, 3, 1)`` nodes that ``contiguous()`` alone reads."""
+    """Whether ``node`` is a 2-D convolution cuDNN runs (``implicit_gemm_takes`` false: the
+    implicit-GEMM kernels read pixels along their tiles, which the row-major copy keeps
+    adjacent), reading ``copy`` as its input only, whose result one ``permute(0, 2, 3, 1)``
+    reads, and that permute one ``contiguous()``: each copy had a tensor of its own, so
+    no two readers come to share one."""
     conv = parse_conv(node, gm)
-    if isinstance(conv, str) or conv.x is not copy or len(conv.kernel) != 2:
+    if isinstance(conv, str) or conv.x is not copy or len(conv.kernel) != 2 or implicit_gemm_takes(conv):
         return False
-    if copy in (conv.weight, conv.bias) or not node.users:
+    if copy in (conv.weight, conv.bias) or len(node.users) != 1:
         return False
-    for permute in node.users:
-        if _permute_dims(permute) != TO_ROWS or not permute.users:
-            return False
-        if not all(_row_major_copy(reader) for reader in permute.users):
-            return False
-    return True
+    (permute,) = node.users
+    if _permute_dims(permute) != TO_ROWS or len(permute.users) != 1:
+        return False
+    return _row_major_copy(next(iter(permute.users)))
 
 
 def feed_convolutions_channels_last(gm: torch.fx.GraphModule) -> int:
     """The rewrite the module docstring describes; how many copies it removed."""
-    removed = 0
+    removed, writes, checked = 0, None, False
     for copy in list(gm.graph.nodes):
         if not _row_major_copy(copy) or not isinstance(copy.args[0], torch.fx.Node):
             continue
@@ -115,6 +122,10 @@ def feed_convolutions_channels_last(gm: torch.fx.GraphModule) -> int:
         convolutions = list(copy.users)
         if not convolutions or not all(_convolution_of(c, copy, gm) for c in convolutions):
             continue
+        if not checked:
+            writes, checked = first_write(gm), True
+        if writes is not None:
+            return removed  # a write anywhere might reach a copy's source between copy and reader
         for conv in convolutions:
             conv.replace_input_with(copy, source)
             meta = tensor_meta(conv)

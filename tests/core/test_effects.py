@@ -282,3 +282,35 @@ def test_a_draw_in_a_helper_of_the_models_own_code_inside_a_module_of_torchs_is_
     module is opaque (not run to be judged), never judged free of effects."""
     found = _module_barrier(_Holds(), (2, 5, 8))
     assert found is not None and found[0] == "opaque", found
+
+
+class _Writes(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.sigmoid(x)
+        if self.how == "in place":
+            y.add_(1)
+        elif self.how == "augmented":
+            y += 1
+        elif self.how == "out=":
+            torch.mul(x, 2, out=y)
+        elif self.how == "draws":
+            y = F.dropout(y, 0.5, training=True)
+        return y * 2
+
+
+@pytest.mark.parametrize(
+    "how, written", [("in place", "add_"), ("augmented", "iadd"), ("out=", "mul"), ("draws", None), ("none", None)]
+)
+def test_first_write_names_the_node_that_may_write_and_nothing_else(how, written):
+    import autofuser
+
+    # AutoFuser's capture, which records Python's augmented assignment as operator.iadd
+    found = autofuser.first_write(autofuser.capture(_Writes(how), torch.randn(3, 5)))
+    if written is None:
+        assert found is None
+    else:
+        assert found is not None and found.startswith(written), found

@@ -42,9 +42,11 @@ def lower_cast(ctx, input, *args, **kwargs):
 
 def _traced_device(node: Any) -> Optional[torch.device]:
     """The device of ``node``'s value as the trace filed it (``meta["val"]``); for a node
-    a graph pass made since (which files shapes only), that of the nearest node it reads
-    that has one: a pass keeps computing the same function on the same tensors, and no
-    op but a cast or copy naming a device moves one."""
+    a graph pass made since (which files shapes only), the one device of the nearest traced
+    nodes it reads, or ``None`` where they are on several (a CPU scalar beside a CUDA
+    tensor: the result's device is not theirs to tell). A pass keeps computing the same
+    function on the same tensors, and no op but a cast or copy naming a device moves one."""
+    devices: set[torch.device] = set()
     seen, queue = set(), [node]
     while queue:
         current = queue.pop(0)
@@ -53,10 +55,12 @@ def _traced_device(node: Any) -> Optional[torch.device]:
         seen.add(current)
         value = current.meta.get("val")
         if isinstance(value, torch.Tensor):
-            return value.device
-        if current.op in ("call_function", "call_method", "call_module"):
+            devices.add(value.device)
+        elif current.op in ("call_function", "call_method", "call_module"):
             queue.extend(current.all_input_nodes)
-    return None
+        else:
+            return None  # a graph input or attribute without a traced value
+    return devices.pop() if len(devices) == 1 else None
 
 
 def _where_it_is(ctx, device) -> bool:

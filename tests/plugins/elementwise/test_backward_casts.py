@@ -44,6 +44,8 @@ def test_autocast_casts_of_a_traced_backward_join_its_groups(batch):
 
 
 def _traced(name: str, device: str, *inputs: torch.fx.Node, graph: torch.fx.Graph) -> torch.fx.Node:
+    """A node: a graph input without inputs, else a call reading them; traced on
+    ``device`` (its ``meta["val"]``), or not traced at all where ``device`` is empty."""
     node = graph.create_node("call_function", torch.neg, inputs, name=name) if inputs else graph.placeholder(name)
     if device:
         node.meta["val"] = torch.empty(2, device=device)
@@ -59,6 +61,7 @@ def _traced(name: str, device: str, *inputs: torch.fx.Node, graph: torch.fx.Grap
         ("meta", True, "cpu", "cpu", False),
         ("cpu", False, "cpu", "meta", False),  # named another device than the result's
         ("", False, "cpu", "cpu", False),  # nothing traced to judge by
+        ("mixed", True, "cpu", "cpu", False),  # a pass-made node reading a CPU scalar and another device
     ],
 )
 def test_a_copy_naming_its_inputs_own_device_is_a_cast_and_any_other_a_move(
@@ -69,7 +72,12 @@ def test_a_copy_naming_its_inputs_own_device_is_a_cast_and_any_other_a_move(
     from autofuser_plugins.elementwise.ops.cast import _where_it_is
 
     graph = torch.fx.Graph()
-    source = _traced("x", source_device, graph=graph)
+    if source_device == "mixed":
+        scalar, other = _traced("scalar", "cpu", graph=graph), _traced("grad", "meta", graph=graph)
+        source = graph.create_node("call_function", torch.mul, (scalar, other), name="made")
+        between = False
+    else:
+        source = _traced("x", source_device, graph=graph)
     if between:
         source = _traced("made", "", source, graph=graph)
     copy_node = graph.create_node("call_function", torch.ops.aten._to_copy.default, (source,), name="copy")
