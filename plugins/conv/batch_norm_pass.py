@@ -103,7 +103,7 @@ def _activation(gm: torch.fx.GraphModule, node: torch.fx.Node, x: torch.fx.Node)
     if node.op == "call_module":
         module = gm.get_submodule(str(node.target))
         name = ACTIVATION_MODULES.get(type(module))
-        if name is None or node.args != (x,) or node.kwargs or _hooked(module):
+        if name is None or node.args != (x,) or node.kwargs or hooked(module):
             return None
         if isinstance(module, nn.GELU) and module.approximate != "none":
             return None
@@ -129,7 +129,8 @@ def _activation(gm: torch.fx.GraphModule, node: torch.fx.Node, x: torch.fx.Node)
     return ACTIVATION_FUNCTIONS[node.target], float(slope)
 
 
-def _hooked(module: nn.Module) -> bool:
+def hooked(module: nn.Module) -> bool:
+    """Whether ``module`` has hooks of its own, which a rewrite replacing its call would skip."""
     return bool(
         module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
     )
@@ -164,7 +165,7 @@ class _Rewrite:
 
 def _module_rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[_Rewrite]:
     module = gm.get_submodule(str(node.target))
-    if type(module) not in MODULES or _hooked(module) or parametrize.is_parametrized(module):
+    if type(module) not in MODULES or hooked(module) or parametrize.is_parametrized(module):
         return None
     if len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], torch.fx.Node):
         return None
@@ -248,7 +249,9 @@ def _read_elsewhere(gm: torch.fx.GraphModule, rewrite: _Rewrite, rewrites: list[
     return False
 
 
-def _read_tensor(gm: torch.fx.GraphModule, where: Any, before: torch.fx.Node) -> Any:
+def read_tensor(gm: torch.fx.GraphModule, where: Any, before: torch.fx.Node) -> Any:
+    """A graph value for ``where``: itself where it is one, else a new ``get_attr`` of the
+    parameter or buffer of that path, before ``before``."""
     if not isinstance(where, str):
         return where  # a graph value already (F.batch_norm's arguments)
     with gm.graph.inserting_before(before):
@@ -288,7 +291,7 @@ def rewrite_batch_norms(gm: torch.fx.GraphModule) -> int:
             found = _activation(gm, users[0], node)
             if found is not None:
                 (activation, slope), last = found, users[0]
-        tensors = {name: _read_tensor(gm, where, node) for name, where in rewrite.tensors.items()}
+        tensors = {name: read_tensor(gm, where, node) for name, where in rewrite.tensors.items()}
         args = (
             rewrite.x,
             *(tensors.get(name) for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")),

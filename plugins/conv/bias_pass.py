@@ -23,7 +23,7 @@ then the sum) where cuDNN rounds once: within one unit of the last place.
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.fx
@@ -32,34 +32,16 @@ from torch.nn.utils import parametrize
 from autofuser import annotate_node
 from autofuser.kernel import tensor_meta
 
+from .batch_norm_pass import hooked, read_tensor
 from .convolution import FUNCTIONS, MODULES, AttrRef, implicit_gemm_takes, parse_conv
-
-#: Rank -> the function a rewritten convolution calls.
-BY_RANK = {rank: function for function, rank in FUNCTIONS.items()}
+from .ops.conv import FUNCTIONS as BY_RANK
 
 
 def _hooked(module: torch.nn.Module) -> bool:
+    """Its own hooks (``batch_norm_pass.hooked``) or global forward hooks, which a call of
+    ``F.conv*d`` in the module's place would skip."""
     hooks = torch.nn.modules.module
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or hooks._global_forward_hooks
-        or hooks._global_forward_pre_hooks
-    )
-
-
-def _graph_tensor(gm: torch.fx.GraphModule, ref: Any, before: torch.fx.Node) -> Optional[torch.fx.Node]:
-    """A node reading ``ref``: itself (a graph value) or a new ``get_attr`` of the parameter."""
-    if isinstance(ref, torch.fx.Node):
-        return ref
-    if not isinstance(ref, AttrRef):
-        return None
-    with gm.graph.inserting_before(before):
-        node = gm.graph.get_attr(ref.path)
-    annotate_node(node, gm.get_parameter(ref.path))
-    return node
+    return hooked(module) or bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
 
 
 def _bias_wants_gradient(gm: torch.fx.GraphModule, bias: Any) -> bool:
@@ -87,10 +69,11 @@ def _apart(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
         return False  # a product: the matmul strategies fuse its bias already
     if not _bias_wants_gradient(gm, conv.bias):
         return False
-    weight = _graph_tensor(gm, conv.weight, node)
-    bias = _graph_tensor(gm, conv.bias, node)
+    weight, bias = (
+        read_tensor(gm, ref.path if isinstance(ref, AttrRef) else ref, node) for ref in (conv.weight, conv.bias)
+    )
     bias_meta = tensor_meta(bias)
-    if weight is None or bias is None or bias_meta is None or len(bias_meta.shape) != 1:
+    if bias_meta is None or len(bias_meta.shape) != 1:
         return False
     rank = len(conv.kernel)
     graph = gm.graph
